@@ -1,0 +1,164 @@
+"""The exported model on the device: its signatures behind typed, checked methods."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from device_runtime.interpreter import interpreter_class
+from device_runtime.task_batches import TaskBatches
+from model_export.manifest import MODEL_FILE, Manifest, ManifestError, load_manifest, sha256_file
+from model_export.params import Params, check_params
+
+
+class ModelLoadError(RuntimeError):
+    """The model file is missing, corrupt, or not the one its manifest describes."""
+
+
+@dataclass(frozen=True)
+class EvaluationSums:
+    """Weighted sums over evaluated examples; they add across devices."""
+
+    loss_sum: float
+    squared_error_sum: float
+    correct_sum: float
+    weight_sum: float
+
+    def as_dict(self) -> dict[str, float]:
+        return {
+            "loss_sum": self.loss_sum,
+            "squared_error_sum": self.squared_error_sum,
+            "correct_sum": self.correct_sum,
+            "weight_sum": self.weight_sum,
+        }
+
+
+@dataclass(frozen=True)
+class Ranking:
+    scores: np.ndarray  # [num_items]
+    top_items: np.ndarray  # [top_k], best first, excluded items last
+    top_scores: np.ndarray  # [top_k]
+
+
+class DeviceModel:
+    """One interpreter over one exported model; not thread-safe (use one per thread)."""
+
+    def __init__(self, model_dir: Path, *, backend: str | None = None, num_threads: int = 1) -> None:
+        model_dir = Path(model_dir)
+        self.manifest: Manifest = load_manifest(model_dir, verify_model=False)
+        model_path = model_dir / MODEL_FILE
+        if not model_path.is_file():
+            raise ModelLoadError(f"no model file at {model_path}; expected the output of `python -m model_export`")
+        actual = sha256_file(model_path)
+        if actual != self.manifest.model_sha256:
+            raise ModelLoadError(
+                f"{model_path} has sha256 {actual[:12]}..., its manifest expects "
+                f"{self.manifest.model_sha256[:12]}...: the file is corrupt or from another export"
+            )
+        self.backend, interpreter_cls = interpreter_class(backend)
+        try:
+            self._interpreter = interpreter_cls(model_path=str(model_path), num_threads=num_threads)
+        except (ValueError, RuntimeError) as e:
+            raise ModelLoadError(f"{model_path} is not a loadable TFLite model: {e}") from None
+        self._runners: dict[str, Any] = {}
+        self._check_signatures()
+
+    def _check_signatures(self) -> None:
+        """Every signature the manifest declares must exist with the same inputs and outputs."""
+        available = self._interpreter.get_signature_list()
+        for name, declared in self.manifest.signatures.items():
+            if name not in available:
+                raise ManifestError(f"the manifest declares signature {name!r}; the model has {sorted(available)}")
+            runner = self._interpreter.get_signature_runner(name)
+            for side, details in (("inputs", runner.get_input_details()), ("outputs", runner.get_output_details())):
+                actual = {k: (tuple(int(x) for x in d["shape"]), np.dtype(d["dtype"]).name) for k, d in details.items()}
+                expected = {k: (s.shape, s.dtype) for k, s in declared[side].items()}
+                if actual != expected:
+                    raise ManifestError(
+                        f"signature {name!r} {side} disagree with the manifest: model has {actual}, "
+                        f"manifest says {expected}"
+                    )
+            self._runners[name] = runner
+
+    def _call(self, name: str, **inputs: Any) -> dict[str, np.ndarray]:
+        result: dict[str, np.ndarray] = self._runners[name](**inputs)
+        return result
+
+    # ---- parameters --------------------------------------------------------------------
+
+    def set_global(self, params: Params) -> None:
+        checked = check_params(params, self.manifest.global_params, "global parameters")
+        self._call("set_global", **checked)
+
+    def get_global(self) -> Params:
+        return {k: v.copy() for k, v in self._call("get_global").items()}
+
+    def set_local(self, params: Params) -> None:
+        checked = check_params(params, self.manifest.local_params, "local parameters")
+        self._call("set_local", **checked)
+
+    def get_local(self) -> Params:
+        return {k: v.copy() for k, v in self._call("get_local").items()}
+
+    def reset_local(self) -> None:
+        self._call("reset_local")
+
+    # ---- training and evaluation -------------------------------------------------------
+
+    def reconstruct(self, batches: TaskBatches, num_steps: int, learning_rate: float, l2_local: float = 0.0) -> float:
+        """Fit the local parameters on `batches` (globals frozen); returns the mean batch loss."""
+        out = self._call(
+            "reconstruct",
+            **batches.inputs(),
+            num_steps=np.int32(num_steps),
+            learning_rate=np.float32(learning_rate),
+            l2_local=np.float32(l2_local),
+        )
+        return float(out["loss"])
+
+    def update(
+        self,
+        batches: TaskBatches,
+        num_steps: int,
+        learning_rate: float,
+        *,
+        local_learning_rate: float = 0.0,
+        l2_global: float = 0.0,
+        l2_local: float = 0.0,
+    ) -> tuple[Params, float]:
+        """Train the global parameters on `batches`; returns (dense delta per global tensor, mean loss)."""
+        out = self._call(
+            "update",
+            **batches.inputs(),
+            num_steps=np.int32(num_steps),
+            learning_rate=np.float32(learning_rate),
+            local_learning_rate=np.float32(local_learning_rate),
+            l2_global=np.float32(l2_global),
+            l2_local=np.float32(l2_local),
+        )
+        used = batches.item_ids[: batches.num_items]
+        delta: Params = {}
+        for spec in self.manifest.global_params:
+            compact = out[f"{spec.name}_delta"]
+            if spec.name in ("item_embeddings", "item_bias"):
+                dense = np.zeros(spec.shape, np.float32)
+                dense[used] = compact[: batches.num_items]
+                delta[spec.name] = dense
+            else:
+                delta[spec.name] = compact.astype(np.float32, copy=True)
+        return delta, float(out["loss"])
+
+    def evaluate(self, batches: TaskBatches) -> EvaluationSums:
+        out = self._call("evaluate", **batches.inputs())
+        return EvaluationSums(**{k: float(v) for k, v in out.items()})
+
+    def infer(self, exclude: np.ndarray | None = None) -> Ranking:
+        """Scores with the current local and global parameters; `exclude` is a bool mask per item."""
+        mask = np.zeros(self.manifest.num_items, np.float32)
+        if exclude is not None:
+            mask[exclude] = 1.0
+        out = self._call("infer", exclude=mask)
+        return Ranking(out["scores"].copy(), out["top_items"].copy(), out["top_scores"].copy())

@@ -1,0 +1,95 @@
+"""`python -m model_export`: export the FedRecon model with its training signatures."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from model_export.config import Feedback, ModelConfig, TrainingDefaults
+
+
+def build_parser() -> argparse.ArgumentParser:
+    d, t = ModelConfig(), TrainingDefaults()
+    p = argparse.ArgumentParser(
+        prog="python -m model_export",
+        description="Export the FedRecon matrix-factorization model to TFLite with training "
+        "signatures (reconstruct, update, evaluate, infer, get/set global and local parameters).",
+    )
+    p.add_argument("--output-dir", type=Path, required=True, help="directory to write model.tflite, manifest.json and global_params.safetensors into")
+    p.add_argument("--num-items", type=int, default=d.num_items, help="catalog size (default: %(default)s)")
+    p.add_argument("--embedding-dim", type=int, default=d.embedding_dim, help="default: %(default)s")
+    p.add_argument("--batch-size", type=int, default=d.batch_size, help="static batch size (default: %(default)s)")
+    p.add_argument("--max-batches", type=int, default=d.max_batches, help="batches per signature call; bounds the examples a task sees (default: %(default)s)")
+    p.add_argument("--top-k", type=int, default=d.top_k, help="length of infer's ranked output (default: %(default)s)")
+    p.add_argument("--feedback", choices=[f.value for f in Feedback], default=d.feedback.value, help="explicit ratings (squared error) or implicit shares (logistic loss); default: %(default)s")
+    p.add_argument("--item-bias", action=argparse.BooleanOptionalAction, default=d.item_bias, help="global per-item bias")
+    p.add_argument("--user-bias", action=argparse.BooleanOptionalAction, default=d.user_bias, help="local per-user bias")
+    p.add_argument("--global-mean", action=argparse.BooleanOptionalAction, default=d.global_mean, help="global trainable offset")
+    p.add_argument("--global-mean-init", type=float, default=d.global_mean_init, help="initial global mean (e.g. the mean rating)")
+    p.add_argument("--rating-min", type=float, default=d.rating_min, help="explicit feedback: lowest valid rating")
+    p.add_argument("--rating-max", type=float, default=d.rating_max, help="explicit feedback: highest valid rating")
+    p.add_argument("--init-stddev", type=float, default=d.init_stddev, help="item embedding init N(0, s) (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=d.seed, help="initialization seed (default: %(default)s)")
+    p.add_argument("--reconstruction-learning-rate", type=float, default=t.reconstruction_learning_rate)
+    p.add_argument("--reconstruction-max-epochs", type=int, default=t.reconstruction_max_epochs)
+    p.add_argument("--reconstruction-max-steps", type=int, default=t.reconstruction_max_steps)
+    p.add_argument("--update-learning-rate", type=float, default=t.update_learning_rate)
+    p.add_argument("--update-max-epochs", type=int, default=t.update_max_epochs)
+    p.add_argument("--update-max-steps", type=int, default=t.update_max_steps)
+    p.add_argument("--l2-global", type=float, default=t.l2_global, help="L2 on the item rows a batch touches")
+    p.add_argument("--l2-local", type=float, default=t.l2_local, help="L2 on the local parameters")
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> ModelConfig:
+    return ModelConfig(
+        num_items=args.num_items,
+        embedding_dim=args.embedding_dim,
+        batch_size=args.batch_size,
+        max_batches=args.max_batches,
+        top_k=min(args.top_k, args.num_items),
+        feedback=Feedback(args.feedback),
+        item_bias=args.item_bias,
+        user_bias=args.user_bias,
+        global_mean=args.global_mean,
+        global_mean_init=args.global_mean_init,
+        rating_min=args.rating_min,
+        rating_max=args.rating_max,
+        init_stddev=args.init_stddev,
+        seed=args.seed,
+        training=TrainingDefaults(
+            reconstruction_learning_rate=args.reconstruction_learning_rate,
+            reconstruction_max_epochs=args.reconstruction_max_epochs,
+            reconstruction_max_steps=args.reconstruction_max_steps,
+            update_learning_rate=args.update_learning_rate,
+            update_max_epochs=args.update_max_epochs,
+            update_max_steps=args.update_max_steps,
+            l2_global=args.l2_global,
+            l2_local=args.l2_local,
+        ),
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        config = config_from_args(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    from model_export.export import export_model  # TensorFlow loads only when exporting
+
+    result = export_model(config, args.output_dir)
+    print(
+        f"exported {result.model_dir / 'model.tflite'}: {result.tflite_bytes:,} bytes "
+        f"({result.tflite_bytes / result.parameter_bytes:.2f}x the {result.parameter_bytes:,} "
+        f"bytes of parameters); signatures: {', '.join(sorted(result.manifest.signatures))}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

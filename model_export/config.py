@@ -1,0 +1,83 @@
+"""Export-time configuration of the FedRecon matrix-factorization model.
+
+Only the numbers that fix tensor shapes or the model's structure are baked into the
+`.tflite`; learning rates, step counts and L2 strengths are signature inputs whose
+defaults travel in the manifest, so a server can tune them without a new export.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import asdict, dataclass
+
+
+class Feedback(str, enum.Enum):
+    """What a label means, and therefore which loss the model trains."""
+
+    EXPLICIT = "explicit"  # a rating; squared error
+    IMPLICIT = "implicit"  # shared (1) or a sampled negative (0); logistic loss
+
+
+@dataclass(frozen=True)
+class TrainingDefaults:
+    """Hyperparameter defaults recorded in the manifest (the signatures take them as inputs)."""
+
+    reconstruction_learning_rate: float = 0.1
+    reconstruction_max_epochs: int = 5
+    reconstruction_max_steps: int = 50
+    update_learning_rate: float = 0.5
+    update_max_epochs: int = 1
+    update_max_steps: int = 50
+    l2_global: float = 0.0
+    l2_local: float = 0.0
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Structure and static shapes of the exported model."""
+
+    num_items: int = 1682
+    embedding_dim: int = 50
+    batch_size: int = 5
+    max_batches: int = 64  # static bound on batches per signature call (pad with weight 0)
+    top_k: int = 100  # static length of `infer`'s ranked output; callers slice it
+    feedback: Feedback = Feedback.EXPLICIT
+    item_bias: bool = False
+    user_bias: bool = False
+    global_mean: bool = False
+    global_mean_init: float = 0.0
+    rating_min: float = 1.0  # explicit feedback: labels outside [rating_min, rating_max] are refused
+    rating_max: float = 5.0
+    init_stddev: float = 0.1  # item embeddings ~ N(0, init_stddev)
+    seed: int = 0
+    training: TrainingDefaults = TrainingDefaults()
+
+    def __post_init__(self) -> None:
+        problems = []
+        for name in ("num_items", "embedding_dim", "batch_size", "max_batches", "top_k"):
+            if getattr(self, name) < 1:
+                problems.append(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.top_k > self.num_items:
+            problems.append(f"top_k ({self.top_k}) must not exceed num_items ({self.num_items})")
+        if not self.rating_min < self.rating_max:
+            problems.append(f"rating_min ({self.rating_min}) must be < rating_max ({self.rating_max})")
+        if self.init_stddev < 0:
+            problems.append(f"init_stddev must be >= 0, got {self.init_stddev}")
+        if problems:
+            raise ValueError("invalid model config: " + "; ".join(problems))
+
+    @property
+    def max_examples(self) -> int:
+        """Examples one signature call can see: `max_batches * batch_size`."""
+        return self.max_batches * self.batch_size
+
+    @property
+    def label_range(self) -> tuple[float, float]:
+        if self.feedback is Feedback.IMPLICIT:
+            return (0.0, 1.0)
+        return (self.rating_min, self.rating_max)
+
+    def to_json(self) -> dict[str, object]:
+        data = asdict(self)
+        data["feedback"] = self.feedback.value
+        return data

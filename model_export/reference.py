@@ -1,0 +1,138 @@
+"""A numpy reference of the exported model's maths, for tests.
+
+Deliberately written differently from `model.py`: dense parameters indexed by global item
+id, hand-derived gradients, one plain loop per step, float64. If the TFLite signatures
+agree with this, the compact per-task tables, the padding and the autodiff are right.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+Batch = tuple[np.ndarray, np.ndarray, np.ndarray]  # item ids, labels, weights; one batch
+
+
+@dataclass
+class ReferenceModel:
+    feedback: str  # "explicit" | "implicit"
+    global_params: dict[str, np.ndarray]
+    local_params: dict[str, np.ndarray] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.global_params = {k: np.asarray(v, np.float64).copy() for k, v in self.global_params.items()}
+        self.local_params = {k: np.asarray(v, np.float64).copy() for k, v in self.local_params.items()}
+
+    # ---- forward -----------------------------------------------------------------------
+
+    def scores(self, items: np.ndarray) -> np.ndarray:
+        g, loc = self.global_params, self.local_params
+        out = g["item_embeddings"][items] @ loc["user_embedding"]
+        if "item_bias" in g:
+            out = out + g["item_bias"][items]
+        if "user_bias" in loc:
+            out = out + loc["user_bias"][0]
+        if "global_mean" in g:
+            out = out + g["global_mean"][0]
+        return np.asarray(out)
+
+    def example_losses(self, scores: np.ndarray, labels: np.ndarray) -> np.ndarray:
+        if self.feedback == "explicit":
+            return np.asarray((scores - labels) ** 2)
+        # numerically stable logistic loss
+        return np.asarray(np.maximum(scores, 0) - scores * labels + np.log1p(np.exp(-np.abs(scores))))
+
+    def _dloss_dscore(self, scores: np.ndarray, labels: np.ndarray) -> np.ndarray:
+        if self.feedback == "explicit":
+            return np.asarray(2.0 * (scores - labels))
+        return np.asarray(1.0 / (1.0 + np.exp(-scores)) - labels)
+
+    # ---- one batch ---------------------------------------------------------------------
+
+    def batch_gradients(
+        self, batch: Batch, l2_global: float, l2_local: float
+    ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], float]:
+        """Gradients of the batch objective w.r.t. all global and local params, and its data loss."""
+        items, labels, weights = batch
+        g, loc = self.global_params, self.local_params
+        total = float(weights.sum())
+        grads_g = {k: np.zeros_like(v) for k, v in g.items()}
+        grads_l = {k: np.zeros_like(v) for k, v in loc.items()}
+        if total <= 0.0:
+            return grads_g, grads_l, 0.0
+        s = self.scores(items)
+        data_loss = float((weights * self.example_losses(s, labels)).sum() / total)
+        d_score = weights * self._dloss_dscore(s, labels) / total
+        rows = g["item_embeddings"][items]
+        grads_l["user_embedding"] = d_score @ rows + 2 * l2_local * loc["user_embedding"]
+        if "user_bias" in loc:
+            grads_l["user_bias"] = np.array([d_score.sum()]) + 2 * l2_local * loc["user_bias"]
+        item_grad = np.outer(d_score, loc["user_embedding"]) + 2 * l2_global * (weights / total)[:, None] * rows
+        np.add.at(grads_g["item_embeddings"], items, item_grad)
+        if "item_bias" in g:
+            bias_grad = d_score + 2 * l2_global * (weights / total) * g["item_bias"][items]
+            np.add.at(grads_g["item_bias"], items, bias_grad)
+        if "global_mean" in g:
+            grads_g["global_mean"] = np.array([d_score.sum()])
+        return grads_g, grads_l, data_loss
+
+    # ---- the signatures ----------------------------------------------------------------
+
+    def reset_local(self) -> None:
+        self.local_params = {k: np.zeros_like(v) for k, v in self.local_params.items()}
+
+    def reconstruct(self, batches: list[Batch], num_steps: int, learning_rate: float, l2_local: float) -> float:
+        """SGD on the local params only, cycling over `batches`; returns the mean data loss."""
+        losses = []
+        for step in range(num_steps if batches else 0):
+            _, grads_l, loss = self.batch_gradients(batches[step % len(batches)], 0.0, l2_local)
+            for k in self.local_params:
+                self.local_params[k] = self.local_params[k] - learning_rate * grads_l[k]
+            losses.append(loss)
+        return float(np.mean(losses)) if losses else 0.0
+
+    def update(
+        self,
+        batches: list[Batch],
+        num_steps: int,
+        learning_rate: float,
+        local_learning_rate: float = 0.0,
+        l2_global: float = 0.0,
+        l2_local: float = 0.0,
+    ) -> tuple[dict[str, np.ndarray], float]:
+        """SGD on the globals (and locals if `local_learning_rate` > 0); returns (delta, mean loss).
+
+        The model's globals are left unchanged, as the signature leaves them.
+        """
+        start = {k: v.copy() for k, v in self.global_params.items()}
+        losses = []
+        for step in range(num_steps if batches else 0):
+            grads_g, grads_l, loss = self.batch_gradients(batches[step % len(batches)], l2_global, l2_local)
+            for k in self.global_params:
+                self.global_params[k] = self.global_params[k] - learning_rate * grads_g[k]
+            for k in self.local_params:
+                self.local_params[k] = self.local_params[k] - local_learning_rate * grads_l[k]
+            losses.append(loss)
+        delta = {k: self.global_params[k] - start[k] for k in start}
+        self.global_params = start
+        return delta, float(np.mean(losses)) if losses else 0.0
+
+    def evaluate(self, batches: list[Batch]) -> dict[str, float]:
+        sums = {"loss_sum": 0.0, "squared_error_sum": 0.0, "correct_sum": 0.0, "weight_sum": 0.0}
+        for items, labels, weights in batches:
+            s = self.scores(items)
+            if self.feedback == "explicit":
+                correct = np.abs(s - labels) < 0.5
+                squared = (s - labels) ** 2
+            else:
+                correct = (s > 0).astype(np.float64) == labels
+                squared = (1 / (1 + np.exp(-s)) - labels) ** 2
+            sums["loss_sum"] += float((weights * self.example_losses(s, labels)).sum())
+            sums["squared_error_sum"] += float((weights * squared).sum())
+            sums["correct_sum"] += float((weights * correct).sum())
+            sums["weight_sum"] += float(weights.sum())
+        return sums
+
+    def all_scores(self) -> np.ndarray:
+        return self.scores(np.arange(self.global_params["item_embeddings"].shape[0]))
