@@ -1,0 +1,151 @@
+"""On-device top-k recommendations with reconstructed, cached local parameters.
+
+Inference in FedRecon reconstructs the user's local parameters from the device's own
+examples with the latest global parameters. That costs a reconstruction, so the result is
+cached (in memory, and in the store's private `local_state` table across restarts) under
+a key of (global parameters, store revision) and refreshed only when either changes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import numpy as np
+from safetensors import SafetensorError
+
+from device_runtime.client_task import TaskConfig, num_steps, select_examples
+from device_runtime.example_store import ExampleStore
+from device_runtime.model import DeviceModel
+from device_runtime.task_batches import TaskBatches, split_batches
+from model_export.params import Params, ParamsError, check_params, decode_params, encode_params
+
+_CACHE_KEY = "recommender.local_params"
+
+
+@dataclass(frozen=True)
+class Recommendation:
+    items: np.ndarray  # best first
+    scores: np.ndarray
+    source: str  # "personalized" | "popularity" | "unavailable"
+    message: str = ""
+
+
+def params_fingerprint(params: Params) -> str:
+    digest = hashlib.sha256()
+    for name in sorted(params):
+        digest.update(name.encode())
+        digest.update(np.ascontiguousarray(params[name]).tobytes())
+    return digest.hexdigest()
+
+
+class Recommender:
+    """Top-k expressions for this device's user."""
+
+    def __init__(
+        self,
+        model: DeviceModel,
+        store: ExampleStore,
+        global_params: Params,
+        config: TaskConfig | None = None,
+        *,
+        global_version: str | None = None,
+    ) -> None:
+        self.model = model
+        self.store = store
+        self.config = config or TaskConfig.from_manifest(model.manifest, shuffle_seed=None)
+        self._used: tuple[int, np.ndarray] | None = None
+        self._loaded_key: str | None = None
+        self.set_global(global_params, version=global_version)
+
+    def set_global(self, params: Params, *, version: str | None = None) -> None:
+        """Install new global parameters (e.g. after a round); the local cache goes stale."""
+        self._global = check_params(params, self.model.manifest.global_params, "global parameters")
+        self._global_version = version or params_fingerprint(self._global)
+        self.model.set_global(self._global)
+        self._loaded_key = None
+
+    def _cache_key(self, revision: int) -> str:
+        return json.dumps([self.model.manifest.model_sha256, self._global_version, revision])
+
+    def _ensure_local(self, revision: int) -> None:
+        """Make the interpreter hold local parameters for this store revision and these globals."""
+        key = self._cache_key(revision)
+        if self._loaded_key == key:
+            return
+        stored = self.store.load_local_state(_CACHE_KEY)
+        if stored is not None:
+            cached = self._decode_cache(stored, key)
+            if cached is not None:
+                self.model.set_local(cached)
+                self._loaded_key = key
+                return
+        examples, _ = select_examples(self.store, self.model.manifest, self.config)
+        batches = split_batches(examples, self.model.manifest.batch_size)[: self.model.manifest.max_batches]
+        support = TaskBatches.pack(batches, self.model.manifest)
+        self.model.reset_local()
+        steps = num_steps(
+            support.num_batches, self.config.reconstruction_max_epochs, self.config.reconstruction_max_steps
+        )
+        self.model.reconstruct(support, steps, self.config.reconstruction_learning_rate, self.config.l2_local)
+        local = self.model.get_local()
+        # One row holds the key and the tensors, so they can never disagree.
+        self.store.save_local_state(_CACHE_KEY, key.encode() + b"\n" + encode_params(local))
+        self._loaded_key = key
+
+    def _decode_cache(self, blob: bytes, key: str) -> Params | None:
+        stored_key, _, tensors = blob.partition(b"\n")
+        if stored_key != key.encode():
+            return None
+        try:
+            return decode_params(tensors, self.model.manifest.local_params, "cached local parameters")
+        except (ParamsError, SafetensorError):
+            return None  # a damaged cache is rebuilt, never trusted
+
+    def _used_items(self, revision: int) -> np.ndarray:
+        if self._used is None or self._used[0] != revision:
+            self._used = (revision, self.store.used_items())
+        return self._used[1]
+
+    def recommend(self, k: int = 10, *, exclude: Iterable[int] = (), exclude_used: bool = True) -> Recommendation:
+        """The `k` best items, leaving out `exclude` and (by default) what the user already used."""
+        n = self.model.manifest.num_items
+        if not 1 <= k <= n:
+            raise ValueError(f"k must be in [1, {n}], got {k}")
+        mask = np.zeros(n, dtype=bool)
+        excluded = np.fromiter(exclude, dtype=np.int64)
+        if excluded.size and (excluded.min() < 0 or excluded.max() >= n):
+            raise ValueError(f"excluded item ids must be in [0, {n})")
+        mask[excluded] = True
+        revision = self.store.revision
+        if exclude_used:
+            mask[self._used_items(revision)] = True
+        if self.store.count() == 0:
+            return self._popularity(k, mask)
+        self._ensure_local(revision)
+        if k <= self.model.manifest.top_k:
+            ranking = self.model.infer(mask)
+            items, scores = ranking.top_items[:k], ranking.top_scores[:k]
+        else:
+            scores_all = np.where(mask, -np.inf, self.model.infer().scores)
+            items = np.argsort(-scores_all, kind="stable")[:k].astype(np.int32)
+            scores = scores_all[items]
+        keep = ~mask[items]  # fewer than k items left after exclusions
+        return Recommendation(items[keep], scores[keep], "personalized")
+
+    def _popularity(self, k: int, mask: np.ndarray) -> Recommendation:
+        """No examples yet: rank by the global item biases, which learn popularity."""
+        bias = self._global.get("item_bias")
+        if bias is None:
+            return Recommendation(
+                np.zeros(0, np.int32),
+                np.zeros(0, np.float32),
+                "unavailable",
+                "no local examples and the model has no item biases to rank by popularity",
+            )
+        scores = np.where(mask, -np.inf, bias)
+        items = np.argsort(-scores, kind="stable")[:k]
+        items = items[~mask[items]]
+        return Recommendation(items.astype(np.int32), bias[items], "popularity")
