@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from pathlib import Path
@@ -18,6 +19,7 @@ def build_parser() -> argparse.ArgumentParser:
         "signatures (reconstruct, update, evaluate, infer, get/set global and local parameters).",
     )
     p.add_argument("--output-dir", type=Path, required=True, help="directory to write model.tflite, manifest.json and global_params.safetensors into")
+    p.add_argument("--config", type=Path, default=None, help="a JSON model config (as in a manifest's 'config'); replaces the options below")
     p.add_argument("--num-items", type=int, default=d.num_items, help="catalog size (default: %(default)s)")
     p.add_argument("--embedding-dim", type=int, default=d.embedding_dim, help="default: %(default)s")
     p.add_argument("--batch-size", type=int, default=d.batch_size, help="static batch size (default: %(default)s)")
@@ -75,8 +77,11 @@ def config_from_args(args: argparse.Namespace) -> ModelConfig:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        config = config_from_args(args)
-    except ValueError as e:
+        if args.config is not None:
+            config = ModelConfig.from_json(json.loads(args.config.read_text()))
+        else:
+            config = config_from_args(args)
+    except (ValueError, TypeError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")

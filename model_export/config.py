@@ -8,7 +8,8 @@ defaults travel in the manifest, so a server can tune them without a new export.
 from __future__ import annotations
 
 import enum
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
+from typing import Any
 
 
 class Feedback(str, enum.Enum):
@@ -81,3 +82,21 @@ class ModelConfig:
         data = asdict(self)
         data["feedback"] = self.feedback.value
         return data
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> ModelConfig:
+        """Inverse of `to_json`; unknown keys are an error, so a typo cannot go unnoticed."""
+        known = {f.name for f in fields(cls)}
+        unknown = set(data) - known
+        if unknown:
+            raise ValueError(f"unknown model config fields {sorted(unknown)}; known: {sorted(known)}")
+        values = dict(data)
+        if "feedback" in values:
+            values["feedback"] = Feedback(values["feedback"])
+        if "training" in values:
+            training = values["training"]
+            known_t = {f.name for f in fields(TrainingDefaults)}
+            if not isinstance(training, dict) or set(training) - known_t:
+                raise ValueError(f"'training' must be an object with fields from {sorted(known_t)}")
+            values["training"] = TrainingDefaults(**training)
+        return cls(**values)

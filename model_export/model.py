@@ -120,11 +120,18 @@ class FedReconModel(tf.Module):
         var = self.global_vars.get(GLOBAL_MEAN)
         return None if var is None else var.read_value()
 
+    def _clamp_batches(self, num_batches: tf.Tensor) -> tf.Tensor:
+        # tf.where, not clip_by_value: the converter turns an int clamp to [0, 6] into a
+        # Relu6 that TFLite has no int32 builtin for.
+        upper = tf.constant(self.config.max_batches)
+        num_batches = tf.where(num_batches > upper, upper, num_batches)
+        return tf.where(num_batches < 0, tf.zeros_like(num_batches), num_batches)
+
     def _loop_bounds(
         self, num_batches: tf.Tensor, num_steps: tf.Tensor
     ) -> tuple[tf.Tensor, tf.Tensor]:
         """Clamp caller-supplied counts so a bad call cannot index outside the padded arrays."""
-        num_batches = tf.clip_by_value(num_batches, 0, self.config.max_batches)
+        num_batches = self._clamp_batches(num_batches)
         num_steps = tf.where(num_batches > 0, tf.maximum(num_steps, 0), 0)
         return tf.maximum(num_batches, 1), num_steps
 
@@ -248,7 +255,7 @@ class FedReconModel(tf.Module):
         c = self.config
         tables = self._item_tables(item_ids)
         local = {k: v.read_value() for k, v in self.local_vars.items()}
-        clamped = tf.clip_by_value(num_batches, 0, c.max_batches)
+        clamped = self._clamp_batches(num_batches)
         in_range = tf.cast(tf.range(c.max_batches) < clamped, tf.float32)[:, None]
         weights = weights * in_range
         scores = self._scores(tables, local, self._global_mean(), slots)

@@ -1,0 +1,79 @@
+"""Shared fixtures: exported models (cached per session) and MovieLens 100K from ../shared."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from model_export.config import Feedback, ModelConfig
+
+ROOT = Path(__file__).resolve().parent.parent
+MOVIELENS_100K = ROOT.parent / "shared" / "data" / "movielens-100k" / "u.data"
+BACKENDS = ("ai_edge_litert", "tflite_runtime")
+
+# Small models of different shapes, feedback and parameter sets.
+SMALL = ModelConfig(num_items=60, embedding_dim=8, batch_size=4, max_batches=6, top_k=20)
+BIASED = ModelConfig(
+    num_items=200, embedding_dim=16, batch_size=5, max_batches=8, top_k=30,
+    item_bias=True, user_bias=True, global_mean=True, global_mean_init=3.5,
+)
+IMPLICIT = ModelConfig(
+    num_items=150, embedding_dim=12, batch_size=8, max_batches=10, top_k=25,
+    feedback=Feedback.IMPLICIT, item_bias=True, user_bias=True,
+)
+MOVIELENS = ModelConfig(
+    num_items=1682, embedding_dim=16, batch_size=5, max_batches=64, top_k=50,
+    item_bias=True, user_bias=True, global_mean=True, global_mean_init=3.53,
+)
+
+
+def export_in_subprocess(config: ModelConfig, out: Path) -> Path:
+    """Export with TensorFlow in another process: device code must run where TF never loaded
+    (tflite_runtime 2.14 cannot even load a model in a process that imported TensorFlow)."""
+    config_file = out / "config.json"
+    config_file.write_text(json.dumps(config.to_json()))
+    subprocess.run(
+        [sys.executable, "-m", "model_export", "--config", str(config_file), "--output-dir", str(out)],
+        check=True, capture_output=True, cwd=ROOT, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"},
+    )
+    return out
+
+
+@pytest.fixture(scope="session")
+def export(tmp_path_factory: pytest.TempPathFactory) -> Callable[[ModelConfig], Path]:
+    """Export a config once per session; returns its model directory."""
+    cache: dict[ModelConfig, Path] = {}
+
+    def get(config: ModelConfig) -> Path:
+        if config not in cache:
+            cache[config] = export_in_subprocess(config, tmp_path_factory.mktemp("model"))
+        return cache[config]
+
+    return get
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture(scope="session")
+def movielens_users() -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """(items 0-based, ratings, timestamps) per MovieLens 100K user."""
+    from android_sim.movielens import load_ratings
+
+    ratings = load_ratings(MOVIELENS_100K)
+    return [(ratings.item[r], ratings.rating[r], ratings.timestamp[r]) for r in ratings.by_user()]
+
+
+def perturbed_globals(params: dict[str, np.ndarray], seed: int) -> dict[str, np.ndarray]:
+    """Globals with every tensor nonzero, so each term of the maths is exercised."""
+    rng = np.random.default_rng(seed)
+    return {k: (v + rng.normal(0, 0.3, v.shape)).astype(np.float32) for k, v in params.items()}
