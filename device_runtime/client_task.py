@@ -159,6 +159,17 @@ def num_steps(num_batches: int, max_epochs: int, max_steps: int) -> int:
     return min(max_steps, max_epochs * num_batches)
 
 
+# tflite_runtime saturates an overflow at float32's maximum where LiteRT gives inf/NaN;
+# anything this large is an overflow either way.
+_SATURATED = 1e30
+
+
+def diverged(delta: Params, loss: float) -> bool:
+    if not math.isfinite(loss):
+        return True
+    return any(not np.all(np.isfinite(v)) or np.any(np.abs(v) >= _SATURATED) for v in delta.values())
+
+
 def _reconstruct(model: DeviceModel, support: TaskBatches, config: TaskConfig) -> float:
     model.reset_local()
     steps = num_steps(support.num_batches, config.reconstruction_max_epochs, config.reconstruction_max_steps)
@@ -196,7 +207,7 @@ def run_training_task(
         delta, update_loss = model.update(
             query, steps, config.update_learning_rate, l2_global=config.l2_global, l2_local=config.l2_local
         )
-        if not all(np.all(np.isfinite(v)) for v in delta.values()):
+        if diverged(delta, update_loss):
             return TaskResult(Outcome.ERROR, message="the update diverged (non-finite delta); learning rate too high?")
         if not should_continue():
             return TaskResult(Outcome.INTERRUPTED, message="conditions changed before reporting")

@@ -1,0 +1,201 @@
+"""A device's part of a round: outcomes, the split policies, and the maths against the reference."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from device_runtime.client_task import (
+    Outcome,
+    SplitPolicy,
+    TaskConfig,
+    prepare,
+    run_evaluation_task,
+    run_training_task,
+)
+from device_runtime.example_store import Event, ExampleStore
+from device_runtime.model import DeviceModel
+from model_export.config import ModelConfig
+from model_export.reference import ReferenceModel
+from tests.conftest import IMPLICIT, MOVIELENS, perturbed_globals
+
+UserData = list[tuple[np.ndarray, np.ndarray, np.ndarray]]
+
+
+def fill(store: ExampleStore, items: np.ndarray, labels: np.ndarray, timestamps: np.ndarray | None = None) -> None:
+    times = np.arange(len(items)) if timestamps is None else timestamps
+    store.add(Event(int(i), float(r), float(t)) for i, r, t in zip(items, labels, times))
+
+
+@pytest.fixture
+def movielens_device(
+    export: Callable[[ModelConfig], Path], backend: str, tmp_path: Path, movielens_users: UserData
+) -> tuple[DeviceModel, ExampleStore]:
+    model = DeviceModel(export(MOVIELENS), backend=backend)
+    store = ExampleStore(tmp_path / "device.sqlite", num_items=1682, label_range=(1.0, 5.0))
+    fill(store, *movielens_users[0])  # 272 ratings
+    return model, store
+
+
+def test_completed_task_returns_the_reference_delta_and_discards_locals(
+    movielens_device: tuple[DeviceModel, ExampleStore],
+) -> None:
+    model, store = movielens_device
+    globals_ = perturbed_globals(model.get_global(), seed=1)
+    config = TaskConfig.from_manifest(model.manifest)
+
+    result = run_training_task(model, store, globals_, config)
+
+    assert result.outcome is Outcome.COMPLETED, result.message
+    data = prepare(store, model.manifest, config, seed=0)
+    ref = ReferenceModel("explicit", globals_, {k: np.zeros_like(v) for k, v in model.get_local().items()})
+    as_ref = [[(b.item_ids, b.labels.astype(np.float64), np.ones(len(b))) for b in part] for part in (data.support, data.query)]
+    ref.reconstruct(as_ref[0], min(50, 5 * len(as_ref[0])), 0.1, 0.0)
+    ref_delta, _ = ref.update(as_ref[1], min(50, len(as_ref[1])), 0.5)
+    assert result.num_examples == sum(len(b) for b in data.query) == 135  # |query|: alternate batches of 5
+    assert result.metrics["num_support"] == 137
+    for k, v in result.delta.items():  # type: ignore[union-attr]
+        np.testing.assert_allclose(v, ref_delta[k], atol=5e-5, rtol=5e-4)
+    assert all(not np.any(v) for v in model.get_local().values())
+
+
+def test_repeated_rounds_on_a_device_lower_its_query_loss(movielens_device: tuple[DeviceModel, ExampleStore]) -> None:
+    model, store = movielens_device
+    globals_ = model.get_global()
+    config = TaskConfig.from_manifest(model.manifest, update_learning_rate=0.05)
+    losses = []
+
+    for _ in range(8):
+        result = run_training_task(model, store, globals_, config)
+        assert result.outcome is Outcome.COMPLETED
+        losses.append(result.metrics["query_loss_sum"] / result.metrics["query_weight_sum"])
+        globals_ = {k: globals_[k] + result.delta[k] for k in globals_}  # type: ignore[index]
+
+    assert losses[-1] < 0.8 * losses[0]
+
+
+def test_too_few_examples_is_insufficient_data(movielens_device: tuple[DeviceModel, ExampleStore], tmp_path: Path) -> None:
+    model, _ = movielens_device
+    store = ExampleStore(tmp_path / "small.sqlite")
+    fill(store, np.array([1, 2, 3]), np.array([4.0, 5.0, 3.0]))
+
+    few = run_training_task(model, store, model.get_global(), TaskConfig(min_examples=5))
+    empty = run_training_task(model, ExampleStore(tmp_path / "empty.sqlite"), model.get_global(), TaskConfig())
+
+    assert few.outcome is Outcome.INSUFFICIENT_DATA
+    assert "3 usable examples" in few.message
+    assert few.delta is None
+    assert empty.outcome is Outcome.INSUFFICIENT_DATA
+
+
+def test_few_examples_are_reused_for_support_and_query(movielens_device: tuple[DeviceModel, ExampleStore], tmp_path: Path) -> None:
+    model, _ = movielens_device
+    store = ExampleStore(tmp_path / "few.sqlite")
+    fill(store, np.arange(12), np.full(12, 4.0))
+
+    reused = run_training_task(model, store, model.get_global(), TaskConfig(reuse_below=20))
+    split = run_training_task(model, store, model.get_global(), TaskConfig(reuse_below=5))
+    policy = run_training_task(model, store, model.get_global(), TaskConfig(split=SplitPolicy.REUSE))
+
+    assert (reused.metrics["num_support"], reused.num_examples) == (12, 12)
+    assert (split.metrics["num_support"], split.num_examples) == (7, 5)  # batches of 5: [5, 2] and [5]
+    assert policy.num_examples == 12
+
+
+def test_interrupted_task_reports_nothing(movielens_device: tuple[DeviceModel, ExampleStore]) -> None:
+    model, store = movielens_device
+    calls = iter([True, False])
+
+    result = run_training_task(model, store, model.get_global(), TaskConfig(), should_continue=lambda: next(calls))
+
+    assert result.outcome is Outcome.INTERRUPTED
+    assert result.delta is None
+    assert all(not np.any(v) for v in model.get_local().values())
+
+
+def test_bad_global_parameters_are_an_error_outcome(movielens_device: tuple[DeviceModel, ExampleStore]) -> None:
+    model, store = movielens_device
+    globals_ = model.get_global()
+    globals_["item_embeddings"][0, 0] = np.inf
+
+    result = run_training_task(model, store, globals_, TaskConfig())
+
+    assert result.outcome is Outcome.ERROR
+    assert "non-finite" in result.message
+
+
+def test_divergence_is_an_error_outcome(movielens_device: tuple[DeviceModel, ExampleStore]) -> None:
+    model, store = movielens_device
+
+    result = run_training_task(model, store, model.get_global(), TaskConfig(update_learning_rate=1e30))
+
+    assert result.outcome is Outcome.ERROR
+    assert "diverged" in result.message
+
+
+def test_items_outside_the_catalog_are_left_out_and_counted(
+    movielens_device: tuple[DeviceModel, ExampleStore], tmp_path: Path
+) -> None:
+    model, _ = movielens_device
+    store = ExampleStore(tmp_path / "new-items.sqlite")  # the app knows items the model does not
+    fill(store, np.array([1, 2, 3, 5000, 6000, 4, 5, 6]), np.full(8, 4.0))
+
+    result = run_training_task(model, store, model.get_global(), TaskConfig(min_examples=1))
+
+    assert result.outcome is Outcome.COMPLETED
+    assert result.metrics["outside_catalog"] == 2
+    assert result.metrics["num_examples"] == 6
+
+
+def test_examples_are_capped_at_max_examples(movielens_device: tuple[DeviceModel, ExampleStore], movielens_users: UserData, tmp_path: Path) -> None:
+    model, _ = movielens_device
+    heavy = max(movielens_users, key=lambda u: len(u[0]))
+    store = ExampleStore(tmp_path / "heavy.sqlite")
+    fill(store, *heavy)
+
+    result = run_training_task(model, store, model.get_global(), TaskConfig(max_examples=300))
+
+    assert len(heavy[0]) > 600
+    assert result.metrics["num_examples"] == 300
+    assert result.num_examples == 150
+
+
+def test_implicit_feedback_adds_sampled_negatives(export: Callable[[ModelConfig], Path], backend: str, tmp_path: Path) -> None:
+    model = DeviceModel(export(IMPLICIT), backend=backend)
+    store = ExampleStore(tmp_path / "shares.sqlite", num_items=150, label_range=(0.0, 1.0))
+    fill(store, np.arange(10), np.ones(10))
+    config = TaskConfig(negatives_per_positive=3, reuse_below=100)
+
+    data = prepare(store, model.manifest, config, seed=0)
+    result = run_training_task(model, store, model.get_global(), config)
+
+    labels = np.concatenate([b.labels for b in data.query])
+    negatives = np.concatenate([b.item_ids for b in data.query])[labels == 0]
+    assert (labels == 1).sum() == 10 and (labels == 0).sum() == 30
+    assert not set(negatives) & set(range(10))
+    assert result.outcome is Outcome.COMPLETED
+    assert result.num_examples == 40
+
+
+def test_evaluation_task_reports_metrics_only(movielens_device: tuple[DeviceModel, ExampleStore]) -> None:
+    model, store = movielens_device
+
+    result = run_evaluation_task(model, store, model.get_global(), TaskConfig())
+
+    assert result.outcome is Outcome.COMPLETED
+    assert result.delta is None
+    assert set(result.metrics) == {"loss_sum", "squared_error_sum", "correct_sum", "weight_sum"}
+    assert result.metrics["weight_sum"] == result.num_examples == 135
+
+
+def test_task_config_round_trip_and_refusals() -> None:
+    config = TaskConfig(split=SplitPolicy.REUSE, reuse_below=3)
+
+    assert TaskConfig.from_json(config.to_json()) == config
+    with pytest.raises(ValueError, match="unknown task config fields"):
+        TaskConfig.from_json({"reconstrution_max_steps": 3})
+    with pytest.raises(ValueError, match="finite and >= 0"):
+        TaskConfig(update_learning_rate=float("nan"))

@@ -1,0 +1,124 @@
+"""On-device top-k: exclusions, the local-parameter cache and its refresh, the cold start."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from device_runtime.example_store import Event, ExampleStore
+from device_runtime.model import DeviceModel
+from device_runtime.recommender import Recommender
+from model_export.config import ModelConfig
+from tests.conftest import BIASED, SMALL, perturbed_globals
+
+
+class CountingModel(DeviceModel):
+    """The real model, counting reconstructions (the expensive step the cache avoids)."""
+
+    reconstructions = 0
+
+    def reconstruct(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        self.reconstructions += 1
+        return super().reconstruct(*args, **kwargs)
+
+
+@pytest.fixture
+def setup(export: Callable[[ModelConfig], Path], backend: str, tmp_path: Path):  # type: ignore[no-untyped-def]
+    model = CountingModel(export(BIASED), backend=backend)
+    store = ExampleStore(tmp_path / "device.sqlite", num_items=200, label_range=(1.0, 5.0))
+    store.add(Event(i, float(1 + i % 5), float(i)) for i in range(0, 40, 2))
+    return model, store, perturbed_globals(model.get_global(), seed=3)
+
+
+def test_top_k_excludes_used_and_listed_items_and_is_sorted(setup) -> None:  # type: ignore[no-untyped-def]
+    model, store, globals_ = setup
+    recommender = Recommender(model, store, globals_)
+
+    top = recommender.recommend(10, exclude=[41, 43])
+    everything = recommender.recommend(200, exclude_used=False)
+
+    assert top.source == "personalized"
+    assert len(top.items) == 10
+    assert not set(top.items) & (set(range(0, 40, 2)) | {41, 43})
+    assert np.all(np.diff(top.scores) <= 0)
+    # The same ranking as scoring everything and filtering afterwards.
+    allowed = [i for i in everything.items if i not in set(range(0, 40, 2)) | {41, 43}]
+    assert list(top.items) == allowed[:10]
+    assert len(everything.items) == 200
+
+
+def test_local_parameters_are_cached_and_refreshed_when_the_store_changes(setup) -> None:  # type: ignore[no-untyped-def]
+    model, store, globals_ = setup
+    recommender = Recommender(model, store, globals_)
+
+    recommender.recommend(10)
+    recommender.recommend(10)
+    assert model.reconstructions == 1
+
+    store.add([Event(101, 5.0, 100.0), Event(103, 5.0, 101.0)])
+    after_new_data = recommender.recommend(10)
+    assert model.reconstructions == 2
+    assert not {101, 103} & set(after_new_data.items)
+
+    recommender.set_global(perturbed_globals(globals_, seed=4))
+    recommender.recommend(10)
+    assert model.reconstructions == 3
+
+
+def test_cache_survives_an_app_restart(setup, export: Callable[[ModelConfig], Path], backend: str) -> None:  # type: ignore[no-untyped-def]
+    model, store, globals_ = setup
+    before = Recommender(model, store, globals_).recommend(10)
+
+    restarted = CountingModel(export(BIASED), backend=backend)
+    after = Recommender(restarted, store, globals_).recommend(10)
+
+    assert restarted.reconstructions == 0
+    np.testing.assert_array_equal(after.items, before.items)
+
+
+def test_a_damaged_cache_is_rebuilt(setup) -> None:  # type: ignore[no-untyped-def]
+    model, store, globals_ = setup
+    expected = Recommender(model, store, globals_).recommend(10)
+    key = store.load_local_state("recommender.local_params").partition(b"\n")[0]
+    store.save_local_state("recommender.local_params", key + b"\n" + b"garbage")
+
+    fresh = Recommender(model, store, globals_)
+    model.reconstructions = 0
+    result = fresh.recommend(10)
+
+    assert model.reconstructions == 1
+    np.testing.assert_array_equal(result.items, expected.items)
+
+
+def test_cold_start_ranks_by_item_bias(setup, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    model, _, globals_ = setup
+    empty = ExampleStore(tmp_path / "new-phone.sqlite")
+
+    top = Recommender(model, empty, globals_).recommend(5, exclude=[int(np.argmax(globals_["item_bias"]))])
+
+    assert top.source == "popularity"
+    assert list(top.items) == list(np.argsort(-globals_["item_bias"])[1:6])
+    assert model.reconstructions == 0
+
+
+def test_cold_start_without_item_bias_says_so(export: Callable[[ModelConfig], Path], tmp_path: Path) -> None:
+    model = DeviceModel(export(SMALL))
+
+    top = Recommender(model, ExampleStore(tmp_path / "s.sqlite"), model.get_global()).recommend(5)
+
+    assert top.source == "unavailable"
+    assert len(top.items) == 0
+    assert "no item biases" in top.message
+
+
+def test_bad_requests(setup) -> None:  # type: ignore[no-untyped-def]
+    model, store, globals_ = setup
+    recommender = Recommender(model, store, globals_)
+
+    with pytest.raises(ValueError, match=r"k must be in \[1, 200\]"):
+        recommender.recommend(0)
+    with pytest.raises(ValueError, match="excluded item ids"):
+        recommender.recommend(5, exclude=[200])

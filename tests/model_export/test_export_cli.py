@@ -1,0 +1,76 @@
+"""`python -m model_export`: help, outputs, builtin ops only, and refusal of bad options."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from model_export.config import ModelConfig
+from model_export.manifest import REQUIRED_SIGNATURES, load_manifest
+from tests.conftest import BIASED, ROOT
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "model_export", *args], capture_output=True, text=True, cwd=ROOT, timeout=300
+    )
+
+
+def test_help_lists_the_export_options() -> None:
+    result = run_cli("--help")
+
+    assert result.returncode == 0
+    for option in ("--num-items", "--embedding-dim", "--batch-size", "--feedback", "--item-bias", "--output-dir"):
+        assert option in result.stdout
+
+
+def test_export_writes_model_manifest_and_initial_globals(export: Callable[[ModelConfig], Path]) -> None:
+    model_dir = export(BIASED)
+
+    manifest = load_manifest(model_dir)
+
+    assert {"reconstruct", "update", "infer"} <= set(manifest.signatures)
+    assert set(REQUIRED_SIGNATURES) <= set(manifest.signatures)
+    assert [s.name for s in manifest.global_params] == ["item_embeddings", "item_bias", "global_mean"]
+    assert [s.name for s in manifest.local_params] == ["user_embedding", "user_bias"]
+    assert manifest.global_spec("item_embeddings").shape == (200, 16)
+    assert (model_dir / "global_params.safetensors").stat().st_size > 200 * 16 * 4
+
+
+def test_model_uses_builtin_ops_only(export: Callable[[ModelConfig], Path]) -> None:
+    # TF's analyzer lists every op; Flex (Select TF) or custom ops would not run on a phone.
+    model_path = export(BIASED) / "model.tflite"
+    code = (
+        "import io, contextlib, tensorflow as tf\n"
+        "buf = io.StringIO()\n"
+        "with contextlib.redirect_stdout(buf):\n"
+        f"    tf.lite.experimental.Analyzer.analyze(model_path={str(model_path)!r})\n"
+        "print(buf.getvalue())\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+
+    assert result.returncode == 0, result.stderr
+    ops = {line.split("Op#")[1].split()[1].split("(")[0] for line in result.stdout.splitlines() if "Op#" in line}
+    assert {"WHILE", "GATHER", "UNSORTED_SEGMENT_SUM", "ASSIGN_VARIABLE", "TOPK_V2"} <= ops
+    assert not [op for op in ops if op.startswith("Flex") or op == "CUSTOM"], ops
+
+
+def test_bad_options_are_refused_with_a_message(tmp_path: Path) -> None:
+    result = run_cli("--output-dir", str(tmp_path), "--num-items", "0")
+
+    assert result.returncode == 2
+    assert "num_items must be >= 1" in result.stderr
+    assert not (tmp_path / "model.tflite").exists()
+
+
+def test_unknown_config_field_is_refused(tmp_path: Path) -> None:
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"num_items": 10, "embeding_dim": 4}))
+
+    result = run_cli("--config", str(config), "--output-dir", str(tmp_path))
+
+    assert result.returncode == 2
+    assert "embeding_dim" in result.stderr
