@@ -32,27 +32,37 @@ def run_demo(ratings_path: Path, work_dir: Path | None = None, user: int = 0) ->
         num_items=ratings.num_items, item_bias=True, user_bias=True, global_mean=True, global_mean_init=mean
     )
     result = export_model(config, work / "model")
-    print(f"exported {result.model_dir} in {time.perf_counter() - t0:.1f} s "
-          f"({result.tflite_bytes:,} bytes; signatures {', '.join(sorted(result.manifest.signatures))})")
+    print(
+        f"exported {result.model_dir} in {time.perf_counter() - t0:.1f} s "
+        f"({result.tflite_bytes:,} bytes; signatures {', '.join(sorted(result.manifest.signatures))})"
+    )
 
     model = DeviceModel(work / "model")
     rows = ratings.by_user()[user]
     store_path = work / f"device-{user}.sqlite"
     store_path.unlink(missing_ok=True)
-    with ExampleStore(store_path, num_items=model.manifest.num_items, label_range=model.manifest.label_range) as store:
-        store.add(Event(int(ratings.item[i]), float(ratings.rating[i]), float(ratings.timestamp[i])) for i in rows)
+    with ExampleStore(
+        store_path, num_items=model.manifest.num_items, label_range=model.manifest.label_range
+    ) as store:
+        store.add(
+            Event(int(ratings.item[i]), float(ratings.rating[i]), float(ratings.timestamp[i])) for i in rows
+        )
         print(f"device {user}: {store.count()} examples in {store_path} (interpreter: {model.backend})")
 
         global_params = decode_params(
-            (work / "model" / INITIAL_GLOBAL_FILE).read_bytes(), model.manifest.global_params, "initial globals"
+            (work / "model" / INITIAL_GLOBAL_FILE).read_bytes(),
+            model.manifest.global_params,
+            "initial globals",
         )
         task = TaskConfig.from_manifest(model.manifest)
         t0 = time.perf_counter()
         outcome = run_training_task(model, store, global_params, task)
         ms = (time.perf_counter() - t0) * 1000
-        print(f"client task: {outcome.outcome.value} in {ms:.1f} ms; weight |query| = {outcome.num_examples}; "
-              f"reconstruction loss {outcome.metrics.get('reconstruction_loss', float('nan')):.3f}, "
-              f"update loss {outcome.metrics.get('update_loss', float('nan')):.3f}")
+        print(
+            f"client task: {outcome.outcome.value} in {ms:.1f} ms; weight |query| = {outcome.num_examples}; "
+            f"reconstruction loss {outcome.metrics.get('reconstruction_loss', float('nan')):.3f}, "
+            f"update loss {outcome.metrics.get('update_loss', float('nan')):.3f}"
+        )
         if outcome.delta is not None:
             norms = {k: float(np.linalg.norm(v)) for k, v in outcome.delta.items()}
             print("delta norms: " + ", ".join(f"{k} {v:.4f}" for k, v in norms.items()))
@@ -63,7 +73,10 @@ def run_demo(ratings_path: Path, work_dir: Path | None = None, user: int = 0) ->
         t0 = time.perf_counter()
         top = recommender.recommend(10)
         ms = (time.perf_counter() - t0) * 1000
-        print(f"top-10 for device {user} ({top.source}, {ms:.1f} ms incl. reconstruction), excluding rated movies:")
-        for rank, (item, score) in enumerate(zip(top.items, top.scores), start=1):
+        print(
+            f"top-10 for device {user} ({top.source}, {ms:.1f} ms incl. reconstruction), "
+            "excluding rated movies:"
+        )
+        for rank, (item, score) in enumerate(zip(top.items, top.scores, strict=True), start=1):
             print(f"  {rank:2d}. {titles[int(item)]:<60s} {score:5.2f}")
     return 0

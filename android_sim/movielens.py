@@ -59,8 +59,9 @@ def load_ratings(path: Path) -> Ratings:
         sep = "\t"
     else:
         raise DataFormatError(
-            f"{path}: unknown ratings format; expected MovieLens 100K u.data (user<TAB>item<TAB>rating<TAB>time) "
-            f"or 1M ratings.dat (user::item::rating::time), first line is {first[:60]!r}"
+            f"{path}: unknown ratings format; expected MovieLens 100K u.data "
+            "(user<TAB>item<TAB>rating<TAB>time) or 1M ratings.dat (user::item::rating::time), "
+            f"first line is {first[:60]!r}"
         )
     rows = []
     for n, line in enumerate(text.splitlines(), start=1):
@@ -72,7 +73,9 @@ def load_ratings(path: Path) -> Ratings:
         try:
             rows.append((int(parts[0]), int(parts[1]), float(parts[2]), int(parts[3])))
         except ValueError:
-            raise DataFormatError(f"{path}:{n}: fields must be user, item, rating, timestamp numbers: {line!r}") from None
+            raise DataFormatError(
+                f"{path}:{n}: fields must be user, item, rating, timestamp numbers: {line!r}"
+            ) from None
     if not rows:
         raise DataFormatError(f"{path}: no ratings")
     data = np.asarray(rows, dtype=np.float64)

@@ -18,20 +18,20 @@ from typing import Any
 import numpy as np
 
 from device_runtime.example_store import ExampleStore, Selection
-from device_runtime.model import DeviceModel, EvaluationSums
+from device_runtime.model import DeviceModel, EvaluationSums, Update
 from device_runtime.task_batches import Examples, TaskBatches, split_batches
 from model_export.manifest import Manifest
 from model_export.params import Params, ParamsError
 
 
-class Outcome(str, enum.Enum):
+class Outcome(enum.StrEnum):
     COMPLETED = "completed"
     INSUFFICIENT_DATA = "insufficient_data"
     INTERRUPTED = "interrupted"
     ERROR = "error"
 
 
-class SplitPolicy(str, enum.Enum):
+class SplitPolicy(enum.StrEnum):
     ALTERNATE = "alternate"  # even batches support, odd batches query (the paper's default)
     REUSE = "reuse"  # every example in both support and query
 
@@ -59,13 +59,19 @@ class TaskConfig:
         problems = []
         for f in fields(self):
             value = getattr(self, f.name)
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
-                if not math.isfinite(value) or value < 0:
-                    problems.append(f"{f.name} must be finite and >= 0, got {value}")
+            if f.type == "SplitPolicy" or (value is None and f.type == "int | None"):
+                continue
+            kinds = (int,) if f.type.startswith("int") else (int, float)
+            if isinstance(value, bool) or not isinstance(value, kinds):
+                problems.append(f"{f.name} must be {f.type.split(' ')[0]}, got {value!r}")
+            elif not math.isfinite(value) or value < 0:
+                problems.append(f"{f.name} must be finite and >= 0, got {value}")
         if self.min_examples < 1:
             problems.append(f"min_examples must be >= 1, got {self.min_examples}")
         if self.max_examples < self.min_examples:
-            problems.append(f"max_examples ({self.max_examples}) must be >= min_examples ({self.min_examples})")
+            problems.append(
+                f"max_examples ({self.max_examples}) must be >= min_examples ({self.min_examples})"
+            )
         if problems:
             raise ValueError("invalid task config: " + "; ".join(problems))
 
@@ -126,7 +132,9 @@ def select_examples(store: ExampleStore, manifest: Manifest, config: TaskConfig)
     return examples, outside
 
 
-def add_negatives(examples: Examples, num_items: int, per_positive: int, rng: np.random.Generator) -> Examples:
+def add_negatives(
+    examples: Examples, num_items: int, per_positive: int, rng: np.random.Generator
+) -> Examples:
     """Implicit feedback: each share gets `per_positive` items the user never shared, label 0."""
     positives = np.unique(examples.item_ids[examples.labels > 0])
     count = len(positives) * per_positive
@@ -134,11 +142,15 @@ def add_negatives(examples: Examples, num_items: int, per_positive: int, rng: np
     if count == 0 or candidates.size == 0:
         return examples
     negatives = rng.choice(candidates, size=min(count, candidates.size), replace=False)
-    mixed = Examples.concat([examples, Examples(negatives.astype(np.int64), np.zeros(len(negatives), np.float32))])
+    mixed = Examples.concat(
+        [examples, Examples(negatives.astype(np.int64), np.zeros(len(negatives), np.float32))]
+    )
     return mixed[rng.permutation(len(mixed))]
 
 
-def split_support_query(examples: Examples, manifest: Manifest, config: TaskConfig) -> tuple[list[Examples], list[Examples]]:
+def split_support_query(
+    examples: Examples, manifest: Manifest, config: TaskConfig
+) -> tuple[list[Examples], list[Examples]]:
     batches = split_batches(examples, manifest.batch_size)
     if config.split is SplitPolicy.REUSE or len(examples) < config.reuse_below or len(batches) < 2:
         # Too few to split: reuse everything for both sets, as the keyboard deployment did.
@@ -150,7 +162,9 @@ def prepare(store: ExampleStore, manifest: Manifest, config: TaskConfig, seed: i
     examples, outside = select_examples(store, manifest, config)
     num_examples = len(examples)
     if manifest.feedback == "implicit" and config.negatives_per_positive:
-        examples = add_negatives(examples, manifest.num_items, config.negatives_per_positive, np.random.default_rng(seed))
+        examples = add_negatives(
+            examples, manifest.num_items, config.negatives_per_positive, np.random.default_rng(seed)
+        )
     support, query = split_support_query(examples, manifest, config)
     return SupportQuery(support, query, num_examples, outside)
 
@@ -164,10 +178,8 @@ def num_steps(num_batches: int, max_epochs: int, max_steps: int) -> int:
 _SATURATED = 1e30
 
 
-def diverged(delta: Params, loss: float) -> bool:
-    if not math.isfinite(loss):
-        return True
-    return any(not np.all(np.isfinite(v)) or np.any(np.abs(v) >= _SATURATED) for v in delta.values())
+def diverged(update: Update) -> bool:
+    return not (math.isfinite(update.loss) and update.max_abs_change < _SATURATED)
 
 
 def _reconstruct(model: DeviceModel, support: TaskBatches, config: TaskConfig) -> float:
@@ -204,11 +216,13 @@ def run_training_task(
         if not should_continue():
             return TaskResult(Outcome.INTERRUPTED, message="conditions changed before the update")
         steps = num_steps(query.num_batches, config.update_max_epochs, config.update_max_steps)
-        delta, update_loss = model.update(
+        update = model.update(
             query, steps, config.update_learning_rate, l2_global=config.l2_global, l2_local=config.l2_local
         )
-        if diverged(delta, update_loss):
-            return TaskResult(Outcome.ERROR, message="the update diverged (non-finite delta); learning rate too high?")
+        if diverged(update):
+            return TaskResult(
+                Outcome.ERROR, message="the update diverged (non-finite delta); learning rate too high?"
+            )
         if not should_continue():
             return TaskResult(Outcome.INTERRUPTED, message="conditions changed before reporting")
         metrics = {
@@ -217,10 +231,12 @@ def run_training_task(
             "num_query": float(query.num_examples),
             "outside_catalog": float(data.outside_catalog),
             "reconstruction_loss": reconstruction_loss,
-            "update_loss": update_loss,
+            "update_loss": update.loss,
             **{f"query_{k}": v for k, v in before.as_dict().items()},
         }
-        return TaskResult(Outcome.COMPLETED, num_examples=query.num_examples, delta=delta, metrics=metrics)
+        return TaskResult(
+            Outcome.COMPLETED, num_examples=query.num_examples, delta=update.delta, metrics=metrics
+        )
     except (ParamsError, ValueError, RuntimeError) as e:
         return TaskResult(Outcome.ERROR, message=str(e))
     finally:

@@ -66,7 +66,8 @@ class Selection:
     context: str | None = None
 
     def sql(self) -> tuple[str, list[object]]:
-        where, args = [], []
+        where: list[str] = []
+        args: list[object] = []
         if self.since is not None:
             where.append("timestamp >= ?")
             args.append(self.since)
@@ -141,11 +142,15 @@ class ExampleStore:
         if isinstance(item, bool) or not isinstance(item, (int, np.integer)) or item < 0:
             raise InvalidExamples(f"event {index}: item_id must be an integer >= 0, got {item!r}")
         if self.num_items is not None and item >= self.num_items:
-            raise InvalidExamples(f"event {index}: item_id {item} is outside the catalog [0, {self.num_items})")
+            raise InvalidExamples(
+                f"event {index}: item_id {item} is outside the catalog [0, {self.num_items})"
+            )
         try:
             label, timestamp = float(event.label), float(event.timestamp)
         except (TypeError, ValueError):
-            raise InvalidExamples(f"event {index}: label and timestamp must be numbers, got {event!r}") from None
+            raise InvalidExamples(
+                f"event {index}: label and timestamp must be numbers, got {event!r}"
+            ) from None
         if not math.isfinite(label):
             raise InvalidExamples(f"event {index}: label must be finite, got {label}")
         if self.label_range is not None and not self.label_range[0] <= label <= self.label_range[1]:
@@ -160,7 +165,9 @@ class ExampleStore:
         conn = self._connection()
         with conn:
             conn.execute("BEGIN IMMEDIATE")
-            conn.executemany("INSERT INTO examples (item_id, label, timestamp, context) VALUES (?, ?, ?, ?)", rows)
+            conn.executemany(
+                "INSERT INTO examples (item_id, label, timestamp, context) VALUES (?, ?, ?, ?)", rows
+            )
         return len(rows)
 
     def delete_before(self, timestamp: float) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import mmap
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,21 +38,47 @@ class EvaluationSums:
 
 
 @dataclass(frozen=True)
+class Update:
+    delta: Params  # dense, one tensor per global parameter
+    loss: float  # mean batch loss over the steps
+    max_abs_change: float  # over every changed value; inf/NaN if any was non-finite
+
+
+@dataclass(frozen=True)
 class Ranking:
     scores: np.ndarray  # [num_items]
     top_items: np.ndarray  # [top_k], best first, excluded items last
     top_scores: np.ndarray  # [top_k]
 
 
+def lazy_zeros(shape: tuple[int, ...]) -> np.ndarray:
+    """float32 zeros whose untouched pages never become resident, and go back to the OS when freed.
+
+    np.zeros does this only until glibc raises its mmap threshold after the first large free;
+    from then on a 4 MB delta comes from the heap, is zeroed page by page, and stays resident.
+    """
+    size = int(np.prod(shape)) * 4
+    if size == 0:
+        return np.zeros(shape, np.float32)
+    return np.frombuffer(mmap.mmap(-1, size), dtype=np.float32).reshape(shape)
+
+
 class DeviceModel:
-    """One interpreter over one exported model; not thread-safe (use one per thread)."""
+    """One interpreter over one exported model; not thread-safe (use one per thread).
+
+    The global parameters live here as numpy arrays (as downloaded); training and
+    evaluation get just the task's rows, and the interpreter's global variables are
+    written only when `infer` needs them, once per new set of globals.
+    """
 
     def __init__(self, model_dir: Path, *, backend: str | None = None, num_threads: int = 1) -> None:
         model_dir = Path(model_dir)
         self.manifest: Manifest = load_manifest(model_dir, verify_model=False)
         model_path = model_dir / MODEL_FILE
         if not model_path.is_file():
-            raise ModelLoadError(f"no model file at {model_path}; expected the output of `python -m model_export`")
+            raise ModelLoadError(
+                f"no model file at {model_path}; expected the output of `python -m model_export`"
+            )
         actual = sha256_file(model_path)
         if actual != self.manifest.model_sha256:
             raise ModelLoadError(
@@ -65,16 +92,30 @@ class DeviceModel:
             raise ModelLoadError(f"{model_path} is not a loadable TFLite model: {e}") from None
         self._runners: dict[str, Any] = {}
         self._check_signatures()
+        self._per_item = {
+            s.name for s in self.manifest.global_params if s.shape[:1] == (self.manifest.num_items,)
+        }
+        # None: still the exported initial values, read from the interpreter only if asked.
+        self._global: Params | None = None
+        self._variables_current = True
 
     def _check_signatures(self) -> None:
         """Every signature the manifest declares must exist with the same inputs and outputs."""
         available = self._interpreter.get_signature_list()
         for name, declared in self.manifest.signatures.items():
             if name not in available:
-                raise ManifestError(f"the manifest declares signature {name!r}; the model has {sorted(available)}")
+                raise ManifestError(
+                    f"the manifest declares signature {name!r}; the model has {sorted(available)}"
+                )
             runner = self._interpreter.get_signature_runner(name)
-            for side, details in (("inputs", runner.get_input_details()), ("outputs", runner.get_output_details())):
-                actual = {k: (tuple(int(x) for x in d["shape"]), np.dtype(d["dtype"]).name) for k, d in details.items()}
+            for side, details in (
+                ("inputs", runner.get_input_details()),
+                ("outputs", runner.get_output_details()),
+            ):
+                actual = {
+                    k: (tuple(int(x) for x in d["shape"]), np.dtype(d["dtype"]).name)
+                    for k, d in details.items()
+                }
                 expected = {k: (s.shape, s.dtype) for k, s in declared[side].items()}
                 if actual != expected:
                     raise ManifestError(
@@ -90,11 +131,21 @@ class DeviceModel:
     # ---- parameters --------------------------------------------------------------------
 
     def set_global(self, params: Params) -> None:
-        checked = check_params(params, self.manifest.global_params, "global parameters")
-        self._call("set_global", **checked)
+        """Install global parameters (checked against the manifest); the model keeps a reference."""
+        self._global = check_params(params, self.manifest.global_params, "global parameters")
+        self._variables_current = False
+
+    def _globals(self) -> Params:
+        if self._global is None:
+            self._global = dict(self._call("get_global"))
+        return self._global
 
     def get_global(self) -> Params:
-        return {k: v.copy() for k, v in self._call("get_global").items()}
+        return {k: v.copy() for k, v in self._globals().items()}
+
+    def _task_globals(self, batches: TaskBatches) -> Params:
+        """The task's rows of the per-item globals, and the other globals whole."""
+        return {k: v[batches.item_ids] if k in self._per_item else v for k, v in self._globals().items()}
 
     def set_local(self, params: Params) -> None:
         checked = check_params(params, self.manifest.local_params, "local parameters")
@@ -108,11 +159,14 @@ class DeviceModel:
 
     # ---- training and evaluation -------------------------------------------------------
 
-    def reconstruct(self, batches: TaskBatches, num_steps: int, learning_rate: float, l2_local: float = 0.0) -> float:
+    def reconstruct(
+        self, batches: TaskBatches, num_steps: int, learning_rate: float, l2_local: float = 0.0
+    ) -> float:
         """Fit the local parameters on `batches` (globals frozen); returns the mean batch loss."""
         out = self._call(
             "reconstruct",
             **batches.inputs(),
+            **self._task_globals(batches),
             num_steps=np.int32(num_steps),
             learning_rate=np.float32(learning_rate),
             l2_local=np.float32(l2_local),
@@ -128,11 +182,12 @@ class DeviceModel:
         local_learning_rate: float = 0.0,
         l2_global: float = 0.0,
         l2_local: float = 0.0,
-    ) -> tuple[Params, float]:
-        """Train the global parameters on `batches`; returns (dense delta per global tensor, mean loss)."""
+    ) -> Update:
+        """Train the global parameters on `batches`; returns the dense delta per global tensor."""
         out = self._call(
             "update",
             **batches.inputs(),
+            **self._task_globals(batches),
             num_steps=np.int32(num_steps),
             learning_rate=np.float32(learning_rate),
             local_learning_rate=np.float32(local_learning_rate),
@@ -141,22 +196,30 @@ class DeviceModel:
         )
         used = batches.item_ids[: batches.num_items]
         delta: Params = {}
+        max_abs = 0.0
         for spec in self.manifest.global_params:
             compact = out[f"{spec.name}_delta"]
-            if spec.name in ("item_embeddings", "item_bias"):
-                dense = np.zeros(spec.shape, np.float32)
-                dense[used] = compact[: batches.num_items]
+            if spec.name in self._per_item:
+                compact = compact[: batches.num_items]
+                dense = lazy_zeros(spec.shape)
+                dense[used] = compact
                 delta[spec.name] = dense
             else:
                 delta[spec.name] = compact.astype(np.float32, copy=True)
-        return delta, float(out["loss"])
+            if compact.size:
+                # Checked on the compact rows: a scan of the dense delta would touch every page.
+                max_abs = max(max_abs, float(np.max(np.abs(compact))))
+        return Update(delta, float(out["loss"]), max_abs)
 
     def evaluate(self, batches: TaskBatches) -> EvaluationSums:
-        out = self._call("evaluate", **batches.inputs())
+        out = self._call("evaluate", **batches.inputs(), **self._task_globals(batches))
         return EvaluationSums(**{k: float(v) for k, v in out.items()})
 
     def infer(self, exclude: np.ndarray | None = None) -> Ranking:
         """Scores with the current local and global parameters; `exclude` is a bool mask per item."""
+        if not self._variables_current:
+            self._call("set_global", **self._globals())
+            self._variables_current = True
         mask = np.zeros(self.manifest.num_items, np.float32)
         if exclude is not None:
             mask[exclude] = 1.0

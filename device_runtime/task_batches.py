@@ -51,7 +51,9 @@ class Examples:
             )
         labels = self.labels.astype(np.float64)
         if not np.all(np.isfinite(labels)):
-            raise InvalidExamples(f"{int(np.sum(~np.isfinite(labels)))} example(s) have NaN or infinite labels")
+            raise InvalidExamples(
+                f"{int(np.sum(~np.isfinite(labels)))} example(s) have NaN or infinite labels"
+            )
         low, high = manifest.label_range
         out = np.flatnonzero((labels < low) | (labels > high))
         if out.size:
@@ -82,12 +84,12 @@ class TaskBatches:
         return int(self.weights.sum())
 
     def inputs(self) -> dict[str, np.ndarray]:
+        """The batch inputs of a training/evaluation signature (the global rows come from the model)."""
         return {
-            "item_ids": self.item_ids,
             "slots": self.slots,
             "labels": self.labels,
             "weights": self.weights,
-            "num_batches": np.int32(self.num_batches),
+            "num_batches": np.array(self.num_batches, np.int32),
         }
 
     @classmethod

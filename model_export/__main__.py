@@ -18,21 +18,68 @@ def build_parser() -> argparse.ArgumentParser:
         description="Export the FedRecon matrix-factorization model to TFLite with training "
         "signatures (reconstruct, update, evaluate, infer, get/set global and local parameters).",
     )
-    p.add_argument("--output-dir", type=Path, required=True, help="directory to write model.tflite, manifest.json and global_params.safetensors into")
-    p.add_argument("--config", type=Path, default=None, help="a JSON model config (as in a manifest's 'config'); replaces the options below")
+    p.add_argument(
+        "--output-dir",
+        type=Path,
+        required=True,
+        help="directory to write model.tflite, manifest.json and global_params.safetensors into",
+    )
+    p.add_argument(
+        "--config",
+        type=Path,
+        default=None,
+        help="a JSON model config (as in a manifest's 'config'); replaces the options below",
+    )
     p.add_argument("--num-items", type=int, default=d.num_items, help="catalog size (default: %(default)s)")
     p.add_argument("--embedding-dim", type=int, default=d.embedding_dim, help="default: %(default)s")
-    p.add_argument("--batch-size", type=int, default=d.batch_size, help="static batch size (default: %(default)s)")
-    p.add_argument("--max-batches", type=int, default=d.max_batches, help="batches per signature call; bounds the examples a task sees (default: %(default)s)")
-    p.add_argument("--top-k", type=int, default=d.top_k, help="length of infer's ranked output (default: %(default)s)")
-    p.add_argument("--feedback", choices=[f.value for f in Feedback], default=d.feedback.value, help="explicit ratings (squared error) or implicit shares (logistic loss); default: %(default)s")
-    p.add_argument("--item-bias", action=argparse.BooleanOptionalAction, default=d.item_bias, help="global per-item bias")
-    p.add_argument("--user-bias", action=argparse.BooleanOptionalAction, default=d.user_bias, help="local per-user bias")
-    p.add_argument("--global-mean", action=argparse.BooleanOptionalAction, default=d.global_mean, help="global trainable offset")
-    p.add_argument("--global-mean-init", type=float, default=d.global_mean_init, help="initial global mean (e.g. the mean rating)")
-    p.add_argument("--rating-min", type=float, default=d.rating_min, help="explicit feedback: lowest valid rating")
-    p.add_argument("--rating-max", type=float, default=d.rating_max, help="explicit feedback: highest valid rating")
-    p.add_argument("--init-stddev", type=float, default=d.init_stddev, help="item embedding init N(0, s) (default: %(default)s)")
+    p.add_argument(
+        "--batch-size", type=int, default=d.batch_size, help="static batch size (default: %(default)s)"
+    )
+    p.add_argument(
+        "--max-batches",
+        type=int,
+        default=d.max_batches,
+        help="batches per signature call; bounds the examples a task sees (default: %(default)s)",
+    )
+    p.add_argument(
+        "--top-k", type=int, default=d.top_k, help="length of infer's ranked output (default: %(default)s)"
+    )
+    p.add_argument(
+        "--feedback",
+        choices=[f.value for f in Feedback],
+        default=d.feedback.value,
+        help="explicit ratings (squared error) or implicit shares (logistic loss); default: %(default)s",
+    )
+    p.add_argument(
+        "--item-bias", action=argparse.BooleanOptionalAction, default=d.item_bias, help="global per-item bias"
+    )
+    p.add_argument(
+        "--user-bias", action=argparse.BooleanOptionalAction, default=d.user_bias, help="local per-user bias"
+    )
+    p.add_argument(
+        "--global-mean",
+        action=argparse.BooleanOptionalAction,
+        default=d.global_mean,
+        help="global trainable offset",
+    )
+    p.add_argument(
+        "--global-mean-init",
+        type=float,
+        default=d.global_mean_init,
+        help="initial global mean (e.g. the mean rating)",
+    )
+    p.add_argument(
+        "--rating-min", type=float, default=d.rating_min, help="explicit feedback: lowest valid rating"
+    )
+    p.add_argument(
+        "--rating-max", type=float, default=d.rating_max, help="explicit feedback: highest valid rating"
+    )
+    p.add_argument(
+        "--init-stddev",
+        type=float,
+        default=d.init_stddev,
+        help="item embedding init N(0, s) (default: %(default)s)",
+    )
     p.add_argument("--seed", type=int, default=d.seed, help="initialization seed (default: %(default)s)")
     p.add_argument("--reconstruction-learning-rate", type=float, default=t.reconstruction_learning_rate)
     p.add_argument("--reconstruction-max-epochs", type=int, default=t.reconstruction_max_epochs)

@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 
-class Feedback(str, enum.Enum):
+class Feedback(enum.StrEnum):
     """What a label means, and therefore which loss the model trains."""
 
     EXPLICIT = "explicit"  # a rating; squared error

@@ -77,9 +77,7 @@ def export_model(config: ModelConfig, model_dir: Path) -> ExportResult:
     save_file(initial_global, str(model_dir / INITIAL_GLOBAL_FILE))
 
     def param_specs(variables: dict[str, tf.Variable]) -> tuple[TensorSpec, ...]:
-        return tuple(
-            TensorSpec(k, tuple(v.shape.as_list()), v.dtype.name) for k, v in variables.items()
-        )
+        return tuple(TensorSpec(k, tuple(v.shape.as_list()), v.dtype.name) for k, v in variables.items())
 
     training = config.to_json()["training"]
     assert isinstance(training, dict)

@@ -165,8 +165,7 @@ class Manifest:
             feedback=feedback,
             label_range=(float(label_range[0]), float(label_range[1])),
             global_params=tuple(
-                TensorSpec.from_json(s, "global_params")
-                for s in _require(data, "global_params", list)
+                TensorSpec.from_json(s, "global_params") for s in _require(data, "global_params", list)
             ),
             local_params=tuple(
                 TensorSpec.from_json(s, "local_params") for s in _require(data, "local_params", list)
@@ -221,7 +220,9 @@ def load_manifest(model_dir: Path, *, verify_model: bool = True) -> Manifest:
     try:
         data = json.loads(path.read_text())
     except FileNotFoundError:
-        raise ManifestError(f"no manifest at {path}; expected the output of `python -m model_export`") from None
+        raise ManifestError(
+            f"no manifest at {path}; expected the output of `python -m model_export`"
+        ) from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ManifestError(f"{path} is not valid JSON: {e}") from None
     manifest = Manifest.from_json(data)

@@ -6,12 +6,15 @@ Parameters are split as in Federated Reconstruction:
   `global_mean` [1], trained federatedly;
 - local: `user_embedding` [dim], optional `user_bias` [1], reconstructed on the device.
 
-Every signature that trains or evaluates takes a *task batch*: the task's distinct items
-`item_ids` [max_items] and, per example, its `slots` [max_batches, batch_size] into that
-list, with `labels` and `weights` of the same shape (weight 0 pads). Training loops then
-carry a compact [max_items, dim] table instead of the whole item matrix, so a step costs
-O(batch) rather than O(catalog): a dense step over a 20,000 x 50 matrix is ~2.5 ms here,
-which would put a 100-step client task an order of magnitude over budget.
+Every signature that trains or evaluates takes a *task batch*: the task's rows of the
+per-item globals (`item_embeddings` [max_examples, dim], `item_bias` [max_examples]; the
+rows of the task's distinct items, then padding), `global_mean`, and per example its
+`slots` [max_batches, batch_size] into those rows, with `labels` and `weights` of the same
+shape (weight 0 pads). Two reasons:
+- a step costs O(batch), not O(catalog): a dense step over a 20,000 x 50 matrix is
+  ~2.5 ms here, an order of magnitude over a client task's budget;
+- a signature that reads the whole item variable keeps its own full-size copy (TFLite's
+  READ_VARIABLE copies into the subgraph's arena), so only `infer` and `get_global` do.
 
 Only builtin TFLite ops are used; shapes are static (a dynamic batch pulls in a Flex op).
 """
@@ -32,7 +35,7 @@ USER_EMBEDDING = "user_embedding"
 USER_BIAS = "user_bias"
 
 
-class FedReconModel(tf.Module):
+class FedReconModel(tf.Module):  # type: ignore[misc]
     """Matrix factorization with global item parameters and local user parameters."""
 
     def __init__(self, config: ModelConfig) -> None:
@@ -57,12 +60,12 @@ class FedReconModel(tf.Module):
 
     # ---- maths shared by the signatures -------------------------------------------------
 
-    def _item_tables(self, item_ids: tf.Tensor) -> dict[str, tf.Tensor]:
-        """The task's rows of the per-item global parameters, in slot order."""
-        tables = {ITEM_EMBEDDINGS: tf.gather(self.global_vars[ITEM_EMBEDDINGS], item_ids)}
-        if ITEM_BIAS in self.global_vars:
-            tables[ITEM_BIAS] = tf.gather(self.global_vars[ITEM_BIAS], item_ids)
-        return tables
+    def _split_task_globals(
+        self, rows: dict[str, tf.Tensor]
+    ) -> tuple[dict[str, tf.Tensor], tf.Tensor | None]:
+        """(per-item tables, global mean or None) from a task's global inputs."""
+        tables = {k: v for k, v in rows.items() if k in (ITEM_EMBEDDINGS, ITEM_BIAS)}
+        return tables, rows.get(GLOBAL_MEAN)
 
     def _scores(
         self,
@@ -116,10 +119,6 @@ class FedReconModel(tf.Module):
         objective = data_loss + l2_global * item_reg + nonempty * l2_local * local_sq
         return objective, data_loss
 
-    def _global_mean(self) -> tf.Tensor | None:
-        var = self.global_vars.get(GLOBAL_MEAN)
-        return None if var is None else var.read_value()
-
     def _clamp_batches(self, num_batches: tf.Tensor) -> tf.Tensor:
         # tf.where, not clip_by_value: the converter turns an int clamp to [0, 6] into a
         # Relu6 that TFLite has no int32 builtin for.
@@ -127,9 +126,7 @@ class FedReconModel(tf.Module):
         num_batches = tf.where(num_batches > upper, upper, num_batches)
         return tf.where(num_batches < 0, tf.zeros_like(num_batches), num_batches)
 
-    def _loop_bounds(
-        self, num_batches: tf.Tensor, num_steps: tf.Tensor
-    ) -> tuple[tf.Tensor, tf.Tensor]:
+    def _loop_bounds(self, num_batches: tf.Tensor, num_steps: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
         """Clamp caller-supplied counts so a bad call cannot index outside the padded arrays."""
         num_batches = self._clamp_batches(num_batches)
         num_steps = tf.where(num_batches > 0, tf.maximum(num_steps, 0), 0)
@@ -137,19 +134,26 @@ class FedReconModel(tf.Module):
 
     # ---- signatures ----------------------------------------------------------------------
 
-    def task_spec(self) -> list[tf.TensorSpec]:
+    def task_spec(self) -> dict[str, tf.TensorSpec]:
+        """Inputs every training/evaluation signature takes: the task's global rows and batches."""
         c = self.config
-        return [
-            tf.TensorSpec([c.max_examples], tf.int32, name="item_ids"),
+        rows: dict[str, tf.TensorSpec] = {
+            k: tf.TensorSpec([c.max_examples, *v.shape[1:]], v.dtype, name=k)
+            for k, v in self.global_vars.items()
+            if k != GLOBAL_MEAN
+        }
+        if GLOBAL_MEAN in self.global_vars:
+            rows[GLOBAL_MEAN] = tf.TensorSpec([1], tf.float32, name=GLOBAL_MEAN)
+        batches = [
             tf.TensorSpec([c.max_batches, c.batch_size], tf.int32, name="slots"),
             tf.TensorSpec([c.max_batches, c.batch_size], tf.float32, name="labels"),
             tf.TensorSpec([c.max_batches, c.batch_size], tf.float32, name="weights"),
             tf.TensorSpec([], tf.int32, name="num_batches"),
         ]
+        return {**rows, **{spec.name: spec for spec in batches}}
 
     def reconstruct(
         self,
-        item_ids: tf.Tensor,
         slots: tf.Tensor,
         labels: tf.Tensor,
         weights: tf.Tensor,
@@ -157,37 +161,36 @@ class FedReconModel(tf.Module):
         num_steps: tf.Tensor,
         learning_rate: tf.Tensor,
         l2_local: tf.Tensor,
+        **task_globals: tf.Tensor,
     ) -> dict[str, tf.Tensor]:
         """`num_steps` SGD steps on the local parameters over the batches, cycling; globals frozen."""
         modulus, num_steps = self._loop_bounds(num_batches, num_steps)
-        tables = self._item_tables(item_ids)
-        global_mean = self._global_mean()
+        tables, global_mean = self._split_task_globals(task_globals)
         names = list(self.local_vars)
         start = [self.local_vars[k].read_value() for k in names]
         zero = tf.constant(0.0)
 
         def body(step: tf.Tensor, loss_sum: tf.Tensor, *values: tf.Tensor) -> Any:
             b = tf.math.floormod(step, modulus)
-            local = dict(zip(names, values))
+            local = dict(zip(names, values, strict=True))
             with tf.GradientTape() as tape:
                 tape.watch(values)
                 objective, data_loss = self._batch_objective(
                     tables, local, global_mean, slots[b], labels[b], weights[b], zero, l2_local
                 )
             grads = tape.gradient(objective, list(values))
-            new = [v - learning_rate * g for v, g in zip(values, grads)]
+            new = [v - learning_rate * g for v, g in zip(values, grads, strict=True)]
             return (step + 1, loss_sum + data_loss, *new)
 
         _, loss_sum, *final = tf.while_loop(
             lambda step, *_: step < num_steps, body, (tf.constant(0), zero, *start)
         )
-        for k, v in zip(names, final):
+        for k, v in zip(names, final, strict=True):
             self.local_vars[k].assign(v)
         return {"loss": tf.math.divide_no_nan(loss_sum, tf.cast(num_steps, tf.float32))}
 
     def update(
         self,
-        item_ids: tf.Tensor,
         slots: tf.Tensor,
         labels: tf.Tensor,
         weights: tf.Tensor,
@@ -197,28 +200,29 @@ class FedReconModel(tf.Module):
         local_learning_rate: tf.Tensor,
         l2_global: tf.Tensor,
         l2_local: tf.Tensor,
+        **task_globals: tf.Tensor,
     ) -> dict[str, tf.Tensor]:
         """`num_steps` SGD steps on the global parameters; returns their change per task slot.
 
-        Global variables are left as they were: the device's copy of the model is the
-        server's, and the result of the task is the delta. With `local_learning_rate` > 0
+        Global variables are not touched: the device's copy of the model is the server's,
+        and the result of the task is the delta of the rows it was given. With `local_learning_rate` > 0
         the local parameters train jointly (FURL, or FedAvg's shared user vector) and are
         written back; with 0 they stay frozen, as FedRecon's update step requires.
         """
         modulus, num_steps = self._loop_bounds(num_batches, num_steps)
-        start_tables = self._item_tables(item_ids)
+        start_tables, global_mean = self._split_task_globals(task_globals)
         table_names = list(start_tables)
         local_names = list(self.local_vars)
-        has_mean = GLOBAL_MEAN in self.global_vars
-        start_mean = [self.global_vars[GLOBAL_MEAN].read_value()] if has_mean else []
+        has_mean = global_mean is not None
+        start_mean = [global_mean] if global_mean is not None else []
         start_local = [self.local_vars[k].read_value() for k in local_names]
         n_tables, n_mean = len(table_names), len(start_mean)
 
         def body(step: tf.Tensor, loss_sum: tf.Tensor, *values: tf.Tensor) -> Any:
             b = tf.math.floormod(step, modulus)
-            tables = dict(zip(table_names, values[:n_tables]))
+            tables = dict(zip(table_names, values[:n_tables], strict=True))
             mean = values[n_tables] if has_mean else None
-            local = dict(zip(local_names, values[n_tables + n_mean :]))
+            local = dict(zip(local_names, values[n_tables + n_mean :], strict=True))
             with tf.GradientTape() as tape:
                 tape.watch(values)
                 objective, data_loss = self._batch_objective(
@@ -226,7 +230,7 @@ class FedReconModel(tf.Module):
                 )
             grads = tape.gradient(objective, list(values))
             rates = [learning_rate] * (n_tables + n_mean) + [local_learning_rate] * len(local)
-            new = [v - r * tf.convert_to_tensor(g) for v, r, g in zip(values, rates, grads)]
+            new = [v - r * tf.convert_to_tensor(g) for v, r, g in zip(values, rates, grads, strict=True)]
             return (step + 1, loss_sum + data_loss, *new)
 
         _, loss_sum, *final = tf.while_loop(
@@ -235,30 +239,30 @@ class FedReconModel(tf.Module):
             (tf.constant(0), tf.constant(0.0), *start_tables.values(), *start_mean, *start_local),
         )
         outputs = {"loss": tf.math.divide_no_nan(loss_sum, tf.cast(num_steps, tf.float32))}
-        for k, start, end in zip(table_names, start_tables.values(), final[:n_tables]):
+        for k, start, end in zip(table_names, start_tables.values(), final[:n_tables], strict=True):
             outputs[f"{k}_delta"] = end - start
         if has_mean:
             outputs[f"{GLOBAL_MEAN}_delta"] = final[n_tables] - start_mean[0]
-        for k, v in zip(local_names, final[n_tables + n_mean :]):
+        for k, v in zip(local_names, final[n_tables + n_mean :], strict=True):
             self.local_vars[k].assign(v)
         return outputs
 
     def evaluate(
         self,
-        item_ids: tf.Tensor,
         slots: tf.Tensor,
         labels: tf.Tensor,
         weights: tf.Tensor,
         num_batches: tf.Tensor,
+        **task_globals: tf.Tensor,
     ) -> dict[str, tf.Tensor]:
         """Weighted sums over the first `num_batches` batches, so that devices' metrics add up."""
         c = self.config
-        tables = self._item_tables(item_ids)
+        tables, global_mean = self._split_task_globals(task_globals)
         local = {k: v.read_value() for k, v in self.local_vars.items()}
         clamped = self._clamp_batches(num_batches)
         in_range = tf.cast(tf.range(c.max_batches) < clamped, tf.float32)[:, None]
         weights = weights * in_range
-        scores = self._scores(tables, local, self._global_mean(), slots)
+        scores = self._scores(tables, local, global_mean, slots)
         losses = self._example_losses(scores, labels)
         if c.feedback is Feedback.EXPLICIT:
             correct = tf.cast(tf.abs(scores - labels) < 0.5, tf.float32)
@@ -320,30 +324,27 @@ class FedReconModel(tf.Module):
             return tf.TensorSpec([], tf.float32, name=name)
 
         task = self.task_spec()
-        global_specs = {
-            k: tf.TensorSpec(v.shape, v.dtype, name=k) for k, v in self.global_vars.items()
-        }
-        local_specs = {
-            k: tf.TensorSpec(v.shape, v.dtype, name=k) for k, v in self.local_vars.items()
-        }
+        global_specs = {k: tf.TensorSpec(v.shape, v.dtype, name=k) for k, v in self.global_vars.items()}
+        local_specs = {k: tf.TensorSpec(v.shape, v.dtype, name=k) for k, v in self.local_vars.items()}
 
         def keyword_fn(method: Any, specs: dict[str, tf.TensorSpec]) -> Any:
             # TFLite signature inputs are named after keyword arguments.
             return tf.function(lambda **kw: method(**kw)).get_concrete_function(**specs)
 
+        hyper = {"num_steps": scalar_i, "learning_rate": scalar_f("learning_rate")}
         return {
-            "reconstruct": tf.function(self.reconstruct).get_concrete_function(
-                *task, scalar_i, scalar_f("learning_rate"), scalar_f("l2_local")
+            "reconstruct": keyword_fn(self.reconstruct, {**task, **hyper, "l2_local": scalar_f("l2_local")}),
+            "update": keyword_fn(
+                self.update,
+                {
+                    **task,
+                    **hyper,
+                    "local_learning_rate": scalar_f("local_learning_rate"),
+                    "l2_global": scalar_f("l2_global"),
+                    "l2_local": scalar_f("l2_local"),
+                },
             ),
-            "update": tf.function(self.update).get_concrete_function(
-                *task,
-                scalar_i,
-                scalar_f("learning_rate"),
-                scalar_f("local_learning_rate"),
-                scalar_f("l2_global"),
-                scalar_f("l2_local"),
-            ),
-            "evaluate": tf.function(self.evaluate).get_concrete_function(*task),
+            "evaluate": keyword_fn(self.evaluate, task),
             "infer": tf.function(self.infer).get_concrete_function(
                 tf.TensorSpec([self.config.num_items], tf.float32, name="exclude")
             ),

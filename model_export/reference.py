@@ -68,7 +68,9 @@ class ReferenceModel:
         grads_l["user_embedding"] = d_score @ rows + 2 * l2_local * loc["user_embedding"]
         if "user_bias" in loc:
             grads_l["user_bias"] = np.array([d_score.sum()]) + 2 * l2_local * loc["user_bias"]
-        item_grad = np.outer(d_score, loc["user_embedding"]) + 2 * l2_global * (weights / total)[:, None] * rows
+        item_grad = (
+            np.outer(d_score, loc["user_embedding"]) + 2 * l2_global * (weights / total)[:, None] * rows
+        )
         np.add.at(grads_g["item_embeddings"], items, item_grad)
         if "item_bias" in g:
             bias_grad = d_score + 2 * l2_global * (weights / total) * g["item_bias"][items]
@@ -82,7 +84,9 @@ class ReferenceModel:
     def reset_local(self) -> None:
         self.local_params = {k: np.zeros_like(v) for k, v in self.local_params.items()}
 
-    def reconstruct(self, batches: list[Batch], num_steps: int, learning_rate: float, l2_local: float) -> float:
+    def reconstruct(
+        self, batches: list[Batch], num_steps: int, learning_rate: float, l2_local: float
+    ) -> float:
         """SGD on the local params only, cycling over `batches`; returns the mean data loss."""
         losses = []
         for step in range(num_steps if batches else 0):

@@ -21,16 +21,36 @@ BACKENDS = ("ai_edge_litert", "tflite_runtime")
 # Small models of different shapes, feedback and parameter sets.
 SMALL = ModelConfig(num_items=60, embedding_dim=8, batch_size=4, max_batches=6, top_k=20)
 BIASED = ModelConfig(
-    num_items=200, embedding_dim=16, batch_size=5, max_batches=8, top_k=30,
-    item_bias=True, user_bias=True, global_mean=True, global_mean_init=3.5,
+    num_items=200,
+    embedding_dim=16,
+    batch_size=5,
+    max_batches=8,
+    top_k=30,
+    item_bias=True,
+    user_bias=True,
+    global_mean=True,
+    global_mean_init=3.5,
 )
 IMPLICIT = ModelConfig(
-    num_items=150, embedding_dim=12, batch_size=8, max_batches=10, top_k=25,
-    feedback=Feedback.IMPLICIT, item_bias=True, user_bias=True,
+    num_items=150,
+    embedding_dim=12,
+    batch_size=8,
+    max_batches=10,
+    top_k=25,
+    feedback=Feedback.IMPLICIT,
+    item_bias=True,
+    user_bias=True,
 )
 MOVIELENS = ModelConfig(
-    num_items=1682, embedding_dim=16, batch_size=5, max_batches=64, top_k=50,
-    item_bias=True, user_bias=True, global_mean=True, global_mean_init=3.53,
+    num_items=1682,
+    embedding_dim=16,
+    batch_size=5,
+    max_batches=64,
+    top_k=50,
+    item_bias=True,
+    user_bias=True,
+    global_mean=True,
+    global_mean_init=3.53,
 )
 
 
@@ -41,7 +61,10 @@ def export_in_subprocess(config: ModelConfig, out: Path) -> Path:
     config_file.write_text(json.dumps(config.to_json()))
     subprocess.run(
         [sys.executable, "-m", "model_export", "--config", str(config_file), "--output-dir", str(out)],
-        check=True, capture_output=True, cwd=ROOT, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"},
+        check=True,
+        capture_output=True,
+        cwd=ROOT,
+        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"},
     )
     return out
 

@@ -25,9 +25,11 @@ from tests.conftest import IMPLICIT, MOVIELENS, perturbed_globals
 UserData = list[tuple[np.ndarray, np.ndarray, np.ndarray]]
 
 
-def fill(store: ExampleStore, items: np.ndarray, labels: np.ndarray, timestamps: np.ndarray | None = None) -> None:
+def fill(
+    store: ExampleStore, items: np.ndarray, labels: np.ndarray, timestamps: np.ndarray | None = None
+) -> None:
     times = np.arange(len(items)) if timestamps is None else timestamps
-    store.add(Event(int(i), float(r), float(t)) for i, r, t in zip(items, labels, times))
+    store.add(Event(int(i), float(r), float(t)) for i, r, t in zip(items, labels, times, strict=True))
 
 
 @pytest.fixture
@@ -52,7 +54,10 @@ def test_completed_task_returns_the_reference_delta_and_discards_locals(
     assert result.outcome is Outcome.COMPLETED, result.message
     data = prepare(store, model.manifest, config, seed=0)
     ref = ReferenceModel("explicit", globals_, {k: np.zeros_like(v) for k, v in model.get_local().items()})
-    as_ref = [[(b.item_ids, b.labels.astype(np.float64), np.ones(len(b))) for b in part] for part in (data.support, data.query)]
+    as_ref = [
+        [(b.item_ids, b.labels.astype(np.float64), np.ones(len(b))) for b in part]
+        for part in (data.support, data.query)
+    ]
     ref.reconstruct(as_ref[0], min(50, 5 * len(as_ref[0])), 0.1, 0.0)
     ref_delta, _ = ref.update(as_ref[1], min(50, len(as_ref[1])), 0.5)
     assert result.num_examples == sum(len(b) for b in data.query) == 135  # |query|: alternate batches of 5
@@ -62,7 +67,9 @@ def test_completed_task_returns_the_reference_delta_and_discards_locals(
     assert all(not np.any(v) for v in model.get_local().values())
 
 
-def test_repeated_rounds_on_a_device_lower_its_query_loss(movielens_device: tuple[DeviceModel, ExampleStore]) -> None:
+def test_repeated_rounds_on_a_device_lower_its_query_loss(
+    movielens_device: tuple[DeviceModel, ExampleStore],
+) -> None:
     model, store = movielens_device
     globals_ = model.get_global()
     config = TaskConfig.from_manifest(model.manifest, update_learning_rate=0.05)
@@ -77,13 +84,17 @@ def test_repeated_rounds_on_a_device_lower_its_query_loss(movielens_device: tupl
     assert losses[-1] < 0.8 * losses[0]
 
 
-def test_too_few_examples_is_insufficient_data(movielens_device: tuple[DeviceModel, ExampleStore], tmp_path: Path) -> None:
+def test_too_few_examples_is_insufficient_data(
+    movielens_device: tuple[DeviceModel, ExampleStore], tmp_path: Path
+) -> None:
     model, _ = movielens_device
     store = ExampleStore(tmp_path / "small.sqlite")
     fill(store, np.array([1, 2, 3]), np.array([4.0, 5.0, 3.0]))
 
     few = run_training_task(model, store, model.get_global(), TaskConfig(min_examples=5))
-    empty = run_training_task(model, ExampleStore(tmp_path / "empty.sqlite"), model.get_global(), TaskConfig())
+    empty = run_training_task(
+        model, ExampleStore(tmp_path / "empty.sqlite"), model.get_global(), TaskConfig()
+    )
 
     assert few.outcome is Outcome.INSUFFICIENT_DATA
     assert "3 usable examples" in few.message
@@ -91,7 +102,9 @@ def test_too_few_examples_is_insufficient_data(movielens_device: tuple[DeviceMod
     assert empty.outcome is Outcome.INSUFFICIENT_DATA
 
 
-def test_few_examples_are_reused_for_support_and_query(movielens_device: tuple[DeviceModel, ExampleStore], tmp_path: Path) -> None:
+def test_few_examples_are_reused_for_support_and_query(
+    movielens_device: tuple[DeviceModel, ExampleStore], tmp_path: Path
+) -> None:
     model, _ = movielens_device
     store = ExampleStore(tmp_path / "few.sqlite")
     fill(store, np.arange(12), np.full(12, 4.0))
@@ -109,14 +122,18 @@ def test_interrupted_task_reports_nothing(movielens_device: tuple[DeviceModel, E
     model, store = movielens_device
     calls = iter([True, False])
 
-    result = run_training_task(model, store, model.get_global(), TaskConfig(), should_continue=lambda: next(calls))
+    result = run_training_task(
+        model, store, model.get_global(), TaskConfig(), should_continue=lambda: next(calls)
+    )
 
     assert result.outcome is Outcome.INTERRUPTED
     assert result.delta is None
     assert all(not np.any(v) for v in model.get_local().values())
 
 
-def test_bad_global_parameters_are_an_error_outcome(movielens_device: tuple[DeviceModel, ExampleStore]) -> None:
+def test_bad_global_parameters_are_an_error_outcome(
+    movielens_device: tuple[DeviceModel, ExampleStore],
+) -> None:
     model, store = movielens_device
     globals_ = model.get_global()
     globals_["item_embeddings"][0, 0] = np.inf
@@ -150,7 +167,9 @@ def test_items_outside_the_catalog_are_left_out_and_counted(
     assert result.metrics["num_examples"] == 6
 
 
-def test_examples_are_capped_at_max_examples(movielens_device: tuple[DeviceModel, ExampleStore], movielens_users: UserData, tmp_path: Path) -> None:
+def test_examples_are_capped_at_max_examples(
+    movielens_device: tuple[DeviceModel, ExampleStore], movielens_users: UserData, tmp_path: Path
+) -> None:
     model, _ = movielens_device
     heavy = max(movielens_users, key=lambda u: len(u[0]))
     store = ExampleStore(tmp_path / "heavy.sqlite")
@@ -163,7 +182,9 @@ def test_examples_are_capped_at_max_examples(movielens_device: tuple[DeviceModel
     assert result.num_examples == 150
 
 
-def test_implicit_feedback_adds_sampled_negatives(export: Callable[[ModelConfig], Path], backend: str, tmp_path: Path) -> None:
+def test_implicit_feedback_adds_sampled_negatives(
+    export: Callable[[ModelConfig], Path], backend: str, tmp_path: Path
+) -> None:
     model = DeviceModel(export(IMPLICIT), backend=backend)
     store = ExampleStore(tmp_path / "shares.sqlite", num_items=150, label_range=(0.0, 1.0))
     fill(store, np.arange(10), np.ones(10))
@@ -199,3 +220,5 @@ def test_task_config_round_trip_and_refusals() -> None:
         TaskConfig.from_json({"reconstrution_max_steps": 3})
     with pytest.raises(ValueError, match="finite and >= 0"):
         TaskConfig(update_learning_rate=float("nan"))
+    with pytest.raises(ValueError, match="update_max_steps must be int, got '5'"):
+        TaskConfig.from_json({"update_max_steps": "5"})

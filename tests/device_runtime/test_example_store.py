@@ -101,7 +101,11 @@ def test_app_writes_while_the_trainer_reads(tmp_path: Path) -> None:
         except BaseException as e:
             errors.append(e)
 
-    threads = [threading.Thread(target=app), threading.Thread(target=trainer), threading.Thread(target=trainer)]
+    threads = [
+        threading.Thread(target=app),
+        threading.Thread(target=trainer),
+        threading.Thread(target=trainer),
+    ]
     for t in threads:
         t.start()
     for t in threads:

@@ -93,7 +93,9 @@ def test_manifest_parameter_shape_disagreeing_with_its_numbers(model_copy: Path)
         DeviceModel(model_copy)
 
 
-def test_wrong_global_tensors_are_refused_and_the_model_keeps_its_state(model_copy: Path, backend: str) -> None:
+def test_wrong_global_tensors_are_refused_and_the_model_keeps_its_state(
+    model_copy: Path, backend: str
+) -> None:
     model = DeviceModel(model_copy, backend=backend)
     before = model.get_global()
     nan = {k: v.copy() for k, v in before.items()}

@@ -46,7 +46,10 @@ def test_client_task_and_recommender_without_tensorflow(
 ) -> None:
     result = subprocess.run(
         [sys.executable, "-c", SCRIPT, str(export(BIASED)), str(tmp_path / "s.sqlite"), backend],
-        capture_output=True, text=True, cwd=ROOT, timeout=120,
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
     )
 
     assert result.returncode == 0, result.stderr

@@ -23,7 +23,14 @@ def test_help_lists_the_export_options() -> None:
     result = run_cli("--help")
 
     assert result.returncode == 0
-    for option in ("--num-items", "--embedding-dim", "--batch-size", "--feedback", "--item-bias", "--output-dir"):
+    for option in (
+        "--num-items",
+        "--embedding-dim",
+        "--batch-size",
+        "--feedback",
+        "--item-bias",
+        "--output-dir",
+    ):
         assert option in result.stdout
 
 
@@ -53,7 +60,9 @@ def test_model_uses_builtin_ops_only(export: Callable[[ModelConfig], Path]) -> N
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
 
     assert result.returncode == 0, result.stderr
-    ops = {line.split("Op#")[1].split()[1].split("(")[0] for line in result.stdout.splitlines() if "Op#" in line}
+    ops = {
+        line.split("Op#")[1].split()[1].split("(")[0] for line in result.stdout.splitlines() if "Op#" in line
+    }
     assert {"WHILE", "GATHER", "UNSORTED_SEGMENT_SUM", "ASSIGN_VARIABLE", "TOPK_V2"} <= ops
     assert not [op for op in ops if op.startswith("Flex") or op == "CUSTOM"], ops
 

@@ -53,10 +53,14 @@ def assert_close(actual: np.ndarray | float, expected: np.ndarray | float) -> No
 @pytest.mark.parametrize("name", list(CONFIGS))
 # counts: a partial last batch; all batches full; fewer batches than steps (cycling)
 @pytest.mark.parametrize("count", [7, 24, 37])
-def test_reconstruct_matches_reference(export: Callable[[ModelConfig], Path], backend: str, name: str, count: int) -> None:
+def test_reconstruct_matches_reference(
+    export: Callable[[ModelConfig], Path], backend: str, name: str, count: int
+) -> None:
     config = CONFIGS[name]
     model, ref = setup_pair(export(config), backend, seed=count)
-    batches = split_batches(random_examples(config, count, seed=count), config.batch_size)[: config.max_batches]
+    batches = split_batches(random_examples(config, count, seed=count), config.batch_size)[
+        : config.max_batches
+    ]
 
     loss = model.reconstruct(TaskBatches.pack(batches, model.manifest), 23, 0.07, 0.01)
     ref_loss = ref.reconstruct(reference_batches(batches), 23, 0.07, 0.01)
@@ -69,19 +73,31 @@ def test_reconstruct_matches_reference(export: Callable[[ModelConfig], Path], ba
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
-@pytest.mark.parametrize(("local_lr", "l2_global", "l2_local"), [(0.0, 0.0, 0.0), (0.0, 0.05, 0.0), (0.03, 0.02, 0.01)])
+@pytest.mark.parametrize(
+    ("local_lr", "l2_global", "l2_local"), [(0.0, 0.0, 0.0), (0.0, 0.05, 0.0), (0.03, 0.02, 0.01)]
+)
 def test_update_matches_reference(
-    export: Callable[[ModelConfig], Path], backend: str, name: str, local_lr: float, l2_global: float, l2_local: float
+    export: Callable[[ModelConfig], Path],
+    backend: str,
+    name: str,
+    local_lr: float,
+    l2_global: float,
+    l2_local: float,
 ) -> None:
     config = CONFIGS[name]
     model, ref = setup_pair(export(config), backend, seed=5)
     batches = split_batches(random_examples(config, 19, seed=6), config.batch_size)
     before = model.get_global()
 
-    delta, loss = model.update(
-        TaskBatches.pack(batches, model.manifest), 11, 0.05,
-        local_learning_rate=local_lr, l2_global=l2_global, l2_local=l2_local,
+    update = model.update(
+        TaskBatches.pack(batches, model.manifest),
+        11,
+        0.05,
+        local_learning_rate=local_lr,
+        l2_global=l2_global,
+        l2_local=l2_local,
     )
+    delta, loss = update.delta, update.loss
     ref_delta, ref_loss = ref.update(reference_batches(batches), 11, 0.05, local_lr, l2_global, l2_local)
 
     assert_close(loss, ref_loss)
@@ -89,6 +105,7 @@ def test_update_matches_reference(
     for k in delta:
         assert delta[k].shape == ref_delta[k].shape
         assert_close(delta[k], ref_delta[k])
+    assert_close(update.max_abs_change, max(np.abs(v).max() for v in ref_delta.values()))
     for k, v in model.get_local().items():  # frozen unless local_lr > 0
         assert_close(v, ref.local_params[k])
     for k, v in model.get_global().items():  # the signature returns the delta, the model is unchanged
@@ -127,16 +144,18 @@ def test_infer_matches_reference_and_honours_exclusions(
     assert_close(ranking.top_scores[:5], expected[best[3:8]])
 
 
-def test_zero_steps_and_empty_batches_change_nothing(export: Callable[[ModelConfig], Path], backend: str) -> None:
+def test_zero_steps_and_empty_batches_change_nothing(
+    export: Callable[[ModelConfig], Path], backend: str
+) -> None:
     model, _ = setup_pair(export(BIASED), backend, seed=12)
     local = model.get_local()
     empty = TaskBatches.pack([], model.manifest)
 
     assert model.reconstruct(empty, 50, 0.1) == 0.0
-    delta, loss = model.update(empty, 50, 0.5)
+    update = model.update(empty, 50, 0.5)
 
-    assert loss == 0.0
-    assert all(not np.any(v) for v in delta.values())
+    assert update.loss == 0.0
+    assert all(not np.any(v) for v in update.delta.values())
     for k, v in model.get_local().items():
         np.testing.assert_array_equal(v, local[k])
 

@@ -1,0 +1,193 @@
+"""Device runtime benchmark: client task time, top-10 latency, peak RSS, model size.
+
+    ./dev bench            (or: python benchmarks/bench_device_runtime.py [--repeats N])
+
+Exports 3,706 x 50 and 20,000 x 50 models (TensorFlow, in a subprocess), then measures
+each in a fresh process where importing TensorFlow is blocked, once per interpreter:
+
+- one full client task for a 300-example client (set globals, reconstruct, update, delta),
+  with the protocol's steps (reconstruction min(50, 5 epochs) = 50, update 1 epoch = 30)
+  and with the update raised to 50 steps (2 epochs); median over repeats;
+- top-10 over the whole catalog with cached local parameters (median);
+- the process's peak RSS (ru_maxrss);
+- the `.tflite` size against the raw bytes of its parameters.
+Targets (issue 2): task <= 15 ms, top-10 <= 1 ms, RSS <= 80 MB.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SIZES = ((3706, 50), (20000, 50))
+BACKENDS = ("ai_edge_litert", "tflite_runtime")
+
+BLOCK_TENSORFLOW = """
+import importlib.abc, sys
+class _NoTensorFlow(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "tensorflow" or name.startswith("tensorflow."):
+            raise ImportError("tensorflow is blocked in the device benchmark")
+sys.meta_path.insert(0, _NoTensorFlow())
+"""
+
+
+def measure(model_dir: Path, backend: str, repeats: int) -> dict[str, float]:
+    """Runs in the child process: the device's view only."""
+    import resource
+
+    import numpy as np
+
+    from device_runtime.client_task import TaskConfig, run_training_task
+    from device_runtime.example_store import Event, ExampleStore
+    from device_runtime.model import DeviceModel
+    from device_runtime.recommender import Recommender
+    from model_export.manifest import INITIAL_GLOBAL_FILE
+    from model_export.params import decode_params
+
+    model = DeviceModel(model_dir, backend=backend)
+    n = model.manifest.num_items
+    rng = np.random.default_rng(0)
+    with tempfile.TemporaryDirectory() as tmp:
+        store = ExampleStore(Path(tmp) / "device.sqlite", num_items=n)
+        items = rng.choice(n, 300, replace=False)
+        store.add(Event(int(i), float(rng.integers(1, 6)), float(t)) for t, i in enumerate(items))
+        # As a device gets them: a safetensors download, not a read from the interpreter.
+        global_params = decode_params(
+            (model_dir / INITIAL_GLOBAL_FILE).read_bytes(), model.manifest.global_params, "globals"
+        )
+        configs = {
+            "task_ms": TaskConfig.from_manifest(model.manifest),
+            "task_50_update_steps_ms": TaskConfig.from_manifest(model.manifest, update_max_epochs=2),
+        }
+        results: dict[str, float] = {}
+        for name, config in configs.items():
+            times = []
+            for _ in range(repeats + 3):
+                start = time.perf_counter()
+                outcome = run_training_task(model, store, global_params, config)
+                times.append(time.perf_counter() - start)
+                assert outcome.outcome.value == "completed", outcome.message
+            results[name] = statistics.median(times[3:]) * 1e3
+            results[name.replace("_ms", "_update_steps")] = float(outcome.metrics["num_query"] // 5)
+        start = time.perf_counter()
+        for _ in range(repeats):
+            model.set_global(global_params)
+        results["set_global_ms"] = (time.perf_counter() - start) / repeats * 1e3
+
+        recommender = Recommender(model, store, global_params)
+        recommender.recommend(10)  # reconstructs once, then cached
+        times = []
+        for _ in range(max(repeats, 200)):
+            start = time.perf_counter()
+            recommender.recommend(10)
+            times.append(time.perf_counter() - start)
+        results["top10_ms"] = statistics.median(times) * 1e3
+        store.close()
+    results["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    results["tensorflow_loaded"] = float(any(m.startswith("tensorflow") for m in sys.modules))
+    return results
+
+
+def export(num_items: int, dim: int, out: Path) -> dict[str, float]:
+    config = {
+        "num_items": num_items,
+        "embedding_dim": dim,
+        "batch_size": 5,
+        "max_batches": 64,
+        "item_bias": True,
+        "user_bias": True,
+        "global_mean": True,
+        "global_mean_init": 3.5,
+    }
+    (out / "config.json").write_text(json.dumps(config))
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "model_export",
+            "--config",
+            str(out / "config.json"),
+            "--output-dir",
+            str(out),
+        ],
+        check=True,
+        cwd=ROOT,
+        capture_output=True,
+        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"},
+    )
+    manifest = json.loads((out / "manifest.json").read_text())
+    params = sum(4 * int(_prod(s["shape"])) for s in manifest["global_params"] + manifest["local_params"])
+    return {"tflite_bytes": manifest["model"]["bytes"], "param_bytes": params}
+
+
+def _prod(shape: list[int]) -> int:
+    out = 1
+    for d in shape:
+        out *= d
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--repeats", type=int, default=50)
+    parser.add_argument("--child", nargs=2, metavar=("MODEL_DIR", "BACKEND"), help=argparse.SUPPRESS)
+    parser.add_argument("--json", type=Path, default=None, help="also write the figures here")
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps(measure(Path(args.child[0]), args.child[1], args.repeats)))
+        return 0
+
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for num_items, dim in SIZES:
+            out = Path(tmp) / f"{num_items}x{dim}"
+            out.mkdir()
+            sizes = export(num_items, dim, out)
+            for backend in BACKENDS:
+                code = BLOCK_TENSORFLOW + (
+                    "import runpy, sys\n"
+                    f"sys.argv = ['bench', '--child', {str(out)!r}, {backend!r}, "
+                    f"'--repeats', '{args.repeats}']\n"
+                    f"runpy.run_path({__file__!r}, run_name='__main__')\n"
+                )
+                child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+                if child.returncode != 0:
+                    print(child.stderr, file=sys.stderr)
+                    return 1
+                figures = json.loads(child.stdout.strip().splitlines()[-1])
+                rows.append({"items": f"{num_items} x {dim}", "backend": backend, **sizes, **figures})
+
+    print(
+        f"device runtime benchmark (medians of {args.repeats} runs; 300-example client; TensorFlow blocked)"
+    )
+    header = (
+        f"{'model':<12} {'interpreter':<15} {'task ms':>8} {'(50 upd)':>9} {'top-10 ms':>10} "
+        f"{'RSS MB':>7} {'set_global ms':>14} {'tflite/params':>14}"
+    )
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        print(
+            f"{r['items']:<12} {r['backend']:<15} {r['task_ms']:>8.2f} {r['task_50_update_steps_ms']:>9.2f} "
+            f"{r['top10_ms']:>10.3f} {r['peak_rss_mb']:>7.1f} {r['set_global_ms']:>14.2f} "
+            f"{r['tflite_bytes'] / r['param_bytes']:>13.2f}x"
+        )
+    print("targets: task <= 15 ms, top-10 <= 1 ms, peak RSS <= 80 MB")
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
