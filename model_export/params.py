@@ -5,6 +5,7 @@ Used by the device runtime (downloads, uploads) and the orchestrator (reports, v
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Mapping
 
 import numpy as np
@@ -20,8 +21,26 @@ class ParamsError(ValueError):
     """Tensors that do not match what the manifest declares."""
 
 
-def encode_params(params: Mapping[str, np.ndarray]) -> bytes:
-    return save({k: np.ascontiguousarray(v) for k, v in params.items()})
+def encode_params(params: Mapping[str, np.ndarray], metadata: Mapping[str, str] | None = None) -> bytes:
+    # metadata=None, never {}: safetensors 0.8 writes an unreadable header for save({}, metadata={}).
+    return save({k: np.ascontiguousarray(v) for k, v in params.items()}, metadata=dict(metadata) if metadata else None)
+
+
+def read_metadata(blob: bytes) -> dict[str, str]:
+    """The string metadata of a safetensors payload (its header's `__metadata__`)."""
+    if len(blob) < 8:
+        raise ParamsError("not a valid safetensors payload (shorter than its 8-byte header length)")
+    size = int.from_bytes(blob[:8], "little")
+    if size > len(blob) - 8:
+        raise ParamsError(f"not a valid safetensors payload (header of {size} bytes, body of {len(blob) - 8})")
+    try:
+        header = json.loads(blob[8 : 8 + size])
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise ParamsError("not a valid safetensors payload (header is not JSON)") from None
+    metadata = header.get("__metadata__", {}) if isinstance(header, dict) else None
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise ParamsError("safetensors metadata must map strings to strings")
+    return metadata
 
 
 def check_params(params: Mapping[str, np.ndarray], specs: Iterable[TensorSpec], what: str) -> Params:

@@ -1,0 +1,76 @@
+"""`python -m orchestrator`: serve, create a population, show status."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from orchestrator.settings import Settings
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m orchestrator", description="The FedRecon orchestrator.")
+    parser.add_argument("--database-url", help="default: $ORCHESTRATOR_DATABASE_URL or sqlite:///orchestrator.sqlite")
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="run the HTTP server")
+    serve.add_argument("--host")
+    serve.add_argument("--port", type=int)
+    create = sub.add_parser("create-population", help="create a population from an exported model directory")
+    create.add_argument("name")
+    create.add_argument("--model-dir", type=Path, required=True, help="output of `python -m model_export`")
+    create.add_argument("--settings", default="{}", help="PopulationSettings as JSON (or @file.json)")
+    status = sub.add_parser("status", help="print a population's state and latest rounds as JSON")
+    status.add_argument("name")
+    args = parser.parse_args(argv)
+
+    overrides = {k: v for k, v in (("database_url", args.database_url),) if v}
+    if args.command == "serve":
+        overrides.update({k: v for k, v in (("host", args.host), ("port", args.port)) if v})
+    settings = Settings(**overrides)  # type: ignore[arg-type]
+
+    if args.command == "serve":
+        import uvicorn
+
+        from orchestrator.app import create_app
+
+        uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="warning")
+        return 0
+
+    from orchestrator.db import Population, make_engine
+    from orchestrator.migrate import migrate
+    from orchestrator.populations import ExportedModel, PopulationError, create_population
+
+    migrate(settings.database_url)
+    engine = make_engine(settings.database_url)
+    if args.command == "create-population":
+        raw = Path(args.settings[1:]).read_text() if args.settings.startswith("@") else args.settings
+        try:
+            population_settings = json.loads(raw)
+            with Session(engine) as session, session.begin():
+                population = create_population(
+                    session, args.name, ExportedModel.from_dir(args.model_dir), population_settings, time.time()
+                )
+                print(f"created population {population.name!r} (model {population.artifact_sha256[:12]}..., version 0)")
+        except (PopulationError, json.JSONDecodeError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        return 0
+    from orchestrator.api.routes.admin import population_out
+
+    with Session(engine) as session:
+        found = session.scalars(select(Population).where(Population.name == args.name)).first()
+        if found is None:
+            print(f"error: no population {args.name!r}", file=sys.stderr)
+            return 2
+        print(json.dumps(population_out(session, found).model_dump(), indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

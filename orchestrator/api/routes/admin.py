@@ -1,0 +1,124 @@
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any
+
+from fastapi import APIRouter, File, Form, HTTPException, UploadFile
+from sqlalchemy import select
+
+from orchestrator import rounds
+from orchestrator.api.deps import AdminDep, ClockDep, SessionDep, SessionFactoryDep
+from orchestrator.api.schemas import PopulationOut, RoundOut
+from orchestrator.db import Population, Round
+from orchestrator.populations import ExportedModel, PopulationError, create_population
+
+router = APIRouter(prefix="/v1/admin", tags=["admin"])
+
+COUNTERS = (
+    "checked_in",
+    "accepted",
+    "rejected_capacity",
+    "rejected_min_examples",
+    "reported",
+    "dropped",
+    "late",
+    "invalid",
+    "aborted",
+)
+
+
+def round_out(r: Round) -> RoundOut:
+    return RoundOut(
+        id=r.id,
+        kind=r.kind,
+        status=r.status,
+        base_version=r.base_version,
+        result_version=r.result_version,
+        target=r.target,
+        capacity=r.capacity,
+        min_reports=r.min_reports,
+        opened_at=r.opened_at,
+        deadline=r.deadline,
+        closed_at=r.closed_at,
+        counters={c: getattr(r, c) for c in COUNTERS},
+        total_weight=r.total_weight,
+        metrics=rounds.summarize_metrics(r),
+    )
+
+
+def population_out(session: Any, p: Population) -> PopulationOut:
+    return PopulationOut(
+        name=p.name,
+        current_version=p.current_version,
+        training_rounds_committed=p.training_rounds_committed,
+        artifact_sha256=p.artifact_sha256,
+        settings=p.settings,
+        open_rounds=[round_out(r) for r in rounds.open_rounds(session, p).values()],
+    )
+
+
+def _population(session: Any, name: str) -> Population:
+    found = session.scalars(select(Population).where(Population.name == name)).first()
+    if found is None:
+        raise HTTPException(404, f"no population {name!r}")
+    return found  # type: ignore[no-any-return]
+
+
+@router.post("/populations", response_model=PopulationOut, status_code=201, summary="Create a population")
+async def create(
+    _: AdminDep,
+    factory: SessionFactoryDep,
+    clock: ClockDep,
+    name: Annotated[str, Form()],
+    model: Annotated[UploadFile, File(description="model.tflite")],
+    manifest: Annotated[UploadFile, File(description="manifest.json")],
+    global_params: Annotated[UploadFile, File(description="global_params.safetensors")],
+    settings: Annotated[str, Form(description="PopulationSettings as JSON")] = "{}",
+) -> PopulationOut:
+    try:
+        manifest_json = json.loads(await manifest.read())
+        settings_json = json.loads(settings)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise HTTPException(422, f"manifest and settings must be JSON: {e}") from None
+    if not isinstance(settings_json, dict):
+        raise HTTPException(422, "settings must be a JSON object")
+    exported = ExportedModel(await model.read(), manifest_json, await global_params.read())
+    with factory.begin() as session:
+        try:
+            population = create_population(session, name, exported, settings_json, clock())
+        except PopulationError as e:
+            raise HTTPException(422 if "already exists" not in str(e) else 409, str(e)) from None
+        return population_out(session, population)
+
+
+@router.get("/populations", response_model=list[PopulationOut], summary="All populations")
+def list_populations(_: AdminDep, session: SessionDep) -> list[PopulationOut]:
+    return [population_out(session, p) for p in session.scalars(select(Population).order_by(Population.id))]
+
+
+@router.get("/populations/{name}", response_model=PopulationOut, summary="A population's status")
+def status(name: str, _: AdminDep, session: SessionDep) -> PopulationOut:
+    return population_out(session, _population(session, name))
+
+
+@router.get("/populations/{name}/rounds", response_model=list[RoundOut], summary="Rounds, newest first")
+def list_rounds(
+    name: str, _: AdminDep, session: SessionDep, kind: str | None = None, limit: int = 100, offset: int = 0
+) -> list[RoundOut]:
+    population = _population(session, name)
+    query = select(Round).where(Round.population_id == population.id)
+    if kind is not None:
+        query = query.where(Round.kind == kind)
+    query = query.order_by(Round.id.desc()).limit(max(1, min(limit, 1000))).offset(max(0, offset))
+    return [round_out(r) for r in session.scalars(query)]
+
+
+@router.post("/populations/{name}/evaluations", response_model=RoundOut, status_code=201, summary="Open an evaluation round")
+def schedule_evaluation(name: str, _: AdminDep, factory: SessionFactoryDep, clock: ClockDep) -> RoundOut:
+    with factory.begin() as session:
+        population = rounds.lock_population(session, name)
+        if population is None:
+            raise HTTPException(404, f"no population {name!r}")
+        if rounds.EVALUATION in rounds.open_rounds(session, population):
+            raise HTTPException(409, "an evaluation round is already open")
+        return round_out(rounds.open_round(session, population, rounds.EVALUATION, clock()))

@@ -1,0 +1,73 @@
+from __future__ import annotations
+
+from fastapi import APIRouter, HTTPException, Request
+from sqlalchemy.orm import Session, sessionmaker
+from starlette.concurrency import run_in_threadpool
+
+from orchestrator import rounds
+from orchestrator.api.deps import ClockDep, SessionFactoryDep, SettingsDep, TokenDep
+from orchestrator.api.schemas import ReportAccepted
+from orchestrator.db import Round
+from orchestrator.devices import authenticate
+
+router = APIRouter(prefix="/v1/assignments", tags=["devices"])
+
+
+def _answer(result: Round | rounds.Refused) -> ReportAccepted:
+    if isinstance(result, rounds.Refused):
+        raise HTTPException(result.status, result.message)
+    return ReportAccepted(round_id=result.id, round_status=result.status, reported=result.reported, target=result.target)
+
+
+def _report(
+    factory: sessionmaker[Session], assignment_id: str, token: str, body: bytes, content_type: str, now: float
+) -> Round | rounds.Refused:
+    with factory.begin() as session:
+        device = authenticate(session, token)
+        if device is None:
+            raise HTTPException(401, "unknown device or wrong token")
+        population = rounds.population_of_assignment(session, assignment_id)
+        if population is None:
+            return rounds.Refused(404, f"no assignment {assignment_id!r}")
+        result = rounds.report(session, population, assignment_id, device, body, content_type, now)
+        if not isinstance(result, rounds.Refused):
+            session.flush()
+        return result
+
+
+@router.post(
+    "/{assignment_id}/report",
+    response_model=ReportAccepted,
+    summary="Report a task's result",
+    description="Training: a safetensors body with the manifest's global tensors (the delta) and "
+    "metadata `num_examples` and `metrics` (JSON). Evaluation: JSON `{num_examples, metrics}`. "
+    "409 when late or repeated, 422 when malformed, 403 when not the caller's.",
+)
+async def report(
+    assignment_id: str, request: Request, token: TokenDep, factory: SessionFactoryDep, clock: ClockDep, settings: SettingsDep
+) -> ReportAccepted:
+    declared = int(request.headers.get("content-length") or 0)
+    if declared > settings.max_report_bytes:
+        raise HTTPException(413, f"report of {declared} bytes exceeds the limit of {settings.max_report_bytes}")
+    body = await request.body()
+    if len(body) > settings.max_report_bytes:
+        raise HTTPException(413, f"report of {len(body)} bytes exceeds the limit of {settings.max_report_bytes}")
+    content_type = request.headers.get("content-type", "")
+    result = await run_in_threadpool(_report, factory, assignment_id, token, body, content_type, clock())
+    return _answer(result)
+
+
+def _abort(factory: sessionmaker[Session], assignment_id: str, token: str, now: float) -> Round | rounds.Refused:
+    with factory.begin() as session:
+        device = authenticate(session, token)
+        if device is None:
+            raise HTTPException(401, "unknown device or wrong token")
+        population = rounds.population_of_assignment(session, assignment_id)
+        if population is None:
+            return rounds.Refused(404, f"no assignment {assignment_id!r}")
+        return rounds.abort(session, population, assignment_id, device, now)
+
+
+@router.post("/{assignment_id}/abort", response_model=ReportAccepted, summary="Give up an assignment")
+def abort(assignment_id: str, token: TokenDep, factory: SessionFactoryDep, clock: ClockDep) -> ReportAccepted:
+    return _answer(_abort(factory, assignment_id, token, clock()))

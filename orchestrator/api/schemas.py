@@ -1,0 +1,76 @@
+"""Request and response bodies of the HTTP protocol (JSON; tensors travel as safetensors)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class Enrolled(BaseModel):
+    device_id: str
+    token: str = Field(description="send as 'Authorization: Bearer <token>'; shown once")
+
+
+class CheckIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    example_count: int = Field(ge=0, description="how many examples the device holds")
+    task: Literal["training", "evaluation"] = "training"
+    conditions: dict[str, bool] = Field(default_factory=dict, description="e.g. idle, charging, unmetered")
+
+
+class AssignmentOut(BaseModel):
+    accepted: Literal[True] = True
+    assignment_id: str
+    round_id: int
+    kind: str
+    deadline: float = Field(description="server time (unix seconds) by which to report")
+    seconds_left: float
+    model_version: int
+    artifact_sha256: str
+    artifact_url: str
+    params_url: str
+    manifest_url: str
+    report_url: str
+    abort_url: str
+    task_config: dict[str, Any]
+
+
+class RejectionOut(BaseModel):
+    accepted: Literal[False] = False
+    reason: str
+    retry_after_seconds: float
+
+
+class ReportAccepted(BaseModel):
+    round_id: int
+    round_status: str
+    reported: int
+    target: int
+
+
+class RoundOut(BaseModel):
+    id: int
+    kind: str
+    status: str
+    base_version: int
+    result_version: int | None
+    target: int
+    capacity: int
+    min_reports: int
+    opened_at: float
+    deadline: float
+    closed_at: float | None
+    counters: dict[str, int]
+    total_weight: float
+    metrics: dict[str, float]
+
+
+class PopulationOut(BaseModel):
+    name: str
+    current_version: int
+    training_rounds_committed: int
+    artifact_sha256: str
+    settings: dict[str, Any]
+    open_rounds: list[RoundOut]

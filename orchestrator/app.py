@@ -1,0 +1,72 @@
+"""The FastAPI application: routes, the database, and the deadline ticker."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+
+from fastapi import FastAPI
+from sqlalchemy import select
+from sqlalchemy.orm import sessionmaker
+from starlette.concurrency import run_in_threadpool
+
+from orchestrator import rounds
+from orchestrator.api.routes import admin, artifacts, assignments, devices, populations
+from orchestrator.db import Population, make_engine
+from orchestrator.migrate import migrate
+from orchestrator.settings import Settings
+
+log = logging.getLogger("orchestrator")
+
+
+def tick(factory: sessionmaker, now: float) -> None:  # type: ignore[type-arg]
+    """Close every round past its deadline; each population in its own transaction."""
+    with factory() as session:
+        names = list(session.scalars(select(Population.name)))
+    for name in names:
+        with factory.begin() as session:
+            population = rounds.lock_population(session, name)
+            if population is not None:
+                rounds.advance(session, population, now)
+
+
+def create_app(settings: Settings | None = None, clock: Callable[[], float] = time.time) -> FastAPI:
+    settings = settings or Settings()
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await run_in_threadpool(migrate, settings.database_url)
+        engine = make_engine(settings.database_url)
+        app.state.sessionmaker = sessionmaker(engine, expire_on_commit=False)
+
+        async def ticker() -> None:
+            while True:
+                await asyncio.sleep(settings.tick_seconds)
+                try:
+                    await run_in_threadpool(tick, app.state.sessionmaker, clock())
+                except Exception:  # keep ticking; the next tick retries
+                    log.exception("deadline tick failed")
+
+        task = asyncio.create_task(ticker())
+        try:
+            yield
+        finally:
+            task.cancel()
+            engine.dispose()
+
+    app = FastAPI(
+        title="FedRecon orchestrator",
+        description="Runs Federated Reconstruction rounds for on-device personalization. Devices enroll, "
+        "check in, download the model and global parameters, and report deltas; local parameters "
+        "and examples never reach this server.",
+        version="0.1.0",
+        lifespan=lifespan,
+    )
+    app.state.settings = settings
+    app.state.clock = clock
+    for module in (devices, populations, artifacts, assignments, admin):
+        app.include_router(module.router)
+    return app

@@ -1,0 +1,140 @@
+"""The orchestrator's state: SQLAlchemy 2.0 typed models and the engine.
+
+Everything a restarted server needs is here; nothing lives only in memory. Schema changes
+are Alembic migrations (`orchestrator/migrations`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import JSON, Engine, ForeignKey, Index, LargeBinary, String, create_engine, event
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class Artifact(Base):
+    """An exported `.tflite`, stored once by its sha256 and served as immutable."""
+
+    __tablename__ = "artifacts"
+    sha256: Mapped[str] = mapped_column(String(64), primary_key=True)
+    content: Mapped[bytes] = mapped_column(LargeBinary)
+    created_at: Mapped[float]
+
+
+class Population(Base):
+    """One model/task and the devices that train it."""
+
+    __tablename__ = "populations"
+    id: Mapped[int] = mapped_column(primary_key=True)
+    name: Mapped[str] = mapped_column(String(100), unique=True)
+    artifact_sha256: Mapped[str] = mapped_column(ForeignKey("artifacts.sha256"))
+    manifest: Mapped[dict[str, Any]] = mapped_column(JSON)
+    settings: Mapped[dict[str, Any]] = mapped_column(JSON)
+    current_version: Mapped[int] = mapped_column(default=0)
+    training_rounds_committed: Mapped[int] = mapped_column(default=0)
+    created_at: Mapped[float]
+
+
+class ModelVersion(Base):
+    """The global parameters after a committed round (version 0: the export's initial values)."""
+
+    __tablename__ = "model_versions"
+    population_id: Mapped[int] = mapped_column(ForeignKey("populations.id"), primary_key=True)
+    version: Mapped[int] = mapped_column(primary_key=True)
+    params: Mapped[bytes] = mapped_column(LargeBinary)  # safetensors, dense
+    optimizer_state: Mapped[bytes] = mapped_column(LargeBinary)  # safetensors
+    round_id: Mapped[int | None]
+    created_at: Mapped[float]
+
+
+class Device(Base):
+    __tablename__ = "devices"
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    token_hash: Mapped[str] = mapped_column(String(64))  # sha256 of the secret; the secret is never stored
+    created_at: Mapped[float]
+
+
+class Round(Base):
+    """A training or evaluation round; its counters are the participation funnel."""
+
+    __tablename__ = "rounds"
+    id: Mapped[int] = mapped_column(primary_key=True)
+    population_id: Mapped[int] = mapped_column(ForeignKey("populations.id"))
+    kind: Mapped[str] = mapped_column(String(16))  # training | evaluation
+    status: Mapped[str] = mapped_column(String(16))  # open | committed | abandoned
+    base_version: Mapped[int]
+    result_version: Mapped[int | None]
+    target: Mapped[int]
+    capacity: Mapped[int]
+    min_reports: Mapped[int]
+    opened_at: Mapped[float]
+    deadline: Mapped[float]
+    closed_at: Mapped[float | None]
+    checked_in: Mapped[int] = mapped_column(default=0)
+    accepted: Mapped[int] = mapped_column(default=0)
+    rejected_capacity: Mapped[int] = mapped_column(default=0)
+    rejected_min_examples: Mapped[int] = mapped_column(default=0)
+    reported: Mapped[int] = mapped_column(default=0)
+    dropped: Mapped[int] = mapped_column(default=0)
+    late: Mapped[int] = mapped_column(default=0)
+    invalid: Mapped[int] = mapped_column(default=0)
+    aborted: Mapped[int] = mapped_column(default=0)
+    total_weight: Mapped[float] = mapped_column(default=0.0)
+    metrics: Mapped[dict[str, float]] = mapped_column(JSON, default=dict)  # sums over reports
+
+    __table_args__ = (Index("rounds_open", "population_id", "kind", "status"),)
+
+
+class Assignment(Base):
+    """A device's place in a round, from check-in to report, abort or drop."""
+
+    __tablename__ = "assignments"
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    round_id: Mapped[int] = mapped_column(ForeignKey("rounds.id"), index=True)
+    device_id: Mapped[str] = mapped_column(ForeignKey("devices.id"), index=True)
+    status: Mapped[str] = mapped_column(String(16))  # assigned | reported | aborted | dropped | invalid
+    example_count: Mapped[int]
+    created_at: Mapped[float]
+    deadline: Mapped[float]
+    finished_at: Mapped[float | None]
+
+
+class Report(Base):
+    """An accepted report: its weight, metrics and (training) its delta, stored sparse."""
+
+    __tablename__ = "reports"
+    assignment_id: Mapped[str] = mapped_column(ForeignKey("assignments.id"), primary_key=True)
+    round_id: Mapped[int] = mapped_column(ForeignKey("rounds.id"), index=True)
+    weight: Mapped[float]
+    delta: Mapped[bytes | None] = mapped_column(LargeBinary)
+    metrics: Mapped[dict[str, float]] = mapped_column(JSON)
+
+
+def make_engine(url: str) -> Engine:
+    """An engine whose write transactions serialize cleanly on SQLite as on PostgreSQL."""
+    if url.startswith("sqlite"):
+        engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
+
+        @event.listens_for(engine, "connect")
+        def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
+            # Let SQLAlchemy, not the driver, decide when a transaction starts.
+            dbapi_connection.isolation_level = None
+            cursor = dbapi_connection.cursor()
+            cursor.execute("PRAGMA journal_mode = WAL")
+            cursor.execute("PRAGMA synchronous = NORMAL")
+            cursor.execute("PRAGMA foreign_keys = ON")
+            cursor.execute("PRAGMA busy_timeout = 30000")
+            cursor.close()
+
+        @event.listens_for(engine, "begin")
+        def _begin_immediate(conn: Any) -> None:
+            # Take the write lock up front: a read that later writes would otherwise
+            # deadlock against another writer and fail with "database is locked".
+            conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+        return engine
+    return create_engine(url, pool_size=10, max_overflow=20, pool_pre_ping=True)

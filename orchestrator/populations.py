@@ -1,0 +1,101 @@
+"""Creating a population from an exported model: artifact by sha256, manifest checked, version 0."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from device_runtime.client_task import TaskConfig
+from model_export.manifest import INITIAL_GLOBAL_FILE, MANIFEST_FILE, MODEL_FILE, Manifest, ManifestError
+from model_export.params import ParamsError, decode_params, encode_params
+from orchestrator.aggregation import init_state
+from orchestrator.db import Artifact, ModelVersion, Population
+from orchestrator.population_settings import PopulationSettings
+from orchestrator.rounds import TRAINING, open_round
+
+
+class PopulationError(ValueError):
+    """The population cannot be created as asked; the message says why."""
+
+
+@dataclass(frozen=True)
+class ExportedModel:
+    """The three files `python -m model_export` writes, as bytes."""
+
+    tflite: bytes
+    manifest: dict[str, Any]
+    initial_global: bytes
+
+    @classmethod
+    def from_dir(cls, model_dir: Path) -> ExportedModel:
+        model_dir = Path(model_dir)
+        try:
+            return cls(
+                tflite=(model_dir / MODEL_FILE).read_bytes(),
+                manifest=json.loads((model_dir / MANIFEST_FILE).read_text()),
+                initial_global=(model_dir / INITIAL_GLOBAL_FILE).read_bytes(),
+            )
+        except FileNotFoundError as e:
+            raise PopulationError(f"{model_dir} is not an exported model directory: {e.filename} is missing") from None
+        except json.JSONDecodeError as e:
+            raise PopulationError(f"{model_dir / MANIFEST_FILE} is not valid JSON: {e}") from None
+
+
+def create_population(
+    session: Session, name: str, model: ExportedModel, settings: dict[str, Any], now: float
+) -> Population:
+    if not name or len(name) > 100 or not name.replace("-", "").replace("_", "").isalnum():
+        raise PopulationError(f"population name {name!r} must be 1-100 letters, digits, '-' or '_'")
+    if session.scalars(select(Population).where(Population.name == name)).first() is not None:
+        raise PopulationError(f"population {name!r} already exists")
+    try:
+        manifest = Manifest.from_json(model.manifest)
+    except ManifestError as e:
+        raise PopulationError(f"invalid manifest: {e}") from None
+    sha256 = hashlib.sha256(model.tflite).hexdigest()
+    if sha256 != manifest.model_sha256:
+        raise PopulationError(
+            f"the model file's sha256 {sha256[:12]}... is not the manifest's {manifest.model_sha256[:12]}..."
+        )
+    try:
+        initial = decode_params(model.initial_global, manifest.global_params, "initial global parameters")
+    except ParamsError as e:
+        raise PopulationError(str(e)) from None
+    # Devices get the export's defaults unless the admin overrides them.
+    task = TaskConfig.from_manifest(manifest, **settings.get("task_config", {}))
+    try:
+        checked = PopulationSettings.model_validate({**settings, "task_config": task.to_json()})
+    except ValueError as e:
+        raise PopulationError(f"invalid settings: {e}") from None
+    if session.get(Artifact, sha256) is None:
+        session.add(Artifact(sha256=sha256, content=model.tflite, created_at=now))
+    population = Population(
+        name=name,
+        artifact_sha256=sha256,
+        manifest=manifest.to_json(),
+        settings=checked.model_dump(),
+        current_version=0,
+        training_rounds_committed=0,
+        created_at=now,
+    )
+    session.add(population)
+    session.flush()
+    state = init_state(checked.optimizer(), initial)
+    session.add(
+        ModelVersion(
+            population_id=population.id,
+            version=0,
+            params=encode_params(initial),
+            optimizer_state=encode_params(state),
+            round_id=None,
+            created_at=now,
+        )
+    )
+    open_round(session, population, TRAINING, now)
+    return population

@@ -1,0 +1,399 @@
+"""The round state machine: check-in, report, abort, deadlines, commit.
+
+Every function here runs inside the caller's transaction and takes `now` explicitly, so a
+restarted server continues from the last committed state and tests control time. A round:
+
+    open --(target good reports)--------------------------> committed (new model version)
+    open --(deadline, >= min_reports)---------------------> committed
+    open --(deadline, fewer)------------------------------> abandoned (model kept)
+
+after which the next round opens. Protocol refusals are returned as `Refused` values, not
+raised, so that the counters they bump are committed with the answer.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import secrets
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from safetensors.numpy import load
+from sqlalchemy import func, select, update
+from sqlalchemy.orm import Session
+
+from model_export.manifest import Manifest
+from model_export.params import ParamsError, check_params, decode_params, encode_params, read_metadata
+from orchestrator.aggregation import WeightedMean, apply_update, decode_sparse_delta, encode_sparse_delta
+from orchestrator.db import Assignment, Device, ModelVersion, Population, Report, Round
+from orchestrator.population_settings import PopulationSettings
+
+TRAINING, EVALUATION = "training", "evaluation"
+EVALUATION_METRICS = ("loss_sum", "squared_error_sum", "correct_sum", "weight_sum")
+MAX_METRICS = 64
+
+
+@dataclass(frozen=True)
+class Refused:
+    """The protocol's answer to a request it will not honour: an HTTP status and why."""
+
+    status: int
+    message: str
+    retry_after: float | None = None
+
+
+@dataclass(frozen=True)
+class Accepted:
+    assignment: Assignment
+    round: Round
+
+
+def population_settings(population: Population) -> PopulationSettings:
+    return PopulationSettings.model_validate(population.settings)
+
+
+def population_manifest(population: Population) -> Manifest:
+    return Manifest.from_json(population.manifest)
+
+
+def lock_population(session: Session, name: str) -> Population | None:
+    """The population row, locked: one writer per population at a time (FOR UPDATE on PostgreSQL;
+    SQLite's BEGIN IMMEDIATE already serializes writers)."""
+    return session.scalars(select(Population).where(Population.name == name).with_for_update()).first()
+
+
+def population_of_assignment(session: Session, assignment_id: str) -> Population | None:
+    """The (locked) population an assignment belongs to."""
+    population_id = session.scalar(
+        select(Round.population_id).join(Assignment, Assignment.round_id == Round.id).where(Assignment.id == assignment_id)
+    )
+    if population_id is None:
+        return None
+    return session.scalars(select(Population).where(Population.id == population_id).with_for_update()).first()
+
+
+def open_round(session: Session, population: Population, kind: str, now: float) -> Round:
+    settings = population_settings(population)
+    if kind == TRAINING:
+        target, capacity, min_reports = settings.target_reports, settings.capacity, settings.min_reports
+        duration = settings.round_duration_seconds
+    else:
+        target = settings.evaluation_target_reports
+        capacity = math.ceil(target * settings.oversampling)
+        min_reports, duration = 1, settings.evaluation_round_duration_seconds
+    round_ = Round(
+        population_id=population.id,
+        kind=kind,
+        status="open",
+        base_version=population.current_version,
+        result_version=None,
+        target=target,
+        capacity=capacity,
+        min_reports=min_reports,
+        opened_at=now,
+        deadline=now + duration,
+        closed_at=None,
+        metrics={},
+    )
+    session.add(round_)
+    session.flush()
+    return round_
+
+
+def open_rounds(session: Session, population: Population) -> dict[str, Round]:
+    rounds = session.scalars(
+        select(Round).where(Round.population_id == population.id, Round.status == "open")
+    ).all()
+    return {r.kind: r for r in rounds}
+
+
+def advance(session: Session, population: Population, now: float) -> None:
+    """Close rounds past their deadline (drop their outstanding assignments) and open the next."""
+    for round_ in open_rounds(session, population).values():
+        if now < round_.deadline:
+            continue
+        outstanding = session.execute(
+            update(Assignment)
+            .where(Assignment.round_id == round_.id, Assignment.status == "assigned")
+            .values(status="dropped", finished_at=now)
+        ).rowcount
+        round_.dropped += outstanding
+        if round_.reported >= round_.min_reports:
+            _commit(session, population, round_, now)
+        else:
+            round_.status, round_.closed_at = "abandoned", now
+            if round_.kind == TRAINING:
+                open_round(session, population, TRAINING, now)
+    if TRAINING not in open_rounds(session, population):
+        open_round(session, population, TRAINING, now)
+
+
+def checkin(
+    session: Session, population: Population, device: Device, example_count: int, kind: str, now: float
+) -> Accepted | Refused:
+    settings = population_settings(population)
+    advance(session, population, now)
+    round_ = open_rounds(session, population).get(kind)
+    if round_ is None:
+        return Refused(409, f"no {kind} round is open", retry_after=settings.retry_after_seconds)
+    existing = session.scalars(
+        select(Assignment).where(
+            Assignment.round_id == round_.id, Assignment.device_id == device.id, Assignment.status == "assigned"
+        )
+    ).first()
+    if existing is not None:  # a retried check-in gets the same assignment, not a second one
+        return Accepted(existing, round_)
+    round_.checked_in += 1
+    if example_count < settings.min_examples:
+        round_.rejected_min_examples += 1
+        return Refused(
+            409,
+            f"{example_count} examples; this population needs at least {settings.min_examples}",
+            retry_after=max(settings.retry_after_seconds, round_.deadline - now),
+        )
+    if round_.accepted >= round_.capacity:
+        round_.rejected_capacity += 1
+        return Refused(409, "this round is full", retry_after=max(settings.retry_after_seconds, round_.deadline - now))
+    round_.accepted += 1
+    assignment = Assignment(
+        id=secrets.token_hex(16),
+        round_id=round_.id,
+        device_id=device.id,
+        status="assigned",
+        example_count=example_count,
+        created_at=now,
+        deadline=round_.deadline,
+        finished_at=None,
+    )
+    session.add(assignment)
+    session.flush()
+    return Accepted(assignment, round_)
+
+
+def _find_assignment(session: Session, assignment_id: str, device: Device) -> tuple[Assignment, Round] | Refused:
+    assignment = session.get(Assignment, assignment_id)
+    if assignment is None:
+        return Refused(404, f"no assignment {assignment_id!r}")
+    if assignment.device_id != device.id:
+        return Refused(403, "this assignment belongs to another device")
+    round_ = session.get(Round, assignment.round_id)
+    assert round_ is not None
+    return assignment, round_
+
+
+def _closed(assignment: Assignment, round_: Round) -> Refused | None:
+    """Why an assignment can no longer take a report (counting late ones), or None."""
+    if assignment.status == "reported":
+        return Refused(409, "this assignment has already reported")
+    if assignment.status == "aborted":
+        return Refused(409, "this assignment was aborted")
+    if assignment.status == "invalid":
+        return Refused(409, "this assignment's report was refused as invalid")
+    if assignment.status == "dropped" or round_.status != "open":
+        round_.late += 1
+        return Refused(409, f"the round's deadline has passed; the report is late (round {round_.status})")
+    return None
+
+
+def report(
+    session: Session,
+    population: Population,
+    assignment_id: str,
+    device: Device,
+    body: bytes,
+    content_type: str,
+    now: float,
+) -> Round | Refused:
+    """Validate and store a report; commit the round when it reaches its target."""
+    found = _find_assignment(session, assignment_id, device)
+    if isinstance(found, Refused):
+        return found
+    assignment, round_ = found
+    if round_.population_id != population.id:
+        return Refused(404, f"assignment {assignment_id!r} is not in population {population.name!r}")
+    advance(session, population, now)
+    closed = _closed(assignment, round_)
+    if closed is not None:
+        return closed
+    settings = population_settings(population)
+    parsed = (
+        _parse_training_report(population, settings, assignment, body)
+        if round_.kind == TRAINING
+        else _parse_evaluation_report(settings, assignment, body, content_type)
+    )
+    if isinstance(parsed, Refused):
+        round_.invalid += 1
+        assignment.status, assignment.finished_at = "invalid", now
+        return parsed
+    weight, delta, metrics = parsed
+    session.add(Report(assignment_id=assignment.id, round_id=round_.id, weight=weight, delta=delta, metrics=metrics))
+    assignment.status, assignment.finished_at = "reported", now
+    round_.reported += 1
+    round_.total_weight += weight
+    sums = dict(round_.metrics)
+    for k, v in metrics.items():
+        sums[k] = sums.get(k, 0.0) + v
+    round_.metrics = sums
+    if round_.reported >= round_.target:
+        _commit(session, population, round_, now)
+    return round_
+
+
+def abort(session: Session, population: Population, assignment_id: str, device: Device, now: float) -> Round | Refused:
+    found = _find_assignment(session, assignment_id, device)
+    if isinstance(found, Refused):
+        return found
+    assignment, round_ = found
+    advance(session, population, now)
+    closed = _closed(assignment, round_)
+    if closed is not None:
+        return closed
+    assignment.status, assignment.finished_at = "aborted", now
+    round_.aborted += 1
+    return round_
+
+
+# ---- report validation -----------------------------------------------------------------
+
+
+def _max_weight(settings: PopulationSettings, feedback: str, example_count: int) -> int:
+    """The largest |query| a device that claimed `example_count` examples can honestly report."""
+    task = settings.task()
+    per_example = 1 + (task.negatives_per_positive if feedback == "implicit" else 0)
+    return min(example_count, task.max_examples) * per_example
+
+
+def _check_metrics(raw: Any) -> dict[str, float] | Refused:
+    if not isinstance(raw, Mapping) or len(raw) > MAX_METRICS:
+        return Refused(422, f"metrics must be an object of at most {MAX_METRICS} numbers")
+    metrics: dict[str, float] = {}
+    for k, v in raw.items():
+        if not isinstance(k, str) or not 0 < len(k) <= 64 or not k.replace("_", "").isalnum():
+            return Refused(422, f"metric name {k!r} must be 1-64 letters, digits or underscores")
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            return Refused(422, f"metric {k!r} must be a finite number, got {v!r}")
+        metrics[k] = float(v)
+    return metrics
+
+
+def _parse_training_report(
+    population: Population, settings: PopulationSettings, assignment: Assignment, body: bytes
+) -> tuple[float, bytes, dict[str, float]] | Refused:
+    manifest = population_manifest(population)
+    try:
+        metadata = read_metadata(body)
+        delta = decode_params(body, manifest.global_params, "report")
+    except ParamsError as e:
+        return Refused(422, f"{e}; expected a safetensors body with the manifest's global tensors")
+    try:
+        weight = int(metadata["num_examples"])
+        raw_metrics = json.loads(metadata.get("metrics", "{}"))
+    except (KeyError, ValueError):
+        return Refused(422, "report metadata must hold 'num_examples' (an integer) and 'metrics' (JSON)")
+    limit = _max_weight(settings, manifest.feedback, assignment.example_count)
+    if weight < settings.min_examples or weight > limit:
+        return Refused(
+            422,
+            f"num_examples {weight} is outside [{settings.min_examples}, {limit}] "
+            f"(the device checked in with {assignment.example_count} examples)",
+        )
+    norm = math.sqrt(sum(float(np.sum(np.square(v, dtype=np.float64))) for v in delta.values()))
+    if norm > settings.update_norm_bound:
+        return Refused(422, f"update norm {norm:.4g} exceeds the bound {settings.update_norm_bound:.4g}")
+    metrics = _check_metrics(raw_metrics)
+    if isinstance(metrics, Refused):
+        return metrics
+    return float(weight), encode_sparse_delta(delta), metrics
+
+
+def _parse_evaluation_report(
+    settings: PopulationSettings, assignment: Assignment, body: bytes, content_type: str
+) -> tuple[float, None, dict[str, float]] | Refused:
+    if not content_type.startswith("application/json"):
+        return Refused(422, "an evaluation report is JSON: {num_examples, metrics}; no tensors")
+    try:
+        data = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return Refused(422, "evaluation report is not valid JSON")
+    if not isinstance(data, dict) or set(data) != {"num_examples", "metrics"}:
+        return Refused(422, "evaluation report must be exactly {num_examples, metrics}")
+    metrics = _check_metrics(data["metrics"])
+    if isinstance(metrics, Refused):
+        return metrics
+    if set(metrics) != set(EVALUATION_METRICS):
+        return Refused(422, f"evaluation metrics must be exactly {list(EVALUATION_METRICS)}")
+    weight = data["num_examples"]
+    limit = max(assignment.example_count, 1) * 5  # implicit tasks count sampled negatives too
+    if isinstance(weight, bool) or not isinstance(weight, int) or not 1 <= weight <= limit:
+        return Refused(422, f"num_examples must be an integer in [1, {limit}], got {weight!r}")
+    if any(v < 0 for v in metrics.values()) or metrics["weight_sum"] != weight:
+        return Refused(422, "metric sums must be >= 0 and weight_sum must equal num_examples")
+    if metrics["correct_sum"] > metrics["weight_sum"]:
+        return Refused(422, "correct_sum cannot exceed weight_sum")
+    return float(weight), None, metrics
+
+
+# ---- commit ----------------------------------------------------------------------------
+
+
+def _commit(session: Session, population: Population, round_: Round, now: float) -> None:
+    """Aggregate the round's reports into a new model version (training) or just close it."""
+    round_.status, round_.closed_at = "committed", now
+    if round_.kind == EVALUATION:
+        return
+    manifest = population_manifest(population)
+    base = session.get(ModelVersion, (population.id, round_.base_version))
+    assert base is not None
+    params = decode_params(base.params, manifest.global_params, "model version")
+    state = dict(load(base.optimizer_state))
+    mean = WeightedMean({s.name: s.shape for s in manifest.global_params})
+    # One report's delta in memory at a time: memory is O(model), not O(reports x model).
+    for weight, blob in session.execute(
+        select(Report.weight, Report.delta).where(Report.round_id == round_.id).execution_options(yield_per=16)
+    ):
+        mean.add_sparse(decode_sparse_delta(blob), weight)
+    new_params, new_state = apply_update(population_settings(population).optimizer(), params, mean.mean(), state)
+    check_params(new_params, manifest.global_params, "aggregated model")
+    version = population.current_version + 1
+    session.add(
+        ModelVersion(
+            population_id=population.id,
+            version=version,
+            params=encode_params(new_params),
+            optimizer_state=encode_params(new_state),
+            round_id=round_.id,
+            created_at=now,
+        )
+    )
+    population.current_version = version
+    population.training_rounds_committed += 1
+    round_.result_version = version
+    open_round(session, population, TRAINING, now)
+    settings = population_settings(population)
+    every = settings.evaluation_every
+    if every and population.training_rounds_committed % every == 0 and EVALUATION not in open_rounds(session, population):
+        open_round(session, population, EVALUATION, now)
+
+
+def summarize_metrics(round_: Round) -> dict[str, float]:
+    """Per-round metrics: the sums devices sent, and the ratios they stand for."""
+    sums = dict(round_.metrics)
+    out = dict(sums)
+    for prefix in ("", "query_"):
+        weight = sums.get(f"{prefix}weight_sum", 0.0)
+        if weight > 0:
+            out[f"{prefix}loss"] = sums.get(f"{prefix}loss_sum", 0.0) / weight
+            out[f"{prefix}rmse"] = math.sqrt(sums.get(f"{prefix}squared_error_sum", 0.0) / weight)
+            out[f"{prefix}accuracy"] = sums.get(f"{prefix}correct_sum", 0.0) / weight
+    if round_.reported:
+        for k in ("reconstruction_loss", "update_loss"):
+            if k in sums:
+                out[k] = sums[k] / round_.reported
+    return out
+
+
+def reports_in_round(session: Session, round_id: int) -> int:
+    return int(session.scalar(select(func.count()).select_from(Report).where(Report.round_id == round_id)) or 0)

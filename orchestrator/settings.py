@@ -1,0 +1,18 @@
+"""Server configuration, from the environment (ORCHESTRATOR_*) or a .env file."""
+
+from __future__ import annotations
+
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="ORCHESTRATOR_", env_file=".env", extra="ignore")
+
+    database_url: str = "sqlite:///orchestrator.sqlite"
+    admin_token: str = "change-me"
+    host: str = "127.0.0.1"
+    port: int = 8700
+    # How often the server looks for rounds past their deadline (devices also trigger it).
+    tick_seconds: float = 0.5
+    # Largest request body accepted (a dense 20,000 x 50 float32 delta is 4 MB).
+    max_report_bytes: int = 64 * 1024 * 1024

@@ -1,0 +1,128 @@
+"""Orchestrator fixtures: a real SQLite file, and a real uvicorn server on loopback."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from sqlalchemy.orm import Session, sessionmaker
+
+from model_export.config import ModelConfig
+from orchestrator.db import make_engine
+from orchestrator.migrate import migrate
+from orchestrator.populations import ExportedModel, create_population
+from tests.conftest import BIASED, ROOT
+
+ADMIN_TOKEN = "test-admin-token"
+
+
+@pytest.fixture
+def db(tmp_path: Path) -> Iterator[sessionmaker[Session]]:
+    url = f"sqlite:///{tmp_path / 'orchestrator.sqlite'}"
+    migrate(url)
+    engine = make_engine(url)
+    yield sessionmaker(engine, expire_on_commit=False)
+    engine.dispose()
+
+
+@pytest.fixture
+def biased_model(export: Callable[[ModelConfig], Path]) -> ExportedModel:
+    return ExportedModel.from_dir(export(BIASED))
+
+
+def make_population(
+    factory: sessionmaker[Session], model: ExportedModel, now: float = 0.0, **settings: object
+) -> str:
+    with factory.begin() as session:
+        create_population(session, "p", model, dict(settings), now)
+    return "p"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Server:
+    """`python -m orchestrator serve` in its own process, as an operator would run it."""
+
+    def __init__(self, database: Path, port: int | None = None) -> None:
+        self.database = database
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> Server:
+        env = {
+            **os.environ,
+            "ORCHESTRATOR_ADMIN_TOKEN": ADMIN_TOKEN,
+            "ORCHESTRATOR_DATABASE_URL": f"sqlite:///{self.database}",
+            "ORCHESTRATOR_TICK_SECONDS": "0.2",
+        }
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "orchestrator", "serve", "--port", str(self.port)],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
+        deadline = time.time() + 60
+        while time.time() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(
+                    f"server exited: {self.process.stderr.read().decode() if self.process.stderr else ''}"
+                )
+            with contextlib.suppress(httpx.TransportError):
+                if httpx.get(f"{self.url}/openapi.json", timeout=1).status_code == 200:
+                    return self
+            time.sleep(0.1)
+        raise RuntimeError("server did not start within 60 s")
+
+    def kill(self) -> None:
+        """SIGKILL: no shutdown hooks, no flush; what a power cut does."""
+        if self.process and self.process.poll() is None:
+            self.process.send_signal(signal.SIGKILL)
+            self.process.wait(timeout=30)
+
+    def stop(self) -> None:
+        if self.process and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[Server]:
+    running = Server(tmp_path / "orchestrator.sqlite").start()
+    yield running
+    running.stop()
+
+
+def admin_create_population(url: str, model_dir: Path, name: str, settings: str) -> httpx.Response:
+    files = {
+        "model": ("model.tflite", (model_dir / "model.tflite").read_bytes()),
+        "manifest": ("manifest.json", (model_dir / "manifest.json").read_bytes()),
+        "global_params": (
+            "global_params.safetensors",
+            (model_dir / "global_params.safetensors").read_bytes(),
+        ),
+    }
+    return httpx.post(
+        f"{url}/v1/admin/populations",
+        data={"name": name, "settings": settings},
+        files=files,
+        headers={"Authorization": f"Bearer {ADMIN_TOKEN}"},
+        timeout=60,
+    )

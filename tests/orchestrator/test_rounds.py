@@ -1,0 +1,368 @@
+"""The round state machine on a real SQLite file, with time passed in explicitly."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from safetensors.numpy import load
+from sqlalchemy import select
+from sqlalchemy.orm import Session, sessionmaker
+
+from model_export.manifest import Manifest
+from model_export.params import decode_params, encode_params
+from orchestrator import rounds
+from orchestrator.db import Device, ModelVersion, Population, Report, Round
+from orchestrator.devices import authenticate, enroll
+from orchestrator.populations import ExportedModel, PopulationError, create_population
+from tests.orchestrator.conftest import make_population
+
+
+def device(factory: sessionmaker[Session]) -> Device:
+    with factory.begin() as session:
+        _, token = enroll(session, 0.0)
+    with factory() as session:
+        found = authenticate(session, token)
+        assert found is not None
+        return found
+
+
+def checkin(
+    factory: sessionmaker[Session], dev: Device, count: int = 50, now: float = 1.0, kind: str = "training"
+):  # type: ignore[no-untyped-def]
+    with factory.begin() as session:
+        population = rounds.lock_population(session, "p")
+        assert population is not None
+        return rounds.checkin(session, population, dev, count, kind, now)
+
+
+def report(
+    factory: sessionmaker[Session],
+    dev: Device,
+    assignment_id: str,
+    body: bytes,
+    now: float = 2.0,
+    ctype: str = "application/octet-stream",
+):  # type: ignore[no-untyped-def]
+    with factory.begin() as session:
+        population = rounds.population_of_assignment(session, assignment_id)
+        assert population is not None
+        return rounds.report(session, population, assignment_id, dev, body, ctype, now)
+
+
+def current_round(factory: sessionmaker[Session], kind: str = "training") -> Round:
+    with factory() as session:
+        population = session.scalars(select(Population)).one()
+        return rounds.open_rounds(session, population)[kind]
+
+
+def round_by_id(factory: sessionmaker[Session], round_id: int) -> Round:
+    with factory() as session:
+        found = session.get(Round, round_id)
+        assert found is not None
+        return found
+
+
+def manifest_of(model: ExportedModel) -> Manifest:
+    return Manifest.from_json(model.manifest)
+
+
+def delta_body(
+    model: ExportedModel,
+    value: float,
+    num_examples: int = 10,
+    rows: tuple[int, ...] = (3, 7),
+    **overrides: np.ndarray,
+) -> bytes:
+    delta = {s.name: np.zeros(s.shape, np.float32) for s in manifest_of(model).global_params}
+    for r in rows:
+        delta["item_embeddings"][r] = value
+    delta["global_mean"][:] = value
+    delta.update(overrides)
+    return encode_params(
+        delta, {"num_examples": str(num_examples), "metrics": json.dumps({"update_loss": value})}
+    )
+
+
+def version_params(
+    factory: sessionmaker[Session], model: ExportedModel, version: int
+) -> dict[str, np.ndarray]:
+    with factory() as session:
+        found = session.get(ModelVersion, (1, version))
+        assert found is not None
+        return decode_params(found.params, manifest_of(model).global_params, "version")
+
+
+def test_oversampling_capacity_and_min_examples(
+    db: sessionmaker[Session], biased_model: ExportedModel
+) -> None:
+    make_population(db, biased_model, target_reports=2, oversampling=1.5, min_examples=5, min_reports=1)
+    devices = [device(db) for _ in range(5)]
+
+    answers = [checkin(db, d) for d in devices[:4]]
+    too_few = checkin(db, devices[4], count=4)
+
+    assert [type(a).__name__ for a in answers] == ["Accepted", "Accepted", "Accepted", "Refused"]
+    assert "full" in answers[3].message and answers[3].retry_after > 0
+    assert isinstance(too_few, rounds.Refused) and "at least 5" in too_few.message
+    r = current_round(db)
+    assert (r.capacity, r.checked_in, r.accepted, r.rejected_capacity, r.rejected_min_examples) == (
+        3,
+        5,
+        3,
+        1,
+        1,
+    )
+
+
+def test_a_retried_checkin_gets_the_same_assignment(
+    db: sessionmaker[Session], biased_model: ExportedModel
+) -> None:
+    make_population(db, biased_model)
+    dev = device(db)
+
+    first, second = checkin(db, dev), checkin(db, dev)
+
+    assert first.assignment.id == second.assignment.id
+    assert current_round(db).accepted == 1
+
+
+def test_target_reports_commit_the_weighted_mean(
+    db: sessionmaker[Session], biased_model: ExportedModel
+) -> None:
+    make_population(
+        db, biased_model, target_reports=2, server_optimizer={"name": "sgd", "learning_rate": 1.0}
+    )
+    a, b = device(db), device(db)
+    first, second = checkin(db, a), checkin(db, b)
+    before = version_params(db, biased_model, 0)
+
+    report(db, a, first.assignment.id, delta_body(biased_model, 1.0, num_examples=10))
+    committed = report(db, b, second.assignment.id, delta_body(biased_model, 4.0, num_examples=30))
+
+    assert committed.status == "committed" and committed.result_version == 1
+    after = version_params(db, biased_model, 1)
+    expected = (1.0 * 10 + 4.0 * 30) / 40  # 3.25
+    np.testing.assert_allclose(
+        after["item_embeddings"][3] - before["item_embeddings"][3], expected, rtol=1e-6
+    )
+    np.testing.assert_allclose(after["global_mean"] - before["global_mean"], expected, rtol=1e-6)
+    np.testing.assert_array_equal(after["item_embeddings"][4], before["item_embeddings"][4])
+    assert current_round(db).base_version == 1  # the next round opened on the new model
+    assert committed.metrics == {"update_loss": 5.0}
+
+
+def test_reports_are_stored_sparse(db: sessionmaker[Session], biased_model: ExportedModel) -> None:
+    make_population(db, biased_model, target_reports=5)
+    dev = device(db)
+    answer = checkin(db, dev)
+    body = delta_body(biased_model, 1.0)
+
+    report(db, dev, answer.assignment.id, body)
+
+    with db() as session:
+        stored = session.scalars(select(Report)).one()
+    assert stored.delta is not None and len(stored.delta) < len(body) / 10
+
+
+def test_deadline_commits_with_enough_reports_and_drops_the_rest(
+    db: sessionmaker[Session], biased_model: ExportedModel
+) -> None:
+    make_population(db, biased_model, target_reports=3, min_reports=1, round_duration_seconds=10)
+    a, b = device(db), device(db)
+    first, second = checkin(db, a), checkin(db, b)
+    report(db, a, first.assignment.id, delta_body(biased_model, 1.0))
+
+    late = report(db, b, second.assignment.id, delta_body(biased_model, 1.0), now=11.0)
+
+    assert isinstance(late, rounds.Refused) and late.status == 409 and "late" in late.message
+    closed = round_by_id(db, first.round.id)
+    assert (closed.status, closed.reported, closed.dropped, closed.late) == ("committed", 1, 1, 1)
+    assert current_round(db).base_version == 1
+
+
+def test_deadline_without_enough_reports_abandons_and_keeps_the_model(
+    db: sessionmaker[Session], biased_model: ExportedModel
+) -> None:
+    make_population(db, biased_model, target_reports=3, min_reports=2, round_duration_seconds=10)
+    a = device(db)
+    first = checkin(db, a)
+    report(db, a, first.assignment.id, delta_body(biased_model, 1.0))
+
+    checkin(db, device(db), now=12.0)  # any request past the deadline advances the machine
+
+    assert round_by_id(db, first.round.id).status == "abandoned"
+    assert current_round(db).base_version == 0
+    with db() as session:
+        assert session.get(ModelVersion, (1, 1)) is None
+
+
+@pytest.mark.parametrize(
+    ("make_body", "message"),
+    [
+        (lambda m: b"not safetensors at all", "not a valid safetensors payload"),
+        (lambda m: delta_body(m, float("nan")), "non-finite"),
+        (lambda m: delta_body(m, 1.0, item_bias=np.zeros(7, np.float32)), r"expected float32\[200\]"),
+        (lambda m: delta_body(m, 1.0, user_embedding=np.zeros(16, np.float32)), "unexpected"),
+        (lambda m: delta_body(m, 1e4), "exceeds the bound"),
+        (lambda m: delta_body(m, 1.0, num_examples=51), r"outside \[1, 50\]"),
+        (lambda m: encode_params({"item_embeddings": np.zeros((200, 16), np.float32)}), "missing"),
+    ],
+)
+def test_invalid_reports_are_refused_and_never_change_the_model(
+    db: sessionmaker[Session], biased_model: ExportedModel, make_body, message: str
+) -> None:  # type: ignore[no-untyped-def]
+    make_population(db, biased_model, target_reports=1)
+    dev = device(db)
+    answer = checkin(db, dev, count=50)
+
+    refused = report(db, dev, answer.assignment.id, make_body(biased_model))
+
+    assert isinstance(refused, rounds.Refused) and refused.status == 422
+    assert refused.message and __import__("re").search(message, refused.message), refused.message
+    r = round_by_id(db, answer.round.id)
+    assert (r.status, r.invalid, r.reported) == ("open", 1, 0)
+    with db() as session:
+        assert session.get(ModelVersion, (1, 1)) is None
+
+
+def test_report_metadata_must_carry_num_examples(
+    db: sessionmaker[Session], biased_model: ExportedModel
+) -> None:
+    make_population(db, biased_model)
+    dev = device(db)
+    answer = checkin(db, dev)
+    delta = {s.name: np.zeros(s.shape, np.float32) for s in manifest_of(biased_model).global_params}
+
+    refused = report(db, dev, answer.assignment.id, encode_params(delta))
+
+    assert isinstance(refused, rounds.Refused) and "num_examples" in refused.message
+
+
+def test_ownership_unknown_repeated_and_aborted(
+    db: sessionmaker[Session], biased_model: ExportedModel
+) -> None:
+    make_population(db, biased_model, target_reports=5)
+    owner, other = device(db), device(db)
+    answer = checkin(db, owner)
+    aborter = device(db)
+    aborted = checkin(db, aborter)
+
+    stolen = report(db, other, answer.assignment.id, delta_body(biased_model, 1.0))
+    report(db, owner, answer.assignment.id, delta_body(biased_model, 1.0))
+    repeated = report(db, owner, answer.assignment.id, delta_body(biased_model, 1.0))
+    with db.begin() as session:
+        population = rounds.lock_population(session, "p")
+        assert population is not None
+        rounds.abort(session, population, aborted.assignment.id, aborter, 3.0)
+    after_abort = report(db, aborter, aborted.assignment.id, delta_body(biased_model, 1.0))
+    with db.begin() as session:
+        population = rounds.lock_population(session, "p")
+        assert population is not None
+        unknown = rounds.report(session, population, "nope", owner, b"", "", 3.0)
+
+    assert (stolen.status, repeated.status, after_abort.status, unknown.status) == (403, 409, 409, 404)
+    r = round_by_id(db, answer.round.id)
+    assert (r.reported, r.aborted) == (1, 1)
+
+
+def test_evaluation_round_aggregates_metrics_only(
+    db: sessionmaker[Session], biased_model: ExportedModel
+) -> None:
+    make_population(db, biased_model, evaluation_target_reports=2)
+    with db.begin() as session:
+        population = rounds.lock_population(session, "p")
+        assert population is not None
+        rounds.open_round(session, population, rounds.EVALUATION, 0.5)
+    a, b, c = device(db), device(db), device(db)
+    answers = [checkin(db, d, kind="evaluation") for d in (a, b, c)]
+    good = {"loss_sum": 8.0, "squared_error_sum": 8.0, "correct_sum": 3.0, "weight_sum": 10.0}
+
+    bad = report(
+        db,
+        c,
+        answers[2].assignment.id,
+        json.dumps({"num_examples": 10, "metrics": {**good, "correct_sum": 11.0}}).encode(),
+        ctype="application/json",
+    )
+    report(
+        db,
+        a,
+        answers[0].assignment.id,
+        json.dumps({"num_examples": 10, "metrics": good}).encode(),
+        ctype="application/json",
+    )
+    done = report(
+        db,
+        b,
+        answers[1].assignment.id,
+        json.dumps(
+            {"num_examples": 30, "metrics": {**good, "weight_sum": 30.0, "squared_error_sum": 24.0}}
+        ).encode(),
+        ctype="application/json",
+    )
+
+    assert isinstance(bad, rounds.Refused) and "correct_sum" in bad.message
+    assert done.status == "committed" and done.result_version is None
+    summary = rounds.summarize_metrics(done)
+    assert summary["rmse"] == pytest.approx((32.0 / 40.0) ** 0.5)
+    assert summary["accuracy"] == pytest.approx(6.0 / 40.0)
+    with db() as session:
+        assert session.get(ModelVersion, (1, 1)) is None  # evaluation never changes the model
+
+
+def test_evaluation_rounds_open_every_k_commits(
+    db: sessionmaker[Session], biased_model: ExportedModel
+) -> None:
+    make_population(db, biased_model, target_reports=1, evaluation_every=2)
+    for i in range(2):
+        dev = device(db)
+        answer = checkin(db, dev, now=1.0 + i)
+        assert "evaluation" not in {r for r in _open_kinds(db)} or i == 1
+        report(db, dev, answer.assignment.id, delta_body(biased_model, 0.1), now=1.5 + i)
+
+    assert _open_kinds(db) == {"training", "evaluation"}
+
+
+def _open_kinds(factory: sessionmaker[Session]) -> set[str]:
+    with factory() as session:
+        population = session.scalars(select(Population)).one()
+        return set(rounds.open_rounds(session, population))
+
+
+def test_population_creation_refuses_bad_models(
+    db: sessionmaker[Session], biased_model: ExportedModel
+) -> None:
+    corrupt = ExportedModel(biased_model.tflite + b"x", biased_model.manifest, biased_model.initial_global)
+    wrong_params = ExportedModel(
+        biased_model.tflite, biased_model.manifest, encode_params({"x": np.zeros(1, np.float32)})
+    )
+    cases = [
+        ("p", corrupt, {}, "sha256"),
+        ("p", wrong_params, {}, "missing"),
+        ("p", biased_model, {"target_reports": 2, "min_reports": 3}, "min_reports"),
+        ("p", biased_model, {"server_optimizer": {"name": "adagrad"}}, "adagrad"),
+        ("bad name!", biased_model, {}, "name"),
+    ]
+    for name, model, settings, message in cases:
+        with db.begin() as session, pytest.raises(PopulationError, match=message):
+            create_population(session, name, model, settings, 0.0)
+    make_population(db, biased_model)
+    with db.begin() as session, pytest.raises(PopulationError, match="already exists"):
+        create_population(session, "p", biased_model, {}, 0.0)
+
+
+def test_version_zero_is_the_exported_initial_model(
+    db: sessionmaker[Session], biased_model: ExportedModel
+) -> None:
+    make_population(db, biased_model, server_optimizer={"name": "adam", "learning_rate": 0.01})
+
+    params = version_params(db, biased_model, 0)
+
+    initial = load(biased_model.initial_global)
+    for k in initial:
+        np.testing.assert_array_equal(params[k], initial[k])
+    with db() as session:
+        state = load(session.get(ModelVersion, (1, 0)).optimizer_state)  # type: ignore[union-attr]
+    assert {k.split("/")[0] for k in state} == {"m", "v"}
