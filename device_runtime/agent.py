@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 from device_runtime.client_task import Outcome, TaskConfig, TaskResult, run_evaluation_task, run_training_task
 from device_runtime.example_store import ExampleStore
 from device_runtime.model import DeviceModel
-from device_runtime.orchestrator_client import Assignment, OrchestratorClient, Rejection
+from device_runtime.orchestrator_client import Assignment, OrchestratorClient, ProtocolError, Rejection
 from model_export.params import decode_params
 
 T = TypeVar("T")
@@ -26,7 +26,7 @@ RunBlocking = Callable[..., Awaitable[Any]]
 class Participation:
     """What happened when the device tried to take part once."""
 
-    status: str  # reported | rejected | aborted
+    status: str  # reported | refused (report not taken) | rejected (check-in) | aborted
     assignment: Assignment | None = None
     task: TaskResult | None = None
     retry_after_seconds: float = 0.0
@@ -68,22 +68,41 @@ class DeviceAgent:
     ) -> Participation:
         answer = await self.client.checkin(self.population, self.store.count(), task, conditions)
         if isinstance(answer, Rejection):
-            return Participation("rejected", retry_after_seconds=answer.retry_after_seconds, detail=answer.reason)
+            return Participation(
+                "rejected", retry_after_seconds=answer.retry_after_seconds, detail=answer.reason
+            )
         model = self._model(await self.client.model_dir(answer, self.cache_dir))
-        params = decode_params(await self.client.global_params(answer), model.manifest.global_params, "global parameters")
+        params = decode_params(
+            await self.client.global_params(answer), model.manifest.global_params, "global parameters"
+        )
         config = TaskConfig.from_json(answer.task_config)
         if answer.kind == "training":
             result: TaskResult = await self.run_blocking(
-                run_training_task, model, self.store, params, config, should_continue=should_continue, seed=seed
+                run_training_task,
+                model,
+                self.store,
+                params,
+                config,
+                should_continue=should_continue,
+                seed=seed,
             )
         else:
-            result = await self.run_blocking(run_evaluation_task, model, self.store, params, config, seed=seed)
+            result = await self.run_blocking(
+                run_evaluation_task, model, self.store, params, config, seed=seed
+            )
         if result.outcome is not Outcome.COMPLETED:
             await self.client.abort(answer)
-            return Participation("aborted", answer, result, detail=f"{result.outcome.value}: {result.message}")
-        if answer.kind == "training":
-            assert result.delta is not None
-            reply = await self.client.report_training(answer, result.delta, result.num_examples, result.metrics)
-        else:
-            reply = await self.client.report_evaluation(answer, result.num_examples, result.metrics)
+            return Participation(
+                "aborted", answer, result, detail=f"{result.outcome.value}: {result.message}"
+            )
+        try:
+            if answer.kind == "training":
+                assert result.delta is not None
+                reply = await self.client.report_training(
+                    answer, result.delta, result.num_examples, result.metrics
+                )
+            else:
+                reply = await self.client.report_evaluation(answer, result.num_examples, result.metrics)
+        except ProtocolError as e:  # e.g. 409: the round closed (target reached, or deadline) first
+            return Participation("refused", answer, result, detail=str(e))
         return Participation("reported", answer, result, server_answer=reply)

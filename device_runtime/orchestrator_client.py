@@ -108,7 +108,11 @@ class OrchestratorClient:
         return str(data["device_id"])
 
     async def checkin(
-        self, population: str, example_count: int, task: str = "training", conditions: Mapping[str, bool] | None = None
+        self,
+        population: str,
+        example_count: int,
+        task: str = "training",
+        conditions: Mapping[str, bool] | None = None,
     ) -> Assignment | Rejection:
         body = {"example_count": int(example_count), "task": task, "conditions": dict(conditions or {})}
         data = (await self._request("POST", f"/v1/populations/{population}/checkin", json=body)).json()
@@ -142,7 +146,9 @@ class OrchestratorClient:
     async def report_training(
         self, assignment: Assignment, delta: Params, num_examples: int, metrics: Mapping[str, float]
     ) -> dict[str, Any]:
-        body = encode_params(delta, {"num_examples": str(int(num_examples)), "metrics": json.dumps(dict(metrics))})
+        body = encode_params(
+            delta, {"num_examples": str(int(num_examples)), "metrics": json.dumps(dict(metrics))}
+        )
         response = await self._request(
             "POST", assignment.report_url, content=body, headers={"Content-Type": "application/octet-stream"}
         )

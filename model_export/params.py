@@ -23,7 +23,9 @@ class ParamsError(ValueError):
 
 def encode_params(params: Mapping[str, np.ndarray], metadata: Mapping[str, str] | None = None) -> bytes:
     # metadata=None, never {}: safetensors 0.8 writes an unreadable header for save({}, metadata={}).
-    return save({k: np.ascontiguousarray(v) for k, v in params.items()}, metadata=dict(metadata) if metadata else None)
+    return save(
+        {k: np.ascontiguousarray(v) for k, v in params.items()}, metadata=dict(metadata) if metadata else None
+    )
 
 
 def read_metadata(blob: bytes) -> dict[str, str]:
@@ -32,7 +34,9 @@ def read_metadata(blob: bytes) -> dict[str, str]:
         raise ParamsError("not a valid safetensors payload (shorter than its 8-byte header length)")
     size = int.from_bytes(blob[:8], "little")
     if size > len(blob) - 8:
-        raise ParamsError(f"not a valid safetensors payload (header of {size} bytes, body of {len(blob) - 8})")
+        raise ParamsError(
+            f"not a valid safetensors payload (header of {size} bytes, body of {len(blob) - 8})"
+        )
     try:
         header = json.loads(blob[8 : 8 + size])
     except (json.JSONDecodeError, UnicodeDecodeError):

@@ -16,7 +16,9 @@ from orchestrator.settings import Settings
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m orchestrator", description="The FedRecon orchestrator.")
-    parser.add_argument("--database-url", help="default: $ORCHESTRATOR_DATABASE_URL or sqlite:///orchestrator.sqlite")
+    parser.add_argument(
+        "--database-url", help="default: $ORCHESTRATOR_DATABASE_URL or sqlite:///orchestrator.sqlite"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="run the HTTP server")
     serve.add_argument("--host")
@@ -32,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     overrides = {k: v for k, v in (("database_url", args.database_url),) if v}
     if args.command == "serve":
         overrides.update({k: v for k, v in (("host", args.host), ("port", args.port)) if v})
-    settings = Settings(**overrides)  # type: ignore[arg-type]
+    settings = Settings(**overrides)
 
     if args.command == "serve":
         import uvicorn
@@ -54,9 +56,14 @@ def main(argv: list[str] | None = None) -> int:
             population_settings = json.loads(raw)
             with Session(engine) as session, session.begin():
                 population = create_population(
-                    session, args.name, ExportedModel.from_dir(args.model_dir), population_settings, time.time()
+                    session,
+                    args.name,
+                    ExportedModel.from_dir(args.model_dir),
+                    population_settings,
+                    time.time(),
                 )
-                print(f"created population {population.name!r} (model {population.artifact_sha256[:12]}..., version 0)")
+                sha = population.artifact_sha256[:12]
+                print(f"created population {population.name!r} (model {sha}..., version 0)")
         except (PopulationError, json.JSONDecodeError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 2

@@ -97,10 +97,11 @@ class SparseTensor:
                 f"sparse tensor of shape {self.shape} with {len(self.rows)} rows needs values of shape "
                 f"{expected_values}, got {self.values.shape}"
             )
-        if len(self.rows) and (self.rows[0] < 0 or self.rows[-1] >= by_row[0]):
-            raise ValueError(f"sparse tensor rows must lie in [0, {by_row[0]}), got {self.rows.tolist()}")
         if np.any(np.diff(self.rows) <= 0):
             raise ValueError(f"sparse tensor rows must be strictly increasing, got {self.rows.tolist()}")
+        # Sorted, so the first and last rows bound them all.
+        if len(self.rows) and (self.rows[0] < 0 or self.rows[-1] >= by_row[0]):
+            raise ValueError(f"sparse tensor rows must lie in [0, {by_row[0]}), got {self.rows.tolist()}")
 
     def dense(self) -> np.ndarray:
         """The full float32 tensor."""
@@ -113,7 +114,8 @@ def encode_sparse_delta(delta: Mapping[str, np.ndarray]) -> bytes:
     """One safetensors blob holding, per tensor, its nonzero rows, their indices and its shape.
 
     Values are stored as float32 (the dtype of every parameter), so the encoding is lossless for
-    float32 deltas. A row is dropped only when all its values compare equal to 0 (NaN rows are kept).
+    float32 deltas (up to the sign of zero). A row is dropped only when all its values compare equal to 0,
+    so rows holding a NaN are kept for validation to see.
     """
     tensors: dict[str, np.ndarray] = {}
     for name, value in delta.items():

@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator, Callable
 
 from fastapi import FastAPI
 from sqlalchemy import select
-from sqlalchemy.orm import sessionmaker
+from sqlalchemy.orm import Session, sessionmaker
 from starlette.concurrency import run_in_threadpool
 
 from orchestrator import rounds
@@ -22,7 +22,7 @@ from orchestrator.settings import Settings
 log = logging.getLogger("orchestrator")
 
 
-def tick(factory: sessionmaker, now: float) -> None:  # type: ignore[type-arg]
+def tick(factory: sessionmaker[Session], now: float) -> None:
     """Close every round past its deadline; each population in its own transaction."""
     with factory() as session:
         names = list(session.scalars(select(Population.name)))

@@ -40,7 +40,9 @@ class PopulationSettings(BaseModel):
     @model_validator(mode="after")
     def _sizes(self) -> PopulationSettings:
         if self.min_reports > self.target_reports:
-            raise ValueError(f"min_reports ({self.min_reports}) must be <= target_reports ({self.target_reports})")
+            raise ValueError(
+                f"min_reports ({self.min_reports}) must be <= target_reports ({self.target_reports})"
+            )
         return self
 
     @property

@@ -42,7 +42,9 @@ class ExportedModel:
                 initial_global=(model_dir / INITIAL_GLOBAL_FILE).read_bytes(),
             )
         except FileNotFoundError as e:
-            raise PopulationError(f"{model_dir} is not an exported model directory: {e.filename} is missing") from None
+            raise PopulationError(
+                f"{model_dir} is not an exported model directory: {e.filename} is missing"
+            ) from None
         except json.JSONDecodeError as e:
             raise PopulationError(f"{model_dir / MANIFEST_FILE} is not valid JSON: {e}") from None
 

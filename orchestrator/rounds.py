@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 from safetensors.numpy import load
-from sqlalchemy import func, select, update
+from sqlalchemy import CursorResult, func, select, update
 from sqlalchemy.orm import Session
 
 from model_export.manifest import Manifest
@@ -68,7 +68,9 @@ def lock_population(session: Session, name: str) -> Population | None:
 def population_of_assignment(session: Session, assignment_id: str) -> Population | None:
     """The (locked) population an assignment belongs to."""
     population_id = session.scalar(
-        select(Round.population_id).join(Assignment, Assignment.round_id == Round.id).where(Assignment.id == assignment_id)
+        select(Round.population_id)
+        .join(Assignment, Assignment.round_id == Round.id)
+        .where(Assignment.id == assignment_id)
     )
     if population_id is None:
         return None
@@ -115,11 +117,12 @@ def advance(session: Session, population: Population, now: float) -> None:
     for round_ in open_rounds(session, population).values():
         if now < round_.deadline:
             continue
-        outstanding = session.execute(
+        dropped: CursorResult[Any] = session.execute(  # type: ignore[assignment]
             update(Assignment)
             .where(Assignment.round_id == round_.id, Assignment.status == "assigned")
             .values(status="dropped", finished_at=now)
-        ).rowcount
+        )
+        outstanding = dropped.rowcount
         round_.dropped += outstanding
         if round_.reported >= round_.min_reports:
             _commit(session, population, round_, now)
@@ -140,12 +143,17 @@ def checkin(
     if round_ is None:
         return Refused(409, f"no {kind} round is open", retry_after=settings.retry_after_seconds)
     existing = session.scalars(
-        select(Assignment).where(
-            Assignment.round_id == round_.id, Assignment.device_id == device.id, Assignment.status == "assigned"
-        )
+        select(Assignment).where(Assignment.round_id == round_.id, Assignment.device_id == device.id)
     ).first()
-    if existing is not None:  # a retried check-in gets the same assignment, not a second one
-        return Accepted(existing, round_)
+    if existing is not None:
+        if existing.status == "assigned":  # a retried check-in gets the same assignment back
+            return Accepted(existing, round_)
+        # One assignment per device per round: a device cannot weigh in twice.
+        return Refused(
+            409,
+            f"this device already took part in round {round_.id} ({existing.status})",
+            retry_after=max(settings.retry_after_seconds, round_.deadline - now),
+        )
     round_.checked_in += 1
     if example_count < settings.min_examples:
         round_.rejected_min_examples += 1
@@ -156,7 +164,9 @@ def checkin(
         )
     if round_.accepted >= round_.capacity:
         round_.rejected_capacity += 1
-        return Refused(409, "this round is full", retry_after=max(settings.retry_after_seconds, round_.deadline - now))
+        return Refused(
+            409, "this round is full", retry_after=max(settings.retry_after_seconds, round_.deadline - now)
+        )
     round_.accepted += 1
     assignment = Assignment(
         id=secrets.token_hex(16),
@@ -173,7 +183,9 @@ def checkin(
     return Accepted(assignment, round_)
 
 
-def _find_assignment(session: Session, assignment_id: str, device: Device) -> tuple[Assignment, Round] | Refused:
+def _find_assignment(
+    session: Session, assignment_id: str, device: Device
+) -> tuple[Assignment, Round] | Refused:
     assignment = session.get(Assignment, assignment_id)
     if assignment is None:
         return Refused(404, f"no assignment {assignment_id!r}")
@@ -229,7 +241,9 @@ def report(
         assignment.status, assignment.finished_at = "invalid", now
         return parsed
     weight, delta, metrics = parsed
-    session.add(Report(assignment_id=assignment.id, round_id=round_.id, weight=weight, delta=delta, metrics=metrics))
+    session.add(
+        Report(assignment_id=assignment.id, round_id=round_.id, weight=weight, delta=delta, metrics=metrics)
+    )
     assignment.status, assignment.finished_at = "reported", now
     round_.reported += 1
     round_.total_weight += weight
@@ -242,7 +256,9 @@ def report(
     return round_
 
 
-def abort(session: Session, population: Population, assignment_id: str, device: Device, now: float) -> Round | Refused:
+def abort(
+    session: Session, population: Population, assignment_id: str, device: Device, now: float
+) -> Round | Refused:
     found = _find_assignment(session, assignment_id, device)
     if isinstance(found, Refused):
         return found
@@ -352,10 +368,14 @@ def _commit(session: Session, population: Population, round_: Round, now: float)
     mean = WeightedMean({s.name: s.shape for s in manifest.global_params})
     # One report's delta in memory at a time: memory is O(model), not O(reports x model).
     for weight, blob in session.execute(
-        select(Report.weight, Report.delta).where(Report.round_id == round_.id).execution_options(yield_per=16)
+        select(Report.weight, Report.delta)
+        .where(Report.round_id == round_.id)
+        .execution_options(yield_per=16)
     ):
         mean.add_sparse(decode_sparse_delta(blob), weight)
-    new_params, new_state = apply_update(population_settings(population).optimizer(), params, mean.mean(), state)
+    new_params, new_state = apply_update(
+        population_settings(population).optimizer(), params, mean.mean(), state
+    )
     check_params(new_params, manifest.global_params, "aggregated model")
     version = population.current_version + 1
     session.add(
@@ -374,7 +394,11 @@ def _commit(session: Session, population: Population, round_: Round, now: float)
     open_round(session, population, TRAINING, now)
     settings = population_settings(population)
     every = settings.evaluation_every
-    if every and population.training_rounds_committed % every == 0 and EVALUATION not in open_rounds(session, population):
+    if (
+        every
+        and population.training_rounds_committed % every == 0
+        and EVALUATION not in open_rounds(session, population)
+    ):
         open_round(session, population, EVALUATION, now)
 
 
@@ -396,4 +420,6 @@ def summarize_metrics(round_: Round) -> dict[str, float]:
 
 
 def reports_in_round(session: Session, round_id: int) -> int:
-    return int(session.scalar(select(func.count()).select_from(Report).where(Report.round_id == round_id)) or 0)
+    return int(
+        session.scalar(select(func.count()).select_from(Report).where(Report.round_id == round_id)) or 0
+    )

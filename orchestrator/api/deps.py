@@ -35,7 +35,9 @@ def get_session(factory: Annotated[sessionmaker[Session], Depends(get_sessionmak
 
 def bearer_token(authorization: Annotated[str | None, Header()] = None) -> str:
     if not authorization or not authorization.startswith("Bearer "):
-        raise HTTPException(401, "missing 'Authorization: Bearer <token>' header", headers={"WWW-Authenticate": "Bearer"})
+        raise HTTPException(
+            401, "missing 'Authorization: Bearer <token>' header", headers={"WWW-Authenticate": "Bearer"}
+        )
     return authorization.removeprefix("Bearer ").strip()
 
 

@@ -9,6 +9,7 @@ import math
 
 import numpy as np
 import pytest
+from numpy.typing import ArrayLike
 from safetensors.numpy import save
 
 from model_export.params import Params
@@ -27,7 +28,7 @@ def f32(*values: float) -> np.ndarray:
     return np.array(values, dtype=np.float32)
 
 
-def assert_close(actual: np.ndarray, expected: list[float] | float) -> None:
+def assert_close(actual: np.ndarray, expected: ArrayLike) -> None:
     assert actual.dtype == np.float32
     np.testing.assert_allclose(actual, np.array(expected, dtype=np.float64), rtol=1e-6, atol=1e-7)
 
@@ -39,9 +40,9 @@ def assert_close(actual: np.ndarray, expected: list[float] | float) -> None:
 def test_weighted_mean_of_three_deltas_weighs_each_by_its_weight() -> None:
     mean = WeightedMean({"w": (2,), "b": ()})
 
-    mean.add({"w": f32(1, 2), "b": np.float32(3)}, weight=1)
-    mean.add({"w": f32(4, -1), "b": np.float32(0)}, weight=2)
-    mean.add({"w": f32(0, 0), "b": np.float32(6)}, weight=1)
+    mean.add({"w": f32(1, 2), "b": np.array(3, np.float32)}, weight=1)
+    mean.add({"w": f32(4, -1), "b": np.array(0, np.float32)}, weight=2)
+    mean.add({"w": f32(0, 0), "b": np.array(6, np.float32)}, weight=1)
     result = mean.mean()
 
     # w: (1*1 + 2*4 + 1*0) / 4 = 2.25 and (1*2 + 2*-1 + 1*0) / 4 = 0; b: (3 + 0 + 6) / 4 = 2.25
@@ -56,7 +57,7 @@ def test_weights_need_not_be_integers() -> None:
     mean = WeightedMean({"w": (1,)})
 
     mean.add({"w": f32(1.0)}, weight=0.5)
-    mean.add({"w": f32(4.0)}, weight=np.float32(1.5))
+    mean.add({"w": f32(4.0)}, weight=np.float32(1.5))  # type: ignore[arg-type]  # numpy scalars work too
     result = mean.mean()
 
     # (0.5*1 + 1.5*4) / 2 = 3.25; an unweighted mean would be 2.5
@@ -79,7 +80,7 @@ def two_clients_dense() -> tuple[Params, Params]:
 # Weights 1 (A) and 3 (B), total 4:
 #   items row 1: (1*[2, 4] + 3*[2, 0]) / 4 = [2, 1]; row 3: 3*[-4, 8] / 4 = [-3, 6]; rows 0 and 2: 0
 #   bias: [0, 1*1/4, 0, 3*2/4] = [0, 0.25, 0, 1.5]
-EXPECTED_ITEMS = [[0, 0], [2, 1], [0, 0], [-3, 6]]
+EXPECTED_ITEMS = [[0.0, 0.0], [2.0, 1.0], [0.0, 0.0], [-3.0, 6.0]]
 EXPECTED_BIAS = [0, 0.25, 0, 1.5]
 SHAPES = {"items": (4, 2), "bias": (4,)}
 
@@ -134,7 +135,7 @@ def test_add_refuses_wrong_names_and_says_what_was_expected() -> None:
     with pytest.raises(ValueError, match=r"expected tensors \['b', 'w'\]; missing \['b'\]"):
         mean.add({"w": f32(1, 2)}, weight=1)
     with pytest.raises(ValueError, match=r"unexpected \['extra'\]"):
-        mean.add({"w": f32(1, 2), "b": np.float32(0), "extra": f32(1)}, weight=1)
+        mean.add({"w": f32(1, 2), "b": np.array(0, np.float32), "extra": f32(1)}, weight=1)
 
     assert mean.count == 0
 
@@ -143,8 +144,8 @@ def test_add_refuses_a_wrong_shape_and_leaves_the_sum_untouched() -> None:
     mean = WeightedMean({"w": (2,), "b": ()})
 
     with pytest.raises(ValueError, match=r"w has shape \(3,\), expected \(2,\)"):
-        mean.add({"w": f32(1, 2, 3), "b": np.float32(100)}, weight=1)
-    mean.add({"w": f32(1, 2), "b": np.float32(3)}, weight=1)
+        mean.add({"w": f32(1, 2, 3), "b": np.array(100, np.float32)}, weight=1)
+    mean.add({"w": f32(1, 2), "b": np.array(3, np.float32)}, weight=1)
 
     # b would be (100 + 3) / 2 if the refused delta had been partly added
     assert_close(mean.mean()["b"], 3.0)

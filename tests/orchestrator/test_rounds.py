@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import numpy as np
 import pytest
@@ -338,7 +339,7 @@ def test_population_creation_refuses_bad_models(
     wrong_params = ExportedModel(
         biased_model.tflite, biased_model.manifest, encode_params({"x": np.zeros(1, np.float32)})
     )
-    cases = [
+    cases: list[tuple[str, ExportedModel, dict[str, Any], str]] = [
         ("p", corrupt, {}, "sha256"),
         ("p", wrong_params, {}, "missing"),
         ("p", biased_model, {"target_reports": 2, "min_reports": 3}, "min_reports"),

@@ -113,7 +113,12 @@ def list_rounds(
     return [round_out(r) for r in session.scalars(query)]
 
 
-@router.post("/populations/{name}/evaluations", response_model=RoundOut, status_code=201, summary="Open an evaluation round")
+@router.post(
+    "/populations/{name}/evaluations",
+    response_model=RoundOut,
+    status_code=201,
+    summary="Open an evaluation round",
+)
 def schedule_evaluation(name: str, _: AdminDep, factory: SessionFactoryDep, clock: ClockDep) -> RoundOut:
     with factory.begin() as session:
         population = rounds.lock_population(session, name)

@@ -16,7 +16,9 @@ router = APIRouter(prefix="/v1/assignments", tags=["devices"])
 def _answer(result: Round | rounds.Refused) -> ReportAccepted:
     if isinstance(result, rounds.Refused):
         raise HTTPException(result.status, result.message)
-    return ReportAccepted(round_id=result.id, round_status=result.status, reported=result.reported, target=result.target)
+    return ReportAccepted(
+        round_id=result.id, round_status=result.status, reported=result.reported, target=result.target
+    )
 
 
 def _report(
@@ -44,20 +46,31 @@ def _report(
     "409 when late or repeated, 422 when malformed, 403 when not the caller's.",
 )
 async def report(
-    assignment_id: str, request: Request, token: TokenDep, factory: SessionFactoryDep, clock: ClockDep, settings: SettingsDep
+    assignment_id: str,
+    request: Request,
+    token: TokenDep,
+    factory: SessionFactoryDep,
+    clock: ClockDep,
+    settings: SettingsDep,
 ) -> ReportAccepted:
     declared = int(request.headers.get("content-length") or 0)
     if declared > settings.max_report_bytes:
-        raise HTTPException(413, f"report of {declared} bytes exceeds the limit of {settings.max_report_bytes}")
+        raise HTTPException(
+            413, f"report of {declared} bytes exceeds the limit of {settings.max_report_bytes}"
+        )
     body = await request.body()
     if len(body) > settings.max_report_bytes:
-        raise HTTPException(413, f"report of {len(body)} bytes exceeds the limit of {settings.max_report_bytes}")
+        raise HTTPException(
+            413, f"report of {len(body)} bytes exceeds the limit of {settings.max_report_bytes}"
+        )
     content_type = request.headers.get("content-type", "")
     result = await run_in_threadpool(_report, factory, assignment_id, token, body, content_type, clock())
     return _answer(result)
 
 
-def _abort(factory: sessionmaker[Session], assignment_id: str, token: str, now: float) -> Round | rounds.Refused:
+def _abort(
+    factory: sessionmaker[Session], assignment_id: str, token: str, now: float
+) -> Round | rounds.Refused:
     with factory.begin() as session:
         device = authenticate(session, token)
         if device is None:

@@ -13,9 +13,16 @@ from orchestrator.devices import authenticate
 router = APIRouter(prefix="/v1/populations", tags=["devices"])
 
 
-@router.post("/{population}/checkin", response_model=AssignmentOut | RejectionOut, summary="Check in for a task")
+@router.post(
+    "/{population}/checkin", response_model=AssignmentOut | RejectionOut, summary="Check in for a task"
+)
 def checkin(
-    population: str, body: CheckIn, token: TokenDep, factory: SessionFactoryDep, clock: ClockDep, response: Response
+    population: str,
+    body: CheckIn,
+    token: TokenDep,
+    factory: SessionFactoryDep,
+    clock: ClockDep,
+    response: Response,
 ) -> AssignmentOut | RejectionOut:
     with factory.begin() as session:
         device = authenticate(session, token)
