@@ -8,6 +8,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 
+import anyio.to_thread
 from fastapi import FastAPI
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
@@ -38,6 +39,9 @@ def create_app(settings: Settings | None = None, clock: Callable[[], float] = ti
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        # Few worker threads: the database serializes writes anyway, and with anyio's default of
+        # 40 threads the one holding the connection waits behind the others for the GIL.
+        anyio.to_thread.current_default_thread_limiter().total_tokens = settings.worker_threads
         await run_in_threadpool(migrate, settings.database_url)
         engine = make_engine(settings.database_url)
         app.state.sessionmaker = sessionmaker(engine, expire_on_commit=False)

@@ -10,6 +10,7 @@ from typing import Any
 
 from sqlalchemy import JSON, Engine, ForeignKey, Index, LargeBinary, String, create_engine, event
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+from sqlalchemy.pool import QueuePool
 
 
 class Base(DeclarativeBase):
@@ -117,7 +118,17 @@ class Report(Base):
 def make_engine(url: str) -> Engine:
     """An engine whose write transactions serialize cleanly on SQLite as on PostgreSQL."""
     if url.startswith("sqlite"):
-        engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
+        # One connection, shared in turn: SQLite has one writer anyway, and threads queued on
+        # the pool are handed the connection at once, where threads racing for the write lock
+        # sleep in SQLite's busy handler (1, 2, 5, 10... ms), which cut throughput tenfold.
+        engine = create_engine(
+            url,
+            connect_args={"check_same_thread": False, "timeout": 30},
+            poolclass=QueuePool,
+            pool_size=1,
+            max_overflow=0,
+            pool_timeout=120,
+        )
 
         @event.listens_for(engine, "connect")
         def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import hmac
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from typing import Annotated
 
 from fastapi import Depends, Header, HTTPException, Request
@@ -13,27 +13,29 @@ from orchestrator.devices import authenticate
 from orchestrator.settings import Settings
 
 
-def get_sessionmaker(request: Request) -> sessionmaker[Session]:
+# The trivial dependencies are `async def`: FastAPI runs a plain `def` dependency in the
+# threadpool, and those thread hops cost more than the database work of a check-in.
+async def get_sessionmaker(request: Request) -> sessionmaker[Session]:
     factory: sessionmaker[Session] = request.app.state.sessionmaker
     return factory
 
 
-def get_clock(request: Request) -> Callable[[], float]:
+async def get_clock(request: Request) -> Callable[[], float]:
     clock: Callable[[], float] = request.app.state.clock
     return clock
 
 
-def get_settings(request: Request) -> Settings:
+async def get_settings(request: Request) -> Settings:
     settings: Settings = request.app.state.settings
     return settings
 
 
-def get_session(factory: Annotated[sessionmaker[Session], Depends(get_sessionmaker)]) -> Iterator[Session]:
+async def get_session(factory: Annotated[sessionmaker[Session], Depends(get_sessionmaker)]) -> AsyncIterator[Session]:
     with factory() as session:
         yield session
 
 
-def bearer_token(authorization: Annotated[str | None, Header()] = None) -> str:
+async def bearer_token(authorization: Annotated[str | None, Header()] = None) -> str:
     if not authorization or not authorization.startswith("Bearer "):
         raise HTTPException(
             401, "missing 'Authorization: Bearer <token>' header", headers={"WWW-Authenticate": "Bearer"}
@@ -41,19 +43,11 @@ def bearer_token(authorization: Annotated[str | None, Header()] = None) -> str:
     return authorization.removeprefix("Bearer ").strip()
 
 
-def require_admin(
+async def require_admin(
     token: Annotated[str, Depends(bearer_token)], settings: Annotated[Settings, Depends(get_settings)]
 ) -> None:
     if not hmac.compare_digest(token.encode(), settings.admin_token.encode()):
         raise HTTPException(403, "admin token required")
-
-
-def device_id_for(factory: sessionmaker[Session], token: str) -> str:
-    with factory() as session:
-        device = authenticate(session, token)
-        if device is None:
-            raise HTTPException(401, "unknown device or wrong token", headers={"WWW-Authenticate": "Bearer"})
-        return device.id
 
 
 SessionDep = Annotated[Session, Depends(get_session)]

@@ -1,0 +1,240 @@
+"""The HTTP surface: authentication, malformed requests, the CLI, and a client that outlives a down server."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+import pytest
+
+from device_runtime.orchestrator_client import OrchestratorClient, ProtocolError, ServerUnavailable
+from model_export.config import ModelConfig
+from tests.conftest import BIASED, ROOT
+from tests.orchestrator.conftest import ADMIN_TOKEN, Server, admin_create_population, free_port
+
+
+def enroll(url: str) -> str:
+    response = httpx.post(f"{url}/v1/devices", timeout=10)
+    assert response.status_code == 201
+    return str(response.json()["token"])
+
+
+@pytest.fixture
+def population(server: Server, export: Callable[[ModelConfig], Path]) -> str:
+    created = admin_create_population(
+        server.url, export(BIASED), "p", json.dumps({"target_reports": 2, "min_examples": 3})
+    )
+    assert created.status_code == 201, created.text
+    return "p"
+
+
+def test_docs_and_openapi_are_served(server: Server) -> None:
+    assert httpx.get(f"{server.url}/docs", timeout=10).status_code == 200
+    paths = httpx.get(f"{server.url}/openapi.json", timeout=10).json()["paths"]
+    assert {
+        "/v1/devices",
+        "/v1/populations/{population}/checkin",
+        "/v1/assignments/{assignment_id}/report",
+    } <= set(paths)
+
+
+def test_authentication_is_required_and_checked(server: Server, population: str) -> None:
+    url = f"{server.url}/v1/populations/{population}/checkin"
+    body = {"example_count": 10}
+
+    missing = httpx.post(url, json=body, timeout=10)
+    wrong = httpx.post(url, json=body, headers={"Authorization": "Bearer abc.def"}, timeout=10)
+    not_admin = httpx.get(
+        f"{server.url}/v1/admin/populations",
+        headers={"Authorization": f"Bearer {enroll(server.url)}"},
+        timeout=10,
+    )
+
+    assert (missing.status_code, wrong.status_code, not_admin.status_code) == (401, 401, 403)
+    assert "Authorization" in missing.json()["detail"]
+
+
+def test_malformed_checkins_say_what_was_expected(server: Server, population: str) -> None:
+    headers = {"Authorization": f"Bearer {enroll(server.url)}"}
+    url = f"{server.url}/v1/populations/{population}/checkin"
+
+    negative = httpx.post(url, json={"example_count": -1}, headers=headers, timeout=10)
+    extra = httpx.post(url, json={"example_count": 5, "items": [1, 2, 3]}, headers=headers, timeout=10)
+    unknown = httpx.post(
+        f"{server.url}/v1/populations/nope/checkin", json={"example_count": 5}, headers=headers, timeout=10
+    )
+    too_few = httpx.post(url, json={"example_count": 2}, headers=headers, timeout=10)
+
+    assert negative.status_code == 422 and "greater than or equal to 0" in negative.text
+    assert extra.status_code == 422 and "items" in extra.text  # examples are never accepted
+    assert unknown.status_code == 404
+    assert too_few.status_code == 200 and too_few.json()["accepted"] is False
+    assert int(too_few.headers["Retry-After"]) >= 1
+
+
+def test_report_errors_over_http(server: Server, population: str) -> None:
+    token = enroll(server.url)
+    headers = {"Authorization": f"Bearer {token}"}
+    assignment = httpx.post(
+        f"{server.url}/v1/populations/{population}/checkin",
+        json={"example_count": 10},
+        headers=headers,
+        timeout=10,
+    ).json()
+
+    unknown = httpx.post(
+        f"{server.url}/v1/assignments/nope/report", content=b"x", headers=headers, timeout=10
+    )
+    other = httpx.post(
+        f"{server.url}{assignment['report_url']}",
+        content=b"x",
+        headers={"Authorization": f"Bearer {enroll(server.url)}"},
+        timeout=10,
+    )
+    garbage = httpx.post(
+        f"{server.url}{assignment['report_url']}", content=b"\x00" * 100, headers=headers, timeout=10
+    )
+    after = httpx.post(
+        f"{server.url}{assignment['report_url']}", content=b"\x00" * 100, headers=headers, timeout=10
+    )
+
+    assert (unknown.status_code, other.status_code, garbage.status_code, after.status_code) == (
+        404,
+        403,
+        422,
+        409,
+    )
+    assert "safetensors" in garbage.json()["detail"]
+    status = httpx.get(
+        f"{server.url}/v1/admin/populations/{population}",
+        headers={"Authorization": f"Bearer {ADMIN_TOKEN}"},
+        timeout=10,
+    ).json()
+    assert status["open_rounds"][0]["counters"]["invalid"] == 1
+    assert status["current_version"] == 0
+
+
+def test_artifact_and_params_downloads(
+    server: Server, population: str, export: Callable[[ModelConfig], Path]
+) -> None:
+    headers = {"Authorization": f"Bearer {enroll(server.url)}"}
+    assignment = httpx.post(
+        f"{server.url}/v1/populations/{population}/checkin",
+        json={"example_count": 10},
+        headers=headers,
+        timeout=10,
+    ).json()
+
+    artifact = httpx.get(f"{server.url}{assignment['artifact_url']}", timeout=10)
+    params = httpx.get(f"{server.url}{assignment['params_url']}", headers=headers, timeout=10)
+    missing = httpx.get(
+        f"{server.url}/v1/populations/{population}/models/99/global", headers=headers, timeout=10
+    )
+
+    assert artifact.content == (export(BIASED) / "model.tflite").read_bytes()
+    assert "immutable" in artifact.headers["Cache-Control"]
+    assert params.content == (export(BIASED) / "global_params.safetensors").read_bytes()
+    assert missing.status_code == 404
+
+
+def test_duplicate_population_and_bad_uploads(
+    server: Server, population: str, export: Callable[[ModelConfig], Path], tmp_path: Path
+) -> None:
+    again = admin_create_population(server.url, export(BIASED), population, "{}")
+    bad_settings = admin_create_population(server.url, export(BIASED), "q", json.dumps({"oversampling": 0.5}))
+    corrupt = tmp_path / "corrupt"
+    corrupt.mkdir()
+    for name in ("model.tflite", "manifest.json", "global_params.safetensors"):
+        (corrupt / name).write_bytes((export(BIASED) / name).read_bytes())
+    (corrupt / "model.tflite").write_bytes(b"garbage")
+    bad_model = admin_create_population(server.url, corrupt, "r", "{}")
+
+    assert again.status_code == 409
+    assert bad_settings.status_code == 422 and "oversampling" in bad_settings.text
+    assert bad_model.status_code == 422 and "sha256" in bad_model.text
+
+
+def test_cli_creates_a_population_and_prints_status(
+    export: Callable[[ModelConfig], Path], tmp_path: Path
+) -> None:
+    url = f"sqlite:///{tmp_path / 'cli.sqlite'}"
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "orchestrator", "--database-url", url, *args],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            timeout=120,
+        )
+
+    created = cli(
+        "create-population",
+        "movies",
+        "--model-dir",
+        str(export(BIASED)),
+        "--settings",
+        '{"target_reports": 4}',
+    )
+    status = cli("status", "movies")
+    missing_dir = cli("create-population", "x", "--model-dir", str(tmp_path / "nope"))
+    unknown = cli("status", "nope")
+
+    assert created.returncode == 0, created.stderr
+    assert json.loads(status.stdout)["settings"]["target_reports"] == 4
+    assert missing_dir.returncode == 2 and "not an exported model directory" in missing_dir.stderr
+    assert unknown.returncode == 2 and "no population" in unknown.stderr
+
+
+def test_client_waits_for_a_server_that_is_down_then_gives_up_clearly(tmp_path: Path) -> None:
+    port = free_port()
+
+    async def enroll_while_starting() -> str:
+        client = OrchestratorClient(f"http://127.0.0.1:{port}", attempts=12, backoff_seconds=0.5)
+        try:
+            return await client.enroll()
+        finally:
+            await client.aclose()
+
+    async def nobody_home() -> None:
+        client = OrchestratorClient(f"http://127.0.0.1:{free_port()}", attempts=3, backoff_seconds=0.01)
+        try:
+            await client.enroll()
+        finally:
+            await client.aclose()
+
+    late = Server(tmp_path / "late.sqlite", port=port)
+
+    async def both() -> str:
+        task = asyncio.create_task(enroll_while_starting())
+        await asyncio.sleep(1.0)
+        await asyncio.to_thread(late.start)
+        return await task
+
+    started = time.time()
+    try:
+        device_id = asyncio.run(both())
+    finally:
+        late.stop()
+    assert len(device_id) == 32 and time.time() - started < 120
+    with pytest.raises(ServerUnavailable, match="after 3 attempts"):
+        asyncio.run(nobody_home())
+
+
+def test_protocol_errors_carry_the_servers_reason(server: Server) -> None:
+    async def bad() -> None:
+        client = OrchestratorClient(server.url)
+        try:
+            await client.enroll()
+            await client.checkin("nope", 5)
+        finally:
+            await client.aclose()
+
+    with pytest.raises(ProtocolError, match="404: no population 'nope'"):
+        asyncio.run(bad())
