@@ -37,7 +37,7 @@ sys.path.insert(0, str(ROOT))
 
 from model_export.params import encode_params  # noqa: E402
 from orchestrator.aggregation import WeightedMean, decode_sparse_delta, encode_sparse_delta  # noqa: E402
-from tests.orchestrator.conftest import ADMIN_TOKEN, Server, admin_create_population  # noqa: E402
+from tests.orchestrator.conftest import Server, admin_create_population  # noqa: E402
 
 NUM_ITEMS, DIM = 3706, 50
 
@@ -46,8 +46,19 @@ def export(out: Path) -> None:
     config = {"num_items": NUM_ITEMS, "embedding_dim": DIM, "batch_size": 5, "max_batches": 64}
     (out / "config.json").write_text(json.dumps(config))
     subprocess.run(
-        [sys.executable, "-m", "model_export", "--config", str(out / "config.json"), "--output-dir", str(out)],
-        check=True, cwd=ROOT, capture_output=True, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"},
+        [
+            sys.executable,
+            "-m",
+            "model_export",
+            "--config",
+            str(out / "config.json"),
+            "--output-dir",
+            str(out),
+        ],
+        check=True,
+        cwd=ROOT,
+        capture_output=True,
+        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"},
     )
 
 
@@ -83,7 +94,9 @@ class Load:
         response = conn.getresponse()
         return response.status, response.read()
 
-    def run(self, requests: list[tuple[str, str, bytes | None, dict[str, str]]]) -> tuple[float, list[tuple[int, bytes]]]:
+    def run(
+        self, requests: list[tuple[str, str, bytes | None, dict[str, str]]]
+    ) -> tuple[float, list[tuple[int, bytes]]]:
         """(requests per second, answers) for `requests` sent concurrently."""
         start = time.perf_counter()
         answers = list(self.pool.map(lambda r: self._call(*r), requests))
@@ -97,8 +110,12 @@ class Load:
         body = json.dumps({"example_count": 300}).encode()
         rate, answers = self.run(
             [
-                ("POST", f"/v1/populations/{population}/checkin", body,
-                 {"Authorization": f"Bearer {t}", "Content-Type": "application/json"})
+                (
+                    "POST",
+                    f"/v1/populations/{population}/checkin",
+                    body,
+                    {"Authorization": f"Bearer {t}", "Content-Type": "application/json"},
+                )
                 for t in tokens
             ]
         )
@@ -108,7 +125,12 @@ class Load:
     def report(self, jobs: list[tuple[str, str, bytes]]) -> float:
         rate, answers = self.run(
             [
-                ("POST", report_url, body, {"Authorization": f"Bearer {t}", "Content-Type": "application/octet-stream"})
+                (
+                    "POST",
+                    report_url,
+                    body,
+                    {"Authorization": f"Bearer {t}", "Content-Type": "application/octet-stream"},
+                )
                 for t, report_url, body in jobs
             ]
         )
@@ -141,7 +163,9 @@ def load(url: str, model_dir: Path, args: argparse.Namespace) -> dict[str, objec
     results: dict[str, object] = {"report_body_bytes": len(body)}
     client = Load(url, args.concurrency)
     # Check-ins: one big round so that every check-in is accepted and creates an assignment.
-    r = admin_create_population(url, model_dir, "checkins", json.dumps({"target_reports": 100_000, "oversampling": 1.0}))
+    r = admin_create_population(
+        url, model_dir, "checkins", json.dumps({"target_reports": 100_000, "oversampling": 1.0})
+    )
     assert r.status_code == 201, r.text
     tokens = client.enroll(args.checkins)
     rates = []
@@ -152,17 +176,23 @@ def load(url: str, model_dir: Path, args: argparse.Namespace) -> dict[str, objec
     results["checkins_per_s"] = statistics.median(rates)
 
     # Reports: rounds of 100, each committing (aggregation and a new model version) at its 100th.
-    r = admin_create_population(url, model_dir, "reports", json.dumps({"target_reports": 100, "oversampling": 1.0}))
+    r = admin_create_population(
+        url, model_dir, "reports", json.dumps({"target_reports": 100, "oversampling": 1.0})
+    )
     assert r.status_code == 201, r.text
     rates = []
     for _ in range(args.report_rounds):
         tokens = client.enroll(100)
         _, answers = client.checkin("reports", tokens)
-        rates.append(client.report([(t, a["report_url"], body) for t, a in zip(tokens, answers, strict=True)]))
+        rates.append(
+            client.report([(t, a["report_url"], body) for t, a in zip(tokens, answers, strict=True)])
+        )
     results["reports_per_s"] = statistics.median(rates)
 
     # RSS across many committed rounds of one report each.
-    r = admin_create_population(url, model_dir, "soak", json.dumps({"target_reports": 1, "oversampling": 1.0}))
+    r = admin_create_population(
+        url, model_dir, "soak", json.dumps({"target_reports": 1, "oversampling": 1.0})
+    )
     assert r.status_code == 201, r.text
     token = client.enroll(1)[0]
     samples = []
@@ -176,7 +206,9 @@ def load(url: str, model_dir: Path, args: argparse.Namespace) -> dict[str, objec
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--checkins", type=int, default=3000)
     parser.add_argument("--report-rounds", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=1000)
@@ -199,13 +231,22 @@ def main() -> int:
     figures.update(aggregation)
     samples = figures["rss_mb_every_tenth"]
     assert isinstance(samples, list)
-    print(f"orchestrator benchmark ({NUM_ITEMS} x {DIM} model, SQLite, one server process, {args.concurrency} concurrent clients)")
-    print(f"  check-ins/s (accepted, median of 3 batches):       {figures['checkins_per_s']:8.0f}   target >= 1000")
-    print(f"  reports/s (validate + store + commit, median):     {figures['reports_per_s']:8.0f}   target >= 300")
-    print(f"  aggregation, dense deltas:                         {aggregation['dense_gb_s']:8.2f} GB/s   target >= 1")
-    print(f"  aggregation, stored sparse deltas (dense-equiv.):  {aggregation['sparse_dense_equivalent_gb_s']:8.2f} GB/s")
-    print(f"  server RSS MB every {args.rounds // 10} of {args.rounds} rounds:        {samples}")
-    print(f"  RSS growth first -> last sample:                   {samples[-1] - samples[0]:+.1f} MB")
+    rows = [
+        ("check-ins/s (accepted, median of 3 batches)", f"{figures['checkins_per_s']:.0f}", ">= 1000"),
+        ("reports/s (validate + store + commit, median)", f"{figures['reports_per_s']:.0f}", ">= 300"),
+        ("aggregation, dense deltas (GB/s)", f"{aggregation['dense_gb_s']:.2f}", ">= 1"),
+        (
+            "aggregation, stored sparse deltas (dense-equiv. GB/s)",
+            f"{aggregation['sparse_dense_equivalent_gb_s']:.2f}",
+            "",
+        ),
+        (f"server RSS MB, every {args.rounds // 10} of {args.rounds} rounds", str(samples), "flat"),
+        ("RSS growth, first to last sample (MB)", f"{samples[-1] - samples[0]:+.1f}", "~0"),
+    ]
+    setup = f"{NUM_ITEMS} x {DIM}, SQLite, one server process, {args.concurrency} clients"
+    print(f"orchestrator benchmark ({setup})")
+    for label, value, target in rows:
+        print(f"  {label:<55} {value:>10}   {'target ' + target if target else ''}")
     if args.json:
         args.json.write_text(json.dumps(figures, indent=2))
     return 0

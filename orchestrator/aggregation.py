@@ -184,6 +184,7 @@ class WeightedMean:
         self._sums = {
             name: np.zeros(_row_shape(shape), dtype=np.float64) for name, shape in self._shapes.items()
         }
+        self._scratch = {name: np.empty_like(total) for name, total in self._sums.items()}
         self._total_weight = 0.0
         self._count = 0
 
@@ -212,8 +213,11 @@ class WeightedMean:
         """Add a dense delta with the given weight (e.g. the client's number of examples)."""
         self._check("delta", _shapes(delta), weight)
         for name, value in delta.items():
-            total = self._sums[name]
-            total += float(weight) * np.asarray(value, dtype=np.float64).reshape(total.shape)
+            total, scratch = self._sums[name], self._scratch[name]
+            # Into a buffer kept for the purpose: a fresh 1.5 MB temporary per add is mapped and
+            # page-faulted in by the allocator every time, which made adds ~10x slower.
+            np.multiply(np.reshape(value, total.shape), float(weight), out=scratch, dtype=np.float64)
+            total += scratch
         self._total_weight += float(weight)
         self._count += 1
 

@@ -45,6 +45,7 @@ def create_app(settings: Settings | None = None, clock: Callable[[], float] = ti
         await run_in_threadpool(migrate, settings.database_url)
         engine = make_engine(settings.database_url)
         app.state.sessionmaker = sessionmaker(engine, expire_on_commit=False)
+        app.state.db_inline = engine.dialect.name == "sqlite"
 
         async def ticker() -> None:
             while True:

@@ -33,8 +33,9 @@ class Population(Base):
     id: Mapped[int] = mapped_column(primary_key=True)
     name: Mapped[str] = mapped_column(String(100), unique=True)
     artifact_sha256: Mapped[str] = mapped_column(ForeignKey("artifacts.sha256"))
-    manifest: Mapped[dict[str, Any]] = mapped_column(JSON)
-    settings: Mapped[dict[str, Any]] = mapped_column(JSON)
+    # Deferred: read once per process (see rounds.population_settings), not with every row.
+    manifest: Mapped[dict[str, Any]] = mapped_column(JSON, deferred=True)
+    settings: Mapped[dict[str, Any]] = mapped_column(JSON, deferred=True)
     current_version: Mapped[int] = mapped_column(default=0)
     training_rounds_committed: Mapped[int] = mapped_column(default=0)
     created_at: Mapped[float]

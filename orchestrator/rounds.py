@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 from safetensors.numpy import load
 from sqlalchemy import CursorResult, func, select, update
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, object_session
 
 from model_export.manifest import Manifest
 from model_export.params import ParamsError, check_params, decode_params, encode_params, read_metadata
@@ -51,12 +51,36 @@ class Accepted:
     round: Round
 
 
+# A population's settings and manifest never change after creation, so they are parsed once
+# per process rather than on every check-in (pydantic validation would dominate its cost).
+# Keyed by database too: one process (a test run, an admin tool) may open several.
+_settings_cache: dict[tuple[object, int], PopulationSettings] = {}
+_manifest_cache: dict[tuple[object, int], Manifest] = {}
+
+
+def _cache_key(population: Population) -> tuple[object, int] | None:
+    session = object_session(population)
+    return None if session is None else (session.get_bind(), population.id)
+
+
 def population_settings(population: Population) -> PopulationSettings:
-    return PopulationSettings.model_validate(population.settings)
+    key = _cache_key(population)
+    cached = _settings_cache.get(key) if key else None
+    if cached is None:
+        cached = PopulationSettings.model_validate(population.settings)
+        if key:
+            _settings_cache[key] = cached
+    return cached
 
 
 def population_manifest(population: Population) -> Manifest:
-    return Manifest.from_json(population.manifest)
+    key = _cache_key(population)
+    cached = _manifest_cache.get(key) if key else None
+    if cached is None:
+        cached = Manifest.from_json(population.manifest)
+        if key:
+            _manifest_cache[key] = cached
+    return cached
 
 
 def lock_population(session: Session, name: str) -> Population | None:
@@ -67,13 +91,16 @@ def lock_population(session: Session, name: str) -> Population | None:
 
 def population_of_assignment(session: Session, assignment_id: str) -> Population | None:
     """The (locked) population an assignment belongs to."""
-    population_id = session.scalar(
-        select(Round.population_id)
-        .join(Assignment, Assignment.round_id == Round.id)
+    # The assignment and its round come along into the session, so the report's own lookups
+    # of them are answered from the identity map without another query.
+    found = session.execute(
+        select(Assignment, Round)
+        .join(Round, Assignment.round_id == Round.id)
         .where(Assignment.id == assignment_id)
-    )
-    if population_id is None:
+    ).first()
+    if found is None:
         return None
+    population_id = found[1].population_id
     return session.scalars(select(Population).where(Population.id == population_id).with_for_update()).first()
 
 
@@ -112,9 +139,13 @@ def open_rounds(session: Session, population: Population) -> dict[str, Round]:
     return {r.kind: r for r in rounds}
 
 
-def advance(session: Session, population: Population, now: float) -> None:
-    """Close rounds past their deadline (drop their outstanding assignments) and open the next."""
-    for round_ in open_rounds(session, population).values():
+def advance(session: Session, population: Population, now: float) -> dict[str, Round]:
+    """Close rounds past their deadline (drop their outstanding assignments), open the next;
+    returns the open rounds by kind."""
+    current = open_rounds(session, population)
+    if TRAINING in current and all(now < r.deadline for r in current.values()):
+        return current  # the common case: nothing to close, one query
+    for round_ in current.values():
         if now < round_.deadline:
             continue
         dropped: CursorResult[Any] = session.execute(  # type: ignore[assignment]
@@ -130,16 +161,17 @@ def advance(session: Session, population: Population, now: float) -> None:
             round_.status, round_.closed_at = "abandoned", now
             if round_.kind == TRAINING:
                 open_round(session, population, TRAINING, now)
-    if TRAINING not in open_rounds(session, population):
-        open_round(session, population, TRAINING, now)
+    current = open_rounds(session, population)
+    if TRAINING not in current:
+        current[TRAINING] = open_round(session, population, TRAINING, now)
+    return current
 
 
 def checkin(
     session: Session, population: Population, device: Device, example_count: int, kind: str, now: float
 ) -> Accepted | Refused:
     settings = population_settings(population)
-    advance(session, population, now)
-    round_ = open_rounds(session, population).get(kind)
+    round_ = advance(session, population, now).get(kind)
     if round_ is None:
         return Refused(409, f"no {kind} round is open", retry_after=settings.retry_after_seconds)
     existing = session.scalars(
@@ -179,7 +211,6 @@ def checkin(
         finished_at=None,
     )
     session.add(assignment)
-    session.flush()
     return Accepted(assignment, round_)
 
 
@@ -316,7 +347,7 @@ def _parse_training_report(
             f"num_examples {weight} is outside [{settings.min_examples}, {limit}] "
             f"(the device checked in with {assignment.example_count} examples)",
         )
-    norm = math.sqrt(sum(float(np.sum(np.square(v, dtype=np.float64))) for v in delta.values()))
+    norm = math.sqrt(sum(float(np.vdot(v, v)) for v in delta.values()))
     if norm > settings.update_norm_bound:
         return Refused(422, f"update norm {norm:.4g} exceeds the bound {settings.update_norm_bound:.4g}")
     metrics = _check_metrics(raw_metrics)

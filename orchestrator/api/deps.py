@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import hmac
-from collections.abc import AsyncIterator, Callable
-from typing import Annotated
+from collections.abc import Callable
+from typing import Annotated, Any, TypeVar
 
 from fastapi import Depends, Header, HTTPException, Request
 from sqlalchemy.orm import Session, sessionmaker
+from starlette.concurrency import run_in_threadpool
 
-from orchestrator.devices import authenticate
 from orchestrator.settings import Settings
+
+T = TypeVar("T")
 
 
 # The trivial dependencies are `async def`: FastAPI runs a plain `def` dependency in the
@@ -30,11 +32,6 @@ async def get_settings(request: Request) -> Settings:
     return settings
 
 
-async def get_session(factory: Annotated[sessionmaker[Session], Depends(get_sessionmaker)]) -> AsyncIterator[Session]:
-    with factory() as session:
-        yield session
-
-
 async def bearer_token(authorization: Annotated[str | None, Header()] = None) -> str:
     if not authorization or not authorization.startswith("Bearer "):
         raise HTTPException(
@@ -50,7 +47,15 @@ async def require_admin(
         raise HTTPException(403, "admin token required")
 
 
-SessionDep = Annotated[Session, Depends(get_session)]
+async def run_db(request: Request, fn: Callable[..., T], *args: Any) -> T:
+    """Run a blocking database transaction: inline on the event loop for SQLite, where a
+    transaction takes about a millisecond and writes are serialized anyway (thread hand-offs
+    and GIL convoys cost more than the work), in the threadpool for a networked database."""
+    if request.app.state.db_inline:
+        return fn(*args)
+    return await run_in_threadpool(fn, *args)
+
+
 SessionFactoryDep = Annotated[sessionmaker[Session], Depends(get_sessionmaker)]
 ClockDep = Annotated[Callable[[], float], Depends(get_clock)]
 SettingsDep = Annotated[Settings, Depends(get_settings)]

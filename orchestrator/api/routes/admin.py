@@ -3,11 +3,12 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any
 
-from fastapi import APIRouter, File, Form, HTTPException, UploadFile
+from fastapi import APIRouter, File, Form, HTTPException, Request, UploadFile
 from sqlalchemy import select
+from sqlalchemy.orm import Session, sessionmaker
 
 from orchestrator import rounds
-from orchestrator.api.deps import AdminDep, ClockDep, SessionDep, SessionFactoryDep
+from orchestrator.api.deps import AdminDep, ClockDep, SessionFactoryDep, run_db
 from orchestrator.api.schemas import PopulationOut, RoundOut
 from orchestrator.db import Population, Round
 from orchestrator.populations import ExportedModel, PopulationError, create_population
@@ -91,26 +92,51 @@ async def create(
         return population_out(session, population)
 
 
+def _list_populations(factory: sessionmaker[Session]) -> list[PopulationOut]:
+    with factory() as session:
+        return [
+            population_out(session, p) for p in session.scalars(select(Population).order_by(Population.id))
+        ]
+
+
 @router.get("/populations", response_model=list[PopulationOut], summary="All populations")
-def list_populations(_: AdminDep, session: SessionDep) -> list[PopulationOut]:
-    return [population_out(session, p) for p in session.scalars(select(Population).order_by(Population.id))]
+async def list_populations(_: AdminDep, factory: SessionFactoryDep, request: Request) -> list[PopulationOut]:
+    return await run_db(request, _list_populations, factory)
+
+
+def _status(factory: sessionmaker[Session], name: str) -> PopulationOut:
+    with factory() as session:
+        return population_out(session, _population(session, name))
 
 
 @router.get("/populations/{name}", response_model=PopulationOut, summary="A population's status")
-def status(name: str, _: AdminDep, session: SessionDep) -> PopulationOut:
-    return population_out(session, _population(session, name))
+async def status(name: str, _: AdminDep, factory: SessionFactoryDep, request: Request) -> PopulationOut:
+    return await run_db(request, _status, factory, name)
+
+
+def _list_rounds(
+    factory: sessionmaker[Session], name: str, kind: str | None, limit: int, offset: int
+) -> list[RoundOut]:
+    with factory() as session:
+        population = _population(session, name)
+        query = select(Round).where(Round.population_id == population.id)
+        if kind is not None:
+            query = query.where(Round.kind == kind)
+        query = query.order_by(Round.id.desc()).limit(max(1, min(limit, 1000))).offset(max(0, offset))
+        return [round_out(r) for r in session.scalars(query)]
 
 
 @router.get("/populations/{name}/rounds", response_model=list[RoundOut], summary="Rounds, newest first")
-def list_rounds(
-    name: str, _: AdminDep, session: SessionDep, kind: str | None = None, limit: int = 100, offset: int = 0
+async def list_rounds(
+    name: str,
+    _: AdminDep,
+    factory: SessionFactoryDep,
+    request: Request,
+    kind: str | None = None,
+    limit: int = 100,
+    offset: int = 0,
 ) -> list[RoundOut]:
-    population = _population(session, name)
-    query = select(Round).where(Round.population_id == population.id)
-    if kind is not None:
-        query = query.where(Round.kind == kind)
-    query = query.order_by(Round.id.desc()).limit(max(1, min(limit, 1000))).offset(max(0, offset))
-    return [round_out(r) for r in session.scalars(query)]
+    return await run_db(request, _list_rounds, factory, name, kind, limit, offset)
 
 
 @router.post(

@@ -1,20 +1,27 @@
 from __future__ import annotations
 
-from fastapi import APIRouter, HTTPException, Response
+from fastapi import APIRouter, HTTPException, Request, Response
+from sqlalchemy.orm import Session, sessionmaker
 
-from orchestrator.api.deps import SessionDep
+from orchestrator.api.deps import SessionFactoryDep, run_db
 from orchestrator.db import Artifact
 
 router = APIRouter(prefix="/v1/artifacts", tags=["devices"])
 
 
+def _artifact(factory: sessionmaker[Session], sha256: str) -> bytes | None:
+    with factory() as session:
+        found = session.get(Artifact, sha256.lower())
+        return None if found is None else found.content
+
+
 @router.get("/{sha256}", summary="A model file by its sha256 (immutable)")
-def artifact(sha256: str, session: SessionDep) -> Response:
-    found = session.get(Artifact, sha256.lower())
-    if found is None:
+async def artifact(sha256: str, request: Request, factory: SessionFactoryDep) -> Response:
+    content = await run_db(request, _artifact, factory, sha256)
+    if content is None:
         raise HTTPException(404, f"no artifact {sha256!r}")
     return Response(
-        content=found.content,
+        content=content,
         media_type="application/octet-stream",
-        headers={"Cache-Control": "public, max-age=31536000, immutable", "ETag": f'"{found.sha256}"'},
+        headers={"Cache-Control": "public, max-age=31536000, immutable", "ETag": f'"{sha256.lower()}"'},
     )

@@ -2,10 +2,9 @@ from __future__ import annotations
 
 from fastapi import APIRouter, HTTPException, Request
 from sqlalchemy.orm import Session, sessionmaker
-from starlette.concurrency import run_in_threadpool
 
 from orchestrator import rounds
-from orchestrator.api.deps import ClockDep, SessionFactoryDep, SettingsDep, TokenDep
+from orchestrator.api.deps import ClockDep, SessionFactoryDep, SettingsDep, TokenDep, run_db
 from orchestrator.api.schemas import ReportAccepted
 from orchestrator.db import Round
 from orchestrator.devices import authenticate
@@ -64,8 +63,7 @@ async def report(
             413, f"report of {len(body)} bytes exceeds the limit of {settings.max_report_bytes}"
         )
     content_type = request.headers.get("content-type", "")
-    result = await run_in_threadpool(_report, factory, assignment_id, token, body, content_type, clock())
-    return _answer(result)
+    return _answer(await run_db(request, _report, factory, assignment_id, token, body, content_type, clock()))
 
 
 def _abort(
@@ -82,5 +80,7 @@ def _abort(
 
 
 @router.post("/{assignment_id}/abort", response_model=ReportAccepted, summary="Give up an assignment")
-def abort(assignment_id: str, token: TokenDep, factory: SessionFactoryDep, clock: ClockDep) -> ReportAccepted:
-    return _answer(_abort(factory, assignment_id, token, clock()))
+async def abort(
+    assignment_id: str, request: Request, token: TokenDep, factory: SessionFactoryDep, clock: ClockDep
+) -> ReportAccepted:
+    return _answer(await run_db(request, _abort, factory, assignment_id, token, clock()))

@@ -1,8 +1,9 @@
 from __future__ import annotations
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
+from sqlalchemy.orm import Session, sessionmaker
 
-from orchestrator.api.deps import ClockDep, SessionFactoryDep
+from orchestrator.api.deps import ClockDep, SessionFactoryDep, run_db
 from orchestrator.api.schemas import Enrolled
 from orchestrator.devices import enroll
 
@@ -10,7 +11,11 @@ router = APIRouter(prefix="/v1/devices", tags=["devices"])
 
 
 @router.post("", response_model=Enrolled, status_code=201, summary="Enroll a device")
-def enroll_device(factory: SessionFactoryDep, clock: ClockDep) -> Enrolled:
+async def enroll_device(factory: SessionFactoryDep, clock: ClockDep, request: Request) -> Enrolled:
+    return await run_db(request, _enroll, factory, clock())
+
+
+def _enroll(factory: sessionmaker[Session], now: float) -> Enrolled:
     with factory.begin() as session:
-        device_id, token = enroll(session, clock())
+        device_id, token = enroll(session, now)
     return Enrolled(device_id=device_id, token=token)
