@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from sqlalchemy import create_engine, text
 from sqlalchemy.orm import Session, sessionmaker
 
 from model_export.config import ModelConfig
@@ -25,13 +27,38 @@ from tests.conftest import BIASED, ROOT
 ADMIN_TOKEN = "test-admin-token"
 
 
-@pytest.fixture
-def db(tmp_path: Path) -> Iterator[sessionmaker[Session]]:
-    url = f"sqlite:///{tmp_path / 'orchestrator.sqlite'}"
-    migrate(url)
-    engine = make_engine(url)
-    yield sessionmaker(engine, expire_on_commit=False)
-    engine.dispose()
+# Set (as .ci/run does) to also run the database tests on a real PostgreSQL server, e.g.
+# postgresql+psycopg://postgres@127.0.0.1:5432/postgres; each test gets a fresh database.
+POSTGRES_URL = os.environ.get("TEST_POSTGRES_URL")
+BACKENDS = ["sqlite", "postgresql"] if POSTGRES_URL else ["sqlite"]
+
+
+@contextlib.contextmanager
+def fresh_postgres_database() -> Iterator[str]:
+    assert POSTGRES_URL
+    admin = create_engine(POSTGRES_URL, isolation_level="AUTOCOMMIT")
+    name = f"test_{secrets.token_hex(6)}"
+    with admin.connect() as conn:
+        conn.execute(text(f'CREATE DATABASE "{name}"'))
+    try:
+        yield POSTGRES_URL.rsplit("/", 1)[0] + f"/{name}"
+    finally:
+        with admin.connect() as conn:
+            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()
+
+
+@pytest.fixture(params=BACKENDS)
+def db(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[sessionmaker[Session]]:
+    with contextlib.ExitStack() as stack:
+        if request.param == "sqlite":
+            url = f"sqlite:///{tmp_path / 'orchestrator.sqlite'}"
+        else:
+            url = stack.enter_context(fresh_postgres_database())
+        migrate(url)
+        engine = make_engine(url)
+        yield sessionmaker(engine, expire_on_commit=False)
+        engine.dispose()
 
 
 @pytest.fixture
@@ -56,8 +83,9 @@ def free_port() -> int:
 class Server:
     """`python -m orchestrator serve` in its own process, as an operator would run it."""
 
-    def __init__(self, database: Path, port: int | None = None) -> None:
+    def __init__(self, database: Path | str, port: int | None = None) -> None:
         self.database = database
+        self.database_url = database if isinstance(database, str) else f"sqlite:///{database}"
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.process: subprocess.Popen[bytes] | None = None
@@ -66,7 +94,7 @@ class Server:
         env = {
             **os.environ,
             "ORCHESTRATOR_ADMIN_TOKEN": ADMIN_TOKEN,
-            "ORCHESTRATOR_DATABASE_URL": f"sqlite:///{self.database}",
+            "ORCHESTRATOR_DATABASE_URL": self.database_url,
             "ORCHESTRATOR_TICK_SECONDS": "0.2",
         }
         self.process = subprocess.Popen(
@@ -103,11 +131,18 @@ class Server:
                 self.kill()
 
 
-@pytest.fixture
-def server(tmp_path: Path) -> Iterator[Server]:
-    running = Server(tmp_path / "orchestrator.sqlite").start()
-    yield running
-    running.stop()
+@pytest.fixture(params=BACKENDS)
+def server(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Server]:
+    with contextlib.ExitStack() as stack:
+        if request.param == "sqlite":
+            database: Path | str = tmp_path / "orchestrator.sqlite"
+        else:
+            database = stack.enter_context(fresh_postgres_database())
+        running = Server(database).start()
+        try:
+            yield running
+        finally:
+            running.stop()
 
 
 def admin_create_population(url: str, model_dir: Path, name: str, settings: str) -> httpx.Response:
