@@ -96,13 +96,18 @@ class Assignment(Base):
 
     __tablename__ = "assignments"
     id: Mapped[str] = mapped_column(String(32), primary_key=True)
-    round_id: Mapped[int] = mapped_column(ForeignKey("rounds.id"), index=True)
+    round_id: Mapped[int] = mapped_column(ForeignKey("rounds.id"))
     device_id: Mapped[str] = mapped_column(ForeignKey("devices.id"), index=True)
     status: Mapped[str] = mapped_column(String(16))  # assigned | reported | aborted | dropped | invalid
     example_count: Mapped[int]
     created_at: Mapped[float]
     deadline: Mapped[float]
     finished_at: Mapped[float | None]
+
+    # One assignment per device per round, enforced by the database as well as by the state
+    # machine (several server processes may share one PostgreSQL); it is also the index that
+    # the check-in's "has this device taken part?" lookup needs, whatever the round's size.
+    __table_args__ = (Index("assignments_round_device", "round_id", "device_id", unique=True),)
 
 
 class Report(Base):
