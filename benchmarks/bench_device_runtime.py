@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -102,42 +101,23 @@ def measure(model_dir: Path, backend: str, repeats: int) -> dict[str, float]:
 
 
 def export(num_items: int, dim: int, out: Path) -> dict[str, float]:
-    config = {
-        "num_items": num_items,
-        "embedding_dim": dim,
-        "batch_size": 5,
-        "max_batches": 64,
-        "item_bias": True,
-        "user_bias": True,
-        "global_mean": True,
-        "global_mean_init": 3.5,
-    }
-    (out / "config.json").write_text(json.dumps(config))
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "model_export",
-            "--config",
-            str(out / "config.json"),
-            "--output-dir",
-            str(out),
-        ],
-        check=True,
-        cwd=ROOT,
-        capture_output=True,
-        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"},
+    from model_export.config import ModelConfig
+    from model_export.in_subprocess import export_in_subprocess
+    from model_export.manifest import load_manifest
+
+    config = ModelConfig(
+        num_items=num_items,
+        embedding_dim=dim,
+        batch_size=5,
+        max_batches=64,
+        item_bias=True,
+        user_bias=True,
+        global_mean=True,
+        global_mean_init=3.5,
     )
-    manifest = json.loads((out / "manifest.json").read_text())
-    params = sum(4 * int(_prod(s["shape"])) for s in manifest["global_params"] + manifest["local_params"])
-    return {"tflite_bytes": manifest["model"]["bytes"], "param_bytes": params}
-
-
-def _prod(shape: list[int]) -> int:
-    out = 1
-    for d in shape:
-        out *= d
-    return out
+    manifest = load_manifest(export_in_subprocess(config, out))
+    params = sum(4 * s.num_elements for s in (*manifest.global_params, *manifest.local_params))
+    return {"tflite_bytes": manifest.model_bytes, "param_bytes": params}
 
 
 def main() -> int:

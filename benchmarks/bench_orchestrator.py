@@ -18,9 +18,7 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -35,6 +33,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from model_export.config import ModelConfig  # noqa: E402
+from model_export.in_subprocess import export_in_subprocess  # noqa: E402
 from model_export.params import encode_params  # noqa: E402
 from orchestrator.aggregation import WeightedMean, decode_sparse_delta, encode_sparse_delta  # noqa: E402
 from tests.orchestrator.conftest import Server, admin_create_population  # noqa: E402
@@ -43,23 +43,8 @@ NUM_ITEMS, DIM = 3706, 50
 
 
 def export(out: Path) -> None:
-    config = {"num_items": NUM_ITEMS, "embedding_dim": DIM, "batch_size": 5, "max_batches": 64}
-    (out / "config.json").write_text(json.dumps(config))
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "model_export",
-            "--config",
-            str(out / "config.json"),
-            "--output-dir",
-            str(out),
-        ],
-        check=True,
-        cwd=ROOT,
-        capture_output=True,
-        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"},
-    )
+    config = ModelConfig(num_items=NUM_ITEMS, embedding_dim=DIM, batch_size=5, max_batches=64)
+    export_in_subprocess(config, out)
 
 
 def client_delta(rng: np.random.Generator) -> dict[str, np.ndarray]:

@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -13,6 +9,7 @@ import numpy as np
 import pytest
 
 from model_export.config import Feedback, ModelConfig
+from model_export.in_subprocess import export_in_subprocess
 
 ROOT = Path(__file__).resolve().parent.parent
 MOVIELENS_100K = ROOT.parent / "shared" / "data" / "movielens-100k" / "u.data"
@@ -52,21 +49,6 @@ MOVIELENS = ModelConfig(
     global_mean=True,
     global_mean_init=3.53,
 )
-
-
-def export_in_subprocess(config: ModelConfig, out: Path) -> Path:
-    """Export with TensorFlow in another process: device code must run where TF never loaded
-    (tflite_runtime 2.14 cannot even load a model in a process that imported TensorFlow)."""
-    config_file = out / "config.json"
-    config_file.write_text(json.dumps(config.to_json()))
-    subprocess.run(
-        [sys.executable, "-m", "model_export", "--config", str(config_file), "--output-dir", str(out)],
-        check=True,
-        capture_output=True,
-        cwd=ROOT,
-        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"},
-    )
-    return out
 
 
 @pytest.fixture(scope="session")

@@ -10,6 +10,8 @@ from fastapi import Depends, Header, HTTPException, Request
 from sqlalchemy.orm import Session, sessionmaker
 from starlette.concurrency import run_in_threadpool
 
+from orchestrator.db import Device
+from orchestrator.devices import authenticate
 from orchestrator.settings import Settings
 
 T = TypeVar("T")
@@ -45,6 +47,14 @@ async def require_admin(
 ) -> None:
     if not hmac.compare_digest(token.encode(), settings.admin_token.encode()):
         raise HTTPException(403, "admin token required")
+
+
+def require_device(session: Session, token: str) -> Device:
+    """The calling device, or 401 for an unknown device or a wrong token."""
+    device = authenticate(session, token)
+    if device is None:
+        raise HTTPException(401, "unknown device or wrong token", headers={"WWW-Authenticate": "Bearer"})
+    return device
 
 
 async def run_db(request: Request, fn: Callable[..., T], *args: Any) -> T:

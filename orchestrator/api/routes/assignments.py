@@ -4,10 +4,9 @@ from fastapi import APIRouter, HTTPException, Request
 from sqlalchemy.orm import Session, sessionmaker
 
 from orchestrator import rounds
-from orchestrator.api.deps import ClockDep, SessionFactoryDep, SettingsDep, TokenDep, run_db
+from orchestrator.api.deps import ClockDep, SessionFactoryDep, SettingsDep, TokenDep, require_device, run_db
 from orchestrator.api.schemas import ReportAccepted
 from orchestrator.db import Round
-from orchestrator.devices import authenticate
 
 router = APIRouter(prefix="/v1/assignments", tags=["devices"])
 
@@ -24,16 +23,11 @@ def _report(
     factory: sessionmaker[Session], assignment_id: str, token: str, body: bytes, content_type: str, now: float
 ) -> Round | rounds.Refused:
     with factory.begin() as session:
-        device = authenticate(session, token)
-        if device is None:
-            raise HTTPException(401, "unknown device or wrong token")
+        device = require_device(session, token)
         population = rounds.population_of_assignment(session, assignment_id)
         if population is None:
             return rounds.Refused(404, f"no assignment {assignment_id!r}")
-        result = rounds.report(session, population, assignment_id, device, body, content_type, now)
-        if not isinstance(result, rounds.Refused):
-            session.flush()
-        return result
+        return rounds.report(session, population, assignment_id, device, body, content_type, now)
 
 
 @router.post(
@@ -70,9 +64,7 @@ def _abort(
     factory: sessionmaker[Session], assignment_id: str, token: str, now: float
 ) -> Round | rounds.Refused:
     with factory.begin() as session:
-        device = authenticate(session, token)
-        if device is None:
-            raise HTTPException(401, "unknown device or wrong token")
+        device = require_device(session, token)
         population = rounds.population_of_assignment(session, assignment_id)
         if population is None:
             return rounds.Refused(404, f"no assignment {assignment_id!r}")

@@ -7,10 +7,9 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
 from orchestrator import rounds
-from orchestrator.api.deps import ClockDep, SessionFactoryDep, TokenDep, run_db
+from orchestrator.api.deps import ClockDep, SessionFactoryDep, TokenDep, require_device, run_db
 from orchestrator.api.schemas import AssignmentOut, CheckIn, RejectionOut
 from orchestrator.db import ModelVersion, Population
-from orchestrator.devices import authenticate
 
 router = APIRouter(prefix="/v1/populations", tags=["devices"])
 
@@ -39,9 +38,7 @@ def _checkin(
     factory: sessionmaker[Session], population: str, body: CheckIn, token: str, now: float
 ) -> AssignmentOut | rounds.Refused:
     with factory.begin() as session:
-        device = authenticate(session, token)
-        if device is None:
-            raise HTTPException(401, "unknown device or wrong token")
+        device = require_device(session, token)
         found = rounds.lock_population(session, population)
         if found is None:
             raise HTTPException(404, f"no population {population!r}")
@@ -68,8 +65,7 @@ def _checkin(
 
 def _manifest(factory: sessionmaker[Session], token: str, population: str) -> dict[str, Any]:
     with factory() as session:
-        if authenticate(session, token) is None:
-            raise HTTPException(401, "unknown device or wrong token")
+        require_device(session, token)
         found = session.scalars(select(Population).where(Population.name == population)).first()
         if found is None:
             raise HTTPException(404, f"no population {population!r}")
@@ -85,8 +81,7 @@ async def manifest(
 
 def _global_params(factory: sessionmaker[Session], token: str, population: str, version: int) -> bytes:
     with factory() as session:
-        if authenticate(session, token) is None:
-            raise HTTPException(401, "unknown device or wrong token")
+        require_device(session, token)
         found = session.scalars(select(Population).where(Population.name == population)).first()
         if found is None:
             raise HTTPException(404, f"no population {population!r}")

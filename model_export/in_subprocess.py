@@ -1,0 +1,34 @@
+"""Run the exporter in another process.
+
+Device code (tests, benchmarks, the simulator) needs TensorFlow kept out of its own process:
+tflite_runtime 2.14 cannot even load a model in a process that has imported TensorFlow.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from model_export.config import ModelConfig
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def export_in_subprocess(config: ModelConfig, out: Path) -> Path:
+    """`python -m model_export --config ...` into `out`; returns `out`. Raises with the exporter's stderr."""
+    out.mkdir(parents=True, exist_ok=True)
+    config_file = out / "config.json"
+    config_file.write_text(json.dumps(config.to_json()))
+    result = subprocess.run(
+        [sys.executable, "-m", "model_export", "--config", str(config_file), "--output-dir", str(out)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"},
+    )
+    if result.returncode != 0:
+        raise RuntimeError(f"model export failed: {result.stderr.strip()[-2000:]}")
+    return out
