@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
 SIZES = ((3706, 50), (20000, 50))
 BACKENDS = ("ai_edge_litert", "tflite_runtime")
 
