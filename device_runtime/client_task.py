@@ -188,6 +188,24 @@ def _reconstruct(model: DeviceModel, support: TaskBatches, config: TaskConfig) -
     return model.reconstruct(support, steps, config.reconstruction_learning_rate, config.l2_local)
 
 
+def _start(
+    model: DeviceModel, store: ExampleStore, global_params: Params, config: TaskConfig, seed: int
+) -> tuple[SupportQuery, TaskBatches, TaskBatches] | TaskResult:
+    """What every task does first: select and split the examples, pack them, install the globals;
+    or the INSUFFICIENT_DATA result when the device has too few."""
+    data = prepare(store, model.manifest, config, seed)
+    if data.num_examples < config.min_examples:
+        return TaskResult(
+            Outcome.INSUFFICIENT_DATA,
+            metrics={"num_examples": data.num_examples, "outside_catalog": data.outside_catalog},
+            message=f"{data.num_examples} usable examples, the task needs at least {config.min_examples}",
+        )
+    support = TaskBatches.pack(data.support, model.manifest)
+    query = TaskBatches.pack(data.query, model.manifest)
+    model.set_global(global_params)
+    return data, support, query
+
+
 def run_training_task(
     model: DeviceModel,
     store: ExampleStore,
@@ -199,16 +217,10 @@ def run_training_task(
 ) -> TaskResult:
     """Reconstruct on support, update on query, and return the delta; locals are discarded."""
     try:
-        data = prepare(store, model.manifest, config, seed)
-        if data.num_examples < config.min_examples:
-            return TaskResult(
-                Outcome.INSUFFICIENT_DATA,
-                metrics={"num_examples": data.num_examples, "outside_catalog": data.outside_catalog},
-                message=f"{data.num_examples} usable examples, the task needs at least {config.min_examples}",
-            )
-        support = TaskBatches.pack(data.support, model.manifest)
-        query = TaskBatches.pack(data.query, model.manifest)
-        model.set_global(global_params)
+        started = _start(model, store, global_params, config, seed)
+        if isinstance(started, TaskResult):
+            return started
+        data, support, query = started
         if not should_continue():
             return TaskResult(Outcome.INTERRUPTED, message="conditions changed before reconstruction")
         reconstruction_loss = _reconstruct(model, support, config)
@@ -254,15 +266,10 @@ def run_evaluation_task(
 ) -> TaskResult:
     """ReconEval: reconstruct on the support set, measure on the query set; metrics only."""
     try:
-        data = prepare(store, model.manifest, config, seed)
-        if data.num_examples < config.min_examples:
-            return TaskResult(
-                Outcome.INSUFFICIENT_DATA,
-                message=f"{data.num_examples} usable examples, the task needs at least {config.min_examples}",
-            )
-        support = TaskBatches.pack(data.support, model.manifest)
-        query = TaskBatches.pack(data.query, model.manifest)
-        model.set_global(global_params)
+        started = _start(model, store, global_params, config, seed)
+        if isinstance(started, TaskResult):
+            return started
+        _, support, query = started
         _reconstruct(model, support, config)
         sums: EvaluationSums = model.evaluate(query)
         return TaskResult(Outcome.COMPLETED, num_examples=query.num_examples, metrics=sums.as_dict())

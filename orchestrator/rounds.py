@@ -16,9 +16,9 @@ from __future__ import annotations
 import json
 import math
 import secrets
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import numpy as np
 from safetensors.numpy import load
@@ -32,6 +32,7 @@ from orchestrator.db import Assignment, Device, ModelVersion, Population, Report
 from orchestrator.population_settings import PopulationSettings
 
 TRAINING, EVALUATION = "training", "evaluation"
+T = TypeVar("T")
 EVALUATION_METRICS = ("loss_sum", "squared_error_sum", "correct_sum", "weight_sum")
 MAX_METRICS = 64
 
@@ -54,33 +55,27 @@ class Accepted:
 # A population's settings and manifest never change after creation, so they are parsed once
 # per process rather than on every check-in (pydantic validation would dominate its cost).
 # Keyed by database too: one process (a test run, an admin tool) may open several.
-_settings_cache: dict[tuple[object, int], PopulationSettings] = {}
-_manifest_cache: dict[tuple[object, int], Manifest] = {}
+_parsed: dict[tuple[object, int, str], Any] = {}
 
 
-def _cache_key(population: Population) -> tuple[object, int] | None:
+def _parsed_once(population: Population, what: str, parse: Callable[[], T]) -> T:
     session = object_session(population)
-    return None if session is None else (session.get_bind(), population.id)
+    if session is None:
+        return parse()
+    key = (session.get_bind(), population.id, what)
+    if key not in _parsed:
+        _parsed[key] = parse()
+    return cast(T, _parsed[key])
 
 
 def population_settings(population: Population) -> PopulationSettings:
-    key = _cache_key(population)
-    cached = _settings_cache.get(key) if key else None
-    if cached is None:
-        cached = PopulationSettings.model_validate(population.settings)
-        if key:
-            _settings_cache[key] = cached
-    return cached
+    return _parsed_once(
+        population, "settings", lambda: PopulationSettings.model_validate(population.settings)
+    )
 
 
 def population_manifest(population: Population) -> Manifest:
-    key = _cache_key(population)
-    cached = _manifest_cache.get(key) if key else None
-    if cached is None:
-        cached = Manifest.from_json(population.manifest)
-        if key:
-            _manifest_cache[key] = cached
-    return cached
+    return _parsed_once(population, "manifest", lambda: Manifest.from_json(population.manifest))
 
 
 def lock_population(session: Session, name: str) -> Population | None:
