@@ -1,22 +1,58 @@
-"""`python -m android_sim`: simulated Android devices running the device runtime."""
+"""`python -m android_sim`: a fleet of simulated Android devices running the device runtime."""
 
 from __future__ import annotations
 
 import argparse
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 from android_sim.movielens import DataFormatError
+from android_sim.run import DEFAULT_RATINGS, RunConfig, RunError
 
-DEFAULT_RATINGS = (
-    Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "movielens-100k" / "u.data"
-)
+
+def _run_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    d = RunConfig(work_dir=Path("."))
+    run = sub.add_parser(
+        "run",
+        help="export, start (or use) an orchestrator, run a fleet for some rounds, evaluate, report",
+        description="Run a simulated fleet against the orchestrator's HTTP API and write a run report "
+        "(report.json, metrics.png, funnel.png) into the work directory.",
+    )
+    run.add_argument(
+        "--data", choices=("expressions", "movielens"), default=d.data, help="default: %(default)s"
+    )
+    run.add_argument(
+        "--ratings", type=Path, default=DEFAULT_RATINGS, help="MovieLens file for --data movielens"
+    )
+    run.add_argument(
+        "--devices", type=int, default=d.devices, help="devices (MovieLens: at most this many users; 0 = all)"
+    )
+    run.add_argument("--expressions", type=int, default=d.expressions, help="synthetic catalog size")
+    run.add_argument("--held-out-fraction", type=float, default=d.held_out_fraction)
+    run.add_argument("--rounds", type=int, default=d.rounds, help="training rounds to commit")
+    run.add_argument("--target-reports", type=int, default=d.target_reports, help="reports per round")
+    run.add_argument("--oversampling", type=float, default=d.oversampling)
+    run.add_argument("--min-examples", type=int, default=d.min_examples)
+    run.add_argument("--round-seconds", type=float, default=d.round_seconds, help="round deadline")
+    run.add_argument("--evaluation-every", type=int, default=d.evaluation_every)
+    run.add_argument(
+        "--day-seconds", type=float, default=d.day_seconds, help="wall seconds per simulated day"
+    )
+    run.add_argument("--device-mix", type=Path, help="JSON list of device classes (default: built-in mix)")
+    run.add_argument("--orchestrator-url", help="use this orchestrator instead of starting one")
+    run.add_argument("--admin-token", help="its admin token")
+    run.add_argument("--population", help="population name (default: <data>-<model sha>)")
+    run.add_argument("--work-dir", type=Path, help="model, device stores, database, report")
+    run.add_argument("--workers", type=int, default=d.workers, help="interpreter threads (default: cores)")
+    run.add_argument("--seed", type=int, default=d.seed)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m android_sim", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
+    _run_parser(sub)
     demo = sub.add_parser(
         "demo", help="export a model, fill one device from MovieLens, run a client task, show a top-10"
     )
@@ -37,10 +73,38 @@ def main(argv: list[str] | None = None) -> int:
             from android_sim.demo import run_demo
 
             return run_demo(args.ratings, args.work_dir, args.user)
-    except DataFormatError as e:
+        from android_sim.profiles import DEFAULT_MIX, load_mix
+        from android_sim.run import run
+
+        config = RunConfig(
+            work_dir=args.work_dir or Path(tempfile.mkdtemp(prefix="android-sim-")),
+            data=args.data,
+            ratings=args.ratings,
+            devices=args.devices,
+            expressions=args.expressions,
+            held_out_fraction=args.held_out_fraction,
+            rounds=args.rounds,
+            target_reports=args.target_reports,
+            oversampling=args.oversampling,
+            min_examples=args.min_examples,
+            round_seconds=args.round_seconds,
+            evaluation_every=args.evaluation_every,
+            day_seconds=args.day_seconds,
+            device_mix=load_mix(args.device_mix) if args.device_mix else DEFAULT_MIX,
+            orchestrator_url=args.orchestrator_url,
+            admin_token=args.admin_token,
+            population=args.population,
+            workers=args.workers,
+            seed=args.seed,
+        )
+        run(config)
+        return 0
+    except (DataFormatError, RunError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    return 1
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

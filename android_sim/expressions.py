@@ -58,7 +58,7 @@ class ExpressionCatalog:
 
     def label(self, expression_id: int) -> str:
         e = self.expressions[expression_id]
-        return f"[{e.kind.value}] {e.name}"
+        return f"{e.name} ({e.kind.value})"
 
 
 @dataclass(frozen=True)
@@ -79,8 +79,8 @@ class SyntheticConfig:
     num_users: int = 2000
     num_topics: int = 12  # at most len(TOPICS)
     taste_dim: int = 16
-    zipf_exponent: float = 1.0
-    taste_strength: float = 4.0  # how much tastes outweigh popularity (0: everyone samples the Zipf prior)
+    zipf_exponent: float = 0.8
+    taste_strength: float = 8.0  # how much tastes outweigh popularity (0: everyone samples the Zipf prior)
     activity_log_mean: float = 1.3  # shares per user ~ ceil(LogNormal(mean, sigma))
     activity_log_sigma: float = 1.3
     max_shares: int = 400

@@ -123,13 +123,18 @@ class OrchestratorClient:
 
     async def model_dir(self, assignment: Assignment, cache_dir: Path) -> Path:
         """The assignment's model, downloaded once per artifact and checked against its sha256."""
-        target = Path(cache_dir) / assignment.artifact_sha256
+        return await self.fetch_model(
+            assignment.artifact_sha256, assignment.artifact_url, assignment.manifest_url, cache_dir
+        )
+
+    async def fetch_model(self, sha256: str, artifact_url: str, manifest_url: str, cache_dir: Path) -> Path:
+        target = Path(cache_dir) / sha256
         if (target / MODEL_FILE).is_file() and (target / MANIFEST_FILE).is_file():
             return target
-        blob = (await self._request("GET", assignment.artifact_url)).content
-        if hashlib.sha256(blob).hexdigest() != assignment.artifact_sha256:
+        blob = (await self._request("GET", artifact_url)).content
+        if hashlib.sha256(blob).hexdigest() != sha256:
             raise ProtocolError(200, "the downloaded model does not match its sha256")
-        manifest = (await self._request("GET", assignment.manifest_url)).json()
+        manifest = (await self._request("GET", manifest_url)).json()
         target.mkdir(parents=True, exist_ok=True)
         staging = target.with_name(target.name + f".tmp{random.getrandbits(32)}")
         staging.mkdir()
@@ -139,6 +144,17 @@ class OrchestratorClient:
             (staging / name).replace(target / name)
         staging.rmdir()
         return target
+
+    async def population_model(self, population: str, sha256: str, cache_dir: Path) -> Path:
+        """A population's model outside any assignment (e.g. to serve recommendations)."""
+        return await self.fetch_model(
+            sha256, f"/v1/artifacts/{sha256}", f"/v1/populations/{population}/manifest", cache_dir
+        )
+
+    async def global_params_at(self, population: str, version: int) -> bytes:
+        return (
+            await self._request("GET", f"/v1/populations/{population}/models/{int(version)}/global")
+        ).content
 
     async def global_params(self, assignment: Assignment) -> bytes:
         return (await self._request("GET", assignment.params_url)).content

@@ -1,0 +1,100 @@
+"""The operator's side of the orchestrator's admin API: create or reuse a population, watch rounds."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from model_export.manifest import INITIAL_GLOBAL_FILE, MANIFEST_FILE, MODEL_FILE
+
+
+class AdminError(RuntimeError):
+    """The orchestrator is unreachable or refused an admin request; the message says which."""
+
+
+class AdminClient:
+    def __init__(self, base_url: str, admin_token: str, *, http: httpx.AsyncClient | None = None) -> None:
+        self.base_url = base_url.rstrip("/")
+        self._http = http or httpx.AsyncClient(timeout=60.0)
+        self._owns_http = http is None
+        self._headers = {"Authorization": f"Bearer {admin_token}"}
+
+    async def aclose(self) -> None:
+        if self._owns_http:
+            await self._http.aclose()
+
+    async def _request(self, method: str, path: str, **kwargs: Any) -> Any:
+        try:
+            response = await self._http.request(
+                method, f"{self.base_url}{path}", headers=self._headers, **kwargs
+            )
+        except httpx.TransportError as e:
+            raise AdminError(
+                f"no orchestrator answers at {self.base_url} ({type(e).__name__}: {e})"
+            ) from None
+        if response.status_code >= 400:
+            try:
+                detail = response.json().get("detail", response.text)
+            except (json.JSONDecodeError, AttributeError):
+                detail = response.text[:300]
+            raise AdminError(f"{method} {path}: {response.status_code}: {detail}")
+        return response.json()
+
+    async def ping(self) -> None:
+        """Raises AdminError unless an orchestrator answers and accepts the admin token."""
+        await self._request("GET", "/v1/admin/populations")
+
+    async def ensure_population(self, name: str, model_dir: Path, settings: dict[str, Any]) -> dict[str, Any]:
+        """The population `name`: created from `model_dir` if new; reused if it serves the same model."""
+        sha = hashlib.sha256((model_dir / MODEL_FILE).read_bytes()).hexdigest()
+        existing = {p["name"]: p for p in await self._request("GET", "/v1/admin/populations")}
+        if name in existing:
+            found: dict[str, Any] = existing[name]
+            if found["artifact_sha256"] != sha:
+                raise AdminError(
+                    f"population {name!r} exists with model {found['artifact_sha256'][:12]}..., not this "
+                    f"export's {sha[:12]}...; choose another --population name"
+                )
+            return found
+        files = {
+            "model": (MODEL_FILE, (model_dir / MODEL_FILE).read_bytes()),
+            "manifest": (MANIFEST_FILE, (model_dir / MANIFEST_FILE).read_bytes()),
+            "global_params": (INITIAL_GLOBAL_FILE, (model_dir / INITIAL_GLOBAL_FILE).read_bytes()),
+        }
+        created: dict[str, Any] = await self._request(
+            "POST",
+            "/v1/admin/populations",
+            data={"name": name, "settings": json.dumps(settings)},
+            files=files,
+        )
+        return created
+
+    async def status(self, name: str) -> dict[str, Any]:
+        result: dict[str, Any] = await self._request("GET", f"/v1/admin/populations/{name}")
+        return result
+
+    async def rounds(
+        self, name: str, kind: str | None = None, limit: int | None = None
+    ) -> list[dict[str, Any]]:
+        """Rounds, oldest first: the newest `limit` of them, or all (fetched a page at a time)."""
+        found: list[dict[str, Any]] = []
+        page = 1000 if limit is None else min(limit, 1000)
+        while True:
+            params: dict[str, Any] = {"limit": page, "offset": len(found)}
+            if kind:
+                params["kind"] = kind
+            batch: list[dict[str, Any]] = await self._request(
+                "GET", f"/v1/admin/populations/{name}/rounds", params=params
+            )
+            found.extend(batch)
+            if len(batch) < page or (limit is not None and len(found) >= limit):
+                break
+        return sorted(found, key=lambda r: int(r["id"]))
+
+    async def schedule_evaluation(self, name: str) -> dict[str, Any]:
+        result: dict[str, Any] = await self._request("POST", f"/v1/admin/populations/{name}/evaluations")
+        return result

@@ -1,0 +1,214 @@
+"""A fleet of simulated phones, each a real `device_runtime` with its own example store file.
+
+Every device runs its own loop on one asyncio event loop: wait until its conditions allow
+training (idle, charging, unmetered), check in, download, run the task on the shared
+`TaskRunner` (a thread pool sized to the cores), take as long as its compute tier says, and
+report, abort, or vanish. Requests go through the device's `SimulatedLink` (its bandwidth
+and latency) to one shared transport: real HTTP to the orchestrator, or in-process ASGI.
+A server that goes away is waited for: the device retries with backoff and carries on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from android_sim.device_data import DeviceData
+from android_sim.network import SimulatedLink
+from android_sim.profiles import DeviceProfile, SimClock
+from device_runtime.agent import DeviceAgent, Participation
+from device_runtime.example_store import ExampleStore
+from device_runtime.orchestrator_client import OrchestratorClient, ProtocolError, ServerUnavailable
+from device_runtime.task_runner import TaskRunner
+
+TRAINING, HELD_OUT = "training", "held-out"
+
+
+@dataclass
+class SimDevice:
+    index: int
+    role: str  # TRAINING devices train; HELD_OUT devices only evaluate (ReconEval)
+    profile: DeviceProfile
+    store_path: Path
+    num_examples: int
+    link: SimulatedLink
+    client: OrchestratorClient
+    device_id: str = ""
+    outcomes: collections.Counter[str] = field(default_factory=collections.Counter)
+
+    @property
+    def task(self) -> str:
+        return "training" if self.role == TRAINING else "evaluation"
+
+
+@dataclass
+class FleetStats:
+    """What the devices saw, counted on the device side (the server keeps its own counters)."""
+
+    outcomes: collections.Counter[tuple[str, str]] = field(default_factory=collections.Counter)
+    in_task: int = 0
+    waiting_for_server: int = 0
+    task_seconds: list[float] = field(default_factory=list)
+    last_error: str = ""
+
+    def count(self, role: str, status: str) -> int:
+        return self.outcomes[(role, status)]
+
+    def total(self, status: str) -> int:
+        return sum(n for (_, s), n in self.outcomes.items() if s == status)
+
+
+@dataclass(frozen=True)
+class FleetOptions:
+    population: str
+    cooldown_hours: float = 2.0  # simulated hours a device rests after it took part
+    server_wait_seconds: float = 2.0  # between attempts while the orchestrator is unreachable
+    seed: int = 0
+
+
+def write_store(path: Path, data: DeviceData, num_items: int, label_range: tuple[float, float]) -> None:
+    path.unlink(missing_ok=True)
+    for suffix in ("-wal", "-shm"):
+        path.with_name(path.name + suffix).unlink(missing_ok=True)
+    with ExampleStore(path, num_items=num_items, label_range=label_range) as store:
+        store.add(data.events())
+
+
+class Fleet:
+    def __init__(
+        self,
+        base_url: str,
+        transport: httpx.AsyncBaseTransport,
+        devices: Sequence[tuple[str, DeviceProfile, Path, int]],
+        cache_dir: Path,
+        runner: TaskRunner,
+        clock: SimClock,
+        options: FleetOptions,
+    ) -> None:
+        """`devices`: (role, profile, store path, example count) per device; `transport` is shared."""
+        self.base_url = base_url
+        self.transport = transport
+        self.cache_dir = cache_dir
+        self.runner = runner
+        self.clock = clock
+        self.options = options
+        self.stats = FleetStats()
+        self._rng = random.Random(options.seed)
+        self.devices = [self._device(i, *d) for i, d in enumerate(devices)]
+        self._stop = asyncio.Event()
+        self._roles_running: set[str] = set()
+
+    def _device(self, index: int, role: str, profile: DeviceProfile, path: Path, count: int) -> SimDevice:
+        device_class = profile.device_class
+        link = SimulatedLink(self.transport, device_class.bandwidth_mbps, device_class.latency_ms)
+        http = httpx.AsyncClient(transport=link, base_url=self.base_url, timeout=60.0)
+        client = OrchestratorClient(self.base_url, http=http, attempts=6, backoff_seconds=0.2)
+        return SimDevice(index, role, profile, path, count, link, client)
+
+    async def enroll(self, concurrency: int = 32) -> None:
+        limit = asyncio.Semaphore(concurrency)
+
+        async def one(device: SimDevice) -> None:
+            async with limit:
+                device.device_id = await device.client.enroll()
+
+        await asyncio.gather(*(one(d) for d in self.devices if not d.device_id))
+
+    async def aclose(self) -> None:
+        for device in self.devices:
+            await device.client._http.aclose()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    async def _sleep(self, seconds: float) -> None:
+        """Sleep, but wake at once when the fleet stops."""
+        if seconds > 0:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stop.wait(), timeout=seconds)
+
+    async def run(self, roles: Sequence[str] = (TRAINING, HELD_OUT)) -> None:
+        """Run every device of `roles` until `stop()`."""
+        self._stop.clear()
+        chosen = [d for d in self.devices if d.role in roles]
+        await asyncio.gather(*(self._loop(d) for d in chosen))
+
+    def _should_continue(self, device: SimDevice, drops: bool) -> Callable[[], bool]:
+        calls = 0
+
+        def should_continue() -> bool:
+            nonlocal calls
+            calls += 1
+            # A dropout happens after the reconstruction began: the device stops mid-task.
+            if drops and calls > 1:
+                return False
+            return device.profile.conditions(self.clock.now()).eligible and not self._stop.is_set()
+
+        return should_continue
+
+    async def _loop(self, device: SimDevice) -> None:
+        device_class = device.profile.device_class
+        # Spread the first check-ins, as a real fleet's are.
+        await self._sleep(self._rng.random() * 2.0)
+        while not self._stop.is_set():
+            now = self.clock.now()
+            conditions = device.profile.conditions(now)
+            if not conditions.eligible:
+                nxt = device.profile.next_eligible(now)
+                wait = self.clock.day_seconds if nxt is None else self.clock.wall_seconds_until(nxt)
+                await self._sleep(wait + self._rng.random() * 0.2)
+                continue
+            drops = self._rng.random() < device_class.dropout_probability
+            vanishes = drops and self._rng.random() < device_class.vanish_share
+            participation = await self._participate(device, conditions.as_dict(), drops, vanishes)
+            if participation is None:
+                await self._sleep(self.options.server_wait_seconds * (0.5 + self._rng.random()))
+                continue
+            device.outcomes[participation.status] += 1
+            self.stats.outcomes[(device.role, participation.status)] += 1
+            if participation.task_seconds:
+                self.stats.task_seconds.append(participation.task_seconds)
+            if participation.status == "rejected":
+                await self._sleep(participation.retry_after_seconds * (0.5 + self._rng.random()))
+            else:
+                rest = self.options.cooldown_hours * 3_600 / self.clock.speedup
+                await self._sleep(rest * (0.5 + self._rng.random()))
+
+    async def _participate(
+        self, device: SimDevice, conditions: dict[str, bool], drops: bool, vanishes: bool
+    ) -> Participation | None:
+        """One attempt; None when the orchestrator could not be reached (the device waits)."""
+        self.stats.in_task += 1
+        try:
+            with ExampleStore(device.store_path) as store:
+                agent = DeviceAgent(
+                    device.client, store, self.cache_dir, self.options.population, runner=self.runner
+                )
+                participation = await agent.participate(
+                    device.task,
+                    conditions,
+                    self._should_continue(device, drops),
+                    seed=self._rng.getrandbits(31),
+                    compute_slowdown=device.profile.device_class.compute_slowdown,
+                    abort_when_interrupted=not vanishes,
+                )
+            if self.stats.waiting_for_server:
+                self.stats.waiting_for_server = 0
+            return participation
+        except (ServerUnavailable, httpx.TransportError) as e:
+            self.stats.waiting_for_server += 1
+            self.stats.last_error = f"orchestrator unreachable: {e}"
+            return None
+        except ProtocolError as e:
+            # e.g. the assignment's round closed while downloading; counted, and the device goes on.
+            self.stats.last_error = f"device {device.index}: {e}"
+            return Participation("refused", detail=str(e))
+        finally:
+            self.stats.in_task -= 1

@@ -1,0 +1,131 @@
+"""After training: held-out devices serve their own top-10 with the final model, on the device.
+
+Each held-out device downloads the latest global parameters, reconstructs its user embedding
+from its own store (`Recommender`), and ranks the catalog. For implicit data the device's
+newest share was kept out of its store: a hit is that share landing in the top-10. Two
+baselines: the model's global top-10 (item biases: what a device with no data is shown) and
+the most-shared top-10 counted over the training devices' data, which only a server that
+saw every share could compute.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+from rich.table import Table
+
+from device_runtime.example_store import ExampleStore
+from device_runtime.model import DeviceModel
+from device_runtime.recommender import Recommender
+from model_export.params import Params, decode_params
+
+if TYPE_CHECKING:
+    from android_sim.device_data import FleetData
+    from android_sim.fleet import Fleet
+
+K = 10
+
+
+@dataclass(frozen=True)
+class HitRates:
+    devices: int
+    personalized: float
+    global_model: float
+    most_shared: float
+
+    @property
+    def lift_over_global(self) -> float:
+        return self.personalized / self.global_model - 1 if self.global_model else float("nan")
+
+
+async def held_out_hit_rates(
+    fleet: Fleet,
+    future: dict[int, np.ndarray],
+    population: str,
+    status: dict[str, Any],
+    data: FleetData,
+    show: int,
+) -> tuple[HitRates | None, list[dict[str, Any]]]:
+    held_out = [d for d in fleet.devices if d.role != "training" and d.device_id]
+    if not held_out:
+        return None, []
+    client = held_out[0].client
+    model_dir = await client.population_model(population, status["artifact_sha256"], fleet.cache_dir)
+    blob = await client.global_params_at(population, int(status["current_version"]))
+    model = DeviceModel(model_dir)
+    params = decode_params(blob, model.manifest.global_params, "global parameters")
+    training_items = [data.devices[d.index].item_ids for d in fleet.devices if d.role == "training"]
+    counts = np.bincount(np.concatenate(training_items), minlength=data.num_items)
+    most_shared = np.argsort(-counts, kind="stable")[:K]
+    return await asyncio.to_thread(
+        _score, model, params, str(status["current_version"]), held_out, future, most_shared, show
+    )
+
+
+def _score(
+    model: DeviceModel,
+    params: Params,
+    version: str,
+    held_out: list[Any],
+    future: dict[int, np.ndarray],
+    most_shared: np.ndarray,
+    show: int,
+) -> tuple[HitRates | None, list[dict[str, Any]]]:
+    item_bias = params.get("item_bias")
+    global_top = np.argsort(-item_bias, kind="stable")[:K] if item_bias is not None else np.zeros(0, np.int64)
+    hits = {"personalized": 0, "global": 0, "most_shared": 0}
+    scored = 0
+    examples: list[dict[str, Any]] = []
+    for device in held_out:
+        with ExampleStore(device.store_path) as store:
+            recommender = Recommender(model, store, params, global_version=version)
+            # Expressions are re-shared, so keep what the user already used; ratings are not.
+            top = recommender.recommend(K, exclude_used=not future)
+            recent = store.examples().item_ids[:5].tolist()
+        nxt = future.get(device.index)
+        if nxt is not None and len(nxt):
+            scored += 1
+            hits["personalized"] += bool(np.isin(nxt, top.items).any())
+            hits["global"] += bool(np.isin(nxt, global_top).any())
+            hits["most_shared"] += bool(np.isin(nxt, most_shared).any())
+        if len(examples) < show and device.num_examples >= 5:
+            examples.append(
+                {
+                    "device": device.index,
+                    "examples": device.num_examples,
+                    "recent": recent,
+                    "next": nxt.tolist() if nxt is not None else [],
+                    "personalized": top.items.tolist(),
+                    "global": global_top.tolist(),
+                }
+            )
+    if not scored:
+        return None, examples
+    return (
+        HitRates(
+            scored, hits["personalized"] / scored, hits["global"] / scored, hits["most_shared"] / scored
+        ),
+        examples,
+    )
+
+
+def top_k_table(example: dict[str, Any], labels: list[str]) -> Table:
+    recent = ", ".join(labels[i] for i in example["recent"][:3])
+    table = Table(
+        title=f"device {example['device']} ({example['examples']} examples; recently: {recent})",
+        title_justify="left",
+    )
+    table.add_column("#", justify="right")
+    table.add_column("personalized top-10 (on the device)")
+    table.add_column("global top-10")
+    nxt = set(example["next"])
+    for rank, (mine, every) in enumerate(zip(example["personalized"], example["global"], strict=False), 1):
+        table.add_row(
+            str(rank),
+            labels[mine] + (" [green](shared next)[/]" if mine in nxt else ""),
+            labels[every] + (" [green](shared next)[/]" if every in nxt else ""),
+        )
+    return table

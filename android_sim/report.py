@@ -1,0 +1,91 @@
+"""The run report: JSON with every round's counters and metrics, and PNG plots of both."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only; never a display
+import matplotlib.pyplot as plt
+
+FUNNEL = (
+    ("checked_in", "checked in"),
+    ("accepted", "accepted"),
+    ("reported", "reported"),
+    ("dropped", "dropped (deadline)"),
+    ("aborted", "aborted"),
+    ("rejected_min_examples", "filtered (too few examples)"),
+    ("rejected_capacity", "turned away (round full)"),
+)
+
+
+def write_json(path: Path, report: dict[str, Any]) -> None:
+    path.write_text(json.dumps(report, indent=2, sort_keys=False) + "\n")
+
+
+def _closed(rounds: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [r for r in rounds if r["kind"] == kind and r["status"] in ("committed", "abandoned")]
+
+
+def plot_metrics(path: Path, rounds: list[dict[str, Any]], explicit: bool) -> None:
+    """Training clients' query metric before their update, and held-out devices' ReconEval."""
+    metric = "rmse" if explicit else "loss"
+    training = [r for r in _closed(rounds, "training") if f"query_{metric}" in r["metrics"]]
+    evaluation = [r for r in _closed(rounds, "evaluation") if metric in r["metrics"]]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4), constrained_layout=True)
+    left, right = axes
+    left.plot(
+        range(1, len(training) + 1),
+        [r["metrics"][f"query_{metric}"] for r in training],
+        marker=".",
+        label=f"training devices: query {metric} (after reconstruction, before the update)",
+    )
+    left.set_xlabel("training round")
+    left.set_ylabel(metric)
+    left.set_title("training rounds")
+    left.legend(fontsize=8)
+    if evaluation:
+        xs = [_trained_rounds_before(rounds, r) for r in evaluation]
+        right.plot(xs, [r["metrics"][metric] for r in evaluation], marker="o", label=f"ReconEval {metric}")
+        right.set_ylabel(metric)
+        twin = right.twinx()
+        twin.plot(
+            xs,
+            [r["metrics"].get("accuracy", float("nan")) for r in evaluation],
+            "g--",
+            marker="s",
+            label="accuracy",
+        )
+        twin.set_ylabel("accuracy")
+        right.legend(loc="upper left", fontsize=8)
+        twin.legend(loc="upper right", fontsize=8)
+    right.set_xlabel("training rounds committed before the evaluation")
+    right.set_title("held-out devices (evaluation rounds)")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _trained_rounds_before(rounds: list[dict[str, Any]], evaluation: dict[str, Any]) -> int:
+    return sum(
+        1
+        for r in rounds
+        if r["kind"] == "training" and r["status"] == "committed" and r["id"] < evaluation["id"]
+    )
+
+
+def plot_funnel(path: Path, rounds: list[dict[str, Any]]) -> None:
+    """Per training round: how many devices checked in, were accepted, reported, dropped, were filtered."""
+    training = _closed(rounds, "training")
+    fig, ax = plt.subplots(figsize=(11, 4.5), constrained_layout=True)
+    xs = range(1, len(training) + 1)
+    for key, label in FUNNEL:
+        ax.plot(xs, [r["counters"].get(key, 0) for r in training], marker=".", label=label)
+    ax.set_xlabel("training round")
+    ax.set_ylabel("devices")
+    ax.set_title("participation funnel per training round")
+    ax.legend(fontsize=8, ncol=2)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
