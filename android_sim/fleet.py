@@ -102,8 +102,7 @@ class Fleet:
         self.stats = FleetStats()
         self._rng = random.Random(options.seed)
         self.devices = [self._device(i, *d) for i, d in enumerate(devices)]
-        self._stop = asyncio.Event()
-        self._roles_running: set[str] = set()
+        self._stop = {TRAINING: asyncio.Event(), HELD_OUT: asyncio.Event()}
 
     def _device(self, index: int, role: str, profile: DeviceProfile, path: Path, count: int) -> SimDevice:
         device_class = profile.device_class
@@ -125,20 +124,22 @@ class Fleet:
         for device in self.devices:
             await device.client._http.aclose()
 
-    def stop(self) -> None:
-        self._stop.set()
+    def stop(self, roles: Sequence[str] = (TRAINING, HELD_OUT)) -> None:
+        """Stop the devices of `roles` (each finishes or abandons what it is doing)."""
+        for role in roles:
+            self._stop[role].set()
 
-    async def _sleep(self, seconds: float) -> None:
-        """Sleep, but wake at once when the fleet stops."""
+    async def _sleep(self, device: SimDevice, seconds: float) -> None:
+        """Sleep, but wake at once when the device's role is stopped."""
         if seconds > 0:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._stop.wait(), timeout=seconds)
+                await asyncio.wait_for(self._stop[device.role].wait(), timeout=seconds)
 
-    async def run(self, roles: Sequence[str] = (TRAINING, HELD_OUT)) -> None:
-        """Run every device of `roles` until `stop()`."""
-        self._stop.clear()
-        chosen = [d for d in self.devices if d.role in roles]
-        await asyncio.gather(*(self._loop(d) for d in chosen))
+    async def run(self) -> None:
+        """Run every device until `stop()`."""
+        for event in self._stop.values():
+            event.clear()
+        await asyncio.gather(*(self._loop(d) for d in self.devices))
 
     def _should_continue(self, device: SimDevice, drops: bool) -> Callable[[], bool]:
         calls = 0
@@ -149,37 +150,39 @@ class Fleet:
             # A dropout happens after the reconstruction began: the device stops mid-task.
             if drops and calls > 1:
                 return False
-            return device.profile.conditions(self.clock.now()).eligible and not self._stop.is_set()
+            return (
+                device.profile.conditions(self.clock.now()).eligible and not self._stop[device.role].is_set()
+            )
 
         return should_continue
 
     async def _loop(self, device: SimDevice) -> None:
         device_class = device.profile.device_class
         # Spread the first check-ins, as a real fleet's are.
-        await self._sleep(self._rng.random() * 2.0)
-        while not self._stop.is_set():
+        await self._sleep(device, self._rng.random() * 2.0)
+        while not self._stop[device.role].is_set():
             now = self.clock.now()
             conditions = device.profile.conditions(now)
             if not conditions.eligible:
                 nxt = device.profile.next_eligible(now)
                 wait = self.clock.day_seconds if nxt is None else self.clock.wall_seconds_until(nxt)
-                await self._sleep(wait + self._rng.random() * 0.2)
+                await self._sleep(device, wait + self._rng.random() * 0.2)
                 continue
             drops = self._rng.random() < device_class.dropout_probability
             vanishes = drops and self._rng.random() < device_class.vanish_share
             participation = await self._participate(device, conditions.as_dict(), drops, vanishes)
             if participation is None:
-                await self._sleep(self.options.server_wait_seconds * (0.5 + self._rng.random()))
+                await self._sleep(device, self.options.server_wait_seconds * (0.5 + self._rng.random()))
                 continue
             device.outcomes[participation.status] += 1
             self.stats.outcomes[(device.role, participation.status)] += 1
             if participation.task_seconds:
                 self.stats.task_seconds.append(participation.task_seconds)
             if participation.status == "rejected":
-                await self._sleep(participation.retry_after_seconds * (0.5 + self._rng.random()))
+                await self._sleep(device, participation.retry_after_seconds * (0.5 + self._rng.random()))
             else:
                 rest = self.options.cooldown_hours * 3_600 / self.clock.speedup
-                await self._sleep(rest * (0.5 + self._rng.random()))
+                await self._sleep(device, rest * (0.5 + self._rng.random()))
 
     async def _participate(
         self, device: SimDevice, conditions: dict[str, bool], drops: bool, vanishes: bool

@@ -17,7 +17,7 @@ import os
 import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -39,6 +39,7 @@ from model_export.config import Feedback, ModelConfig, TrainingDefaults
 from model_export.in_subprocess import export_in_subprocess
 from model_export.manifest import ManifestError, load_manifest
 from orchestrator.local import LocalOrchestrator
+from orchestrator.population_settings import PopulationSettings
 
 T = TypeVar("T")
 DEFAULT_RATINGS = (
@@ -58,11 +59,11 @@ class RunConfig:
     devices: int = 1000  # expressions: users; movielens: at most this many users (0 = all)
     expressions: int = 1000
     held_out_fraction: float = 0.15
-    rounds: int = 80
+    rounds: int = 60
     target_reports: int = 40
     oversampling: float = 1.3
     min_examples: int = 3
-    round_seconds: float = 20.0
+    round_seconds: float = 10.0
     evaluation_every: int = 10
     day_seconds: float = 60.0  # wall seconds per simulated day
     orchestrator_url: str | None = None
@@ -283,7 +284,7 @@ class Monitor:
 
     async def wait_for_rounds(self, start: int, rounds: int, fleet_task: asyncio.Task[None]) -> None:
         self.progress.update(self.task, total=rounds)
-        last_change, last_count = time.monotonic(), -1
+        last_change, last_count, last_printed = time.monotonic(), -1, -1
         while True:
             if fleet_task.done():
                 fleet_task.result()  # raises what stopped the fleet
@@ -298,10 +299,12 @@ class Monitor:
                 if done != last_count:
                     last_change, last_count = time.monotonic(), done
                 latest = await _latest_training_round(self.admin, self.population)
-                self.progress.update(
-                    self.task, completed=min(done, rounds), description=f"round {done}/{rounds}"
-                )
-                self.progress.update(self.task, description=f"rounds {self._describe(status, latest)}")
+                description = self._describe(status, latest)
+                self.progress.update(self.task, completed=min(done, rounds), description=description)
+                if not self.progress.console.is_terminal and done != last_printed and done and done % 10 == 0:
+                    # No live display in a log file: a line every ten rounds instead.
+                    self.progress.console.print(f"round {done}/{rounds}: {description}")
+                    last_printed = done
                 if done >= rounds:
                     return
             if time.monotonic() - last_change > self.stall_seconds:
@@ -361,11 +364,12 @@ async def run_async(config: RunConfig, console: Console) -> RunResult:
     async with orchestrator(config, work, console) as (url, token, transport):
         admin = AdminClient(url, token, http=httpx.AsyncClient(transport=transport, timeout=60.0))
         await _admin_call(admin.ping())
-        population = await _admin_call(
-            admin.ensure_population(name, model_dir, population_settings(config, data, model))
-        )
+        settings = population_settings(config, data, model)
+        population = await _admin_call(admin.ensure_population(name, model_dir, settings))
+        if population["settings"] != PopulationSettings(**settings).model_dump():
+            console.print(f"[yellow]population {name!r} exists: reusing it with its own settings[/]")
         start_committed = int(population["training_rounds_committed"])
-        first_round = max([r["id"] for r in await _admin_call(admin.rounds(name))], default=0)
+        closed_before = {r["id"] for r in await _admin_call(admin.rounds(name)) if r["status"] != "open"}
         console.print(
             f"population {name!r}: model version {population['current_version']}, "
             f"{start_committed} rounds committed before this run"
@@ -394,11 +398,12 @@ async def run_async(config: RunConfig, console: Console) -> RunResult:
                 with Progress(*columns, console=console, transient=False) as progress:
                     monitor = Monitor(admin, name, fleet, progress, config.stall_seconds)
                     await monitor.wait_for_rounds(start_committed, config.rounds, fleet_task)
+                    fleet.stop([TRAINING])
                     final = await monitor.final_evaluation(timeout=config.round_seconds * 2 + 5)
                 fleet.stop()
                 await fleet_task
                 status = await _admin_call(admin.status(name))
-                rounds = [r for r in await _admin_call(admin.rounds(name)) if r["id"] > first_round]
+                rounds = [r for r in await _admin_call(admin.rounds(name)) if r["id"] not in closed_before]
                 recommendations = await held_out_hit_rates(
                     fleet, devices.future, name, status, data, config.show_devices
                 )
@@ -435,7 +440,8 @@ def _write_report(
     body = {
         "config": {
             k: (str(v) if isinstance(v, Path) else v)
-            for k, v in asdict(replace(config, admin_token=None)).items()
+            for k, v in asdict(config).items()
+            if k != "admin_token"  # a secret; never in a report
         },
         "data": {"source": data.source, "devices": len(data.devices), "examples": data.num_events},
         "model": model.to_json(),

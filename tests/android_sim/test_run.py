@@ -1,0 +1,160 @@
+"""The fleet simulator end to end: real devices, a real orchestrator process, real HTTP on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+from android_sim.__main__ import main
+from android_sim.profiles import DeviceClass
+from android_sim.run import RunConfig, RunResult, load_data, model_config, run, run_async
+from model_export.config import ModelConfig
+from orchestrator.local import LocalOrchestrator
+
+# Always charging on wifi, never picked up: every device is eligible, so small tests run fast.
+# One in five tasks drops out mid-task (half of those vanish, half abort).
+ALWAYS_ON = (DeviceClass("test phone", 1.0, 1.5, 200.0, 2.0, 0.2, 0.5, 24.0, 1.0, 0.0),)
+
+
+def small(work: Path, **overrides: object) -> RunConfig:
+    values: dict[str, object] = dict(
+        work_dir=work,
+        devices=60,
+        expressions=120,
+        rounds=3,
+        target_reports=6,
+        oversampling=1.5,
+        min_examples=2,
+        round_seconds=8.0,
+        evaluation_every=2,
+        device_mix=ALWAYS_ON,
+        held_out_fraction=0.25,
+        workers=2,
+        stall_seconds=60.0,
+        show_devices=2,
+    )
+    values.update(overrides)
+    return RunConfig(**values)  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def work(tmp_path: Path, export: Callable[[ModelConfig], Path]) -> Path:
+    """A work directory that already holds this data's export (the run reuses an identical one)."""
+    config = small(tmp_path)
+    shutil.copytree(export(model_config(load_data(config))), tmp_path / "model")
+    return tmp_path
+
+
+def reconcile(result: RunResult) -> None:
+    """Server-side counters agree with what the devices saw."""
+    rounds = result.summary["rounds"]
+    device_side = result.summary["fleet"]["device_side_outcomes"]
+    reported = sum(n for k, n in device_side.items() if k.endswith("/reported"))
+    aborted = sum(n for k, n in device_side.items() if k.endswith("/aborted"))
+    assert sum(r["counters"]["reported"] for r in rounds) == reported
+    assert sum(r["counters"]["aborted"] for r in rounds) == aborted
+
+
+def test_a_fleet_trains_evaluates_and_writes_its_report(work: Path) -> None:
+    result = run(small(work), Console(width=120, record=True))
+
+    assert result.rounds_committed >= 3
+    report = json.loads(result.report_path.read_text())
+    training = [r for r in report["rounds"] if r["kind"] == "training" and r["status"] == "committed"]
+    assert all(r["counters"]["reported"] >= 1 for r in training)
+    assert all("query_loss" in r["metrics"] for r in training)
+    assert any(r["kind"] == "evaluation" and r["counters"]["reported"] for r in report["rounds"])
+    assert "loss" in result.final_evaluation and "accuracy" in result.final_evaluation
+    outcomes = report["fleet"]["device_side_outcomes"]
+    assert outcomes.get("training/reported", 0) >= 3 * 6
+    # Devices with one example are filtered at check-in (min_examples 2).
+    assert sum(r["counters"]["rejected_min_examples"] for r in report["rounds"]) > 0
+    reconcile(result)
+    for plot in result.plots:
+        assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert result.hit_rates is not None and result.hit_rates.devices > 0
+    assert report["recommendations"] and len(report["recommendations"][0]["personalized"]) == 10
+
+
+def test_the_fleet_waits_for_an_orchestrator_that_restarts(work: Path) -> None:
+    server = LocalOrchestrator(f"sqlite:///{work / 'server.sqlite'}", "restart-token").start()
+    restarted = threading.Event()
+
+    def restart_after_first_commit() -> None:
+        import httpx
+
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                status = httpx.get(
+                    f"{server.url}/v1/admin/populations",
+                    headers={"Authorization": "Bearer restart-token"},
+                    timeout=2,
+                ).json()
+            except httpx.TransportError:
+                status = []
+            if status and status[0]["training_rounds_committed"] >= 1:
+                server.kill()  # SIGKILL mid-run
+                time.sleep(3)
+                server.start()  # same port, same database
+                restarted.set()
+                return
+            time.sleep(0.2)
+
+    watcher = threading.Thread(target=restart_after_first_commit)
+    watcher.start()
+    try:
+        config = small(work, orchestrator_url=server.url, admin_token="restart-token", rounds=4)
+        result = asyncio.run(run_async(config, Console(width=120)))
+    finally:
+        watcher.join()
+        server.stop()
+
+    assert restarted.is_set()
+    assert result.rounds_committed >= 4
+    reconcile(result)
+
+
+def test_the_in_process_transport_runs_the_same_device_code(work: Path) -> None:
+    result = run(small(work, in_process=True, rounds=2), Console(width=120))
+
+    assert result.rounds_committed >= 2
+    reconcile(result)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--data", "movielens", "--ratings", "/nonexistent/u.data"], "ratings file not found"),
+        (["--orchestrator-url", "http://127.0.0.1:9"], "needs its admin token"),
+        (["--orchestrator-url", "http://127.0.0.1:9", "--admin-token", "x"], "no orchestrator answers"),
+        (["--rounds", "0"], "rounds must be >= 1"),
+    ],
+)
+def test_user_errors_are_one_clear_line(
+    args: list[str], message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], work: Path
+) -> None:
+    code = main(["run", "--work-dir", str(work), "--devices", "60", "--expressions", "120", *args])
+
+    err = capsys.readouterr().err
+    assert code == 2
+    assert message in err
+    assert "Traceback" not in err
+
+
+def test_an_unknown_ratings_format_is_named(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    ratings = tmp_path / "ratings.csv"
+    ratings.write_text("user,item,rating,time\n1,2,3,4\n")
+
+    code = main(["run", "--data", "movielens", "--ratings", str(ratings), "--work-dir", str(tmp_path)])
+
+    assert code == 2
+    assert "unknown ratings format" in capsys.readouterr().err
