@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import tempfile
+import time
 from pathlib import Path
 
 from android_sim.movielens import DataFormatError
@@ -44,7 +44,9 @@ def _run_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     run.add_argument("--orchestrator-url", help="use this orchestrator instead of starting one")
     run.add_argument("--admin-token", help="its admin token")
     run.add_argument("--population", help="population name (default: <data>-<model sha>)")
-    run.add_argument("--work-dir", type=Path, help="model, device stores, database, report")
+    run.add_argument(
+        "--work-dir", type=Path, help="model, device stores, database, report (default: runs/run-<time>)"
+    )
     run.add_argument("--workers", type=int, default=d.workers, help="interpreter threads (default: cores)")
     run.add_argument("--seed", type=int, default=d.seed)
 
@@ -77,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         from android_sim.run import run
 
         config = RunConfig(
-            work_dir=args.work_dir or Path(tempfile.mkdtemp(prefix="android-sim-")),
+            work_dir=args.work_dir or Path("runs") / time.strftime("run-%Y%m%d-%H%M%S"),
             data=args.data,
             ratings=args.ratings,
             devices=args.devices,

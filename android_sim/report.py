@@ -27,7 +27,14 @@ def write_json(path: Path, report: dict[str, Any]) -> None:
 
 
 def _closed(rounds: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
-    return [r for r in rounds if r["kind"] == kind and r["status"] in ("committed", "abandoned")]
+    """Closed rounds of `kind`, leaving out those abandoned with nobody checked in (e.g. the round
+    that was open when the run stopped its training devices)."""
+    return [
+        r
+        for r in rounds
+        if r["kind"] == kind
+        and (r["status"] == "committed" or (r["status"] == "abandoned" and r["counters"]["checked_in"]))
+    ]
 
 
 def plot_metrics(path: Path, rounds: list[dict[str, Any]], explicit: bool) -> None:

@@ -18,6 +18,7 @@ from android_sim.profiles import DeviceClass
 from android_sim.run import RunConfig, RunResult, load_data, model_config, run, run_async
 from model_export.config import ModelConfig
 from orchestrator.local import LocalOrchestrator
+from tests.conftest import MOVIELENS_100K
 
 # Always charging on wifi, never picked up: every device is eligible, so small tests run fast.
 # One in five tasks drops out mid-task (half of those vanish, half abort).
@@ -158,3 +159,17 @@ def test_an_unknown_ratings_format_is_named(tmp_path: Path, capsys: pytest.Captu
 
     assert code == 2
     assert "unknown ratings format" in capsys.readouterr().err
+
+
+def test_movielens_users_are_devices_with_explicit_ratings(
+    tmp_path: Path, export: Callable[[ModelConfig], Path]
+) -> None:
+    config = small(tmp_path, data="movielens", ratings=MOVIELENS_100K, devices=80, min_examples=5)
+    shutil.copytree(export(model_config(load_data(config))), tmp_path / "model")
+
+    result = run(config, Console(width=120))
+
+    assert result.rounds_committed >= 3
+    assert result.hit_rates is None  # explicit ratings: ReconEval RMSE instead
+    assert 0.5 < result.final_evaluation["rmse"] < 2.0
+    reconcile(result)

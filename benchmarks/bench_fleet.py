@@ -1,0 +1,225 @@
+"""Fleet benchmark: the simulator against the real HTTP orchestrator, and at scale.
+
+    ./dev bench-fleet        (or: python benchmarks/bench_fleet.py)
+
+Prints:
+1. Simulated client tasks per second through the real HTTP orchestrator (its own process,
+   loopback) versus the same device code with an in-process transport (the orchestrator app
+   in the fleet's process over ASGI, no sockets). Devices are always eligible, with no
+   simulated network delay, slowdown or dropouts, so the figure is the system's own rate.
+   Target (issue 4): HTTP >= 50% of in-process.
+2. 10,000 enrolled devices, each with its own example store, of which 1,000 check in at once,
+   in waves: every check-in must be answered (p50/p99 latency), the accepted devices train and
+   report, and rounds keep committing.
+Both share the 2 cores with the fleet process; medians and ratios from one run are what to quote.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from rich.console import Console  # noqa: E402
+
+from android_sim.admin import AdminClient  # noqa: E402
+from android_sim.device_data import expression_fleet  # noqa: E402
+from android_sim.expressions import SyntheticConfig  # noqa: E402
+from android_sim.fleet import write_store  # noqa: E402
+from android_sim.profiles import DeviceClass  # noqa: E402
+from android_sim.run import RunConfig, export, model_config, population_settings, run_async  # noqa: E402
+from device_runtime.agent import DeviceAgent, Participation  # noqa: E402
+from device_runtime.example_store import ExampleStore  # noqa: E402
+from device_runtime.orchestrator_client import OrchestratorClient  # noqa: E402
+from device_runtime.task_runner import TaskRunner  # noqa: E402
+from orchestrator.local import LocalOrchestrator  # noqa: E402
+
+# Always eligible, no slowdown, no network delay, no dropouts: the system's own rate.
+BENCH_PHONE = (DeviceClass("bench", 1.0, 1.0, 1e6, 0.0, 0.0, 0.0, 24.0, 1.0, 0.0),)
+
+
+def tasks_per_second(rounds: list[dict[str, Any]]) -> float:
+    """Completed training tasks per second, from the orchestrator's own round timestamps."""
+    training = [r for r in rounds if r["kind"] == "training" and r["status"] == "committed"]
+    span = max(r["closed_at"] for r in training) - min(r["opened_at"] for r in training[1:] or training)
+    return float(sum(r["counters"]["reported"] for r in training[1:] or training) / span)
+
+
+async def transport_comparison(work: Path, rounds: int, devices: int) -> dict[str, float]:
+    rates = {}
+    for label, in_process in (("http", False), ("in_process", True)):
+        config = RunConfig(
+            work_dir=work / label,
+            devices=devices,
+            rounds=rounds,
+            target_reports=40,
+            min_examples=2,
+            round_seconds=30.0,
+            evaluation_every=0,
+            device_mix=BENCH_PHONE,
+            held_out_fraction=0.05,
+            in_process=in_process,
+            show_devices=0,
+        )
+        (work / label).mkdir(parents=True)
+        (work / label / "model").symlink_to(work / "model", target_is_directory=True)
+        result = await run_async(config, Console(quiet=True))
+        rates[label] = tasks_per_second(result.summary["rounds"])
+    return rates
+
+
+class CheckinTimer(httpx.AsyncBaseTransport):
+    """Times every check-in from request to answer, on the shared transport."""
+
+    def __init__(self, inner: httpx.AsyncBaseTransport) -> None:
+        self.inner = inner
+        self.latencies: list[float] = []
+        self.failures = 0
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        started = time.perf_counter()
+        try:
+            response = await self.inner.handle_async_request(request)
+            await response.aread()
+        except httpx.TransportError:
+            if request.url.path.endswith("/checkin"):
+                self.failures += 1
+            raise
+        if request.url.path.endswith("/checkin"):
+            self.latencies.append(time.perf_counter() - started)
+            if response.status_code >= 500:
+                self.failures += 1
+        return response
+
+
+async def scale(work: Path, enrolled: int, concurrent: int, waves: int) -> dict[str, Any]:
+    data = expression_fleet(SyntheticConfig(num_expressions=1000, num_users=enrolled, seed=1))
+    model = model_config(data)
+    model_dir = export(model, work / "model")
+    stores = work / "scale-stores"
+    stores.mkdir()
+    t0 = time.perf_counter()
+    for i, device in enumerate(data.devices):
+        write_store(stores / f"{i}.sqlite", device, model.num_items, model.label_range)
+    store_seconds = time.perf_counter() - t0
+    settings = population_settings(
+        RunConfig(work_dir=work, target_reports=100, oversampling=1.3, min_examples=1, round_seconds=60.0),
+        data,
+        model,
+    )
+    with LocalOrchestrator(
+        f"sqlite:///{work / 'scale.sqlite'}", "bench", log_path=work / "scale.log"
+    ) as server:
+        inner = httpx.AsyncHTTPTransport(limits=httpx.Limits(max_connections=concurrent + 64))
+        timer = CheckinTimer(inner)
+        admin = AdminClient(server.url, "bench")
+        await admin.ensure_population("scale", model_dir, settings)
+        clients = [
+            OrchestratorClient(server.url, http=httpx.AsyncClient(transport=timer, timeout=120.0))
+            for _ in range(enrolled)
+        ]
+        t0 = time.perf_counter()
+        limit = asyncio.Semaphore(64)
+
+        async def enroll(client: OrchestratorClient) -> None:
+            async with limit:
+                await client.enroll()
+
+        await asyncio.gather(*(enroll(c) for c in clients))
+        enroll_seconds = time.perf_counter() - t0
+        rng = np.random.default_rng(0)
+        outcomes: dict[str, int] = {}
+        wave_latencies = []
+        with TaskRunner(2) as runner:
+            for _ in range(waves):
+                timer.latencies.clear()
+                chosen = rng.choice(enrolled, concurrent, replace=False)
+
+                async def take_part(i: int) -> Participation:
+                    with ExampleStore(stores / f"{i}.sqlite") as store:
+                        agent = DeviceAgent(clients[i], store, work / "scale-cache", "scale", runner=runner)
+                        return await agent.participate("training", seed=int(i))
+
+                results = await asyncio.gather(*(take_part(int(i)) for i in chosen))
+                for p in results:
+                    outcomes[p.status] = outcomes.get(p.status, 0) + 1
+                wave_latencies.append(list(timer.latencies))
+        status = await admin.status("scale")
+        await admin.aclose()
+        await inner.aclose()
+    all_latencies = [x for wave in wave_latencies for x in wave]
+    return {
+        "enrolled": enrolled,
+        "concurrent": concurrent,
+        "waves": waves,
+        "store_seconds": store_seconds,
+        "enroll_per_second": enrolled / enroll_seconds,
+        "checkins_answered": len(all_latencies),
+        "checkins_failed": timer.failures,
+        "checkin_p50_ms": float(np.percentile(all_latencies, 50)) * 1000,
+        "checkin_p99_ms": float(np.percentile(all_latencies, 99)) * 1000,
+        "checkin_max_ms": max(all_latencies) * 1000,
+        "outcomes": outcomes,
+        "rounds_committed": status["training_rounds_committed"],
+    }
+
+
+async def main_async(args: argparse.Namespace) -> dict[str, Any]:
+    work = Path(tempfile.mkdtemp(prefix="bench-fleet-"))
+    data = expression_fleet(SyntheticConfig(num_expressions=1000, num_users=args.devices, seed=0))
+    export(model_config(data), work / "model")
+    rates = await transport_comparison(work, args.rounds, args.devices)
+    at_scale = await scale(work, args.enrolled, args.concurrent, args.waves)
+    return {"tasks_per_second": rates, "scale": at_scale}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--devices", type=int, default=1000, help="fleet size for the transport comparison")
+    parser.add_argument("--rounds", type=int, default=20, help="rounds per transport")
+    parser.add_argument("--enrolled", type=int, default=10_000)
+    parser.add_argument("--concurrent", type=int, default=1000)
+    parser.add_argument("--waves", type=int, default=5)
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args()
+    results = asyncio.run(main_async(args))
+    rates, at_scale = results["tasks_per_second"], results["scale"]
+    ratio = rates["http"] / rates["in_process"]
+    print(f"fleet benchmark ({args.devices} devices x {args.rounds} rounds of 40 per transport; 2 cores)")
+    print(f"  client tasks/s, real HTTP orchestrator        {rates['http']:8.1f}")
+    print(f"  client tasks/s, in-process transport          {rates['in_process']:8.1f}")
+    print(f"  HTTP / in-process                              {ratio:8.0%}   target >= 50%")
+    print(
+        f"scale: {at_scale['enrolled']:,} enrolled devices (stores written in "
+        f"{at_scale['store_seconds']:.0f} s, enrolled at {at_scale['enroll_per_second']:.0f}/s), "
+        f"{at_scale['concurrent']:,} checking in at once, {at_scale['waves']} waves"
+    )
+    print(
+        f"  check-ins answered {at_scale['checkins_answered']:,}, failed {at_scale['checkins_failed']}; "
+        f"latency p50 {at_scale['checkin_p50_ms']:.0f} ms, p99 {at_scale['checkin_p99_ms']:.0f} ms, "
+        f"max {at_scale['checkin_max_ms']:.0f} ms"
+    )
+    print(
+        f"  device outcomes {json.dumps(at_scale['outcomes'])}; "
+        f"rounds committed {at_scale['rounds_committed']}"
+    )
+    if args.json:
+        args.json.write_text(json.dumps({**results, "http_over_in_process": ratio}, indent=2))
+    return 0 if at_scale["checkins_failed"] == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
