@@ -17,15 +17,15 @@ class AdminError(RuntimeError):
 
 
 class AdminClient:
-    def __init__(self, base_url: str, admin_token: str, *, http: httpx.AsyncClient | None = None) -> None:
+    def __init__(
+        self, base_url: str, admin_token: str, *, transport: httpx.AsyncBaseTransport | None = None
+    ) -> None:
         self.base_url = base_url.rstrip("/")
-        self._http = http or httpx.AsyncClient(timeout=60.0)
-        self._owns_http = http is None
+        self._http = httpx.AsyncClient(transport=transport, timeout=60.0)
         self._headers = {"Authorization": f"Bearer {admin_token}"}
 
     async def aclose(self) -> None:
-        if self._owns_http:
-            await self._http.aclose()
+        await self._http.aclose()
 
     async def _request(self, method: str, path: str, **kwargs: Any) -> Any:
         try:

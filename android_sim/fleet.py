@@ -4,7 +4,7 @@ Every device runs its own loop on one asyncio event loop: wait until its conditi
 training (idle, charging, unmetered), check in, download, run the task on the shared
 `TaskRunner` (a thread pool sized to the cores), take as long as its compute tier says, and
 report, abort, or vanish. Requests go through the device's `SimulatedLink` (its bandwidth
-and latency) to one shared transport: real HTTP to the orchestrator, or in-process ASGI.
+and latency) to its own connection to the orchestrator, or to the in-process ASGI app.
 A server that goes away is waited for: the device retries with backoff and carries on.
 """
 
@@ -21,7 +21,7 @@ from pathlib import Path
 import httpx
 
 from android_sim.device_data import DeviceData
-from android_sim.network import SimulatedLink
+from android_sim.network import Connector, SimulatedLink
 from android_sim.profiles import DeviceProfile, SimClock
 from device_runtime.agent import DeviceAgent, Participation
 from device_runtime.example_store import ExampleStore
@@ -39,6 +39,7 @@ class SimDevice:
     store_path: Path
     num_examples: int
     link: SimulatedLink
+    http: httpx.AsyncClient
     client: OrchestratorClient
     device_id: str = ""
     outcomes: collections.Counter[str] = field(default_factory=collections.Counter)
@@ -85,16 +86,16 @@ class Fleet:
     def __init__(
         self,
         base_url: str,
-        transport: httpx.AsyncBaseTransport,
+        connector: Connector,
         devices: Sequence[tuple[str, DeviceProfile, Path, int]],
         cache_dir: Path,
         runner: TaskRunner,
         clock: SimClock,
         options: FleetOptions,
     ) -> None:
-        """`devices`: (role, profile, store path, example count) per device; `transport` is shared."""
+        """`devices`: (role, profile, store path, example count) per device."""
         self.base_url = base_url
-        self.transport = transport
+        self.connector = connector
         self.cache_dir = cache_dir
         self.runner = runner
         self.clock = clock
@@ -106,10 +107,11 @@ class Fleet:
 
     def _device(self, index: int, role: str, profile: DeviceProfile, path: Path, count: int) -> SimDevice:
         device_class = profile.device_class
-        link = SimulatedLink(self.transport, device_class.bandwidth_mbps, device_class.latency_ms)
+        inner, owned = self.connector.transport()
+        link = SimulatedLink(inner, device_class.bandwidth_mbps, device_class.latency_ms, owns_inner=owned)
         http = httpx.AsyncClient(transport=link, base_url=self.base_url, timeout=60.0)
         client = OrchestratorClient(self.base_url, http=http, attempts=6, backoff_seconds=0.2)
-        return SimDevice(index, role, profile, path, count, link, client)
+        return SimDevice(index, role, profile, path, count, link, http, client)
 
     async def enroll(self, concurrency: int = 32) -> None:
         limit = asyncio.Semaphore(concurrency)
@@ -122,7 +124,7 @@ class Fleet:
 
     async def aclose(self) -> None:
         for device in self.devices:
-            await device.client._http.aclose()
+            await device.http.aclose()
 
     def stop(self, roles: Sequence[str] = (TRAINING, HELD_OUT)) -> None:
         """Stop the devices of `roles` (each finishes or abandons what it is doing)."""

@@ -21,7 +21,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-import httpx
 import numpy as np
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -31,6 +30,7 @@ from android_sim.admin import AdminClient, AdminError
 from android_sim.device_data import DeviceData, FleetData, expression_fleet, movielens_fleet
 from android_sim.expressions import SyntheticConfig
 from android_sim.fleet import HELD_OUT, TRAINING, Fleet, FleetOptions, write_store
+from android_sim.network import Connector
 from android_sim.profiles import DEFAULT_MIX, DeviceClass, SimClock, draw_profiles
 from android_sim.recommendations import HitRates, held_out_hit_rates, top_k_table
 from device_runtime.client_task import SplitPolicy, TaskConfig
@@ -66,6 +66,7 @@ class RunConfig:
     round_seconds: float = 10.0
     evaluation_every: int = 10
     day_seconds: float = 60.0  # wall seconds per simulated day
+    cooldown_hours: float = 2.0  # simulated hours a device rests after it took part
     orchestrator_url: str | None = None
     admin_token: str | None = None
     population: str | None = None
@@ -211,16 +212,11 @@ def prepare_devices(config: RunConfig, data: FleetData, model: ModelConfig, stor
 @contextlib.asynccontextmanager
 async def orchestrator(
     config: RunConfig, work: Path, console: Console
-) -> AsyncIterator[tuple[str, str, Any]]:
-    """(URL, admin token, transport for the fleet) of the orchestrator this run talks to."""
-    limits = httpx.Limits(max_connections=512, max_keepalive_connections=512)
+) -> AsyncIterator[tuple[str, str, Connector]]:
+    """(URL, admin token, the devices' connector) of the orchestrator this run talks to."""
     if config.orchestrator_url:
         assert config.admin_token
-        transport = httpx.AsyncHTTPTransport(limits=limits)
-        try:
-            yield config.orchestrator_url.rstrip("/"), config.admin_token, transport
-        finally:
-            await transport.aclose()
+        yield config.orchestrator_url.rstrip("/"), config.admin_token, Connector()
         return
     token = secrets.token_urlsafe(24)
     database_url = f"sqlite:///{work / 'orchestrator.sqlite'}"
@@ -230,18 +226,20 @@ async def orchestrator(
 
         app = create_app(Settings(database_url=database_url, admin_token=token, tick_seconds=0.2))
         async with app.router.lifespan_context(app):
-            yield "http://orchestrator.local", token, httpx.ASGITransport(app=app)
+            connector = Connector(app)
+            try:
+                yield "http://orchestrator.local", token, connector
+            finally:
+                await connector.aclose()
         return
     server = LocalOrchestrator(database_url, token, log_path=work / "orchestrator.log")
     await asyncio.to_thread(server.start)
     console.print(
         f"orchestrator: {server.url} (SQLite {work / 'orchestrator.sqlite'}, log {server.log_path})"
     )
-    transport = httpx.AsyncHTTPTransport(limits=limits)
     try:
-        yield server.url, token, transport
+        yield server.url, token, Connector()
     finally:
-        await transport.aclose()
         await asyncio.to_thread(server.stop)
 
 
@@ -361,8 +359,8 @@ async def run_async(config: RunConfig, console: Console) -> RunResult:
     held_out = sum(1 for role, *_ in devices.entries if role == HELD_OUT)
     console.print(f"fleet: {len(devices.entries) - held_out} training devices, {held_out} held-out devices")
     name = config.population or f"{config.data}-{manifest.model_sha256[:8]}"
-    async with orchestrator(config, work, console) as (url, token, transport):
-        admin = AdminClient(url, token, http=httpx.AsyncClient(transport=transport, timeout=60.0))
+    async with orchestrator(config, work, console) as (url, token, connector):
+        admin = AdminClient(url, token, transport=connector.transport()[0])
         await _admin_call(admin.ping())
         settings = population_settings(config, data, model)
         population = await _admin_call(admin.ensure_population(name, model_dir, settings))
@@ -377,14 +375,14 @@ async def run_async(config: RunConfig, console: Console) -> RunResult:
         with TaskRunner(config.workers) as runner:
             fleet = Fleet(
                 url,
-                transport,
+                connector,
                 devices.entries,
                 work / "model-cache",
                 runner,
                 SimClock(
                     config.day_seconds, start=float(np.random.default_rng(config.seed).uniform(0, 86_400))
                 ),
-                FleetOptions(population=name, seed=config.seed),
+                FleetOptions(population=name, cooldown_hours=config.cooldown_hours, seed=config.seed),
             )
             try:
                 await fleet.enroll()

@@ -22,6 +22,7 @@ import json
 import sys
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,7 @@ from android_sim.admin import AdminClient  # noqa: E402
 from android_sim.device_data import expression_fleet  # noqa: E402
 from android_sim.expressions import SyntheticConfig  # noqa: E402
 from android_sim.fleet import write_store  # noqa: E402
+from android_sim.network import Connector  # noqa: E402
 from android_sim.profiles import DeviceClass  # noqa: E402
 from android_sim.run import RunConfig, export, model_config, population_settings, run_async  # noqa: E402
 from device_runtime.agent import DeviceAgent, Participation  # noqa: E402
@@ -65,7 +67,9 @@ async def transport_comparison(work: Path, rounds: int, devices: int) -> dict[st
             rounds=rounds,
             target_reports=40,
             min_examples=2,
-            round_seconds=30.0,
+            # Short deadlines and rests keep every device busy: the rate is the system's, not the pacing's.
+            round_seconds=5.0,
+            cooldown_hours=0.5,
             evaluation_every=0,
             device_mix=BENCH_PHONE,
             held_out_fraction=0.05,
@@ -79,13 +83,21 @@ async def transport_comparison(work: Path, rounds: int, devices: int) -> dict[st
     return rates
 
 
-class CheckinTimer(httpx.AsyncBaseTransport):
-    """Times every check-in from request to answer, on the shared transport."""
+@dataclass
+class CheckinTimings:
+    latencies: list[float] = field(default_factory=list)
+    failures: int = 0
 
-    def __init__(self, inner: httpx.AsyncBaseTransport) -> None:
+
+class CheckinTimer(httpx.AsyncBaseTransport):
+    """Times a device's check-ins from request to answer."""
+
+    def __init__(self, inner: httpx.AsyncBaseTransport, timings: CheckinTimings) -> None:
         self.inner = inner
-        self.latencies: list[float] = []
-        self.failures = 0
+        self.timings = timings
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         started = time.perf_counter()
@@ -94,12 +106,12 @@ class CheckinTimer(httpx.AsyncBaseTransport):
             await response.aread()
         except httpx.TransportError:
             if request.url.path.endswith("/checkin"):
-                self.failures += 1
+                self.timings.failures += 1
             raise
         if request.url.path.endswith("/checkin"):
-            self.latencies.append(time.perf_counter() - started)
+            self.timings.latencies.append(time.perf_counter() - started)
             if response.status_code >= 500:
-                self.failures += 1
+                self.timings.failures += 1
         return response
 
 
@@ -121,14 +133,15 @@ async def scale(work: Path, enrolled: int, concurrent: int, waves: int) -> dict[
     with LocalOrchestrator(
         f"sqlite:///{work / 'scale.sqlite'}", "bench", log_path=work / "scale.log"
     ) as server:
-        inner = httpx.AsyncHTTPTransport(limits=httpx.Limits(max_connections=concurrent + 64))
-        timer = CheckinTimer(inner)
+        connector = Connector()
+        timings = CheckinTimings()
         admin = AdminClient(server.url, "bench")
         await admin.ensure_population("scale", model_dir, settings)
-        clients = [
-            OrchestratorClient(server.url, http=httpx.AsyncClient(transport=timer, timeout=120.0))
+        https = [
+            httpx.AsyncClient(transport=CheckinTimer(connector.transport()[0], timings), timeout=120.0)
             for _ in range(enrolled)
         ]
+        clients = [OrchestratorClient(server.url, http=http) for http in https]
         t0 = time.perf_counter()
         limit = asyncio.Semaphore(64)
 
@@ -143,7 +156,7 @@ async def scale(work: Path, enrolled: int, concurrent: int, waves: int) -> dict[
         wave_latencies = []
         with TaskRunner(2) as runner:
             for _ in range(waves):
-                timer.latencies.clear()
+                timings.latencies.clear()
                 chosen = rng.choice(enrolled, concurrent, replace=False)
 
                 async def take_part(i: int) -> Participation:
@@ -154,10 +167,11 @@ async def scale(work: Path, enrolled: int, concurrent: int, waves: int) -> dict[
                 results = await asyncio.gather(*(take_part(int(i)) for i in chosen))
                 for p in results:
                     outcomes[p.status] = outcomes.get(p.status, 0) + 1
-                wave_latencies.append(list(timer.latencies))
+                wave_latencies.append(list(timings.latencies))
         status = await admin.status("scale")
         await admin.aclose()
-        await inner.aclose()
+        for http in https:
+            await http.aclose()
     all_latencies = [x for wave in wave_latencies for x in wave]
     return {
         "enrolled": enrolled,
@@ -166,7 +180,7 @@ async def scale(work: Path, enrolled: int, concurrent: int, waves: int) -> dict[
         "store_seconds": store_seconds,
         "enroll_per_second": enrolled / enroll_seconds,
         "checkins_answered": len(all_latencies),
-        "checkins_failed": timer.failures,
+        "checkins_failed": timings.failures,
         "checkin_p50_ms": float(np.percentile(all_latencies, 50)) * 1000,
         "checkin_p99_ms": float(np.percentile(all_latencies, 99)) * 1000,
         "checkin_max_ms": max(all_latencies) * 1000,
