@@ -41,6 +41,9 @@ CREATE TABLE IF NOT EXISTS local_state (key TEXT PRIMARY KEY, value BLOB NOT NUL
 """
 
 
+_SCHEMA_VERSION = 1
+
+
 class ExampleStoreError(RuntimeError):
     """The store file cannot be opened or read as an example store."""
 
@@ -104,8 +107,10 @@ class ExampleStore:
         self._lock = threading.Lock()
         try:
             conn = self._connection()
-            with conn:
-                conn.executescript(_SCHEMA)
+            # Opening an existing store only reads: the schema is written once, then marked done.
+            if conn.execute("PRAGMA user_version").fetchone()[0] != _SCHEMA_VERSION:
+                with conn:
+                    conn.executescript(_SCHEMA + f"PRAGMA user_version = {_SCHEMA_VERSION};")
         except sqlite3.DatabaseError as e:
             raise ExampleStoreError(f"{self.path} is not a usable example store: {e}") from None
 
