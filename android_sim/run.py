@@ -384,6 +384,7 @@ async def run_async(config: RunConfig, console: Console) -> RunResult:
                 ),
                 FleetOptions(population=name, cooldown_hours=config.cooldown_hours, seed=config.seed),
             )
+            fleet_task: asyncio.Task[None] | None = None
             try:
                 await fleet.enroll()
                 fleet_task = asyncio.create_task(fleet.run())
@@ -407,6 +408,9 @@ async def run_async(config: RunConfig, console: Console) -> RunResult:
                 )
             finally:
                 fleet.stop()
+                if fleet_task is not None:
+                    # Let every device finish its request before the connections close.
+                    await asyncio.gather(fleet_task, return_exceptions=True)
                 await fleet.aclose()
                 await admin.aclose()
     return _write_report(config, data, model, fleet, status, rounds, final, recommendations, started, console)
