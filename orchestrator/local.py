@@ -15,7 +15,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import IO
+from typing import IO, Self
 
 import httpx
 
@@ -47,7 +47,7 @@ class LocalOrchestrator:
         self.process: subprocess.Popen[bytes] | None = None
         self._log: IO[bytes] | None = None
 
-    def start(self, timeout_seconds: float = 60.0) -> LocalOrchestrator:
+    def start(self, timeout_seconds: float = 60.0) -> Self:
         env = {
             **os.environ,
             "ORCHESTRATOR_ADMIN_TOKEN": self.admin_token,
@@ -96,7 +96,7 @@ class LocalOrchestrator:
             self._log.close()
             self._log = None
 
-    def __enter__(self) -> LocalOrchestrator:
+    def __enter__(self) -> Self:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

@@ -5,11 +5,6 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
-import signal
-import socket
-import subprocess
-import sys
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -20,9 +15,10 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from model_export.config import ModelConfig
 from orchestrator.db import make_engine
+from orchestrator.local import LocalOrchestrator
 from orchestrator.migrate import migrate
 from orchestrator.populations import ExportedModel, create_population
-from tests.conftest import BIASED, ROOT
+from tests.conftest import BIASED
 
 ADMIN_TOKEN = "test-admin-token"
 
@@ -74,61 +70,13 @@ def make_population(
     return "p"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class Server:
-    """`python -m orchestrator serve` in its own process, as an operator would run it."""
+class Server(LocalOrchestrator):
+    """`python -m orchestrator serve` in its own process with the tests' admin token; `database` is
+    an SQLite file or a database URL."""
 
     def __init__(self, database: Path | str, port: int | None = None) -> None:
-        self.database = database
-        self.database_url = database if isinstance(database, str) else f"sqlite:///{database}"
-        self.port = port or free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.process: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> Server:
-        env = {
-            **os.environ,
-            "ORCHESTRATOR_ADMIN_TOKEN": ADMIN_TOKEN,
-            "ORCHESTRATOR_DATABASE_URL": self.database_url,
-            "ORCHESTRATOR_TICK_SECONDS": "0.2",
-        }
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "orchestrator", "serve", "--port", str(self.port)],
-            cwd=ROOT,
-            env=env,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-        )
-        deadline = time.time() + 60
-        while time.time() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(
-                    f"server exited: {self.process.stderr.read().decode() if self.process.stderr else ''}"
-                )
-            with contextlib.suppress(httpx.TransportError):
-                if httpx.get(f"{self.url}/openapi.json", timeout=1).status_code == 200:
-                    return self
-            time.sleep(0.1)
-        raise RuntimeError("server did not start within 60 s")
-
-    def kill(self) -> None:
-        """SIGKILL: no shutdown hooks, no flush; what a power cut does."""
-        if self.process and self.process.poll() is None:
-            self.process.send_signal(signal.SIGKILL)
-            self.process.wait(timeout=30)
-
-    def stop(self) -> None:
-        if self.process and self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.kill()
+        url = database if isinstance(database, str) else f"sqlite:///{database}"
+        super().__init__(url, ADMIN_TOKEN, port=port, tick_seconds=0.2)
 
 
 @pytest.fixture(params=BACKENDS)

@@ -15,8 +15,9 @@ import pytest
 
 from device_runtime.orchestrator_client import OrchestratorClient, ProtocolError, ServerUnavailable
 from model_export.config import ModelConfig
+from orchestrator.local import free_port
 from tests.conftest import BIASED, ROOT
-from tests.orchestrator.conftest import ADMIN_TOKEN, Server, admin_create_population, free_port
+from tests.orchestrator.conftest import ADMIN_TOKEN, Server, admin_create_population
 
 
 def enroll(url: str) -> str:
