@@ -26,7 +26,8 @@ class Connector:
         """(a transport for one device, whether the device owns it and must close it)."""
         if self._shared is not None:
             return self._shared, False
-        limits = httpx.Limits(max_connections=1, max_keepalive_connections=1)
+        # Idle connections are dropped before uvicorn's 5 s keep-alive timeout closes them under us.
+        limits = httpx.Limits(max_connections=1, max_keepalive_connections=1, keepalive_expiry=4.0)
         return httpx.AsyncHTTPTransport(verify=self._ssl, limits=limits), True
 
     async def aclose(self) -> None:
