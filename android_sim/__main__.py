@@ -19,6 +19,7 @@ def _run_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
         help="export, start (or use) an orchestrator, run a fleet for some rounds, evaluate, report",
         description="Run a simulated fleet against the orchestrator's HTTP API and write a run report "
         "(report.json, metrics.png, funnel.png) into the work directory.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     run.add_argument(
         "--data", choices=("expressions", "movielens"), default=d.data, help="default: %(default)s"
