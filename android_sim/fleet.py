@@ -31,6 +31,16 @@ from device_runtime.task_runner import TaskRunner
 TRAINING, HELD_OUT = "training", "held-out"
 
 
+@dataclass(frozen=True)
+class DeviceSpec:
+    """What the fleet needs to know to run a device."""
+
+    role: str  # TRAINING devices train; HELD_OUT devices only evaluate (ReconEval)
+    profile: DeviceProfile
+    store_path: Path
+    num_examples: int
+
+
 @dataclass
 class SimDevice:
     index: int
@@ -87,13 +97,12 @@ class Fleet:
         self,
         base_url: str,
         connector: Connector,
-        devices: Sequence[tuple[str, DeviceProfile, Path, int]],
+        devices: Sequence[DeviceSpec],
         cache_dir: Path,
         runner: TaskRunner,
         clock: SimClock,
         options: FleetOptions,
     ) -> None:
-        """`devices`: (role, profile, store path, example count) per device."""
         self.base_url = base_url
         self.connector = connector
         self.cache_dir = cache_dir
@@ -102,16 +111,18 @@ class Fleet:
         self.options = options
         self.stats = FleetStats()
         self._rng = random.Random(options.seed)
-        self.devices = [self._device(i, *d) for i, d in enumerate(devices)]
+        self.devices = [self._device(i, d) for i, d in enumerate(devices)]
         self._stop = {TRAINING: asyncio.Event(), HELD_OUT: asyncio.Event()}
 
-    def _device(self, index: int, role: str, profile: DeviceProfile, path: Path, count: int) -> SimDevice:
-        device_class = profile.device_class
+    def _device(self, index: int, spec: DeviceSpec) -> SimDevice:
+        device_class = spec.profile.device_class
         inner, owned = self.connector.transport()
         link = SimulatedLink(inner, device_class.bandwidth_mbps, device_class.latency_ms, owns_inner=owned)
         http = httpx.AsyncClient(transport=link, base_url=self.base_url, timeout=60.0)
         client = OrchestratorClient(self.base_url, http=http, attempts=6, backoff_seconds=0.2)
-        return SimDevice(index, role, profile, path, count, link, http, client)
+        return SimDevice(
+            index, spec.role, spec.profile, spec.store_path, spec.num_examples, link, http, client
+        )
 
     async def enroll(self, concurrency: int = 32) -> None:
         limit = asyncio.Semaphore(concurrency)

@@ -29,7 +29,7 @@ from android_sim import report
 from android_sim.admin import AdminClient, AdminError
 from android_sim.device_data import DeviceData, FleetData, expression_fleet, movielens_fleet
 from android_sim.expressions import SyntheticConfig
-from android_sim.fleet import HELD_OUT, TRAINING, Fleet, FleetOptions, write_store
+from android_sim.fleet import HELD_OUT, TRAINING, DeviceSpec, Fleet, FleetOptions, write_store
 from android_sim.network import Connector
 from android_sim.profiles import DEFAULT_MIX, DeviceClass, SimClock, draw_profiles
 from android_sim.recommendations import HitRates, held_out_hit_rates, top_k_table
@@ -186,7 +186,7 @@ def export(config: ModelConfig, out: Path) -> Path:
 
 @dataclass(frozen=True)
 class Devices:
-    entries: list[tuple[str, Any, Path, int]]  # (role, profile, store path, examples) for Fleet
+    specs: list[DeviceSpec]
     future: dict[int, np.ndarray]  # held-out device index -> items it shares next
 
 
@@ -197,7 +197,7 @@ def prepare_devices(config: RunConfig, data: FleetData, model: ModelConfig, stor
         rng.permutation(len(data.devices))[: round(config.held_out_fraction * len(data.devices))].tolist()
     )
     profiles = draw_profiles(len(data.devices), config.device_mix, rng)
-    entries: list[tuple[str, Any, Path, int]] = []
+    specs: list[DeviceSpec] = []
     future: dict[int, np.ndarray] = {}
     for i, device in enumerate(data.devices):
         stored: DeviceData = device
@@ -205,8 +205,8 @@ def prepare_devices(config: RunConfig, data: FleetData, model: ModelConfig, stor
             stored, future[i] = device.split_future(1)
         path = store_dir / f"device-{i:05d}.sqlite"
         write_store(path, stored, model.num_items, model.label_range)
-        entries.append((HELD_OUT if i in held_out else TRAINING, profiles[i], path, len(stored)))
-    return Devices(entries, future)
+        specs.append(DeviceSpec(HELD_OUT if i in held_out else TRAINING, profiles[i], path, len(stored)))
+    return Devices(specs, future)
 
 
 @contextlib.asynccontextmanager
@@ -356,8 +356,8 @@ async def run_async(config: RunConfig, console: Console) -> RunResult:
         f"sha256 {manifest.model_sha256[:12]}... ({time.monotonic() - t0:.1f} s)"
     )
     devices = await asyncio.to_thread(prepare_devices, config, data, model, work / "devices")
-    held_out = sum(1 for role, *_ in devices.entries if role == HELD_OUT)
-    console.print(f"fleet: {len(devices.entries) - held_out} training devices, {held_out} held-out devices")
+    held_out = sum(1 for spec in devices.specs if spec.role == HELD_OUT)
+    console.print(f"fleet: {len(devices.specs) - held_out} training devices, {held_out} held-out devices")
     name = config.population or f"{config.data}-{manifest.model_sha256[:8]}"
     async with orchestrator(config, work, console) as (url, token, connector):
         admin = AdminClient(url, token, transport=connector.transport()[0])
@@ -376,7 +376,7 @@ async def run_async(config: RunConfig, console: Console) -> RunResult:
             fleet = Fleet(
                 url,
                 connector,
-                devices.entries,
+                devices.specs,
                 work / "model-cache",
                 runner,
                 SimClock(
