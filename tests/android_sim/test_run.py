@@ -8,6 +8,7 @@ import shutil
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -115,6 +116,9 @@ def test_the_fleet_waits_for_an_orchestrator_that_restarts(work: Path) -> None:
     try:
         config = small(work, orchestrator_url=server.url, admin_token="restart-token", rounds=4)
         result = asyncio.run(run_async(config, Console(width=120)))
+        watcher.join()
+        # A second run against the same orchestrator reuses the population and goes on from there.
+        again = asyncio.run(run_async(replace(config, rounds=1), Console(width=120)))
     finally:
         watcher.join()
         server.stop()
@@ -122,6 +126,8 @@ def test_the_fleet_waits_for_an_orchestrator_that_restarts(work: Path) -> None:
     assert restarted.is_set()
     assert result.rounds_committed >= 4
     reconcile(result)
+    assert again.summary["population"]["name"] == result.summary["population"]["name"]
+    assert again.summary["population"]["current_version"] > result.summary["population"]["current_version"]
 
 
 def test_the_in_process_transport_runs_the_same_device_code(work: Path) -> None:
