@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from device_runtime.example_store import ExampleStore, Selection
-from device_runtime.model import DeviceModel, EvaluationSums, Update
+from device_runtime.model import DeviceModel, EvaluationSums, RowUpdate, Update
 from device_runtime.task_batches import Examples, TaskBatches, split_batches
 from model_export.manifest import Manifest
 from model_export.params import Params, ParamsError
@@ -126,10 +126,14 @@ def select_examples(store: ExampleStore, manifest: Manifest, config: TaskConfig)
     known = (examples.item_ids >= 0) & (examples.item_ids < manifest.num_items)
     outside = int(len(examples) - known.sum())
     examples = examples[known]
-    if config.shuffle_seed is not None and len(examples):
-        order = np.random.default_rng(config.shuffle_seed).permutation(len(examples))
-        examples = examples[order]
+    if config.shuffle_seed is not None:
+        examples = shuffled(examples, config.shuffle_seed)
     return examples, outside
+
+
+def shuffled(examples: Examples, seed: int) -> Examples:
+    """The examples in an order fixed by `seed` (the protocol's per-user shuffle)."""
+    return examples[np.random.default_rng(seed).permutation(len(examples))]
 
 
 def add_negatives(
@@ -178,11 +182,12 @@ def num_steps(num_batches: int, max_epochs: int, max_steps: int) -> int:
 _SATURATED = 1e30
 
 
-def diverged(update: Update) -> bool:
+def diverged(update: Update | RowUpdate) -> bool:
     return not (math.isfinite(update.loss) and update.max_abs_change < _SATURATED)
 
 
-def _reconstruct(model: DeviceModel, support: TaskBatches, config: TaskConfig) -> float:
+def reconstruct_locals(model: DeviceModel, support: TaskBatches, config: TaskConfig) -> float:
+    """Fresh local parameters fitted on the support batches, globals frozen; the mean batch loss."""
     model.reset_local()
     steps = num_steps(support.num_batches, config.reconstruction_max_epochs, config.reconstruction_max_steps)
     return model.reconstruct(support, steps, config.reconstruction_learning_rate, config.l2_local)
@@ -223,7 +228,7 @@ def run_training_task(
         data, support, query = started
         if not should_continue():
             return TaskResult(Outcome.INTERRUPTED, message="conditions changed before reconstruction")
-        reconstruction_loss = _reconstruct(model, support, config)
+        reconstruction_loss = reconstruct_locals(model, support, config)
         before = model.evaluate(query)
         if not should_continue():
             return TaskResult(Outcome.INTERRUPTED, message="conditions changed before the update")
@@ -270,7 +275,7 @@ def run_evaluation_task(
         if isinstance(started, TaskResult):
             return started
         _, support, query = started
-        _reconstruct(model, support, config)
+        reconstruct_locals(model, support, config)
         sums: EvaluationSums = model.evaluate(query)
         return TaskResult(Outcome.COMPLETED, num_examples=query.num_examples, metrics=sums.as_dict())
     except (ParamsError, ValueError, RuntimeError) as e:

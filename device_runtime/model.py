@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import mmap
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,10 +37,39 @@ class EvaluationSums:
             "weight_sum": self.weight_sum,
         }
 
+    def __add__(self, other: EvaluationSums) -> EvaluationSums:
+        return EvaluationSums(
+            self.loss_sum + other.loss_sum,
+            self.squared_error_sum + other.squared_error_sum,
+            self.correct_sum + other.correct_sum,
+            self.weight_sum + other.weight_sum,
+        )
+
+    def metrics(self) -> dict[str, float]:
+        """Example-weighted loss, RMSE and accuracy over everything summed; NaN when empty."""
+        if self.weight_sum <= 0:
+            return {"loss": math.nan, "rmse": math.nan, "accuracy": math.nan, "examples": 0.0}
+        return {
+            "loss": self.loss_sum / self.weight_sum,
+            "rmse": math.sqrt(self.squared_error_sum / self.weight_sum),
+            "accuracy": self.correct_sum / self.weight_sum,
+            "examples": self.weight_sum,
+        }
+
 
 @dataclass(frozen=True)
 class Update:
     delta: Params  # dense, one tensor per global parameter
+    loss: float  # mean batch loss over the steps
+    max_abs_change: float  # over every changed value; inf/NaN if any was non-finite
+
+
+@dataclass(frozen=True)
+class RowUpdate:
+    """An update as the task's rows: what a server that aggregates sparse deltas needs."""
+
+    item_ids: np.ndarray  # the task's distinct items, increasing
+    delta: Params  # per-item tensors: one row per entry of `item_ids`; the other globals whole
     loss: float  # mean batch loss over the steps
     max_abs_change: float  # over every changed value; inf/NaN if any was non-finite
 
@@ -173,6 +203,38 @@ class DeviceModel:
         )
         return float(out["loss"])
 
+    def update_rows(
+        self,
+        batches: TaskBatches,
+        num_steps: int,
+        learning_rate: float,
+        *,
+        local_learning_rate: float = 0.0,
+        l2_global: float = 0.0,
+        l2_local: float = 0.0,
+    ) -> RowUpdate:
+        """Train the global parameters on `batches`; returns the change of the task's rows."""
+        out = self._call(
+            "update",
+            **batches.inputs(),
+            **self._task_globals(batches),
+            num_steps=np.int32(num_steps),
+            learning_rate=np.float32(learning_rate),
+            local_learning_rate=np.float32(local_learning_rate),
+            l2_global=np.float32(l2_global),
+            l2_local=np.float32(l2_local),
+        )
+        delta: Params = {}
+        max_abs = 0.0
+        for spec in self.manifest.global_params:
+            compact = out[f"{spec.name}_delta"]
+            if spec.name in self._per_item:
+                compact = compact[: batches.num_items]
+            delta[spec.name] = compact.astype(np.float32, copy=True)
+            if compact.size:
+                max_abs = max(max_abs, float(np.max(np.abs(compact))))
+        return RowUpdate(batches.item_ids[: batches.num_items], delta, float(out["loss"]), max_abs)
+
     def update(
         self,
         batches: TaskBatches,
@@ -184,32 +246,23 @@ class DeviceModel:
         l2_local: float = 0.0,
     ) -> Update:
         """Train the global parameters on `batches`; returns the dense delta per global tensor."""
-        out = self._call(
-            "update",
-            **batches.inputs(),
-            **self._task_globals(batches),
-            num_steps=np.int32(num_steps),
-            learning_rate=np.float32(learning_rate),
-            local_learning_rate=np.float32(local_learning_rate),
-            l2_global=np.float32(l2_global),
-            l2_local=np.float32(l2_local),
+        rows = self.update_rows(
+            batches,
+            num_steps,
+            learning_rate,
+            local_learning_rate=local_learning_rate,
+            l2_global=l2_global,
+            l2_local=l2_local,
         )
-        used = batches.item_ids[: batches.num_items]
         delta: Params = {}
-        max_abs = 0.0
         for spec in self.manifest.global_params:
-            compact = out[f"{spec.name}_delta"]
             if spec.name in self._per_item:
-                compact = compact[: batches.num_items]
                 dense = lazy_zeros(spec.shape)
-                dense[used] = compact
+                dense[rows.item_ids] = rows.delta[spec.name]
                 delta[spec.name] = dense
             else:
-                delta[spec.name] = compact.astype(np.float32, copy=True)
-            if compact.size:
-                # Checked on the compact rows: a scan of the dense delta would touch every page.
-                max_abs = max(max_abs, float(np.max(np.abs(compact))))
-        return Update(delta, float(out["loss"]), max_abs)
+                delta[spec.name] = rows.delta[spec.name]
+        return Update(delta, rows.loss, rows.max_abs_change)
 
     def evaluate(self, batches: TaskBatches) -> EvaluationSums:
         out = self._call("evaluate", **batches.inputs(), **self._task_globals(batches))

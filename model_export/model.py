@@ -265,7 +265,8 @@ class FedReconModel(tf.Module):  # type: ignore[misc]
         scores = self._scores(tables, local, global_mean, slots)
         losses = self._example_losses(scores, labels)
         if c.feedback is Feedback.EXPLICIT:
-            correct = tf.cast(tf.abs(scores - labels) < 0.5, tf.float32)
+            # Within 0.5 inclusive, as TFF's RatingAccuracy: the prediction rounds to the rating.
+            correct = tf.cast(tf.abs(scores - labels) <= 0.5, tf.float32)
             squared_error = losses
         else:
             correct = tf.cast(tf.cast(scores > 0.0, tf.float32) == labels, tf.float32)

@@ -127,7 +127,7 @@ class ReferenceModel:
         for items, labels, weights in batches:
             s = self.scores(items)
             if self.feedback == "explicit":
-                correct = np.abs(s - labels) < 0.5
+                correct = np.abs(s - labels) <= 0.5
                 squared = (s - labels) ** 2
             else:
                 correct = (s > 0).astype(np.float64) == labels

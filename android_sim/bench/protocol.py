@@ -1,0 +1,87 @@
+"""The quality benchmark protocol (`../shared/DESIGN.md`): who trains, who is held out, which examples.
+
+- Users are shuffled with seed 42 and split 80/10/10 into train/validation/test users, the
+  same way as TensorFlow Federated's MovieLens tutorial (`np.random.seed(42)` and a shuffle
+  of the user list, then `int(n * 0.8)` and `int(n * 0.9)` cut points).
+- Each user's examples are what a device would select: the newest 300, shuffled with seed
+  42 (`device_runtime.client_task.shuffled`); then batches of the model's batch size, and
+  support/query = alternating batches (`split_support_query`).
+- For methods evaluated on seen users (StandardEval, FURL): each user's ratings ordered by
+  time, the oldest 80% for training, the next 10% for validation, the newest 10% for test.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from android_sim.bench.federated import SupportQuery, TimeSplit
+from android_sim.movielens import Ratings
+from device_runtime.client_task import TaskConfig, shuffled, split_support_query
+from device_runtime.task_batches import Examples, TaskBatches, split_batches
+from model_export.manifest import Manifest
+
+PROTOCOL_SEED = 42
+MAX_EXAMPLES = 300
+
+
+@dataclass(frozen=True)
+class UserSplit:
+    train: list[int]  # user indices
+    validation: list[int]
+    test: list[int]
+
+
+def split_users(num_users: int, seed: int = PROTOCOL_SEED) -> UserSplit:
+    """80/10/10 train/validation/test users, shuffled with `seed` as TFF's tutorial does."""
+    order = np.random.RandomState(seed).permutation(num_users)
+    train_end, validation_end = int(num_users * 0.8), int(num_users * 0.9)
+    users = order.tolist()
+    return UserSplit(users[:train_end], users[train_end:validation_end], users[validation_end:])
+
+
+def user_examples(ratings: Ratings, labels: np.ndarray | None = None) -> list[Examples]:
+    """Each user's examples, newest first (the order a device's store hands them out)."""
+    values = ratings.rating if labels is None else labels
+    out = []
+    for rows in ratings.by_user():
+        newest_first = rows[np.argsort(-ratings.timestamp[rows], kind="stable")]
+        out.append(Examples(ratings.item[newest_first], values[newest_first]))
+    return out
+
+
+def support_query(examples: Examples, manifest: Manifest, config: TaskConfig) -> SupportQuery:
+    """One user's batches as a device selects and splits them (capped, shuffled, alternating)."""
+    selected = shuffled(examples[: config.max_examples], PROTOCOL_SEED)
+    support, query = split_support_query(selected, manifest, config)
+    every = split_batches(selected, manifest.batch_size)[: manifest.max_batches]
+    return SupportQuery(
+        TaskBatches.pack(support, manifest),
+        TaskBatches.pack(query, manifest),
+        TaskBatches.pack(every, manifest),
+    )
+
+
+def time_split(examples: Examples, manifest: Manifest) -> TimeSplit:
+    """Oldest 80% / next 10% / newest 10% of a user's examples (at least one of each when it has 3);
+    `examples` newest first."""
+    oldest_first = examples[::-1]
+    n = len(oldest_first)
+    held = max(1, round(n * 0.1)) if n >= 3 else 0
+    train_end = n - 2 * held
+    # Training: the newest of the oldest 80% that fit one call, in the device's shuffled order.
+    train = shuffled(oldest_first[max(0, train_end - manifest.max_examples) : train_end], PROTOCOL_SEED)
+    parts = (train, oldest_first[train_end : n - held], oldest_first[n - held :])
+    packed = [
+        TaskBatches.pack(split_batches(part, manifest.batch_size)[: manifest.max_batches], manifest)
+        for part in parts
+    ]
+    return TimeSplit(*packed)
+
+
+def pack_support_query(
+    examples: Sequence[Examples], manifest: Manifest, config: TaskConfig
+) -> list[SupportQuery]:
+    return [support_query(e, manifest, config) for e in examples]
