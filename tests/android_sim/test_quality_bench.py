@@ -1,0 +1,179 @@
+"""The quality benchmark: protocol split, metrics, a short run learning, the command and its report."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from android_sim.bench.federated import Devices, Rounds, recon_eval_work
+from android_sim.bench.protocol import pack_support_query, split_users, time_split
+from android_sim.bench.quality import (
+    METHODS,
+    Dataset,
+    FedReconSettings,
+    ModelCache,
+    load_dataset,
+    protocol_model,
+    run_fedrecon,
+)
+from device_runtime.client_task import TaskConfig
+from device_runtime.model import DeviceModel, EvaluationSums
+from device_runtime.task_batches import Examples, TaskBatches
+from tests.conftest import MOVIELENS_100K, ROOT
+
+
+def _write_ratings(path: Path, users: int = 40, items: int = 30, per_user: int = 24) -> Path:
+    """A small u.data: each user rates `per_user` items, ratings from a rank-1 taste plus noise."""
+    rng = np.random.default_rng(0)
+    taste, quality = rng.normal(size=users), rng.normal(size=items)
+    lines = []
+    for u in range(users):
+        for i in rng.choice(items, size=per_user, replace=False):
+            rating = int(np.clip(np.round(3 + taste[u] * quality[i] + rng.normal(0, 0.3)), 1, 5))
+            lines.append(f"{u + 1}\t{i + 1}\t{rating}\t{1_000_000 + len(lines)}")
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_protocol_split_is_deterministic_disjoint_80_10_10() -> None:
+    first, again, other = split_users(943), split_users(943), split_users(943, seed=0)
+
+    assert (first.train, first.validation, first.test) == (again.train, again.validation, again.test)
+    assert (len(first.train), len(first.validation), len(first.test)) == (754, 94, 95)
+    everyone = first.train + first.validation + first.test
+    assert sorted(everyone) == list(range(943))
+    assert first.train != other.train
+
+
+def test_users_batches_follow_the_protocol(tmp_path: Path) -> None:
+    data = load_dataset(MOVIELENS_100K)
+    model_dir = ModelCache(tmp_path).get(protocol_model(data.num_items, embedding_dim=4))
+    manifest = DeviceModel(model_dir).manifest
+    heavy = max(range(len(data.examples)), key=lambda u: len(data.examples[u]))
+
+    client = pack_support_query([data.examples[heavy]], manifest, TaskConfig())[0]
+    split = time_split(data.examples[heavy], manifest)
+
+    assert len(data.examples[heavy]) > 300
+    # Capped at 300, batches of 5, alternating: 30 support and 30 query batches.
+    assert (client.support.num_batches, client.query.num_batches) == (30, 30)
+    assert client.support.num_examples + client.query.num_examples == 300
+    n = len(data.examples[heavy])
+    assert split.test.num_examples == split.validation.num_examples == round(n * 0.1)
+    newest = set(data.examples[heavy].item_ids[: split.test.num_examples].tolist())
+    assert set(split.test.item_ids[: split.test.num_items].tolist()) == newest
+
+
+def test_metrics_match_a_hand_computation(tmp_path: Path) -> None:
+    model_dir = ModelCache(tmp_path).get(protocol_model(6, embedding_dim=2, top_k=3))
+    model = DeviceModel(model_dir)
+    items = np.array([[3.5, 0.0], [1.0, 1.0], [4.2, 0.0], [2.0, 2.0], [0.0, 5.0], [1.0, 0.0]], np.float32)
+    model.set_global({"item_embeddings": items})
+    model.set_local({"user_embedding": np.array([1.0, 0.5], np.float32)})
+    examples = Examples(np.array([0, 1, 2, 3, 4, 5, 0]), np.array([4, 2, 5, 3, 3, 1, 3], np.float32))
+    batches = TaskBatches.pack([examples[:5], examples[5:]], model.manifest)
+
+    sums = model.evaluate(batches)
+
+    predictions = items[examples.item_ids] @ np.array([1.0, 0.5])  # 3.5 1.5 4.2 3 2.5 1 3.5
+    errors = predictions - examples.labels
+    assert sums.weight_sum == 7
+    assert sums.metrics()["rmse"] == pytest.approx(math.sqrt(np.mean(errors**2)), rel=1e-6)
+    # Within 0.5 inclusive: 3.5 for a 4 and for a 3 both count, 4.2 for a 5 does not.
+    assert sums.correct_sum == 6
+    assert sums.metrics()["accuracy"] == pytest.approx(6 / 7)
+    assert math.isnan(EvaluationSums(0, 0, 0, 0).metrics()["rmse"])
+
+
+def test_a_short_run_improves_validation_rmse(tmp_path: Path) -> None:
+    full = load_dataset(MOVIELENS_100K)
+    data = Dataset("100 users", full.num_items, full.examples[:100])
+    split = split_users(len(data.examples))
+    settings = FedReconSettings(model={"embedding_dim": 8, "item_bias": True, "global_mean": True})
+
+    result = run_fedrecon(data, split, settings, Rounds(8, 20, evaluate_every=4), ModelCache(tmp_path), 2)
+
+    rmse = [point["rmse"] for point in result.curve]
+    assert [point["round"] for point in result.curve] == [0, 4, 8]
+    assert rmse[-1] < rmse[0] - 0.2
+    assert result.test["users"] == len(split.test) and result.test["examples"] > 0
+
+
+def test_threads_give_the_same_metrics_as_one(tmp_path: Path) -> None:
+    data = load_dataset(_write_ratings(tmp_path / "u.data"))
+    model_dir = ModelCache(tmp_path / "models").get(protocol_model(data.num_items, embedding_dim=4))
+    sums = []
+    for workers in (1, 2):
+        with Devices(model_dir, workers) as devices:
+            clients = pack_support_query(data.examples, devices.manifest, TaskConfig())
+            devices.set_global(DeviceModel(model_dir).get_global())
+            sums.append(devices.evaluate(recon_eval_work(clients, TaskConfig()), list(range(40))))
+
+    assert sums[0] == sums[1]
+
+
+def _bench(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "android_sim.bench", "quality", *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=600,
+    )
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--ratings", "/nonexistent/u.data"], "error: ratings file not found"),
+        (["--methods", "fedrecon,telepathy"], "error: unknown methods ['telepathy']"),
+    ],
+)
+def test_cli_user_errors_are_one_line_and_exit_2(args: list[str], message: str) -> None:
+    result = _bench(*args)
+
+    assert result.returncode == 2
+    assert result.stderr.startswith(message)
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_cli_unknown_format_is_a_user_error(tmp_path: Path) -> None:
+    path = tmp_path / "ratings.csv"
+    path.write_text("userId,movieId,rating,timestamp\n1,2,3.5,4\n")
+
+    result = _bench("--ratings", str(path))
+
+    assert result.returncode == 2
+    assert "unknown ratings format" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_cli_writes_every_method_to_json_and_a_plot(tmp_path: Path) -> None:
+    ratings = _write_ratings(tmp_path / "u.data")
+    out = tmp_path / "out"
+
+    result = _bench(
+        "--ratings", str(ratings), "--out", str(out), "--models-dir", str(tmp_path / "models"),
+        "--rounds", "3", "--clients-per-round", "8", "--evaluate-every", "1",
+        "--centralized-epochs", "2", "--split-seeds", "0,1",
+    )  # fmt: skip
+
+    assert result.returncode == 0, result.stderr
+    report = json.loads((out / "quality.json").read_text())
+    federated = [m for m in METHODS if m not in ("better_seeds", "kr_ablation")]
+    assert sorted(report["methods"]) == sorted(federated)
+    for name in federated:
+        test = report["methods"][name]["test"]
+        assert 0 < test["rmse"] < 5 and 0 <= test["accuracy"] <= 1, name
+        assert report["methods"][name]["validation_curve"], name
+    assert [r["split_seed"] for r in report["better_split_seeds"]["runs"]] == [0, 1]
+    assert [r["k_r"] for r in report["kr_ablation"]["runs"]] == [0, 1, 2, 5, 10]
+    assert report["targets"]["protocol_run"] is False
+    assert (out / "learning_curves.png").stat().st_size > 10_000
+    assert "fedrecon" in result.stdout and "test RMSE" in result.stdout
