@@ -229,25 +229,33 @@ def train_federated(
 # ---- client work of each method -----------------------------------------------------------
 
 
+def fedrecon_task(
+    model: DeviceModel,
+    params: Params,
+    support: TaskBatches,
+    query: TaskBatches,
+    config: TaskConfig,
+    per_item: frozenset[str],
+) -> Report:
+    """FedRecon's client task (Algorithm 1): fresh locals fitted on support, globals trained on query."""
+    reconstruct_locals(model, support, config)
+    steps = num_steps(query.num_batches, config.update_max_epochs, config.update_max_steps)
+    update = model.update_rows(
+        query, steps, config.update_learning_rate, l2_global=config.l2_global, l2_local=config.l2_local
+    )
+    if diverged(update):
+        return None
+    return sparse_delta(update, shapes(params), per_item), float(query.num_examples)
+
+
 def fedrecon_work(
     clients: Sequence[SupportQuery], config: TaskConfig, per_item: frozenset[str]
 ) -> ClientWork:
-    """FedRecon (Algorithm 1): fresh locals fitted on support, globals trained on query."""
+    """FedRecon on users whose batches were packed once."""
 
     def work(model: DeviceModel, params: Params, user: int) -> Report:
         client = clients[user]
-        reconstruct_locals(model, client.support, config)
-        steps = num_steps(client.query.num_batches, config.update_max_epochs, config.update_max_steps)
-        update = model.update_rows(
-            client.query,
-            steps,
-            config.update_learning_rate,
-            l2_global=config.l2_global,
-            l2_local=config.l2_local,
-        )
-        if diverged(update):
-            return None
-        return sparse_delta(update, shapes(params), per_item), float(client.query.num_examples)
+        return fedrecon_task(model, params, client.support, client.query, config, per_item)
 
     return work
 

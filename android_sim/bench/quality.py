@@ -32,7 +32,10 @@ from android_sim.bench.federated import (
     shared_locals_eval_work,
     train_federated,
 )
+from android_sim.bench.implicit import implicit_model, movielens_shares, run_implicit
 from android_sim.bench.protocol import UserSplit, pack_support_query, split_users, time_split, user_examples
+from android_sim.device_data import expression_fleet
+from android_sim.expressions import SyntheticConfig
 from android_sim.movielens import load_ratings
 from device_runtime.client_task import TaskConfig, diverged, num_steps
 from device_runtime.model import DeviceModel
@@ -381,6 +384,8 @@ METHODS = (
     "centralized_standard_eval",
     "furl",
     "kr_ablation",
+    "implicit_movielens",
+    "implicit_expressions",
 )
 ABLATION_STEPS = (0, 1, 2, 5, 10)
 SPLIT_SEEDS = (0, 1, 2, 3, 4)
@@ -488,6 +493,22 @@ def run_quality(options: QualityOptions, log: Callable[[str], None] = print) -> 
         }
     if "kr_ablation" in chosen:
         report["kr_ablation"] = run_ablation(data, split, options, models, log)
+    for source in ("movielens", "expressions"):
+        if f"implicit_{source}" in chosen:
+            fleet = (
+                movielens_shares(options.ratings)
+                if source == "movielens"
+                else expression_fleet(SyntheticConfig())
+            )
+            model_dir = models.get(implicit_model(fleet.num_items))
+            found = run_implicit(source, fleet, rounds, model_dir, workers)
+            mine, popular, lift = found["fedrecon"], found["global_popularity"], found["lift"]
+            log(
+                f"implicit {source:<19} HR@10 {mine['hit_rate@10']:.2%} vs {popular['hit_rate@10']:.2%} "
+                f"global popularity ({lift['hit_rate@10']:+.1%}); NDCG@10 {mine['ndcg@10']:.4f} vs "
+                f"{popular['ndcg@10']:.4f} ({lift['ndcg@10']:+.1%}); {found['devices_scored']} devices"
+            )
+            report.setdefault("implicit", {})[source] = found
     report["targets"] = check_targets(report, results)
     report["seconds"] = round(time.perf_counter() - started, 1)
     report["methods"] = {name: r.to_json() for name, r in results.items()}
@@ -570,7 +591,8 @@ def plot_curves(path: Path, results: Sequence[MethodResult]) -> None:
     for ax, metric in zip(axes, ("RMSE", "accuracy"), strict=True):
         ax.set_xlabel("round (centralized: epoch)")
         ax.set_ylabel(f"validation {metric}")
-        ax.legend(fontsize=8)
+        if ax.lines:
+            ax.legend(fontsize=8)
     axes[0].set_ylim(0.85, 1.4)
     fig.suptitle("validation users by round (ReconEval; StandardEval for seen-user methods)")
     fig.savefig(path, dpi=110)

@@ -32,7 +32,7 @@ def _write_ratings(path: Path, users: int = 40, items: int = 30, per_user: int =
     """A small u.data: each user rates `per_user` items, ratings from a rank-1 taste plus noise."""
     rng = np.random.default_rng(0)
     taste, quality = rng.normal(size=users), rng.normal(size=items)
-    lines = []
+    lines: list[str] = []
     for u in range(users):
         for i in rng.choice(items, size=per_user, replace=False):
             rating = int(np.clip(np.round(3 + taste[u] * quality[i] + rng.normal(0, 0.3)), 1, 5))

@@ -1,0 +1,226 @@
+"""Implicit feedback (expressions): does FedRecon's personalized top-10 beat the global top-10?
+
+Two data sets: MovieLens as shares (a rating >= 4 is a share; nothing else is known) and the
+synthetic expression data (`android_sim.expressions`). Users are split 80/10/10 as in the
+explicit protocol. Training devices hold their shares; each time a device takes part it
+samples 4 non-shared items per share as negatives (`add_negatives`, as a device does), and
+runs FedRecon's task with the logistic loss. Held-out (test) devices keep their newest share
+aside; after training each one builds its store, reconstructs and ranks the catalog with the
+device `Recommender`, and we score the kept share: hit rate@10 and NDCG@10, against the
+global popularity top-10 (the items most shared on the training devices). MovieLens devices
+never get an item they already have recommended (a movie is watched once), expression devices
+do (expressions are re-shared); the popularity list follows the same rule.
+"""
+
+from __future__ import annotations
+
+import math
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from android_sim.bench.federated import (
+    ClientWork,
+    Devices,
+    Report,
+    Rounds,
+    Server,
+    SupportQuery,
+    fedrecon_task,
+    per_item_names,
+    recon_eval_work,
+    train_federated,
+)
+from android_sim.bench.protocol import PROTOCOL_SEED, split_users
+from android_sim.device_data import DeviceData, FleetData, movielens_fleet
+from android_sim.fleet import write_store
+from device_runtime.client_task import TaskConfig, add_negatives, shuffled, split_support_query
+from device_runtime.example_store import ExampleStore
+from device_runtime.model import DeviceModel
+from device_runtime.recommender import Recommender
+from device_runtime.task_batches import Examples, TaskBatches
+from model_export.config import Feedback, ModelConfig
+from model_export.manifest import Manifest
+from model_export.params import Params
+from orchestrator.aggregation import ServerOptimizerConfig
+
+K = 10
+SHARE_RATING = 4.0
+
+
+def movielens_shares(path: Path) -> FleetData:
+    """MovieLens as implicit feedback: each rating >= 4 is a share; users without one are dropped."""
+    ratings = movielens_fleet(path)
+    devices = []
+    for device in ratings.devices:
+        shared = device.labels >= SHARE_RATING
+        if shared.any():
+            devices.append(
+                DeviceData(
+                    device.item_ids[shared], np.ones(int(shared.sum()), np.float32), device.timestamps[shared]
+                )
+            )
+    return FleetData(
+        source=f"{ratings.source}, ratings >= 4 as shares",
+        feedback=Feedback.IMPLICIT,
+        num_items=ratings.num_items,
+        item_labels=ratings.item_labels,
+        devices=devices,
+        label_mean=1.0,
+    )
+
+
+def implicit_model(num_items: int) -> ModelConfig:
+    """Dimension 50, batch size 5, logistic loss, item biases (they learn popularity)."""
+    return ModelConfig(
+        num_items=num_items,
+        embedding_dim=50,
+        batch_size=5,
+        max_batches=60,
+        top_k=min(100, num_items),
+        feedback=Feedback.IMPLICIT,
+        item_bias=True,
+    )
+
+
+def _newest_first(device: DeviceData) -> Examples:
+    return Examples(device.item_ids[::-1], device.labels[::-1])
+
+
+def _with_negatives(
+    examples: Examples, manifest: Manifest, config: TaskConfig, rng: np.random.Generator
+) -> Examples:
+    selected = shuffled(examples[: config.max_examples], PROTOCOL_SEED)
+    return add_negatives(selected, manifest.num_items, config.negatives_per_positive, rng)
+
+
+def implicit_work(
+    histories: Sequence[Examples], config: TaskConfig, manifest: Manifest, seed: int
+) -> ClientWork:
+    """FedRecon's task on a device's shares plus negatives sampled anew at each participation."""
+    per_item = per_item_names(manifest)
+    participations: dict[int, int] = {}  # a user is in at most one task at a time
+
+    def work(model: DeviceModel, params: Params, user: int) -> Report:
+        count = participations.get(user, 0)
+        participations[user] = count + 1
+        rng = np.random.default_rng((seed, user, count))
+        examples = _with_negatives(histories[user], manifest, config, rng)
+        support, query = split_support_query(examples, manifest, config)
+        return fedrecon_task(
+            model,
+            params,
+            TaskBatches.pack(support, manifest),
+            TaskBatches.pack(query, manifest),
+            config,
+            per_item,
+        )
+
+    return work
+
+
+@dataclass(frozen=True)
+class TopK:
+    hit_rate: float
+    ndcg: float
+
+    def to_json(self) -> dict[str, float]:
+        return {f"hit_rate@{K}": self.hit_rate, f"ndcg@{K}": self.ndcg}
+
+
+def score(ranked: Sequence[np.ndarray], held_out: Sequence[int]) -> TopK:
+    """Hit rate@K and NDCG@K of one held-out item per device (ideal DCG is 1)."""
+    hits, gains = 0, 0.0
+    for items, target in zip(ranked, held_out, strict=True):
+        position = np.flatnonzero(np.asarray(items)[:K] == target)
+        if position.size:
+            hits += 1
+            gains += 1.0 / math.log2(int(position[0]) + 2)
+    n = max(1, len(held_out))
+    return TopK(hits / n, gains / n)
+
+
+def popularity_top(counts: np.ndarray, used: np.ndarray | None) -> np.ndarray:
+    scores = counts.astype(np.float64).copy()
+    if used is not None and used.size:
+        scores[used] = -np.inf
+    return np.argsort(-scores, kind="stable")[:K]
+
+
+def run_implicit(
+    name: str,
+    data: FleetData,
+    rounds: Rounds,
+    model_dir: Path,
+    workers: int,
+    config: TaskConfig | None = None,
+) -> dict[str, Any]:
+    """Train FedRecon on the training devices, then score held-out devices' next share."""
+    config = config or TaskConfig()
+    split = split_users(len(data.devices))
+    exclude_used = name.startswith("movielens")
+    with Devices(model_dir, workers) as devices:
+        manifest = devices.manifest
+        histories = [_newest_first(d) for d in data.devices]
+        # Validation devices: a fixed negative sample, so the curve measures the model only.
+        validation = [_validation_client(h, manifest, config, u) for u, h in enumerate(histories)]
+        evaluation = recon_eval_work(validation, config)
+
+        def validate(params: Params) -> dict[str, float]:
+            devices.set_global(params)
+            return devices.evaluate(evaluation, split.validation).metrics()
+
+        server = Server(DeviceModel(model_dir).get_global(), ServerOptimizerConfig("sgd", 1.0))
+        work = implicit_work(histories, config, manifest, rounds.sampling_seed)
+        run = train_federated(devices, server, split.train, work, rounds, validate)
+    started = time.perf_counter()
+    counts = np.bincount(
+        np.concatenate([data.devices[u].item_ids for u in split.train]), minlength=data.num_items
+    )
+    personalized, popular, targets = [], [], []
+    model = DeviceModel(model_dir)
+    with tempfile.TemporaryDirectory(prefix="bench-stores-") as stores:
+        for user in split.test:
+            device = data.devices[user]
+            if len(device) < 2:
+                continue
+            past, future = device.split_future(1)
+            path = Path(stores) / f"device-{user}.sqlite"
+            write_store(path, past, data.num_items, manifest.label_range)
+            with ExampleStore(path) as store:
+                recommender = Recommender(model, store, run.params, config)
+                top = recommender.recommend(K, exclude_used=exclude_used)
+            personalized.append(top.items)
+            popular.append(popularity_top(counts, past.item_ids if exclude_used else None))
+            targets.append(int(future[0]))
+    mine, baseline = score(personalized, targets), score(popular, targets)
+    return {
+        "data": data.source,
+        "users": {"train": len(split.train), "validation": len(split.validation), "test": len(split.test)},
+        "devices_scored": len(targets),
+        "fedrecon": mine.to_json(),
+        "global_popularity": baseline.to_json(),
+        "lift": {
+            f"hit_rate@{K}": _lift(mine.hit_rate, baseline.hit_rate),
+            f"ndcg@{K}": _lift(mine.ndcg, baseline.ndcg),
+        },
+        "validation_curve": run.curve,
+        "seconds": round(run.seconds + time.perf_counter() - started, 1),
+        "task": config.to_json(),
+    }
+
+
+def _lift(mine: float, baseline: float) -> float:
+    return mine / baseline - 1 if baseline > 0 else math.nan
+
+
+def _validation_client(history: Examples, manifest: Manifest, config: TaskConfig, user: int) -> SupportQuery:
+    examples = _with_negatives(history, manifest, config, np.random.default_rng((PROTOCOL_SEED, user)))
+    support, query = split_support_query(examples, manifest, config)
+    empty = TaskBatches.pack([], manifest)
+    return SupportQuery(TaskBatches.pack(support, manifest), TaskBatches.pack(query, manifest), empty)
