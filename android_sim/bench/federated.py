@@ -47,12 +47,10 @@ EvaluationWork = Callable[[DeviceModel, Params, int], EvaluationSums]
 
 @dataclass(frozen=True)
 class SupportQuery:
-    """A user's examples packed once: the protocol's alternating support and query batches, and
-    every batch (for methods that train on all of a user's examples)."""
+    """A user's examples packed once: the protocol's alternating support and query batches."""
 
     support: TaskBatches
     query: TaskBatches
-    every: TaskBatches
 
 
 @dataclass(frozen=True)
@@ -271,17 +269,17 @@ def recon_eval_work(clients: Sequence[SupportQuery], config: TaskConfig) -> Eval
     return work
 
 
-def fedavg_work(clients: Sequence[SupportQuery], config: TaskConfig, per_item: frozenset[str]) -> ClientWork:
+def fedavg_work(examples: Sequence[TaskBatches], config: TaskConfig, per_item: frozenset[str]) -> ClientWork:
     """FedAvg with the user parameters global too: every client starts from the shared user
     vector, trains it jointly with the item parameters on all its examples, and reports both."""
 
     def work(model: DeviceModel, params: Params, user: int) -> Report:
-        client = clients[user]
+        batches = examples[user]
         names = [s.name for s in model.manifest.local_params]
         model.set_local({k: params[k] for k in names})
-        steps = num_steps(client.every.num_batches, config.update_max_epochs, config.update_max_steps)
+        steps = num_steps(batches.num_batches, config.update_max_epochs, config.update_max_steps)
         update = model.update_rows(
-            client.every,
+            batches,
             steps,
             config.update_learning_rate,
             local_learning_rate=config.update_learning_rate,
@@ -293,7 +291,7 @@ def fedavg_work(clients: Sequence[SupportQuery], config: TaskConfig, per_item: f
         trained = model.get_local()
         for k in names:
             delta[k] = whole(trained[k] - params[k])
-        return delta, float(client.every.num_examples)
+        return delta, float(batches.num_examples)
 
     return work
 

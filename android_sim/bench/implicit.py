@@ -222,5 +222,4 @@ def _lift(mine: float, baseline: float) -> float:
 def _validation_client(history: Examples, manifest: Manifest, config: TaskConfig, user: int) -> SupportQuery:
     examples = _with_negatives(history, manifest, config, np.random.default_rng((PROTOCOL_SEED, user)))
     support, query = split_support_query(examples, manifest, config)
-    empty = TaskBatches.pack([], manifest)
-    return SupportQuery(TaskBatches.pack(support, manifest), TaskBatches.pack(query, manifest), empty)
+    return SupportQuery(TaskBatches.pack(support, manifest), TaskBatches.pack(query, manifest))

@@ -52,16 +52,25 @@ def user_examples(ratings: Ratings, labels: np.ndarray | None = None) -> list[Ex
     return out
 
 
+def _selected(examples: Examples, config: TaskConfig) -> Examples:
+    return shuffled(examples[: config.max_examples], PROTOCOL_SEED)
+
+
 def support_query(examples: Examples, manifest: Manifest, config: TaskConfig) -> SupportQuery:
     """One user's batches as a device selects and splits them (capped, shuffled, alternating)."""
-    selected = shuffled(examples[: config.max_examples], PROTOCOL_SEED)
-    support, query = split_support_query(selected, manifest, config)
-    every = split_batches(selected, manifest.batch_size)[: manifest.max_batches]
-    return SupportQuery(
-        TaskBatches.pack(support, manifest),
-        TaskBatches.pack(query, manifest),
-        TaskBatches.pack(every, manifest),
-    )
+    support, query = split_support_query(_selected(examples, config), manifest, config)
+    return SupportQuery(TaskBatches.pack(support, manifest), TaskBatches.pack(query, manifest))
+
+
+def all_batches(examples: Examples, manifest: Manifest, config: TaskConfig) -> TaskBatches:
+    """All of one user's selected examples in one call, for methods that train on everything."""
+    batches = split_batches(_selected(examples, config), manifest.batch_size)
+    if len(batches) > manifest.max_batches:
+        raise ValueError(
+            f"{len(batches)} batches do not fit a model that takes {manifest.max_batches} per call; "
+            "export with max_batches >= max_examples / batch_size"
+        )
+    return TaskBatches.pack(batches, manifest)
 
 
 def time_split(examples: Examples, manifest: Manifest) -> TimeSplit:

@@ -166,7 +166,9 @@ def test_cli_writes_every_method_to_json_and_a_plot(tmp_path: Path) -> None:
 
     assert result.returncode == 0, result.stderr
     report = json.loads((out / "quality.json").read_text())
-    federated = [m for m in METHODS if m not in ("better_seeds", "kr_ablation")]
+    federated = [
+        m for m in METHODS if m not in ("better_seeds", "kr_ablation") and not m.startswith("implicit")
+    ]
     assert sorted(report["methods"]) == sorted(federated)
     for name in federated:
         test = report["methods"][name]["test"]
@@ -174,6 +176,12 @@ def test_cli_writes_every_method_to_json_and_a_plot(tmp_path: Path) -> None:
         assert report["methods"][name]["validation_curve"], name
     assert [r["split_seed"] for r in report["better_split_seeds"]["runs"]] == [0, 1]
     assert [r["k_r"] for r in report["kr_ablation"]["runs"]] == [0, 1, 2, 5, 10]
+    for source in ("movielens", "expressions"):
+        implicit = report["implicit"][source]
+        assert implicit["devices_scored"] > 0, source
+        for ranking in ("fedrecon", "global_popularity"):
+            assert 0 <= implicit[ranking]["hit_rate@10"] <= 1 and 0 <= implicit[ranking]["ndcg@10"] <= 1
+        assert set(implicit["lift"]) == {"hit_rate@10", "ndcg@10"}
     assert report["targets"]["protocol_run"] is False
     assert (out / "learning_curves.png").stat().st_size > 10_000
     assert "fedrecon" in result.stdout and "test RMSE" in result.stdout
