@@ -597,26 +597,32 @@ def check_targets(report: dict[str, Any], results: dict[str, MethodResult]) -> d
 
 
 def plot_curves(path: Path, results: Sequence[MethodResult]) -> None:
-    """Validation RMSE and accuracy by round for the federated methods (centralized: by epoch)."""
+    """Validation RMSE and accuracy: federated methods by round, centralized ones by epoch."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only; never a display
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), constrained_layout=True)
-    for result in results:
-        if not result.curve:
-            continue
-        xs = [point["round"] for point in result.curve]
-        unit = " (epochs)" if result.method.startswith("centralized") else ""
-        for ax, metric in zip(axes, ("rmse", "accuracy"), strict=True):
-            ax.plot(xs, [point[metric] for point in result.curve], marker=".", label=result.method + unit)
-    for ax, metric in zip(axes, ("RMSE", "accuracy"), strict=True):
-        ax.set_xlabel("round (centralized: epoch)")
-        ax.set_ylabel(f"validation {metric}")
-        if ax.lines:
-            ax.legend(fontsize=8)
-    axes[0].set_ylim(0.85, 1.4)
-    fig.suptitle("validation users by round (ReconEval; StandardEval for seen-user methods)")
+    groups = [
+        ("round", [r for r in results if r.curve and not r.method.startswith("centralized")]),
+        ("epoch", [r for r in results if r.curve and r.method.startswith("centralized")]),
+    ]
+    groups = [(unit, members) for unit, members in groups if members] or [("round", [])]
+    fig, axes = plt.subplots(len(groups), 2, figsize=(12, 4.2 * len(groups)), squeeze=False)
+    for row, (unit, members) in zip(axes, groups, strict=True):
+        for result in members:
+            xs = [point["round"] for point in result.curve]
+            for ax, metric in zip(row, ("rmse", "accuracy"), strict=True):
+                # The first point (untrained model) would squash the scale.
+                ax.plot(
+                    xs[1:], [point[metric] for point in result.curve][1:], marker=".", label=result.method
+                )
+        for ax, metric in zip(row, ("RMSE", "accuracy"), strict=True):
+            ax.set_xlabel(unit)
+            ax.set_ylabel(f"validation {metric}")
+            if ax.lines:
+                ax.legend(fontsize=8)
+    fig.suptitle("validation users (ReconEval; seen-user methods: StandardEval)")
+    fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
