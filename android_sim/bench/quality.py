@@ -611,12 +611,11 @@ def plot_curves(path: Path, results: Sequence[MethodResult]) -> None:
     fig, axes = plt.subplots(len(groups), 2, figsize=(12, 4.2 * len(groups)), squeeze=False)
     for row, (unit, members) in zip(axes, groups, strict=True):
         for result in members:
-            xs = [point["round"] for point in result.curve]
+            # Round 0 (the untrained model) would squash the scale.
+            trained = [point for point in result.curve if point["round"] > 0]
+            xs = [point["round"] for point in trained]
             for ax, metric in zip(row, ("rmse", "accuracy"), strict=True):
-                # The first point (untrained model) would squash the scale.
-                ax.plot(
-                    xs[1:], [point[metric] for point in result.curve][1:], marker=".", label=result.method
-                )
+                ax.plot(xs, [point[metric] for point in trained], marker=".", label=result.method)
         for ax, metric in zip(row, ("RMSE", "accuracy"), strict=True):
             ax.set_xlabel(unit)
             ax.set_ylabel(f"validation {metric}")
