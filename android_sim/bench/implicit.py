@@ -36,15 +36,17 @@ from android_sim.bench.federated import (
     recon_eval_work,
     train_federated,
 )
+from android_sim.bench.models import ModelCache
 from android_sim.bench.protocol import PROTOCOL_SEED, split_users
 from android_sim.device_data import DeviceData, FleetData, movielens_fleet
 from android_sim.fleet import write_store
+from android_sim.run import RunConfig, model_config, population_settings
 from device_runtime.client_task import TaskConfig, add_negatives, shuffled, split_support_query
 from device_runtime.example_store import ExampleStore
 from device_runtime.model import DeviceModel
 from device_runtime.recommender import Recommender
 from device_runtime.task_batches import Examples, TaskBatches
-from model_export.config import Feedback, ModelConfig
+from model_export.config import Feedback
 from model_export.manifest import Manifest
 from model_export.params import Params
 from orchestrator.aggregation import ServerOptimizerConfig
@@ -72,19 +74,6 @@ def movielens_shares(path: Path) -> FleetData:
         item_labels=ratings.item_labels,
         devices=devices,
         label_mean=1.0,
-    )
-
-
-def implicit_model(num_items: int) -> ModelConfig:
-    """Dimension 50, batch size 5, logistic loss, item biases (they learn popularity)."""
-    return ModelConfig(
-        num_items=num_items,
-        embedding_dim=50,
-        batch_size=5,
-        max_batches=60,
-        top_k=min(100, num_items),
-        feedback=Feedback.IMPLICIT,
-        item_bias=True,
     )
 
 
@@ -153,16 +142,18 @@ def popularity_top(counts: np.ndarray, used: np.ndarray | None) -> np.ndarray:
 
 
 def run_implicit(
-    name: str,
-    data: FleetData,
-    rounds: Rounds,
-    model_dir: Path,
-    workers: int,
-    config: TaskConfig | None = None,
+    name: str, data: FleetData, rounds: Rounds, models: ModelCache, workers: int
 ) -> dict[str, Any]:
-    """Train FedRecon on the training devices, then score held-out devices' next share."""
-    config = config or TaskConfig()
+    """Train FedRecon on the training devices, then score held-out devices' next share.
+
+    Model, device task and server step are the fleet main job's (`android_sim.run`), tuned
+    there on the synthetic data; as its orchestrator does, devices with fewer than
+    `min_examples` shares do not train."""
+    model_dir = models.get(model_config(data))
+    settings = population_settings(RunConfig(work_dir=Path(".")), data, model_config(data))
+    config = TaskConfig.from_json(settings["task_config"])
     split = split_users(len(data.devices))
+    trainers = [u for u in split.train if len(data.devices[u]) >= config.min_examples]
     exclude_used = name.startswith("movielens")
     with Devices(model_dir, workers) as devices:
         manifest = devices.manifest
@@ -175,9 +166,10 @@ def run_implicit(
             devices.set_global(params)
             return devices.evaluate(evaluation, split.validation).metrics()
 
-        server = Server(DeviceModel(model_dir).get_global(), ServerOptimizerConfig("sgd", 1.0))
+        optimizer = ServerOptimizerConfig.from_json(settings["server_optimizer"])
+        server = Server(DeviceModel(model_dir).get_global(), optimizer)
         work = implicit_work(histories, config, manifest, rounds.sampling_seed)
-        run = train_federated(devices, server, split.train, work, rounds, validate)
+        run = train_federated(devices, server, trainers, work, rounds, validate)
     started = time.perf_counter()
     counts = np.bincount(
         np.concatenate([data.devices[u].item_ids for u in split.train]), minlength=data.num_items
@@ -212,6 +204,8 @@ def run_implicit(
         "validation_curve": run.curve,
         "seconds": round(run.seconds + time.perf_counter() - started, 1),
         "task": config.to_json(),
+        "server": settings["server_optimizer"],
+        "training_devices": len(trainers),
     }
 
 

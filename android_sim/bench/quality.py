@@ -7,7 +7,6 @@ side is the orchestrator's aggregation and server optimizer. `protocol.py` has t
 
 from __future__ import annotations
 
-import hashlib
 import json
 import time
 from collections.abc import Callable, Sequence
@@ -32,7 +31,8 @@ from android_sim.bench.federated import (
     shared_locals_eval_work,
     train_federated,
 )
-from android_sim.bench.implicit import implicit_model, movielens_shares, run_implicit
+from android_sim.bench.implicit import movielens_shares, run_implicit
+from android_sim.bench.models import ModelCache
 from android_sim.bench.protocol import (
     UserSplit,
     all_batches,
@@ -48,8 +48,6 @@ from device_runtime.client_task import TaskConfig, diverged, num_steps
 from device_runtime.model import DeviceModel
 from device_runtime.task_batches import Examples, TaskBatches
 from model_export.config import ModelConfig
-from model_export.in_subprocess import export_in_subprocess
-from model_export.manifest import MANIFEST_FILE
 from model_export.params import Params
 from orchestrator.aggregation import ServerOptimizerConfig
 
@@ -130,20 +128,6 @@ BETTER = FedReconSettings(
         l2_global=0.1,
     ),
 )
-
-
-class ModelCache:
-    """Exports by configuration, reused across runs (an export takes ~10 s)."""
-
-    def __init__(self, root: Path) -> None:
-        self.root = root
-
-    def get(self, config: ModelConfig) -> Path:
-        key = hashlib.sha256(json.dumps(config.to_json(), sort_keys=True).encode()).hexdigest()[:16]
-        model_dir = self.root / key
-        if not (model_dir / MANIFEST_FILE).is_file():  # the exporter writes the manifest last
-            export_in_subprocess(config, model_dir)
-        return model_dir
 
 
 @dataclass(frozen=True)
@@ -523,8 +507,7 @@ def run_quality(options: QualityOptions, log: Callable[[str], None] = print) -> 
                 if source == "movielens"
                 else expression_fleet(SyntheticConfig())
             )
-            model_dir = models.get(implicit_model(fleet.num_items))
-            found = run_implicit(source, fleet, rounds, model_dir, workers)
+            found = run_implicit(source, fleet, rounds, models, workers)
             mine, popular, lift = found["fedrecon"], found["global_popularity"], found["lift"]
             log(
                 f"implicit {source:<19} HR@10 {mine['hit_rate@10']:.2%} vs {popular['hit_rate@10']:.2%} "

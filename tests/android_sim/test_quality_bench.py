@@ -12,12 +12,12 @@ import numpy as np
 import pytest
 
 from android_sim.bench.federated import Devices, Rounds, recon_eval_work
+from android_sim.bench.models import ModelCache
 from android_sim.bench.protocol import pack_support_query, split_users, time_split
 from android_sim.bench.quality import (
     METHODS,
     Dataset,
     FedReconSettings,
-    ModelCache,
     load_dataset,
     protocol_model,
     run_fedrecon,
