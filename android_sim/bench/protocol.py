@@ -24,7 +24,6 @@ from device_runtime.task_batches import Examples, TaskBatches, split_batches
 from model_export.manifest import Manifest
 
 PROTOCOL_SEED = 42
-MAX_EXAMPLES = 300
 
 
 @dataclass(frozen=True)
