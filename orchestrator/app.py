@@ -46,6 +46,7 @@ def create_app(settings: Settings | None = None, clock: Callable[[], float] = ti
         engine = make_engine(settings.database_url)
         app.state.sessionmaker = sessionmaker(engine, expire_on_commit=False)
         app.state.db_inline = engine.dialect.name == "sqlite"
+        app.state.checkin_groups = populations.checkin_groups(app, settings.checkin_group_seconds)
 
         async def ticker() -> None:
             while True:

@@ -23,11 +23,11 @@ def _report(
     factory: sessionmaker[Session], assignment_id: str, token: str, body: bytes, content_type: str, now: float
 ) -> Round | rounds.Refused:
     with factory.begin() as session:
-        device = require_device(session, token)
+        device_id = require_device(session, token)
         population = rounds.population_of_assignment(session, assignment_id)
         if population is None:
             return rounds.Refused(404, f"no assignment {assignment_id!r}")
-        return rounds.report(session, population, assignment_id, device, body, content_type, now)
+        return rounds.report(session, population, assignment_id, device_id, body, content_type, now)
 
 
 @router.post(
@@ -57,22 +57,24 @@ async def report(
             413, f"report of {len(body)} bytes exceeds the limit of {settings.max_report_bytes}"
         )
     content_type = request.headers.get("content-type", "")
-    return _answer(await run_db(request, _report, factory, assignment_id, token, body, content_type, clock()))
+    return _answer(
+        await run_db(request.app, _report, factory, assignment_id, token, body, content_type, clock())
+    )
 
 
 def _abort(
     factory: sessionmaker[Session], assignment_id: str, token: str, now: float
 ) -> Round | rounds.Refused:
     with factory.begin() as session:
-        device = require_device(session, token)
+        device_id = require_device(session, token)
         population = rounds.population_of_assignment(session, assignment_id)
         if population is None:
             return rounds.Refused(404, f"no assignment {assignment_id!r}")
-        return rounds.abort(session, population, assignment_id, device, now)
+        return rounds.abort(session, population, assignment_id, device_id, now)
 
 
 @router.post("/{assignment_id}/abort", response_model=ReportAccepted, summary="Give up an assignment")
 async def abort(
     assignment_id: str, request: Request, token: TokenDep, factory: SessionFactoryDep, clock: ClockDep
 ) -> ReportAccepted:
-    return _answer(await run_db(request, _abort, factory, assignment_id, token, clock()))
+    return _answer(await run_db(request.app, _abort, factory, assignment_id, token, clock()))
