@@ -35,8 +35,11 @@ sys.path.insert(0, str(ROOT))
 
 from model_export.config import ModelConfig  # noqa: E402
 from model_export.in_subprocess import export_in_subprocess  # noqa: E402
-from model_export.params import encode_params  # noqa: E402
-from orchestrator.aggregation import WeightedMean, decode_sparse_delta, encode_sparse_delta  # noqa: E402
+from model_export.params import (  # noqa: E402
+    decode_sparse_delta,
+    encode_sparse_delta,
+)
+from orchestrator.aggregation import WeightedMean  # noqa: E402
 from tests.orchestrator.conftest import Server, admin_create_population  # noqa: E402
 
 NUM_ITEMS, DIM = 3706, 50
@@ -144,7 +147,8 @@ def bench_aggregation(repeats: int) -> dict[str, float]:
 
 def load(url: str, model_dir: Path, args: argparse.Namespace) -> dict[str, object]:
     rng = np.random.default_rng(1)
-    body = encode_params(client_delta(rng), {"num_examples": "150", "metrics": "{}"})
+    # What a device uploads: the rows its task changed (DeviceModel.update, orchestrator_client).
+    body = encode_sparse_delta(client_delta(rng), {"num_examples": "150", "metrics": "{}"})
     results: dict[str, object] = {"report_body_bytes": len(body)}
     client = Load(url, args.concurrency)
     # Check-ins: one big round so that every check-in is accepted and creates an assignment.

@@ -26,8 +26,17 @@ from sqlalchemy import CursorResult, bindparam, func, insert, select, update
 from sqlalchemy.orm import Session, object_session
 
 from model_export.manifest import Manifest
-from model_export.params import ParamsError, check_params, decode_params, encode_params, read_metadata
-from orchestrator.aggregation import WeightedMean, apply_update, decode_sparse_delta, encode_sparse_delta
+from model_export.params import (
+    ParamsError,
+    check_params,
+    check_sparse_delta,
+    decode_params,
+    decode_sparse_delta,
+    encode_params,
+    encode_sparse_delta,
+    read_metadata,
+)
+from orchestrator.aggregation import WeightedMean, apply_update
 from orchestrator.db import Assignment, ModelVersion, Population, Report, Round
 from orchestrator.population_settings import PopulationSettings
 
@@ -412,9 +421,13 @@ def _parse_training_report(
     manifest = population_manifest(population)
     try:
         metadata = read_metadata(body)
-        delta = decode_params(body, manifest.global_params, "report")
+        delta = check_sparse_delta(decode_sparse_delta(body), manifest.global_params, "report")
     except ParamsError as e:
-        return Refused(422, f"{e}; expected a safetensors body with the manifest's global tensors")
+        return Refused(
+            422,
+            f"{e}; a report is the sparse delta of the manifest's global tensors: safetensors with "
+            "'<name>/rows' (int32, increasing), '<name>/values' (float32) and '<name>/shape' (int64) each",
+        )
     try:
         weight = int(metadata["num_examples"])
         raw_metrics = json.loads(metadata.get("metrics", "{}"))
@@ -427,7 +440,7 @@ def _parse_training_report(
             f"num_examples {weight} is outside [{settings.min_examples}, {limit}] "
             f"(the device checked in with {example_count} examples)",
         )
-    norm = math.sqrt(sum(float(np.vdot(v, v)) for v in delta.values()))
+    norm = math.sqrt(sum(float(np.vdot(t.values, t.values)) for t in delta.values()))
     if norm > settings.update_norm_bound:
         return Refused(422, f"update norm {norm:.4g} exceeds the bound {settings.update_norm_bound:.4g}")
     metrics = _check_metrics(raw_metrics)

@@ -7,12 +7,12 @@ from typing import Any
 
 import numpy as np
 import pytest
-from safetensors.numpy import load
+from safetensors.numpy import load, save
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
 from model_export.manifest import Manifest
-from model_export.params import decode_params, encode_params
+from model_export.params import decode_params, decode_sparse_delta, encode_params, encode_sparse_delta
 from orchestrator import rounds
 from orchestrator.db import ModelVersion, Population, Report, Round
 from orchestrator.devices import authenticate, enroll
@@ -82,9 +82,27 @@ def delta_body(
         delta["item_embeddings"][r] = value
     delta["global_mean"][:] = value
     delta.update(overrides)
-    return encode_params(
+    return encode_sparse_delta(
         delta, {"num_examples": str(num_examples), "metrics": json.dumps({"update_loss": value})}
     )
+
+
+def dense_body(model: ExportedModel) -> bytes:
+    """The dense form of a delta, which the protocol no longer takes."""
+    delta = {s.name: np.zeros(s.shape, np.float32) for s in manifest_of(model).global_params}
+    return encode_params(delta, {"num_examples": "10", "metrics": "{}"})
+
+
+def sparse_body(model: ExportedModel, rows: np.ndarray) -> bytes:
+    """A delta written part by part, so that its rows can be anything."""
+    parts: dict[str, np.ndarray] = {}
+    for spec in manifest_of(model).global_params:
+        by_row = (spec.shape[0], *spec.shape[1:]) if spec.shape else (1,)
+        tensor_rows = rows if spec.name == "item_embeddings" else np.arange(0, dtype=np.int32)
+        parts[f"{spec.name}/rows"] = tensor_rows
+        parts[f"{spec.name}/values"] = np.full((len(tensor_rows), *by_row[1:]), 0.1, np.float32)
+        parts[f"{spec.name}/shape"] = np.asarray(spec.shape, np.int64)
+    return save(parts, metadata={"num_examples": "10", "metrics": "{}"})
 
 
 def version_params(
@@ -155,7 +173,7 @@ def test_target_reports_commit_the_weighted_mean(
     assert committed.metrics == {"update_loss": 5.0}
 
 
-def test_reports_are_stored_sparse(db: sessionmaker[Session], biased_model: ExportedModel) -> None:
+def test_reports_travel_and_are_stored_sparse(db: sessionmaker[Session], biased_model: ExportedModel) -> None:
     make_population(db, biased_model, target_reports=5)
     dev = device(db)
     answer = checkin(db, dev)
@@ -165,7 +183,10 @@ def test_reports_are_stored_sparse(db: sessionmaker[Session], biased_model: Expo
 
     with db() as session:
         stored = session.scalars(select(Report)).one()
-    assert stored.delta is not None and len(stored.delta) < len(body) / 10
+    assert stored.delta is not None
+    assert len(body) < len(dense_body(biased_model)) / 10
+    items = decode_sparse_delta(stored.delta)["item_embeddings"]
+    assert items.rows.tolist() == [3, 7] and np.all(items.values == 1.0)
 
 
 def test_deadline_commits_with_enough_reports_and_drops_the_rest(
@@ -209,7 +230,14 @@ def test_deadline_without_enough_reports_abandons_and_keeps_the_model(
         (lambda m: delta_body(m, 1.0, user_embedding=np.zeros(16, np.float32)), "unexpected"),
         (lambda m: delta_body(m, 1e4), "exceeds the bound"),
         (lambda m: delta_body(m, 1.0, num_examples=51), r"outside \[1, 50\]"),
-        (lambda m: encode_params({"item_embeddings": np.zeros((200, 16), np.float32)}), "missing"),
+        (lambda m: encode_sparse_delta({"item_embeddings": np.ones((200, 16), np.float32)}), "missing"),
+        (
+            lambda m: dense_body(m),
+            r"unexpected tensor '\w+'; a report is the sparse delta.*'<name>/rows' \(int32",
+        ),
+        (lambda m: sparse_body(m, rows=np.array([7, 3], np.int32)), "strictly increasing"),
+        (lambda m: sparse_body(m, rows=np.array([3, 200], np.int32)), r"must lie in \[0, 200\)"),
+        (lambda m: sparse_body(m, rows=np.array([3, 7], np.int64)), "rows must be int32"),
     ],
 )
 def test_invalid_reports_are_refused_and_never_change_the_model(
@@ -237,7 +265,7 @@ def test_report_metadata_must_carry_num_examples(
     answer = checkin(db, dev)
     delta = {s.name: np.zeros(s.shape, np.float32) for s in manifest_of(biased_model).global_params}
 
-    refused = report(db, dev, answer.assignment_id, encode_params(delta))
+    refused = report(db, dev, answer.assignment_id, encode_sparse_delta(delta))
 
     assert isinstance(refused, rounds.Refused) and "num_examples" in refused.message
 
