@@ -33,7 +33,6 @@ from model_export.params import (
     decode_params,
     decode_sparse_delta,
     encode_params,
-    encode_sparse_delta,
     read_metadata,
 )
 from orchestrator.aggregation import WeightedMean, apply_update
@@ -48,11 +47,16 @@ MAX_METRICS = 64
 # The statements of check-ins and reports are built once: building and hashing a statement
 # costs several times more than SQLite takes to run it.
 _POPULATION_BY_NAME = select(Population).where(Population.name == bindparam("name")).with_for_update()
-_POPULATION_BY_ID = select(Population).where(Population.id == bindparam("id")).with_for_update()
-_POPULATION_OF_ASSIGNMENT = (
-    select(Round.population_id)
-    .join(Assignment, Assignment.round_id == Round.id)
-    .where(Assignment.id == bindparam("assignment_id"))
+_POPULATIONS_OF_ASSIGNMENTS = (
+    select(Assignment.id, Round.population_id)
+    .join(Round, Assignment.round_id == Round.id)
+    .where(Assignment.id.in_(bindparam("assignment_ids", expanding=True)))
+)
+_POPULATIONS_BY_ID = (
+    select(Population)
+    .where(Population.id.in_(bindparam("ids", expanding=True)))
+    .order_by(Population.id)  # always in the same order, so two servers never deadlock
+    .with_for_update()
 )
 _OPEN_ROUNDS = select(Round).where(Round.population_id == bindparam("population_id"), Round.status == "open")
 _TAKEN = select(Assignment.id, Assignment.round_id, Assignment.device_id, Assignment.status).where(
@@ -132,14 +136,24 @@ def lock_population(session: Session, name: str) -> Population | None:
     return session.scalars(_POPULATION_BY_NAME, {"name": name}).first()
 
 
+def populations_of_assignments(session: Session, assignment_ids: Sequence[str]) -> dict[str, Population]:
+    """The (locked) population of each known assignment."""
+    # Only the population ids before the lock: they never change, while an assignment and its
+    # round must be read after the lock (another server process may have just changed them).
+    population_ids: dict[str, int] = {}
+    if assignment_ids:
+        for assignment_id, population_id in session.connection().execute(
+            _POPULATIONS_OF_ASSIGNMENTS, {"assignment_ids": list(assignment_ids)}
+        ):
+            population_ids[assignment_id] = population_id
+    ids = sorted(set(population_ids.values()))
+    locked = {p.id: p for p in session.scalars(_POPULATIONS_BY_ID, {"ids": ids})} if ids else {}
+    return {assignment_id: locked[population_id] for assignment_id, population_id in population_ids.items()}
+
+
 def population_of_assignment(session: Session, assignment_id: str) -> Population | None:
     """The (locked) population an assignment belongs to."""
-    # Only the population id before the lock: it never changes, while the assignment and its
-    # round must be read after the lock (another server process may have just changed them).
-    population_id = session.connection().scalar(_POPULATION_OF_ASSIGNMENT, {"assignment_id": assignment_id})
-    if population_id is None:
-        return None
-    return session.scalars(_POPULATION_BY_ID, {"id": population_id}).first()
+    return populations_of_assignments(session, [assignment_id]).get(assignment_id)
 
 
 def open_round(session: Session, population: Population, kind: str, now: float) -> Round:
@@ -292,7 +306,12 @@ def _find_assignment(
     session: Session, population: Population, assignment_id: str, device_id: str, now: float
 ) -> _Found | Refused:
     """The caller's assignment in this (locked) population, after closing rounds past their deadline."""
-    current = advance(session, population, now)
+    # Once per transaction and population: with `now` fixed, a second advance finds nothing to
+    # close, and a transaction may carry many reports (group commit).
+    advanced: set[tuple[int, float]] = session.info.setdefault("advanced", set())
+    if (population.id, now) not in advanced:
+        advance(session, population, now)
+        advanced.add((population.id, now))
     found = session.connection().execute(_ASSIGNMENT, {"assignment_id": assignment_id}).first()
     if found is None:
         return Refused(404, f"no assignment {assignment_id!r}")
@@ -300,7 +319,7 @@ def _find_assignment(
     if owner != device_id:
         return Refused(403, "this assignment belongs to another device")
     # An open round is already in the session (advance loaded it); only a closed one is read again.
-    round_ = next((r for r in current.values() if r.id == round_id), None) or session.get(Round, round_id)
+    round_ = session.get(Round, round_id)
     assert round_ is not None
     if round_.population_id != population.id:
         return Refused(404, f"assignment {assignment_id!r} is not in population {population.name!r}")
@@ -395,9 +414,9 @@ def abort(
 # ---- report validation -----------------------------------------------------------------
 
 
-def _max_weight(settings: PopulationSettings, feedback: str, example_count: int) -> int:
+def _max_weight(population: Population, feedback: str, example_count: int) -> int:
     """The largest |query| a device that claimed `example_count` examples can honestly report."""
-    task = settings.task()
+    task = _parsed_once(population, "task", lambda: population_settings(population).task())
     per_example = 1 + (task.negatives_per_positive if feedback == "implicit" else 0)
     return min(example_count, task.max_examples) * per_example
 
@@ -433,7 +452,7 @@ def _parse_training_report(
         raw_metrics = json.loads(metadata.get("metrics", "{}"))
     except (KeyError, ValueError):
         return Refused(422, "report metadata must hold 'num_examples' (an integer) and 'metrics' (JSON)")
-    limit = _max_weight(settings, manifest.feedback, example_count)
+    limit = _max_weight(population, manifest.feedback, example_count)
     if weight < settings.min_examples or weight > limit:
         return Refused(
             422,
@@ -446,7 +465,8 @@ def _parse_training_report(
     metrics = _check_metrics(raw_metrics)
     if isinstance(metrics, Refused):
         return metrics
-    return float(weight), encode_sparse_delta(delta), metrics
+    # Stored as received: it is the storage format, checked tensor by tensor above.
+    return float(weight), body, metrics
 
 
 def _parse_evaluation_report(
