@@ -41,7 +41,14 @@ def main(argv: list[str] | None = None) -> int:
 
         from orchestrator.app import create_app
 
-        uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="warning")
+        # No access log: at log level warning it is never written, but its arguments are still built.
+        uvicorn.run(
+            create_app(settings),
+            host=settings.host,
+            port=settings.port,
+            log_level="warning",
+            access_log=False,
+        )
         return 0
 
     from orchestrator.db import Population, make_engine

@@ -3,8 +3,8 @@
 No HTTP, no database, no I/O: the round logic hands deltas and weights in and gets parameters back,
 so all of this is testable with hand-computed numbers.
 
-- Sparse delta encoding: a client trains only the item rows it has examples for (about 150 of
-  20,000), so its delta is stored as the nonzero rows of each tensor, not the dense tensor.
+- Sparse deltas (`model_export.params.SparseTensor`): a client trains only the item rows it has
+  examples for (about 150 of 20,000), so its delta travels and is stored as those rows.
 - `WeightedMean`: a streaming weighted mean of deltas, memory O(model) however many clients report.
 - Server optimizers, "generalized FedAvg" (Reddi et al. 2021, "Adaptive Federated Optimization",
   Algorithm 2): the mean delta is a negative pseudo-gradient fed to SGD, SGD with momentum, Adam or Yogi.
@@ -19,18 +19,8 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 import numpy as np
-from safetensors import SafetensorError
-from safetensors.numpy import load, save
 
-from model_export.params import Params
-
-# Suffixes of the three tensors that encode one sparse tensor in a safetensors blob.
-_ROWS, _VALUES, _SHAPE = "rows", "values", "shape"
-
-
-def _row_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
-    """The shape seen as rows along axis 0; a 0-D tensor is one row of one element."""
-    return shape if shape else (1,)
+from model_export.params import Params, SparseTensor, row_shape
 
 
 def _describe_mismatch(
@@ -67,106 +57,6 @@ def _shapes(tensors: Mapping[str, np.ndarray]) -> dict[str, tuple[int, ...]]:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Sparse delta encoding
-
-
-@dataclass(frozen=True, eq=False)  # eq=False: comparing numpy arrays with == is not a bool
-class SparseTensor:
-    """A tensor stored as the rows (along axis 0) that are not all zero; every other row is zero.
-
-    A 0-D tensor is one row of one element (`values` has shape (k,) with k in {0, 1}).
-    """
-
-    shape: tuple[int, ...]
-    rows: np.ndarray  # 1-D, integer, strictly increasing, each in [0, number of rows)
-    values: np.ndarray  # shape (len(rows),) + row shape[1:]
-
-    def __post_init__(self) -> None:
-        # Checked here, not only in decode, so that `WeightedMean.add_sparse` can use plain fancy-index
-        # addition (which silently drops repeated rows) on any SparseTensor it is given.
-        if any(not isinstance(n, int) or n < 0 for n in self.shape):
-            raise ValueError(f"sparse tensor shape must be non-negative integers, got {self.shape}")
-        if self.rows.ndim != 1 or self.rows.dtype.kind not in "iu":
-            raise ValueError(
-                f"sparse tensor rows must be a 1-D integer array, got {self.rows.dtype} {self.rows.shape}"
-            )
-        by_row = _row_shape(self.shape)
-        expected_values = (len(self.rows), *by_row[1:])
-        if self.values.shape != expected_values:
-            raise ValueError(
-                f"sparse tensor of shape {self.shape} with {len(self.rows)} rows needs values of shape "
-                f"{expected_values}, got {self.values.shape}"
-            )
-        if np.any(np.diff(self.rows) <= 0):
-            raise ValueError(f"sparse tensor rows must be strictly increasing, got {self.rows.tolist()}")
-        # Sorted, so the first and last rows bound them all.
-        if len(self.rows) and (self.rows[0] < 0 or self.rows[-1] >= by_row[0]):
-            raise ValueError(f"sparse tensor rows must lie in [0, {by_row[0]}), got {self.rows.tolist()}")
-
-    def dense(self) -> np.ndarray:
-        """The full float32 tensor."""
-        out = np.zeros(_row_shape(self.shape), dtype=np.float32)
-        out[self.rows] = self.values
-        return out.reshape(self.shape)
-
-
-def encode_sparse_delta(delta: Mapping[str, np.ndarray]) -> bytes:
-    """One safetensors blob holding, per tensor, its nonzero rows, their indices and its shape.
-
-    Values are stored as float32 (the dtype of every parameter), so the encoding is lossless for
-    float32 deltas (up to the sign of zero). A row is dropped only when all its values compare equal to 0,
-    so rows holding a NaN are kept for validation to see.
-    """
-    tensors: dict[str, np.ndarray] = {}
-    for name, value in delta.items():
-        array = np.asarray(value, dtype=np.float32)
-        by_row = array.reshape(_row_shape(array.shape))
-        # any() over every axis but the first; for a 1-D tensor axis=() keeps each element's own test.
-        nonzero = np.any(by_row != 0, axis=tuple(range(1, by_row.ndim)))
-        rows = np.flatnonzero(nonzero)
-        tensors[f"{name}/{_ROWS}"] = rows.astype(np.int32)
-        tensors[f"{name}/{_VALUES}"] = np.ascontiguousarray(by_row[rows])
-        tensors[f"{name}/{_SHAPE}"] = np.asarray(array.shape, dtype=np.int64)
-    return save(tensors)
-
-
-def decode_sparse_delta(blob: bytes) -> dict[str, SparseTensor]:
-    """The tensors of a blob written by `encode_sparse_delta`; ValueError if it is not one."""
-    try:
-        stored = load(blob)
-    except (SafetensorError, ValueError, TypeError) as error:
-        raise ValueError(f"sparse delta is not a valid safetensors blob: {error}") from None
-    parts: dict[str, dict[str, np.ndarray]] = {}
-    for key, array in stored.items():
-        name, _, part = key.rpartition("/")
-        if not name or part not in (_ROWS, _VALUES, _SHAPE):
-            raise ValueError(
-                f"sparse delta has an unexpected tensor {key!r}; expected '<name>/rows', '<name>/values' "
-                "and '<name>/shape' for each tensor"
-            )
-        parts.setdefault(name, {})[part] = array
-    expected_dtypes = {_ROWS: np.dtype(np.int32), _VALUES: np.dtype(np.float32), _SHAPE: np.dtype(np.int64)}
-    decoded: dict[str, SparseTensor] = {}
-    for name, found in sorted(parts.items()):
-        missing = sorted(set(expected_dtypes) - set(found))
-        if missing:
-            raise ValueError(f"sparse delta tensor {name!r} lacks {[f'{name}/{p}' for p in missing]}")
-        for part, dtype in expected_dtypes.items():
-            if found[part].dtype != dtype:
-                raise ValueError(f"sparse delta {name}/{part} must be {dtype}, got {found[part].dtype}")
-        shape = found[_SHAPE]
-        if shape.ndim != 1 or np.any(shape < 0):
-            raise ValueError(
-                f"sparse delta {name}/shape must be a 1-D list of sizes >= 0, got {shape.tolist()}"
-            )
-        try:
-            decoded[name] = SparseTensor(tuple(int(n) for n in shape), found[_ROWS], found[_VALUES])
-        except ValueError as error:
-            raise ValueError(f"sparse delta tensor {name!r}: {error}") from None
-    return decoded
-
-
-# ---------------------------------------------------------------------------------------------------------
 # Streaming weighted mean
 
 
@@ -182,7 +72,7 @@ class WeightedMean:
         self._shapes = {name: tuple(int(n) for n in shape) for name, shape in shapes.items()}
         # Kept in row form (a 0-D tensor as shape (1,)) so dense and sparse adds index the same way.
         self._sums = {
-            name: np.zeros(_row_shape(shape), dtype=np.float64) for name, shape in self._shapes.items()
+            name: np.zeros(row_shape(shape), dtype=np.float64) for name, shape in self._shapes.items()
         }
         self._scratch = {name: np.empty_like(total) for name, total in self._sums.items()}
         self._total_weight = 0.0

@@ -46,6 +46,8 @@ def create_app(settings: Settings | None = None, clock: Callable[[], float] = ti
         engine = make_engine(settings.database_url)
         app.state.sessionmaker = sessionmaker(engine, expire_on_commit=False)
         app.state.db_inline = engine.dialect.name == "sqlite"
+        app.state.checkin_groups = populations.checkin_groups(app, settings.group_commit_seconds)
+        app.state.report_groups = assignments.report_groups(app, settings.group_commit_seconds)
 
         async def ticker() -> None:
             while True:

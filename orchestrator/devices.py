@@ -5,10 +5,15 @@ from __future__ import annotations
 import hashlib
 import hmac
 import secrets
+from collections.abc import Sequence
 
+from sqlalchemy import bindparam, select
 from sqlalchemy.orm import Session
 
 from orchestrator.db import Device
+
+# Built once (building a statement costs more than running it); columns, not Device objects.
+_TOKEN_HASHES = select(Device.id, Device.token_hash).where(Device.id.in_(bindparam("ids", expanding=True)))
 
 
 def _hash(secret: str) -> str:
@@ -23,11 +28,20 @@ def enroll(session: Session, now: float) -> tuple[str, str]:
     return device_id, f"{device_id}.{secret}"
 
 
-def authenticate(session: Session, token: str) -> Device | None:
-    device_id, _, secret = token.partition(".")
-    if not device_id or not secret or len(device_id) > 32:
-        return None
-    device = session.get(Device, device_id)
-    if device is None or not hmac.compare_digest(device.token_hash, _hash(secret)):
-        return None
-    return device
+def authenticate_all(session: Session, tokens: Sequence[str]) -> list[str | None]:
+    """Each token's device id, or None for an unknown device or a wrong secret; one query for all."""
+    claimed = [token.partition(".") for token in tokens]
+    ids = {device_id for device_id, _, secret in claimed if device_id and secret and len(device_id) <= 32}
+    hashes: dict[str, str] = {}
+    if ids:
+        for device_id, token_hash in session.connection().execute(_TOKEN_HASHES, {"ids": list(ids)}):
+            hashes[device_id] = token_hash
+    return [
+        device_id if device_id in hashes and hmac.compare_digest(hashes[device_id], _hash(secret)) else None
+        for device_id, _, secret in claimed
+    ]
+
+
+def authenticate(session: Session, token: str) -> str | None:
+    """The token's device id, or None."""
+    return authenticate_all(session, [token])[0]

@@ -16,25 +16,63 @@ from __future__ import annotations
 import json
 import math
 import secrets
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 
 import numpy as np
 from safetensors.numpy import load
-from sqlalchemy import CursorResult, func, select, update
+from sqlalchemy import CursorResult, bindparam, func, insert, select, update
 from sqlalchemy.orm import Session, object_session
 
 from model_export.manifest import Manifest
-from model_export.params import ParamsError, check_params, decode_params, encode_params, read_metadata
-from orchestrator.aggregation import WeightedMean, apply_update, decode_sparse_delta, encode_sparse_delta
-from orchestrator.db import Assignment, Device, ModelVersion, Population, Report, Round
+from model_export.params import (
+    ParamsError,
+    check_params,
+    check_sparse_delta,
+    decode_params,
+    decode_sparse_delta,
+    encode_params,
+    read_metadata,
+)
+from orchestrator.aggregation import WeightedMean, apply_update
+from orchestrator.db import Assignment, ModelVersion, Population, Report, Round
 from orchestrator.population_settings import PopulationSettings
 
 TRAINING, EVALUATION = "training", "evaluation"
 T = TypeVar("T")
 EVALUATION_METRICS = ("loss_sum", "squared_error_sum", "correct_sum", "weight_sum")
 MAX_METRICS = 64
+
+# The statements of check-ins and reports are built once: building and hashing a statement
+# costs several times more than SQLite takes to run it.
+_POPULATION_BY_NAME = select(Population).where(Population.name == bindparam("name")).with_for_update()
+_POPULATIONS_OF_ASSIGNMENTS = (
+    select(Assignment.id, Round.population_id)
+    .join(Round, Assignment.round_id == Round.id)
+    .where(Assignment.id.in_(bindparam("assignment_ids", expanding=True)))
+)
+_POPULATIONS_BY_ID = (
+    select(Population)
+    .where(Population.id.in_(bindparam("ids", expanding=True)))
+    .order_by(Population.id)  # always in the same order, so two servers never deadlock
+    .with_for_update()
+)
+_OPEN_ROUNDS = select(Round).where(Round.population_id == bindparam("population_id"), Round.status == "open")
+_TAKEN = select(Assignment.id, Assignment.round_id, Assignment.device_id, Assignment.status).where(
+    Assignment.round_id.in_(bindparam("round_ids", expanding=True)),
+    Assignment.device_id.in_(bindparam("device_ids", expanding=True)),
+)
+_INSERT_ASSIGNMENTS = insert(Assignment)
+_ASSIGNMENT = select(
+    Assignment.device_id, Assignment.status, Assignment.example_count, Assignment.round_id
+).where(Assignment.id == bindparam("assignment_id"))
+_FINISH_ASSIGNMENT = (
+    update(Assignment)
+    .where(Assignment.id == bindparam("assignment_id"))
+    .values(status=bindparam("new_status"), finished_at=bindparam("now"))
+)
+_INSERT_REPORT = insert(Report)
 
 
 @dataclass(frozen=True)
@@ -47,9 +85,23 @@ class Refused:
 
 
 @dataclass(frozen=True)
+class CheckIn:
+    """An authenticated device asking for a task of `kind` with `example_count` examples."""
+
+    device_id: str
+    example_count: int
+    kind: str
+
+
+@dataclass(frozen=True)
 class Accepted:
-    assignment: Assignment
-    round: Round
+    """A check-in's assignment."""
+
+    assignment_id: str
+    round_id: int
+    kind: str
+    deadline: float
+    model_version: int
 
 
 # A population's settings and manifest never change after creation, so they are parsed once
@@ -81,22 +133,27 @@ def population_manifest(population: Population) -> Manifest:
 def lock_population(session: Session, name: str) -> Population | None:
     """The population row, locked: one writer per population at a time (FOR UPDATE on PostgreSQL;
     SQLite's BEGIN IMMEDIATE already serializes writers)."""
-    return session.scalars(select(Population).where(Population.name == name).with_for_update()).first()
+    return session.scalars(_POPULATION_BY_NAME, {"name": name}).first()
+
+
+def populations_of_assignments(session: Session, assignment_ids: Sequence[str]) -> dict[str, Population]:
+    """The (locked) population of each known assignment."""
+    # Only the population ids before the lock: they never change, while an assignment and its
+    # round must be read after the lock (another server process may have just changed them).
+    population_ids: dict[str, int] = {}
+    if assignment_ids:
+        for assignment_id, population_id in session.connection().execute(
+            _POPULATIONS_OF_ASSIGNMENTS, {"assignment_ids": list(assignment_ids)}
+        ):
+            population_ids[assignment_id] = population_id
+    ids = sorted(set(population_ids.values()))
+    locked = {p.id: p for p in session.scalars(_POPULATIONS_BY_ID, {"ids": ids})} if ids else {}
+    return {assignment_id: locked[population_id] for assignment_id, population_id in population_ids.items()}
 
 
 def population_of_assignment(session: Session, assignment_id: str) -> Population | None:
     """The (locked) population an assignment belongs to."""
-    # The assignment and its round come along into the session, so the report's own lookups
-    # of them are answered from the identity map without another query.
-    found = session.execute(
-        select(Assignment, Round)
-        .join(Round, Assignment.round_id == Round.id)
-        .where(Assignment.id == assignment_id)
-    ).first()
-    if found is None:
-        return None
-    population_id = found[1].population_id
-    return session.scalars(select(Population).where(Population.id == population_id).with_for_update()).first()
+    return populations_of_assignments(session, [assignment_id]).get(assignment_id)
 
 
 def open_round(session: Session, population: Population, kind: str, now: float) -> Round:
@@ -128,9 +185,7 @@ def open_round(session: Session, population: Population, kind: str, now: float) 
 
 
 def open_rounds(session: Session, population: Population) -> dict[str, Round]:
-    rounds = session.scalars(
-        select(Round).where(Round.population_id == population.id, Round.status == "open")
-    ).all()
+    rounds = session.scalars(_OPEN_ROUNDS, {"population_id": population.id}).all()
     return {r.kind: r for r in rounds}
 
 
@@ -163,67 +218,123 @@ def advance(session: Session, population: Population, now: float) -> dict[str, R
 
 
 def checkin(
-    session: Session, population: Population, device: Device, example_count: int, kind: str, now: float
-) -> Accepted | Refused:
+    session: Session, population: Population, requests: Sequence[CheckIn], now: float
+) -> list[Accepted | Refused]:
+    """Answer authenticated check-ins, in order, in the caller's transaction.
+
+    Check-ins that arrive together are answered together: one look-up of the devices' existing
+    assignments, one insert and one counter update per round, however many there are.
+    """
     settings = population_settings(population)
-    round_ = advance(session, population, now).get(kind)
-    if round_ is None:
-        return Refused(409, f"no {kind} round is open", retry_after=settings.retry_after_seconds)
-    existing = session.scalars(
-        select(Assignment).where(Assignment.round_id == round_.id, Assignment.device_id == device.id)
-    ).first()
-    if existing is not None:
-        if existing.status == "assigned":  # a retried check-in gets the same assignment back
-            return Accepted(existing, round_)
-        # One assignment per device per round: a device cannot weigh in twice.
-        return Refused(
-            409,
-            f"this device already took part in round {round_.id} ({existing.status})",
-            retry_after=max(settings.retry_after_seconds, round_.deadline - now),
+    current = advance(session, population, now)
+    devices = {r.device_id for r in requests}
+    taken: dict[tuple[int, str], tuple[str, str]] = {
+        (round_id, device_id): (assignment_id, status)
+        for assignment_id, round_id, device_id, status in session.connection().execute(
+            _TAKEN, {"round_ids": [r.id for r in current.values()], "device_ids": list(devices)}
         )
-    round_.checked_in += 1
-    if example_count < settings.min_examples:
-        round_.rejected_min_examples += 1
-        return Refused(
-            409,
-            f"{example_count} examples; this population needs at least {settings.min_examples}",
-            retry_after=max(settings.retry_after_seconds, round_.deadline - now),
+    }
+    new_assignments: list[dict[str, Any]] = []
+    answers: list[Accepted | Refused] = []
+    for request in requests:
+        round_ = current.get(request.kind)
+        if round_ is None:
+            answers.append(
+                Refused(409, f"no {request.kind} round is open", retry_after=settings.retry_after_seconds)
+            )
+            continue
+        retry_after = max(settings.retry_after_seconds, round_.deadline - now)
+        existing = taken.get((round_.id, request.device_id))
+        if existing is not None:
+            assignment_id, status = existing
+            if status == "assigned":  # a retried check-in gets the same assignment back
+                answers.append(
+                    Accepted(assignment_id, round_.id, round_.kind, round_.deadline, round_.base_version)
+                )
+            else:  # one assignment per device per round: a device cannot weigh in twice
+                answers.append(
+                    Refused(
+                        409, f"this device already took part in round {round_.id} ({status})", retry_after
+                    )
+                )
+            continue
+        round_.checked_in += 1
+        if request.example_count < settings.min_examples:
+            round_.rejected_min_examples += 1
+            message = (
+                f"{request.example_count} examples; this population needs at least {settings.min_examples}"
+            )
+            answers.append(Refused(409, message, retry_after))
+            continue
+        if round_.accepted >= round_.capacity:
+            round_.rejected_capacity += 1
+            answers.append(Refused(409, "this round is full", retry_after))
+            continue
+        round_.accepted += 1
+        assignment_id = secrets.token_hex(16)
+        taken[round_.id, request.device_id] = (assignment_id, "assigned")
+        new_assignments.append(
+            {
+                "id": assignment_id,
+                "round_id": round_.id,
+                "device_id": request.device_id,
+                "status": "assigned",
+                "example_count": request.example_count,
+                "created_at": now,
+                "deadline": round_.deadline,
+                "finished_at": None,
+            }
         )
-    if round_.accepted >= round_.capacity:
-        round_.rejected_capacity += 1
-        return Refused(
-            409, "this round is full", retry_after=max(settings.retry_after_seconds, round_.deadline - now)
-        )
-    round_.accepted += 1
-    assignment = Assignment(
-        id=secrets.token_hex(16),
-        round_id=round_.id,
-        device_id=device.id,
-        status="assigned",
-        example_count=example_count,
-        created_at=now,
-        deadline=round_.deadline,
-        finished_at=None,
-    )
-    session.add(assignment)
-    return Accepted(assignment, round_)
+        answers.append(Accepted(assignment_id, round_.id, round_.kind, round_.deadline, round_.base_version))
+    if new_assignments:
+        # Plain rows on the connection, not ORM objects: they are not read back in this transaction.
+        session.connection().execute(_INSERT_ASSIGNMENTS, new_assignments)
+    return answers
+
+
+@dataclass(frozen=True)
+class _Found:
+    """An assignment as read after the population lock: the parts a report or abort needs."""
+
+    id: str
+    status: str
+    example_count: int
+    round: Round
 
 
 def _find_assignment(
-    session: Session, assignment_id: str, device: Device
-) -> tuple[Assignment, Round] | Refused:
-    assignment = session.get(Assignment, assignment_id)
-    if assignment is None:
+    session: Session, population: Population, assignment_id: str, device_id: str, now: float
+) -> _Found | Refused:
+    """The caller's assignment in this (locked) population, after closing rounds past their deadline."""
+    # Once per transaction and population: with `now` fixed, a second advance finds nothing to
+    # close, and a transaction may carry many reports (group commit).
+    advanced: set[tuple[int, float]] = session.info.setdefault("advanced", set())
+    if (population.id, now) not in advanced:
+        advance(session, population, now)
+        advanced.add((population.id, now))
+    found = session.connection().execute(_ASSIGNMENT, {"assignment_id": assignment_id}).first()
+    if found is None:
         return Refused(404, f"no assignment {assignment_id!r}")
-    if assignment.device_id != device.id:
+    owner, status, example_count, round_id = found
+    if owner != device_id:
         return Refused(403, "this assignment belongs to another device")
-    round_ = session.get(Round, assignment.round_id)
+    # An open round is already in the session (advance loaded it); only a closed one is read again.
+    round_ = session.get(Round, round_id)
     assert round_ is not None
-    return assignment, round_
+    if round_.population_id != population.id:
+        return Refused(404, f"assignment {assignment_id!r} is not in population {population.name!r}")
+    return _Found(assignment_id, status, example_count, round_)
 
 
-def _closed(assignment: Assignment, round_: Round) -> Refused | None:
+def _finish(session: Session, assignment: _Found, status: str, now: float) -> None:
+    session.connection().execute(
+        _FINISH_ASSIGNMENT, {"assignment_id": assignment.id, "new_status": status, "now": now}
+    )
+
+
+def _closed(assignment: _Found) -> Refused | None:
     """Why an assignment can no longer take a report (counting late ones), or None."""
+    round_ = assignment.round
     if assignment.status == "reported":
         return Refused(409, "this assignment has already reported")
     if assignment.status == "aborted":
@@ -240,37 +351,41 @@ def report(
     session: Session,
     population: Population,
     assignment_id: str,
-    device: Device,
+    device_id: str,
     body: bytes,
     content_type: str,
     now: float,
 ) -> Round | Refused:
     """Validate and store a report; commit the round when it reaches its target."""
-    found = _find_assignment(session, assignment_id, device)
-    if isinstance(found, Refused):
-        return found
-    assignment, round_ = found
-    if round_.population_id != population.id:
-        return Refused(404, f"assignment {assignment_id!r} is not in population {population.name!r}")
-    advance(session, population, now)
-    closed = _closed(assignment, round_)
+    assignment = _find_assignment(session, population, assignment_id, device_id, now)
+    if isinstance(assignment, Refused):
+        return assignment
+    closed = _closed(assignment)
     if closed is not None:
         return closed
+    round_ = assignment.round
     settings = population_settings(population)
     parsed = (
-        _parse_training_report(population, settings, assignment, body)
+        _parse_training_report(population, settings, assignment.example_count, body)
         if round_.kind == TRAINING
-        else _parse_evaluation_report(settings, assignment, body, content_type)
+        else _parse_evaluation_report(settings, assignment.example_count, body, content_type)
     )
     if isinstance(parsed, Refused):
         round_.invalid += 1
-        assignment.status, assignment.finished_at = "invalid", now
+        _finish(session, assignment, "invalid", now)
         return parsed
     weight, delta, metrics = parsed
-    session.add(
-        Report(assignment_id=assignment.id, round_id=round_.id, weight=weight, delta=delta, metrics=metrics)
+    session.connection().execute(
+        _INSERT_REPORT,
+        {
+            "assignment_id": assignment.id,
+            "round_id": round_.id,
+            "weight": weight,
+            "delta": delta,
+            "metrics": metrics,
+        },
     )
-    assignment.status, assignment.finished_at = "reported", now
+    _finish(session, assignment, "reported", now)
     round_.reported += 1
     round_.total_weight += weight
     sums = dict(round_.metrics)
@@ -283,27 +398,25 @@ def report(
 
 
 def abort(
-    session: Session, population: Population, assignment_id: str, device: Device, now: float
+    session: Session, population: Population, assignment_id: str, device_id: str, now: float
 ) -> Round | Refused:
-    found = _find_assignment(session, assignment_id, device)
-    if isinstance(found, Refused):
-        return found
-    assignment, round_ = found
-    advance(session, population, now)
-    closed = _closed(assignment, round_)
+    assignment = _find_assignment(session, population, assignment_id, device_id, now)
+    if isinstance(assignment, Refused):
+        return assignment
+    closed = _closed(assignment)
     if closed is not None:
         return closed
-    assignment.status, assignment.finished_at = "aborted", now
-    round_.aborted += 1
-    return round_
+    _finish(session, assignment, "aborted", now)
+    assignment.round.aborted += 1
+    return assignment.round
 
 
 # ---- report validation -----------------------------------------------------------------
 
 
-def _max_weight(settings: PopulationSettings, feedback: str, example_count: int) -> int:
+def _max_weight(population: Population, feedback: str, example_count: int) -> int:
     """The largest |query| a device that claimed `example_count` examples can honestly report."""
-    task = settings.task()
+    task = _parsed_once(population, "task", lambda: population_settings(population).task())
     per_example = 1 + (task.negatives_per_positive if feedback == "implicit" else 0)
     return min(example_count, task.max_examples) * per_example
 
@@ -322,37 +435,42 @@ def _check_metrics(raw: Any) -> dict[str, float] | Refused:
 
 
 def _parse_training_report(
-    population: Population, settings: PopulationSettings, assignment: Assignment, body: bytes
+    population: Population, settings: PopulationSettings, example_count: int, body: bytes
 ) -> tuple[float, bytes, dict[str, float]] | Refused:
     manifest = population_manifest(population)
     try:
         metadata = read_metadata(body)
-        delta = decode_params(body, manifest.global_params, "report")
+        delta = check_sparse_delta(decode_sparse_delta(body), manifest.global_params, "report")
     except ParamsError as e:
-        return Refused(422, f"{e}; expected a safetensors body with the manifest's global tensors")
+        return Refused(
+            422,
+            f"{e}; a report is the sparse delta of the manifest's global tensors: safetensors with "
+            "'<name>/rows' (int32, increasing), '<name>/values' (float32) and '<name>/shape' (int64) each",
+        )
     try:
         weight = int(metadata["num_examples"])
         raw_metrics = json.loads(metadata.get("metrics", "{}"))
     except (KeyError, ValueError):
         return Refused(422, "report metadata must hold 'num_examples' (an integer) and 'metrics' (JSON)")
-    limit = _max_weight(settings, manifest.feedback, assignment.example_count)
+    limit = _max_weight(population, manifest.feedback, example_count)
     if weight < settings.min_examples or weight > limit:
         return Refused(
             422,
             f"num_examples {weight} is outside [{settings.min_examples}, {limit}] "
-            f"(the device checked in with {assignment.example_count} examples)",
+            f"(the device checked in with {example_count} examples)",
         )
-    norm = math.sqrt(sum(float(np.vdot(v, v)) for v in delta.values()))
+    norm = math.sqrt(sum(float(np.vdot(t.values, t.values)) for t in delta.values()))
     if norm > settings.update_norm_bound:
         return Refused(422, f"update norm {norm:.4g} exceeds the bound {settings.update_norm_bound:.4g}")
     metrics = _check_metrics(raw_metrics)
     if isinstance(metrics, Refused):
         return metrics
-    return float(weight), encode_sparse_delta(delta), metrics
+    # Stored as received: it is the storage format, checked tensor by tensor above.
+    return float(weight), body, metrics
 
 
 def _parse_evaluation_report(
-    settings: PopulationSettings, assignment: Assignment, body: bytes, content_type: str
+    settings: PopulationSettings, example_count: int, body: bytes, content_type: str
 ) -> tuple[float, None, dict[str, float]] | Refused:
     if not content_type.startswith("application/json"):
         return Refused(422, "an evaluation report is JSON: {num_examples, metrics}; no tensors")
@@ -368,7 +486,7 @@ def _parse_evaluation_report(
     if set(metrics) != set(EVALUATION_METRICS):
         return Refused(422, f"evaluation metrics must be exactly {list(EVALUATION_METRICS)}")
     weight = data["num_examples"]
-    limit = max(assignment.example_count, 1) * 5  # implicit tasks count sampled negatives too
+    limit = max(example_count, 1) * 5  # implicit tasks count sampled negatives too
     if isinstance(weight, bool) or not isinstance(weight, int) or not 1 <= weight <= limit:
         return Refused(422, f"num_examples must be an integer in [1, {limit}], got {weight!r}")
     if any(v < 0 for v in metrics.values()) or metrics["weight_sum"] != weight:

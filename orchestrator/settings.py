@@ -14,6 +14,8 @@ class Settings(BaseSettings):
     port: int = 8700
     # How often the server looks for rounds past their deadline (devices also trigger it).
     tick_seconds: float = 0.5
+    # Check-ins (per population) and reports arriving within this window share one transaction.
+    group_commit_seconds: float = 0.001
     # Threads for blocking work (database, report validation).
     worker_threads: int = 4
     # Largest request body accepted (a dense 20,000 x 50 float32 delta is 4 MB).

@@ -8,9 +8,9 @@ from typing import Annotated, Any, TypeVar
 
 from fastapi import Depends, Header, HTTPException, Request
 from sqlalchemy.orm import Session, sessionmaker
+from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 
-from orchestrator.db import Device
 from orchestrator.devices import authenticate
 from orchestrator.settings import Settings
 
@@ -49,19 +49,22 @@ async def require_admin(
         raise HTTPException(403, "admin token required")
 
 
-def require_device(session: Session, token: str) -> Device:
-    """The calling device, or 401 for an unknown device or a wrong token."""
-    device = authenticate(session, token)
-    if device is None:
-        raise HTTPException(401, "unknown device or wrong token", headers={"WWW-Authenticate": "Bearer"})
-    return device
+UNAUTHENTICATED = "unknown device or wrong token"
 
 
-async def run_db(request: Request, fn: Callable[..., T], *args: Any) -> T:
+def require_device(session: Session, token: str) -> str:
+    """The calling device's id, or 401 for an unknown device or a wrong token."""
+    device_id = authenticate(session, token)
+    if device_id is None:
+        raise HTTPException(401, UNAUTHENTICATED, headers={"WWW-Authenticate": "Bearer"})
+    return device_id
+
+
+async def run_db(app: Starlette, fn: Callable[..., T], *args: Any) -> T:
     """Run a blocking database transaction: inline on the event loop for SQLite, where a
     transaction takes about a millisecond and writes are serialized anyway (thread hand-offs
     and GIL convoys cost more than the work), in the threadpool for a networked database."""
-    if request.app.state.db_inline:
+    if app.state.db_inline:
         return fn(*args)
     return await run_in_threadpool(fn, *args)
 

@@ -7,20 +7,20 @@ from typing import Any
 
 import numpy as np
 import pytest
-from safetensors.numpy import load
+from safetensors.numpy import load, save
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
 from model_export.manifest import Manifest
-from model_export.params import decode_params, encode_params
+from model_export.params import decode_params, decode_sparse_delta, encode_params, encode_sparse_delta
 from orchestrator import rounds
-from orchestrator.db import Device, ModelVersion, Population, Report, Round
+from orchestrator.db import ModelVersion, Population, Report, Round
 from orchestrator.devices import authenticate, enroll
 from orchestrator.populations import ExportedModel, PopulationError, create_population
 from tests.orchestrator.conftest import make_population
 
 
-def device(factory: sessionmaker[Session]) -> Device:
+def device(factory: sessionmaker[Session]) -> str:
     with factory.begin() as session:
         _, token = enroll(session, 0.0)
     with factory() as session:
@@ -30,17 +30,18 @@ def device(factory: sessionmaker[Session]) -> Device:
 
 
 def checkin(
-    factory: sessionmaker[Session], dev: Device, count: int = 50, now: float = 1.0, kind: str = "training"
+    factory: sessionmaker[Session], dev: str, count: int = 50, now: float = 1.0, kind: str = "training"
 ):  # type: ignore[no-untyped-def]
     with factory.begin() as session:
         population = rounds.lock_population(session, "p")
         assert population is not None
-        return rounds.checkin(session, population, dev, count, kind, now)
+        (answer,) = rounds.checkin(session, population, [rounds.CheckIn(dev, count, kind)], now)
+        return answer
 
 
 def report(
     factory: sessionmaker[Session],
-    dev: Device,
+    dev: str,
     assignment_id: str,
     body: bytes,
     now: float = 2.0,
@@ -81,9 +82,27 @@ def delta_body(
         delta["item_embeddings"][r] = value
     delta["global_mean"][:] = value
     delta.update(overrides)
-    return encode_params(
+    return encode_sparse_delta(
         delta, {"num_examples": str(num_examples), "metrics": json.dumps({"update_loss": value})}
     )
+
+
+def dense_body(model: ExportedModel) -> bytes:
+    """The dense form of a delta, which the protocol no longer takes."""
+    delta = {s.name: np.zeros(s.shape, np.float32) for s in manifest_of(model).global_params}
+    return encode_params(delta, {"num_examples": "10", "metrics": "{}"})
+
+
+def sparse_body(model: ExportedModel, rows: np.ndarray) -> bytes:
+    """A delta written part by part, so that its rows can be anything."""
+    parts: dict[str, np.ndarray] = {}
+    for spec in manifest_of(model).global_params:
+        by_row = (spec.shape[0], *spec.shape[1:]) if spec.shape else (1,)
+        tensor_rows = rows if spec.name == "item_embeddings" else np.arange(0, dtype=np.int32)
+        parts[f"{spec.name}/rows"] = tensor_rows
+        parts[f"{spec.name}/values"] = np.full((len(tensor_rows), *by_row[1:]), 0.1, np.float32)
+        parts[f"{spec.name}/shape"] = np.asarray(spec.shape, np.int64)
+    return save(parts, metadata={"num_examples": "10", "metrics": "{}"})
 
 
 def version_params(
@@ -125,7 +144,7 @@ def test_a_retried_checkin_gets_the_same_assignment(
 
     first, second = checkin(db, dev), checkin(db, dev)
 
-    assert first.assignment.id == second.assignment.id
+    assert first.assignment_id == second.assignment_id
     assert current_round(db).accepted == 1
 
 
@@ -139,8 +158,8 @@ def test_target_reports_commit_the_weighted_mean(
     first, second = checkin(db, a), checkin(db, b)
     before = version_params(db, biased_model, 0)
 
-    report(db, a, first.assignment.id, delta_body(biased_model, 1.0, num_examples=10))
-    committed = report(db, b, second.assignment.id, delta_body(biased_model, 4.0, num_examples=30))
+    report(db, a, first.assignment_id, delta_body(biased_model, 1.0, num_examples=10))
+    committed = report(db, b, second.assignment_id, delta_body(biased_model, 4.0, num_examples=30))
 
     assert committed.status == "committed" and committed.result_version == 1
     after = version_params(db, biased_model, 1)
@@ -154,17 +173,20 @@ def test_target_reports_commit_the_weighted_mean(
     assert committed.metrics == {"update_loss": 5.0}
 
 
-def test_reports_are_stored_sparse(db: sessionmaker[Session], biased_model: ExportedModel) -> None:
+def test_reports_travel_and_are_stored_sparse(db: sessionmaker[Session], biased_model: ExportedModel) -> None:
     make_population(db, biased_model, target_reports=5)
     dev = device(db)
     answer = checkin(db, dev)
     body = delta_body(biased_model, 1.0)
 
-    report(db, dev, answer.assignment.id, body)
+    report(db, dev, answer.assignment_id, body)
 
     with db() as session:
         stored = session.scalars(select(Report)).one()
-    assert stored.delta is not None and len(stored.delta) < len(body) / 10
+    assert stored.delta is not None
+    assert len(body) < len(dense_body(biased_model)) / 10
+    items = decode_sparse_delta(stored.delta)["item_embeddings"]
+    assert items.rows.tolist() == [3, 7] and np.all(items.values == 1.0)
 
 
 def test_deadline_commits_with_enough_reports_and_drops_the_rest(
@@ -173,12 +195,12 @@ def test_deadline_commits_with_enough_reports_and_drops_the_rest(
     make_population(db, biased_model, target_reports=3, min_reports=1, round_duration_seconds=10)
     a, b = device(db), device(db)
     first, second = checkin(db, a), checkin(db, b)
-    report(db, a, first.assignment.id, delta_body(biased_model, 1.0))
+    report(db, a, first.assignment_id, delta_body(biased_model, 1.0))
 
-    late = report(db, b, second.assignment.id, delta_body(biased_model, 1.0), now=11.0)
+    late = report(db, b, second.assignment_id, delta_body(biased_model, 1.0), now=11.0)
 
     assert isinstance(late, rounds.Refused) and late.status == 409 and "late" in late.message
-    closed = round_by_id(db, first.round.id)
+    closed = round_by_id(db, first.round_id)
     assert (closed.status, closed.reported, closed.dropped, closed.late) == ("committed", 1, 1, 1)
     assert current_round(db).base_version == 1
 
@@ -189,11 +211,11 @@ def test_deadline_without_enough_reports_abandons_and_keeps_the_model(
     make_population(db, biased_model, target_reports=3, min_reports=2, round_duration_seconds=10)
     a = device(db)
     first = checkin(db, a)
-    report(db, a, first.assignment.id, delta_body(biased_model, 1.0))
+    report(db, a, first.assignment_id, delta_body(biased_model, 1.0))
 
     checkin(db, device(db), now=12.0)  # any request past the deadline advances the machine
 
-    assert round_by_id(db, first.round.id).status == "abandoned"
+    assert round_by_id(db, first.round_id).status == "abandoned"
     assert current_round(db).base_version == 0
     with db() as session:
         assert session.get(ModelVersion, (1, 1)) is None
@@ -208,7 +230,14 @@ def test_deadline_without_enough_reports_abandons_and_keeps_the_model(
         (lambda m: delta_body(m, 1.0, user_embedding=np.zeros(16, np.float32)), "unexpected"),
         (lambda m: delta_body(m, 1e4), "exceeds the bound"),
         (lambda m: delta_body(m, 1.0, num_examples=51), r"outside \[1, 50\]"),
-        (lambda m: encode_params({"item_embeddings": np.zeros((200, 16), np.float32)}), "missing"),
+        (lambda m: encode_sparse_delta({"item_embeddings": np.ones((200, 16), np.float32)}), "missing"),
+        (
+            lambda m: dense_body(m),
+            r"unexpected tensor '\w+'; a report is the sparse delta.*'<name>/rows' \(int32",
+        ),
+        (lambda m: sparse_body(m, rows=np.array([7, 3], np.int32)), "strictly increasing"),
+        (lambda m: sparse_body(m, rows=np.array([3, 200], np.int32)), r"must lie in \[0, 200\)"),
+        (lambda m: sparse_body(m, rows=np.array([3, 7], np.int64)), "rows must be int32"),
     ],
 )
 def test_invalid_reports_are_refused_and_never_change_the_model(
@@ -218,11 +247,11 @@ def test_invalid_reports_are_refused_and_never_change_the_model(
     dev = device(db)
     answer = checkin(db, dev, count=50)
 
-    refused = report(db, dev, answer.assignment.id, make_body(biased_model))
+    refused = report(db, dev, answer.assignment_id, make_body(biased_model))
 
     assert isinstance(refused, rounds.Refused) and refused.status == 422
     assert refused.message and __import__("re").search(message, refused.message), refused.message
-    r = round_by_id(db, answer.round.id)
+    r = round_by_id(db, answer.round_id)
     assert (r.status, r.invalid, r.reported) == ("open", 1, 0)
     with db() as session:
         assert session.get(ModelVersion, (1, 1)) is None
@@ -236,7 +265,7 @@ def test_report_metadata_must_carry_num_examples(
     answer = checkin(db, dev)
     delta = {s.name: np.zeros(s.shape, np.float32) for s in manifest_of(biased_model).global_params}
 
-    refused = report(db, dev, answer.assignment.id, encode_params(delta))
+    refused = report(db, dev, answer.assignment_id, encode_sparse_delta(delta))
 
     assert isinstance(refused, rounds.Refused) and "num_examples" in refused.message
 
@@ -250,21 +279,21 @@ def test_ownership_unknown_repeated_and_aborted(
     aborter = device(db)
     aborted = checkin(db, aborter)
 
-    stolen = report(db, other, answer.assignment.id, delta_body(biased_model, 1.0))
-    report(db, owner, answer.assignment.id, delta_body(biased_model, 1.0))
-    repeated = report(db, owner, answer.assignment.id, delta_body(biased_model, 1.0))
+    stolen = report(db, other, answer.assignment_id, delta_body(biased_model, 1.0))
+    report(db, owner, answer.assignment_id, delta_body(biased_model, 1.0))
+    repeated = report(db, owner, answer.assignment_id, delta_body(biased_model, 1.0))
     with db.begin() as session:
         population = rounds.lock_population(session, "p")
         assert population is not None
-        rounds.abort(session, population, aborted.assignment.id, aborter, 3.0)
-    after_abort = report(db, aborter, aborted.assignment.id, delta_body(biased_model, 1.0))
+        rounds.abort(session, population, aborted.assignment_id, aborter, 3.0)
+    after_abort = report(db, aborter, aborted.assignment_id, delta_body(biased_model, 1.0))
     with db.begin() as session:
         population = rounds.lock_population(session, "p")
         assert population is not None
         unknown = rounds.report(session, population, "nope", owner, b"", "", 3.0)
 
     assert (stolen.status, repeated.status, after_abort.status, unknown.status) == (403, 409, 409, 404)
-    r = round_by_id(db, answer.round.id)
+    r = round_by_id(db, answer.round_id)
     assert (r.reported, r.aborted) == (1, 1)
 
 
@@ -283,21 +312,21 @@ def test_evaluation_round_aggregates_metrics_only(
     bad = report(
         db,
         c,
-        answers[2].assignment.id,
+        answers[2].assignment_id,
         json.dumps({"num_examples": 10, "metrics": {**good, "correct_sum": 11.0}}).encode(),
         ctype="application/json",
     )
     report(
         db,
         a,
-        answers[0].assignment.id,
+        answers[0].assignment_id,
         json.dumps({"num_examples": 10, "metrics": good}).encode(),
         ctype="application/json",
     )
     done = report(
         db,
         b,
-        answers[1].assignment.id,
+        answers[1].assignment_id,
         json.dumps(
             {"num_examples": 30, "metrics": {**good, "weight_sum": 30.0, "squared_error_sum": 24.0}}
         ).encode(),
@@ -321,7 +350,7 @@ def test_evaluation_rounds_open_every_k_commits(
         dev = device(db)
         answer = checkin(db, dev, now=1.0 + i)
         assert "evaluation" not in {r for r in _open_kinds(db)} or i == 1
-        report(db, dev, answer.assignment.id, delta_body(biased_model, 0.1), now=1.5 + i)
+        report(db, dev, answer.assignment_id, delta_body(biased_model, 0.1), now=1.5 + i)
 
     assert _open_kinds(db) == {"training", "evaluation"}
 

@@ -101,7 +101,7 @@ def _list_populations(factory: sessionmaker[Session]) -> list[PopulationOut]:
 
 @router.get("/populations", response_model=list[PopulationOut], summary="All populations")
 async def list_populations(_: AdminDep, factory: SessionFactoryDep, request: Request) -> list[PopulationOut]:
-    return await run_db(request, _list_populations, factory)
+    return await run_db(request.app, _list_populations, factory)
 
 
 def _status(factory: sessionmaker[Session], name: str) -> PopulationOut:
@@ -111,7 +111,7 @@ def _status(factory: sessionmaker[Session], name: str) -> PopulationOut:
 
 @router.get("/populations/{name}", response_model=PopulationOut, summary="A population's status")
 async def status(name: str, _: AdminDep, factory: SessionFactoryDep, request: Request) -> PopulationOut:
-    return await run_db(request, _status, factory, name)
+    return await run_db(request.app, _status, factory, name)
 
 
 def _list_rounds(
@@ -136,7 +136,7 @@ async def list_rounds(
     limit: int = 100,
     offset: int = 0,
 ) -> list[RoundOut]:
-    return await run_db(request, _list_rounds, factory, name, kind, limit, offset)
+    return await run_db(request.app, _list_rounds, factory, name, kind, limit, offset)
 
 
 @router.post(

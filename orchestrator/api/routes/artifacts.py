@@ -17,7 +17,7 @@ def _artifact(factory: sessionmaker[Session], sha256: str) -> bytes | None:
 
 @router.get("/{sha256}", summary="A model file by its sha256 (immutable)")
 async def artifact(sha256: str, request: Request, factory: SessionFactoryDep) -> Response:
-    content = await run_db(request, _artifact, factory, sha256)
+    content = await run_db(request.app, _artifact, factory, sha256)
     if content is None:
         raise HTTPException(404, f"no artifact {sha256!r}")
     return Response(

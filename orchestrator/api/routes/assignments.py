@@ -1,12 +1,26 @@
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
+
 from fastapi import APIRouter, HTTPException, Request
 from sqlalchemy.orm import Session, sessionmaker
+from starlette.applications import Starlette
 
 from orchestrator import rounds
-from orchestrator.api.deps import ClockDep, SessionFactoryDep, SettingsDep, TokenDep, require_device, run_db
+from orchestrator.api.deps import (
+    UNAUTHENTICATED,
+    ClockDep,
+    SessionFactoryDep,
+    SettingsDep,
+    TokenDep,
+    require_device,
+    run_db,
+)
+from orchestrator.api.group_commit import GroupCommit
 from orchestrator.api.schemas import ReportAccepted
 from orchestrator.db import Round
+from orchestrator.devices import authenticate_all
 
 router = APIRouter(prefix="/v1/assignments", tags=["devices"])
 
@@ -14,37 +28,72 @@ router = APIRouter(prefix="/v1/assignments", tags=["devices"])
 def _answer(result: Round | rounds.Refused) -> ReportAccepted:
     if isinstance(result, rounds.Refused):
         raise HTTPException(result.status, result.message)
+    return _accepted(result)
+
+
+def _accepted(round_: Round) -> ReportAccepted:
     return ReportAccepted(
-        round_id=result.id, round_status=result.status, reported=result.reported, target=result.target
+        round_id=round_.id, round_status=round_.status, reported=round_.reported, target=round_.target
     )
 
 
+@dataclass(frozen=True)
+class _ReportCall:
+    assignment_id: str
+    token: str
+    body: bytes
+    content_type: str
+
+
+ReportGroups = GroupCommit[None, _ReportCall, ReportAccepted | rounds.Refused]
+
+
+def report_groups(app: Starlette, window_seconds: float) -> ReportGroups:
+    """The group commit of reports: one transaction for the reports that arrive together."""
+
+    async def transaction(_: None, calls: Sequence[_ReportCall]) -> list[ReportAccepted | rounds.Refused]:
+        return await run_db(app, _report, app.state.sessionmaker, calls, app.state.clock())
+
+    return GroupCommit(transaction, window_seconds)
+
+
 def _report(
-    factory: sessionmaker[Session], assignment_id: str, token: str, body: bytes, content_type: str, now: float
-) -> Round | rounds.Refused:
+    factory: sessionmaker[Session], calls: Sequence[_ReportCall], now: float
+) -> list[ReportAccepted | rounds.Refused]:
+    """Each report in turn, in one transaction; an answer is built as soon as its report is in,
+    since a later report in the same transaction may commit the round."""
     with factory.begin() as session:
-        device = require_device(session, token)
-        population = rounds.population_of_assignment(session, assignment_id)
-        if population is None:
-            return rounds.Refused(404, f"no assignment {assignment_id!r}")
-        return rounds.report(session, population, assignment_id, device, body, content_type, now)
+        device_ids = authenticate_all(session, [call.token for call in calls])
+        populations = rounds.populations_of_assignments(
+            session,
+            [call.assignment_id for call, device_id in zip(calls, device_ids, strict=True) if device_id],
+        )
+        answers: list[ReportAccepted | rounds.Refused] = []
+        for call, device_id in zip(calls, device_ids, strict=True):
+            population = populations.get(call.assignment_id)
+            if device_id is None:
+                answers.append(rounds.Refused(401, UNAUTHENTICATED))
+            elif population is None:
+                answers.append(rounds.Refused(404, f"no assignment {call.assignment_id!r}"))
+            else:
+                result = rounds.report(
+                    session, population, call.assignment_id, device_id, call.body, call.content_type, now
+                )
+                answers.append(result if isinstance(result, rounds.Refused) else _accepted(result))
+        return answers
 
 
 @router.post(
     "/{assignment_id}/report",
     response_model=ReportAccepted,
     summary="Report a task's result",
-    description="Training: a safetensors body with the manifest's global tensors (the delta) and "
+    description="Training: the sparse delta of the manifest's global tensors as safetensors "
+    "(`<name>/rows` int32 increasing, `<name>/values` float32, `<name>/shape` int64) with "
     "metadata `num_examples` and `metrics` (JSON). Evaluation: JSON `{num_examples, metrics}`. "
     "409 when late or repeated, 422 when malformed, 403 when not the caller's.",
 )
 async def report(
-    assignment_id: str,
-    request: Request,
-    token: TokenDep,
-    factory: SessionFactoryDep,
-    clock: ClockDep,
-    settings: SettingsDep,
+    assignment_id: str, request: Request, token: TokenDep, settings: SettingsDep
 ) -> ReportAccepted:
     declared = int(request.headers.get("content-length") or 0)
     if declared > settings.max_report_bytes:
@@ -56,23 +105,28 @@ async def report(
         raise HTTPException(
             413, f"report of {len(body)} bytes exceeds the limit of {settings.max_report_bytes}"
         )
-    content_type = request.headers.get("content-type", "")
-    return _answer(await run_db(request, _report, factory, assignment_id, token, body, content_type, clock()))
+    groups: ReportGroups = request.app.state.report_groups
+    call = _ReportCall(assignment_id, token, body, request.headers.get("content-type", ""))
+    result = await groups.submit(None, call)
+    if isinstance(result, rounds.Refused):
+        headers = {"WWW-Authenticate": "Bearer"} if result.status == 401 else None
+        raise HTTPException(result.status, result.message, headers=headers)
+    return result
 
 
 def _abort(
     factory: sessionmaker[Session], assignment_id: str, token: str, now: float
 ) -> Round | rounds.Refused:
     with factory.begin() as session:
-        device = require_device(session, token)
+        device_id = require_device(session, token)
         population = rounds.population_of_assignment(session, assignment_id)
         if population is None:
             return rounds.Refused(404, f"no assignment {assignment_id!r}")
-        return rounds.abort(session, population, assignment_id, device, now)
+        return rounds.abort(session, population, assignment_id, device_id, now)
 
 
 @router.post("/{assignment_id}/abort", response_model=ReportAccepted, summary="Give up an assignment")
 async def abort(
     assignment_id: str, request: Request, token: TokenDep, factory: SessionFactoryDep, clock: ClockDep
 ) -> ReportAccepted:
-    return _answer(await run_db(request, _abort, factory, assignment_id, token, clock()))
+    return _answer(await run_db(request.app, _abort, factory, assignment_id, token, clock()))

@@ -12,7 +12,7 @@ router = APIRouter(prefix="/v1/devices", tags=["devices"])
 
 @router.post("", response_model=Enrolled, status_code=201, summary="Enroll a device")
 async def enroll_device(factory: SessionFactoryDep, clock: ClockDep, request: Request) -> Enrolled:
-    return await run_db(request, _enroll, factory, clock())
+    return await run_db(request.app, _enroll, factory, clock())
 
 
 def _enroll(factory: sessionmaker[Session], now: float) -> Enrolled:

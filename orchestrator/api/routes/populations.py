@@ -1,66 +1,111 @@
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter, HTTPException, Request, Response
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
+from starlette.applications import Starlette
 
 from orchestrator import rounds
-from orchestrator.api.deps import ClockDep, SessionFactoryDep, TokenDep, require_device, run_db
+from orchestrator.api.deps import UNAUTHENTICATED, SessionFactoryDep, TokenDep, require_device, run_db
+from orchestrator.api.group_commit import GroupCommit
 from orchestrator.api.schemas import AssignmentOut, CheckIn, RejectionOut
 from orchestrator.db import ModelVersion, Population
+from orchestrator.devices import authenticate_all
 
 router = APIRouter(prefix="/v1/populations", tags=["devices"])
+
+
+@dataclass(frozen=True)
+class _CheckInCall:
+    token: str
+    example_count: int
+    kind: str
+
+
+CheckInGroups = GroupCommit[str, _CheckInCall, AssignmentOut | rounds.Refused]
+
+
+def checkin_groups(app: Starlette, window_seconds: float) -> CheckInGroups:
+    """The group commit of check-ins, keyed by population."""
+
+    async def transaction(
+        population: str, calls: Sequence[_CheckInCall]
+    ) -> list[AssignmentOut | rounds.Refused]:
+        return await run_db(app, _checkin, app.state.sessionmaker, population, calls, app.state.clock())
+
+    return GroupCommit(transaction, window_seconds)
 
 
 @router.post(
     "/{population}/checkin", response_model=AssignmentOut | RejectionOut, summary="Check in for a task"
 )
 async def checkin(
-    population: str,
-    body: CheckIn,
-    token: TokenDep,
-    factory: SessionFactoryDep,
-    clock: ClockDep,
-    request: Request,
-    response: Response,
+    population: str, body: CheckIn, token: TokenDep, request: Request, response: Response
 ) -> AssignmentOut | RejectionOut:
-    result = await run_db(request, _checkin, factory, population, body, token, clock())
+    groups: CheckInGroups = request.app.state.checkin_groups
+    result = await groups.submit(population, _CheckInCall(token, body.example_count, body.task))
     if isinstance(result, AssignmentOut):
         return result
+    if result.status in (401, 404):
+        headers = {"WWW-Authenticate": "Bearer"} if result.status == 401 else None
+        raise HTTPException(result.status, result.message, headers=headers)
     retry = result.retry_after if result.retry_after is not None else 30.0
     response.headers["Retry-After"] = str(max(1, round(retry)))
     return RejectionOut(reason=result.message, retry_after_seconds=retry)
 
 
 def _checkin(
-    factory: sessionmaker[Session], population: str, body: CheckIn, token: str, now: float
-) -> AssignmentOut | rounds.Refused:
+    factory: sessionmaker[Session], population: str, calls: Sequence[_CheckInCall], now: float
+) -> list[AssignmentOut | rounds.Refused]:
+    """One transaction for check-ins that arrived together; each call gets its own answer."""
     with factory.begin() as session:
-        device = require_device(session, token)
+        device_ids = authenticate_all(session, [call.token for call in calls])
+        known = [
+            rounds.CheckIn(device_id, call.example_count, call.kind)
+            for call, device_id in zip(calls, device_ids, strict=True)
+            if device_id is not None
+        ]
         found = rounds.lock_population(session, population)
-        if found is None:
-            raise HTTPException(404, f"no population {population!r}")
-        result = rounds.checkin(session, found, device, body.example_count, body.task, now)
-        if isinstance(result, rounds.Refused):
-            return result
-        a, r = result.assignment, result.round
-        return AssignmentOut(
-            assignment_id=a.id,
-            round_id=r.id,
-            kind=r.kind,
-            deadline=a.deadline,
-            seconds_left=a.deadline - now,
-            model_version=r.base_version,
-            artifact_sha256=found.artifact_sha256,
-            artifact_url=f"/v1/artifacts/{found.artifact_sha256}",
-            params_url=f"/v1/populations/{found.name}/models/{r.base_version}/global",
-            manifest_url=f"/v1/populations/{found.name}/manifest",
-            report_url=f"/v1/assignments/{a.id}/report",
-            abort_url=f"/v1/assignments/{a.id}/abort",
-            task_config=rounds.population_settings(found).task_config,
+        answers = iter(
+            rounds.checkin(session, found, known, now)
+            if found is not None
+            else [rounds.Refused(404, f"no population {population!r}")] * len(known)
         )
+        return [
+            _assignment_out(found, next(answers), now)
+            if device_id is not None
+            else rounds.Refused(401, UNAUTHENTICATED)
+            for device_id in device_ids
+        ]
+
+
+def _assignment_out(
+    population: Population | None, answer: rounds.Accepted | rounds.Refused, now: float
+) -> AssignmentOut | rounds.Refused:
+    if isinstance(answer, rounds.Refused):
+        return answer
+    assert population is not None  # only a population hands out assignments
+    sha, name = population.artifact_sha256, population.name
+    version, assignment = answer.model_version, answer.assignment_id
+    return AssignmentOut(
+        assignment_id=assignment,
+        round_id=answer.round_id,
+        kind=answer.kind,
+        deadline=answer.deadline,
+        seconds_left=answer.deadline - now,
+        model_version=version,
+        artifact_sha256=sha,
+        artifact_url=f"/v1/artifacts/{sha}",
+        params_url=f"/v1/populations/{name}/models/{version}/global",
+        manifest_url=f"/v1/populations/{name}/manifest",
+        report_url=f"/v1/assignments/{assignment}/report",
+        abort_url=f"/v1/assignments/{assignment}/abort",
+        task_config=rounds.population_settings(population).task_config,
+    )
 
 
 def _manifest(factory: sessionmaker[Session], token: str, population: str) -> dict[str, Any]:
@@ -76,7 +121,7 @@ def _manifest(factory: sessionmaker[Session], token: str, population: str) -> di
 async def manifest(
     population: str, token: TokenDep, factory: SessionFactoryDep, request: Request
 ) -> dict[str, Any]:
-    return await run_db(request, _manifest, factory, token, population)
+    return await run_db(request.app, _manifest, factory, token, population)
 
 
 def _global_params(factory: sessionmaker[Session], token: str, population: str, version: int) -> bytes:
@@ -95,7 +140,7 @@ def _global_params(factory: sessionmaker[Session], token: str, population: str, 
 async def global_params(
     population: str, version: int, token: TokenDep, factory: SessionFactoryDep, request: Request
 ) -> Response:
-    params = await run_db(request, _global_params, factory, token, population, version)
+    params = await run_db(request.app, _global_params, factory, token, population, version)
     return Response(
         content=params,
         media_type="application/octet-stream",

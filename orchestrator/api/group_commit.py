@@ -1,0 +1,59 @@
+"""Group commit: requests that arrive together share one database transaction.
+
+A check-in's transaction costs about the same for one device as for twenty (the population
+lock, the open rounds, the commit), so concurrent check-ins for a population are collected
+for a moment and answered by one transaction. Each caller gets its answer only after that
+transaction has committed, so an answer is never lost by a crash that loses its state.
+Nothing is kept across transactions: several server processes can share one database.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Hashable, Sequence
+from typing import Generic, TypeVar
+
+Key = TypeVar("Key", bound=Hashable)
+Request = TypeVar("Request")
+Answer = TypeVar("Answer")
+
+
+class GroupCommit(Generic[Key, Request, Answer]):
+    """Runs `transaction(key, requests)` (answers in request order) once for the requests with one
+    key that arrive within `window_seconds` of each other or while its previous transaction runs."""
+
+    def __init__(
+        self,
+        transaction: Callable[[Key, Sequence[Request]], Awaitable[Sequence[Answer]]],
+        window_seconds: float,
+    ) -> None:
+        self._transaction = transaction
+        self._window = window_seconds
+        self._pending: dict[Key, list[tuple[Request, asyncio.Future[Answer]]]] = {}
+        self._draining: dict[Key, asyncio.Task[None]] = {}
+
+    async def submit(self, key: Key, request: Request) -> Answer:
+        future: asyncio.Future[Answer] = asyncio.get_running_loop().create_future()
+        self._pending.setdefault(key, []).append((request, future))
+        if key not in self._draining:
+            self._draining[key] = asyncio.create_task(self._drain(key))
+        return await future
+
+    async def _drain(self, key: Key) -> None:
+        try:
+            await asyncio.sleep(self._window)
+            # One transaction at a time per key: what arrives meanwhile joins the next one.
+            while group := self._pending.pop(key, []):
+                try:
+                    answers = await self._transaction(key, [request for request, _ in group])
+                    answered = list(zip(group, answers, strict=True))
+                except Exception as error:  # rolled back: none of the requests happened
+                    for _, future in group:
+                        if not future.done():
+                            future.set_exception(error)
+                    continue
+                for (_, future), answer in answered:
+                    if not future.done():  # the caller may have gone (client disconnected)
+                        future.set_result(answer)
+        finally:
+            del self._draining[key]
