@@ -28,14 +28,8 @@ from device_runtime.client_task import TaskConfig, diverged, num_steps, reconstr
 from device_runtime.model import DeviceModel, EvaluationSums, RowUpdate
 from device_runtime.task_batches import TaskBatches
 from model_export.manifest import Manifest
-from model_export.params import Params
-from orchestrator.aggregation import (
-    ServerOptimizerConfig,
-    SparseTensor,
-    WeightedMean,
-    apply_update,
-    init_state,
-)
+from model_export.params import Params, SparseTensor, row_shape
+from orchestrator.aggregation import ServerOptimizerConfig, WeightedMean, apply_update, init_state
 
 R = TypeVar("R")
 
@@ -148,7 +142,7 @@ def sparse_delta(
 
 def whole(values: np.ndarray) -> SparseTensor:
     """A small tensor (global mean, a shared user vector) as a sparse tensor with every row."""
-    rows = values.reshape(values.shape or (1,))
+    rows = values.reshape(row_shape(values.shape))
     return SparseTensor(values.shape, np.arange(len(rows)), rows)
 
 
