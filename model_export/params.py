@@ -49,17 +49,22 @@ def read_metadata(blob: bytes) -> dict[str, str]:
     return metadata
 
 
-def check_params(params: Mapping[str, np.ndarray], specs: Iterable[TensorSpec], what: str) -> Params:
-    """Exactly the declared tensors, with the declared shapes and dtypes, all finite."""
-    specs = list(specs)
+def _check_names(tensors: Mapping[str, object], specs: list[TensorSpec], what: str) -> None:
+    """Exactly the declared tensor names, or a ParamsError naming what is missing and extra."""
     expected = {s.name for s in specs}
-    missing, extra = expected - set(params), set(params) - expected
+    missing, extra = expected - set(tensors), set(tensors) - expected
     if missing or extra:
         raise ParamsError(
             f"{what}: expected tensors {sorted(expected)}"
             + (f"; missing {sorted(missing)}" if missing else "")
             + (f"; unexpected {sorted(extra)}" if extra else "")
         )
+
+
+def check_params(params: Mapping[str, np.ndarray], specs: Iterable[TensorSpec], what: str) -> Params:
+    """Exactly the declared tensors, with the declared shapes and dtypes, all finite."""
+    specs = list(specs)
+    _check_names(params, specs, what)
     checked: Params = {}
     for spec in specs:
         value = params[spec.name]
@@ -170,14 +175,7 @@ def check_sparse_delta(
 ) -> dict[str, SparseTensor]:
     """Exactly the declared tensors, float32 with the declared shapes, all values finite."""
     specs = list(specs)
-    expected = {s.name for s in specs}
-    missing, extra = expected - set(delta), set(delta) - expected
-    if missing or extra:
-        raise ParamsError(
-            f"{what}: expected tensors {sorted(expected)}"
-            + (f"; missing {sorted(missing)}" if missing else "")
-            + (f"; unexpected {sorted(extra)}" if extra else "")
-        )
+    _check_names(delta, specs, what)
     for spec in specs:
         tensor = delta[spec.name]
         if spec.dtype != "float32" or tensor.shape != spec.shape:

@@ -121,6 +121,11 @@ class Devices:
             total = total + sums
         return total
 
+    def metrics_of(self, params: Params, work: EvaluationWork, users: Sequence[int]) -> dict[str, float]:
+        """Install `params` as the globals, then the example-weighted metrics of `work` over `users`."""
+        self.set_global(params)
+        return self.evaluate(work, users).metrics()
+
 
 def per_item_names(manifest: Manifest) -> frozenset[str]:
     return frozenset(s.name for s in manifest.global_params if s.shape[:1] == (manifest.num_items,))

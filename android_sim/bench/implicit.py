@@ -163,8 +163,7 @@ def run_implicit(
         evaluation = recon_eval_work(validation, config)
 
         def validate(params: Params) -> dict[str, float]:
-            devices.set_global(params)
-            return devices.evaluate(evaluation, split.validation).metrics()
+            return devices.metrics_of(params, evaluation, split.validation)
 
         optimizer = ServerOptimizerConfig.from_json(settings["server_optimizer"])
         server = Server(DeviceModel(model_dir).get_global(), optimizer)

@@ -185,8 +185,7 @@ def run_fedrecon(
         evaluation = recon_eval_work(clients, settings.task)
 
         def validate(params: Params) -> dict[str, float]:
-            devices.set_global(params)
-            return devices.evaluate(evaluation, split.validation).metrics()
+            return devices.metrics_of(params, evaluation, split.validation)
 
         server = Server(initial_globals(model_dir), settings.server)
         work = fedrecon_work(clients, settings.task, per_item_names(devices.manifest))
@@ -226,8 +225,7 @@ def run_fedavg(
         evaluation = shared_locals_eval_work(clients)
 
         def validate(params: Params) -> dict[str, float]:
-            devices.set_global(params)
-            return devices.evaluate(evaluation, split.validation).metrics()
+            return devices.metrics_of(params, evaluation, split.validation)
 
         shared_user = {s.name: np.zeros(s.shape, np.float32) for s in devices.manifest.local_params}
         server = Server({**initial_globals(model_dir), **shared_user}, settings.server)
@@ -249,8 +247,7 @@ def run_furl(data: Dataset, rounds: Rounds, models: ModelCache, workers: int) ->
         validation = private_locals_eval_work(users, kept, "validation")
 
         def validate(params: Params) -> dict[str, float]:
-            devices.set_global(params)
-            return devices.evaluate(validation, everyone).metrics()
+            return devices.metrics_of(params, validation, everyone)
 
         server = Server(initial_globals(model_dir), settings.server)
         work = furl_work(users, kept, settings.task, per_item_names(devices.manifest))
@@ -327,8 +324,7 @@ def run_centralized_recon_eval(
         evaluation = recon_eval_work(clients, FAITHFUL.task)
 
         def validate(params: Params) -> dict[str, float]:
-            devices.set_global(params)
-            return devices.evaluate(evaluation, split.validation).metrics()
+            return devices.metrics_of(params, evaluation, split.validation)
 
         kept = PrivateLocals(devices.manifest)
         every = [all_batches(e, devices.manifest, config) for e in data.examples]
@@ -354,8 +350,7 @@ def run_centralized_standard_eval(
         kept = PrivateLocals(devices.manifest)
 
         def validate(params: Params) -> dict[str, float]:
-            devices.set_global(params)
-            return devices.evaluate(private_locals_eval_work(users, kept, "validation"), everyone).metrics()
+            return devices.metrics_of(params, private_locals_eval_work(users, kept, "validation"), everyone)
 
         train = [u.train for u in users]
         run = train_centralized(
