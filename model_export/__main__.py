@@ -75,6 +75,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--rating-max", type=float, default=d.rating_max, help="explicit feedback: highest valid rating"
     )
     p.add_argument(
+        "--huber-delta",
+        type=float,
+        default=d.huber_delta,
+        help="explicit feedback: 0 trains squared error, > 0 a Huber loss with this delta (default: %(default)s)",
+    )
+    p.add_argument(
         "--init-stddev",
         type=float,
         default=d.init_stddev,
@@ -106,6 +112,7 @@ def config_from_args(args: argparse.Namespace) -> ModelConfig:
         global_mean_init=args.global_mean_init,
         rating_min=args.rating_min,
         rating_max=args.rating_max,
+        huber_delta=args.huber_delta,
         init_stddev=args.init_stddev,
         seed=args.seed,
         training=TrainingDefaults(

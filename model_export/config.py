@@ -8,6 +8,7 @@ defaults travel in the manifest, so a server can tune them without a new export.
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
@@ -49,6 +50,10 @@ class ModelConfig:
     global_mean_init: float = 0.0
     rating_min: float = 1.0  # explicit feedback: labels outside [rating_min, rating_max] are refused
     rating_max: float = 5.0
+    # Explicit feedback: 0 trains on squared error; > 0 on a Huber loss that equals the squared
+    # error within +-huber_delta and grows linearly beyond, so a few surprising ratings pull
+    # the parameters less (on MovieLens 100K: better RMSE and accuracy, README).
+    huber_delta: float = 0.0
     init_stddev: float = 0.1  # item embeddings ~ N(0, init_stddev)
     seed: int = 0
     training: TrainingDefaults = TrainingDefaults()
@@ -62,6 +67,10 @@ class ModelConfig:
             problems.append(f"top_k ({self.top_k}) must not exceed num_items ({self.num_items})")
         if not self.rating_min < self.rating_max:
             problems.append(f"rating_min ({self.rating_min}) must be < rating_max ({self.rating_max})")
+        if not (math.isfinite(self.huber_delta) and self.huber_delta >= 0):
+            problems.append(f"huber_delta must be finite and >= 0, got {self.huber_delta}")
+        elif self.huber_delta > 0 and self.feedback is Feedback.IMPLICIT:
+            problems.append("huber_delta applies to explicit feedback only; implicit trains a logistic loss")
         if self.init_stddev < 0:
             problems.append(f"init_stddev must be >= 0, got {self.init_stddev}")
         if problems:

@@ -86,9 +86,16 @@ class FedReconModel(tf.Module):  # type: ignore[misc]
         return scores
 
     def _example_losses(self, scores: tf.Tensor, labels: tf.Tensor) -> tf.Tensor:
-        if self.config.feedback is Feedback.EXPLICIT:
-            return tf.square(scores - labels)
-        return tf.nn.sigmoid_cross_entropy_with_logits(labels=labels, logits=scores)
+        if self.config.feedback is Feedback.IMPLICIT:
+            return tf.nn.sigmoid_cross_entropy_with_logits(labels=labels, logits=scores)
+        error = scores - labels
+        delta = self.config.huber_delta
+        if delta > 0.0:
+            # Huber, scaled to match the squared error (value and slope) at +-delta, so the
+            # learning rates mean the same as without it.
+            abs_error = tf.abs(error)
+            return tf.where(abs_error <= delta, tf.square(error), 2.0 * delta * abs_error - delta * delta)
+        return tf.square(error)
 
     def _batch_objective(
         self,
@@ -267,7 +274,7 @@ class FedReconModel(tf.Module):  # type: ignore[misc]
         if c.feedback is Feedback.EXPLICIT:
             # Within 0.5 inclusive, as TFF's RatingAccuracy: the prediction rounds to the rating.
             correct = tf.cast(tf.abs(scores - labels) <= 0.5, tf.float32)
-            squared_error = losses
+            squared_error = tf.square(scores - labels)  # RMSE, whatever the training loss
         else:
             correct = tf.cast(tf.cast(scores > 0.0, tf.float32) == labels, tf.float32)
             squared_error = tf.square(tf.sigmoid(scores) - labels)

@@ -19,6 +19,7 @@ class ReferenceModel:
     feedback: str  # "explicit" | "implicit"
     global_params: dict[str, np.ndarray]
     local_params: dict[str, np.ndarray] = field(default_factory=dict)
+    huber_delta: float = 0.0  # explicit feedback: 0 is squared error
 
     def __post_init__(self) -> None:
         self.global_params = {k: np.asarray(v, np.float64).copy() for k, v in self.global_params.items()}
@@ -39,13 +40,20 @@ class ReferenceModel:
 
     def example_losses(self, scores: np.ndarray, labels: np.ndarray) -> np.ndarray:
         if self.feedback == "explicit":
-            return np.asarray((scores - labels) ** 2)
+            error = scores - labels
+            d = self.huber_delta
+            if d > 0:
+                return np.asarray(np.where(np.abs(error) <= d, error**2, 2 * d * np.abs(error) - d * d))
+            return np.asarray(error**2)
         # numerically stable logistic loss
         return np.asarray(np.maximum(scores, 0) - scores * labels + np.log1p(np.exp(-np.abs(scores))))
 
     def _dloss_dscore(self, scores: np.ndarray, labels: np.ndarray) -> np.ndarray:
         if self.feedback == "explicit":
-            return np.asarray(2.0 * (scores - labels))
+            error = scores - labels
+            if self.huber_delta > 0:
+                error = np.clip(error, -self.huber_delta, self.huber_delta)
+            return np.asarray(2.0 * error)
         return np.asarray(1.0 / (1.0 + np.exp(-scores)) - labels)
 
     # ---- one batch ---------------------------------------------------------------------

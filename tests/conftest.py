@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -28,6 +29,8 @@ BIASED = ModelConfig(
     global_mean=True,
     global_mean_init=3.5,
 )
+# Huber loss: random parameters and ratings put errors on both sides of delta.
+ROBUST = replace(BIASED, num_items=120, huber_delta=0.75)
 IMPLICIT = ModelConfig(
     num_items=150,
     embedding_dim=12,

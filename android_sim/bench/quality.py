@@ -52,7 +52,15 @@ from model_export.params import Params
 from orchestrator.aggregation import ServerOptimizerConfig
 
 # Model fields a run may change; the rest (catalog, batch shapes) the protocol fixes.
-MODEL_CHOICES = ("embedding_dim", "item_bias", "user_bias", "global_mean", "global_mean_init", "init_stddev")
+MODEL_CHOICES = (
+    "embedding_dim",
+    "item_bias",
+    "user_bias",
+    "global_mean",
+    "global_mean_init",
+    "init_stddev",
+    "huber_delta",
+)
 
 
 def protocol_model(num_items: int, **changes: Any) -> ModelConfig:

@@ -83,3 +83,14 @@ def test_unknown_config_field_is_refused(tmp_path: Path) -> None:
 
     assert result.returncode == 2
     assert "embeding_dim" in result.stderr
+
+
+def test_huber_delta_is_for_explicit_feedback_and_non_negative(tmp_path: Path) -> None:
+    negative = run_cli("--output-dir", str(tmp_path), "--huber-delta", "-1")
+    implicit = run_cli("--output-dir", str(tmp_path), "--feedback", "implicit", "--huber-delta", "1")
+
+    assert negative.returncode == 2
+    assert "huber_delta must be finite and >= 0, got -1.0" in negative.stderr
+    assert implicit.returncode == 2
+    assert "huber_delta applies to explicit feedback only" in implicit.stderr
+    assert not (tmp_path / "model.tflite").exists()

@@ -15,10 +15,10 @@ from device_runtime.model import DeviceModel
 from device_runtime.task_batches import Examples, TaskBatches, split_batches
 from model_export.config import ModelConfig
 from model_export.reference import ReferenceModel
-from tests.conftest import BIASED, IMPLICIT, SMALL, perturbed_globals
+from tests.conftest import BIASED, IMPLICIT, ROBUST, SMALL, perturbed_globals
 
 ATOL, RTOL = 2e-5, 2e-4
-CONFIGS = {"small": SMALL, "biased": BIASED, "implicit": IMPLICIT}
+CONFIGS = {"small": SMALL, "biased": BIASED, "robust": ROBUST, "implicit": IMPLICIT}
 
 
 def random_examples(config: ModelConfig, count: int, seed: int) -> Examples:
@@ -43,7 +43,8 @@ def setup_pair(model_dir: Path, backend: str, seed: int) -> tuple[DeviceModel, R
     locals_ = {k: rng.normal(0, 0.2, v.shape).astype(np.float32) for k, v in model.get_local().items()}
     model.set_global(globals_)
     model.set_local(locals_)
-    return model, ReferenceModel(model.manifest.feedback, globals_, locals_)
+    huber_delta = float(model.manifest.config.get("huber_delta", 0.0))
+    return model, ReferenceModel(model.manifest.feedback, globals_, locals_, huber_delta)
 
 
 def assert_close(actual: np.ndarray | float, expected: np.ndarray | float) -> None:
