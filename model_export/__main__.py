@@ -78,7 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--huber-delta",
         type=float,
         default=d.huber_delta,
-        help="explicit feedback: 0 trains squared error, > 0 a Huber loss with this delta (default: %(default)s)",
+        help="explicit feedback: 0 trains squared error, > 0 a Huber loss with this delta "
+        "(default: %(default)s)",
     )
     p.add_argument(
         "--init-stddev",
