@@ -22,7 +22,7 @@ from android_sim.bench.quality import (
     protocol_model,
     run_fedrecon,
 )
-from device_runtime.client_task import TaskConfig
+from device_runtime.client_task import SplitPolicy, TaskConfig
 from device_runtime.model import DeviceModel, EvaluationSums
 from device_runtime.task_batches import Examples, TaskBatches
 from tests.conftest import MOVIELENS_100K, ROOT
@@ -103,6 +103,23 @@ def test_a_short_run_improves_validation_rmse(tmp_path: Path) -> None:
     assert [point["round"] for point in result.curve] == [0, 4, 8]
     assert rmse[-1] < rmse[0] - 0.2
     assert result.test["users"] == len(split.test) and result.test["examples"] > 0
+
+
+def test_training_on_reused_examples_still_evaluates_reconstruct_on_support_measure_on_query(
+    tmp_path: Path,
+) -> None:
+    full = load_dataset(MOVIELENS_100K)
+    data = Dataset("60 users", full.num_items, full.examples[:60])
+    split = split_users(len(data.examples))
+    settings = FedReconSettings(model={"embedding_dim": 4}, task=TaskConfig(split=SplitPolicy.REUSE))
+    models = ModelCache(tmp_path)
+
+    result = run_fedrecon(data, split, settings, Rounds(2, 10, evaluate_every=2), models, 2)
+
+    manifest = DeviceModel(models.get(settings.model_config(data.num_items))).manifest
+    alternating = pack_support_query([data.examples[u] for u in split.test], manifest, TaskConfig())
+    assert result.test["examples"] == sum(c.query.num_examples for c in alternating)
+    assert result.test["examples"] < sum(min(300, len(data.examples[u])) for u in split.test)
 
 
 def test_threads_give_the_same_metrics_as_one(tmp_path: Path) -> None:
