@@ -23,6 +23,12 @@ class PopulationSettings(BaseModel):
     server_optimizer: dict[str, Any] = Field(default_factory=lambda: {"name": "sgd", "learning_rate": 1.0})
     update_norm_bound: float = Field(1000.0, gt=0, description="largest accepted L2 norm of a delta")
     task_config: dict[str, Any] = Field(default_factory=dict, description="sent to devices (TaskConfig)")
+    keep_model_versions: int = Field(
+        100,
+        ge=0,
+        description="model versions kept after a commit: the newest k (0 keeps all); version 0 and "
+        "any version an open round trains or evaluates from are always kept",
+    )
     evaluation_every: int = Field(0, ge=0, description="open an evaluation round after every k commits")
     evaluation_target_reports: int = Field(10, ge=1)
     evaluation_round_duration_seconds: float = Field(60.0, gt=0)

@@ -22,7 +22,7 @@ from typing import Any, TypeVar, cast
 
 import numpy as np
 from safetensors.numpy import load
-from sqlalchemy import CursorResult, bindparam, func, insert, select, update
+from sqlalchemy import CursorResult, bindparam, delete, func, insert, select, update
 from sqlalchemy.orm import Session, object_session
 
 from model_export.manifest import Manifest
@@ -537,6 +537,8 @@ def _commit(session: Session, population: Population, round_: Round, now: float)
     round_.result_version = version
     open_round(session, population, TRAINING, now)
     settings = population_settings(population)
+    if settings.keep_model_versions:
+        prune_model_versions(session, population, settings.keep_model_versions)
     every = settings.evaluation_every
     if (
         every
@@ -544,6 +546,23 @@ def _commit(session: Session, population: Population, round_: Round, now: float)
         and EVALUATION not in open_rounds(session, population)
     ):
         open_round(session, population, EVALUATION, now)
+
+
+def prune_model_versions(session: Session, population: Population, keep: int) -> int:
+    """Delete the versions older than the newest `keep`, except version 0 (the export) and any
+    version an open round works from; returns how many went. Each version holds the dense
+    parameters and optimizer state (about 1.5 MB for 3,706 x 50), so keeping every round's
+    would grow the database without bound; SQLite reuses the freed pages."""
+    in_use = select(Round.base_version).where(Round.population_id == population.id, Round.status == "open")
+    result = session.execute(
+        delete(ModelVersion).where(
+            ModelVersion.population_id == population.id,
+            ModelVersion.version > 0,
+            ModelVersion.version <= population.current_version - keep,
+            ModelVersion.version.not_in(in_use),
+        )
+    )
+    return int(cast(CursorResult[Any], result).rowcount)
 
 
 def summarize_metrics(round_: Round) -> dict[str, float]:

@@ -11,10 +11,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 import httpx
+import numpy as np
 import pytest
 
 from device_runtime.orchestrator_client import OrchestratorClient, ProtocolError, ServerUnavailable
 from model_export.config import ModelConfig
+from model_export.manifest import load_manifest
+from model_export.params import encode_sparse_delta
 from orchestrator.local import free_port
 from tests.conftest import BIASED, ROOT
 from tests.orchestrator.conftest import ADMIN_TOKEN, Server, admin_create_population
@@ -142,6 +145,37 @@ def test_artifact_and_params_downloads(
     assert "immutable" in artifact.headers["Cache-Control"]
     assert params.content == (export(BIASED) / "global_params.safetensors").read_bytes()
     assert missing.status_code == 404
+    assert "has no model version 99; the current version is 0" in missing.json()["detail"]
+
+
+def test_a_pruned_model_version_is_a_404_that_says_so(
+    server: Server, export: Callable[[ModelConfig], Path]
+) -> None:
+    settings = {"target_reports": 1, "keep_model_versions": 1}
+    assert admin_create_population(server.url, export(BIASED), "q", json.dumps(settings)).status_code == 201
+    manifest = load_manifest(export(BIASED))
+    zero = {s.name: np.zeros(s.shape, np.float32) for s in manifest.global_params}
+    body = encode_sparse_delta(zero, {"num_examples": "5", "metrics": "{}"})
+    for _ in range(2):
+        headers = {"Authorization": f"Bearer {enroll(server.url)}"}
+        assignment = httpx.post(
+            f"{server.url}/v1/populations/q/checkin", json={"example_count": 10}, headers=headers, timeout=10
+        ).json()
+        sent = httpx.post(
+            f"{server.url}{assignment['report_url']}", content=body, headers=headers, timeout=10
+        )
+        assert sent.status_code == 200, sent.text
+
+    def download(version: int) -> httpx.Response:
+        return httpx.get(
+            f"{server.url}/v1/populations/q/models/{version}/global", headers=headers, timeout=10
+        )
+
+    assert [download(v).status_code for v in (0, 2)] == [200, 200]
+    pruned = download(1)
+    assert pruned.status_code == 404
+    assert "model version 1 of population 'q' was pruned" in pruned.json()["detail"]
+    assert "the current version is 2" in pruned.json()["detail"]
 
 
 def test_duplicate_population_and_bad_uploads(

@@ -396,3 +396,27 @@ def test_version_zero_is_the_exported_initial_model(
     with db() as session:
         state = load(session.get(ModelVersion, (1, 0)).optimizer_state)  # type: ignore[union-attr]
     assert {k.split("/")[0] for k in state} == {"m", "v"}
+
+
+def test_old_model_versions_are_pruned_but_not_the_export_or_one_an_open_round_uses(
+    db: sessionmaker[Session], biased_model: ExportedModel
+) -> None:
+    make_population(
+        db,
+        biased_model,
+        target_reports=1,
+        keep_model_versions=1,
+        evaluation_every=1,
+        evaluation_round_duration_seconds=1e6,
+    )
+    for step in range(1, 4):
+        dev = device(db)
+        answer = checkin(db, dev, now=float(step))
+        committed = report(db, dev, answer.assignment_id, delta_body(biased_model, 0.1), now=step + 0.5)
+        assert committed.result_version == step
+        if step == 1:  # the evaluation round opened on version 1 stays open (no reports)
+            assert current_round(db, "evaluation").base_version == 1
+
+    with db() as session:
+        kept = session.scalars(select(ModelVersion.version).order_by(ModelVersion.version)).all()
+    assert kept == [0, 1, 3]

@@ -132,7 +132,18 @@ def _global_params(factory: sessionmaker[Session], token: str, population: str, 
             raise HTTPException(404, f"no population {population!r}")
         model = session.get(ModelVersion, (found.id, version))
         if model is None:
-            raise HTTPException(404, f"population {population!r} has no model version {version}")
+            if 0 < version < found.current_version:
+                raise HTTPException(
+                    404,
+                    f"model version {version} of population {population!r} was pruned (the population "
+                    f"keeps its newest versions; keep_model_versions); the current version is "
+                    f"{found.current_version}",
+                )
+            raise HTTPException(
+                404,
+                f"population {population!r} has no model version {version}; the current version is "
+                f"{found.current_version}",
+            )
         return model.params
 
 
