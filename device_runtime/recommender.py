@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 from safetensors import SafetensorError
 
-from device_runtime.client_task import TaskConfig, num_steps, select_examples
+from device_runtime.client_task import TaskConfig, add_negatives, num_steps, select_examples
 from device_runtime.example_store import ExampleStore
 from device_runtime.model import DeviceModel
 from device_runtime.task_batches import TaskBatches, split_batches
@@ -82,9 +82,16 @@ class Recommender:
                 self.model.set_local(cached)
                 self._loaded_key = key
                 return
-        examples, _ = select_examples(self.store, self.model.manifest, self.config)
-        batches = split_batches(examples, self.model.manifest.batch_size)[: self.model.manifest.max_batches]
-        support = TaskBatches.pack(batches, self.model.manifest)
+        manifest = self.model.manifest
+        examples, _ = select_examples(self.store, manifest, self.config)
+        if manifest.feedback == "implicit" and self.config.negatives_per_positive:
+            # Reconstruct as training does: from shares alone every item looks liked, and the user
+            # vector drifts toward whatever is popular. Seeded by the revision, so a cached
+            # reconstruction is the one this store would give again.
+            rng = np.random.default_rng(revision)
+            examples = add_negatives(examples, manifest.num_items, self.config.negatives_per_positive, rng)
+        batches = split_batches(examples, manifest.batch_size)[: manifest.max_batches]
+        support = TaskBatches.pack(batches, manifest)
         self.model.reset_local()
         steps = num_steps(
             support.num_batches, self.config.reconstruction_max_epochs, self.config.reconstruction_max_steps

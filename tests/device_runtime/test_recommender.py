@@ -12,16 +12,19 @@ from device_runtime.example_store import Event, ExampleStore
 from device_runtime.model import DeviceModel
 from device_runtime.recommender import Recommender
 from model_export.config import ModelConfig
-from tests.conftest import BIASED, SMALL, perturbed_globals
+from tests.conftest import BIASED, IMPLICIT, SMALL, perturbed_globals
 
 
 class CountingModel(DeviceModel):
-    """The real model, counting reconstructions (the expensive step the cache avoids)."""
+    """The real model, counting reconstructions (the expensive step the cache avoids) and keeping
+    the last support batches it was given."""
 
     reconstructions = 0
+    support = None
 
     def reconstruct(self, *args, **kwargs):  # type: ignore[no-untyped-def]
         self.reconstructions += 1
+        self.support = args[0]
         return super().reconstruct(*args, **kwargs)
 
 
@@ -122,3 +125,23 @@ def test_bad_requests(setup) -> None:  # type: ignore[no-untyped-def]
         recommender.recommend(0)
     with pytest.raises(ValueError, match="excluded item ids"):
         recommender.recommend(5, exclude=[200])
+
+
+def test_implicit_reconstruction_samples_negatives_as_training_does(
+    export: Callable[[ModelConfig], Path], backend: str, tmp_path: Path
+) -> None:
+    model = CountingModel(export(IMPLICIT), backend=backend)
+    store = ExampleStore(tmp_path / "device.sqlite", num_items=150, label_range=(0.0, 1.0))
+    shared = list(range(3, 30, 3))
+    store.add(Event(i, 1.0, float(t)) for t, i in enumerate(shared))
+
+    Recommender(model, store, model.get_global()).recommend(10)
+
+    support = model.support
+    assert support is not None
+    real = support.weights > 0
+    items, labels = support.item_ids[support.slots][real], support.labels[real]
+    assert sorted(items[labels == 1.0].tolist()) == shared
+    negatives = items[labels == 0.0]
+    assert len(negatives) == 4 * len(shared)  # the task config's negatives per share
+    assert not set(negatives.tolist()) & set(shared)
