@@ -76,7 +76,7 @@ class LocalOrchestrator:
         raise RuntimeError(f"the orchestrator did not answer at {self.url} within {timeout_seconds:.0f} s")
 
     def kill(self) -> None:
-        """SIGKILL: no shutdown hooks, no flush; what a power cut does."""
+        """SIGKILL: no shutdown hooks, no flush; what a crash of the server process does."""
         if self.process and self.process.poll() is None:
             self.process.send_signal(signal.SIGKILL)
             self.process.wait(timeout=30)

@@ -14,7 +14,8 @@ class Settings(BaseSettings):
     port: int = 8700
     # How often the server looks for rounds past their deadline (devices also trigger it).
     tick_seconds: float = 0.5
-    # Check-ins (per population) and reports arriving within this window share one transaction.
+    # Check-ins (per population) and reports that arrive together share one transaction; this is
+    # the longest a request waits for others to join it (api/group_commit.py).
     group_commit_seconds: float = 0.001
     # Threads for blocking work (database, report validation).
     worker_threads: int = 4

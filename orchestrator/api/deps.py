@@ -34,12 +34,17 @@ async def get_settings(request: Request) -> Settings:
     return settings
 
 
-async def bearer_token(authorization: Annotated[str | None, Header()] = None) -> str:
+def token_of(authorization: str | None) -> str:
+    """The token of an `Authorization: Bearer <token>` header; 401 without one."""
     if not authorization or not authorization.startswith("Bearer "):
         raise HTTPException(
             401, "missing 'Authorization: Bearer <token>' header", headers={"WWW-Authenticate": "Bearer"}
         )
     return authorization.removeprefix("Bearer ").strip()
+
+
+async def bearer_token(authorization: Annotated[str | None, Header()] = None) -> str:
+    return token_of(authorization)
 
 
 async def require_admin(

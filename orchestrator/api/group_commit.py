@@ -5,6 +5,13 @@ lock, the open rounds, the commit), so concurrent check-ins for a population are
 for a moment and answered by one transaction. Each caller gets its answer only after that
 transaction has committed, so an answer is never lost by a crash that loses its state.
 Nothing is kept across transactions: several server processes can share one database.
+
+A group is collected while requests keep arriving: the first request of a group yields to the
+event loop, which reads and parses whatever has come in meanwhile, until two turns of the loop
+add nothing (or the window ends). Under load the group is whatever was waiting, at once; a
+fixed wait of 1 ms left the server idle once every waiting client was in the group (with
+sixteen clients: 1,240-1,500 check-ins/s against 1,430-2,020 this way, in alternating runs). A
+lone request waits two turns of the loop.
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ Answer = TypeVar("Answer")
 
 class GroupCommit(Generic[Key, Request, Answer]):
     """Runs `transaction(key, requests)` (answers in request order) once for the requests with one
-    key that arrive within `window_seconds` of each other or while its previous transaction runs."""
+    key that arrive together (within `window_seconds` at most) or while its previous transaction runs."""
 
     def __init__(
         self,
@@ -39,9 +46,21 @@ class GroupCommit(Generic[Key, Request, Answer]):
             self._draining[key] = asyncio.create_task(self._drain(key))
         return await future
 
+    async def _collect(self, key: Key) -> None:
+        """Returns when two turns of the event loop have added no request for `key`, or at the
+        end of the window. (One turn reads a request's bytes, the next runs its handler up to
+        `submit`.)"""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._window
+        size, quiet_turns = len(self._pending[key]), 0
+        while quiet_turns < 2 and loop.time() < deadline:
+            await asyncio.sleep(0)
+            grown = len(self._pending[key])
+            size, quiet_turns = grown, (quiet_turns + 1 if grown == size else 0)
+
     async def _drain(self, key: Key) -> None:
         try:
-            await asyncio.sleep(self._window)
+            await self._collect(key)
             # One transaction at a time per key: what arrives meanwhile joins the next one.
             while group := self._pending.pop(key, []):
                 try:

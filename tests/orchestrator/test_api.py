@@ -82,6 +82,34 @@ def test_malformed_checkins_say_what_was_expected(server: Server, population: st
     assert int(too_few.headers["Retry-After"]) >= 1
 
 
+def test_a_checkin_gets_the_same_answer_however_its_json_is_declared(server: Server, population: str) -> None:
+    # A plain `application/json` check-in takes the route's shortcut; any other JSON content
+    # type goes through FastAPI's own body handling.
+    headers = {"Authorization": f"Bearer {enroll(server.url)}"}
+    url = f"{server.url}/v1/populations/{population}/checkin"
+    body = json.dumps({"example_count": 10}).encode()
+
+    plain = httpx.post(url, content=body, headers={**headers, "Content-Type": "application/json"}, timeout=10)
+    declared = httpx.post(
+        url, content=body, headers={**headers, "Content-Type": "application/json; charset=utf-8"}, timeout=10
+    )
+    other_device = httpx.post(
+        url,
+        content=body,
+        headers={
+            "Authorization": f"Bearer {enroll(server.url)}",
+            "Content-Type": "application/json; charset=utf-8",
+        },
+        timeout=10,
+    )
+
+    assert plain.status_code == declared.status_code == other_device.status_code == 200
+    assert plain.headers["content-type"] == declared.headers["content-type"] == "application/json"
+    first, again, other = plain.json(), declared.json(), other_device.json()
+    assert first["accepted"] and again == {**first, "seconds_left": again["seconds_left"]}
+    assert other["accepted"] and set(other) == set(first) and other["assignment_id"] != first["assignment_id"]
+
+
 def test_report_errors_over_http(server: Server, population: str) -> None:
     token = enroll(server.url)
     headers = {"Authorization": f"Bearer {token}"}
