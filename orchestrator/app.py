@@ -5,11 +5,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import anyio.to_thread
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
+from fastapi.encoders import jsonable_encoder
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 from starlette.concurrency import run_in_threadpool
@@ -32,6 +37,24 @@ def tick(factory: sessionmaker[Session], now: float) -> None:
             population = rounds.lock_population(session, name)
             if population is not None:
                 rounds.advance(session, population, now)
+
+
+def _json_safe(value: Any) -> Any:
+    """`value` with NaN and infinities as strings: JSON has no literal for them."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_json_safe(v) for v in value]
+    return value
+
+
+async def request_validation_error(request: Request, exc: Exception) -> JSONResponse:
+    """FastAPI's 422, except that a NaN or infinity the client sent is echoed as a string: FastAPI's
+    own handler echoes it as a float, cannot encode that as JSON and answers 500."""
+    assert isinstance(exc, RequestValidationError)
+    return JSONResponse(status_code=422, content={"detail": _json_safe(jsonable_encoder(exc.errors()))})
 
 
 def create_app(settings: Settings | None = None, clock: Callable[[], float] = time.time) -> FastAPI:
@@ -74,6 +97,7 @@ def create_app(settings: Settings | None = None, clock: Callable[[], float] = ti
     )
     app.state.settings = settings
     app.state.clock = clock
+    app.add_exception_handler(RequestValidationError, request_validation_error)
     for module in (devices, populations, artifacts, assignments, admin):
         app.include_router(module.router)
     return app

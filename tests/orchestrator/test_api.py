@@ -74,8 +74,13 @@ def test_malformed_checkins_say_what_was_expected(server: Server, population: st
         f"{server.url}/v1/populations/nope/checkin", json={"example_count": 5}, headers=headers, timeout=10
     )
     too_few = httpx.post(url, json={"example_count": 2}, headers=headers, timeout=10)
+    json_headers = {**headers, "Content-Type": "application/json"}
+    not_a_number = httpx.post(url, content=b'{"example_count": NaN}', headers=json_headers, timeout=10)
 
     assert negative.status_code == 422 and "greater than or equal to 0" in negative.text
+    assert not_a_number.status_code == 422, not_a_number.text  # was a 500: NaN cannot be echoed as JSON
+    (problem,) = not_a_number.json()["detail"]
+    assert problem["loc"] == ["body", "example_count"] and problem["input"] == "nan"
     assert extra.status_code == 422 and "items" in extra.text  # examples are never accepted
     assert unknown.status_code == 404
     assert too_few.status_code == 200 and too_few.json()["accepted"] is False
