@@ -10,13 +10,15 @@ from orchestrator.api.group_commit import GroupCommit
 
 
 class Recorder:
-    def __init__(self, fail: bool = False) -> None:
+    """A transaction that records its groups and rolls back when it holds a request from `bad`."""
+
+    def __init__(self, bad: frozenset[int] = frozenset()) -> None:
         self.groups: list[list[int]] = []
-        self.fail = fail
+        self.bad = bad
 
     async def transaction(self, key: str, requests: Sequence[int]) -> list[str]:
         self.groups.append(list(requests))
-        if self.fail:
+        if self.bad & set(requests):
             raise RuntimeError("rolled back")
         return [f"{key}:{r}" for r in requests]
 
@@ -63,16 +65,30 @@ def test_requests_arriving_while_a_group_is_collected_join_it() -> None:
     assert recorder.groups == [[0, 1, 2]]
 
 
-def test_a_failed_transaction_fails_every_request_in_it() -> None:
-    recorder = Recorder(fail=True)
+def test_a_failed_group_is_retried_one_by_one_so_only_the_breaking_request_fails() -> None:
+    recorder = Recorder(bad=frozenset({1}))
 
     async def run() -> list[str | BaseException]:
         groups = GroupCommit(recorder.transaction, window_seconds=1.0)
-        return list(
-            await asyncio.gather(groups.submit("p", 0), groups.submit("p", 1), return_exceptions=True)
-        )
+        return list(await asyncio.gather(*(groups.submit("p", i) for i in range(3)), return_exceptions=True))
 
     results = asyncio.run(run())
 
-    assert recorder.groups == [[0, 1]]
-    assert [str(r) for r in results if isinstance(r, RuntimeError)] == ["rolled back", "rolled back"]
+    assert recorder.groups == [[0, 1, 2], [0], [1], [2]]
+    assert results[0] == "p:0" and results[2] == "p:2"
+    assert isinstance(results[1], RuntimeError) and str(results[1]) == "rolled back"
+
+
+def test_a_lone_request_that_fails_is_not_retried() -> None:
+    recorder = Recorder(bad=frozenset({0}))
+
+    async def run() -> str:
+        return await GroupCommit(recorder.transaction, window_seconds=1.0).submit("p", 0)
+
+    try:
+        asyncio.run(run())
+    except RuntimeError as error:
+        assert str(error) == "rolled back"
+    else:
+        raise AssertionError("the failure must reach the caller")
+    assert recorder.groups == [[0]]
