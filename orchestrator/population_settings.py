@@ -18,7 +18,12 @@ class PopulationSettings(BaseModel):
     oversampling: float = Field(1.3, ge=1.0, description="accept up to ceil(target * oversampling) check-ins")
     min_reports: int = Field(1, ge=1, description="reports needed to commit at the deadline")
     round_duration_seconds: float = Field(60.0, gt=0)
-    min_examples: int = Field(1, ge=1, description="devices with fewer examples are turned away")
+    min_examples: int = Field(
+        1,
+        ge=1,
+        description="devices with fewer examples are turned away: at check-in (the examples the device "
+        "holds) and on the device (the examples its task can use); devices get it in their task config",
+    )
     retry_after_seconds: float = Field(10.0, ge=0, description="retry window sent with a rejection")
     server_optimizer: dict[str, Any] = Field(default_factory=lambda: {"name": "sgd", "learning_rate": 1.0})
     update_norm_bound: float = Field(1000.0, gt=0, description="largest accepted L2 norm of a delta")
@@ -49,6 +54,11 @@ class PopulationSettings(BaseModel):
             raise ValueError(
                 f"min_reports ({self.min_reports}) must be <= target_reports ({self.target_reports})"
             )
+        # One minimum for check-in and device alike, so a device the server accepts never finds
+        # itself below a different threshold on the phone.
+        self.task_config = TaskConfig.from_json(
+            {**self.task_config, "min_examples": self.min_examples}
+        ).to_json()
         return self
 
     @property

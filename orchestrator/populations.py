@@ -69,9 +69,17 @@ def create_population(
         initial = decode_params(model.initial_global, manifest.global_params, "initial global parameters")
     except ParamsError as e:
         raise PopulationError(str(e)) from None
-    # Devices get the export's defaults unless the admin overrides them.
-    task = TaskConfig.from_manifest(manifest, **settings.get("task_config", {}))
+    overrides = settings.get("task_config", {})
+    if not isinstance(overrides, dict):
+        raise PopulationError(f"invalid settings: task_config must be an object, got {overrides!r}")
+    if "min_examples" in overrides and overrides["min_examples"] != settings.get("min_examples", 1):
+        raise PopulationError(
+            f"task_config.min_examples ({overrides['min_examples']}) differs from the population's "
+            f"min_examples ({settings.get('min_examples', 1)}); set it once, as the population's min_examples"
+        )
     try:
+        # Devices get the export's defaults unless the admin overrides them.
+        task = TaskConfig.from_manifest(manifest, **overrides)
         checked = PopulationSettings.model_validate({**settings, "task_config": task.to_json()})
     except ValueError as e:
         raise PopulationError(f"invalid settings: {e}") from None

@@ -368,7 +368,7 @@ def report(
     parsed = (
         _parse_training_report(population, settings, assignment.example_count, body)
         if round_.kind == TRAINING
-        else _parse_evaluation_report(settings, assignment.example_count, body, content_type)
+        else _parse_evaluation_report(population, assignment.example_count, body, content_type)
     )
     if isinstance(parsed, Refused):
         round_.invalid += 1
@@ -452,11 +452,13 @@ def _parse_training_report(
         raw_metrics = json.loads(metadata.get("metrics", "{}"))
     except (KeyError, ValueError):
         return Refused(422, "report metadata must hold 'num_examples' (an integer) and 'metrics' (JSON)")
+    # `min_examples` counts a device's examples (checked at check-in and on the device); the
+    # weight is |query|, which an honest device's split makes smaller, so only >= 1 is required here.
     limit = _max_weight(population, manifest.feedback, example_count)
-    if weight < settings.min_examples or weight > limit:
+    if not 1 <= weight <= limit:
         return Refused(
             422,
-            f"num_examples {weight} is outside [{settings.min_examples}, {limit}] "
+            f"num_examples {weight} is outside [1, {limit}] "
             f"(the device checked in with {example_count} examples)",
         )
     norm = math.sqrt(sum(float(np.vdot(t.values, t.values)) for t in delta.values()))
@@ -470,7 +472,7 @@ def _parse_training_report(
 
 
 def _parse_evaluation_report(
-    settings: PopulationSettings, example_count: int, body: bytes, content_type: str
+    population: Population, example_count: int, body: bytes, content_type: str
 ) -> tuple[float, None, dict[str, float]] | Refused:
     if not content_type.startswith("application/json"):
         return Refused(422, "an evaluation report is JSON: {num_examples, metrics}; no tensors")
@@ -486,7 +488,8 @@ def _parse_evaluation_report(
     if set(metrics) != set(EVALUATION_METRICS):
         return Refused(422, f"evaluation metrics must be exactly {list(EVALUATION_METRICS)}")
     weight = data["num_examples"]
-    limit = max(example_count, 1) * 5  # implicit tasks count sampled negatives too
+    # The same bound as training reports: implicit tasks count their sampled negatives too.
+    limit = _max_weight(population, population_manifest(population).feedback, example_count)
     if isinstance(weight, bool) or not isinstance(weight, int) or not 1 <= weight <= limit:
         return Refused(422, f"num_examples must be an integer in [1, {limit}], got {weight!r}")
     if any(v < 0 for v in metrics.values()) or metrics["weight_sum"] != weight:

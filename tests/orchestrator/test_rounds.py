@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -11,12 +13,14 @@ from safetensors.numpy import load, save
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
+from model_export.config import ModelConfig
 from model_export.manifest import Manifest
 from model_export.params import decode_params, decode_sparse_delta, encode_params, encode_sparse_delta
 from orchestrator import rounds
 from orchestrator.db import ModelVersion, Population, Report, Round
 from orchestrator.devices import authenticate, enroll
 from orchestrator.populations import ExportedModel, PopulationError, create_population
+from tests.conftest import IMPLICIT
 from tests.orchestrator.conftest import make_population
 
 
@@ -219,6 +223,53 @@ def test_deadline_without_enough_reports_abandons_and_keeps_the_model(
     assert current_round(db).base_version == 0
     with db() as session:
         assert session.get(ModelVersion, (1, 1)) is None
+
+
+def test_min_examples_counts_a_devices_examples_not_its_query_set(
+    db: sessionmaker[Session], biased_model: ExportedModel
+) -> None:
+    make_population(db, biased_model, target_reports=2, min_examples=25)
+    dev = device(db)
+    answer = checkin(db, dev, count=30)
+
+    # A device with 30 examples splits them into support and query: its weight (|query|) is 15.
+    reported = report(db, dev, answer.assignment_id, delta_body(biased_model, 0.1, num_examples=15))
+
+    assert isinstance(reported, Round) and reported.reported == 1, reported
+    with db() as session:
+        population = session.scalars(select(Population)).one()
+        assert rounds.population_settings(population).task().min_examples == 25  # what devices apply
+
+
+def test_task_config_cannot_set_a_second_min_examples(
+    db: sessionmaker[Session], biased_model: ExportedModel
+) -> None:
+    with pytest.raises(PopulationError, match=r"task_config.min_examples \(3\) differs.*min_examples \(25\)"):
+        make_population(db, biased_model, min_examples=25, task_config={"min_examples": 3})
+
+
+def test_evaluation_report_bound_follows_negatives_per_positive(
+    db: sessionmaker[Session], export: Callable[[ModelConfig], Path]
+) -> None:
+    implicit = ExportedModel.from_dir(export(IMPLICIT))
+    make_population(db, implicit, task_config={"negatives_per_positive": 8})
+    with db.begin() as session:
+        population = rounds.lock_population(session, "p")
+        assert population is not None
+        rounds.open_round(session, population, rounds.EVALUATION, 0.5)
+    honest, greedy = device(db), device(db)
+    answers = [checkin(db, d, count=10, kind="evaluation") for d in (honest, greedy)]
+
+    def body(weight: int) -> bytes:
+        metrics = {"loss_sum": 1.0, "squared_error_sum": 1.0, "correct_sum": 1.0, "weight_sum": weight}
+        return json.dumps({"num_examples": weight, "metrics": metrics}).encode()
+
+    # 10 shares, each with 8 sampled negatives: 90 examples, beyond the old fixed 5 per share.
+    accepted = report(db, honest, answers[0].assignment_id, body(90), ctype="application/json")
+    refused = report(db, greedy, answers[1].assignment_id, body(91), ctype="application/json")
+
+    assert isinstance(accepted, Round) and accepted.reported == 1, accepted
+    assert isinstance(refused, rounds.Refused) and "[1, 90]" in refused.message
 
 
 @pytest.mark.parametrize(
