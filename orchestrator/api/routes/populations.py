@@ -13,6 +13,7 @@ from starlette.applications import Starlette
 
 from orchestrator import rounds
 from orchestrator.api.deps import (
+    DATABASE_UNAVAILABLE,
     UNAUTHENTICATED,
     SessionFactoryDep,
     TokenDep,
@@ -46,7 +47,7 @@ def checkin_groups(app: Starlette, window_seconds: float) -> CheckInGroups:
     ) -> list[AssignmentOut | rounds.Refused]:
         return await run_db(app, _checkin, app.state.sessionmaker, population, calls, app.state.clock())
 
-    return GroupCommit(transaction, window_seconds)
+    return GroupCommit(transaction, window_seconds, fail_together=DATABASE_UNAVAILABLE)
 
 
 class _CheckInRoute(APIRoute):
