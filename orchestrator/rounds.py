@@ -13,7 +13,6 @@ raised, so that the counters they bump are committed with the answer.
 
 from __future__ import annotations
 
-import json
 import math
 import secrets
 from collections.abc import Callable, Mapping, Sequence
@@ -33,10 +32,12 @@ from model_export.params import (
     decode_params,
     decode_sparse_delta,
     encode_params,
+    encode_sparse_delta,
     read_metadata,
 )
 from orchestrator.aggregation import WeightedMean, apply_update
 from orchestrator.db import Assignment, ModelVersion, Population, Report, Round
+from orchestrator.limits import MAX_METRIC_MAGNITUDE, MAX_REPORT_HEADER_BYTES, json_document
 from orchestrator.population_settings import PopulationSettings
 
 TRAINING, EVALUATION = "training", "evaluation"
@@ -426,32 +427,70 @@ def _check_metrics(raw: Any) -> dict[str, float] | Refused:
         return Refused(422, f"metrics must be an object of at most {MAX_METRICS} numbers")
     metrics: dict[str, float] = {}
     for k, v in raw.items():
-        if not isinstance(k, str) or not 0 < len(k) <= 64 or not k.replace("_", "").isalnum():
-            return Refused(422, f"metric name {k!r} must be 1-64 letters, digits or underscores")
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-            return Refused(422, f"metric {k!r} must be a finite number, got {v!r}")
+        if (
+            not isinstance(k, str)
+            or not 0 < len(k) <= 64
+            or not k.replace("_", "").isascii()
+            or not (k.replace("_", "").isalnum())
+        ):
+            return Refused(422, f"metric name {k!r:.80} must be 1-64 ASCII letters, digits or underscores")
+        # abs(v) <= bound is False for NaN and infinities, and compares a huge int without
+        # converting it (float() of a 400-digit int would overflow).
+        if isinstance(v, bool) or not isinstance(v, int | float) or not abs(v) <= MAX_METRIC_MAGNITUDE:
+            return Refused(
+                422,
+                f"metric {k!r} must be a finite number of magnitude <= {MAX_METRIC_MAGNITUDE:g}, "
+                f"got {v!r:.40}",
+            )
         metrics[k] = float(v)
     return metrics
+
+
+REPORT_METADATA = ("metrics", "num_examples")
+
+
+def _header_size(body: bytes) -> int | Refused:
+    """The size of a safetensors payload's JSON header, refused when it exceeds the bound."""
+    size = int.from_bytes(body[:8], "little") if len(body) >= 8 else 0
+    if size > MAX_REPORT_HEADER_BYTES:
+        return Refused(
+            422,
+            f"not a valid safetensors payload: its header claims {size} bytes; the limit is "
+            f"{MAX_REPORT_HEADER_BYTES} (tensor entries and the metadata num_examples and metrics)",
+        )
+    return size
 
 
 def _parse_training_report(
     population: Population, settings: PopulationSettings, example_count: int, body: bytes
 ) -> tuple[float, bytes, dict[str, float]] | Refused:
     manifest = population_manifest(population)
+    header = _header_size(body)
+    if isinstance(header, Refused):
+        return header
     try:
         metadata = read_metadata(body)
         delta = check_sparse_delta(decode_sparse_delta(body), manifest.global_params, "report")
-    except ParamsError as e:
+    except (ParamsError, RecursionError) as e:
+        problem = str(e) if isinstance(e, ParamsError) else "the safetensors header nests too deeply"
         return Refused(
             422,
-            f"{e}; a report is the sparse delta of the manifest's global tensors: safetensors with "
+            f"{problem}; a report is the sparse delta of the manifest's global tensors: safetensors with "
             "'<name>/rows' (int32, increasing), '<name>/values' (float32) and '<name>/shape' (int64) each",
+        )
+    if "num_examples" not in metadata or not set(metadata) <= set(REPORT_METADATA):
+        return Refused(
+            422,
+            f"report metadata must be 'num_examples' (an integer) and optionally 'metrics' (a JSON object); "
+            f"got keys {sorted(metadata)[:8]}",
         )
     try:
         weight = int(metadata["num_examples"])
-        raw_metrics = json.loads(metadata.get("metrics", "{}"))
-    except (KeyError, ValueError):
-        return Refused(422, "report metadata must hold 'num_examples' (an integer) and 'metrics' (JSON)")
+        raw_metrics = json_document(metadata.get("metrics", "{}"), "the report's metrics")
+    except ValueError as e:
+        return Refused(
+            422, f"report metadata must hold 'num_examples' (an integer) and 'metrics' (a JSON object): {e}"
+        )
     limit = _max_weight(population, manifest.feedback, example_count)
     if weight < settings.min_examples or weight > limit:
         return Refused(
@@ -465,8 +504,9 @@ def _parse_training_report(
     metrics = _check_metrics(raw_metrics)
     if isinstance(metrics, Refused):
         return metrics
-    # Stored as received: it is the storage format, checked tensor by tensor above.
-    return float(weight), body, metrics
+    # Only the tensors are stored (the metadata is in the columns): anything else a device put
+    # in its header is not kept.
+    return float(weight), encode_sparse_delta(delta), metrics
 
 
 def _parse_evaluation_report(
@@ -475,9 +515,9 @@ def _parse_evaluation_report(
     if not content_type.startswith("application/json"):
         return Refused(422, "an evaluation report is JSON: {num_examples, metrics}; no tensors")
     try:
-        data = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        return Refused(422, "evaluation report is not valid JSON")
+        data = json_document(body, "evaluation report")
+    except ValueError as e:
+        return Refused(422, f"{e}; an evaluation report is JSON: {{num_examples, metrics}}")
     if not isinstance(data, dict) or set(data) != {"num_examples", "metrics"}:
         return Refused(422, "evaluation report must be exactly {num_examples, metrics}")
     metrics = _check_metrics(data["metrics"])

@@ -3,9 +3,9 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import APIRouter, HTTPException, Request, Response
+from fastapi import APIRouter, HTTPException, Path, Request, Response
 from fastapi.routing import APIRoute
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
@@ -25,6 +25,7 @@ from orchestrator.api.group_commit import GroupCommit
 from orchestrator.api.schemas import AssignmentOut, CheckIn, RejectionOut
 from orchestrator.db import ModelVersion, Population
 from orchestrator.devices import authenticate_all
+from orchestrator.limits import MAX_COUNT
 
 router = APIRouter(prefix="/v1/populations", tags=["devices"])
 
@@ -197,7 +198,11 @@ def _global_params(factory: sessionmaker[Session], token: str, population: str, 
 
 @router.get("/{population}/models/{version}/global", summary="Global parameters (safetensors)")
 async def global_params(
-    population: str, version: int, token: TokenDep, factory: SessionFactoryDep, request: Request
+    population: str,
+    version: Annotated[int, Path(ge=0, le=MAX_COUNT)],
+    token: TokenDep,
+    factory: SessionFactoryDep,
+    request: Request,
 ) -> Response:
     params = await run_db(request.app, _global_params, factory, token, population, version)
     return Response(
