@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from device_runtime.client_task import TaskConfig
-from orchestrator.aggregation import ServerOptimizerConfig
+from orchestrator.aggregation import RobustAggregation, ServerOptimizerConfig
 from orchestrator.limits import MAX_COUNT
 
 # Every setting has a range: a round of a million reports or a deadline a month away is already
@@ -39,6 +39,22 @@ class PopulationSettings(BaseModel):
     server_optimizer: dict[str, Any] = Field(default_factory=lambda: {"name": "sgd", "learning_rate": 1.0})
     update_norm_bound: float = Field(
         1000.0, gt=0, le=1e12, description="a report whose delta has a larger L2 norm is refused"
+    )
+    robust_aggregation: Literal["none", "trimmed_mean", "median"] = Field(
+        "none",
+        description="none: the weighted mean of the clipped deltas; trimmed_mean or median: per "
+        "coordinate, over the reports that changed it (aggregation.RobustAggregation)",
+    )
+    trim_fraction: float = Field(0.1, ge=0, lt=0.5, description="trimmed_mean: dropped at each end")
+    norm_clip_multiple: float = Field(
+        3.0,
+        ge=1.0,
+        le=1e6,
+        description="each tensor of a delta is clipped to this multiple of its reference norm, the "
+        "median norm of the honest rounds before",
+    )
+    max_weight_multiple: float = Field(
+        5.0, ge=1.0, le=1e6, description="a report weighs at most this multiple of the round's median weight"
     )
     task_config: dict[str, Any] = Field(default_factory=dict, description="sent to devices (TaskConfig)")
     keep_model_versions: int = Field(
@@ -77,6 +93,14 @@ class PopulationSettings(BaseModel):
     @property
     def capacity(self) -> int:
         return math.ceil(self.target_reports * self.oversampling)
+
+    def robust(self) -> RobustAggregation:
+        return RobustAggregation(
+            method=self.robust_aggregation,
+            trim_fraction=self.trim_fraction,
+            norm_clip_multiple=self.norm_clip_multiple,
+            max_weight_multiple=self.max_weight_multiple,
+        )
 
     def optimizer(self) -> ServerOptimizerConfig:
         return ServerOptimizerConfig.from_json(self.server_optimizer)

@@ -35,7 +35,14 @@ from model_export.params import (
     encode_sparse_delta,
     read_metadata,
 )
-from orchestrator.aggregation import WeightedMean, apply_update
+from orchestrator.aggregation import (
+    WeightedMean,
+    apply_update,
+    clip_by_norm,
+    plan_round,
+    robust_mean,
+    tensor_norms,
+)
 from orchestrator.db import Assignment, ModelVersion, Population, Report, Round
 from orchestrator.limits import MAX_METRIC_MAGNITUDE, MAX_REPORT_HEADER_BYTES, json_document
 from orchestrator.population_settings import PopulationSettings
@@ -549,16 +556,32 @@ def _commit(session: Session, population: Population, round_: Round, now: float)
     assert base is not None
     params = decode_params(base.params, manifest.global_params, "model version")
     state = dict(load(base.optimizer_state))
-    mean = WeightedMean({s.name: s.shape for s in manifest.global_params})
-    # One report's delta in memory at a time: memory is O(model), not O(reports x model).
-    for weight, blob in session.execute(
+    shapes = {s.name: s.shape for s in manifest.global_params}
+    rule = population_settings(population).robust()
+    reports = (
         select(Report.weight, Report.delta)
         .where(Report.round_id == round_.id)
+        .order_by(Report.assignment_id)
         .execution_options(yield_per=16)
-    ):
-        mean.add_sparse(decode_sparse_delta(blob), weight)
+    )
+    # Two passes, one report's delta in memory at a time: memory is O(model), not O(reports x
+    # model). The first finds the round's median weight and norms (the caps and clipping bounds).
+    weights, norms = [], []
+    for weight, blob in session.execute(reports):
+        weights.append(weight)
+        norms.append(tensor_norms(decode_sparse_delta(blob)))
+    plan = plan_round(weights, norms, _norm_reference(session, population), rule)
+    clipped = (clip_by_norm(decode_sparse_delta(blob), plan.bounds) for _, blob in session.execute(reports))
+    if rule.method == "none":
+        mean = WeightedMean(shapes)
+        for delta, weight in zip(clipped, plan.weights, strict=True):
+            mean.add_sparse(delta, weight)
+        mean_delta = mean.mean()
+    else:
+        mean_delta = robust_mean(list(clipped), plan.weights, shapes, rule.method, rule.trim_fraction)
+    round_.norm_reference = plan.next_reference
     new_params, new_state = apply_update(
-        population_settings(population).optimizer(), params, mean.mean(), state
+        population_settings(population).optimizer(), params, mean_delta, state
     )
     check_params(new_params, manifest.global_params, "aggregated model")
     version = population.current_version + 1
@@ -586,6 +609,21 @@ def _commit(session: Session, population: Population, round_: Round, now: float)
         and EVALUATION not in open_rounds(session, population)
     ):
         open_round(session, population, EVALUATION, now)
+
+
+def _norm_reference(session: Session, population: Population) -> dict[str, float] | None:
+    """The reference update norms the population's last committed training round left, if any."""
+    return session.scalars(
+        select(Round.norm_reference)
+        .where(
+            Round.population_id == population.id,
+            Round.kind == TRAINING,
+            Round.status == "committed",
+            Round.norm_reference.is_not(None),
+        )
+        .order_by(Round.id.desc())
+        .limit(1)
+    ).first()
 
 
 def prune_model_versions(session: Session, population: Population, keep: int) -> int:
