@@ -147,11 +147,12 @@ class Edge:
             await send(message)
 
         try:
-            refusal, limit = await self._admit(scope)
+            gate = self.gate(scope["method"], scope["path"])
+            refusal = await self._admit(scope, gate)
             if refusal is not None:
                 await refusal(scope, receive, send)
                 return
-            await self.app(scope, _limited(receive, limit), tracked_send)
+            await self.app(scope, _limited(receive, gate.max_body_bytes), tracked_send)
         except Exception as error:
             if started:  # too late for an answer of our own; uvicorn closes the connection
                 raise
@@ -167,54 +168,52 @@ class Edge:
                 answer = _error(500, "internal server error")
             await answer(scope, receive, send)
 
-    async def _admit(self, scope: Scope) -> tuple[JSONResponse | None, int]:
-        """(a refusal or None, the body limit) for this request, without reading its body."""
-        gate = self.gate(scope["method"], scope["path"])
+    async def _admit(self, scope: Scope, gate: Gate) -> JSONResponse | None:
+        """A refusal of this request, or None; decided on its headers alone."""
         headers = dict(scope["headers"])
-        declared = headers.get(b"content-length", b"0")
-        if not declared.isdigit():
-            return _error(400, "Content-Length must be a non-negative integer"), gate.max_body_bytes
-        if int(declared) > gate.max_body_bytes:
-            return _error(
-                413,
-                f"request body of {int(declared)} bytes exceeds this route's limit of {gate.max_body_bytes}",
-            ), gate.max_body_bytes
         key: object = None
         if gate.credential != NONE:
             authorization = headers.get(b"authorization", b"").decode("latin-1")
-            token = (
-                authorization.removeprefix("Bearer ").strip() if authorization.startswith("Bearer ") else ""
-            )
+            bearer = authorization.startswith("Bearer ")
+            token = authorization.removeprefix("Bearer ").strip() if bearer else ""
             if not token:
                 return _error(
                     401, "missing 'Authorization: Bearer <token>' header", {"WWW-Authenticate": "Bearer"}
-                ), gate.max_body_bytes
+                )
             if gate.credential == ADMIN:
                 if not is_admin(scope["app"], token):
-                    return _error(403, ADMIN_REQUIRED), gate.max_body_bytes
+                    return _error(403, ADMIN_REQUIRED)
             else:
                 key = await self._device(scope, token)
                 if key is None:
-                    return _error(401, UNAUTHENTICATED, {"WWW-Authenticate": "Bearer"}), gate.max_body_bytes
+                    return _error(401, UNAUTHENTICATED, {"WWW-Authenticate": "Bearer"})
         elif gate.rate_limit is not None:
             client = scope.get("client")
             key = client[0] if client else ""
         if gate.rate_limit is not None:
             wait = gate.rate_limit.take(key, self.clock())
             if wait > 0:
+                limit = gate.rate_limit
                 what = (
                     "check-ins from this device"
                     if gate.credential == DEVICE
                     else "enrollments from this address"
                 )
-                limit = gate.rate_limit
                 return _error(
                     429,
                     f"too many {what}: at most {limit.burst:.0f} at once, then {limit.rate:g} per second; "
                     f"retry in {wait:.1f} s",
                     _retry_after(wait),
-                ), gate.max_body_bytes
-        return None, gate.max_body_bytes
+                )
+        declared = headers.get(b"content-length", b"0")
+        if not declared.isdigit():
+            return _error(400, "Content-Length must be a non-negative integer")
+        if int(declared) > gate.max_body_bytes:
+            return _error(
+                413,
+                f"request body of {int(declared)} bytes exceeds this route's limit of {gate.max_body_bytes}",
+            )
+        return None
 
     async def _device(self, scope: Scope, token: str) -> str | None:
         digest, device_id = self.tokens.get(token)

@@ -25,7 +25,7 @@ from orchestrator.api.group_commit import GroupCommit
 from orchestrator.api.schemas import AssignmentOut, CheckIn, RejectionOut
 from orchestrator.db import ModelVersion, Population
 from orchestrator.devices import authenticate_all
-from orchestrator.limits import MAX_COUNT
+from orchestrator.limits import MAX_COUNT, MAX_JSON_DEPTH
 
 router = APIRouter(prefix="/v1/populations", tags=["devices"])
 
@@ -64,18 +64,24 @@ class _CheckInRoute(APIRoute):
 
         async def handler(request: Request) -> Response:
             authorization = request.headers.get("authorization")
-            if (
-                authorization
-                and authorization.startswith("Bearer ")
-                and request.headers.get("content-type") == "application/json"
-            ):
+            content_type = request.headers.get("content-type") or ""
+            if authorization and authorization.startswith("Bearer ") and "json" in content_type:
                 try:
-                    body = CheckIn.model_validate(json.loads(await request.body()))
-                except (ValueError, RecursionError):  # FastAPI's handler says what is wrong
-                    pass
-                else:
-                    population: str = request.path_params["population"]
-                    return await checkin(population, body, token_of(authorization), request)
+                    document = json.loads(await request.body())
+                except RecursionError:  # FastAPI's handler would call it "an error parsing the body"
+                    raise HTTPException(
+                        422, f"the check-in nests deeper than {MAX_JSON_DEPTH} levels"
+                    ) from None
+                except ValueError:  # FastAPI's handler says what is wrong
+                    document = None
+                if document is not None and content_type == "application/json":
+                    try:
+                        body = CheckIn.model_validate(document)
+                    except ValueError:  # as above
+                        pass
+                    else:
+                        population: str = request.path_params["population"]
+                        return await checkin(population, body, token_of(authorization), request)
             return await fastapi_handler(request)
 
         return handler
