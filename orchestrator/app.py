@@ -21,7 +21,7 @@ from starlette.concurrency import run_in_threadpool
 
 from orchestrator import rounds
 from orchestrator.api.deps import DATABASE_UNAVAILABLE
-from orchestrator.api.edge import Edge
+from orchestrator.api.edge import Edge, VerifiedTokens
 from orchestrator.api.routes import admin, artifacts, assignments, devices, health, populations
 from orchestrator.db import Population, make_engine
 from orchestrator.migrate import migrate
@@ -104,6 +104,7 @@ def create_app(settings: Settings | None = None, clock: Callable[[], float] = ti
     app.state.settings = settings
     app.state.clock = clock
     app.state.admin_token_digest = admin_token_digest
+    app.state.verified_tokens = VerifiedTokens()
     app.add_exception_handler(RequestValidationError, request_validation_error)
     app.add_middleware(Edge, settings=settings)
     for module in (devices, populations, artifacts, assignments, admin, health):
