@@ -6,6 +6,7 @@ Expected values are worked out by hand and written literally; the arithmetic is 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 import pytest
@@ -264,6 +265,19 @@ def test_aggregate_clips_caps_and_averages() -> None:
     # (10 + 10 + 10 + 30 x 2) / (10 + 10 + 10 + 30) = 90 / 60
     assert_close(mean["g"], [1.5])
     assert reference == {"g": 1.0}
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"method": "mean"}, "unknown robust aggregation 'mean'"),
+        ({"trim_fraction": 0.5}, "trim_fraction must be in \\[0, 0.5\\)"),
+        ({"norm_clip_multiple": 0.5}, "norm_clip_multiple must be in \\[1, 1e6\\]"),
+    ],
+)
+def test_robust_aggregation_refuses_bad_settings(changes: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        RobustAggregation(**changes)
 
 
 # ---------------------------------------------------------------------------------------------------------
