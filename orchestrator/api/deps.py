@@ -16,7 +16,6 @@ from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 
 from orchestrator.devices import authenticate
-from orchestrator.settings import Settings
 
 T = TypeVar("T")
 
@@ -31,11 +30,6 @@ async def get_sessionmaker(request: Request) -> sessionmaker[Session]:
 async def get_clock(request: Request) -> Callable[[], float]:
     clock: Callable[[], float] = request.app.state.clock
     return clock
-
-
-async def get_settings(request: Request) -> Settings:
-    settings: Settings = request.app.state.settings
-    return settings
 
 
 def token_of(authorization: str | None) -> str:
@@ -113,6 +107,5 @@ async def run_db(app: Starlette, fn: Callable[..., T], *args: Any) -> T:
 
 SessionFactoryDep = Annotated[sessionmaker[Session], Depends(get_sessionmaker)]
 ClockDep = Annotated[Callable[[], float], Depends(get_clock)]
-SettingsDep = Annotated[Settings, Depends(get_settings)]
 TokenDep = Annotated[str, Depends(bearer_token)]
 AdminDep = Annotated[None, Depends(require_admin)]
