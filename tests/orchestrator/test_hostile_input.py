@@ -515,6 +515,9 @@ def test_checkins_out_of_range_are_refused_with_the_limit(live: Live) -> None:
     before = live.state()
 
     huge = live.http.post(url, json={"example_count": 2**63}, headers=device)
+    overflow = live.http.post(
+        url, content=b'{"example_count": 1e400}', headers={**device, "Content-Type": "application/json"}
+    )
     many = live.http.post(
         url, json={"example_count": 5, "conditions": {f"c{i}": True for i in range(33)}}, headers=device
     )
@@ -528,6 +531,7 @@ def test_checkins_out_of_range_are_refused_with_the_limit(live: Live) -> None:
     )
 
     assert huge.status_code == 422 and "less than or equal to 2147483647" in huge.text
+    assert overflow.status_code == 422 and overflow.json()["detail"][0]["input"] == "inf"
     assert many.status_code == 422 and "at most 32" in many.text
     assert deep.status_code == deep_charset.status_code == 422
     assert "nests deeper than 16" in deep.text and "nests deeper than 16" in deep_charset.text
