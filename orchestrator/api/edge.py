@@ -18,7 +18,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
-import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -42,9 +41,6 @@ from orchestrator.settings import Settings
 log = logging.getLogger("orchestrator")
 
 NONE, DEVICE, ADMIN = "none", "device", "admin"
-_CHECKIN = re.compile(r"^/v1/populations/[^/]+/checkin$")
-_REPORT = re.compile(r"^/v1/assignments/[^/]+/report$")
-_ABORT = re.compile(r"^/v1/assignments/[^/]+/abort$")
 
 
 class BodyTooLarge(HTTPException):
@@ -121,15 +117,18 @@ class Edge:
         self.other = Gate(NONE, settings.max_request_bytes)
 
     def gate(self, method: str, path: str) -> Gate:
+        # String tests, not regular expressions: this runs for every request. A path that
+        # merely looks like a device route gets its gate too, which only asks more of it.
         if path.startswith("/v1/admin/"):
             return self.uploads if method == "POST" and path == "/v1/admin/populations" else self.admin
         if method == "POST":
-            if _CHECKIN.match(path):
+            if path.startswith("/v1/populations/") and path.endswith("/checkin"):
                 return self.checkins
-            if _REPORT.match(path):
-                return self.reports
-            if _ABORT.match(path):
-                return self.aborts
+            if path.startswith("/v1/assignments/"):
+                if path.endswith("/report"):
+                    return self.reports
+                if path.endswith("/abort"):
+                    return self.aborts
             if path == "/v1/devices":
                 return self.enrollments
         return self.other
@@ -147,11 +146,22 @@ class Edge:
 
         try:
             gate = self.gate(scope["method"], scope["path"])
-            refusal = await self._admit(scope, gate)
+            authorization, declared, chunked = b"", None, False
+            for name, value in scope["headers"]:
+                if name == b"authorization":
+                    authorization = value
+                elif name == b"content-length":
+                    declared = value
+                elif name == b"transfer-encoding":
+                    chunked = True
+            refusal = await self._admit(scope, gate, authorization.decode("latin-1"), declared)
             if refusal is not None:
                 await refusal(scope, receive, send)
                 return
-            await self.app(scope, _limited(receive, gate.max_body_bytes), tracked_send)
+            # A declared length frames the body (the server never reads past it) and was checked;
+            # only a chunked body needs counting as it streams.
+            framed = declared is not None and not chunked
+            await self.app(scope, receive if framed else _limited(receive, gate.max_body_bytes), tracked_send)
         except Exception as error:
             if started:  # too late for an answer of our own; uvicorn closes the connection
                 raise
@@ -167,12 +177,12 @@ class Edge:
                 answer = _error(500, "internal server error")
             await answer(scope, receive, send)
 
-    async def _admit(self, scope: Scope, gate: Gate) -> JSONResponse | None:
+    async def _admit(
+        self, scope: Scope, gate: Gate, authorization: str, declared: bytes | None
+    ) -> JSONResponse | None:
         """A refusal of this request, or None; decided on its headers alone."""
-        headers = dict(scope["headers"])
         key: object = None
         if gate.credential != NONE:
-            authorization = headers.get(b"authorization", b"").decode("latin-1")
             bearer = authorization.startswith("Bearer ")
             token = authorization.removeprefix("Bearer ").strip() if bearer else ""
             if not token:
@@ -183,7 +193,10 @@ class Edge:
                 if not is_admin(scope["app"], token):
                     return _error(403, ADMIN_REQUIRED)
             else:
-                key = await self._device(scope, token)
+                tokens: VerifiedTokens = scope["app"].state.verified_tokens
+                key = tokens.get(token)
+                if key is None:
+                    key = await self._verify(scope, tokens, token)
                 if key is None:
                     return _error(401, UNAUTHENTICATED, {"WWW-Authenticate": "Bearer"})
         elif gate.rate_limit is not None:
@@ -204,7 +217,8 @@ class Edge:
                     f"retry in {wait:.1f} s",
                     _retry_after(wait),
                 )
-        declared = headers.get(b"content-length", b"0")
+        if declared is None:
+            return None
         if not declared.isdigit():
             return _error(400, "Content-Length must be a non-negative integer")
         if int(declared) > gate.max_body_bytes:
@@ -214,14 +228,12 @@ class Edge:
             )
         return None
 
-    async def _device(self, scope: Scope, token: str) -> str | None:
+    async def _verify(self, scope: Scope, tokens: VerifiedTokens, token: str) -> str | None:
+        """The device of a token not seen yet, from the database (remembered when valid)."""
         app = scope["app"]
-        tokens: VerifiedTokens = app.state.verified_tokens
-        device_id = tokens.get(token)
-        if device_id is None:
-            device_id = await run_db(app, _device_of, app.state.sessionmaker, token)
-            if device_id is not None:
-                tokens.add(token, device_id)
+        device_id = await run_db(app, _device_of, app.state.sessionmaker, token)
+        if device_id is not None:
+            tokens.add(token, device_id)
         return device_id
 
 
