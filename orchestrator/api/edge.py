@@ -98,7 +98,6 @@ class Edge:
 
     def __init__(self, app: ASGIApp, settings: Settings, clock: Callable[[], float] = time.monotonic) -> None:
         self.app = app
-        self.settings = settings
         self.clock = clock
         self.checkins = Gate(
             DEVICE,
