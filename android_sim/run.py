@@ -45,6 +45,9 @@ T = TypeVar("T")
 DEFAULT_RATINGS = (
     Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "movielens-100k" / "u.data"
 )
+# Settings of the orchestrator a run starts: every simulated phone enrolls from this machine's
+# one address, where a real fleet's phones have addresses of their own.
+SIMULATED_FLEET_LIMITS: dict[str, int] = {"enrollment_burst": 1_000_000}
 
 
 class RunError(RuntimeError):
@@ -218,13 +221,22 @@ async def orchestrator(
         assert config.admin_token
         yield config.orchestrator_url.rstrip("/"), config.admin_token, Connector()
         return
-    token = secrets.token_urlsafe(24)
+    token = secrets.token_urlsafe(32)
     database_url = f"sqlite:///{work / 'orchestrator.sqlite'}"
     if config.in_process:
+        from pydantic import SecretStr
+
         from orchestrator.app import create_app
         from orchestrator.settings import Settings
 
-        app = create_app(Settings(database_url=database_url, admin_token=token, tick_seconds=0.2))
+        app = create_app(
+            Settings(
+                database_url=database_url,
+                admin_token=SecretStr(token),
+                tick_seconds=0.2,
+                **SIMULATED_FLEET_LIMITS,  # type: ignore[arg-type]
+            )
+        )
         async with app.router.lifespan_context(app):
             connector = Connector(app)
             try:
@@ -232,7 +244,9 @@ async def orchestrator(
             finally:
                 await connector.aclose()
         return
-    server = LocalOrchestrator(database_url, token, log_path=work / "orchestrator.log")
+    server = LocalOrchestrator(
+        database_url, token, log_path=work / "orchestrator.log", settings=SIMULATED_FLEET_LIMITS
+    )
     await asyncio.to_thread(server.start)
     console.print(
         f"orchestrator: {server.url} (SQLite {work / 'orchestrator.sqlite'}, log {server.log_path})"

@@ -40,7 +40,14 @@ from android_sim.expressions import SyntheticConfig  # noqa: E402
 from android_sim.fleet import write_store  # noqa: E402
 from android_sim.network import Connector  # noqa: E402
 from android_sim.profiles import DeviceClass  # noqa: E402
-from android_sim.run import RunConfig, export, model_config, population_settings, run_async  # noqa: E402
+from android_sim.run import (  # noqa: E402
+    SIMULATED_FLEET_LIMITS,
+    RunConfig,
+    export,
+    model_config,
+    population_settings,
+    run_async,
+)
 from device_runtime.agent import DeviceAgent, Participation  # noqa: E402
 from device_runtime.example_store import ExampleStore  # noqa: E402
 from device_runtime.orchestrator_client import OrchestratorClient  # noqa: E402
@@ -131,11 +138,13 @@ async def scale(work: Path, enrolled: int, concurrent: int, waves: int) -> dict[
         model,
     )
     with LocalOrchestrator(
-        f"sqlite:///{work / 'scale.sqlite'}", "bench", log_path=work / "scale.log"
+        f"sqlite:///{work / 'scale.sqlite'}",
+        log_path=work / "scale.log",
+        settings=SIMULATED_FLEET_LIMITS,
     ) as server:
         connector = Connector()
         timings = CheckinTimings()
-        admin = AdminClient(server.url, "bench")
+        admin = AdminClient(server.url, server.admin_token)
         await admin.ensure_population("scale", model_dir, settings)
         https = [
             httpx.AsyncClient(transport=CheckinTimer(connector.transport()[0], timings), timeout=120.0)

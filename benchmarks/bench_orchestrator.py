@@ -248,7 +248,10 @@ def main() -> int:
         model_dir = Path(tmp) / "model"
         model_dir.mkdir()
         export(model_dir)
-        server = Server(Path(tmp) / "orchestrator.sqlite").start()
+        # The load comes from one address and reuses devices far faster than a fleet would:
+        # the figures are the server's throughput, not its rate limits.
+        limits = {"enrollment_burst": 1_000_000, "checkin_burst": 1_000_000}
+        server = Server(Path(tmp) / "orchestrator.sqlite", settings=limits).start()
         try:
             assert server.process is not None
             args.server_pid = server.process.pid

@@ -40,10 +40,16 @@ def main(argv: list[str] | None = None) -> int:
         import uvicorn
 
         from orchestrator.app import create_app
+        from orchestrator.settings import AdminTokenError
 
+        try:
+            app = create_app(settings)
+        except AdminTokenError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
         # No access log: at log level warning it is never written, but its arguments are still built.
         uvicorn.run(
-            create_app(settings),
+            app,
             host=settings.host,
             port=settings.port,
             log_level="warning",

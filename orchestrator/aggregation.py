@@ -6,6 +6,11 @@ so all of this is testable with hand-computed numbers.
 - Sparse deltas (`model_export.params.SparseTensor`): a client trains only the item rows it has
   examples for (about 150 of 20,000), so its delta travels and is stored as those rows.
 - `WeightedMean`: a streaming weighted mean of deltas, memory O(model) however many clients report.
+- Robust aggregation (`RobustAggregation`, `plan_round`, `clip_by_norm`, `robust_mean`): what
+  keeps a few hostile devices from moving the model: each report's delta is clipped per tensor to
+  a multiple of a reference norm learnt from earlier rounds, one device's weight is capped at a
+  multiple of the round's median, and optionally the mean is replaced by a coordinate-wise
+  trimmed mean or median.
 - Server optimizers, "generalized FedAvg" (Reddi et al. 2021, "Adaptive Federated Optimization",
   Algorithm 2): the mean delta is a negative pseudo-gradient fed to SGD, SGD with momentum, Adam or Yogi.
 """
@@ -14,7 +19,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
@@ -128,6 +133,175 @@ class WeightedMean:
             name: (total / self._total_weight).reshape(self._shapes[name]).astype(np.float32)
             for name, total in self._sums.items()
         }
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Robust aggregation
+
+ROBUST_METHODS = ("none", "trimmed_mean", "median")
+
+
+@dataclass(frozen=True)
+class RobustAggregation:
+    """How a round's reports are combined so that hostile devices cannot move the model far.
+
+    - Clipping: each report's delta is scaled down, tensor by tensor, to at most
+      `norm_clip_multiple` x the tensor's reference norm. The reference is learnt from the honest
+      rounds before (`plan_round`), not fixed: a fixed bound is either loose enough for any model
+      (1000, which let ten devices move a global mean from 3.5 to 1002.5) or wrong for most.
+    - Weights: a device's weight (its example count, already at most what it checked in with and
+      the task's max_examples) is capped at `max_weight_multiple` x the round's median weight.
+    - `method`: "none" is the weighted mean (FedAvg) of the clipped deltas; "trimmed_mean" and
+      "median" replace it per coordinate (Yin et al., ICML 2018), over the reports that changed
+      that row, scaled by their share of the round's weight (as the weighted mean scales a row
+      that few reports changed).
+    """
+
+    method: str = "none"
+    trim_fraction: float = 0.1  # trimmed_mean: this fraction of the values dropped at each end
+    norm_clip_multiple: float = 3.0
+    max_weight_multiple: float = 5.0
+    # How fast the reference norm may grow from one round to the next (it may shrink at once):
+    # a round filled by hostile devices raises the next round's bound by at most this factor.
+    reference_growth: float = 1.25
+
+    def __post_init__(self) -> None:
+        if self.method not in ROBUST_METHODS:
+            raise ValueError(f"unknown robust aggregation {self.method!r}; known: {list(ROBUST_METHODS)}")
+        if not 0 <= self.trim_fraction < 0.5:
+            raise ValueError(f"trim_fraction must be in [0, 0.5), got {self.trim_fraction}")
+        for name in ("norm_clip_multiple", "max_weight_multiple", "reference_growth"):
+            if not 1 <= getattr(self, name) <= 1e6:
+                raise ValueError(f"{name} must be in [1, 1e6], got {getattr(self, name)}")
+
+
+def tensor_norms(delta: Mapping[str, SparseTensor]) -> dict[str, float]:
+    """The L2 norm of each tensor of a sparse delta (absent rows are zero)."""
+    return {name: float(np.linalg.norm(t.values.astype(np.float64))) for name, t in delta.items()}
+
+
+def cap_weights(weights: Sequence[float], multiple: float) -> list[float]:
+    """Each weight, at most `multiple` x the median weight."""
+    cap = multiple * float(np.median(weights)) if len(weights) else 0.0
+    return [min(float(w), cap) for w in weights]
+
+
+@dataclass(frozen=True)
+class RoundPlan:
+    """What `plan_round` decided for one round's reports."""
+
+    weights: list[float]  # capped, in the reports' order
+    bounds: dict[str, float]  # per tensor, the norm each report's delta is clipped to
+    next_reference: dict[str, float]  # per tensor, the reference norm for the next round
+
+
+def plan_round(
+    weights: Sequence[float],
+    norms: Sequence[Mapping[str, float]],
+    reference: Mapping[str, float] | None,
+    rule: RobustAggregation,
+) -> RoundPlan:
+    """Capped weights and per-tensor clipping bounds for a round's reports, and the next reference.
+
+    The reference norm of a tensor is the median of its (nonzero) norms over the honest rounds
+    so far: this round's bound is `norm_clip_multiple` x the reference the previous round left
+    (`reference`); a population's first round, which has none, uses its own median. The next
+    reference is this round's median, but at most `reference_growth` x this round's: it follows
+    honest deltas down at once and up slowly, so hostile rounds cannot ratchet it up.
+    """
+    names = sorted({name for n in norms for name in n})
+    medians: dict[str, float] = {}
+    for name in names:
+        touched = [n[name] for n in norms if n.get(name, 0.0) > 0]
+        medians[name] = float(np.median(touched)) if touched else 0.0
+    known = reference or {}
+    used = {name: known[name] if known.get(name, 0.0) > 0 else medians[name] for name in names}
+    return RoundPlan(
+        weights=cap_weights(weights, rule.max_weight_multiple),
+        bounds={name: rule.norm_clip_multiple * used[name] for name in names},
+        # A tensor no report changed keeps its reference: a round says nothing about it.
+        next_reference={
+            name: min(medians[name], rule.reference_growth * used[name]) if medians[name] > 0 else used[name]
+            for name in names
+        },
+    )
+
+
+def clip_by_norm(delta: Mapping[str, SparseTensor], bounds: Mapping[str, float]) -> dict[str, SparseTensor]:
+    """Each tensor scaled down to L2 norm at most its bound (tensors within it are unchanged)."""
+    clipped: dict[str, SparseTensor] = {}
+    for name, tensor in delta.items():
+        norm = float(np.linalg.norm(tensor.values.astype(np.float64)))
+        bound = bounds.get(name, 0.0)
+        if norm <= bound:
+            clipped[name] = tensor
+        else:
+            values = (tensor.values.astype(np.float64) * (bound / norm)).astype(np.float32)
+            clipped[name] = SparseTensor(tensor.shape, tensor.rows, values)
+    return clipped
+
+
+def robust_mean(
+    deltas: Sequence[Mapping[str, SparseTensor]],
+    weights: Sequence[float],
+    shapes: Mapping[str, tuple[int, ...]],
+    method: str,
+    trim_fraction: float = 0.1,
+) -> Params:
+    """The coordinate-wise median or trimmed mean of sparse deltas, per row over the deltas that
+    changed it, times those deltas' share of the total weight. Holds every delta: memory is the
+    sum of the reports' sizes, not O(model) as the weighted mean's."""
+    if method not in ("trimmed_mean", "median"):
+        raise ValueError(f"robust_mean: method must be 'trimmed_mean' or 'median', got {method!r}")
+    if not deltas or len(deltas) != len(weights) or not sum(weights) > 0:
+        raise ValueError("robust_mean needs at least one delta and one weight > 0 per delta")
+    total = float(sum(weights))
+    out: Params = {}
+    for name, shape in shapes.items():
+        by_row = row_shape(shape)
+        result = np.zeros(by_row, np.float64)
+        parts = [(d[name], float(w)) for d, w in zip(deltas, weights, strict=True) if name in d]
+        if parts:
+            rows = np.concatenate([t.rows for t, _ in parts])
+            values = np.concatenate([t.values.reshape(len(t.rows), *by_row[1:]) for t, _ in parts])
+            row_weights = np.concatenate([np.full(len(t.rows), w) for t, w in parts])
+            order = np.argsort(rows, kind="stable")
+            rows, values, row_weights = rows[order], values[order].astype(np.float64), row_weights[order]
+            unique, starts, counts = np.unique(rows, return_index=True, return_counts=True)
+            share = np.add.reduceat(row_weights, starts) / total
+            # Rows changed by the same number of deltas are reduced together, as one array.
+            for count in np.unique(counts):
+                which = np.flatnonzero(counts == count)
+                stacked = values[starts[which][:, None] + np.arange(count)]  # (rows, count, ...)
+                if method == "median":
+                    reduced = np.median(stacked, axis=1)
+                else:
+                    cut = math.floor(trim_fraction * count)
+                    reduced = np.sort(stacked, axis=1)[:, cut : count - cut].mean(axis=1)
+                result[unique[which]] = reduced * share[which].reshape(-1, *([1] * (reduced.ndim - 1)))
+        out[name] = result.reshape(shape).astype(np.float32)
+    return out
+
+
+def aggregate(
+    deltas: Sequence[Mapping[str, SparseTensor]],
+    weights: Sequence[float],
+    shapes: Mapping[str, tuple[int, ...]],
+    rule: RobustAggregation,
+    reference: Mapping[str, float] | None,
+) -> tuple[Params, dict[str, float]]:
+    """A round's reports held in memory, combined by `rule`: (mean delta, next reference norms).
+    The server's commit does the same, streaming the reports for the weighted mean."""
+    plan = plan_round(weights, [tensor_norms(d) for d in deltas], reference, rule)
+    clipped = [clip_by_norm(d, plan.bounds) for d in deltas]
+    if rule.method != "none":
+        return robust_mean(
+            clipped, plan.weights, shapes, rule.method, rule.trim_fraction
+        ), plan.next_reference
+    mean = WeightedMean(shapes)
+    for delta, weight in zip(clipped, plan.weights, strict=True):
+        mean.add_sparse(delta, weight)
+    return mean.mean(), plan.next_reference
 
 
 # ---------------------------------------------------------------------------------------------------------

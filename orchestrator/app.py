@@ -20,7 +20,9 @@ from sqlalchemy.orm import Session, sessionmaker
 from starlette.concurrency import run_in_threadpool
 
 from orchestrator import rounds
-from orchestrator.api.routes import admin, artifacts, assignments, devices, populations
+from orchestrator.api.deps import DATABASE_UNAVAILABLE
+from orchestrator.api.edge import Edge, VerifiedTokens
+from orchestrator.api.routes import admin, artifacts, assignments, devices, health, populations
 from orchestrator.db import Population, make_engine
 from orchestrator.migrate import migrate
 from orchestrator.settings import Settings
@@ -58,7 +60,9 @@ async def request_validation_error(request: Request, exc: Exception) -> JSONResp
 
 
 def create_app(settings: Settings | None = None, clock: Callable[[], float] = time.time) -> FastAPI:
+    """The server's application. Raises settings.AdminTokenError without a real admin secret."""
     settings = settings or Settings()
+    admin_token_digest = settings.admin_token_digest()
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -66,7 +70,7 @@ def create_app(settings: Settings | None = None, clock: Callable[[], float] = ti
         # 40 threads the one holding the connection waits behind the others for the GIL.
         anyio.to_thread.current_default_thread_limiter().total_tokens = settings.worker_threads
         await run_in_threadpool(migrate, settings.database_url)
-        engine = make_engine(settings.database_url)
+        engine = make_engine(settings.database_url, busy_seconds=0.0)  # run_db waits, off the loop
         app.state.sessionmaker = sessionmaker(engine, expire_on_commit=False)
         app.state.db_inline = engine.dialect.name == "sqlite"
         app.state.checkin_groups = populations.checkin_groups(app, settings.group_commit_seconds)
@@ -77,6 +81,8 @@ def create_app(settings: Settings | None = None, clock: Callable[[], float] = ti
                 await asyncio.sleep(settings.tick_seconds)
                 try:
                     await run_in_threadpool(tick, app.state.sessionmaker, clock())
+                except DATABASE_UNAVAILABLE as error:  # the next tick retries
+                    log.warning("deadline tick: database unavailable (%s)", type(error).__name__)
                 except Exception:  # keep ticking; the next tick retries
                     log.exception("deadline tick failed")
 
@@ -97,7 +103,10 @@ def create_app(settings: Settings | None = None, clock: Callable[[], float] = ti
     )
     app.state.settings = settings
     app.state.clock = clock
+    app.state.admin_token_digest = admin_token_digest
+    app.state.verified_tokens = VerifiedTokens()
     app.add_exception_handler(RequestValidationError, request_validation_error)
-    for module in (devices, populations, artifacts, assignments, admin):
+    app.add_middleware(Edge, settings=settings)
+    for module in (devices, populations, artifacts, assignments, admin, health):
         app.include_router(module.router)
     return app

@@ -87,6 +87,9 @@ class Round(Base):
     aborted: Mapped[int] = mapped_column(default=0)
     total_weight: Mapped[float] = mapped_column(default=0.0)
     metrics: Mapped[dict[str, float]] = mapped_column(JSON, default=dict)  # sums over reports
+    # A committed training round: per global tensor, the reference L2 norm that the next round
+    # clips deltas to a multiple of (aggregation.plan_round).
+    norm_reference: Mapped[dict[str, float] | None] = mapped_column(JSON(none_as_null=True), default=None)
 
     __table_args__ = (Index("rounds_open", "population_id", "kind", "status"),)
 
@@ -121,19 +124,24 @@ class Report(Base):
     metrics: Mapped[dict[str, float]] = mapped_column(JSON)
 
 
-def make_engine(url: str) -> Engine:
-    """An engine whose write transactions serialize cleanly on SQLite as on PostgreSQL."""
+def make_engine(url: str, busy_seconds: float = 30.0) -> Engine:
+    """An engine whose write transactions serialize cleanly on SQLite as on PostgreSQL.
+
+    `busy_seconds` bounds how long SQLite waits for another connection's lock (and for this
+    engine's one pooled connection). The server passes 0: its SQLite work runs on the event
+    loop, where a wait would stall every request, so it retries asynchronously instead
+    (api/deps.py: run_db). Command-line tools keep the patient default."""
     if url.startswith("sqlite"):
         # One connection, shared in turn: SQLite has one writer anyway, and threads queued on
         # the pool are handed the connection at once, where threads racing for the write lock
         # sleep in SQLite's busy handler (1, 2, 5, 10... ms), which cut throughput tenfold.
         engine = create_engine(
             url,
-            connect_args={"check_same_thread": False, "timeout": 30},
+            connect_args={"check_same_thread": False, "timeout": busy_seconds},
             poolclass=QueuePool,
             pool_size=1,
             max_overflow=0,
-            pool_timeout=120,
+            pool_timeout=max(busy_seconds, 1.0),
         )
 
         @event.listens_for(engine, "connect")
@@ -147,7 +155,7 @@ def make_engine(url: str) -> Engine:
             cursor.execute("PRAGMA journal_mode = WAL")
             cursor.execute("PRAGMA synchronous = NORMAL")
             cursor.execute("PRAGMA foreign_keys = ON")
-            cursor.execute("PRAGMA busy_timeout = 30000")
+            cursor.execute(f"PRAGMA busy_timeout = {int(busy_seconds * 1000)}")
             cursor.close()
 
         @event.listens_for(engine, "begin")

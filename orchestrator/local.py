@@ -2,18 +2,20 @@
 
 It runs exactly as an operator would run it (its own process, real HTTP on loopback, the
 database URL and admin token from the environment), so whatever talks to it exercises the
-real server.
+real server. Without an admin token it makes a fresh random one (`admin_token`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import signal
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import IO, Self
 
@@ -32,14 +34,17 @@ class LocalOrchestrator:
     def __init__(
         self,
         database_url: str,
-        admin_token: str,
+        admin_token: str | None = None,
         *,
         port: int | None = None,
         tick_seconds: float = 0.2,
         log_path: Path | None = None,
+        settings: Mapping[str, object] | None = None,
     ) -> None:
+        """`settings`: more orchestrator.settings.Settings fields, passed as ORCHESTRATOR_* variables."""
         self.database_url = database_url
-        self.admin_token = admin_token
+        self.admin_token = admin_token or secrets.token_urlsafe(32)
+        self.settings = dict(settings or {})
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.tick_seconds = tick_seconds
@@ -53,6 +58,7 @@ class LocalOrchestrator:
             "ORCHESTRATOR_ADMIN_TOKEN": self.admin_token,
             "ORCHESTRATOR_DATABASE_URL": self.database_url,
             "ORCHESTRATOR_TICK_SECONDS": str(self.tick_seconds),
+            **{f"ORCHESTRATOR_{name.upper()}": str(value) for name, value in self.settings.items()},
         }
         # A file, not a pipe: a long run must never block the server on a full pipe.
         self._log = open(self.log_path, "ab") if self.log_path else None  # noqa: SIM115

@@ -3,49 +3,87 @@
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from device_runtime.client_task import TaskConfig
-from orchestrator.aggregation import ServerOptimizerConfig
+from orchestrator.aggregation import RobustAggregation, ServerOptimizerConfig
+from orchestrator.limits import MAX_COUNT
+
+# Every setting has a range: a round of a million reports or a deadline a month away is already
+# beyond any deployment, and a bound keeps every derived number (capacity, deadlines) finite and
+# inside the database's integers.
+MAX_ROUND_REPORTS = 1_000_000
+MAX_SECONDS = 30 * 24 * 3600.0
+MAX_TASK_NUMBER = 1e12
 
 
 class PopulationSettings(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
-    target_reports: int = Field(10, ge=1, description="reports that commit a round")
-    oversampling: float = Field(1.3, ge=1.0, description="accept up to ceil(target * oversampling) check-ins")
-    min_reports: int = Field(1, ge=1, description="reports needed to commit at the deadline")
-    round_duration_seconds: float = Field(60.0, gt=0)
+    target_reports: int = Field(10, ge=1, le=MAX_ROUND_REPORTS, description="reports that commit a round")
+    oversampling: float = Field(
+        1.3, ge=1.0, le=100.0, description="accept up to ceil(target * oversampling) check-ins"
+    )
+    min_reports: int = Field(
+        1, ge=1, le=MAX_ROUND_REPORTS, description="reports needed to commit at the deadline"
+    )
+    round_duration_seconds: float = Field(60.0, gt=0, le=MAX_SECONDS)
     min_examples: int = Field(
         1,
         ge=1,
+        le=MAX_COUNT,
         description="devices with fewer examples are turned away: at check-in (the examples the device "
         "holds) and on the device (the examples its task can use); devices get it in their task config",
     )
-    retry_after_seconds: float = Field(10.0, ge=0, description="retry window sent with a rejection")
+    retry_after_seconds: float = Field(
+        10.0, ge=0, le=MAX_SECONDS, description="retry window sent with a rejection"
+    )
     server_optimizer: dict[str, Any] = Field(default_factory=lambda: {"name": "sgd", "learning_rate": 1.0})
-    update_norm_bound: float = Field(1000.0, gt=0, description="largest accepted L2 norm of a delta")
+    update_norm_bound: float = Field(
+        1000.0, gt=0, le=1e12, description="a report whose delta has a larger L2 norm is refused"
+    )
+    robust_aggregation: Literal["none", "trimmed_mean", "median"] = Field(
+        "none",
+        description="none: the weighted mean of the clipped deltas; trimmed_mean or median: per "
+        "coordinate, over the reports that changed it (aggregation.RobustAggregation)",
+    )
+    trim_fraction: float = Field(0.1, ge=0, lt=0.5, description="trimmed_mean: dropped at each end")
+    norm_clip_multiple: float = Field(
+        3.0,
+        ge=1.0,
+        le=1e6,
+        description="each tensor of a delta is clipped to this multiple of its reference norm, the "
+        "median norm of the honest rounds before",
+    )
+    max_weight_multiple: float = Field(
+        5.0, ge=1.0, le=1e6, description="a report weighs at most this multiple of the round's median weight"
+    )
     task_config: dict[str, Any] = Field(default_factory=dict, description="sent to devices (TaskConfig)")
     keep_model_versions: int = Field(
         100,
         ge=0,
+        le=MAX_ROUND_REPORTS,
         description="model versions kept after a commit: the newest k (0 keeps all); version 0 and "
         "any version an open round trains or evaluates from are always kept",
     )
-    evaluation_every: int = Field(0, ge=0, description="open an evaluation round after every k commits")
-    evaluation_target_reports: int = Field(10, ge=1)
-    evaluation_round_duration_seconds: float = Field(60.0, gt=0)
+    evaluation_every: int = Field(
+        0, ge=0, le=MAX_ROUND_REPORTS, description="open an evaluation round after every k commits"
+    )
+    evaluation_target_reports: int = Field(10, ge=1, le=MAX_ROUND_REPORTS)
+    evaluation_round_duration_seconds: float = Field(60.0, gt=0, le=MAX_SECONDS)
 
     @field_validator("server_optimizer")
     @classmethod
     def _optimizer(cls, value: dict[str, Any]) -> dict[str, Any]:
+        _check_numbers("server_optimizer", value)
         return ServerOptimizerConfig.from_json(value).to_json()
 
     @field_validator("task_config")
     @classmethod
     def _task(cls, value: dict[str, Any]) -> dict[str, Any]:
+        _check_numbers("task_config", value)
         return TaskConfig.from_json(value).to_json()
 
     @model_validator(mode="after")
@@ -65,8 +103,30 @@ class PopulationSettings(BaseModel):
     def capacity(self) -> int:
         return math.ceil(self.target_reports * self.oversampling)
 
+    def robust(self) -> RobustAggregation:
+        return RobustAggregation(
+            method=self.robust_aggregation,
+            trim_fraction=self.trim_fraction,
+            norm_clip_multiple=self.norm_clip_multiple,
+            max_weight_multiple=self.max_weight_multiple,
+        )
+
     def optimizer(self) -> ServerOptimizerConfig:
         return ServerOptimizerConfig.from_json(self.server_optimizer)
 
     def task(self) -> TaskConfig:
         return TaskConfig.from_json(self.task_config)
+
+
+def _check_numbers(what: str, value: dict[str, Any]) -> None:
+    """Every number in a settings object in range: integers fit 32 bits (a device's model takes
+    them as int32), others are finite and at most MAX_TASK_NUMBER in magnitude."""
+    for key, item in value.items():
+        if isinstance(item, bool) or not isinstance(item, int | float):
+            continue
+        if isinstance(item, int) and not -MAX_COUNT - 1 <= item <= MAX_COUNT:
+            raise ValueError(f"{what}.{key} = {item} does not fit a 32-bit integer")
+        if isinstance(item, float) and not abs(item) <= MAX_TASK_NUMBER:
+            raise ValueError(
+                f"{what}.{key} = {item} must be finite and at most {MAX_TASK_NUMBER:g} in magnitude"
+            )

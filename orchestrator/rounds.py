@@ -13,7 +13,6 @@ raised, so that the counters they bump are committed with the answer.
 
 from __future__ import annotations
 
-import json
 import math
 import secrets
 from collections.abc import Callable, Mapping, Sequence
@@ -33,10 +32,19 @@ from model_export.params import (
     decode_params,
     decode_sparse_delta,
     encode_params,
+    encode_sparse_delta,
     read_metadata,
 )
-from orchestrator.aggregation import WeightedMean, apply_update
+from orchestrator.aggregation import (
+    WeightedMean,
+    apply_update,
+    clip_by_norm,
+    plan_round,
+    robust_mean,
+    tensor_norms,
+)
 from orchestrator.db import Assignment, ModelVersion, Population, Report, Round
+from orchestrator.limits import MAX_METRIC_MAGNITUDE, MAX_REPORT_HEADER_BYTES, json_document
 from orchestrator.population_settings import PopulationSettings
 
 TRAINING, EVALUATION = "training", "evaluation"
@@ -426,32 +434,70 @@ def _check_metrics(raw: Any) -> dict[str, float] | Refused:
         return Refused(422, f"metrics must be an object of at most {MAX_METRICS} numbers")
     metrics: dict[str, float] = {}
     for k, v in raw.items():
-        if not isinstance(k, str) or not 0 < len(k) <= 64 or not k.replace("_", "").isalnum():
-            return Refused(422, f"metric name {k!r} must be 1-64 letters, digits or underscores")
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-            return Refused(422, f"metric {k!r} must be a finite number, got {v!r}")
+        if (
+            not isinstance(k, str)
+            or not 0 < len(k) <= 64
+            or not k.replace("_", "").isascii()
+            or not (k.replace("_", "").isalnum())
+        ):
+            return Refused(422, f"metric name {k!r:.80} must be 1-64 ASCII letters, digits or underscores")
+        # abs(v) <= bound is False for NaN and infinities, and compares a huge int without
+        # converting it (float() of a 400-digit int would overflow).
+        if isinstance(v, bool) or not isinstance(v, int | float) or not abs(v) <= MAX_METRIC_MAGNITUDE:
+            return Refused(
+                422,
+                f"metric {k!r} must be a finite number of magnitude <= {MAX_METRIC_MAGNITUDE:g}, "
+                f"got {v!r:.40}",
+            )
         metrics[k] = float(v)
     return metrics
+
+
+REPORT_METADATA = ("metrics", "num_examples")
+
+
+def _header_size(body: bytes) -> int | Refused:
+    """The size of a safetensors payload's JSON header, refused when it exceeds the bound."""
+    size = int.from_bytes(body[:8], "little") if len(body) >= 8 else 0
+    if size > MAX_REPORT_HEADER_BYTES:
+        return Refused(
+            422,
+            f"not a valid safetensors payload: its header claims {size} bytes; the limit is "
+            f"{MAX_REPORT_HEADER_BYTES} (tensor entries and the metadata num_examples and metrics)",
+        )
+    return size
 
 
 def _parse_training_report(
     population: Population, settings: PopulationSettings, example_count: int, body: bytes
 ) -> tuple[float, bytes, dict[str, float]] | Refused:
     manifest = population_manifest(population)
+    header = _header_size(body)
+    if isinstance(header, Refused):
+        return header
     try:
         metadata = read_metadata(body)
         delta = check_sparse_delta(decode_sparse_delta(body), manifest.global_params, "report")
-    except ParamsError as e:
+    except (ParamsError, RecursionError) as e:
+        problem = str(e) if isinstance(e, ParamsError) else "the safetensors header nests too deeply"
         return Refused(
             422,
-            f"{e}; a report is the sparse delta of the manifest's global tensors: safetensors with "
+            f"{problem}; a report is the sparse delta of the manifest's global tensors: safetensors with "
             "'<name>/rows' (int32, increasing), '<name>/values' (float32) and '<name>/shape' (int64) each",
+        )
+    if "num_examples" not in metadata or not set(metadata) <= set(REPORT_METADATA):
+        return Refused(
+            422,
+            f"report metadata must be 'num_examples' (an integer) and optionally 'metrics' (a JSON object); "
+            f"got keys {sorted(metadata)[:8]}",
         )
     try:
         weight = int(metadata["num_examples"])
-        raw_metrics = json.loads(metadata.get("metrics", "{}"))
-    except (KeyError, ValueError):
-        return Refused(422, "report metadata must hold 'num_examples' (an integer) and 'metrics' (JSON)")
+        raw_metrics = json_document(metadata.get("metrics", "{}"), "the report's metrics")
+    except ValueError as e:
+        return Refused(
+            422, f"report metadata must hold 'num_examples' (an integer) and 'metrics' (a JSON object): {e}"
+        )
     # `min_examples` counts a device's examples (checked at check-in and on the device); the
     # weight is |query|, which an honest device's split makes smaller, so only >= 1 is required here.
     limit = _max_weight(population, manifest.feedback, example_count)
@@ -467,8 +513,9 @@ def _parse_training_report(
     metrics = _check_metrics(raw_metrics)
     if isinstance(metrics, Refused):
         return metrics
-    # Stored as received: it is the storage format, checked tensor by tensor above.
-    return float(weight), body, metrics
+    # Only the tensors are stored (the metadata is in the columns): anything else a device put
+    # in its header is not kept.
+    return float(weight), encode_sparse_delta(delta), metrics
 
 
 def _parse_evaluation_report(
@@ -477,9 +524,9 @@ def _parse_evaluation_report(
     if not content_type.startswith("application/json"):
         return Refused(422, "an evaluation report is JSON: {num_examples, metrics}; no tensors")
     try:
-        data = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        return Refused(422, "evaluation report is not valid JSON")
+        data = json_document(body, "evaluation report")
+    except ValueError as e:
+        return Refused(422, f"{e}; an evaluation report is JSON: {{num_examples, metrics}}")
     if not isinstance(data, dict) or set(data) != {"num_examples", "metrics"}:
         return Refused(422, "evaluation report must be exactly {num_examples, metrics}")
     metrics = _check_metrics(data["metrics"])
@@ -512,16 +559,32 @@ def _commit(session: Session, population: Population, round_: Round, now: float)
     assert base is not None
     params = decode_params(base.params, manifest.global_params, "model version")
     state = dict(load(base.optimizer_state))
-    mean = WeightedMean({s.name: s.shape for s in manifest.global_params})
-    # One report's delta in memory at a time: memory is O(model), not O(reports x model).
-    for weight, blob in session.execute(
+    shapes = {s.name: s.shape for s in manifest.global_params}
+    rule = population_settings(population).robust()
+    reports = (
         select(Report.weight, Report.delta)
         .where(Report.round_id == round_.id)
+        .order_by(Report.assignment_id)
         .execution_options(yield_per=16)
-    ):
-        mean.add_sparse(decode_sparse_delta(blob), weight)
+    )
+    # Two passes, one report's delta in memory at a time: memory is O(model), not O(reports x
+    # model). The first finds the round's median weight and norms (the caps and clipping bounds).
+    weights, norms = [], []
+    for weight, blob in session.execute(reports):
+        weights.append(weight)
+        norms.append(tensor_norms(decode_sparse_delta(blob)))
+    plan = plan_round(weights, norms, _norm_reference(session, population), rule)
+    clipped = (clip_by_norm(decode_sparse_delta(blob), plan.bounds) for _, blob in session.execute(reports))
+    if rule.method == "none":
+        mean = WeightedMean(shapes)
+        for delta, weight in zip(clipped, plan.weights, strict=True):
+            mean.add_sparse(delta, weight)
+        mean_delta = mean.mean()
+    else:
+        mean_delta = robust_mean(list(clipped), plan.weights, shapes, rule.method, rule.trim_fraction)
+    round_.norm_reference = plan.next_reference
     new_params, new_state = apply_update(
-        population_settings(population).optimizer(), params, mean.mean(), state
+        population_settings(population).optimizer(), params, mean_delta, state
     )
     check_params(new_params, manifest.global_params, "aggregated model")
     version = population.current_version + 1
@@ -549,6 +612,21 @@ def _commit(session: Session, population: Population, round_: Round, now: float)
         and EVALUATION not in open_rounds(session, population)
     ):
         open_round(session, population, EVALUATION, now)
+
+
+def _norm_reference(session: Session, population: Population) -> dict[str, float] | None:
+    """The reference update norms the population's last committed training round left, if any."""
+    return session.scalars(
+        select(Round.norm_reference)
+        .where(
+            Round.population_id == population.id,
+            Round.kind == TRAINING,
+            Round.status == "committed",
+            Round.norm_reference.is_not(None),
+        )
+        .order_by(Round.id.desc())
+        .limit(1)
+    ).first()
 
 
 def prune_model_versions(session: Session, population: Population, keep: int) -> int:

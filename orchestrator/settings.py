@@ -2,22 +2,68 @@
 
 from __future__ import annotations
 
+import hashlib
+
+from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+MIN_ADMIN_TOKEN_CHARS = 32
+# Values seen in examples, defaults and tutorials: never a secret, however long.
+WELL_KNOWN_ADMIN_TOKENS = frozenset(
+    {"change-me", "changeme", "admin", "secret", "password", "token", "test", "test-admin-token"}
+)
+NEW_TOKEN_HINT = "python -c 'import secrets; print(secrets.token_urlsafe(32))'"
+
+
+class AdminTokenError(ValueError):
+    """The configured admin token is missing or not a secret."""
 
 
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="ORCHESTRATOR_", env_file=".env", extra="ignore")
 
     database_url: str = "sqlite:///orchestrator.sqlite"
-    admin_token: str = "change-me"
+    # No default: a server never starts with a token someone else knows (see admin_token_digest).
+    admin_token: SecretStr | None = None
     host: str = "127.0.0.1"
-    port: int = 8700
+    port: int = Field(default=8700, ge=0, le=65535)
     # How often the server looks for rounds past their deadline (devices also trigger it).
-    tick_seconds: float = 0.5
+    tick_seconds: float = Field(default=0.5, gt=0)
     # Check-ins (per population) and reports that arrive together share one transaction; this is
     # the longest a request waits for others to join it (api/group_commit.py).
-    group_commit_seconds: float = 0.001
+    group_commit_seconds: float = Field(default=0.001, ge=0)
     # Threads for blocking work (database, report validation).
-    worker_threads: int = 4
-    # Largest request body accepted (a dense 20,000 x 50 float32 delta is 4 MB).
-    max_report_bytes: int = 64 * 1024 * 1024
+    worker_threads: int = Field(default=4, ge=1)
+    # Largest request bodies, enforced while they stream in (api/edge.py): a report (a dense
+    # 20,000 x 50 float32 delta is 4 MB), a population upload (model, manifest, parameters),
+    # and any other request (JSON control messages).
+    max_report_bytes: int = Field(default=64 * 1024 * 1024, ge=1024)
+    max_upload_bytes: int = Field(default=512 * 1024 * 1024, ge=1024)
+    max_request_bytes: int = Field(default=64 * 1024, ge=1024)
+    # Check-ins per device: a burst, then a steady rate (a device honours its retry windows,
+    # so an honest one checks in a few times a round at most). Per server process.
+    checkin_burst: int = Field(default=10, ge=1)
+    checkins_per_second: float = Field(default=1.0, gt=0)
+    # Enrollments per client address: a burst, then a steady rate. Per server process.
+    enrollment_burst: int = Field(default=1000, ge=1)
+    enrollments_per_second: float = Field(default=10.0, gt=0)
+    # How long a database operation waits for a lock before the request is answered 503.
+    # SQLite work runs on the event loop, so this also bounds how long a stuck lock can stall
+    # every other request.
+    database_busy_seconds: float = Field(default=0.5, gt=0, le=60)
+
+    def admin_token_digest(self) -> bytes:
+        """The sha256 of the admin token, compared in constant time with a caller's. Raises
+        AdminTokenError when no real secret is configured: a server must not start then."""
+        token = self.admin_token.get_secret_value() if self.admin_token else ""
+        if not token.strip():
+            raise AdminTokenError(
+                f"no admin token: set ORCHESTRATOR_ADMIN_TOKEN to a secret of at least "
+                f"{MIN_ADMIN_TOKEN_CHARS} characters, e.g. the output of {NEW_TOKEN_HINT}"
+            )
+        if token.strip().lower() in WELL_KNOWN_ADMIN_TOKENS or len(token) < MIN_ADMIN_TOKEN_CHARS:
+            raise AdminTokenError(
+                f"ORCHESTRATOR_ADMIN_TOKEN is well known or shorter than {MIN_ADMIN_TOKEN_CHARS} "
+                f"characters; use a random secret, e.g. the output of {NEW_TOKEN_HINT}"
+            )
+        return hashlib.sha256(token.encode()).digest()

@@ -29,7 +29,14 @@ from device_runtime.model import DeviceModel, EvaluationSums, RowUpdate
 from device_runtime.task_batches import TaskBatches
 from model_export.manifest import Manifest
 from model_export.params import Params, SparseTensor, row_shape
-from orchestrator.aggregation import ServerOptimizerConfig, WeightedMean, apply_update, init_state
+from orchestrator.aggregation import (
+    RobustAggregation,
+    ServerOptimizerConfig,
+    WeightedMean,
+    aggregate,
+    apply_update,
+    init_state,
+)
 
 R = TypeVar("R")
 
@@ -152,26 +159,37 @@ def whole(values: np.ndarray) -> SparseTensor:
 
 
 class Server:
-    """The orchestrator's commit: the weighted mean of the round's reports, then the server optimizer."""
+    """The orchestrator's commit: the weighted mean of the round's reports (or, with `aggregation`,
+    the orchestrator's robust aggregation: clipping, capped weights, optionally a trimmed mean or
+    median), then the server optimizer."""
 
-    def __init__(self, params: Params, optimizer: ServerOptimizerConfig) -> None:
+    def __init__(
+        self, params: Params, optimizer: ServerOptimizerConfig, aggregation: RobustAggregation | None = None
+    ) -> None:
         self.params = {k: np.asarray(v, np.float32) for k, v in params.items()}
         self.optimizer = optimizer
+        self.aggregation = aggregation
+        self.norm_reference: dict[str, float] | None = None
         self.state = init_state(optimizer, self.params)
         self.shapes = {k: tuple(v.shape) for k, v in self.params.items()}
 
     def commit(self, reports: Sequence[Report]) -> int:
         """Apply one round; returns how many reports were refused (diverged)."""
-        mean = WeightedMean(self.shapes)
-        refused = 0
-        for report in reports:
-            if report is None:
-                refused += 1
-            else:
-                mean.add_sparse(*report)
-        if mean.count:
-            self.params, self.state = apply_update(self.optimizer, self.params, mean.mean(), self.state)
-        return refused
+        taken = [report for report in reports if report is not None]
+        if not taken:
+            return len(reports)
+        if self.aggregation is None:
+            mean = WeightedMean(self.shapes)
+            for delta, weight in taken:
+                mean.add_sparse(delta, weight)
+            mean_delta = mean.mean()
+        else:
+            deltas, weights = [d for d, _ in taken], [w for _, w in taken]
+            mean_delta, self.norm_reference = aggregate(
+                deltas, weights, self.shapes, self.aggregation, self.norm_reference
+            )
+        self.params, self.state = apply_update(self.optimizer, self.params, mean_delta, self.state)
+        return len(reports) - len(taken)
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +49,7 @@ from device_runtime.model import DeviceModel
 from device_runtime.task_batches import Examples, TaskBatches
 from model_export.config import ModelConfig
 from model_export.params import Params
-from orchestrator.aggregation import ServerOptimizerConfig
+from orchestrator.aggregation import RobustAggregation, ServerOptimizerConfig
 
 # Model fields a run may change; the rest (catalog, batch shapes) the protocol fixes.
 MODEL_CHOICES = (
@@ -85,6 +85,8 @@ class FedReconSettings:
     model: dict[str, Any] = field(default_factory=dict)  # MODEL_CHOICES over the protocol model
     task: TaskConfig = field(default_factory=TaskConfig)
     server: ServerOptimizerConfig = field(default_factory=lambda: ServerOptimizerConfig("sgd", 1.0))
+    # None: the plain weighted mean, as the paper; else the orchestrator's robust aggregation.
+    aggregation: RobustAggregation | None = None
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.model) - set(MODEL_CHOICES))
@@ -95,7 +97,8 @@ class FedReconSettings:
         return protocol_model(num_items, **self.model)
 
     def to_json(self) -> dict[str, Any]:
-        return {"model": dict(self.model), "task": self.task.to_json(), "server": self.server.to_json()}
+        out = {"model": dict(self.model), "task": self.task.to_json(), "server": self.server.to_json()}
+        return out if self.aggregation is None else {**out, "aggregation": asdict(self.aggregation)}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> FedReconSettings:
@@ -106,6 +109,7 @@ class FedReconSettings:
             model=dict(data.get("model", {})),
             task=TaskConfig.from_json(data.get("task", {})),
             server=ServerOptimizerConfig.from_json(data.get("server", {"name": "sgd"})),
+            aggregation=RobustAggregation(**data["aggregation"]) if "aggregation" in data else None,
         )
 
 
@@ -220,7 +224,7 @@ def run_fedrecon(
         def validate(params: Params) -> dict[str, float]:
             return devices.metrics_of(params, evaluation, split.validation)
 
-        server = Server(initial_globals(model_dir), settings.server)
+        server = Server(initial_globals(model_dir), settings.server, settings.aggregation)
         work = fedrecon_work(clients, settings.task, per_item_names(devices.manifest))
         run = train_federated(devices, server, split.train, work, rounds, validate)
         devices.set_global(run.params)

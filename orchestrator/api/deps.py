@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
 import hmac
 from collections.abc import Callable
 from typing import Annotated, Any, TypeVar
 
 from fastapi import Depends, Header, HTTPException, Request
+from sqlalchemy.exc import OperationalError
+from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 from sqlalchemy.orm import Session, sessionmaker
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 
 from orchestrator.devices import authenticate
-from orchestrator.settings import Settings
 
 T = TypeVar("T")
 
@@ -29,11 +32,6 @@ async def get_clock(request: Request) -> Callable[[], float]:
     return clock
 
 
-async def get_settings(request: Request) -> Settings:
-    settings: Settings = request.app.state.settings
-    return settings
-
-
 def token_of(authorization: str | None) -> str:
     """The token of an `Authorization: Bearer <token>` header; 401 without one."""
     if not authorization or not authorization.startswith("Bearer "):
@@ -47,11 +45,19 @@ async def bearer_token(authorization: Annotated[str | None, Header()] = None) ->
     return token_of(authorization)
 
 
-async def require_admin(
-    token: Annotated[str, Depends(bearer_token)], settings: Annotated[Settings, Depends(get_settings)]
-) -> None:
-    if not hmac.compare_digest(token.encode(), settings.admin_token.encode()):
-        raise HTTPException(403, "admin token required")
+def is_admin(app: Starlette, token: str) -> bool:
+    """Whether `token` is the admin token: digests compared in constant time, so neither the
+    token's content nor its length shows in the timing; an empty token never matches."""
+    digest: bytes = app.state.admin_token_digest
+    return bool(token) and hmac.compare_digest(hashlib.sha256(token.encode()).digest(), digest)
+
+
+ADMIN_REQUIRED = "admin token required"
+
+
+async def require_admin(request: Request, token: Annotated[str, Depends(bearer_token)]) -> None:
+    if not is_admin(request.app, token):
+        raise HTTPException(403, ADMIN_REQUIRED)
 
 
 UNAUTHENTICATED = "unknown device or wrong token"
@@ -65,17 +71,41 @@ def require_device(session: Session, token: str) -> str:
     return device_id
 
 
+# What a database that is locked, down or out of connections raises: the request is answered
+# 503 with a retry window (api/edge.py), not 500.
+DATABASE_UNAVAILABLE = (OperationalError, PoolTimeoutError)
+
+
+def _locked(error: OperationalError) -> bool:
+    text = str(error.orig).lower()
+    return "locked" in text or "busy" in text
+
+
 async def run_db(app: Starlette, fn: Callable[..., T], *args: Any) -> T:
     """Run a blocking database transaction: inline on the event loop for SQLite, where a
     transaction takes about a millisecond and writes are serialized anyway (thread hand-offs
-    and GIL convoys cost more than the work), in the threadpool for a networked database."""
-    if app.state.db_inline:
-        return fn(*args)
-    return await run_in_threadpool(fn, *args)
+    and GIL convoys cost more than the work), in the threadpool for a networked database.
+
+    SQLite runs with no busy wait (a wait on the event loop would stall every request, /health
+    included): a transaction that finds the file locked by another connection was rolled back
+    whole, and is retried after an asynchronous sleep until `database_busy_seconds` have passed;
+    then the locked error goes up (a 503)."""
+    if not app.state.db_inline:
+        return await run_in_threadpool(fn, *args)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + app.state.settings.database_busy_seconds
+    delay = 0.002
+    while True:
+        try:
+            return fn(*args)
+        except OperationalError as error:
+            if not _locked(error) or loop.time() + delay > deadline:
+                raise
+        await asyncio.sleep(delay)
+        delay = min(2 * delay, 0.05)
 
 
 SessionFactoryDep = Annotated[sessionmaker[Session], Depends(get_sessionmaker)]
 ClockDep = Annotated[Callable[[], float], Depends(get_clock)]
-SettingsDep = Annotated[Settings, Depends(get_settings)]
 TokenDep = Annotated[str, Depends(bearer_token)]
 AdminDep = Annotated[None, Depends(require_admin)]

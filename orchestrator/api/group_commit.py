@@ -15,6 +15,8 @@ lone request waits two turns of the loop.
 
 If a group's transaction fails it was rolled back, so none of its requests happened; each is
 then retried in a transaction of its own, and only a request that fails alone gets the error.
+Except for errors that say the database itself is unavailable (`fail_together`): one at a time
+would only wait that long again per request, so the whole group gets the error at once.
 """
 
 from __future__ import annotations
@@ -36,9 +38,11 @@ class GroupCommit(Generic[Key, Request, Answer]):
         self,
         transaction: Callable[[Key, Sequence[Request]], Awaitable[Sequence[Answer]]],
         window_seconds: float,
+        fail_together: tuple[type[Exception], ...] = (),
     ) -> None:
         self._transaction = transaction
         self._window = window_seconds
+        self._fail_together = fail_together
         self._pending: dict[Key, list[tuple[Request, asyncio.Future[Answer]]]] = {}
         self._draining: dict[Key, asyncio.Task[None]] = {}
 
@@ -70,8 +74,9 @@ class GroupCommit(Generic[Key, Request, Answer]):
                     answers = await self._transaction(key, [request for request, _ in group])
                     answered = list(zip(group, answers, strict=True))
                 except Exception as error:  # rolled back: none of the requests happened
-                    if len(group) == 1:
-                        _fail(group[0][1], error)
+                    if len(group) == 1 or isinstance(error, self._fail_together):
+                        for _, future in group:
+                            _fail(future, error)
                     else:
                         await self._one_by_one(key, group)
                     continue

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+
+from orchestrator.limits import MAX_COUNT
 
 
 class Enrolled(BaseModel):
@@ -15,9 +17,11 @@ class Enrolled(BaseModel):
 class CheckIn(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    example_count: int = Field(ge=0, description="how many examples the device holds")
+    example_count: int = Field(ge=0, le=MAX_COUNT, description="how many examples the device holds")
     task: Literal["training", "evaluation"] = "training"
-    conditions: dict[str, bool] = Field(default_factory=dict, description="e.g. idle, charging, unmetered")
+    conditions: dict[Annotated[str, StringConstraints(max_length=64)], bool] = Field(
+        default_factory=dict, max_length=32, description="e.g. idle, charging, unmetered (at most 32)"
+    )
 
 
 class AssignmentOut(BaseModel):

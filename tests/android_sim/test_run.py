@@ -87,7 +87,7 @@ def test_a_fleet_trains_evaluates_and_writes_its_report(work: Path) -> None:
 
 
 def test_the_fleet_waits_for_an_orchestrator_that_restarts(work: Path) -> None:
-    server = LocalOrchestrator(f"sqlite:///{work / 'server.sqlite'}", "restart-token").start()
+    server = LocalOrchestrator(f"sqlite:///{work / 'server.sqlite'}").start()
     restarted = threading.Event()
 
     def restart_after_first_commit() -> None:
@@ -98,7 +98,7 @@ def test_the_fleet_waits_for_an_orchestrator_that_restarts(work: Path) -> None:
             try:
                 status = httpx.get(
                     f"{server.url}/v1/admin/populations",
-                    headers={"Authorization": "Bearer restart-token"},
+                    headers={"Authorization": f"Bearer {server.admin_token}"},
                     timeout=2,
                 ).json()
             except httpx.TransportError:
@@ -114,7 +114,7 @@ def test_the_fleet_waits_for_an_orchestrator_that_restarts(work: Path) -> None:
     watcher = threading.Thread(target=restart_after_first_commit)
     watcher.start()
     try:
-        config = small(work, orchestrator_url=server.url, admin_token="restart-token", rounds=4)
+        config = small(work, orchestrator_url=server.url, admin_token=server.admin_token, rounds=4)
         result = asyncio.run(run_async(config, Console(width=120)))
         watcher.join()
         # A second run against the same orchestrator reuses the population and goes on from there.

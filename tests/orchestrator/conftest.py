@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 import httpx
@@ -20,7 +20,8 @@ from orchestrator.migrate import migrate
 from orchestrator.populations import ExportedModel, create_population
 from tests.conftest import BIASED
 
-ADMIN_TOKEN = "test-admin-token"
+# A fresh secret per test session, as every server needs one (orchestrator/settings.py).
+ADMIN_TOKEN = secrets.token_urlsafe(32)
 
 
 # Set (as .ci/run does) to also run the database tests on a real PostgreSQL server, e.g.
@@ -74,9 +75,11 @@ class Server(LocalOrchestrator):
     """`python -m orchestrator serve` in its own process with the tests' admin token; `database` is
     an SQLite file or a database URL."""
 
-    def __init__(self, database: Path | str, port: int | None = None) -> None:
+    def __init__(
+        self, database: Path | str, port: int | None = None, settings: Mapping[str, object] | None = None
+    ) -> None:
         url = database if isinstance(database, str) else f"sqlite:///{database}"
-        super().__init__(url, ADMIN_TOKEN, port=port, tick_seconds=0.2)
+        super().__init__(url, ADMIN_TOKEN, port=port, tick_seconds=0.2, settings=settings)
 
 
 @pytest.fixture(params=BACKENDS)

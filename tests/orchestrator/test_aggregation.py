@@ -6,13 +6,25 @@ Expected values are worked out by hand and written literally; the arithmetic is 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 import pytest
 from numpy.typing import ArrayLike
 
 from model_export.params import Params, SparseTensor, decode_sparse_delta, encode_sparse_delta
-from orchestrator.aggregation import ServerOptimizerConfig, WeightedMean, apply_update, init_state
+from orchestrator.aggregation import (
+    RobustAggregation,
+    ServerOptimizerConfig,
+    WeightedMean,
+    aggregate,
+    apply_update,
+    cap_weights,
+    clip_by_norm,
+    init_state,
+    plan_round,
+    robust_mean,
+)
 
 
 def f32(*values: float) -> np.ndarray:
@@ -172,6 +184,100 @@ def test_mean_of_nothing_is_refused() -> None:
 
     with pytest.raises(ValueError, match="no deltas"):
         mean.mean()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Robust aggregation
+
+
+def sparse(shape: tuple[int, ...], rows: list[int], values: list[float]) -> SparseTensor:
+    return SparseTensor(shape, np.array(rows, np.int32), f32(*values))
+
+
+def test_weights_are_capped_at_a_multiple_of_the_median() -> None:
+    # median(1, 2, 3, 100) = 2.5, cap 2 x 2.5 = 5
+    assert cap_weights([1, 2, 3, 100], 2.0) == [1.0, 2.0, 3.0, 5.0]
+
+
+def test_clip_by_norm_scales_a_tensor_down_to_its_bound_and_leaves_the_rest() -> None:
+    delta = {"w": sparse((2,), [0, 1], [3.0, 4.0]), "b": sparse((3,), [2], [0.5])}
+
+    clipped = clip_by_norm(delta, {"w": 2.5, "b": 1.0})
+
+    assert_close(clipped["w"].values, [1.5, 2.0])  # norm 5 -> 2.5: halved
+    assert clipped["b"] is delta["b"]  # norm 0.5 <= 1
+    assert_close(delta["w"].values, [3.0, 4.0])  # the input is untouched
+
+
+def test_the_first_round_clips_at_a_multiple_of_its_own_median_norm() -> None:
+    rule = RobustAggregation(norm_clip_multiple=3.0, reference_growth=1.25)
+
+    plan = plan_round([1, 1, 1], [{"g": 1.0}, {"g": 2.0}, {"g": 10.0}], None, rule)
+
+    assert plan.bounds == {"g": 6.0}  # 3 x median(1, 2, 10)
+    assert plan.next_reference == {"g": 2.0}  # min(median 2, 1.25 x 2)
+
+
+def test_a_round_of_large_deltas_is_clipped_to_the_reference_and_raises_it_only_slowly() -> None:
+    rule = RobustAggregation(norm_clip_multiple=3.0, reference_growth=1.25)
+
+    hostile = plan_round([1, 1], [{"g": 100.0}, {"g": 100.0}], {"g": 1.0}, rule)
+    quiet = plan_round([1], [{"g": 0.2}], {"g": 1.0}, rule)
+    untouched = plan_round([1], [{"g": 0.0}], {"g": 1.0}, rule)
+
+    assert hostile.bounds == {"g": 3.0} and hostile.next_reference == {"g": 1.25}
+    assert quiet.next_reference == {"g": 0.2}  # follows honest deltas down at once
+    assert untouched.next_reference == {"g": 1.0}  # no report changed it: nothing learnt
+
+
+def test_coordinate_median_over_the_reports_that_changed_each_row() -> None:
+    deltas = [
+        {"v": sparse((4,), [0, 1], [1.0, 10.0])},
+        {"v": sparse((4,), [0], [2.0])},
+        {"v": sparse((4,), [0, 2], [3.0, 7.0])},
+    ]
+
+    result = robust_mean(deltas, [1.0, 1.0, 2.0], {"v": (4,)}, "median")
+
+    # row 0: median(1, 2, 3) = 2, all the weight; row 1: 10 x 1/4; row 2: 7 x 2/4; row 3: unchanged
+    assert_close(result["v"], [2.0, 2.5, 3.5, 0.0])
+
+
+def test_trimmed_mean_drops_the_extremes_of_each_coordinate() -> None:
+    deltas = [{"m": sparse((1,), [0], [v])} for v in (1.0, 2.0, 3.0, 10.0, 100.0)]
+    weights = [1.0] * 5
+
+    trimmed = robust_mean(deltas, weights, {"m": (1,)}, "trimmed_mean", trim_fraction=0.2)
+    median = robust_mean(deltas, weights, {"m": (1,)}, "median")
+
+    assert_close(trimmed["m"], [5.0])  # one dropped at each end: (2 + 3 + 10) / 3
+    assert_close(median["m"], [3.0])
+
+
+def test_aggregate_clips_caps_and_averages() -> None:
+    # Three honest deltas of norm 1 and weight 10; one of norm 100 and weight 1000.
+    deltas = [{"g": sparse((1,), [0], [v])} for v in (1.0, 1.0, 1.0, 100.0)]
+    rule = RobustAggregation(norm_clip_multiple=2.0, max_weight_multiple=3.0)
+
+    mean, reference = aggregate(deltas, [10, 10, 10, 1000], {"g": (1,)}, rule, None)
+
+    # bound 2 x median(1, 1, 1, 100) = 2; weight cap 3 x median(10, 10, 10, 1000) = 30:
+    # (10 + 10 + 10 + 30 x 2) / (10 + 10 + 10 + 30) = 90 / 60
+    assert_close(mean["g"], [1.5])
+    assert reference == {"g": 1.0}
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"method": "mean"}, "unknown robust aggregation 'mean'"),
+        ({"trim_fraction": 0.5}, "trim_fraction must be in \\[0, 0.5\\)"),
+        ({"norm_clip_multiple": 0.5}, "norm_clip_multiple must be in \\[1, 1e6\\]"),
+    ],
+)
+def test_robust_aggregation_refuses_bad_settings(changes: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        RobustAggregation(**changes)
 
 
 # ---------------------------------------------------------------------------------------------------------

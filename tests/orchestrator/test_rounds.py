@@ -471,3 +471,49 @@ def test_old_model_versions_are_pruned_but_not_the_export_or_one_an_open_round_u
     with db() as session:
         kept = session.scalars(select(ModelVersion.version).order_by(ModelVersion.version)).all()
     assert kept == [0, 1, 3]
+
+
+def honest_body(model: ExportedModel, rng: np.random.Generator, rows: int = 20) -> bytes:
+    """A delta of the size honest devices send: small steps on a few item rows and the mean."""
+    delta = {s.name: np.zeros(s.shape, np.float32) for s in manifest_of(model).global_params}
+    chosen = rng.choice(delta["item_embeddings"].shape[0], rows, replace=False)
+    delta["item_embeddings"][chosen] = rng.normal(0, 0.05, (rows, delta["item_embeddings"].shape[1]))
+    delta["item_bias"][chosen] = rng.normal(0, 0.05, rows)
+    delta["global_mean"][:] = rng.normal(0, 0.01)
+    return encode_sparse_delta(delta, {"num_examples": str(int(rng.integers(5, 40))), "metrics": "{}"})
+
+
+def test_ten_hostile_devices_cannot_move_the_global_mean_under_the_defaults(
+    db: sessionmaker[Session], biased_model: ExportedModel
+) -> None:
+    # Prepare: a population with default settings (rounds of 10) that has trained two honest rounds.
+    make_population(db, biased_model)
+    rng = np.random.default_rng(0)
+    now = 1.0
+    for _ in range(2):
+        for dev in [device(db) for _ in range(10)]:
+            answer = checkin(db, dev, count=50, now=now)
+            assert report(db, dev, answer.assignment_id, honest_body(biased_model, rng), now=now).status
+    before = version_params(db, biased_model, 2)["global_mean"]
+
+    # Execute: ten freshly enrolled devices claim the most examples they can and push the mean
+    # by 999, inside the update-norm bound (1000): they fill the next round.
+    hostile = [device(db) for _ in range(10)]
+    answers = [checkin(db, dev, count=2**31 - 1, now=now) for dev in hostile]
+    push = {"global_mean": np.full(1, 999.0, np.float32)}
+    results = [
+        report(
+            db,
+            dev,
+            a.assignment_id,
+            delta_body(biased_model, 0.0, num_examples=300, rows=(), **push),
+            now=now,
+        )
+        for dev, a in zip(hostile, answers, strict=True)
+    ]
+
+    # Assert: the round took their reports and committed, yet the mean barely moved.
+    assert all(not isinstance(r, rounds.Refused) for r in results), results
+    assert results[-1].status == "committed" and results[-1].result_version == 3
+    moved = float(version_params(db, biased_model, 3)["global_mean"][0] - before[0])
+    assert 0 < moved < 0.05, moved  # the honest deltas of the mean were ~0.01; the push was 999

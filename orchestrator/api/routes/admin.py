@@ -1,9 +1,8 @@
 from __future__ import annotations
 
-import json
 from typing import Annotated, Any
 
-from fastapi import APIRouter, File, Form, HTTPException, Request, UploadFile
+from fastapi import APIRouter, File, Form, HTTPException, Query, Request, UploadFile
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -11,6 +10,7 @@ from orchestrator import rounds
 from orchestrator.api.deps import AdminDep, ClockDep, SessionFactoryDep, run_db
 from orchestrator.api.schemas import PopulationOut, RoundOut
 from orchestrator.db import Population, Round
+from orchestrator.limits import MAX_COUNT, MAX_MANIFEST_BYTES, json_document
 from orchestrator.populations import ExportedModel, PopulationError, create_population
 
 router = APIRouter(prefix="/v1/admin", tags=["admin"])
@@ -77,9 +77,9 @@ async def create(
     settings: Annotated[str, Form(description="PopulationSettings as JSON")] = "{}",
 ) -> PopulationOut:
     try:
-        manifest_json = json.loads(await manifest.read())
-        settings_json = json.loads(settings)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        manifest_json = json_document(await manifest.read(), "manifest", MAX_MANIFEST_BYTES)
+        settings_json = json_document(settings, "settings")
+    except ValueError as e:
         raise HTTPException(422, f"manifest and settings must be JSON: {e}") from None
     if not isinstance(settings_json, dict):
         raise HTTPException(422, "settings must be a JSON object")
@@ -122,7 +122,7 @@ def _list_rounds(
         query = select(Round).where(Round.population_id == population.id)
         if kind is not None:
             query = query.where(Round.kind == kind)
-        query = query.order_by(Round.id.desc()).limit(max(1, min(limit, 1000))).offset(max(0, offset))
+        query = query.order_by(Round.id.desc()).limit(limit).offset(offset)
         return [round_out(r) for r in session.scalars(query)]
 
 
@@ -133,8 +133,8 @@ async def list_rounds(
     factory: SessionFactoryDep,
     request: Request,
     kind: str | None = None,
-    limit: int = 100,
-    offset: int = 0,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+    offset: Annotated[int, Query(ge=0, le=MAX_COUNT)] = 0,
 ) -> list[RoundOut]:
     return await run_db(request.app, _list_rounds, factory, name, kind, limit, offset)
 

@@ -9,10 +9,10 @@ from starlette.applications import Starlette
 
 from orchestrator import rounds
 from orchestrator.api.deps import (
+    DATABASE_UNAVAILABLE,
     UNAUTHENTICATED,
     ClockDep,
     SessionFactoryDep,
-    SettingsDep,
     TokenDep,
     require_device,
     run_db,
@@ -54,7 +54,7 @@ def report_groups(app: Starlette, window_seconds: float) -> ReportGroups:
     async def transaction(_: None, calls: Sequence[_ReportCall]) -> list[ReportAccepted | rounds.Refused]:
         return await run_db(app, _report, app.state.sessionmaker, calls, app.state.clock())
 
-    return GroupCommit(transaction, window_seconds)
+    return GroupCommit(transaction, window_seconds, fail_together=DATABASE_UNAVAILABLE)
 
 
 def _report(
@@ -92,19 +92,8 @@ def _report(
     "metadata `num_examples` and `metrics` (JSON). Evaluation: JSON `{num_examples, metrics}`. "
     "409 when late or repeated, 422 when malformed, 403 when not the caller's.",
 )
-async def report(
-    assignment_id: str, request: Request, token: TokenDep, settings: SettingsDep
-) -> ReportAccepted:
-    declared = int(request.headers.get("content-length") or 0)
-    if declared > settings.max_report_bytes:
-        raise HTTPException(
-            413, f"report of {declared} bytes exceeds the limit of {settings.max_report_bytes}"
-        )
-    body = await request.body()
-    if len(body) > settings.max_report_bytes:
-        raise HTTPException(
-            413, f"report of {len(body)} bytes exceeds the limit of {settings.max_report_bytes}"
-        )
+async def report(assignment_id: str, request: Request, token: TokenDep) -> ReportAccepted:
+    body = await request.body()  # under max_report_bytes, after the token was checked (api/edge.py)
     groups: ReportGroups = request.app.state.report_groups
     call = _ReportCall(assignment_id, token, body, request.headers.get("content-type", ""))
     result = await groups.submit(None, call)

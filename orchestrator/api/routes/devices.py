@@ -4,6 +4,7 @@ from fastapi import APIRouter, Request
 from sqlalchemy.orm import Session, sessionmaker
 
 from orchestrator.api.deps import ClockDep, SessionFactoryDep, run_db
+from orchestrator.api.edge import VerifiedTokens
 from orchestrator.api.schemas import Enrolled
 from orchestrator.devices import enroll
 
@@ -12,7 +13,10 @@ router = APIRouter(prefix="/v1/devices", tags=["devices"])
 
 @router.post("", response_model=Enrolled, status_code=201, summary="Enroll a device")
 async def enroll_device(factory: SessionFactoryDep, clock: ClockDep, request: Request) -> Enrolled:
-    return await run_db(request.app, _enroll, factory, clock())
+    enrolled = await run_db(request.app, _enroll, factory, clock())
+    tokens: VerifiedTokens = request.app.state.verified_tokens
+    tokens.add(enrolled.token, enrolled.device_id)  # committed: the token is valid
+    return enrolled
 
 
 def _enroll(factory: sessionmaker[Session], now: float) -> Enrolled:

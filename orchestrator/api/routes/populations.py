@@ -3,9 +3,9 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import APIRouter, HTTPException, Request, Response
+from fastapi import APIRouter, HTTPException, Path, Request, Response
 from fastapi.routing import APIRoute
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
@@ -13,6 +13,7 @@ from starlette.applications import Starlette
 
 from orchestrator import rounds
 from orchestrator.api.deps import (
+    DATABASE_UNAVAILABLE,
     UNAUTHENTICATED,
     SessionFactoryDep,
     TokenDep,
@@ -24,6 +25,7 @@ from orchestrator.api.group_commit import GroupCommit
 from orchestrator.api.schemas import AssignmentOut, CheckIn, RejectionOut
 from orchestrator.db import ModelVersion, Population
 from orchestrator.devices import authenticate_all
+from orchestrator.limits import MAX_COUNT, MAX_JSON_DEPTH
 
 router = APIRouter(prefix="/v1/populations", tags=["devices"])
 
@@ -46,7 +48,7 @@ def checkin_groups(app: Starlette, window_seconds: float) -> CheckInGroups:
     ) -> list[AssignmentOut | rounds.Refused]:
         return await run_db(app, _checkin, app.state.sessionmaker, population, calls, app.state.clock())
 
-    return GroupCommit(transaction, window_seconds)
+    return GroupCommit(transaction, window_seconds, fail_together=DATABASE_UNAVAILABLE)
 
 
 class _CheckInRoute(APIRoute):
@@ -62,18 +64,24 @@ class _CheckInRoute(APIRoute):
 
         async def handler(request: Request) -> Response:
             authorization = request.headers.get("authorization")
-            if (
-                authorization
-                and authorization.startswith("Bearer ")
-                and request.headers.get("content-type") == "application/json"
-            ):
+            content_type = request.headers.get("content-type") or ""
+            if authorization and authorization.startswith("Bearer ") and "json" in content_type:
                 try:
-                    body = CheckIn.model_validate(json.loads(await request.body()))
-                except (ValueError, RecursionError):  # FastAPI's handler says what is wrong
-                    pass
-                else:
-                    population: str = request.path_params["population"]
-                    return await checkin(population, body, token_of(authorization), request)
+                    document = json.loads(await request.body())
+                except RecursionError:  # FastAPI's handler would call it "an error parsing the body"
+                    raise HTTPException(
+                        422, f"the check-in nests deeper than {MAX_JSON_DEPTH} levels"
+                    ) from None
+                except ValueError:  # FastAPI's handler says what is wrong
+                    document = None
+                if document is not None and content_type == "application/json":
+                    try:
+                        body = CheckIn.model_validate(document)
+                    except ValueError:  # as above
+                        pass
+                    else:
+                        population: str = request.path_params["population"]
+                        return await checkin(population, body, token_of(authorization), request)
             return await fastapi_handler(request)
 
         return handler
@@ -196,7 +204,11 @@ def _global_params(factory: sessionmaker[Session], token: str, population: str, 
 
 @router.get("/{population}/models/{version}/global", summary="Global parameters (safetensors)")
 async def global_params(
-    population: str, version: int, token: TokenDep, factory: SessionFactoryDep, request: Request
+    population: str,
+    version: Annotated[int, Path(ge=0, le=MAX_COUNT)],
+    token: TokenDep,
+    factory: SessionFactoryDep,
+    request: Request,
 ) -> Response:
     params = await run_db(request.app, _global_params, factory, token, population, version)
     return Response(
