@@ -69,9 +69,12 @@ def create_population(
         initial = decode_params(model.initial_global, manifest.global_params, "initial global parameters")
     except ParamsError as e:
         raise PopulationError(str(e)) from None
-    # Devices get the export's defaults unless the admin overrides them.
-    task = TaskConfig.from_manifest(manifest, **settings.get("task_config", {}))
     try:
+        # Devices get the export's defaults unless the admin overrides them.
+        overrides = settings.get("task_config", {})
+        if not isinstance(overrides, dict):
+            raise ValueError(f"task_config must be a JSON object, got {type(overrides).__name__}")
+        task = TaskConfig.from_manifest(manifest, **overrides)
         checked = PopulationSettings.model_validate({**settings, "task_config": task.to_json()})
     except ValueError as e:
         raise PopulationError(f"invalid settings: {e}") from None
