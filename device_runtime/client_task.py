@@ -122,7 +122,9 @@ class TaskConfig:
         if "split" in values:
             policies = [p.value for p in SplitPolicy]
             if values["split"] not in policies:
-                raise ValueError(f"invalid task config: split must be one of {policies}, got {values['split']!r}")
+                raise ValueError(
+                    f"invalid task config: split must be one of {policies}, got {values['split']!r}"
+                )
             values["split"] = SplitPolicy(values["split"])
         return cls(**values)
 
