@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import math
 import mmap
 from dataclasses import dataclass
@@ -12,7 +13,7 @@ import numpy as np
 
 from device_runtime.interpreter import interpreter_class
 from device_runtime.task_batches import TaskBatches
-from model_export.manifest import MODEL_FILE, Manifest, ManifestError, load_manifest, sha256_file
+from model_export.manifest import MODEL_FILE, Manifest, ManifestError, load_manifest
 from model_export.params import Params, check_params
 
 
@@ -105,11 +106,16 @@ class DeviceModel:
         model_dir = Path(model_dir)
         self.manifest: Manifest = load_manifest(model_dir, verify_model=False)
         model_path = model_dir / MODEL_FILE
-        if not model_path.is_file():
+        try:
+            # Checked and loaded from the same bytes: loaded from its path, the interpreter would
+            # map the file, and a cache file damaged later would change the model under it.
+            self._content = model_path.read_bytes()
+        except OSError as e:
             raise ModelLoadError(
-                f"no model file at {model_path}; expected the output of `python -m model_export`"
-            )
-        actual = sha256_file(model_path)
+                f"no model file at {model_path} ({e.strerror}); expected the output of "
+                "`python -m model_export`"
+            ) from None
+        actual = hashlib.sha256(self._content).hexdigest()
         if actual != self.manifest.model_sha256:
             raise ModelLoadError(
                 f"{model_path} has sha256 {actual[:12]}..., its manifest expects "
@@ -117,7 +123,7 @@ class DeviceModel:
             )
         self.backend, interpreter_cls = interpreter_class(backend)
         try:
-            self._interpreter = interpreter_cls(model_path=str(model_path), num_threads=num_threads)
+            self._interpreter = interpreter_cls(model_content=self._content, num_threads=num_threads)
         except (ValueError, RuntimeError) as e:
             raise ModelLoadError(f"{model_path} is not a loadable TFLite model: {e}") from None
         self._runners: dict[str, Any] = {}
