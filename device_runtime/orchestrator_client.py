@@ -245,7 +245,11 @@ class OrchestratorClient:
                     self.url_of(values[f.name], f"the assignment's {f.name}")
                 else:
                     values[f.name] = answer.typed(f.name, str(f.type))
-            answer.check(_ID.fullmatch(values["assignment_id"]) is not None, "assignment_id", _ID.pattern)
+            answer.check(
+                _ID.fullmatch(values["assignment_id"]) is not None,
+                "assignment_id",
+                f"a string matching {_ID.pattern}",
+            )
             answer.check(values["kind"] in ("training", "evaluation"), "kind", "'training' or 'evaluation'")
             answer.check(values["round_id"] >= 0, "round_id", "an integer >= 0")
             answer.check(values["model_version"] >= 0, "model_version", "an integer >= 0")
