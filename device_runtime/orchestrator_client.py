@@ -253,7 +253,6 @@ class OrchestratorClient:
             answer.check(values["kind"] in ("training", "evaluation"), "kind", "'training' or 'evaluation'")
             answer.check(values["round_id"] >= 0, "round_id", "an integer >= 0")
             answer.check(values["model_version"] >= 0, "model_version", "an integer >= 0")
-            answer.check(values["seconds_left"] >= 0, "seconds_left", "a number >= 0")
             answer.check(
                 _SHA256.fullmatch(values["artifact_sha256"]) is not None,
                 "artifact_sha256",
@@ -397,7 +396,8 @@ class _Fields:
             and math.isfinite(value)
             and low <= value <= high
         )
-        self.check(ok, name, f"a finite number in [{low:g}, {high:g}]")
+        bounded = math.isfinite(low) or math.isfinite(high)
+        self.check(ok, name, f"a finite number in [{low:g}, {high:g}]" if bounded else "a finite number")
         return float(value)
 
     def typed(self, name: str, annotation: str) -> Any:

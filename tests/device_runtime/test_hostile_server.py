@@ -615,6 +615,7 @@ def foreign(server: HostileOrchestrator, other: HostileOrchestrator) -> list[tup
         ("abort_url", f"{other.url}/v1/assignments/{ASSIGNMENT_ID}/abort"),
         ("artifact_url", f"https://127.0.0.1:{server.port}/v1/artifacts/{sha}"),  # another scheme
         ("artifact_url", f"http://localhost:{server.port}/v1/artifacts/{sha}"),  # another host name
+        ("artifact_url", f"http://127.0.0.1:{server.port}@127.0.0.1:{other.port}/v1/artifacts/{sha}"),
     ]
 
 
