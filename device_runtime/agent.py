@@ -125,13 +125,13 @@ class DeviceAgent:
 
     async def _participate(
         self,
-        task: str = "training",
-        conditions: Mapping[str, bool] | None = None,
-        should_continue: Callable[[], bool] = lambda: True,
-        seed: int = 0,
+        task: str,
+        conditions: Mapping[str, bool] | None,
+        should_continue: Callable[[], bool],
+        seed: int,
         *,
-        compute_slowdown: float = 1.0,
-        abort_when_interrupted: bool = True,
+        compute_slowdown: float,
+        abort_when_interrupted: bool,
     ) -> Participation:
         answer = await self.client.checkin(self.population, self.store.count(), task, conditions)
         if isinstance(answer, Rejection):

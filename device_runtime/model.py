@@ -94,6 +94,20 @@ def lazy_zeros(shape: tuple[int, ...]) -> np.ndarray:
     return np.frombuffer(mmap.mmap(-1, size), dtype=np.float32).reshape(shape)
 
 
+def _int32(name: str, value: int) -> np.int32:
+    """A signature's int32 input; a value it cannot hold is an error, never a wrapped number."""
+    if not -(2**31) <= value < 2**31:
+        raise ValueError(f"{name} must fit the model's int32 input, got {value}")
+    return np.int32(value)
+
+
+def _float32(name: str, value: float) -> np.float32:
+    """A signature's float32 input; a value that would overflow it (or NaN) is an error."""
+    if not abs(value) <= np.finfo(np.float32).max:
+        raise ValueError(f"{name} must be a finite number within float32's range, got {value}")
+    return np.float32(value)
+
+
 class DeviceModel:
     """One interpreter over one exported model; not thread-safe (use one per thread).
 
@@ -203,9 +217,9 @@ class DeviceModel:
             "reconstruct",
             **batches.inputs(),
             **self._task_globals(batches),
-            num_steps=np.int32(num_steps),
-            learning_rate=np.float32(learning_rate),
-            l2_local=np.float32(l2_local),
+            num_steps=_int32("num_steps", num_steps),
+            learning_rate=_float32("learning_rate", learning_rate),
+            l2_local=_float32("l2_local", l2_local),
         )
         return float(out["loss"])
 
@@ -224,11 +238,11 @@ class DeviceModel:
             "update",
             **batches.inputs(),
             **self._task_globals(batches),
-            num_steps=np.int32(num_steps),
-            learning_rate=np.float32(learning_rate),
-            local_learning_rate=np.float32(local_learning_rate),
-            l2_global=np.float32(l2_global),
-            l2_local=np.float32(l2_local),
+            num_steps=_int32("num_steps", num_steps),
+            learning_rate=_float32("learning_rate", learning_rate),
+            local_learning_rate=_float32("local_learning_rate", local_learning_rate),
+            l2_global=_float32("l2_global", l2_global),
+            l2_local=_float32("l2_local", l2_local),
         )
         delta: Params = {}
         max_abs = 0.0
