@@ -25,7 +25,7 @@ from android_sim.network import Connector, SimulatedLink
 from android_sim.profiles import DeviceProfile, SimClock
 from device_runtime.agent import DeviceAgent, Participation
 from device_runtime.example_store import ExampleStore
-from device_runtime.orchestrator_client import OrchestratorClient, ProtocolError, ServerUnavailable
+from device_runtime.orchestrator_client import OrchestratorClient
 from device_runtime.task_runner import TaskRunner
 
 TRAINING, HELD_OUT = "training", "held-out"
@@ -215,16 +215,14 @@ class Fleet:
                     compute_slowdown=device.profile.device_class.compute_slowdown,
                     abort_when_interrupted=not vanishes,
                 )
-            if self.stats.waiting_for_server:
-                self.stats.waiting_for_server = 0
+            if participation.status == "unreachable":
+                self.stats.waiting_for_server += 1
+                self.stats.last_error = f"orchestrator unreachable: {participation.detail}"
+                return None
+            if participation.status in ("refused", "invalid_answer"):
+                # e.g. the assignment's round closed while downloading; counted, and the device goes on.
+                self.stats.last_error = f"device {device.index}: {participation.detail}"
+            self.stats.waiting_for_server = 0
             return participation
-        except (ServerUnavailable, httpx.TransportError) as e:
-            self.stats.waiting_for_server += 1
-            self.stats.last_error = f"orchestrator unreachable: {e}"
-            return None
-        except ProtocolError as e:
-            # e.g. the assignment's round closed while downloading; counted, and the device goes on.
-            self.stats.last_error = f"device {device.index}: {e}"
-            return Participation("refused", detail=str(e))
         finally:
             self.stats.in_task -= 1

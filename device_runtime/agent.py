@@ -14,16 +14,28 @@ from typing import Any
 
 from device_runtime.client_task import Outcome, TaskConfig, TaskResult
 from device_runtime.example_store import ExampleStore
-from device_runtime.orchestrator_client import Assignment, OrchestratorClient, ProtocolError, Rejection
+from device_runtime.model import ModelLoadError
+from device_runtime.orchestrator_client import (
+    Assignment,
+    InvalidAnswer,
+    OrchestratorClient,
+    ProtocolError,
+    Rejection,
+    ServerUnavailable,
+)
 from device_runtime.task_runner import TaskRunner
+from model_export.manifest import ManifestError
+from model_export.params import ParamsError
 
 
 @dataclass
 class Participation:
     """What happened when the device tried to take part once."""
 
-    # reported | refused (report not taken) | rejected (check-in) | aborted | vanished (stopped
-    # without telling the server, as a phone that loses power or network does)
+    # reported | refused (the server answered 4xx, e.g. a report not taken) | rejected (check-in)
+    # | aborted | vanished (stopped without telling the server, as a phone that loses power or
+    # network does) | invalid_answer (the server's answer broke the protocol: the detail says how)
+    # | unreachable (no answer after all retries)
     status: str
     assignment: Assignment | None = None
     task: TaskResult | None = None
@@ -49,6 +61,7 @@ class DeviceAgent:
         self.cache_dir = Path(cache_dir)
         self.population = population
         self.runner = runner or TaskRunner(1, backend=backend)
+        self.assignment: Assignment | None = None  # the one held while participating
 
     async def participate(
         self,
@@ -62,12 +75,70 @@ class DeviceAgent:
     ) -> Participation:
         """One attempt. `compute_slowdown` > 1 stretches the task's time as a slower phone would;
         `should_continue` is asked during and after the task, and a False answer aborts (or, with
-        `abort_when_interrupted=False`, the device vanishes and the server finds out at the deadline)."""
+        `abort_when_interrupted=False`, the device vanishes and the server finds out at the deadline).
+
+        Whatever the server answers, the result is a `Participation`: a refusal, an answer that
+        breaks the protocol (a model, manifest, parameters or task config the device cannot use
+        included) or a server that does not answer becomes its status, and an assignment the device
+        holds is aborted. The example store is only ever read."""
+        self.assignment = None
+        try:
+            return await self._participate(
+                task,
+                conditions,
+                should_continue,
+                seed,
+                compute_slowdown=compute_slowdown,
+                abort_when_interrupted=abort_when_interrupted,
+            )
+        except InvalidAnswer as e:
+            return await self._give_up("invalid_answer", e.message, e.assignment_id)
+        except (ModelLoadError, ManifestError, ParamsError) as e:  # the model or globals it was sent
+            return await self._give_up("invalid_answer", str(e))
+        except ProtocolError as e:
+            return await self._give_up("refused", str(e))
+        except ServerUnavailable as e:
+            return await self._give_up("unreachable", str(e))
+        finally:
+            self.assignment = None
+
+    async def _give_up(self, status: str, detail: str, assignment_id: str | None = None) -> Participation:
+        """The participation ends early; the assignment held (or named by a bad answer) is aborted."""
+        held = self.assignment
+        if held is not None:
+            detail += await self._abort(held)
+        elif assignment_id is not None:
+            detail += await self._abort(assignment_id)
+        return Participation(status, held, detail=detail)
+
+    async def _abort(self, assignment: Assignment | str) -> str:
+        """Abort on the device's own orchestrator; '' when it arrived, else why not (the round's
+        deadline then frees the slot)."""
+        try:
+            if isinstance(assignment, str):
+                await self.client.abort_assignment(assignment)
+            else:
+                await self.client.abort(assignment)
+        except (InvalidAnswer, ProtocolError, ServerUnavailable) as e:
+            return f" (the abort did not arrive: {e})"
+        return ""
+
+    async def _participate(
+        self,
+        task: str,
+        conditions: Mapping[str, bool] | None,
+        should_continue: Callable[[], bool],
+        seed: int,
+        *,
+        compute_slowdown: float,
+        abort_when_interrupted: bool,
+    ) -> Participation:
         answer = await self.client.checkin(self.population, self.store.count(), task, conditions)
         if isinstance(answer, Rejection):
             return Participation(
                 "rejected", retry_after_seconds=answer.retry_after_seconds, detail=answer.reason
             )
+        self.assignment = answer
         model_dir = await self.client.model_dir(answer, self.cache_dir)
         blob = await self.client.global_params(answer)
         config = TaskConfig.from_json(answer.task_config)
@@ -84,7 +155,7 @@ class DeviceAgent:
             detail = f"{result.outcome.value}: {result.message}"
             if result.outcome is Outcome.INTERRUPTED and not abort_when_interrupted:
                 return Participation("vanished", answer, result, detail=detail, task_seconds=seconds)
-            await self.client.abort(answer)
+            detail += await self._abort(answer)
             return Participation("aborted", answer, result, detail=detail, task_seconds=seconds)
         try:
             if answer.kind == "training":

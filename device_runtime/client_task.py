@@ -36,9 +36,35 @@ class SplitPolicy(enum.StrEnum):
     REUSE = "reuse"  # every example in both support and query
 
 
+# The largest value each task-config number may take. The signatures take steps as int32 and
+# rates as float32, which a larger number would wrap or overflow inside the model; these bounds
+# are far below that and still far above any sensible task (the paper uses <= 50 steps, and a
+# step costs about 1 ms). A field not listed here is bounded by its signature type.
+INT32_MAX = 2**31 - 1
+FLOAT32_MAX = 3.4028234663852886e38
+TASK_CONFIG_MAXIMA: dict[str, int | float] = {
+    "reuse_below": 1_000_000,
+    "min_examples": 1_000_000,
+    "max_examples": 1_000_000,
+    "shuffle_seed": 2**32 - 1,
+    "reconstruction_learning_rate": 1_000.0,
+    "reconstruction_max_epochs": 1_000,
+    "reconstruction_max_steps": 10_000,
+    "update_learning_rate": 1_000.0,
+    "update_max_epochs": 1_000,
+    "update_max_steps": 10_000,
+    "l2_global": 1_000.0,
+    "l2_local": 1_000.0,
+    "negatives_per_positive": 100,
+}
+
+
 @dataclass(frozen=True)
 class TaskConfig:
-    """What the server asks a device to do; defaults follow the FedRecon MovieLens protocol."""
+    """What the server asks a device to do; defaults follow the FedRecon MovieLens protocol.
+
+    Every number is checked against `TASK_CONFIG_MAXIMA` (on the server when a population is
+    created, and on the device when an assignment arrives)."""
 
     split: SplitPolicy = SplitPolicy.ALTERNATE
     reuse_below: int = 0  # fewer examples than this: reuse all for support and query (deployment lesson)
@@ -61,11 +87,15 @@ class TaskConfig:
             value = getattr(self, f.name)
             if f.type == "SplitPolicy" or (value is None and f.type == "int | None"):
                 continue
-            kinds = (int,) if f.type.startswith("int") else (int, float)
+            is_int = f.type.startswith("int")
+            kinds = (int,) if is_int else (int, float)
+            highest = TASK_CONFIG_MAXIMA.get(f.name, INT32_MAX if is_int else FLOAT32_MAX)
             if isinstance(value, bool) or not isinstance(value, kinds):
                 problems.append(f"{f.name} must be {f.type.split(' ')[0]}, got {value!r}")
-            elif not math.isfinite(value) or value < 0:
-                problems.append(f"{f.name} must be finite and >= 0, got {value}")
+            elif isinstance(value, float) and not math.isfinite(value):
+                problems.append(f"{f.name} must be finite, got {value}")
+            elif not 0 <= value <= highest:  # ints are exact here: 2**64 must not round to a float
+                problems.append(f"{f.name} must be in [0, {_shown(highest)}], got {_shown(value)}")
         if self.min_examples < 1:
             problems.append(f"min_examples must be >= 1, got {self.min_examples}")
         if self.max_examples < self.min_examples:
@@ -82,12 +112,19 @@ class TaskConfig:
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> TaskConfig:
+        if not isinstance(data, Mapping):
+            raise ValueError(f"a task config must be a JSON object, got {type(data).__name__}")
         known = {f.name for f in fields(cls)}
         unknown = set(data) - known
         if unknown:
             raise ValueError(f"unknown task config fields {sorted(unknown)}; known: {sorted(known)}")
         values = dict(data)
         if "split" in values:
+            policies = [p.value for p in SplitPolicy]
+            if values["split"] not in policies:
+                raise ValueError(
+                    f"invalid task config: split must be one of {policies}, got {values['split']!r}"
+                )
             values["split"] = SplitPolicy(values["split"])
         return cls(**values)
 
@@ -97,6 +134,13 @@ class TaskConfig:
         known = {f.name for f in fields(cls)}
         defaults = {k: v for k, v in manifest.training_defaults.items() if k in known}
         return cls.from_json({**defaults, **overrides})
+
+
+def _shown(value: float) -> str:
+    """A number for an error message: a huge integer as its power of two, not 400 digits."""
+    if isinstance(value, int) and abs(value) >= 10**15:
+        return f"{'-' if value < 0 else ''}~2^{abs(value).bit_length() - 1}"
+    return f"{value:g}" if isinstance(value, float) else str(value)
 
 
 @dataclass

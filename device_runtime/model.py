@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import math
 import mmap
 from dataclasses import dataclass
@@ -12,7 +13,7 @@ import numpy as np
 
 from device_runtime.interpreter import interpreter_class
 from device_runtime.task_batches import TaskBatches
-from model_export.manifest import MODEL_FILE, Manifest, ManifestError, load_manifest, sha256_file
+from model_export.manifest import MODEL_FILE, Manifest, ManifestError, load_manifest
 from model_export.params import Params, check_params
 
 
@@ -93,6 +94,20 @@ def lazy_zeros(shape: tuple[int, ...]) -> np.ndarray:
     return np.frombuffer(mmap.mmap(-1, size), dtype=np.float32).reshape(shape)
 
 
+def _int32(name: str, value: int) -> np.int32:
+    """A signature's int32 input; a value it cannot hold is an error, never a wrapped number."""
+    if not -(2**31) <= value < 2**31:
+        raise ValueError(f"{name} must fit the model's int32 input, got {value}")
+    return np.int32(value)
+
+
+def _float32(name: str, value: float) -> np.float32:
+    """A signature's float32 input; a value that would overflow it (or NaN) is an error."""
+    if not abs(value) <= np.finfo(np.float32).max:
+        raise ValueError(f"{name} must be a finite number within float32's range, got {value}")
+    return np.float32(value)
+
+
 class DeviceModel:
     """One interpreter over one exported model; not thread-safe (use one per thread).
 
@@ -105,11 +120,16 @@ class DeviceModel:
         model_dir = Path(model_dir)
         self.manifest: Manifest = load_manifest(model_dir, verify_model=False)
         model_path = model_dir / MODEL_FILE
-        if not model_path.is_file():
+        try:
+            # Checked and loaded from the same bytes: loaded from its path, the interpreter would
+            # map the file, and a cache file damaged later would change the model under it.
+            self._content = model_path.read_bytes()
+        except OSError as e:
             raise ModelLoadError(
-                f"no model file at {model_path}; expected the output of `python -m model_export`"
-            )
-        actual = sha256_file(model_path)
+                f"no model file at {model_path} ({e.strerror}); expected the output of "
+                "`python -m model_export`"
+            ) from None
+        actual = hashlib.sha256(self._content).hexdigest()
         if actual != self.manifest.model_sha256:
             raise ModelLoadError(
                 f"{model_path} has sha256 {actual[:12]}..., its manifest expects "
@@ -117,7 +137,7 @@ class DeviceModel:
             )
         self.backend, interpreter_cls = interpreter_class(backend)
         try:
-            self._interpreter = interpreter_cls(model_path=str(model_path), num_threads=num_threads)
+            self._interpreter = interpreter_cls(model_content=self._content, num_threads=num_threads)
         except (ValueError, RuntimeError) as e:
             raise ModelLoadError(f"{model_path} is not a loadable TFLite model: {e}") from None
         self._runners: dict[str, Any] = {}
@@ -197,9 +217,9 @@ class DeviceModel:
             "reconstruct",
             **batches.inputs(),
             **self._task_globals(batches),
-            num_steps=np.int32(num_steps),
-            learning_rate=np.float32(learning_rate),
-            l2_local=np.float32(l2_local),
+            num_steps=_int32("num_steps", num_steps),
+            learning_rate=_float32("learning_rate", learning_rate),
+            l2_local=_float32("l2_local", l2_local),
         )
         return float(out["loss"])
 
@@ -218,11 +238,11 @@ class DeviceModel:
             "update",
             **batches.inputs(),
             **self._task_globals(batches),
-            num_steps=np.int32(num_steps),
-            learning_rate=np.float32(learning_rate),
-            local_learning_rate=np.float32(local_learning_rate),
-            l2_global=np.float32(l2_global),
-            l2_local=np.float32(l2_local),
+            num_steps=_int32("num_steps", num_steps),
+            learning_rate=_float32("learning_rate", learning_rate),
+            local_learning_rate=_float32("local_learning_rate", local_learning_rate),
+            l2_global=_float32("l2_global", l2_global),
+            l2_local=_float32("l2_local", l2_local),
         )
         delta: Params = {}
         max_abs = 0.0

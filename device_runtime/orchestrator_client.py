@@ -4,6 +4,12 @@ Control messages are JSON; tensors are safetensors. What goes up: the example *c
 device's conditions, the delta of the global parameters (the rows it changed) with its
 weight, and aggregate metrics. Never local parameters, never examples. Transport errors and 5xx answers are
 retried with backoff, so a server that restarts or is slow does not lose the device.
+
+The device trusts nothing it is told: requests (and the bearer token) go only to the
+orchestrator's own origin, every answer is bounded in size and checked field by field before
+use, and the model cache is checked against its content address each time it is used. Whatever is
+wrong surfaces as one of three errors: `ProtocolError` (the server refused, 4xx),
+`InvalidAnswer` (the answer breaks the protocol) or `ServerUnavailable` (no answer).
 """
 
 from __future__ import annotations
@@ -11,16 +17,31 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import math
+import os
 import random
+import re
+import secrets
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-from model_export.manifest import MANIFEST_FILE, MODEL_FILE
+from device_runtime.client_task import TaskConfig
+from model_export.manifest import MANIFEST_FILE, MODEL_FILE, Manifest
 from model_export.params import Params, encode_sparse_delta
+
+MAX_JSON_BYTES = 1 << 20  # a control message; the largest real one (a manifest) is a few KB
+MAX_ANSWER_BYTES = 256 << 20  # any other answer: a bound against an endless stream
+MAX_RETRY_AFTER_SECONDS = 30 * 86_400.0
+ABORT_ATTEMPTS = 2  # the round's deadline covers an abort that never arrives; do not stall on it
+_INT64_MAX = 2**63 - 1
+_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")  # ids go into URL paths: nothing that could change one
+_SHA256 = re.compile(r"[0-9a-f]{64}")  # names a cache directory: nothing that could leave it
+_TOKEN = re.compile(r"[\x21-\x7e]{1,4096}")  # goes into a header
+_DEFAULT_PORTS = {"http": 80, "https": 443}
 
 
 class ProtocolError(RuntimeError):
@@ -34,6 +55,18 @@ class ProtocolError(RuntimeError):
 
 class ServerUnavailable(RuntimeError):
     """No answer after all retries."""
+
+
+class InvalidAnswer(RuntimeError):
+    """The server's answer breaks the protocol; the message says what was wrong and what was expected.
+
+    `assignment_id` is the assignment a malformed check-in answer named, when it named one in a
+    usable form, so that the device can still abort it on its own orchestrator."""
+
+    def __init__(self, message: str, *, assignment_id: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.assignment_id = assignment_id
 
 
 @dataclass(frozen=True)
@@ -71,6 +104,7 @@ class OrchestratorClient:
         timeout_seconds: float = 30.0,
     ) -> None:
         self.base_url = base_url.rstrip("/")
+        self.origin = _origin(httpx.URL(self.base_url))
         self.token = token
         self._http = http or httpx.AsyncClient(timeout=timeout_seconds)
         self._owns_http = http is None
@@ -81,31 +115,96 @@ class OrchestratorClient:
         if self._owns_http:
             await self._http.aclose()
 
-    async def _request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+    def url_of(self, path: str, what: str) -> str:
+        """`path` (a path on the orchestrator, or a URL from its answers) as a URL on the
+        orchestrator's own origin; an `InvalidAnswer` for anything else, so that no request, and
+        so never the token, goes to another scheme, host or port."""
+        candidate = f"{self.base_url}{path}" if path.startswith("/") and not path.startswith("//") else path
+        try:
+            url = httpx.URL(candidate)
+        except (httpx.InvalidURL, TypeError) as e:
+            raise InvalidAnswer(
+                f"{what} {path!r} is not a URL ({e}); expected a path on the orchestrator"
+            ) from None
+        if _origin(url) != self.origin:
+            raise InvalidAnswer(
+                f"{what} {path!r} points at {_shown_origin(_origin(url))}, not at this device's "
+                f"orchestrator {_shown_origin(self.origin)}; a device sends requests and its token "
+                "only to its own orchestrator"
+            )
+        return str(url)
+
+    async def _request(
+        self,
+        method: str,
+        path: str,
+        *,
+        max_bytes: int = MAX_ANSWER_BYTES,
+        attempts: int | None = None,
+        **kwargs: Any,
+    ) -> httpx.Response:
+        """The 2xx answer, read whole only if at most `max_bytes` long; 4xx raise `ProtocolError`,
+        transport errors and 5xx are retried, and then raise `ServerUnavailable`."""
+        url = self.url_of(path, f"{method} target")
         headers = dict(kwargs.pop("headers", {}))
         if self.token:
             headers["Authorization"] = f"Bearer {self.token}"
-        url = path if path.startswith("http") else f"{self.base_url}{path}"
+        attempts = attempts or self.attempts
         last: str = ""
-        for attempt in range(self.attempts):
+        for attempt in range(attempts):
             try:
-                response = await self._http.request(method, url, headers=headers, **kwargs)
-            except httpx.TransportError as e:
+                async with self._http.stream(method, url, headers=headers, **kwargs) as streamed:
+                    status = streamed.status_code
+                    if 200 <= status < 300:
+                        content = await _read_bounded(streamed, max_bytes, f"{method} {url}")
+                        # Decoded already: the copy must not claim an encoding or the wire length.
+                        kept = [(k, v) for k, v in streamed.headers.multi_items() if k.lower() not in _WIRE]
+                        return httpx.Response(status, headers=kept, content=content, request=streamed.request)
+                    detail = _detail(streamed.headers, await _read_prefix(streamed, 2_000))
+            except httpx.TransportError as e:  # connection refused or reset, timeouts, broken framing
                 last = f"{type(e).__name__}: {e}"
+            except httpx.HTTPError as e:  # e.g. a body that does not decode as its Content-Encoding says
+                raise InvalidAnswer(
+                    f"{method} {url}: the answer is unreadable ({type(e).__name__}: {e})"
+                ) from None
             else:
-                if response.status_code < 500:
-                    if response.status_code >= 400:
-                        raise ProtocolError(response.status_code, _detail(response))
-                    return response
-                last = f"{response.status_code}: {_detail(response)}"
+                if 300 <= status < 400:
+                    raise InvalidAnswer(
+                        f"{method} {url} answered {status} (a redirect to "
+                        f"{streamed.headers.get('location', 'nowhere')!r}); the protocol has no redirects"
+                    )
+                if 400 <= status < 500:
+                    raise ProtocolError(status, detail)
+                last = f"{status}: {detail}"
             # Exponential backoff with jitter, so a restarting server is not hit by the whole fleet at once.
             await asyncio.sleep(self.backoff_seconds * (2 ** min(attempt, 6)) * (0.5 + random.random()))
-        raise ServerUnavailable(f"{method} {url} failed after {self.attempts} attempts ({last})")
+        raise ServerUnavailable(f"{method} {url} failed after {attempts} attempts ({last})")
+
+    async def _json(self, method: str, path: str, what: str, **kwargs: Any) -> dict[str, Any]:
+        """A JSON object answer (at most `MAX_JSON_BYTES`)."""
+        response = await self._request(method, path, max_bytes=MAX_JSON_BYTES, **kwargs)
+        _require_content_type(response, "application/json", what)
+        try:
+            data = json.loads(response.content)
+        except (ValueError, RecursionError) as e:  # not UTF-8, not JSON, or nested beyond the parser
+            raise InvalidAnswer(
+                f"{what} is not JSON ({type(e).__name__}: {e}); expected a JSON object"
+            ) from None
+        if not isinstance(data, dict):
+            raise InvalidAnswer(f"{what} is a JSON {type(data).__name__}; expected a JSON object")
+        return data
+
+    async def _binary(self, path: str, what: str, max_bytes: int = MAX_ANSWER_BYTES) -> bytes:
+        response = await self._request("GET", path, max_bytes=max_bytes)
+        _require_content_type(response, "application/octet-stream", what)
+        return response.content
 
     async def enroll(self) -> str:
-        data = (await self._request("POST", "/v1/devices")).json()
-        self.token = str(data["token"])
-        return str(data["device_id"])
+        data = await self._json("POST", "/v1/devices", "the enrollment answer")
+        answer = _Fields(data, "the enrollment answer", {"device_id", "token"})
+        device_id = answer.text("device_id", _ID)
+        self.token = answer.text("token", _TOKEN)
+        return device_id
 
     async def checkin(
         self,
@@ -115,34 +214,89 @@ class OrchestratorClient:
         conditions: Mapping[str, bool] | None = None,
     ) -> Assignment | Rejection:
         body = {"example_count": int(example_count), "task": task, "conditions": dict(conditions or {})}
-        data = (await self._request("POST", f"/v1/populations/{population}/checkin", json=body)).json()
-        if data.get("accepted"):
-            data.pop("accepted")
-            return Assignment(**data)
-        return Rejection(str(data["reason"]), float(data["retry_after_seconds"]))
+        data = await self._json(
+            "POST", f"/v1/populations/{population}/checkin", "the check-in answer", json=body
+        )
+        accepted = data.get("accepted")
+        if accepted is True:
+            return self._assignment(data)
+        if accepted is False:
+            answer = _Fields(data, "the check-in rejection", {"accepted", "reason", "retry_after_seconds"})
+            return Rejection(
+                answer.text("reason", max_length=2_000),
+                answer.number("retry_after_seconds", 0.0, MAX_RETRY_AFTER_SECONDS),
+            )
+        raise InvalidAnswer(
+            f"the check-in answer has accepted={accepted!r}; expected true (an assignment) or false "
+            "(a rejection)"
+        )
+
+    def _assignment(self, data: dict[str, Any]) -> Assignment:
+        """An accepted check-in, every field checked; an `InvalidAnswer` names the assignment when
+        its id is usable, so that it can be aborted."""
+        given = data.get("assignment_id")
+        held = given if isinstance(given, str) and _ID.fullmatch(given) else None
+        try:
+            answer = _Fields(data, "the assignment", {"accepted"} | {f.name for f in fields(Assignment)})
+            values: dict[str, Any] = {}
+            for f in fields(Assignment):
+                if f.name.endswith("_url"):
+                    values[f.name] = answer.text(f.name, max_length=2_000)
+                    self.url_of(values[f.name], f"the assignment's {f.name}")
+                else:
+                    values[f.name] = answer.typed(f.name, str(f.type))
+            answer.check(
+                _ID.fullmatch(values["assignment_id"]) is not None,
+                "assignment_id",
+                f"a string matching {_ID.pattern}",
+            )
+            answer.check(values["kind"] in ("training", "evaluation"), "kind", "'training' or 'evaluation'")
+            answer.check(values["round_id"] >= 0, "round_id", "an integer >= 0")
+            answer.check(values["model_version"] >= 0, "model_version", "an integer >= 0")
+            answer.check(
+                _SHA256.fullmatch(values["artifact_sha256"]) is not None,
+                "artifact_sha256",
+                "64 lowercase hexadecimal digits",
+            )
+            try:
+                TaskConfig.from_json(values["task_config"])
+            except ValueError as e:
+                raise InvalidAnswer(f"the assignment's task_config is not usable: {e}") from None
+            return Assignment(**values)
+        except InvalidAnswer as e:
+            raise InvalidAnswer(e.message, assignment_id=held) from None
 
     async def model_dir(self, assignment: Assignment, cache_dir: Path) -> Path:
-        """The assignment's model, downloaded once per artifact and checked against its sha256."""
+        """The assignment's model, from the cache when intact there, else downloaded."""
         return await self.fetch_model(
             assignment.artifact_sha256, assignment.artifact_url, assignment.manifest_url, cache_dir
         )
 
     async def fetch_model(self, sha256: str, artifact_url: str, manifest_url: str, cache_dir: Path) -> Path:
+        """The model whose content address is `sha256`, with its manifest, in `cache_dir/sha256`.
+
+        Every use checks the cached files against the address (the model's sha256, and the
+        manifest's record of it): a corrupt or truncated file is deleted and downloaded again,
+        never used. A download that does not match is refused and not cached. Files are written
+        under a temporary name and renamed, so no reader ever sees half a file."""
+        if not _SHA256.fullmatch(sha256):
+            raise InvalidAnswer(f"model address {sha256!r}: expected 64 lowercase hexadecimal digits")
         target = Path(cache_dir) / sha256
-        if (target / MODEL_FILE).is_file() and (target / MANIFEST_FILE).is_file():
-            return target
-        blob = (await self._request("GET", artifact_url)).content
-        if hashlib.sha256(blob).hexdigest() != sha256:
-            raise ProtocolError(200, "the downloaded model does not match its sha256")
-        manifest = (await self._request("GET", manifest_url)).json()
-        target.mkdir(parents=True, exist_ok=True)
-        staging = target.with_name(target.name + f".tmp{random.getrandbits(32)}")
-        staging.mkdir()
-        (staging / MODEL_FILE).write_bytes(blob)
-        (staging / MANIFEST_FILE).write_text(json.dumps(manifest))
-        for name in (MODEL_FILE, MANIFEST_FILE):  # rename is atomic: no half-written model is ever seen
-            (staging / name).replace(target / name)
-        staging.rmdir()
+        manifest = await asyncio.to_thread(_cached_manifest, target / MANIFEST_FILE, sha256)
+        if manifest is None:
+            data = await self._json("GET", manifest_url, "the model's manifest")
+            manifest = _model_manifest(data, sha256)
+            await asyncio.to_thread(_write_atomically, target / MANIFEST_FILE, json.dumps(data).encode())
+        if not await asyncio.to_thread(_cached_model_intact, target / MODEL_FILE, sha256):
+            blob = await self._binary(artifact_url, "the model", max_bytes=manifest.model_bytes)
+            actual = hashlib.sha256(blob).hexdigest()
+            if actual != sha256:
+                raise InvalidAnswer(
+                    f"the model from {artifact_url} has sha256 {actual[:12]}..., expected "
+                    f"{sha256[:12]}... (its address); not cached"
+                )
+            await asyncio.to_thread(_write_atomically, target / MODEL_FILE, blob)
+            _remember_intact(target / MODEL_FILE)
         return target
 
     async def population_model(self, population: str, sha256: str, cache_dir: Path) -> Path:
@@ -152,12 +306,13 @@ class OrchestratorClient:
         )
 
     async def global_params_at(self, population: str, version: int) -> bytes:
-        return (
-            await self._request("GET", f"/v1/populations/{population}/models/{int(version)}/global")
-        ).content
+        return await self._binary(
+            f"/v1/populations/{population}/models/{int(version)}/global", "the global parameters"
+        )
 
     async def global_params(self, assignment: Assignment) -> bytes:
-        return (await self._request("GET", assignment.params_url)).content
+        """The safetensors bytes; the task checks them against the manifest before use."""
+        return await self._binary(assignment.params_url, "the global parameters")
 
     async def report_training(
         self, assignment: Assignment, delta: Params, num_examples: int, metrics: Mapping[str, float]
@@ -167,24 +322,237 @@ class OrchestratorClient:
         body = encode_sparse_delta(
             delta, {"num_examples": str(int(num_examples)), "metrics": json.dumps(dict(metrics))}
         )
-        response = await self._request(
-            "POST", assignment.report_url, content=body, headers={"Content-Type": "application/octet-stream"}
+        return await self._json(
+            "POST",
+            assignment.report_url,
+            "the report answer",
+            content=body,
+            headers={"Content-Type": "application/octet-stream"},
         )
-        return dict(response.json())
 
     async def report_evaluation(
         self, assignment: Assignment, num_examples: int, metrics: Mapping[str, float]
     ) -> dict[str, Any]:
         body = {"num_examples": int(num_examples), "metrics": dict(metrics)}
-        return dict((await self._request("POST", assignment.report_url, json=body)).json())
+        return await self._json("POST", assignment.report_url, "the report answer", json=body)
 
     async def abort(self, assignment: Assignment) -> None:
-        await self._request("POST", assignment.abort_url)
+        await self._request("POST", assignment.abort_url, max_bytes=MAX_JSON_BYTES, attempts=ABORT_ATTEMPTS)
+
+    async def abort_assignment(self, assignment_id: str) -> None:
+        """Abort by id on the orchestrator's own abort route: for an assignment whose answer was
+        unusable (its own abort URL included)."""
+        if not _ID.fullmatch(assignment_id):
+            raise InvalidAnswer(f"assignment id {assignment_id!r}: expected {_ID.pattern}")
+        await self._request(
+            "POST",
+            f"/v1/assignments/{assignment_id}/abort",
+            max_bytes=MAX_JSON_BYTES,
+            attempts=ABORT_ATTEMPTS,
+        )
 
 
-def _detail(response: httpx.Response) -> str:
+class _Fields:
+    """One JSON object of an answer, read field by field; each problem is an `InvalidAnswer` that
+    names the answer, the field, what it held and what was expected."""
+
+    def __init__(self, data: dict[str, Any], what: str, expected: set[str]) -> None:
+        missing, extra = sorted(expected - data.keys()), sorted(data.keys() - expected)
+        if missing or extra:
+            raise InvalidAnswer(
+                f"{what} lacks fields {missing} and has unexpected fields {extra}; "
+                f"expected exactly {sorted(expected)}"
+            )
+        self.data = data
+        self.what = what
+
+    def check(self, ok: bool, name: str, expected: str) -> None:
+        if not ok:
+            raise InvalidAnswer(f"{self.what}: {name} is {_shown(self.data[name])}; expected {expected}")
+
+    def text(self, name: str, pattern: re.Pattern[str] | None = None, max_length: int = 200) -> str:
+        value = self.data[name]
+        expected = f"a string matching {pattern.pattern}" if pattern else f"a string of <= {max_length} chars"
+        self.check(
+            isinstance(value, str)
+            and (pattern.fullmatch(value) is not None if pattern else len(value) <= max_length),
+            name,
+            expected,
+        )
+        return str(value)
+
+    def integer(self, name: str) -> int:
+        value = self.data[name]
+        ok = isinstance(value, int) and not isinstance(value, bool) and -_INT64_MAX <= value <= _INT64_MAX
+        self.check(ok, name, "a 64-bit integer")
+        return int(value)
+
+    def number(self, name: str, low: float = -math.inf, high: float = math.inf) -> float:
+        value = self.data[name]
+        ok = (
+            isinstance(value, (int, float))
+            and not isinstance(value, bool)
+            and -_INT64_MAX <= value <= _INT64_MAX  # an int beyond this is no float either
+            and math.isfinite(value)
+            and low <= value <= high
+        )
+        bounded = math.isfinite(low) or math.isfinite(high)
+        self.check(ok, name, f"a finite number in [{low:g}, {high:g}]" if bounded else "a finite number")
+        return float(value)
+
+    def typed(self, name: str, annotation: str) -> Any:
+        """A field by its dataclass annotation (the types a JSON answer can carry)."""
+        if annotation.endswith(" | None") and self.data[name] is None:
+            return None
+        base = annotation.removesuffix(" | None")
+        if base == "str":
+            return self.text(name, max_length=2_000)
+        if base == "int":
+            return self.integer(name)
+        if base == "float":
+            return self.number(name)
+        if base == "bool":
+            self.check(isinstance(self.data[name], bool), name, "true or false")
+            return self.data[name]
+        if base.startswith("dict["):
+            self.check(isinstance(self.data[name], dict), name, "a JSON object")
+            return self.data[name]
+        if base.startswith("list["):
+            self.check(isinstance(self.data[name], list), name, "a JSON array")
+            return self.data[name]
+        raise TypeError(f"no JSON check for field {name!r} of type {annotation!r}")
+
+
+_WIRE = {"content-encoding", "content-length", "transfer-encoding"}
+
+
+async def _read_bounded(response: httpx.Response, max_bytes: int, what: str) -> bytes:
+    """The whole body, refused as soon as it is known to exceed `max_bytes` (before reading it
+    when the server declares its length)."""
+    declared = response.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > max_bytes:
+        raise InvalidAnswer(f"{what}: the answer declares {declared} bytes; expected at most {max_bytes}")
+    chunks, size = [], 0
+    async for chunk in response.aiter_bytes():
+        size += len(chunk)
+        if size > max_bytes:
+            raise InvalidAnswer(f"{what}: the answer is longer than {max_bytes} bytes, the most expected")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def _read_prefix(response: httpx.Response, max_bytes: int) -> bytes:
+    """The start of an error answer: enough for its reason, never the whole of a huge one."""
+    chunks, size = [], 0
+    async for chunk in response.aiter_bytes():
+        chunks.append(chunk)
+        size += len(chunk)
+        if size >= max_bytes:
+            break
+    return b"".join(chunks)[:max_bytes]
+
+
+def _detail(headers: httpx.Headers, body: bytes) -> str:
+    """The reason of an error answer: FastAPI's `detail`, else the start of the body."""
+    if headers.get("content-type", "").startswith("application/json"):
+        try:
+            detail = json.loads(body).get("detail")
+        except (ValueError, RecursionError, AttributeError):
+            detail = None
+        if detail:
+            return str(detail)[:2_000]
+    return body[:200].decode("utf-8", errors="replace")
+
+
+def _require_content_type(response: httpx.Response, expected: str, what: str) -> None:
+    found = response.headers.get("content-type", "")
+    if found.split(";")[0].strip().lower() != expected:
+        raise InvalidAnswer(f"{what} came as Content-Type {found!r}; expected {expected}")
+
+
+def _origin(url: httpx.URL) -> tuple[str, str, int | None]:
+    return url.scheme, url.host, url.port or _DEFAULT_PORTS.get(url.scheme)
+
+
+def _shown_origin(origin: tuple[str, str, int | None]) -> str:
+    scheme, host, port = origin
+    return f"{scheme}://{host}:{port}"
+
+
+def _shown(value: Any) -> str:
+    """A value from an answer for an error message, cut short."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _model_manifest(data: dict[str, Any], sha256: str) -> Manifest:
+    """A downloaded manifest, usable only if it describes the model at `sha256`."""
     try:
-        detail = response.json().get("detail")
-    except (json.JSONDecodeError, AttributeError):
-        detail = None
-    return str(detail) if detail else response.text[:200]
+        manifest = Manifest.from_json(data)
+    except (ValueError, TypeError) as e:  # ManifestError, or a shape the parser did not foresee
+        raise InvalidAnswer(f"the model's manifest is not valid: {e}") from None
+    if manifest.model_sha256 != sha256:
+        raise InvalidAnswer(
+            f"the model's manifest describes a model with sha256 {manifest.model_sha256[:12]}...; "
+            f"expected {sha256[:12]}..., the assignment's model"
+        )
+    if not 0 < manifest.model_bytes <= MAX_ANSWER_BYTES:
+        raise InvalidAnswer(
+            f"the model's manifest says the model has {manifest.model_bytes} bytes; "
+            f"expected 1 to {MAX_ANSWER_BYTES}"
+        )
+    return manifest
+
+
+# Content addresses are immutable, so a model file verified once needs no second hash for as
+# long as nothing has touched it (same inode, size and modification time): a fleet of simulated
+# devices sharing one cache then hashes each model once, not on every participation.
+_INTACT: dict[Path, tuple[int, int, int]] = {}
+
+
+def _file_identity(path: Path) -> tuple[int, int, int]:
+    stat = path.stat()
+    return stat.st_ino, stat.st_size, stat.st_mtime_ns
+
+
+def _remember_intact(path: Path) -> None:
+    _INTACT[path] = _file_identity(path)
+
+
+def _cached_model_intact(path: Path, sha256: str) -> bool:
+    """Whether the cached model is there and is the one at `sha256`; a damaged one is deleted."""
+    try:
+        if _INTACT.get(path) == _file_identity(path):
+            return True
+        digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    except FileNotFoundError:
+        return False
+    if digest != sha256:
+        _INTACT.pop(path, None)
+        path.unlink(missing_ok=True)
+        return False
+    _remember_intact(path)
+    return True
+
+
+def _cached_manifest(path: Path, sha256: str) -> Manifest | None:
+    """The cached manifest if it is there, valid, and describes the model at `sha256`; a damaged
+    one is deleted."""
+    try:
+        return _model_manifest(json.loads(path.read_bytes()), sha256)
+    except FileNotFoundError:
+        return None
+    except (ValueError, RecursionError, InvalidAnswer):  # unreadable, or not this model's
+        path.unlink(missing_ok=True)
+        return None
+
+
+def _write_atomically(path: Path, content: bytes) -> None:
+    """Write under a temporary name, then rename: a reader (or a crash) never sees half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(f".{path.name}.{secrets.token_hex(8)}.tmp")
+    try:
+        temporary.write_bytes(content)
+        os.replace(temporary, path)
+    finally:
+        temporary.unlink(missing_ok=True)

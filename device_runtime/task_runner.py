@@ -17,10 +17,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from device_runtime.client_task import Outcome, TaskConfig, TaskResult, run_evaluation_task, run_training_task
+from device_runtime.client_task import TaskConfig, TaskResult, run_evaluation_task, run_training_task
 from device_runtime.example_store import ExampleStore
-from device_runtime.model import DeviceModel, ModelLoadError
-from model_export.params import ParamsError, decode_params
+from device_runtime.model import DeviceModel
+from model_export.params import decode_params
 
 
 @dataclass(frozen=True)
@@ -66,11 +66,8 @@ class TaskRunner:
         seed: int,
     ) -> TimedResult:
         started = time.perf_counter()
-        try:
-            model = self._model(model_dir)
-            params = decode_params(global_blob, model.manifest.global_params, "global parameters")
-        except (ModelLoadError, ParamsError) as e:
-            return TimedResult(TaskResult(Outcome.ERROR, message=str(e)), time.perf_counter() - started)
+        model = self._model(model_dir)
+        params = decode_params(global_blob, model.manifest.global_params, "global parameters")
         if kind == "training":
             result = run_training_task(
                 model, store, params, config, should_continue=should_continue, seed=seed
@@ -90,7 +87,11 @@ class TaskRunner:
         should_continue: Callable[[], bool] = lambda: True,
         seed: int = 0,
     ) -> TimedResult:
-        """A training or evaluation task; `global_blob` is the downloaded safetensors."""
+        """A training or evaluation task; `global_blob` is the downloaded safetensors.
+
+        A model that does not load or agree with its manifest raises `ModelLoadError` or
+        `ManifestError`, and globals that do not fit it raise `ParamsError`: inputs that came from
+        the server, which the caller answers for, not outcomes of the task."""
         if kind not in ("training", "evaluation"):
             raise ValueError(f"task kind must be 'training' or 'evaluation', got {kind!r}")
         loop = asyncio.get_running_loop()

@@ -28,6 +28,7 @@ REQUIRED_SIGNATURES = (
     "reset_local",
 )
 DTYPES = ("float32", "int32")
+_TRAINING = ("reconstruct", "update", "evaluate")  # the signatures that take packed batches
 
 
 class ManifestError(ValueError):
@@ -190,6 +191,20 @@ class Manifest:
                 f"item_embeddings shape {list(items.shape)} disagrees with num_items x "
                 f"embedding_dim = [{self.num_items}, {self.embedding_dim}]"
             )
+        # The runtime packs batches and reads rankings by these numbers: the model must take them.
+        shapes: dict[tuple[str, str, str], tuple[int, ...]] = {
+            (name, "inputs", "labels"): (self.max_batches, self.batch_size) for name in _TRAINING
+        }
+        shapes[("infer", "inputs", "exclude")] = (self.num_items,)
+        shapes[("infer", "outputs", "top_items")] = (self.top_k,)
+        for (name, side, tensor), shape in shapes.items():
+            spec = self.signatures[name][side].get(tensor)
+            if spec is None or spec.shape != shape:
+                raise ManifestError(
+                    f"signature {name!r} {side} {tensor!r} has shape "
+                    f"{None if spec is None else list(spec.shape)}; the manifest's batch_size, "
+                    f"max_batches, num_items and top_k say {list(shape)}"
+                )
         for setter, params in (("set_global", self.global_params), ("set_local", self.local_params)):
             declared = {s.name: s for s in params}
             if self.signatures[setter]["inputs"] != declared:

@@ -147,7 +147,7 @@ def test_bad_global_parameters_are_an_error_outcome(
 def test_divergence_is_an_error_outcome(movielens_device: tuple[DeviceModel, ExampleStore]) -> None:
     model, store = movielens_device
 
-    result = run_training_task(model, store, model.get_global(), TaskConfig(update_learning_rate=1e30))
+    result = run_training_task(model, store, model.get_global(), TaskConfig(update_learning_rate=1_000.0))
 
     assert result.outcome is Outcome.ERROR
     assert "diverged" in result.message
@@ -218,7 +218,18 @@ def test_task_config_round_trip_and_refusals() -> None:
     assert TaskConfig.from_json(config.to_json()) == config
     with pytest.raises(ValueError, match="unknown task config fields"):
         TaskConfig.from_json({"reconstrution_max_steps": 3})
-    with pytest.raises(ValueError, match="finite and >= 0"):
+    with pytest.raises(ValueError, match="update_learning_rate must be finite, got nan"):
         TaskConfig(update_learning_rate=float("nan"))
+    # Beyond 32 bits the model's int32 input would wrap; beyond the documented maximum is absurd.
+    with pytest.raises(ValueError, match=r"update_max_steps must be in \[0, 10000\], got 4294967301"):
+        TaskConfig.from_json({"update_max_steps": 2**32 + 5})
+    with pytest.raises(ValueError, match=r"reconstruction_learning_rate must be in \[0, 1000\], got 1e\+39"):
+        TaskConfig.from_json({"reconstruction_learning_rate": 1e39})
+    with pytest.raises(ValueError, match=r"shuffle_seed must be in \[0, 4294967295\], got ~2\^1328"):
+        TaskConfig.from_json({"shuffle_seed": 10**400})
+    with pytest.raises(ValueError, match=r"l2_local must be in \[0, 1000\], got -1"):
+        TaskConfig.from_json({"l2_local": -1})
+    with pytest.raises(ValueError, match=r"split must be one of \['alternate', 'reuse'\], got \[1\]"):
+        TaskConfig.from_json({"split": [1]})
     with pytest.raises(ValueError, match="update_max_steps must be int, got '5'"):
         TaskConfig.from_json({"update_max_steps": "5"})

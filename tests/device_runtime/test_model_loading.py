@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from device_runtime.model import DeviceModel, ModelLoadError
+from device_runtime.task_batches import Examples, TaskBatches, split_batches
 from model_export.config import ModelConfig
 from model_export.manifest import ManifestError, sha256_file
 from model_export.params import ParamsError, decode_params, encode_params
@@ -134,3 +135,16 @@ def test_unknown_interpreter_backend(model_copy: Path) -> None:
 
     with pytest.raises(InterpreterUnavailable, match="expected one of"):
         DeviceModel(model_copy, backend="tensorflow")
+
+
+def test_numbers_a_signature_input_cannot_hold_are_refused_not_wrapped(model_copy: Path) -> None:
+    model = DeviceModel(model_copy)
+    examples = Examples(np.arange(10, dtype=np.int64), np.full(10, 4.0, np.float32))
+    batches = TaskBatches.pack(split_batches(examples, model.manifest.batch_size), model.manifest)
+
+    with pytest.raises(ValueError, match="num_steps must fit the model's int32 input, got 4294967301"):
+        model.reconstruct(batches, 2**32 + 5, 0.1)
+    with pytest.raises(ValueError, match="learning_rate must be a finite number within float32's range"):
+        model.update(batches, 5, 1e39)
+    with pytest.raises(ValueError, match="l2_global must be a finite number"):
+        model.update(batches, 5, 0.1, l2_global=float("nan"))

@@ -424,6 +424,13 @@ def test_population_creation_refuses_bad_models(
         ("p", wrong_params, {}, "missing"),
         ("p", biased_model, {"target_reports": 2, "min_reports": 3}, "min_reports"),
         ("p", biased_model, {"server_optimizer": {"name": "adagrad"}}, "adagrad"),
+        # Task-config numbers that would wrap in the model's int32/float32 inputs, or are absurd.
+        ("p", biased_model, {"task_config": {"update_max_steps": 2**32 + 5}}, r"update_max_steps .*10000"),
+        ("p", biased_model, {"task_config": {"reconstruction_max_steps": 10_001}}, r"\[0, 10000\]"),
+        ("p", biased_model, {"task_config": {"update_learning_rate": 1e39}}, "update_learning_rate"),
+        ("p", biased_model, {"task_config": {"shuffle_seed": 2**64}}, "shuffle_seed"),
+        ("p", biased_model, {"task_config": {"l2_global": float("nan")}}, "l2_global must be finite"),
+        ("p", biased_model, {"task_config": [1, 2]}, "task_config must be a JSON object"),
         ("bad name!", biased_model, {}, "name"),
     ]
     for name, model, settings, message in cases:
