@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from collections.abc import Mapping
 from typing import IO, Self
 
 import httpx
@@ -37,6 +38,8 @@ class LocalOrchestrator:
         port: int | None = None,
         tick_seconds: float = 0.2,
         log_path: Path | None = None,
+        workers: int = 1,
+        env: Mapping[str, str] | None = None,
     ) -> None:
         self.database_url = database_url
         self.admin_token = admin_token
@@ -44,6 +47,8 @@ class LocalOrchestrator:
         self.url = f"http://127.0.0.1:{self.port}"
         self.tick_seconds = tick_seconds
         self.log_path = log_path
+        self.workers = workers
+        self.env = dict(env or {})
         self.process: subprocess.Popen[bytes] | None = None
         self._log: IO[bytes] | None = None
 
@@ -53,11 +58,21 @@ class LocalOrchestrator:
             "ORCHESTRATOR_ADMIN_TOKEN": self.admin_token,
             "ORCHESTRATOR_DATABASE_URL": self.database_url,
             "ORCHESTRATOR_TICK_SECONDS": str(self.tick_seconds),
+            **self.env,
         }
         # A file, not a pipe: a long run must never block the server on a full pipe.
         self._log = open(self.log_path, "ab") if self.log_path else None  # noqa: SIM115
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "orchestrator", "serve", "--port", str(self.port)],
+            [
+                sys.executable,
+                "-m",
+                "orchestrator",
+                "serve",
+                "--port",
+                str(self.port),
+                "--workers",
+                str(self.workers),
+            ],
             cwd=PROJECT_ROOT,
             env=env,
             stdout=subprocess.DEVNULL,

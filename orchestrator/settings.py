@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -10,6 +12,11 @@ class Settings(BaseSettings):
 
     database_url: str = "sqlite:///orchestrator.sqlite"
     admin_token: str = "change-me"
+    # A bearer token that opens GET /metrics and nothing else (for the Prometheus scraper); the
+    # admin token opens it too. Empty: only the admin token.
+    metrics_token: str = ""
+    # Level of the JSON log lines on stderr; "debug" adds one line per request.
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
     host: str = "127.0.0.1"
     port: int = 8700
     # How often the server looks for rounds past their deadline (devices also trigger it).
