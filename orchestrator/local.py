@@ -14,8 +14,8 @@ import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 from collections.abc import Mapping
+from pathlib import Path
 from typing import IO, Self
 
 import httpx

@@ -37,7 +37,9 @@ class JsonFormatter(logging.Formatter):
             "message": record.getMessage(),
         }
         for key, value in vars(record).items():
-            if key not in _STANDARD and key != "color_message" and not key.startswith("_"):  # uvicorn's ANSI copy
+            if (
+                key not in _STANDARD and key != "color_message" and not key.startswith("_")
+            ):  # uvicorn's ANSI copy
                 line[key] = value
         if record.exc_info:
             line["exception"] = self.formatException(record.exc_info)
