@@ -19,8 +19,8 @@ from sqlalchemy.orm import Session
 
 from orchestrator.on_commit import on_commit
 
-# What a LogRecord carries anyway; everything else on it came in through `extra=`.
 _requests = logging.getLogger("orchestrator.requests")
+# What a LogRecord carries anyway; everything else on it came in through `extra=`.
 _STANDARD = frozenset(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime"}
 
 
