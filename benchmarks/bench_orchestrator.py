@@ -64,6 +64,23 @@ def rss_mb(pid: int) -> float:
     return float("nan")
 
 
+def http_request(host: str, method: str, path: str, body: bytes | None, headers: dict[str, str]) -> bytes:
+    """An HTTP/1.1 request, written by hand (see Load)."""
+    payload = body or b""
+    head = f"{method} {path} HTTP/1.1\r\nHost: {host}\r\nContent-Length: {len(payload)}\r\n"
+    return (head + "".join(f"{k}: {v}\r\n" for k, v in headers.items()) + "\r\n").encode() + payload
+
+
+async def read_answer(reader: asyncio.StreamReader, status_line: bytes) -> tuple[int, bytes]:
+    """(status, body) of an HTTP/1.1 answer whose status line was read."""
+    status, length = int(status_line.split()[1]), 0
+    while (line := await reader.readline()) not in (b"\r\n", b""):
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length":
+            length = int(value)
+    return status, await reader.readexactly(length)
+
+
 class Load:
     """Keep-alive HTTP/1.1 connections on one asyncio event loop, requests written and answers
     parsed by hand, so that the load generator takes as little as possible of the two cores it
@@ -87,12 +104,7 @@ class Load:
         # Connections are kept open across runs, as a device's client keeps its connection.
         reader, writer = self.idle.pop() if self.idle else await asyncio.open_connection(self.host, self.port)
         for i in next_index:
-            method, path, body, headers = requests[i]
-            payload = body or b""
-            head = f"{method} {path} HTTP/1.1\r\nHost: {self.host}\r\nContent-Length: {len(payload)}\r\n"
-            request = (
-                head + "".join(f"{k}: {v}\r\n" for k, v in headers.items()) + "\r\n"
-            ).encode() + payload
+            request = http_request(self.host, *requests[i])
             writer.write(request)
             status_line = await reader.readline()
             if not status_line:  # the server closed the idle connection (keep-alive timeout): reopen
@@ -100,12 +112,7 @@ class Load:
                 reader, writer = await asyncio.open_connection(self.host, self.port)
                 writer.write(request)
                 status_line = await reader.readline()
-            status, length = int(status_line.split()[1]), 0
-            while (line := await reader.readline()) not in (b"\r\n", b""):
-                name, _, value = line.partition(b":")
-                if name.strip().lower() == b"content-length":
-                    length = int(value)
-            answers[i] = (status, await reader.readexactly(length))
+            answers[i] = await read_answer(reader, status_line)
         self.idle.append((reader, writer))
 
     async def _run(

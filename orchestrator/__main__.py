@@ -23,6 +23,12 @@ def main(argv: list[str] | None = None) -> int:
     serve = sub.add_parser("serve", help="run the HTTP server")
     serve.add_argument("--host")
     serve.add_argument("--port", type=int)
+    serve.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="server processes sharing the port (PostgreSQL only; default 1)",
+    )
     create = sub.add_parser("create-population", help="create a population from an exported model directory")
     create.add_argument("name")
     create.add_argument("--model-dir", type=Path, required=True, help="output of `python -m model_export`")
@@ -37,25 +43,9 @@ def main(argv: list[str] | None = None) -> int:
     settings = Settings(**overrides)
 
     if args.command == "serve":
-        import uvicorn
+        from orchestrator.serve import serve as run_server
 
-        from orchestrator.app import create_app
-        from orchestrator.settings import AdminTokenError
-
-        try:
-            app = create_app(settings)
-        except AdminTokenError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
-        # No access log: at log level warning it is never written, but its arguments are still built.
-        uvicorn.run(
-            app,
-            host=settings.host,
-            port=settings.port,
-            log_level="warning",
-            access_log=False,
-        )
-        return 0
+        return run_server(settings, args.workers)
 
     from orchestrator.db import Population, make_engine
     from orchestrator.migrate import migrate

@@ -19,11 +19,13 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 from starlette.concurrency import run_in_threadpool
 
-from orchestrator import rounds
+from orchestrator import metrics, rounds
 from orchestrator.api.deps import DATABASE_UNAVAILABLE
 from orchestrator.api.edge import Edge, VerifiedTokens
 from orchestrator.api.routes import admin, artifacts, assignments, devices, health, populations
+from orchestrator.api.routes import metrics as metrics_route
 from orchestrator.db import Population, make_engine
+from orchestrator.logs import log_request
 from orchestrator.migrate import migrate
 from orchestrator.settings import Settings
 
@@ -71,6 +73,7 @@ def create_app(settings: Settings | None = None, clock: Callable[[], float] = ti
         anyio.to_thread.current_default_thread_limiter().total_tokens = settings.worker_threads
         await run_in_threadpool(migrate, settings.database_url)
         engine = make_engine(settings.database_url, busy_seconds=0.0)  # run_db waits, off the loop
+        metrics.count_database_errors(engine)
         app.state.sessionmaker = sessionmaker(engine, expire_on_commit=False)
         app.state.db_inline = engine.dialect.name == "sqlite"
         app.state.checkin_groups = populations.checkin_groups(app, settings.group_commit_seconds)
@@ -107,6 +110,8 @@ def create_app(settings: Settings | None = None, clock: Callable[[], float] = ti
     app.state.verified_tokens = VerifiedTokens()
     app.add_exception_handler(RequestValidationError, request_validation_error)
     app.add_middleware(Edge, settings=settings)
-    for module in (devices, populations, artifacts, assignments, admin, health):
+    for module in (devices, populations, artifacts, assignments, admin, health, metrics_route):
         app.include_router(module.router)
+    static_paths = frozenset(path for route in app.routes if "{" not in (path := getattr(route, "path", "{")))
+    app.add_middleware(metrics.RequestMetrics, static_paths=static_paths, on_request=log_request)
     return app

@@ -137,6 +137,7 @@ def make_engine(url: str, busy_seconds: float = 30.0) -> Engine:
         # sleep in SQLite's busy handler (1, 2, 5, 10... ms), which cut throughput tenfold.
         engine = create_engine(
             url,
+            hide_parameters=True,  # an error's message must not quote tokens' hashes or deltas (logs)
             connect_args={"check_same_thread": False, "timeout": busy_seconds},
             poolclass=QueuePool,
             pool_size=1,
@@ -165,4 +166,4 @@ def make_engine(url: str, busy_seconds: float = 30.0) -> Engine:
             conn.exec_driver_sql("BEGIN IMMEDIATE")
 
         return engine
-    return create_engine(url, pool_size=10, max_overflow=20, pool_pre_ping=True)
+    return create_engine(url, pool_size=10, max_overflow=20, pool_pre_ping=True, hide_parameters=True)

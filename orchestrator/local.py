@@ -40,6 +40,8 @@ class LocalOrchestrator:
         tick_seconds: float = 0.2,
         log_path: Path | None = None,
         settings: Mapping[str, object] | None = None,
+        workers: int = 1,
+        env: Mapping[str, str] | None = None,
     ) -> None:
         """`settings`: more orchestrator.settings.Settings fields, passed as ORCHESTRATOR_* variables."""
         self.database_url = database_url
@@ -49,6 +51,8 @@ class LocalOrchestrator:
         self.url = f"http://127.0.0.1:{self.port}"
         self.tick_seconds = tick_seconds
         self.log_path = log_path
+        self.workers = workers
+        self.env = dict(env or {})
         self.process: subprocess.Popen[bytes] | None = None
         self._log: IO[bytes] | None = None
 
@@ -59,11 +63,21 @@ class LocalOrchestrator:
             "ORCHESTRATOR_DATABASE_URL": self.database_url,
             "ORCHESTRATOR_TICK_SECONDS": str(self.tick_seconds),
             **{f"ORCHESTRATOR_{name.upper()}": str(value) for name, value in self.settings.items()},
+            **self.env,
         }
         # A file, not a pipe: a long run must never block the server on a full pipe.
         self._log = open(self.log_path, "ab") if self.log_path else None  # noqa: SIM115
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "orchestrator", "serve", "--port", str(self.port)],
+            [
+                sys.executable,
+                "-m",
+                "orchestrator",
+                "serve",
+                "--port",
+                str(self.port),
+                "--workers",
+                str(self.workers),
+            ],
             cwd=PROJECT_ROOT,
             env=env,
             stdout=subprocess.DEVNULL,

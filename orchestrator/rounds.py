@@ -13,8 +13,11 @@ raised, so that the counters they bump are committed with the answer.
 
 from __future__ import annotations
 
+import logging
 import math
 import secrets
+import time
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar, cast
@@ -35,6 +38,7 @@ from model_export.params import (
     encode_sparse_delta,
     read_metadata,
 )
+from orchestrator import metrics
 from orchestrator.aggregation import (
     WeightedMean,
     apply_update,
@@ -45,12 +49,14 @@ from orchestrator.aggregation import (
 )
 from orchestrator.db import Assignment, ModelVersion, Population, Report, Round
 from orchestrator.limits import MAX_METRIC_MAGNITUDE, MAX_REPORT_HEADER_BYTES, json_document
+from orchestrator.logs import log_on_commit
 from orchestrator.population_settings import PopulationSettings
 
 TRAINING, EVALUATION = "training", "evaluation"
 T = TypeVar("T")
 EVALUATION_METRICS = ("loss_sum", "squared_error_sum", "correct_sum", "weight_sum")
 MAX_METRICS = 64
+log = logging.getLogger("orchestrator.rounds")
 
 # The statements of check-ins and reports are built once: building and hashing a statement
 # costs several times more than SQLite takes to run it.
@@ -90,6 +96,8 @@ class Refused:
     status: int
     message: str
     retry_after: float | None = None
+    # A short class of the refusal for metrics and logs (the message may quote the request).
+    reason: str = ""
 
 
 @dataclass(frozen=True)
@@ -189,6 +197,19 @@ def open_round(session: Session, population: Population, kind: str, now: float) 
     )
     session.add(round_)
     session.flush()
+    metrics.count(session, metrics.ROUNDS, (population.name, kind, "opened"))
+    log_on_commit(
+        session,
+        log,
+        "round opened",
+        population=population.name,
+        round_id=round_.id,
+        kind=kind,
+        model_version=round_.base_version,
+        target=target,
+        capacity=capacity,
+        deadline=round_.deadline,
+    )
     return round_
 
 
@@ -213,10 +234,13 @@ def advance(session: Session, population: Population, now: float) -> dict[str, R
         )
         outstanding = dropped.rowcount
         round_.dropped += outstanding
+        if outstanding:
+            metrics.count(session, metrics.DROPPED, (population.name, round_.kind), outstanding)
         if round_.reported >= round_.min_reports:
             _commit(session, population, round_, now)
         else:
             round_.status, round_.closed_at = "abandoned", now
+            _count_closed(session, population, round_, "abandoned")
             if round_.kind == TRAINING:
                 open_round(session, population, TRAINING, now)
     current = open_rounds(session, population)
@@ -244,9 +268,11 @@ def checkin(
     }
     new_assignments: list[dict[str, Any]] = []
     answers: list[Accepted | Refused] = []
+    tally: Counter[tuple[str, ...]] = Counter()  # (population, kind, answer) for metrics
     for request in requests:
         round_ = current.get(request.kind)
         if round_ is None:
+            tally[population.name, request.kind, "no_round"] += 1
             answers.append(
                 Refused(409, f"no {request.kind} round is open", retry_after=settings.retry_after_seconds)
             )
@@ -256,10 +282,12 @@ def checkin(
         if existing is not None:
             assignment_id, status = existing
             if status == "assigned":  # a retried check-in gets the same assignment back
+                tally[population.name, request.kind, "again"] += 1
                 answers.append(
                     Accepted(assignment_id, round_.id, round_.kind, round_.deadline, round_.base_version)
                 )
             else:  # one assignment per device per round: a device cannot weigh in twice
+                tally[population.name, request.kind, "already_took_part"] += 1
                 answers.append(
                     Refused(
                         409, f"this device already took part in round {round_.id} ({status})", retry_after
@@ -269,6 +297,7 @@ def checkin(
         round_.checked_in += 1
         if request.example_count < settings.min_examples:
             round_.rejected_min_examples += 1
+            tally[population.name, request.kind, "too_few_examples"] += 1
             message = (
                 f"{request.example_count} examples; this population needs at least {settings.min_examples}"
             )
@@ -276,9 +305,11 @@ def checkin(
             continue
         if round_.accepted >= round_.capacity:
             round_.rejected_capacity += 1
+            tally[population.name, request.kind, "full"] += 1
             answers.append(Refused(409, "this round is full", retry_after))
             continue
         round_.accepted += 1
+        tally[population.name, request.kind, "accepted"] += 1
         assignment_id = secrets.token_hex(16)
         taken[round_.id, request.device_id] = (assignment_id, "assigned")
         new_assignments.append(
@@ -297,6 +328,7 @@ def checkin(
     if new_assignments:
         # Plain rows on the connection, not ORM objects: they are not read back in this transaction.
         session.connection().execute(_INSERT_ASSIGNMENTS, new_assignments)
+    metrics.count_all(session, metrics.CHECKINS, tally)
     return answers
 
 
@@ -322,15 +354,19 @@ def _find_assignment(
         advanced.add((population.id, now))
     found = session.connection().execute(_ASSIGNMENT, {"assignment_id": assignment_id}).first()
     if found is None:
-        return Refused(404, f"no assignment {assignment_id!r}")
+        return Refused(404, f"no assignment {assignment_id!r}", reason="unknown_assignment")
     owner, status, example_count, round_id = found
     if owner != device_id:
-        return Refused(403, "this assignment belongs to another device")
+        return Refused(403, "this assignment belongs to another device", reason="not_yours")
     # An open round is already in the session (advance loaded it); only a closed one is read again.
     round_ = session.get(Round, round_id)
     assert round_ is not None
     if round_.population_id != population.id:
-        return Refused(404, f"assignment {assignment_id!r} is not in population {population.name!r}")
+        return Refused(
+            404,
+            f"assignment {assignment_id!r} is not in population {population.name!r}",
+            reason="unknown_assignment",
+        )
     return _Found(assignment_id, status, example_count, round_)
 
 
@@ -344,14 +380,16 @@ def _closed(assignment: _Found) -> Refused | None:
     """Why an assignment can no longer take a report (counting late ones), or None."""
     round_ = assignment.round
     if assignment.status == "reported":
-        return Refused(409, "this assignment has already reported")
+        return Refused(409, "this assignment has already reported", reason="repeated")
     if assignment.status == "aborted":
-        return Refused(409, "this assignment was aborted")
+        return Refused(409, "this assignment was aborted", reason="repeated")
     if assignment.status == "invalid":
-        return Refused(409, "this assignment's report was refused as invalid")
+        return Refused(409, "this assignment's report was refused as invalid", reason="repeated")
     if assignment.status == "dropped" or round_.status != "open":
         round_.late += 1
-        return Refused(409, f"the round's deadline has passed; the report is late (round {round_.status})")
+        return Refused(
+            409, f"the round's deadline has passed; the report is late (round {round_.status})", reason="late"
+        )
     return None
 
 
@@ -367,9 +405,11 @@ def report(
     """Validate and store a report; commit the round when it reaches its target."""
     assignment = _find_assignment(session, population, assignment_id, device_id, now)
     if isinstance(assignment, Refused):
+        _count_report(session, population, "unknown", assignment_id, assignment)
         return assignment
     closed = _closed(assignment)
     if closed is not None:
+        _count_report(session, population, assignment.round, assignment_id, closed)
         return closed
     round_ = assignment.round
     settings = population_settings(population)
@@ -381,6 +421,7 @@ def report(
     if isinstance(parsed, Refused):
         round_.invalid += 1
         _finish(session, assignment, "invalid", now)
+        _count_report(session, population, round_, assignment_id, parsed)
         return parsed
     weight, delta, metrics = parsed
     session.connection().execute(
@@ -400,9 +441,37 @@ def report(
     for k, v in metrics.items():
         sums[k] = sums.get(k, 0.0) + v
     round_.metrics = sums
+    _count_report(session, population, round_, assignment_id, None)
     if round_.reported >= round_.target:
         _commit(session, population, round_, now)
     return round_
+
+
+# Report outcomes for metrics, by the class of refusal; any other refusal is an invalid report.
+_OUTCOMES = {"late": "late", "repeated": "repeated", "unknown_assignment": "refused", "not_yours": "refused"}
+
+
+def _count_report(
+    session: Session, population: Population, round_: Round | str, assignment_id: str, refused: Refused | None
+) -> None:
+    kind = round_ if isinstance(round_, str) else round_.kind
+    if refused is None:
+        metrics.count(session, metrics.REPORTS, (population.name, kind, "accepted", ""))
+        return
+    outcome = _OUTCOMES.get(refused.reason, "invalid")
+    reason = "" if outcome in ("late", "repeated") else refused.reason or "other"
+    metrics.count(session, metrics.REPORTS, (population.name, kind, outcome, reason))
+    if outcome in ("late", "invalid"):  # what an operator looks into; never the message (it quotes the body)
+        log_on_commit(
+            session,
+            log,
+            f"report {outcome}",
+            population=population.name,
+            round_id=None if isinstance(round_, str) else round_.id,
+            assignment_id=assignment_id,
+            kind=kind,
+            reason=reason or outcome,
+        )
 
 
 def abort(
@@ -416,6 +485,7 @@ def abort(
         return closed
     _finish(session, assignment, "aborted", now)
     assignment.round.aborted += 1
+    metrics.count(session, metrics.ABORTS, (population.name, assignment.round.kind))
     return assignment.round
 
 
@@ -431,7 +501,7 @@ def _max_weight(population: Population, feedback: str, example_count: int) -> in
 
 def _check_metrics(raw: Any) -> dict[str, float] | Refused:
     if not isinstance(raw, Mapping) or len(raw) > MAX_METRICS:
-        return Refused(422, f"metrics must be an object of at most {MAX_METRICS} numbers")
+        return Refused(422, f"metrics must be an object of at most {MAX_METRICS} numbers", reason="metrics")
     metrics: dict[str, float] = {}
     for k, v in raw.items():
         if (
@@ -440,7 +510,11 @@ def _check_metrics(raw: Any) -> dict[str, float] | Refused:
             or not k.replace("_", "").isascii()
             or not (k.replace("_", "").isalnum())
         ):
-            return Refused(422, f"metric name {k!r:.80} must be 1-64 ASCII letters, digits or underscores")
+            return Refused(
+                422,
+                f"metric name {k!r:.80} must be 1-64 ASCII letters, digits or underscores",
+                reason="metrics",
+            )
         # abs(v) <= bound is False for NaN and infinities, and compares a huge int without
         # converting it (float() of a 400-digit int would overflow).
         if isinstance(v, bool) or not isinstance(v, int | float) or not abs(v) <= MAX_METRIC_MAGNITUDE:
@@ -448,6 +522,7 @@ def _check_metrics(raw: Any) -> dict[str, float] | Refused:
                 422,
                 f"metric {k!r} must be a finite number of magnitude <= {MAX_METRIC_MAGNITUDE:g}, "
                 f"got {v!r:.40}",
+                reason="metrics",
             )
         metrics[k] = float(v)
     return metrics
@@ -464,6 +539,7 @@ def _header_size(body: bytes) -> int | Refused:
             422,
             f"not a valid safetensors payload: its header claims {size} bytes; the limit is "
             f"{MAX_REPORT_HEADER_BYTES} (tensor entries and the metadata num_examples and metrics)",
+            reason="tensors",
         )
     return size
 
@@ -484,19 +560,23 @@ def _parse_training_report(
             422,
             f"{problem}; a report is the sparse delta of the manifest's global tensors: safetensors with "
             "'<name>/rows' (int32, increasing), '<name>/values' (float32) and '<name>/shape' (int64) each",
+            reason="tensors",
         )
     if "num_examples" not in metadata or not set(metadata) <= set(REPORT_METADATA):
         return Refused(
             422,
             f"report metadata must be 'num_examples' (an integer) and optionally 'metrics' (a JSON object); "
             f"got keys {sorted(metadata)[:8]}",
+            reason="metadata",
         )
     try:
         weight = int(metadata["num_examples"])
         raw_metrics = json_document(metadata.get("metrics", "{}"), "the report's metrics")
     except ValueError as e:
         return Refused(
-            422, f"report metadata must hold 'num_examples' (an integer) and 'metrics' (a JSON object): {e}"
+            422,
+            f"report metadata must hold 'num_examples' (an integer) and 'metrics' (a JSON object): {e}",
+            reason="metadata",
         )
     # `min_examples` counts a device's examples (checked at check-in and on the device); the
     # weight is |query|, which an honest device's split makes smaller, so only >= 1 is required here.
@@ -506,10 +586,15 @@ def _parse_training_report(
             422,
             f"num_examples {weight} is outside [1, {limit}] "
             f"(the device checked in with {example_count} examples)",
+            reason="num_examples",
         )
     norm = math.sqrt(sum(float(np.vdot(t.values, t.values)) for t in delta.values()))
     if norm > settings.update_norm_bound:
-        return Refused(422, f"update norm {norm:.4g} exceeds the bound {settings.update_norm_bound:.4g}")
+        return Refused(
+            422,
+            f"update norm {norm:.4g} exceeds the bound {settings.update_norm_bound:.4g}",
+            reason="update_norm",
+        )
     metrics = _check_metrics(raw_metrics)
     if isinstance(metrics, Refused):
         return metrics
@@ -522,27 +607,35 @@ def _parse_evaluation_report(
     population: Population, example_count: int, body: bytes, content_type: str
 ) -> tuple[float, None, dict[str, float]] | Refused:
     if not content_type.startswith("application/json"):
-        return Refused(422, "an evaluation report is JSON: {num_examples, metrics}; no tensors")
+        return Refused(
+            422, "an evaluation report is JSON: {num_examples, metrics}; no tensors", reason="format"
+        )
     try:
         data = json_document(body, "evaluation report")
     except ValueError as e:
-        return Refused(422, f"{e}; an evaluation report is JSON: {{num_examples, metrics}}")
+        return Refused(422, f"{e}; an evaluation report is JSON: {{num_examples, metrics}}", reason="format")
     if not isinstance(data, dict) or set(data) != {"num_examples", "metrics"}:
-        return Refused(422, "evaluation report must be exactly {num_examples, metrics}")
+        return Refused(422, "evaluation report must be exactly {num_examples, metrics}", reason="format")
     metrics = _check_metrics(data["metrics"])
     if isinstance(metrics, Refused):
         return metrics
     if set(metrics) != set(EVALUATION_METRICS):
-        return Refused(422, f"evaluation metrics must be exactly {list(EVALUATION_METRICS)}")
+        return Refused(
+            422, f"evaluation metrics must be exactly {list(EVALUATION_METRICS)}", reason="metrics"
+        )
     weight = data["num_examples"]
     # The same bound as training reports: implicit tasks count their sampled negatives too.
     limit = _max_weight(population, population_manifest(population).feedback, example_count)
     if isinstance(weight, bool) or not isinstance(weight, int) or not 1 <= weight <= limit:
-        return Refused(422, f"num_examples must be an integer in [1, {limit}], got {weight!r}")
+        return Refused(
+            422, f"num_examples must be an integer in [1, {limit}], got {weight!r}", reason="num_examples"
+        )
     if any(v < 0 for v in metrics.values()) or metrics["weight_sum"] != weight:
-        return Refused(422, "metric sums must be >= 0 and weight_sum must equal num_examples")
+        return Refused(
+            422, "metric sums must be >= 0 and weight_sum must equal num_examples", reason="metrics"
+        )
     if metrics["correct_sum"] > metrics["weight_sum"]:
-        return Refused(422, "correct_sum cannot exceed weight_sum")
+        return Refused(422, "correct_sum cannot exceed weight_sum", reason="metrics")
     return float(weight), None, metrics
 
 
@@ -553,7 +646,9 @@ def _commit(session: Session, population: Population, round_: Round, now: float)
     """Aggregate the round's reports into a new model version (training) or just close it."""
     round_.status, round_.closed_at = "committed", now
     if round_.kind == EVALUATION:
+        _count_closed(session, population, round_, "committed")
         return
+    started = time.perf_counter()
     manifest = population_manifest(population)
     base = session.get(ModelVersion, (population.id, round_.base_version))
     assert base is not None
@@ -587,6 +682,7 @@ def _commit(session: Session, population: Population, round_: Round, now: float)
         population_settings(population).optimizer(), params, mean_delta, state
     )
     check_params(new_params, manifest.global_params, "aggregated model")
+    metrics.observe(session, metrics.AGGREGATION_SECONDS, (population.name,), time.perf_counter() - started)
     version = population.current_version + 1
     session.add(
         ModelVersion(
@@ -601,6 +697,7 @@ def _commit(session: Session, population: Population, round_: Round, now: float)
     population.current_version = version
     population.training_rounds_committed += 1
     round_.result_version = version
+    _count_closed(session, population, round_, "committed")
     open_round(session, population, TRAINING, now)
     settings = population_settings(population)
     if settings.keep_model_versions:
@@ -627,6 +724,25 @@ def _norm_reference(session: Session, population: Population) -> dict[str, float
         .order_by(Round.id.desc())
         .limit(1)
     ).first()
+
+
+def _count_closed(session: Session, population: Population, round_: Round, transition: str) -> None:
+    metrics.count(session, metrics.ROUNDS, (population.name, round_.kind, transition))
+    log_on_commit(
+        session,
+        log,
+        f"round {transition}",
+        population=population.name,
+        round_id=round_.id,
+        kind=round_.kind,
+        model_version=round_.result_version,
+        reported=round_.reported,
+        accepted=round_.accepted,
+        dropped=round_.dropped,
+        aborted=round_.aborted,
+        late=round_.late,
+        invalid=round_.invalid,
+    )
 
 
 def prune_model_versions(session: Session, population: Population, keep: int) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+from typing import Literal
 
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -25,6 +26,11 @@ class Settings(BaseSettings):
     database_url: str = "sqlite:///orchestrator.sqlite"
     # No default: a server never starts with a token someone else knows (see admin_token_digest).
     admin_token: SecretStr | None = None
+    # A bearer token that opens GET /metrics and nothing else (for the Prometheus scraper); the
+    # admin token opens it too. Empty: only the admin token.
+    metrics_token: str = ""
+    # Level of the JSON log lines on stderr; "debug" adds one line per request.
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
     host: str = "127.0.0.1"
     port: int = Field(default=8700, ge=0, le=65535)
     # How often the server looks for rounds past their deadline (devices also trigger it).

@@ -25,6 +25,8 @@ import asyncio
 from collections.abc import Awaitable, Callable, Hashable, Sequence
 from typing import Generic, TypeVar
 
+from orchestrator import metrics
+
 Key = TypeVar("Key", bound=Hashable)
 Request = TypeVar("Request")
 Answer = TypeVar("Answer")
@@ -39,10 +41,12 @@ class GroupCommit(Generic[Key, Request, Answer]):
         transaction: Callable[[Key, Sequence[Request]], Awaitable[Sequence[Answer]]],
         window_seconds: float,
         fail_together: tuple[type[Exception], ...] = (),
+        name: str = "group",
     ) -> None:
         self._transaction = transaction
         self._window = window_seconds
         self._fail_together = fail_together
+        self._retries = metrics.DATABASE_RETRIES.labels(name)
         self._pending: dict[Key, list[tuple[Request, asyncio.Future[Answer]]]] = {}
         self._draining: dict[Key, asyncio.Task[None]] = {}
 
@@ -88,6 +92,7 @@ class GroupCommit(Generic[Key, Request, Answer]):
     async def _one_by_one(self, key: Key, group: list[tuple[Request, asyncio.Future[Answer]]]) -> None:
         """After a group's transaction failed: each request in its own transaction, so that one
         request that breaks it (a bug, a constraint) fails alone instead of failing its group."""
+        self._retries.inc(len(group))
         for request, future in group:
             try:
                 (answer,) = await self._transaction(key, [request])

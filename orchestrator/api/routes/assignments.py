@@ -54,7 +54,7 @@ def report_groups(app: Starlette, window_seconds: float) -> ReportGroups:
     async def transaction(_: None, calls: Sequence[_ReportCall]) -> list[ReportAccepted | rounds.Refused]:
         return await run_db(app, _report, app.state.sessionmaker, calls, app.state.clock())
 
-    return GroupCommit(transaction, window_seconds, fail_together=DATABASE_UNAVAILABLE)
+    return GroupCommit(transaction, window_seconds, fail_together=DATABASE_UNAVAILABLE, name="report")
 
 
 def _report(

@@ -48,7 +48,7 @@ def checkin_groups(app: Starlette, window_seconds: float) -> CheckInGroups:
     ) -> list[AssignmentOut | rounds.Refused]:
         return await run_db(app, _checkin, app.state.sessionmaker, population, calls, app.state.clock())
 
-    return GroupCommit(transaction, window_seconds, fail_together=DATABASE_UNAVAILABLE)
+    return GroupCommit(transaction, window_seconds, fail_together=DATABASE_UNAVAILABLE, name="checkin")
 
 
 class _CheckInRoute(APIRoute):

@@ -1,0 +1,348 @@
+"""Load benchmark: 1,200 simulated devices, 30% of them dropping out, against the orchestrator on
+loopback; SQLite with one server process, and PostgreSQL with 1, 2 and 4.
+
+    flock /tmp/cpu.lock python benchmarks/bench_load.py --postgres-url postgresql+psycopg://postgres@127.0.0.1:5432/postgres
+
+A device's visit: check in; if accepted, 70% report a sparse delta (150 changed rows of a 3,706 x
+50 model), 15% abort and 15% vanish (their assignment is dropped at the deadline). Rounds of 100
+reports with oversampling 1.6, so that the 70% who report fill a round. Per deployment:
+- closed loop: `--concurrency` visits at a time, back to back, for `--seconds`: check-ins/s and
+  reports/s sustained, p50/p99 latency of each;
+- open loop: visits started at `--rate` per second whatever the answers, for `--seconds`: p50/p99
+  check-in latency at that rate (the target: p99 <= 100 ms at 500/s).
+The server runs in its own processes (`python -m orchestrator serve --workers N`); the load
+generator is this process: one asyncio event loop writing HTTP/1.1 by hand on keep-alive
+connections. Both share the machine's cores, so the CPU each used is printed: seconds per request
+of the generator and of the orchestrator processes, and the machine's busy share over the phase
+(PostgreSQL's own processes are in that share, not in the orchestrator's).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import random
+import secrets
+import sys
+import tempfile
+import time
+from collections.abc import Coroutine, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from sqlalchemy import create_engine, text
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench_orchestrator import client_delta, export, http_request, read_answer  # noqa: E402  (beside this file)
+
+from model_export.params import encode_sparse_delta  # noqa: E402
+from orchestrator.local import LocalOrchestrator  # noqa: E402
+from tests.orchestrator.conftest import ADMIN_TOKEN, admin_create_population  # noqa: E402
+
+SETTINGS = {
+    "target_reports": 100,
+    "oversampling": 1.6,
+    "round_duration_seconds": 20.0,
+    "retry_after_seconds": 0,
+}
+DROPOUT, ABORT = 0.30, 0.15  # of accepted devices: 15% abort, 15% vanish
+
+
+@dataclass
+class Measured:
+    latencies: dict[str, list[float]] = field(default_factory=dict)  # kind -> seconds
+    statuses: dict[int, int] = field(default_factory=dict)
+
+    def note(self, kind: str, seconds: float, status: int) -> None:
+        self.latencies.setdefault(kind, []).append(seconds)
+        self.statuses[status] = self.statuses.get(status, 0) + 1
+
+
+class Connections:
+    """Keep-alive connections to the server, handed out one request at a time."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.host, self.port = host, port
+        self.idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
+
+    async def send(
+        self, method: str, path: str, body: bytes | None, headers: dict[str, str]
+    ) -> tuple[int, bytes]:
+        reader, writer = self.idle.pop() if self.idle else await asyncio.open_connection(self.host, self.port)
+        writer.write(http_request(self.host, method, path, body, headers))
+        answer = await read_answer(reader, await reader.readline())
+        self.idle.append((reader, writer))
+        return answer
+
+    def close(self) -> None:
+        for _, writer in self.idle:
+            writer.close()
+
+
+async def visit(conns: Connections, token: str, body: bytes, rng: random.Random, measured: Measured) -> None:
+    """One device: check in, then report, abort or vanish."""
+    auth = {"Authorization": f"Bearer {token}"}
+    start = time.perf_counter()
+    status, answer = await conns.send(
+        "POST",
+        "/v1/populations/load/checkin",
+        b'{"example_count": 300}',
+        {**auth, "Content-Type": "application/json"},
+    )
+    measured.note("checkin", time.perf_counter() - start, status)
+    assignment = json.loads(answer) if status == 200 else {}
+    if not assignment.get("accepted"):
+        return
+    fate = rng.random()
+    if fate < ABORT:
+        kind, path, payload = "abort", assignment["abort_url"], None
+    elif fate < DROPOUT:
+        return  # vanishes
+    else:
+        kind, path, payload = "report", assignment["report_url"], body
+    start = time.perf_counter()
+    status, _ = await conns.send("POST", path, payload, {**auth, "Content-Type": "application/octet-stream"})
+    measured.note(kind, time.perf_counter() - start, status)
+
+
+async def closed_loop(
+    conns: Connections, tokens: list[str], body: bytes, concurrency: int, seconds: float
+) -> Measured:
+    measured, queue, end = Measured(), list(tokens), time.perf_counter() + seconds
+    rng = random.Random(1)
+
+    async def worker() -> None:
+        while time.perf_counter() < end:
+            token = queue.pop(0)
+            await visit(conns, token, body, rng, measured)
+            queue.append(token)  # back of the line: the next visit is another device's
+
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return measured
+
+
+async def open_loop(
+    conns: Connections, tokens: list[str], body: bytes, rate: float, seconds: float
+) -> Measured:
+    measured, rng, running = Measured(), random.Random(2), set()
+    start = time.perf_counter()
+    for i in range(int(rate * seconds)):
+        # Visits start on schedule, whatever the server's answers so far.
+        await asyncio.sleep(max(0.0, start + i / rate - time.perf_counter()))
+        task = asyncio.create_task(visit(conns, tokens[i % len(tokens)], body, rng, measured))
+        running.add(task)
+        task.add_done_callback(running.discard)
+    await asyncio.gather(*running)
+    return measured
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    total = 0.0
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
+
+
+def server_pids(parent: int) -> list[int]:
+    """The server's parent process and its workers."""
+    pids = [parent]
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError):
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == parent:
+                pids.append(int(stat.parent.name))
+    return pids
+
+
+def machine_busy() -> tuple[float, float]:
+    """(busy, total) CPU ticks of the whole machine so far."""
+    values = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    idle = values[3] + values[4]
+    return sum(values) - idle, sum(values)
+
+
+def percentile(values: list[float], q: float) -> float:
+    return float(np.percentile(values, q)) * 1000 if values else float("nan")
+
+
+@dataclass
+class Phase:
+    """A phase's figures."""
+
+    measured: Measured
+    seconds: float
+    generator_cpu: float
+    server_cpu: float
+    busy_share: float
+
+    def rate(self, kind: str) -> float:
+        return len(self.measured.latencies.get(kind, [])) / self.seconds
+
+    def requests(self) -> int:
+        return sum(len(v) for v in self.measured.latencies.values())
+
+
+async def measure(pids: list[int], phase: Coroutine[Any, Any, Measured]) -> Phase:
+    cpu0, server0, busy0 = time.process_time(), cpu_seconds(pids), machine_busy()
+    start = time.perf_counter()
+    measured = await phase
+    seconds = time.perf_counter() - start
+    busy1 = machine_busy()
+    return Phase(
+        measured,
+        seconds,
+        time.process_time() - cpu0,
+        cpu_seconds(pids) - server0,
+        (busy1[0] - busy0[0]) / max(1, busy1[1] - busy0[1]),
+    )
+
+
+async def drive(port: int, pids: list[int], body: bytes, args: argparse.Namespace) -> tuple[Phase, Phase]:
+    conns = Connections("127.0.0.1", port)
+    enrolled = await asyncio.gather(
+        *(conns.send("POST", "/v1/devices", None, {}) for _ in range(args.devices))
+    )
+    tokens = [json.loads(answer)["token"] for _, answer in enrolled]
+    closed = await measure(pids, closed_loop(conns, tokens, body, args.concurrency, args.seconds))
+    opened = await measure(pids, open_loop(conns, tokens, body, args.rate, args.seconds))
+    conns.close()
+    return closed, opened
+
+
+@contextlib.contextmanager
+def database(kind: str, postgres_url: str | None, tmp: Path) -> Iterator[str]:
+    if kind == "sqlite":
+        yield f"sqlite:///{tmp / f'load-{secrets.token_hex(4)}.sqlite'}"
+        return
+    assert postgres_url
+    admin = create_engine(postgres_url, isolation_level="AUTOCOMMIT")
+    name = f"bench_load_{secrets.token_hex(4)}"
+    with admin.connect() as conn:
+        conn.execute(text(f'CREATE DATABASE "{name}"'))
+    try:
+        yield postgres_url.rsplit("/", 1)[0] + f"/{name}"
+    finally:
+        with admin.connect() as conn:
+            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()
+
+
+def run_deployment(
+    kind: str, workers: int, model_dir: Path, args: argparse.Namespace, tmp: Path
+) -> tuple[Phase, Phase]:
+    body = encode_sparse_delta(
+        client_delta(np.random.default_rng(0)), {"num_examples": "150", "metrics": "{}"}
+    )
+    with database(kind, args.postgres_url, tmp) as url:
+        server = LocalOrchestrator(url, ADMIN_TOKEN, workers=workers, log_path=tmp / f"{kind}-{workers}.log")
+        with server:
+            assert server.process is not None
+            created = admin_create_population(server.url, model_dir, "load", json.dumps(SETTINGS))
+            assert created.status_code == 201, created.text
+            time.sleep(1.0)  # every worker is up (the first answer may come from the first one started)
+            return asyncio.run(drive(server.port, server_pids(server.process.pid), body, args))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--postgres-url", default=os.environ.get("TEST_POSTGRES_URL"), help="an admin URL")
+    parser.add_argument("--devices", type=int, default=1200)
+    parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument("--rate", type=float, default=500.0, help="open loop: visits started per second")
+    parser.add_argument("--seconds", type=float, default=10.0)
+    parser.add_argument("--workers", default="1,2,4", help="PostgreSQL server processes to try")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+
+    deployments = [("sqlite", 1)]
+    if args.postgres_url:
+        deployments += [("postgresql", int(n)) for n in args.workers.split(",")]
+    else:
+        print("no --postgres-url (or TEST_POSTGRES_URL): SQLite only", file=sys.stderr)
+    results: dict[str, dict[str, float]] = {}
+    with tempfile.TemporaryDirectory() as tmp_name:
+        tmp = Path(tmp_name)
+        model_dir = tmp / "model"
+        model_dir.mkdir()
+        export(model_dir)
+        for kind, workers in deployments:
+            closed, opened = run_deployment(kind, workers, model_dir, args, tmp)
+            c, o = closed.measured.latencies, opened.measured.latencies
+            errors = sum(
+                n
+                for status, n in [*closed.measured.statuses.items(), *opened.measured.statuses.items()]
+                if status >= 500
+            )
+            results[f"{kind}, {workers} process{'es' if workers > 1 else ''}"] = {
+                "checkins_per_s": closed.rate("checkin"),
+                "reports_per_s": closed.rate("report"),
+                "checkin_p50_ms": percentile(c["checkin"], 50),
+                "checkin_p99_ms": percentile(c["checkin"], 99),
+                "report_p50_ms": percentile(c.get("report", []), 50),
+                "report_p99_ms": percentile(c.get("report", []), 99),
+                "open_checkins_per_s": opened.rate("checkin"),
+                "open_checkin_p50_ms": percentile(o["checkin"], 50),
+                "open_checkin_p99_ms": percentile(o["checkin"], 99),
+                "generator_cpu_ms_per_request": 1000 * closed.generator_cpu / closed.requests(),
+                "server_cpu_ms_per_request": 1000 * closed.server_cpu / closed.requests(),
+                "machine_busy_share": closed.busy_share,
+                "errors_5xx": float(errors),
+            }
+    print(
+        f"load benchmark: {args.devices} devices ({DROPOUT:.0%} of the accepted drop out), 3706 x 50 model, "
+        f"closed loop {args.concurrency} at a time and open loop {args.rate:.0f} visits/s, "
+        f"{args.seconds:.0f} s each"
+    )
+    header = (
+        "deployment",
+        "check-ins/s",
+        "p50 ms",
+        "p99 ms",
+        "reports/s",
+        "p50 ms",
+        "p99 ms",
+        f"@{args.rate:.0f}/s p50",
+        "p99",
+        "gen CPU ms/req",
+        "server CPU ms/req",
+        "busy",
+        "5xx",
+    )
+    print(" | ".join(header))
+    for name, r in results.items():
+        print(
+            " | ".join(
+                [
+                    name,
+                    f"{r['checkins_per_s']:.0f}",
+                    f"{r['checkin_p50_ms']:.1f}",
+                    f"{r['checkin_p99_ms']:.1f}",
+                    f"{r['reports_per_s']:.0f}",
+                    f"{r['report_p50_ms']:.1f}",
+                    f"{r['report_p99_ms']:.1f}",
+                    f"{r['open_checkin_p50_ms']:.1f}",
+                    f"{r['open_checkin_p99_ms']:.1f}",
+                    f"{r['generator_cpu_ms_per_request']:.3f}",
+                    f"{r['server_cpu_ms_per_request']:.3f}",
+                    f"{r['machine_busy_share']:.0%}",
+                    f"{r['errors_5xx']:.0f}",
+                ]
+            )
+        )
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

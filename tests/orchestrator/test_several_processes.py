@@ -1,0 +1,207 @@
+"""The round state machine's invariants under concurrent devices, whatever the deployment: one
+server process on SQLite, and (with TEST_POSTGRES_URL) two server processes on one PostgreSQL.
+
+Many devices check in (some twice at once), report (some twice at once, some late), abort or
+vanish, over their own connections, so that requests of one round land in different processes.
+Then the database itself is asked: no device has two assignments in a round, no report counts
+twice, a round commits once, no round accepts beyond its capacity, model versions are consecutive.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import random
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+from sqlalchemy import Connection, create_engine, text
+
+from model_export.config import ModelConfig
+from model_export.manifest import load_manifest
+from model_export.params import encode_sparse_delta
+from orchestrator.local import LocalOrchestrator
+from tests.conftest import BIASED
+from tests.orchestrator.conftest import (
+    ADMIN_TOKEN,
+    POSTGRES_URL,
+    admin_create_population,
+    fresh_postgres_database,
+)
+from tests.orchestrator.test_observability import scrape, total
+
+DEVICES = 48
+LOAD_SECONDS = 10.0
+SETTINGS = {"target_reports": 4, "oversampling": 1.5, "round_duration_seconds": 2.0, "retry_after_seconds": 0}
+DEPLOYMENTS = ["sqlite, 1 process"] + (["postgresql, 2 processes"] if POSTGRES_URL else [])
+
+
+@dataclass
+class Deployment:
+    server: LocalOrchestrator
+    database_url: str
+    log_path: Path
+
+
+@pytest.fixture(params=DEPLOYMENTS)
+def deployment(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Deployment]:
+    with contextlib.ExitStack() as stack:
+        if request.param.startswith("sqlite"):
+            url, workers = f"sqlite:///{tmp_path / 'orchestrator.sqlite'}", 1
+        else:
+            url, workers = stack.enter_context(fresh_postgres_database()), 2
+        log_path = tmp_path / "server.log"
+        server = LocalOrchestrator(
+            url, ADMIN_TOKEN, log_path=log_path, workers=workers, env={"ORCHESTRATOR_LOG_LEVEL": "debug"}
+        )
+        stack.callback(server.stop)
+        yield Deployment(server.start(), url, log_path)
+
+
+@dataclass
+class Seen:
+    """What the devices were told."""
+
+    assignments: dict[tuple[str, int], set[str]] = field(default_factory=dict)  # (device, round) -> ids
+    reports_accepted: dict[str, int] = field(default_factory=dict)  # assignment -> 200 answers
+    statuses: dict[int, int] = field(default_factory=dict)
+
+    def status(self, code: int) -> None:
+        self.statuses[code] = self.statuses.get(code, 0) + 1
+
+
+async def device(url: str, body: bytes, seen: Seen, rng: random.Random, until: float) -> None:
+    async with httpx.AsyncClient(base_url=url, timeout=30) as http:
+        token = (await http.post("/v1/devices")).json()["token"]
+        headers = {"Authorization": f"Bearer {token}"}
+
+        async def checkin() -> httpx.Response:
+            return await http.post("/v1/populations/p/checkin", json={"example_count": 50}, headers=headers)
+
+        while time.monotonic() < until:
+            # Sometimes the same check-in twice at once (a client retrying): one assignment at most.
+            answers = await asyncio.gather(*[checkin() for _ in range(2 if rng.random() < 0.3 else 1)])
+            for answer in answers:
+                seen.status(answer.status_code)
+            accepted = [a.json() for a in answers if a.status_code == 200 and a.json().get("accepted", True)]
+            accepted = [a for a in accepted if "assignment_id" in a]
+            if not accepted:
+                await asyncio.sleep(rng.uniform(0.05, 0.2))
+                continue
+            for a in accepted:
+                seen.assignments.setdefault((token, a["round_id"]), set()).add(a["assignment_id"])
+            assignment = accepted[0]
+            fate = rng.random()
+            await asyncio.sleep(rng.uniform(0, 0.3) if fate < 0.9 else 2.5)  # some past the deadline
+            if fate < 0.1:
+                answer = await http.post(assignment["abort_url"], headers=headers)
+                seen.status(answer.status_code)
+            elif fate < 0.15:
+                pass  # vanishes: the deadline drops it
+            else:
+                # Sometimes the same report twice at once (a replay): it counts once at most.
+                copies = 2 if rng.random() < 0.3 else 1
+                answers = await asyncio.gather(
+                    *[
+                        http.post(assignment["report_url"], content=body, headers=headers)
+                        for _ in range(copies)
+                    ]
+                )
+                for answer in answers:
+                    seen.status(answer.status_code)
+                    if answer.status_code == 200:
+                        ids = assignment["assignment_id"]
+                        seen.reports_accepted[ids] = seen.reports_accepted.get(ids, 0) + 1
+
+
+async def load(url: str, body: bytes) -> Seen:
+    seen, until = Seen(), time.monotonic() + LOAD_SECONDS
+    await asyncio.gather(*(device(url, body, seen, random.Random(i), until) for i in range(DEVICES)))
+    return seen
+
+
+def per_round(db: Connection, query: str) -> dict[int, float]:
+    return {int(round_id): float(value) for round_id, value in db.execute(text(query))}
+
+
+def test_invariants_hold_under_concurrent_devices(
+    deployment: Deployment, export: Callable[[ModelConfig], Path]
+) -> None:
+    model_dir = export(BIASED)
+    created = admin_create_population(deployment.server.url, model_dir, "p", json.dumps(SETTINGS))
+    assert created.status_code == 201, created.text
+    rng = np.random.default_rng(0)
+    delta = {
+        s.name: (rng.normal(0, 0.01, s.shape) * (rng.random(s.shape) < 0.2)).astype(np.float32)
+        for s in load_manifest(model_dir).global_params
+    }
+    body = encode_sparse_delta(delta, {"num_examples": "20", "metrics": "{}"})
+
+    seen = asyncio.run(load(deployment.server.url, body))
+    time.sleep(2.5)  # every round the load left open passes its deadline
+    samples = scrape(deployment.server.url)
+
+    assert not [s for s in seen.statuses if s >= 500], seen.statuses
+    engine = create_engine(deployment.database_url)
+    with engine.connect() as db:
+        population = db.execute(
+            text("SELECT id, current_version, training_rounds_committed FROM populations")
+        ).one()
+        rounds = db.execute(
+            text(
+                "SELECT id, status, base_version, result_version, capacity, accepted, reported, total_weight "
+                "FROM rounds WHERE kind = 'training' ORDER BY id"
+            )
+        ).all()
+        assignments_per_round = per_round(db, "SELECT round_id, count(*) FROM assignments GROUP BY round_id")
+        twice = db.execute(
+            text(
+                "SELECT round_id, device_id FROM assignments GROUP BY round_id, device_id HAVING count(*) > 1"
+            )
+        ).all()
+        reports = per_round(db, "SELECT round_id, count(*) FROM reports GROUP BY round_id")
+        weights = per_round(db, "SELECT round_id, sum(weight) FROM reports GROUP BY round_id")
+        reported_assignments = db.execute(
+            text("SELECT count(*) FROM assignments WHERE status = 'reported'")
+        ).scalar()
+        versions = [v for (v,) in db.execute(text("SELECT version FROM model_versions ORDER BY version"))]
+        version_rounds = [
+            r for (r,) in db.execute(text("SELECT round_id FROM model_versions WHERE version > 0"))
+        ]
+    engine.dispose()
+
+    committed = [r for r in rounds if r.status == "committed"]
+    assert len(committed) >= 3, "the load should commit several rounds"
+    # No device has two assignments in one round, as the database and as the devices saw it.
+    assert twice == []
+    assert all(len(ids) == 1 for ids in seen.assignments.values())
+    # No round accepted more check-ins than its capacity, and each acceptance is one assignment.
+    assert all(r.accepted <= r.capacity for r in rounds)
+    assert all(assignments_per_round.get(r.id, 0) == r.accepted for r in rounds)
+    # No report counts twice: one 200 per assignment at most, and the counters are the stored reports.
+    assert set(seen.reports_accepted.values()) == {1}
+    assert sum(seen.reports_accepted.values()) == sum(reports.values()) == reported_assignments
+    assert all(r.reported == reports.get(r.id, 0) for r in rounds)
+    assert all(r.total_weight == pytest.approx(weights.get(r.id, 0.0)) for r in rounds)
+    # Each round committed once, into the next version: consecutive, each from the one before.
+    assert sorted(r.result_version for r in committed) == list(range(1, population.current_version + 1))
+    assert all(r.base_version == r.result_version - 1 for r in committed)
+    assert population.training_rounds_committed == population.current_version == len(committed)
+    assert sorted(version_rounds) == sorted(r.id for r in committed) and versions[0] == 0
+    assert all(r.result_version is None for r in rounds if r.status != "committed")
+    # /metrics adds up every process's counts.
+    assert total(samples, "orchestrator_checkins_total", answer="accepted") == sum(r.accepted for r in rounds)
+    assert total(samples, "orchestrator_reports_total", outcome="accepted") == sum(reports.values())
+    # With several processes, the requests were in fact answered by several of them.
+    pids = {
+        line["pid"]
+        for line in map(json.loads, deployment.log_path.read_text().splitlines())
+        if line["message"] == "request"
+    }
+    assert len(pids) == deployment.server.workers
