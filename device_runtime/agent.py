@@ -15,7 +15,9 @@ from typing import Any
 from device_runtime.client_task import Outcome, TaskConfig, TaskResult
 from device_runtime.example_store import ExampleStore
 from device_runtime.orchestrator_client import Assignment, OrchestratorClient, ProtocolError, Rejection
+from device_runtime.secure_round import SecureRoundDriver
 from device_runtime.task_runner import TaskRunner
+from model_export.manifest import load_manifest
 
 
 @dataclass
@@ -59,10 +61,13 @@ class DeviceAgent:
         *,
         compute_slowdown: float = 1.0,
         abort_when_interrupted: bool = True,
+        phase_continues: Callable[[str], bool] | None = None,
     ) -> Participation:
         """One attempt. `compute_slowdown` > 1 stretches the task's time as a slower phone would;
         `should_continue` is asked during and after the task, and a False answer aborts (or, with
-        `abort_when_interrupted=False`, the device vanishes and the server finds out at the deadline)."""
+        `abort_when_interrupted=False`, the device vanishes and the server finds out at the deadline).
+        In a secure round `phase_continues(phase)` (default: `should_continue()`) is asked before
+        each phase of the protocol."""
         answer = await self.client.checkin(self.population, self.store.count(), task, conditions)
         if isinstance(answer, Rejection):
             return Participation(
@@ -86,6 +91,16 @@ class DeviceAgent:
                 return Participation("vanished", answer, result, detail=detail, task_seconds=seconds)
             await self.client.abort(answer)
             return Participation("aborted", answer, result, detail=detail, task_seconds=seconds)
+        if answer.kind == "training" and answer.aggregation == "secure":
+            assert result.delta is not None
+            return await self.take_part_securely(
+                answer,
+                model_dir,
+                result,
+                seconds,
+                phase_continues or (lambda phase: should_continue()),
+                abort_when_interrupted=abort_when_interrupted,
+            )
         try:
             if answer.kind == "training":
                 assert result.delta is not None
@@ -97,3 +112,32 @@ class DeviceAgent:
         except ProtocolError as e:  # e.g. 409: the round closed (target reached, or deadline) first
             return Participation("refused", answer, result, detail=str(e), task_seconds=seconds)
         return Participation("reported", answer, result, server_answer=reply, task_seconds=seconds)
+
+    async def take_part_securely(
+        self,
+        answer: Assignment,
+        model_dir: Path,
+        result: TaskResult,
+        seconds: float,
+        phase_continues: Callable[[str], bool],
+        *,
+        abort_when_interrupted: bool = True,
+    ) -> Participation:
+        """The secure round's phases with the task's delta in place of a report."""
+        assert result.delta is not None
+        driver = SecureRoundDriver(
+            self.client,
+            answer,
+            load_manifest(model_dir, verify_model=False),
+            stays=phase_continues,
+            abort_when_leaving=abort_when_interrupted,
+        )
+        secure = await driver.run(result.delta)
+        return Participation(
+            secure.status,
+            answer,
+            result,
+            detail=f"{secure.phase}: {secure.detail}" if secure.detail else "",
+            server_answer={"bytes_up": secure.bytes_up, "bytes_down": secure.bytes_down},
+            task_seconds=seconds,
+        )

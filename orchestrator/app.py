@@ -20,7 +20,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from starlette.concurrency import run_in_threadpool
 
 from orchestrator import rounds
-from orchestrator.api.routes import admin, artifacts, assignments, devices, populations
+from orchestrator.api.routes import admin, artifacts, assignments, devices, populations, secure_aggregation
 from orchestrator.db import Population, make_engine
 from orchestrator.migrate import migrate
 from orchestrator.settings import Settings
@@ -98,6 +98,6 @@ def create_app(settings: Settings | None = None, clock: Callable[[], float] = ti
     app.state.settings = settings
     app.state.clock = clock
     app.add_exception_handler(RequestValidationError, request_validation_error)
-    for module in (devices, populations, artifacts, assignments, admin):
+    for module in (devices, populations, artifacts, assignments, secure_aggregation, admin):
         app.include_router(module.router)
     return app

@@ -10,11 +10,22 @@ the fraction), which keeps each coordinate unbiased. Every coordinate of a clipp
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Protocol
 
 import numpy as np
 
 from secure_aggregation.config import ProtocolError, RoundParameters
+
+
+class TensorShape(Protocol):
+    """A named tensor's shape, as a manifest's tensor specs have it."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def shape(self) -> tuple[int, ...]: ...
 
 
 class Layout:
@@ -24,6 +35,11 @@ class Layout:
         self.shapes = [(name, tuple(int(n) for n in shape)) for name, shape in shapes]
         self.sizes = [int(np.prod(shape, dtype=np.int64)) for _, shape in self.shapes]
         self.length = sum(self.sizes)
+
+    @classmethod
+    def of(cls, specs: Iterable[TensorShape]) -> Layout:
+        """The layout of tensors in the given order (device and server pass the manifest's globals)."""
+        return cls([(spec.name, tuple(spec.shape)) for spec in specs])
 
     def flatten(self, tensors: Mapping[str, np.ndarray]) -> np.ndarray:
         expected = {name for name, _ in self.shapes}
