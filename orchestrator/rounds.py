@@ -223,6 +223,10 @@ def advance_secure(session: Session, population: Population, round_: Round, now:
     settings = population_settings(population)
     outcome = secure_rounds.advance(session, round_, settings, population_manifest(population), now)
     if isinstance(outcome, secure_rounds.Commit):
+        round_.metrics = {
+            "secure_survivors": float(outcome.survivors),
+            "unmask_seconds": outcome.unmask_seconds,
+        }
         _commit(session, population, round_, now, outcome.mean_delta)
     elif isinstance(outcome, secure_rounds.Abandon):
         round_.status, round_.closed_at = "abandoned", now

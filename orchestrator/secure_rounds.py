@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import secrets
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -64,6 +65,7 @@ class Commit:
 
     mean_delta: Params
     survivors: int
+    unmask_seconds: float  # summing the masked inputs, removing the masks, dequantizing
 
 
 @dataclass(frozen=True)
@@ -146,7 +148,10 @@ def advance(
         phase = secure_round.phase
         timed_out = now >= secure_round.phase_deadline
         if phase == ADVERTISE:
-            if not (timed_out or len(participants) >= round_.target):
+            advertised = {p.assignment_id for p in participants.values()}
+            waiting = any(status[a] == "assigned" and a not in advertised for a in status)
+            full = round_.accepted >= round_.capacity and not waiting
+            if not (timed_out or full or len(participants) >= round_.target):
                 return None
             _drop_outstanding(session, round_, {p.assignment_id for p in participants.values()}, now)
             _next_phase(secure_round, SHARE_KEYS, settings.secure.share_keys_seconds, now)
@@ -232,6 +237,7 @@ def _finish(
         return None  # more answers may still come
     if problem is not None:
         return _abandon(session, round_, secure_round, problem, now)
+    started = time.perf_counter()
     total = server.MaskedSum(parameters)
     # One masked input in memory at a time: memory is O(model), not O(devices x model).
     for (blob,) in session.execute(
@@ -259,7 +265,8 @@ def _finish(
         update(SecureParticipant).where(SecureParticipant.round_id == round_.id).values(masked_input=None)
     )
     mean = dequantize_sum(unmasked, parameters) / len(survivors)
-    return Commit({k: v.astype(np.float32) for k, v in flat.unflatten(mean).items()}, len(survivors))
+    mean_delta = {k: v.astype(np.float32) for k, v in flat.unflatten(mean).items()}
+    return Commit(mean_delta, len(survivors), time.perf_counter() - started)
 
 
 # ---- the devices' messages ----------------------------------------------------------------
