@@ -265,6 +265,19 @@ def _finish(
         update(SecureParticipant).where(SecureParticipant.round_id == round_.id).values(masked_input=None)
     )
     mean = dequantize_sum(unmasked, parameters) / len(survivors)
+    # A mean of vectors clipped to clip_norm is no longer than clip_norm (triangle inequality), up
+    # to each coordinate's rounding of at most one step: anything longer comes from a device that
+    # did not clip, which is all the server can still check once it cannot see single updates.
+    bound = parameters.clip_norm * (1 + np.sqrt(parameters.vector_length) / parameters.levels)
+    norm = float(np.linalg.norm(mean))
+    if norm > bound:
+        return _abandon(
+            session,
+            round_,
+            secure_round,
+            f"the unmasked mean has norm {norm:.4g} > clip_norm {bound:.4g}",
+            now,
+        )
     mean_delta = {k: v.astype(np.float32) for k, v in flat.unflatten(mean).items()}
     return Commit(mean_delta, len(survivors), time.perf_counter() - started)
 

@@ -161,3 +161,43 @@ def test_lying_messages_are_refused_and_the_round_commits_without_harm(
     total = np.sum(inputs, axis=0, dtype=np.uint64)
     expected = layout.flatten(base) + dequantize_sum(total, params) / 5
     assert np.allclose(layout.flatten(new), expected, atol=1e-6)
+
+
+def test_a_round_whose_mean_is_longer_than_the_clip_norm_is_abandoned(
+    server: Server, export: Callable[[ModelConfig], Path]
+) -> None:
+    # Prepare: three devices; one skips clipping and sends 2 x clip_norm in every coordinate
+    model_dir = export(BIASED)
+    settings = {**SETTINGS, "target_reports": 3}
+    created = admin_create_population(server.url, model_dir, "p", json.dumps(settings))
+    assert created.status_code == 201, created.text
+    devices = [Device(server.url) for _ in range(3)]
+    params = RoundParameters.from_json(devices[0].state()["parameters"])
+    sessions = [DeviceSession(params) for _ in devices]
+    inputs = [np.zeros(params.vector_length, np.uint64) for _ in devices]
+    inputs[0][:] = np.uint64(2 * params.levels)
+
+    # Execute: the protocol, followed honestly otherwise
+    indices = [
+        d.send("keys", s.advertise().to_json()).json()["index"]
+        for d, s in zip(devices, sessions, strict=True)
+    ]
+    roster = {int(i): AdvertisedKeys.from_json(k) for i, k in devices[0].state()["roster"].items()}
+    for device, session, index in zip(devices, sessions, indices, strict=True):
+        assert device.send("shares", shares_to_json(session.share_keys(index, roster))).status_code == 200
+    for device, session, vector in zip(devices, sessions, inputs, strict=True):
+        ciphertexts = ciphertexts_from_json(device.state()["ciphertexts"], len(roster))
+        assert (
+            device.send(
+                "masked-input", encode_vector(session.masked_input(vector, ciphertexts), params)
+            ).status_code
+            == 200
+        )
+    survivors = devices[0].state()["survivors"]
+    for device, session in zip(devices, sessions, strict=True):
+        device.send("unmasking", session.unmask(survivors).to_json())
+
+    # Assert: the server refuses to commit a mean no honest round can produce
+    state = devices[0].state()
+    assert state["phase"] == "done" and state["round_status"] == "abandoned"
+    assert "norm" in state["outcome"] and "clip_norm" in state["outcome"]
