@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import random
 import secrets
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -72,7 +73,7 @@ class SecureRoundDriver:
         *,
         stays: Callable[[str], bool] = lambda phase: True,
         abort_when_leaving: bool = True,
-        poll_seconds: float = 0.25,
+        poll_seconds: float = 0.5,
     ) -> None:
         self.client = client
         self.assignment = assignment
@@ -121,7 +122,9 @@ class SecureRoundDriver:
                 )
             if state["phase"] == phase:
                 raise _Left("refused", f"the server did not include this device in the {phase} phase")
-            await asyncio.sleep(min(self.poll_seconds, max(0.01, float(state["seconds_left"]))))
+            # Jittered, so that a round's devices do not poll the server in step.
+            wait = self.poll_seconds * (0.5 + random.random())
+            await asyncio.sleep(min(wait, max(0.01, float(state["seconds_left"]))))
 
     async def _phases(self, delta: Params) -> None:
         state = await self._state("advertise", None)

@@ -143,7 +143,8 @@ class SecureParticipant(Base):
     device_index: Mapped[int]  # its index in the round's roster (a Shamir x coordinate), from 1
     keys: Mapped[dict[str, str]] = mapped_column(JSON)
     shares: Mapped[dict[str, Any] | None] = mapped_column(JSON)
-    masked_input: Mapped[bytes | None] = mapped_column(LargeBinary)
+    # Deferred: the phases read every participant's row, and an input is ~0.75 MB (3,706 x 50).
+    masked_input: Mapped[bytes | None] = mapped_column(LargeBinary, deferred=True)
     sent_masked_input: Mapped[bool] = mapped_column(default=False)
     unmasking: Mapped[dict[str, Any] | None] = mapped_column(JSON)
 
