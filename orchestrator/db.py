@@ -142,11 +142,14 @@ class SecureParticipant(Base):
     round_id: Mapped[int] = mapped_column(ForeignKey("rounds.id"))
     device_index: Mapped[int]  # its index in the round's roster (a Shamir x coordinate), from 1
     keys: Mapped[dict[str, str]] = mapped_column(JSON)
-    shares: Mapped[dict[str, Any] | None] = mapped_column(JSON)
-    # Deferred: the phases read every participant's row, and an input is ~0.75 MB (3,706 x 50).
+    # The messages are deferred, and flags say which were sent: the phases read every participant's
+    # row on every request, while shares are ~6 KB and an input ~0.75 MB (3,706 x 50, 20 neighbours).
+    shares: Mapped[dict[str, Any] | None] = mapped_column(JSON, deferred=True)
+    sent_shares: Mapped[bool] = mapped_column(default=False)
     masked_input: Mapped[bytes | None] = mapped_column(LargeBinary, deferred=True)
     sent_masked_input: Mapped[bool] = mapped_column(default=False)
-    unmasking: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    unmasking: Mapped[dict[str, Any] | None] = mapped_column(JSON, deferred=True)
+    sent_unmasking: Mapped[bool] = mapped_column(default=False)
 
     __table_args__ = (Index("secure_participants_round_index", "round_id", "device_index", unique=True),)
 

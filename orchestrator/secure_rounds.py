@@ -157,7 +157,7 @@ def advance(
             _next_phase(secure_round, SHARE_KEYS, settings.secure.share_keys_seconds, now)
             problem = _too_few(secure_round, len(participants), "advertised keys")
         elif phase == SHARE_KEYS:
-            sharers = {i for i, p in participants.items() if p.shares is not None}
+            sharers = {i for i, p in participants.items() if p.sent_shares}
             if not (timed_out or active <= sharers):
                 return None
             _drop_outstanding(session, round_, {participants[i].assignment_id for i in sharers}, now)
@@ -166,7 +166,7 @@ def advance(
                 secure_round, participants, sharers
             )
         elif phase == MASKED_INPUT:
-            sharers = {i for i, p in participants.items() if p.shares is not None}
+            sharers = {i for i, p in participants.items() if p.sent_shares}
             senders = {i for i, p in participants.items() if p.sent_masked_input}
             if not (timed_out or (active & sharers) <= senders):
                 return None
@@ -225,12 +225,15 @@ def _finish(
 ) -> Commit | Abandon | None:
     parameters = _parameters(secure_round)
     graph = round_graph(parameters, sorted(participants))
-    sharers = {i for i, p in participants.items() if p.shares is not None}
+    sharers = {i for i, p in participants.items() if p.sent_shares}
     survivors = {i for i, p in participants.items() if p.sent_masked_input}
     responses = {
-        i: UnmaskingShares.from_json(p.unmasking, len(participants))
-        for i, p in participants.items()
-        if p.unmasking is not None
+        i: UnmaskingShares.from_json(answer, len(participants))
+        for i, answer in session.execute(
+            select(SecureParticipant.device_index, SecureParticipant.unmasking).where(
+                SecureParticipant.round_id == round_.id, SecureParticipant.sent_unmasking
+            )
+        )
     }
     problem = server.unmask_problem(parameters, graph, sharers, survivors, responses)
     if problem is not None and not timed_out and set(responses) != survivors:
@@ -324,21 +327,34 @@ def state(session: Session, round_: Round, assignment_id: str, now: float) -> di
     if participant is None or secure_round.phase in (ADVERTISE, DONE):
         return out
     participants = _participants(session, round_.id)
-    if secure_round.phase == SHARE_KEYS and participant.shares is None:
+    if secure_round.phase == SHARE_KEYS and not participant.sent_shares:
         out["roster"] = {str(i): p.keys for i, p in sorted(participants.items())}
-    elif secure_round.phase == MASKED_INPUT and participant.shares is not None:
+    elif secure_round.phase == MASKED_INPUT and participant.sent_shares:
         graph = round_graph(_parameters(secure_round), sorted(participants))
         index = participant.device_index
         out["ciphertexts"] = ciphertexts_to_json(
             {
-                owner: EncryptedShares.from_json(participants[owner].shares[str(index)]).ciphertext  # type: ignore[index]
-                for owner in graph[index]
-                if participants[owner].shares is not None
+                owner: shares.ciphertext
+                for owner, shares in _shares_for(session, round_.id, graph, index).items()
             }
         )
     elif secure_round.phase == UNMASKING and participant.sent_masked_input:
         out["survivors"] = sorted(i for i, p in participants.items() if p.sent_masked_input)
     return out
+
+
+def _shares_for(
+    session: Session, round_id: int, graph: Mapping[int, list[int]], holder: int
+) -> dict[int, EncryptedShares]:
+    """What each of `holder`'s neighbours that shared keys sent for it, read in one query."""
+    rows = session.execute(
+        select(SecureParticipant.device_index, SecureParticipant.shares).where(
+            SecureParticipant.round_id == round_id,
+            SecureParticipant.sent_shares,
+            SecureParticipant.device_index.in_(graph[holder]),
+        )
+    )
+    return {owner: EncryptedShares.from_json(shares[str(holder)]) for owner, shares in rows}
 
 
 def advertise(
@@ -364,9 +380,11 @@ def advertise(
             device_index=index,
             keys=keys.to_json(),
             shares=None,
+            sent_shares=False,
             masked_input=None,
             sent_masked_input=False,
             unmasking=None,
+            sent_unmasking=False,
         )
     )
     session.flush()
@@ -393,7 +411,7 @@ def share_keys(
     if isinstance(found, Refused):
         return found
     secure_round, participant = found
-    if participant.shares is not None:
+    if participant.sent_shares:
         return Refused(409, "this assignment has already sent its shares")
     participants = _participants(session, round_.id)
     try:
@@ -403,6 +421,7 @@ def share_keys(
     except ProtocolError as e:
         return Refused(422, str(e))
     participant.shares = {str(holder): message.to_json() for holder, message in shares.items()}
+    participant.sent_shares = True
     return {"shared_with": sorted(shares)}
 
 
@@ -413,7 +432,7 @@ def masked_input(
     if isinstance(found, Refused):
         return found
     secure_round, participant = found
-    if participant.shares is None:
+    if not participant.sent_shares:
         return Refused(409, "this assignment did not share keys in this round")
     if participant.sent_masked_input:
         return Refused(409, "this assignment has already sent its masked input")
@@ -434,24 +453,23 @@ def unmasking(
     secure_round, participant = found
     if not participant.sent_masked_input:
         return Refused(409, "this assignment did not send a masked input, so it is not a survivor")
-    if participant.unmasking is not None:
+    if participant.sent_unmasking:
         return Refused(409, "this assignment has already sent its unmasking shares")
     participants = _participants(session, round_.id)
     parameters = _parameters(secure_round)
     graph = round_graph(parameters, sorted(participants))
     index = participant.device_index
-    sharers = {i for i, p in participants.items() if p.shares is not None}
+    sharers = {i for i, p in participants.items() if p.sent_shares}
     survivors = {i for i, p in participants.items() if p.sent_masked_input}
     try:
         message = UnmaskingShares.from_json(body, len(participants))
         commitments = {
-            owner: {index: EncryptedShares.from_json(participants[owner].shares[str(index)])}  # type: ignore[index]
-            for owner in set(graph[index]) & sharers
+            owner: {index: shares} for owner, shares in _shares_for(session, round_.id, graph, index).items()
         }
         server.check_unmasking(parameters, index, graph, sharers, survivors, message, commitments)
     except ProtocolError as e:
         return Refused(422, str(e))
-    participant.unmasking = message.to_json()
+    participant.unmasking, participant.sent_unmasking = message.to_json(), True
     return {"accepted": True}
 
 
