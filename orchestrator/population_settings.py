@@ -32,7 +32,11 @@ class SecureAggregationSettings(BaseModel):
         "None: about 3 log2(n) for n devices",
     )
     threshold: float = Field(
-        0.5, gt=0, le=1, description="share of a device's neighbours whose shares reconstruct its secrets"
+        0.4,
+        gt=0,
+        le=1,
+        description="share of a device's neighbours whose shares reconstruct its secrets; lower "
+        "tolerates more dropouts, higher tolerates more devices colluding with the server",
     )
     advertise_seconds: float = Field(60.0, gt=0, description="check-in, training and advertising keys")
     share_keys_seconds: float = Field(10.0, gt=0)

@@ -14,7 +14,7 @@ def test_graph_is_symmetric_with_k_neighbours_and_derived_from_the_round_seed():
     graph = neighbour_graph(roster, k, "population/round 7/abcd")
 
     # Assert
-    assert 2 <= k <= 30 and k % 2 == 0
+    assert k == 40
     assert all(len(near) == k and u not in near for u, near in graph.items())
     assert all(u in graph[v] for u, near in graph.items() for v in near)
     assert graph == neighbour_graph(list(reversed(roster)), k, "population/round 7/abcd")
@@ -23,4 +23,5 @@ def test_graph_is_symmetric_with_k_neighbours_and_derived_from_the_round_seed():
 
 def test_small_rounds_use_the_full_graph():
     graph = neighbour_graph([1, 2, 3, 4], suggested_neighbours(4), "ctx")
+    assert suggested_neighbours(40) == 0
     assert graph == {1: [2, 3, 4], 2: [1, 3, 4], 3: [1, 2, 4], 4: [1, 2, 3]}
