@@ -23,5 +23,5 @@ def test_graph_is_symmetric_with_k_neighbours_and_derived_from_the_round_seed():
 
 def test_small_rounds_use_the_full_graph():
     graph = neighbour_graph([1, 2, 3, 4], suggested_neighbours(4), "ctx")
-    assert suggested_neighbours(40) == 0
+    assert suggested_neighbours(30) == 0 and suggested_neighbours(40) == 32
     assert graph == {1: [2, 3, 4], 2: [1, 3, 4], 3: [1, 2, 4], 4: [1, 2, 3]}
