@@ -8,7 +8,9 @@ restarted server continues from the last committed state and tests control time.
     open --(deadline, fewer)------------------------------> abandoned (model kept)
 
 after which the next round opens. Protocol refusals are returned as `Refused` values, not
-raised, so that the counters they bump are committed with the answer.
+raised, so that the counters they bump are committed with the answer. A population with
+`aggregation: "secure"` runs its training rounds' phases in `secure_rounds` instead of taking
+reports; this module opens them, advances them and commits their unmasked mean.
 """
 
 from __future__ import annotations
