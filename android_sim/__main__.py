@@ -37,6 +37,15 @@ def _run_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     run.add_argument("--oversampling", type=float, default=d.oversampling)
     run.add_argument("--min-examples", type=int, default=d.min_examples)
     run.add_argument("--round-seconds", type=float, default=d.round_seconds, help="round deadline")
+    run.add_argument(
+        "--aggregation",
+        choices=("plaintext", "secure"),
+        default=d.aggregation,
+        help="secure: secure aggregation, the server learns only each round's sum",
+    )
+    run.add_argument(
+        "--secure-clip-norm", type=float, default=d.secure_clip_norm, help="L2 bound of a device's delta"
+    )
     run.add_argument("--evaluation-every", type=int, default=d.evaluation_every)
     run.add_argument(
         "--day-seconds", type=float, default=d.day_seconds, help="wall seconds per simulated day"
@@ -91,6 +100,8 @@ def main(argv: list[str] | None = None) -> int:
             oversampling=args.oversampling,
             min_examples=args.min_examples,
             round_seconds=args.round_seconds,
+            aggregation=args.aggregation,
+            secure_clip_norm=args.secure_clip_norm,
             evaluation_every=args.evaluation_every,
             day_seconds=args.day_seconds,
             device_mix=load_mix(args.device_mix) if args.device_mix else DEFAULT_MIX,

@@ -169,6 +169,19 @@ class Fleet:
 
         return should_continue
 
+    def _phase_continues(self, device: SimDevice) -> Callable[[str], bool]:
+        """Secure aggregation's phases: the device's dropout chance applies again at each one."""
+        chance = device.profile.device_class.dropout_probability
+
+        def phase_continues(phase: str) -> bool:
+            if self._rng.random() < chance:
+                return False
+            return (
+                device.profile.conditions(self.clock.now()).eligible and not self._stop[device.role].is_set()
+            )
+
+        return phase_continues
+
     async def _loop(self, device: SimDevice) -> None:
         device_class = device.profile.device_class
         # Spread the first check-ins, as a real fleet's are.
@@ -214,6 +227,7 @@ class Fleet:
                     seed=self._rng.getrandbits(31),
                     compute_slowdown=device.profile.device_class.compute_slowdown,
                     abort_when_interrupted=not vanishes,
+                    phase_continues=self._phase_continues(device),
                 )
             if participation.status == "unreachable":
                 self.stats.waiting_for_server += 1

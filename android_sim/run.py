@@ -67,6 +67,11 @@ class RunConfig:
     oversampling: float = 1.3
     min_examples: int = 3
     round_seconds: float = 10.0
+    aggregation: str = "plaintext"  # or "secure": secure aggregation (README, "Privacy")
+    # Deadline of each secure phase after the training one: a device that vanishes holds its phase
+    # until then, and the others answer within about a second.
+    secure_phase_seconds: float = 2.0
+    secure_clip_norm: float = 10.0  # L2 bound each device clips its delta to under secure aggregation
     evaluation_every: int = 10
     day_seconds: float = 60.0  # wall seconds per simulated day
     cooldown_hours: float = 2.0  # simulated hours a device rests after it took part
@@ -89,6 +94,10 @@ class RunConfig:
         for name in ("rounds", "target_reports", "min_examples", "workers"):
             if getattr(self, name) < 1:
                 problems.append(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.aggregation not in ("plaintext", "secure"):
+            problems.append(f"aggregation must be 'plaintext' or 'secure', got {self.aggregation!r}")
+        if self.aggregation == "secure" and self.target_reports < 6:
+            problems.append("secure aggregation needs target_reports >= 6 (min_reports = target / 2 >= 3)")
         if self.devices < 0 or self.expressions < 2:
             problems.append("devices must be >= 0 and expressions >= 2")
         if self.orchestrator_url and not self.admin_token:
@@ -174,6 +183,14 @@ def population_settings(config: RunConfig, data: FleetData, model: ModelConfig) 
         "evaluation_every": config.evaluation_every,
         "evaluation_target_reports": config.target_reports,
         "evaluation_round_duration_seconds": config.round_seconds,
+        "aggregation": config.aggregation,
+        "secure": {
+            "clip_norm": config.secure_clip_norm,
+            "advertise_seconds": config.round_seconds,
+            "share_keys_seconds": config.secure_phase_seconds,
+            "masked_input_seconds": config.secure_phase_seconds,
+            "unmasking_seconds": config.secure_phase_seconds,
+        },
     }
 
 

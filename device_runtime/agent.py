@@ -23,8 +23,9 @@ from device_runtime.orchestrator_client import (
     Rejection,
     ServerUnavailable,
 )
+from device_runtime.secure_round import SecureRoundDriver
 from device_runtime.task_runner import TaskRunner
-from model_export.manifest import ManifestError
+from model_export.manifest import ManifestError, load_manifest
 from model_export.params import ParamsError
 
 
@@ -72,10 +73,13 @@ class DeviceAgent:
         *,
         compute_slowdown: float = 1.0,
         abort_when_interrupted: bool = True,
+        phase_continues: Callable[[str], bool] | None = None,
     ) -> Participation:
         """One attempt. `compute_slowdown` > 1 stretches the task's time as a slower phone would;
         `should_continue` is asked during and after the task, and a False answer aborts (or, with
         `abort_when_interrupted=False`, the device vanishes and the server finds out at the deadline).
+        In a secure round `phase_continues(phase)` (default: `should_continue()`) is asked before
+        each phase of the protocol.
 
         Whatever the server answers, the result is a `Participation`: a refusal, an answer that
         breaks the protocol (a model, manifest, parameters or task config the device cannot use
@@ -90,6 +94,7 @@ class DeviceAgent:
                 seed,
                 compute_slowdown=compute_slowdown,
                 abort_when_interrupted=abort_when_interrupted,
+                phase_continues=phase_continues,
             )
         except InvalidAnswer as e:
             return await self._give_up("invalid_answer", e.message, e.assignment_id)
@@ -132,6 +137,7 @@ class DeviceAgent:
         *,
         compute_slowdown: float,
         abort_when_interrupted: bool,
+        phase_continues: Callable[[str], bool] | None,
     ) -> Participation:
         answer = await self.client.checkin(self.population, self.store.count(), task, conditions)
         if isinstance(answer, Rejection):
@@ -157,6 +163,16 @@ class DeviceAgent:
                 return Participation("vanished", answer, result, detail=detail, task_seconds=seconds)
             detail += await self._abort(answer)
             return Participation("aborted", answer, result, detail=detail, task_seconds=seconds)
+        if answer.kind == "training" and answer.aggregation == "secure":
+            assert result.delta is not None
+            return await self.take_part_securely(
+                answer,
+                model_dir,
+                result,
+                seconds,
+                phase_continues or (lambda phase: should_continue()),
+                abort_when_interrupted=abort_when_interrupted,
+            )
         try:
             if answer.kind == "training":
                 assert result.delta is not None
@@ -168,3 +184,32 @@ class DeviceAgent:
         except ProtocolError as e:  # e.g. 409: the round closed (target reached, or deadline) first
             return Participation("refused", answer, result, detail=str(e), task_seconds=seconds)
         return Participation("reported", answer, result, server_answer=reply, task_seconds=seconds)
+
+    async def take_part_securely(
+        self,
+        answer: Assignment,
+        model_dir: Path,
+        result: TaskResult,
+        seconds: float,
+        phase_continues: Callable[[str], bool],
+        *,
+        abort_when_interrupted: bool = True,
+    ) -> Participation:
+        """The secure round's phases with the task's delta in place of a report."""
+        assert result.delta is not None
+        driver = SecureRoundDriver(
+            self.client,
+            answer,
+            load_manifest(model_dir, verify_model=False),
+            stays=phase_continues,
+            abort_when_leaving=abort_when_interrupted,
+        )
+        secure = await driver.run(result.delta)
+        return Participation(
+            secure.status,
+            answer,
+            result,
+            detail=f"{secure.phase}: {secure.detail}" if secure.detail else "",
+            server_answer={"bytes_up": secure.bytes_up, "bytes_down": secure.bytes_down},
+            task_seconds=seconds,
+        )

@@ -84,6 +84,8 @@ class Assignment:
     report_url: str
     abort_url: str
     task_config: dict[str, Any]
+    aggregation: str = "plaintext"  # "secure": take part through secure_url instead of report_url
+    secure_url: str | None = None
 
 
 @dataclass(frozen=True)
@@ -350,6 +352,32 @@ class OrchestratorClient:
             max_bytes=MAX_JSON_BYTES,
             attempts=ABORT_ATTEMPTS,
         )
+
+    # ---- secure aggregation: one message per phase (secure_aggregation package) ----
+
+    def _secure_url(self, assignment: Assignment) -> str:
+        if assignment.secure_url is None:
+            raise ProtocolError(200, "this assignment's round does not use secure aggregation")
+        return assignment.secure_url
+
+    async def secure_state(self, assignment: Assignment) -> dict[str, Any]:
+        """The secure round's phase and what this device needs for it."""
+        return dict((await self._request("GET", self._secure_url(assignment))).json())
+
+    async def secure_message(self, assignment: Assignment, phase: str, body: Any) -> dict[str, Any]:
+        """A JSON message of the `keys`, `shares` or `unmasking` phase."""
+        return dict(
+            (await self._request("POST", f"{self._secure_url(assignment)}/{phase}", json=body)).json()
+        )
+
+    async def secure_masked_input(self, assignment: Assignment, body: bytes) -> dict[str, Any]:
+        response = await self._request(
+            "POST",
+            f"{self._secure_url(assignment)}/masked-input",
+            content=body,
+            headers={"Content-Type": "application/octet-stream"},
+        )
+        return dict(response.json())
 
 
 class _Fields:

@@ -22,7 +22,15 @@ from starlette.concurrency import run_in_threadpool
 from orchestrator import metrics, rounds
 from orchestrator.api.deps import DATABASE_UNAVAILABLE
 from orchestrator.api.edge import Edge, VerifiedTokens
-from orchestrator.api.routes import admin, artifacts, assignments, devices, health, populations
+from orchestrator.api.routes import (
+    admin,
+    artifacts,
+    assignments,
+    devices,
+    health,
+    populations,
+    secure_aggregation,
+)
 from orchestrator.api.routes import metrics as metrics_route
 from orchestrator.db import Population, make_engine
 from orchestrator.logs import log_request
@@ -110,7 +118,16 @@ def create_app(settings: Settings | None = None, clock: Callable[[], float] = ti
     app.state.verified_tokens = VerifiedTokens()
     app.add_exception_handler(RequestValidationError, request_validation_error)
     app.add_middleware(Edge, settings=settings)
-    for module in (devices, populations, artifacts, assignments, admin, health, metrics_route):
+    for module in (
+        devices,
+        populations,
+        artifacts,
+        assignments,
+        secure_aggregation,
+        admin,
+        health,
+        metrics_route,
+    ):
         app.include_router(module.router)
     static_paths = frozenset(path for route in app.routes if "{" not in (path := getattr(route, "path", "{")))
     app.add_middleware(metrics.RequestMetrics, static_paths=static_paths, on_request=log_request)

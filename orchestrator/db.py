@@ -124,6 +124,39 @@ class Report(Base):
     metrics: Mapped[dict[str, float]] = mapped_column(JSON)
 
 
+class SecureRound(Base):
+    """A training round under secure aggregation: its phase and the parameters devices agree on."""
+
+    __tablename__ = "secure_rounds"
+    round_id: Mapped[int] = mapped_column(ForeignKey("rounds.id"), primary_key=True)
+    # advertise | share_keys | masked_input | unmasking | done
+    phase: Mapped[str] = mapped_column(String(16))
+    phase_deadline: Mapped[float]
+    parameters: Mapped[dict[str, Any]] = mapped_column(JSON)  # secure_aggregation RoundParameters
+    outcome: Mapped[str] = mapped_column(String(500), default="")  # why it was abandoned, or ""
+
+
+class SecureParticipant(Base):
+    """One assignment's messages in a secure round. Its masked input is kept only until the round
+    closes; the server never holds an unmasked individual update."""
+
+    __tablename__ = "secure_participants"
+    assignment_id: Mapped[str] = mapped_column(ForeignKey("assignments.id"), primary_key=True)
+    round_id: Mapped[int] = mapped_column(ForeignKey("rounds.id"))
+    device_index: Mapped[int]  # its index in the round's roster (a Shamir x coordinate), from 1
+    keys: Mapped[dict[str, str]] = mapped_column(JSON)
+    # The messages are deferred, and flags say which were sent: the phases read every participant's
+    # row on every request, while shares are ~6 KB and an input ~0.75 MB (3,706 x 50, 20 neighbours).
+    shares: Mapped[dict[str, Any] | None] = mapped_column(JSON, deferred=True)
+    sent_shares: Mapped[bool] = mapped_column(default=False)
+    masked_input: Mapped[bytes | None] = mapped_column(LargeBinary, deferred=True)
+    sent_masked_input: Mapped[bool] = mapped_column(default=False)
+    unmasking: Mapped[dict[str, Any] | None] = mapped_column(JSON, deferred=True)
+    sent_unmasking: Mapped[bool] = mapped_column(default=False)
+
+    __table_args__ = (Index("secure_participants_round_index", "round_id", "device_index", unique=True),)
+
+
 def make_engine(url: str, busy_seconds: float = 30.0) -> Engine:
     """An engine whose write transactions serialize cleanly on SQLite as on PostgreSQL.
 

@@ -19,6 +19,55 @@ MAX_SECONDS = 30 * 24 * 3600.0
 MAX_TASK_NUMBER = 1e12
 
 
+class SecureAggregationSettings(BaseModel):
+    """The parameters of secure aggregation (used when `aggregation` is "secure")."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    clip_norm: float = Field(
+        1.0, gt=0, description="each device clips its dense delta to this L2 norm before quantizing"
+    )
+    bits: int = Field(
+        32,
+        ge=16,
+        le=62,
+        description="the masked sum is computed modulo 2^bits (4 bytes a coordinate up to 32)",
+    )
+    neighbours: int | None = Field(
+        None,
+        ge=0,
+        description="SecAgg+ neighbourhood size k (even; 0 = every device of the round); "
+        "None: about 3 log2(n) for n devices",
+    )
+    threshold: float = Field(
+        0.4,
+        gt=0,
+        le=1,
+        description="share of a device's neighbours whose shares reconstruct its secrets; lower "
+        "tolerates more dropouts, higher tolerates more devices colluding with the server",
+    )
+    advertise_seconds: float = Field(60.0, gt=0, description="check-in, training and advertising keys")
+    share_keys_seconds: float = Field(10.0, gt=0)
+    masked_input_seconds: float = Field(10.0, gt=0)
+    unmasking_seconds: float = Field(10.0, gt=0)
+
+    @field_validator("neighbours")
+    @classmethod
+    def _even(cls, value: int | None) -> int | None:
+        if value is not None and value % 2:
+            raise ValueError(f"neighbours must be even (a ring with k/2 on each side), got {value}")
+        return value
+
+    @property
+    def duration_seconds(self) -> float:
+        return (
+            self.advertise_seconds
+            + self.share_keys_seconds
+            + self.masked_input_seconds
+            + self.unmasking_seconds
+        )
+
+
 class PopulationSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
@@ -73,6 +122,12 @@ class PopulationSettings(BaseModel):
     )
     evaluation_target_reports: int = Field(10, ge=1, le=MAX_ROUND_REPORTS)
     evaluation_round_duration_seconds: float = Field(60.0, gt=0, le=MAX_SECONDS)
+    aggregation: Literal["plaintext", "secure"] = Field(
+        "plaintext",
+        description="plaintext: the server sees each device's sparse delta (trusted servers only); "
+        "secure: secure aggregation, the server learns only the sum of a round's survivors",
+    )
+    secure: SecureAggregationSettings = SecureAggregationSettings.model_validate({})
 
     @field_validator("server_optimizer")
     @classmethod
@@ -98,6 +153,19 @@ class PopulationSettings(BaseModel):
             {**self.task_config, "min_examples": self.min_examples}
         ).to_json()
         return self
+
+    @model_validator(mode="after")
+    def _secure_sizes(self) -> PopulationSettings:
+        if self.aggregation == "secure" and self.min_reports < 3:
+            raise ValueError(
+                f"secure aggregation needs min_reports >= 3 (a sum of one or two inputs reveals them), "
+                f"got {self.min_reports}"
+            )
+        return self
+
+    @property
+    def secure_training(self) -> bool:
+        return self.aggregation == "secure"
 
     @property
     def capacity(self) -> int:

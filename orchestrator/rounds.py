@@ -8,7 +8,9 @@ restarted server continues from the last committed state and tests control time.
     open --(deadline, fewer)------------------------------> abandoned (model kept)
 
 after which the next round opens. Protocol refusals are returned as `Refused` values, not
-raised, so that the counters they bump are committed with the answer.
+raised, so that the counters they bump are committed with the answer. A population with
+`aggregation: "secure"` runs its training rounds' phases in `secure_rounds` instead of taking
+reports; this module opens them, advances them and commits their unmasked mean.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from sqlalchemy.orm import Session, object_session
 
 from model_export.manifest import Manifest
 from model_export.params import (
+    Params,
     ParamsError,
     check_params,
     check_sparse_delta,
@@ -38,7 +41,7 @@ from model_export.params import (
     encode_sparse_delta,
     read_metadata,
 )
-from orchestrator import metrics
+from orchestrator import metrics, secure_rounds
 from orchestrator.aggregation import (
     WeightedMean,
     apply_update,
@@ -51,6 +54,7 @@ from orchestrator.db import Assignment, ModelVersion, Population, Report, Round
 from orchestrator.limits import MAX_METRIC_MAGNITUDE, MAX_REPORT_HEADER_BYTES, json_document
 from orchestrator.logs import log_on_commit
 from orchestrator.population_settings import PopulationSettings
+from orchestrator.refusals import Refused as Refused  # re-exported: the routes answer with rounds.Refused
 
 TRAINING, EVALUATION = "training", "evaluation"
 T = TypeVar("T")
@@ -87,17 +91,6 @@ _FINISH_ASSIGNMENT = (
     .values(status=bindparam("new_status"), finished_at=bindparam("now"))
 )
 _INSERT_REPORT = insert(Report)
-
-
-@dataclass(frozen=True)
-class Refused:
-    """The protocol's answer to a request it will not honour: an HTTP status and why."""
-
-    status: int
-    message: str
-    retry_after: float | None = None
-    # A short class of the refusal for metrics and logs (the message may quote the request).
-    reason: str = ""
 
 
 @dataclass(frozen=True)
@@ -174,9 +167,10 @@ def population_of_assignment(session: Session, assignment_id: str) -> Population
 
 def open_round(session: Session, population: Population, kind: str, now: float) -> Round:
     settings = population_settings(population)
+    secure = kind == TRAINING and settings.secure_training
     if kind == TRAINING:
         target, capacity, min_reports = settings.target_reports, settings.capacity, settings.min_reports
-        duration = settings.round_duration_seconds
+        duration = settings.secure.duration_seconds if secure else settings.round_duration_seconds
     else:
         target = settings.evaluation_target_reports
         capacity = math.ceil(target * settings.oversampling)
@@ -210,6 +204,8 @@ def open_round(session: Session, population: Population, kind: str, now: float) 
         capacity=capacity,
         deadline=round_.deadline,
     )
+    if secure:
+        secure_rounds.start(session, round_, population.name, settings, population_manifest(population))
     return round_
 
 
@@ -222,9 +218,13 @@ def advance(session: Session, population: Population, now: float) -> dict[str, R
     """Close rounds past their deadline (drop their outstanding assignments), open the next;
     returns the open rounds by kind."""
     current = open_rounds(session, population)
-    if TRAINING in current and all(now < r.deadline for r in current.values()):
+    secure = population_settings(population).secure_training
+    if TRAINING in current and all(now < r.deadline for r in current.values()) and not secure:
         return current  # the common case: nothing to close, one query
     for round_ in current.values():
+        if round_.kind == TRAINING and secure:
+            advance_secure(session, population, round_, now)
+            continue
         if now < round_.deadline:
             continue
         dropped: CursorResult[Any] = session.execute(  # type: ignore[assignment]
@@ -247,6 +247,22 @@ def advance(session: Session, population: Population, now: float) -> dict[str, R
     if TRAINING not in current:
         current[TRAINING] = open_round(session, population, TRAINING, now)
     return current
+
+
+def advance_secure(session: Session, population: Population, round_: Round, now: float) -> None:
+    """Close the secure round's phases that are over; commit or abandon it when it ends."""
+    settings = population_settings(population)
+    outcome = secure_rounds.advance(session, round_, settings, population_manifest(population), now)
+    if isinstance(outcome, secure_rounds.Commit):
+        round_.metrics = {
+            "secure_survivors": float(outcome.survivors),
+            "unmask_seconds": outcome.unmask_seconds,
+        }
+        _commit(session, population, round_, now, outcome.mean_delta)
+    elif isinstance(outcome, secure_rounds.Abandon):
+        round_.status, round_.closed_at = "abandoned", now
+        _count_closed(session, population, round_, "abandoned")
+        open_round(session, population, TRAINING, now)
 
 
 def checkin(
@@ -293,6 +309,13 @@ def checkin(
                         409, f"this device already took part in round {round_.id} ({status})", retry_after
                     )
                 )
+            continue
+        if (
+            request.kind == TRAINING
+            and settings.secure_training
+            and not secure_rounds.accepting(session, round_)
+        ):
+            answers.append(Refused(409, "the secure round has closed its check-ins", retry_after))
             continue
         round_.checked_in += 1
         if request.example_count < settings.min_examples:
@@ -370,6 +393,18 @@ def _find_assignment(
     return _Found(assignment_id, status, example_count, round_)
 
 
+def secure_round_of(
+    session: Session, population: Population, assignment_id: str, device_id: str, now: float
+) -> tuple[str, Round] | Refused:
+    """The status of the caller's assignment and its round, when that round is a secure one."""
+    assignment = _find_assignment(session, population, assignment_id, device_id, now)
+    if isinstance(assignment, Refused):
+        return assignment
+    if assignment.round.kind != TRAINING or not population_settings(population).secure_training:
+        return Refused(409, f"round {assignment.round.id} does not use secure aggregation; report instead")
+    return assignment.status, assignment.round
+
+
 def _finish(session: Session, assignment: _Found, status: str, now: float) -> None:
     session.connection().execute(
         _FINISH_ASSIGNMENT, {"assignment_id": assignment.id, "new_status": status, "now": now}
@@ -413,6 +448,10 @@ def report(
         return closed
     round_ = assignment.round
     settings = population_settings(population)
+    if round_.kind == TRAINING and settings.secure_training:
+        return Refused(
+            409, f"round {round_.id} uses secure aggregation: take part through /v1/assignments/{{id}}/secure"
+        )
     parsed = (
         _parse_training_report(population, settings, assignment.example_count, body)
         if round_.kind == TRAINING
@@ -642,8 +681,11 @@ def _parse_evaluation_report(
 # ---- commit ----------------------------------------------------------------------------
 
 
-def _commit(session: Session, population: Population, round_: Round, now: float) -> None:
-    """Aggregate the round's reports into a new model version (training) or just close it."""
+def _commit(
+    session: Session, population: Population, round_: Round, now: float, mean_delta: Params | None = None
+) -> None:
+    """Aggregate the round's reports into a new model version (training) or just close it.
+    A secure round passes its unmasked `mean_delta`, since it has no individual reports."""
     round_.status, round_.closed_at = "committed", now
     if round_.kind == EVALUATION:
         _count_closed(session, population, round_, "committed")
@@ -654,30 +696,33 @@ def _commit(session: Session, population: Population, round_: Round, now: float)
     assert base is not None
     params = decode_params(base.params, manifest.global_params, "model version")
     state = dict(load(base.optimizer_state))
-    shapes = {s.name: s.shape for s in manifest.global_params}
-    rule = population_settings(population).robust()
-    reports = (
-        select(Report.weight, Report.delta)
-        .where(Report.round_id == round_.id)
-        .order_by(Report.assignment_id)
-        .execution_options(yield_per=16)
-    )
-    # Two passes, one report's delta in memory at a time: memory is O(model), not O(reports x
-    # model). The first finds the round's median weight and norms (the caps and clipping bounds).
-    weights, norms = [], []
-    for weight, blob in session.execute(reports):
-        weights.append(weight)
-        norms.append(tensor_norms(decode_sparse_delta(blob)))
-    plan = plan_round(weights, norms, _norm_reference(session, population), rule)
-    clipped = (clip_by_norm(decode_sparse_delta(blob), plan.bounds) for _, blob in session.execute(reports))
-    if rule.method == "none":
-        mean = WeightedMean(shapes)
-        for delta, weight in zip(clipped, plan.weights, strict=True):
-            mean.add_sparse(delta, weight)
-        mean_delta = mean.mean()
-    else:
-        mean_delta = robust_mean(list(clipped), plan.weights, shapes, rule.method, rule.trim_fraction)
-    round_.norm_reference = plan.next_reference
+    if mean_delta is None:
+        shapes = {s.name: s.shape for s in manifest.global_params}
+        rule = population_settings(population).robust()
+        reports = (
+            select(Report.weight, Report.delta)
+            .where(Report.round_id == round_.id)
+            .order_by(Report.assignment_id)
+            .execution_options(yield_per=16)
+        )
+        # Two passes, one report's delta in memory at a time: memory is O(model), not O(reports x
+        # model). The first finds the round's median weight and norms (the caps and clipping bounds).
+        weights, norms = [], []
+        for weight, blob in session.execute(reports):
+            weights.append(weight)
+            norms.append(tensor_norms(decode_sparse_delta(blob)))
+        plan = plan_round(weights, norms, _norm_reference(session, population), rule)
+        clipped = (
+            clip_by_norm(decode_sparse_delta(blob), plan.bounds) for _, blob in session.execute(reports)
+        )
+        if rule.method == "none":
+            mean = WeightedMean(shapes)
+            for delta, weight in zip(clipped, plan.weights, strict=True):
+                mean.add_sparse(delta, weight)
+            mean_delta = mean.mean()
+        else:
+            mean_delta = robust_mean(list(clipped), plan.weights, shapes, rule.method, rule.trim_fraction)
+        round_.norm_reference = plan.next_reference
     new_params, new_state = apply_update(
         population_settings(population).optimizer(), params, mean_delta, state
     )

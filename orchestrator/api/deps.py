@@ -16,6 +16,7 @@ from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 
 from orchestrator.devices import authenticate
+from orchestrator.settings import Settings
 
 T = TypeVar("T")
 
@@ -25,6 +26,11 @@ T = TypeVar("T")
 async def get_sessionmaker(request: Request) -> sessionmaker[Session]:
     factory: sessionmaker[Session] = request.app.state.sessionmaker
     return factory
+
+
+async def get_settings(request: Request) -> Settings:
+    settings: Settings = request.app.state.settings
+    return settings
 
 
 async def get_clock(request: Request) -> Callable[[], float]:
@@ -107,5 +113,6 @@ async def run_db(app: Starlette, fn: Callable[..., T], *args: Any) -> T:
 
 SessionFactoryDep = Annotated[sessionmaker[Session], Depends(get_sessionmaker)]
 ClockDep = Annotated[Callable[[], float], Depends(get_clock)]
+SettingsDep = Annotated[Settings, Depends(get_settings)]
 TokenDep = Annotated[str, Depends(bearer_token)]
 AdminDep = Annotated[None, Depends(require_admin)]

@@ -39,6 +39,10 @@ class AssignmentOut(BaseModel):
     report_url: str
     abort_url: str
     task_config: dict[str, Any]
+    aggregation: Literal["plaintext", "secure"] = Field(
+        "plaintext", description="secure: take part through secure_url's phases instead of report_url"
+    )
+    secure_url: str | None = None
 
 
 class RejectionOut(BaseModel):

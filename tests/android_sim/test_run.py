@@ -65,6 +65,22 @@ def reconcile(result: RunResult) -> None:
     assert sum(r["counters"]["aborted"] for r in rounds) == aborted
 
 
+def test_a_fleet_trains_under_secure_aggregation_with_dropouts_at_its_phases(work: Path) -> None:
+    # Prepare: one device in ten leaves before each phase of the protocol (and mid-task)
+    phone = replace(ALWAYS_ON[0], dropout_probability=0.1)
+    config = small(work, aggregation="secure", rounds=2, device_mix=(phone,), secure_phase_seconds=2.0)
+
+    # Execute
+    result = run(config, Console(width=120, record=True))
+
+    # Assert: rounds commit from masked inputs alone: no per-device training metrics reach the server
+    report = json.loads(result.report_path.read_text())
+    training = [r for r in report["rounds"] if r["kind"] == "training" and r["status"] == "committed"]
+    assert result.rounds_committed >= 2 and len(training) >= 2
+    assert all(r["counters"]["reported"] >= 3 and "query_loss" not in r["metrics"] for r in training)
+    assert report["fleet"]["device_side_outcomes"].get("training/reported", 0) >= 2 * 3
+
+
 def test_a_fleet_trains_evaluates_and_writes_its_report(work: Path) -> None:
     result = run(small(work), Console(width=120, record=True))
 

@@ -13,8 +13,7 @@ import hmac
 from fastapi import APIRouter, Request, Response
 
 from orchestrator import metrics
-from orchestrator.api.deps import TokenDep, require_admin
-from orchestrator.settings import Settings
+from orchestrator.api.deps import SettingsDep, TokenDep, require_admin
 
 router = APIRouter(tags=["admin"])
 
@@ -25,8 +24,7 @@ router = APIRouter(tags=["admin"])
     response_class=Response,
     responses={200: {"content": {"text/plain": {}}}},
 )
-async def scrape(request: Request, token: TokenDep) -> Response:
-    settings: Settings = request.app.state.settings
+async def scrape(request: Request, token: TokenDep, settings: SettingsDep) -> Response:
     metrics_token = settings.metrics_token
     if not (metrics_token and hmac.compare_digest(token.encode(), metrics_token.encode())):
         await require_admin(request, token)

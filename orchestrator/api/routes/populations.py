@@ -145,6 +145,8 @@ def _assignment_out(
         return answer
     assert population is not None  # only a population hands out assignments
     sha, name = population.artifact_sha256, population.name
+    settings = rounds.population_settings(population)
+    secure = answer.kind == rounds.TRAINING and settings.secure_training
     version, assignment = answer.model_version, answer.assignment_id
     return AssignmentOut(
         assignment_id=assignment,
@@ -159,7 +161,9 @@ def _assignment_out(
         manifest_url=f"/v1/populations/{name}/manifest",
         report_url=f"/v1/assignments/{assignment}/report",
         abort_url=f"/v1/assignments/{assignment}/abort",
-        task_config=rounds.population_settings(population).task_config,
+        task_config=settings.task_config,
+        aggregation="secure" if secure else "plaintext",
+        secure_url=f"/v1/assignments/{assignment}/secure" if secure else None,
     )
 
 

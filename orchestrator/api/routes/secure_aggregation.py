@@ -1,0 +1,121 @@
+"""Secure aggregation's phases for one assignment: the device's state, then one message per phase.
+
+`GET /v1/assignments/{id}/secure` tells the device the phase and what it needs for it; the four
+`POST`s carry its keys, its encrypted shares, its masked input (raw little-endian integers) and
+its unmasking shares. A message sent twice, out of phase, by a device that skipped the phase
+before, or that fails its checks is a 409 or 422 that changes nothing for the other devices.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from fastapi import APIRouter, HTTPException, Request
+from sqlalchemy.orm import Session, sessionmaker
+
+from orchestrator import rounds, secure_rounds
+from orchestrator.api.deps import ClockDep, SessionFactoryDep, SettingsDep, TokenDep, require_device, run_db
+from orchestrator.db import Round
+
+router = APIRouter(prefix="/v1/assignments", tags=["devices"])
+
+Handler = Callable[[Session, Round, str, Any, float], dict[str, Any] | rounds.Refused]
+
+
+def _raise(refused: rounds.Refused) -> HTTPException:
+    headers = None if refused.retry_after is None else {"Retry-After": str(int(refused.retry_after + 0.999))}
+    return HTTPException(refused.status, refused.message, headers=headers)
+
+
+def _state(factory: sessionmaker[Session], assignment_id: str, token: str, now: float) -> dict[str, Any]:
+    with factory.begin() as session:
+        device_id = require_device(session, token)
+        population = rounds.population_of_assignment(session, assignment_id)
+        if population is None:
+            raise HTTPException(404, f"no assignment {assignment_id!r}")
+        found = rounds.secure_round_of(session, population, assignment_id, device_id, now)
+        if isinstance(found, rounds.Refused):
+            raise _raise(found)
+        status, round_ = found
+        return {"assignment_status": status, **secure_rounds.state(session, round_, assignment_id, now)}
+
+
+def _message(
+    factory: sessionmaker[Session], handler: Handler, assignment_id: str, token: str, body: Any, now: float
+) -> dict[str, Any]:
+    with factory.begin() as session:
+        device_id = require_device(session, token)
+        population = rounds.population_of_assignment(session, assignment_id)
+        if population is None:
+            raise HTTPException(404, f"no assignment {assignment_id!r}")
+        found = rounds.secure_round_of(session, population, assignment_id, device_id, now)
+        if isinstance(found, rounds.Refused):
+            raise _raise(found)
+        status, round_ = found
+        if status != "assigned" or round_.status != "open":
+            raise HTTPException(409, f"this assignment is {status} and its round {round_.status}")
+        answer = handler(session, round_, assignment_id, body, now)
+        if isinstance(answer, rounds.Refused):
+            raise _raise(answer)
+        # The message may complete its phase: close it now rather than at the next tick.
+        rounds.advance_secure(session, population, round_, now)
+        return answer
+
+
+async def _body(request: Request, limit: int) -> bytes:
+    declared = int(request.headers.get("content-length") or 0)
+    if declared > limit:
+        raise HTTPException(413, f"body of {declared} bytes exceeds the limit of {limit}")
+    body = await request.body()
+    if len(body) > limit:
+        raise HTTPException(413, f"body of {len(body)} bytes exceeds the limit of {limit}")
+    return body
+
+
+async def _post_json(request: Request, handler: Handler, assignment_id: str, token: str, limit: int) -> Any:
+    parsed = secure_rounds.json_body(await _body(request, limit))
+    if isinstance(parsed, rounds.Refused):
+        raise _raise(parsed)
+    app = request.app
+    return await run_db(
+        app, _message, app.state.sessionmaker, handler, assignment_id, token, parsed, app.state.clock()
+    )
+
+
+@router.get("/{assignment_id}/secure", summary="The secure round's phase and what this device needs for it")
+async def state(
+    assignment_id: str, request: Request, token: TokenDep, factory: SessionFactoryDep, clock: ClockDep
+) -> dict[str, Any]:
+    return await run_db(request.app, _state, factory, assignment_id, token, clock())
+
+
+@router.post("/{assignment_id}/secure/keys", summary="Phase 1: advertise two X25519 public keys")
+async def keys(assignment_id: str, request: Request, token: TokenDep, settings: SettingsDep) -> Any:
+    return await _post_json(request, secure_rounds.advertise, assignment_id, token, 4096)
+
+
+@router.post("/{assignment_id}/secure/shares", summary="Phase 2: Shamir shares encrypted to each neighbour")
+async def shares(assignment_id: str, request: Request, token: TokenDep, settings: SettingsDep) -> Any:
+    return await _post_json(
+        request, secure_rounds.share_keys, assignment_id, token, settings.max_report_bytes
+    )
+
+
+@router.post(
+    "/{assignment_id}/secure/masked-input",
+    summary="Phase 3: the masked, quantized update (little-endian unsigned integers)",
+)
+async def masked_input(
+    assignment_id: str, request: Request, token: TokenDep, settings: SettingsDep, factory: SessionFactoryDep
+) -> Any:
+    body = await _body(request, settings.max_report_bytes)
+    app = request.app
+    return await run_db(
+        app, _message, factory, secure_rounds.masked_input, assignment_id, token, body, app.state.clock()
+    )
+
+
+@router.post("/{assignment_id}/secure/unmasking", summary="Phase 4: shares that unmask the survivors' sum")
+async def unmasking(assignment_id: str, request: Request, token: TokenDep, settings: SettingsDep) -> Any:
+    return await _post_json(request, secure_rounds.unmasking, assignment_id, token, settings.max_report_bytes)

@@ -1,0 +1,485 @@
+"""The state machine of a training round under secure aggregation (Bonawitz et al. 2017; SecAgg+).
+
+A secure round is an ordinary round (check-in, assignments, capacity = target x oversampling)
+whose reports are replaced by four phases, each with its own deadline:
+
+    advertise --(target devices advertised keys, or deadline)--> share_keys
+    share_keys --(every advertiser sent shares, or deadline)---> masked_input
+    masked_input --(every sharer sent its input, or deadline)--> unmasking
+    unmasking --(enough shares to unmask, or deadline)---------> done: commit or abandon
+
+Devices train before advertising, so the advertise phase is the round's check-in and training time.
+A phase that closes with too few devices, or with a device whose secrets too few neighbours hold,
+abandons the round: no shares are asked for and nothing is unmasked. At the end the server holds
+the sum of the survivors' inputs and never any single one unmasked; the masked inputs are deleted.
+
+Like `rounds`, every function runs in the caller's transaction with an explicit `now`, and
+refusals are returned as `Refused` values. The cryptography and the checks of each message are the
+pure `secure_aggregation` package; this module stores messages and decides phases.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from sqlalchemy import select, update
+from sqlalchemy.orm import Session
+
+from model_export.manifest import Manifest
+from model_export.params import Params
+from orchestrator.db import Assignment, Round, SecureParticipant, SecureRound
+from orchestrator.population_settings import PopulationSettings
+from orchestrator.refusals import Refused
+from secure_aggregation import server
+from secure_aggregation.config import ProtocolError, RoundParameters
+from secure_aggregation.device import round_graph
+from secure_aggregation.messages import (
+    AdvertisedKeys,
+    EncryptedShares,
+    UnmaskingShares,
+    ciphertexts_to_json,
+    decode_vector,
+    shares_from_json,
+)
+from secure_aggregation.neighbours import suggested_neighbours
+from secure_aggregation.quantization import Layout, dequantize_sum
+
+ADVERTISE, SHARE_KEYS, MASKED_INPUT, UNMASKING, DONE = (
+    "advertise",
+    "share_keys",
+    "masked_input",
+    "unmasking",
+    "done",
+)
+
+
+@dataclass(frozen=True)
+class Commit:
+    """The round unmasked: the mean of the survivors' clipped, quantized deltas (uniform weights)."""
+
+    mean_delta: Params
+    survivors: int
+    unmask_seconds: float  # summing the masked inputs, removing the masks, dequantizing
+
+
+@dataclass(frozen=True)
+class Abandon:
+    reason: str
+
+
+def layout(manifest: Manifest) -> Layout:
+    """The order in which a device flattens its dense delta: the manifest's global tensors."""
+    return Layout.of(manifest.global_params)
+
+
+def start(
+    session: Session, round_: Round, population_name: str, settings: PopulationSettings, manifest: Manifest
+) -> SecureRound:
+    """The secure part of a newly opened training round, in its advertise phase."""
+    secure = settings.secure
+    parameters = RoundParameters(
+        # Random per round: keys and ciphertexts of one round are useless in any other.
+        context=f"{population_name}/{round_.id}/{secrets.token_hex(16)}",
+        vector_length=layout(manifest).length,
+        bits=secure.bits,
+        clip_norm=secure.clip_norm,
+        max_summands=round_.capacity,
+        neighbours=suggested_neighbours(round_.capacity) if secure.neighbours is None else secure.neighbours,
+        threshold=secure.threshold,
+        min_survivors=round_.min_reports,
+    )
+    secure_round = SecureRound(
+        round_id=round_.id,
+        phase=ADVERTISE,
+        phase_deadline=round_.opened_at + secure.advertise_seconds,
+        parameters=parameters.to_json(),
+        outcome="",
+    )
+    session.add(secure_round)
+    return secure_round
+
+
+def _parameters(secure_round: SecureRound) -> RoundParameters:
+    return RoundParameters.from_json(secure_round.parameters)
+
+
+def _participants(session: Session, round_id: int) -> dict[int, SecureParticipant]:
+    rows = session.scalars(select(SecureParticipant).where(SecureParticipant.round_id == round_id))
+    return {p.device_index: p for p in rows}
+
+
+def _status(session: Session, round_id: int) -> dict[str, str]:
+    rows = session.execute(select(Assignment.id, Assignment.status).where(Assignment.round_id == round_id))
+    return {assignment_id: status for assignment_id, status in rows}
+
+
+def _roster(participants: Mapping[int, SecureParticipant]) -> dict[int, AdvertisedKeys]:
+    return {i: AdvertisedKeys.from_json(p.keys) for i, p in participants.items()}
+
+
+def _drop_outstanding(session: Session, round_: Round, keep: set[str], now: float) -> None:
+    """Assignments still open that did not take the phase just closed are dropped."""
+    outstanding = [
+        a for a, status in _status(session, round_.id).items() if status == "assigned" and a not in keep
+    ]
+    if outstanding:
+        session.execute(
+            update(Assignment).where(Assignment.id.in_(outstanding)).values(status="dropped", finished_at=now)
+        )
+        round_.dropped += len(outstanding)
+
+
+def advance(
+    session: Session, round_: Round, settings: PopulationSettings, manifest: Manifest, now: float
+) -> Commit | Abandon | None:
+    """Close the phases that are over; a Commit or Abandon when the round ends, else None."""
+    secure_round = session.get(SecureRound, round_.id)
+    assert secure_round is not None
+    while secure_round.phase != DONE:
+        participants = _participants(session, round_.id)
+        status = _status(session, round_.id)
+        active = {i for i, p in participants.items() if status[p.assignment_id] == "assigned"}
+        phase = secure_round.phase
+        timed_out = now >= secure_round.phase_deadline
+        if phase == ADVERTISE:
+            advertised = {p.assignment_id for p in participants.values()}
+            waiting = any(status[a] == "assigned" and a not in advertised for a in status)
+            full = round_.accepted >= round_.capacity and not waiting
+            if not (timed_out or full or len(participants) >= round_.target):
+                return None
+            _drop_outstanding(session, round_, {p.assignment_id for p in participants.values()}, now)
+            _next_phase(secure_round, SHARE_KEYS, settings.secure.share_keys_seconds, now)
+            problem = _too_few(secure_round, len(participants), "advertised keys")
+        elif phase == SHARE_KEYS:
+            sharers = {i for i, p in participants.items() if p.sent_shares}
+            if not (timed_out or active <= sharers):
+                return None
+            _drop_outstanding(session, round_, {participants[i].assignment_id for i in sharers}, now)
+            _next_phase(secure_round, MASKED_INPUT, settings.secure.masked_input_seconds, now)
+            problem = _too_few(secure_round, len(sharers), "shared keys") or _unreachable(
+                secure_round, participants, sharers
+            )
+        elif phase == MASKED_INPUT:
+            sharers = {i for i, p in participants.items() if p.sent_shares}
+            senders = {i for i, p in participants.items() if p.sent_masked_input}
+            if not (timed_out or (active & sharers) <= senders):
+                return None
+            _drop_outstanding(session, round_, {participants[i].assignment_id for i in senders}, now)
+            _next_phase(secure_round, UNMASKING, settings.secure.unmasking_seconds, now)
+            problem = _too_few(secure_round, len(senders), "sent their masked input")
+        else:  # UNMASKING
+            return _finish(session, round_, secure_round, participants, layout(manifest), timed_out, now)
+        if problem is not None:
+            return _abandon(session, round_, secure_round, problem, now)
+    return None
+
+
+def _next_phase(secure_round: SecureRound, phase: str, seconds: float, now: float) -> None:
+    secure_round.phase, secure_round.phase_deadline = phase, now + seconds
+
+
+def _too_few(secure_round: SecureRound, count: int, what: str) -> str | None:
+    needed = _parameters(secure_round).min_survivors
+    if count < max(3, needed):
+        return f"only {count} devices {what}; a secure round needs at least {max(3, needed)}"
+    return None
+
+
+def _unreachable(
+    secure_round: SecureRound, participants: Mapping[int, SecureParticipant], sharers: set[int]
+) -> str | None:
+    """A sharer whose secrets reached fewer neighbours than the threshold could never be unmasked."""
+    parameters = _parameters(secure_round)
+    graph = round_graph(parameters, sorted(participants))
+    for owner in sorted(sharers):
+        t = parameters.shamir_threshold(len(graph[owner]))
+        holders = len(set(graph[owner]) & sharers)
+        if holders < t:
+            return f"device {owner}'s shares reached {holders} neighbours; its secrets need {t}"
+    return None
+
+
+def _abandon(session: Session, round_: Round, secure_round: SecureRound, reason: str, now: float) -> Abandon:
+    _drop_outstanding(session, round_, set(), now)
+    secure_round.phase, secure_round.outcome = DONE, reason[:500]
+    session.execute(
+        update(SecureParticipant).where(SecureParticipant.round_id == round_.id).values(masked_input=None)
+    )
+    return Abandon(reason)
+
+
+def _finish(
+    session: Session,
+    round_: Round,
+    secure_round: SecureRound,
+    participants: Mapping[int, SecureParticipant],
+    flat: Layout,
+    timed_out: bool,
+    now: float,
+) -> Commit | Abandon | None:
+    parameters = _parameters(secure_round)
+    graph = round_graph(parameters, sorted(participants))
+    sharers = {i for i, p in participants.items() if p.sent_shares}
+    survivors = {i for i, p in participants.items() if p.sent_masked_input}
+    responses = {
+        i: UnmaskingShares.from_json(answer, len(participants))
+        for i, answer in session.execute(
+            select(SecureParticipant.device_index, SecureParticipant.unmasking).where(
+                SecureParticipant.round_id == round_.id, SecureParticipant.sent_unmasking
+            )
+        )
+    }
+    problem = server.unmask_problem(parameters, graph, sharers, survivors, responses)
+    if problem is not None and not timed_out and set(responses) != survivors:
+        return None  # more answers may still come
+    if problem is not None:
+        return _abandon(session, round_, secure_round, problem, now)
+    started = time.perf_counter()
+    total = server.MaskedSum(parameters)
+    # One masked input in memory at a time: memory is O(model), not O(devices x model).
+    for (blob,) in session.execute(
+        select(SecureParticipant.masked_input)
+        .where(SecureParticipant.round_id == round_.id, SecureParticipant.sent_masked_input)
+        .execution_options(yield_per=8)
+    ):
+        total.add(decode_vector(blob, parameters))
+    try:
+        unmasked = server.unmask(
+            parameters, total.total, _roster(participants), graph, sharers, survivors, responses
+        )
+    except server.CannotUnmask as e:
+        return _abandon(session, round_, secure_round, str(e), now)
+    survivor_assignments = [participants[i].assignment_id for i in survivors]
+    session.execute(
+        update(Assignment)
+        .where(Assignment.id.in_(survivor_assignments))
+        .values(status="reported", finished_at=now)
+    )
+    round_.reported, round_.total_weight = len(survivors), float(len(survivors))
+    _drop_outstanding(session, round_, set(survivor_assignments), now)
+    secure_round.phase = DONE
+    session.execute(
+        update(SecureParticipant).where(SecureParticipant.round_id == round_.id).values(masked_input=None)
+    )
+    mean = dequantize_sum(unmasked, parameters) / len(survivors)
+    # A mean of vectors clipped to clip_norm is no longer than clip_norm (triangle inequality), up
+    # to each coordinate's rounding of at most one step: anything longer comes from a device that
+    # did not clip, which is all the server can still check once it cannot see single updates.
+    bound = parameters.clip_norm * (1 + np.sqrt(parameters.vector_length) / parameters.levels)
+    norm = float(np.linalg.norm(mean))
+    if norm > bound:
+        return _abandon(
+            session,
+            round_,
+            secure_round,
+            f"the unmasked mean has norm {norm:.4g} > clip_norm {bound:.4g}",
+            now,
+        )
+    mean_delta = {k: v.astype(np.float32) for k, v in flat.unflatten(mean).items()}
+    return Commit(mean_delta, len(survivors), time.perf_counter() - started)
+
+
+# ---- the devices' messages ----------------------------------------------------------------
+
+
+def _secure_round(session: Session, round_: Round) -> SecureRound:
+    secure_round = session.get(SecureRound, round_.id)
+    assert secure_round is not None
+    return secure_round
+
+
+def _participant(session: Session, assignment_id: str) -> SecureParticipant | None:
+    return session.get(SecureParticipant, assignment_id)
+
+
+def _in_phase(secure_round: SecureRound, phase: str, now: float) -> Refused | None:
+    if secure_round.phase == phase:
+        return None
+    if secure_round.phase == DONE:
+        return Refused(409, f"the secure round is over ({secure_round.outcome or 'committed'})")
+    return Refused(
+        409,
+        f"the secure round is in its {secure_round.phase!r} phase, not {phase!r}",
+        retry_after=max(0.0, secure_round.phase_deadline - now),
+    )
+
+
+def state(session: Session, round_: Round, assignment_id: str, now: float) -> dict[str, Any]:
+    """What one device may know now: the phase, and what that phase hands it (the roster, the
+    ciphertexts addressed to it, the survivors), only when it takes part in that phase."""
+    secure_round = _secure_round(session, round_)
+    participant = _participant(session, assignment_id)
+    out: dict[str, Any] = {
+        "phase": secure_round.phase,
+        "phase_deadline": secure_round.phase_deadline,
+        "seconds_left": max(0.0, secure_round.phase_deadline - now),
+        "round_status": round_.status,
+        "outcome": secure_round.outcome,
+        "parameters": secure_round.parameters,
+        "index": participant.device_index if participant is not None else None,
+    }
+    if participant is None or secure_round.phase in (ADVERTISE, DONE):
+        return out
+    participants = _participants(session, round_.id)
+    if secure_round.phase == SHARE_KEYS and not participant.sent_shares:
+        out["roster"] = {str(i): p.keys for i, p in sorted(participants.items())}
+    elif secure_round.phase == MASKED_INPUT and participant.sent_shares:
+        graph = round_graph(_parameters(secure_round), sorted(participants))
+        index = participant.device_index
+        out["ciphertexts"] = ciphertexts_to_json(
+            {
+                owner: shares.ciphertext
+                for owner, shares in _shares_for(session, round_.id, graph, index).items()
+            }
+        )
+    elif secure_round.phase == UNMASKING and participant.sent_masked_input:
+        out["survivors"] = sorted(i for i, p in participants.items() if p.sent_masked_input)
+    return out
+
+
+def _shares_for(
+    session: Session, round_id: int, graph: Mapping[int, list[int]], holder: int
+) -> dict[int, EncryptedShares]:
+    """What each of `holder`'s neighbours that shared keys sent for it, read in one query."""
+    rows = session.execute(
+        select(SecureParticipant.device_index, SecureParticipant.shares).where(
+            SecureParticipant.round_id == round_id,
+            SecureParticipant.sent_shares,
+            SecureParticipant.device_index.in_(graph[holder]),
+        )
+    )
+    return {owner: EncryptedShares.from_json(shares[str(holder)]) for owner, shares in rows}
+
+
+def advertise(
+    session: Session, round_: Round, assignment_id: str, body: Any, now: float
+) -> dict[str, Any] | Refused:
+    secure_round = _secure_round(session, round_)
+    wrong_phase = _in_phase(secure_round, ADVERTISE, now)
+    if wrong_phase is not None:
+        return wrong_phase
+    if _participant(session, assignment_id) is not None:
+        return Refused(409, "this assignment has already advertised its keys")
+    try:
+        keys = AdvertisedKeys.from_json(body)
+        participants = _participants(session, round_.id)
+        server.check_advertisement(keys, _roster(participants).values())
+    except ProtocolError as e:
+        return Refused(422, str(e))
+    index = max(participants, default=0) + 1
+    session.add(
+        SecureParticipant(
+            assignment_id=assignment_id,
+            round_id=round_.id,
+            device_index=index,
+            keys=keys.to_json(),
+            shares=None,
+            sent_shares=False,
+            masked_input=None,
+            sent_masked_input=False,
+            unmasking=None,
+            sent_unmasking=False,
+        )
+    )
+    session.flush()
+    return {"index": index}
+
+
+def _taking_part(
+    session: Session, round_: Round, assignment_id: str, phase: str, now: float
+) -> tuple[SecureRound, SecureParticipant] | Refused:
+    secure_round = _secure_round(session, round_)
+    wrong_phase = _in_phase(secure_round, phase, now)
+    if wrong_phase is not None:
+        return wrong_phase
+    participant = _participant(session, assignment_id)
+    if participant is None:
+        return Refused(409, "this assignment did not advertise keys in this round")
+    return secure_round, participant
+
+
+def share_keys(
+    session: Session, round_: Round, assignment_id: str, body: Any, now: float
+) -> dict[str, Any] | Refused:
+    found = _taking_part(session, round_, assignment_id, SHARE_KEYS, now)
+    if isinstance(found, Refused):
+        return found
+    secure_round, participant = found
+    if participant.sent_shares:
+        return Refused(409, "this assignment has already sent its shares")
+    participants = _participants(session, round_.id)
+    try:
+        shares = shares_from_json(body, len(participants))
+        graph = round_graph(_parameters(secure_round), sorted(participants))
+        server.check_shares(participant.device_index, graph, shares)
+    except ProtocolError as e:
+        return Refused(422, str(e))
+    participant.shares = {str(holder): message.to_json() for holder, message in shares.items()}
+    participant.sent_shares = True
+    return {"shared_with": sorted(shares)}
+
+
+def masked_input(
+    session: Session, round_: Round, assignment_id: str, body: bytes, now: float
+) -> dict[str, Any] | Refused:
+    found = _taking_part(session, round_, assignment_id, MASKED_INPUT, now)
+    if isinstance(found, Refused):
+        return found
+    secure_round, participant = found
+    if not participant.sent_shares:
+        return Refused(409, "this assignment did not share keys in this round")
+    if participant.sent_masked_input:
+        return Refused(409, "this assignment has already sent its masked input")
+    try:
+        decode_vector(body, _parameters(secure_round))
+    except ProtocolError as e:
+        return Refused(422, str(e))
+    participant.masked_input, participant.sent_masked_input = body, True
+    return {"received_bytes": len(body)}
+
+
+def unmasking(
+    session: Session, round_: Round, assignment_id: str, body: Any, now: float
+) -> dict[str, Any] | Refused:
+    found = _taking_part(session, round_, assignment_id, UNMASKING, now)
+    if isinstance(found, Refused):
+        return found
+    secure_round, participant = found
+    if not participant.sent_masked_input:
+        return Refused(409, "this assignment did not send a masked input, so it is not a survivor")
+    if participant.sent_unmasking:
+        return Refused(409, "this assignment has already sent its unmasking shares")
+    participants = _participants(session, round_.id)
+    parameters = _parameters(secure_round)
+    graph = round_graph(parameters, sorted(participants))
+    index = participant.device_index
+    sharers = {i for i, p in participants.items() if p.sent_shares}
+    survivors = {i for i, p in participants.items() if p.sent_masked_input}
+    try:
+        message = UnmaskingShares.from_json(body, len(participants))
+        commitments = {
+            owner: {index: shares} for owner, shares in _shares_for(session, round_.id, graph, index).items()
+        }
+        server.check_unmasking(parameters, index, graph, sharers, survivors, message, commitments)
+    except ProtocolError as e:
+        return Refused(422, str(e))
+    participant.unmasking, participant.sent_unmasking = message.to_json(), True
+    return {"accepted": True}
+
+
+def json_body(body: bytes) -> Any | Refused:
+    try:
+        return json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
+        return Refused(422, "the body must be JSON")
+
+
+def accepting(session: Session, round_: Round) -> bool:
+    """Whether the round still takes check-ins: only until its roster closes."""
+    return _secure_round(session, round_).phase == ADVERTISE

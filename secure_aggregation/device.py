@@ -1,0 +1,168 @@
+"""A device's side of one secure round: its secrets and what it may send in each phase.
+
+The object holds the round's secrets (two X25519 private keys, the self-mask seed, the shares it
+received) and moves through the phases in order; calling a phase twice or out of order raises, so
+that a device can never answer both "reveal the seed of u" and "reveal the mask key of u" for one u.
+It is dropped when the round ends, and the secrets with it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from secure_aggregation import crypto, masks, shamir
+from secure_aggregation.config import ProtocolError, RoundParameters
+from secure_aggregation.messages import INDEX_BYTES, AdvertisedKeys, EncryptedShares, UnmaskingShares
+from secure_aggregation.neighbours import neighbour_graph
+
+SHARE_ENCRYPTION = b"share-encryption"
+SELF_MASK = b"self-mask"
+
+
+def pairwise_purpose(u: int, v: int) -> bytes:
+    low, high = sorted((u, v))
+    return f"pairwise-mask/{low}/{high}".encode()
+
+
+def pairwise_sign(u: int, v: int) -> int:
+    """u adds the pair's mask when u < v and subtracts it otherwise, so the pair cancels in a sum."""
+    return 1 if u < v else -1
+
+
+def self_mask_commitment(seed: bytes, context: str) -> bytes:
+    return crypto.commitment(b"self-mask-seed", context.encode(), seed)
+
+
+def share_commitment(kind: bytes, context: str, owner: int, holder: int, share: bytes) -> bytes:
+    return crypto.commitment(
+        b"share", kind, context.encode(), str(owner).encode(), str(holder).encode(), share
+    )
+
+
+def share_aad(context: str, owner: int, holder: int) -> bytes:
+    return crypto.commitment(b"shares-aad", context.encode(), str(owner).encode(), str(holder).encode())
+
+
+def effective_neighbours(params: RoundParameters, roster_size: int) -> int:
+    return 0 if params.neighbours >= roster_size - 1 else params.neighbours
+
+
+def round_graph(params: RoundParameters, roster: Sequence[int]) -> dict[int, list[int]]:
+    """The round's neighbour graph over the devices that advertised keys (U1)."""
+    return neighbour_graph(roster, effective_neighbours(params, len(roster)), params.context)
+
+
+class DeviceSession:
+    """One device in one secure round; call the phases in order."""
+
+    def __init__(self, params: RoundParameters) -> None:
+        self.params = params
+        self._encryption_key = crypto.new_private_key()
+        self._mask_key = crypto.new_private_key()
+        self._seed = os.urandom(crypto.KEY_BYTES)
+        self._phase = "advertise"
+        self.index = 0
+        self._roster: dict[int, AdvertisedKeys] = {}
+        self._neighbours: list[int] = []
+        self._received: dict[int, tuple[int, int]] = {}  # owner -> (self-mask share, mask key share)
+
+    def _enter(self, phase: str, next_phase: str) -> None:
+        if self._phase != phase:
+            raise ProtocolError(f"this device is at phase {self._phase!r}, not {phase!r}")
+        self._phase = next_phase
+
+    def advertise(self) -> AdvertisedKeys:
+        self._enter("advertise", "share_keys")
+        return AdvertisedKeys(
+            crypto.public_bytes(self._encryption_key),
+            crypto.public_bytes(self._mask_key),
+            self_mask_commitment(self._seed, self.params.context),
+        )
+
+    def share_keys(self, index: int, roster: Mapping[int, AdvertisedKeys]) -> dict[int, EncryptedShares]:
+        """Shares of the self-mask seed and the mask key for each neighbour, encrypted to it."""
+        mine = roster.get(index)
+        if mine is None or mine.encryption_key != crypto.public_bytes(self._encryption_key):
+            raise ProtocolError(f"the roster does not hold this device's keys at index {index}")
+        smallest = max(3, self.params.min_survivors)
+        if len(roster) < smallest:
+            raise ProtocolError(f"a roster of {len(roster)} devices is too small (at least {smallest})")
+        self._enter("share_keys", "masked_input")
+        self.index, self._roster = index, dict(roster)
+        self._neighbours = round_graph(self.params, sorted(roster))[index]
+        t = self.params.shamir_threshold(len(self._neighbours))
+        seed_shares = shamir.split(int.from_bytes(self._seed, "big"), t, self._neighbours)
+        key_shares = shamir.split(
+            int.from_bytes(crypto.private_bytes(self._mask_key), "big"), t, self._neighbours
+        )
+        context = self.params.context
+        out: dict[int, EncryptedShares] = {}
+        for holder in self._neighbours:
+            seed_share = shamir.share_to_bytes(seed_shares[holder])
+            key_share = shamir.share_to_bytes(key_shares[holder])
+            plaintext = (
+                index.to_bytes(INDEX_BYTES, "big")
+                + holder.to_bytes(INDEX_BYTES, "big")
+                + seed_share
+                + key_share
+            )
+            key = crypto.agree(self._encryption_key, roster[holder].encryption_key, SHARE_ENCRYPTION, context)
+            out[holder] = EncryptedShares(
+                crypto.encrypt(key, plaintext, share_aad(context, index, holder)),
+                share_commitment(b"self-mask", context, index, holder, seed_share),
+                share_commitment(b"mask-key", context, index, holder, key_share),
+            )
+        return out
+
+    def masked_input(self, quantized: np.ndarray, ciphertexts: Mapping[int, bytes]) -> np.ndarray:
+        """The quantized update plus the self mask and a pairwise mask per neighbour that shared
+        keys (the senders of `ciphertexts`, which the device decrypts and keeps for unmasking)."""
+        if quantized.shape != (self.params.vector_length,) or quantized.dtype != np.uint64:
+            raise ProtocolError(
+                f"the quantized update must be uint64 of shape ({self.params.vector_length},)"
+            )
+        strangers = sorted(set(ciphertexts) - set(self._neighbours))
+        if strangers:
+            raise ProtocolError(f"shares from devices {strangers}, which are not this device's neighbours")
+        self._enter("masked_input", "unmasking")
+        context = self.params.context
+        for owner, ciphertext in ciphertexts.items():
+            key = crypto.agree(
+                self._encryption_key, self._roster[owner].encryption_key, SHARE_ENCRYPTION, context
+            )
+            plaintext = crypto.decrypt(key, ciphertext, share_aad(context, owner, self.index))
+            claimed_owner = int.from_bytes(plaintext[:INDEX_BYTES], "big")
+            claimed_holder = int.from_bytes(plaintext[INDEX_BYTES : 2 * INDEX_BYTES], "big")
+            if (claimed_owner, claimed_holder) != (owner, self.index):
+                raise ProtocolError(f"shares from {owner} are labelled {claimed_owner} -> {claimed_holder}")
+            body = plaintext[2 * INDEX_BYTES :]
+            self._received[owner] = (
+                shamir.share_from_bytes(body[: shamir.SHARE_BYTES]),
+                shamir.share_from_bytes(body[shamir.SHARE_BYTES :]),
+            )
+        total = quantized.copy()
+        masks.add_into(total, masks.expand(crypto.derive_key(self._seed, SELF_MASK, context), self.params), 1)
+        for v in sorted(ciphertexts):
+            seed = crypto.agree(
+                self._mask_key, self._roster[v].mask_key, pairwise_purpose(self.index, v), context
+            )
+            masks.add_into(total, masks.expand(seed, self.params), pairwise_sign(self.index, v))
+        return total & np.uint64(self.params.modulus_mask)
+
+    def unmask(self, survivors: Sequence[int]) -> UnmaskingShares:
+        """Shares of the surviving neighbours' self-mask seeds and the dropped neighbours' mask keys."""
+        alive = set(survivors)
+        if self.index not in alive:
+            raise ProtocolError("this device sent its masked input but is not among the survivors")
+        if len(alive) < self.params.min_survivors:
+            raise ProtocolError(
+                f"{len(alive)} survivors; unmasking needs at least {self.params.min_survivors}, "
+                "so that no sum of too few inputs is revealed"
+            )
+        self._enter("unmasking", "done")
+        seeds = {u: shamir.share_to_bytes(s) for u, (s, _) in self._received.items() if u in alive}
+        keys = {u: shamir.share_to_bytes(k) for u, (_, k) in self._received.items() if u not in alive}
+        return UnmaskingShares(seeds, keys)

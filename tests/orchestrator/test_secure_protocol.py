@@ -1,0 +1,203 @@
+"""Secure aggregation's HTTP messages from devices that lie: each gets a clear 4xx, and the round's
+other devices finish it as if nothing happened."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+
+from model_export.config import ModelConfig
+from model_export.manifest import load_manifest
+from model_export.params import decode_params, encode_sparse_delta
+from secure_aggregation.config import RoundParameters
+from secure_aggregation.device import DeviceSession
+from secure_aggregation.messages import (
+    AdvertisedKeys,
+    UnmaskingShares,
+    ciphertexts_from_json,
+    encode_vector,
+    shares_to_json,
+)
+from secure_aggregation.quantization import Layout, dequantize_sum, quantize
+from tests.conftest import BIASED
+from tests.orchestrator.conftest import Server, admin_create_population
+
+SETTINGS = {
+    "target_reports": 5,
+    "oversampling": 1.0,
+    "min_reports": 3,
+    "min_examples": 3,
+    "aggregation": "secure",
+    "secure": {
+        "clip_norm": 1.0,
+        "neighbours": 0,
+        "threshold": 0.5,
+        "share_keys_seconds": 30,
+        "masked_input_seconds": 30,
+        "unmasking_seconds": 30,
+    },
+}
+
+
+class Device:
+    """An enrolled device with one assignment in the open secure round."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.token = httpx.post(f"{url}/v1/devices", timeout=10).json()["token"]
+        checkin = self.call("POST", "/v1/populations/p/checkin", json={"example_count": 50})
+        assert checkin.status_code == 200 and checkin.json()["aggregation"] == "secure", checkin.text
+        self.assignment = checkin.json()["assignment_id"]
+        self.secure = checkin.json()["secure_url"]
+        self.session: DeviceSession | None = None
+
+    def call(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        headers = {"Authorization": f"Bearer {self.token}", **kwargs.pop("headers", {})}
+        return httpx.request(method, f"{self.url}{path}", headers=headers, timeout=30, **kwargs)
+
+    def send(self, phase: str, body: Any, assignment_url: str | None = None) -> httpx.Response:
+        url = f"{assignment_url or self.secure}/{phase}"
+        if isinstance(body, bytes):
+            return self.call("POST", url, content=body, headers={"Content-Type": "application/octet-stream"})
+        return self.call("POST", url, json=body)
+
+    def state(self) -> dict[str, Any]:
+        response = self.call("GET", self.secure)
+        assert response.status_code == 200, response.text
+        return dict(response.json())
+
+
+def _refused(response: httpx.Response, status: int, words: str) -> None:
+    assert response.status_code == status, response.text
+    assert words in response.json()["detail"], response.text
+
+
+def test_lying_messages_are_refused_and_the_round_commits_without_harm(
+    server: Server, export: Callable[[ModelConfig], Path]
+) -> None:
+    # Prepare: four honest devices and a liar (device 4) in one secure round
+    model_dir = export(BIASED)
+    created = admin_create_population(server.url, model_dir, "p", json.dumps(SETTINGS))
+    assert created.status_code == 201, created.text
+    devices = [Device(server.url) for _ in range(5)]
+    honest, liar = devices[:4], devices[4]
+    params = RoundParameters.from_json(devices[0].state()["parameters"])
+    manifest = load_manifest(model_dir)
+    layout = Layout.of(manifest.global_params)
+    rng = np.random.default_rng(0)
+    inputs = [quantize(rng.normal(0, 0.01, layout.length), params, rng) for _ in devices]
+    for device in devices:
+        device.session = DeviceSession(params)
+    keys = [d.session.advertise().to_json() for d in devices if d.session]
+
+    # Execute / Assert, phase by phase
+    zero = {s.name: np.zeros(s.shape, np.float32) for s in manifest.global_params}
+    report = honest[0].call(
+        "POST", f"/v1/assignments/{honest[0].assignment}/report", content=encode_sparse_delta(zero)
+    )
+    _refused(report, 409, "secure aggregation")
+    for device, mine in zip(honest, keys, strict=False):
+        assert device.send("keys", mine).status_code == 200
+    _refused(honest[0].send("keys", keys[0]), 409, "already advertised")  # replayed
+    _refused(liar.send("keys", keys[0]), 422, "another device")  # someone else's keys
+    _refused(liar.send("keys", {**keys[4], "mask_key": "AAAA"}), 422, "32 bytes")
+    _refused(liar.send("keys", keys[4], honest[0].secure), 403, "another device")  # not its assignment
+    assert liar.send("keys", keys[4]).status_code == 200  # the fifth: the roster closes
+
+    roster_json = liar.state()["roster"]
+    roster = {int(i): AdvertisedKeys.from_json(k) for i, k in roster_json.items()}
+    index = {
+        d: next(i for i, k in roster.items() if k.to_json() == key)
+        for d, key in zip(devices, keys, strict=True)
+    }
+    shares = {d: d.session.share_keys(index[d], roster) for d in devices if d.session}
+    for device in honest:
+        assert device.send("shares", shares_to_json(shares[device])).status_code == 200
+    partial = dict(list(shares[liar].items())[:2])
+    _refused(liar.send("shares", shares_to_json(partial)), 422, "exactly its neighbours")
+    _refused(liar.send("masked-input", b"\0" * 16), 409, "'share_keys' phase, not 'masked_input'")
+    assert liar.send("shares", shares_to_json(shares[liar])).status_code == 200
+
+    for device, vector in zip(devices, inputs, strict=True):
+        assert device.session is not None
+        ciphertexts = ciphertexts_from_json(device.state()["ciphertexts"], len(roster))
+        masked = encode_vector(device.session.masked_input(vector, ciphertexts), params)
+        if device is liar:
+            _refused(liar.send("masked-input", masked[:-4]), 422, "bytes")  # wrong size
+        assert device.send("masked-input", masked).status_code == 200
+        if device is honest[1]:
+            _refused(device.send("masked-input", masked), 409, "already sent")  # replayed
+
+    survivors = honest[0].state()["survivors"]
+    answers = {d: d.session.unmask(survivors) for d in devices if d.session}
+    forged = UnmaskingShares(
+        dict(answers[honest[0]].self_mask_shares), dict(answers[honest[0]].mask_key_shares)
+    )
+    del forged.self_mask_shares[index[liar]]
+    forged.self_mask_shares[index[honest[0]]] = answers[liar].self_mask_shares[index[honest[1]]]
+    _refused(liar.send("unmasking", forged.to_json()), 422, "is not the one device")
+    # The server unmasks as soon as it has enough shares (here two); later answers are not needed.
+    replies = [device.send("unmasking", answers[device].to_json()) for device in honest]
+    assert [r.status_code for r in replies[:2]] == [200, 200]
+    assert all(r.status_code == 200 or "committed" in r.json()["detail"] for r in replies), replies
+
+    # The round committed: base + mean of all five quantized inputs (server SGD, rate 1)
+    status = httpx.get(
+        f"{server.url}/v1/admin/populations/p",
+        headers={"Authorization": "Bearer test-admin-token"},
+        timeout=10,
+    ).json()
+    assert status["current_version"] == 1
+    blob = honest[0].call("GET", "/v1/populations/p/models/1/global").content
+    base = decode_params(
+        (model_dir / "global_params.safetensors").read_bytes(), manifest.global_params, "base"
+    )
+    new = decode_params(blob, manifest.global_params, "version 1")
+    total = np.sum(inputs, axis=0, dtype=np.uint64)
+    expected = layout.flatten(base) + dequantize_sum(total, params) / 5
+    assert np.allclose(layout.flatten(new), expected, atol=1e-6)
+
+
+def test_a_round_whose_mean_is_longer_than_the_clip_norm_is_abandoned(
+    server: Server, export: Callable[[ModelConfig], Path]
+) -> None:
+    # Prepare: three devices; one skips clipping and sends 2 x clip_norm in every coordinate
+    model_dir = export(BIASED)
+    settings = {**SETTINGS, "target_reports": 3}
+    created = admin_create_population(server.url, model_dir, "p", json.dumps(settings))
+    assert created.status_code == 201, created.text
+    devices = [Device(server.url) for _ in range(3)]
+    params = RoundParameters.from_json(devices[0].state()["parameters"])
+    sessions = [DeviceSession(params) for _ in devices]
+    inputs = [np.zeros(params.vector_length, np.uint64) for _ in devices]
+    inputs[0][:] = np.uint64(2 * params.levels)
+
+    # Execute: the protocol, followed honestly otherwise
+    indices = [
+        d.send("keys", s.advertise().to_json()).json()["index"]
+        for d, s in zip(devices, sessions, strict=True)
+    ]
+    roster = {int(i): AdvertisedKeys.from_json(k) for i, k in devices[0].state()["roster"].items()}
+    for device, session, index in zip(devices, sessions, indices, strict=True):
+        assert device.send("shares", shares_to_json(session.share_keys(index, roster))).status_code == 200
+    for device, session, vector in zip(devices, sessions, inputs, strict=True):
+        ciphertexts = ciphertexts_from_json(device.state()["ciphertexts"], len(roster))
+        assert (
+            device.send(
+                "masked-input", encode_vector(session.masked_input(vector, ciphertexts), params)
+            ).status_code
+            == 200
+        )
+    survivors = devices[0].state()["survivors"]
+    for device, session in zip(devices, sessions, strict=True):
+        device.send("unmasking", session.unmask(survivors).to_json())
+
+    # Assert: the server refuses to commit a mean no honest round can produce
+    state = devices[0].state()
+    assert state["phase"] == "done" and state["round_status"] == "abandoned"
+    assert "norm" in state["outcome"] and "clip_norm" in state["outcome"]

@@ -1,0 +1,88 @@
+"""A secure round's phases and deadlines on a real SQLite file, with time passed in explicitly."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from pydantic import ValidationError
+from sqlalchemy.orm import Session, sessionmaker
+
+from orchestrator import rounds, secure_rounds
+from orchestrator.population_settings import PopulationSettings
+from orchestrator.populations import ExportedModel
+from secure_aggregation.config import RoundParameters
+from secure_aggregation.device import DeviceSession
+from secure_aggregation.messages import AdvertisedKeys, shares_to_json
+from tests.orchestrator.conftest import make_population
+from tests.orchestrator.test_rounds import checkin, current_round, device
+
+SECURE: dict[str, Any] = {
+    "target_reports": 4,
+    "oversampling": 1.0,
+    "min_reports": 3,
+    "aggregation": "secure",
+    "secure": {"advertise_seconds": 10, "share_keys_seconds": 5, "neighbours": 0},
+}
+
+
+def message(
+    factory: sessionmaker[Session], dev: str, assignment_id: str, phase: str, body: Any, now: float
+) -> Any:
+    """A device's phase message as the route sends it: checks, the handler, then the phase logic."""
+    with factory.begin() as session:
+        population = rounds.population_of_assignment(session, assignment_id)
+        assert population is not None
+        found = rounds.secure_round_of(session, population, assignment_id, dev, now)
+        assert not isinstance(found, rounds.Refused), found
+        _, round_ = found
+        answer = getattr(secure_rounds, phase)(session, round_, assignment_id, body, now)
+        rounds.advance_secure(session, population, round_, now)
+        return answer
+
+
+def state(factory: sessionmaker[Session], dev: str, assignment_id: str, now: float) -> dict[str, Any]:
+    with factory.begin() as session:
+        population = rounds.population_of_assignment(session, assignment_id)
+        assert population is not None
+        found = rounds.secure_round_of(session, population, assignment_id, dev, now)
+        assert not isinstance(found, rounds.Refused), found
+        return secure_rounds.state(session, found[1], assignment_id, now)
+
+
+def test_secure_settings_refuse_rounds_too_small_to_hide_an_input() -> None:
+    with pytest.raises(ValidationError, match="min_reports >= 3"):
+        PopulationSettings.model_validate({**SECURE, "min_reports": 2})
+    with pytest.raises(ValidationError, match="even"):
+        PopulationSettings.model_validate({**SECURE, "secure": {"neighbours": 3}})
+    assert PopulationSettings.model_validate({}).aggregation == "plaintext"
+
+
+def test_too_few_sharers_abandon_the_round_at_the_phase_deadline_and_the_next_one_opens(
+    db: sessionmaker[Session], biased_model: ExportedModel
+) -> None:
+    # Prepare: four devices advertise keys; the roster closes at the target
+    make_population(db, biased_model, **SECURE)
+    devices = [device(db) for _ in range(4)]
+    answers = [checkin(db, d) for d in devices]
+    first = current_round(db)
+    params = RoundParameters.from_json(state(db, devices[0], answers[0].assignment_id, 1.0)["parameters"])
+    sessions = [DeviceSession(params) for _ in devices]
+    for d, a, s in zip(devices, answers, sessions, strict=True):
+        assert message(db, d, a.assignment_id, "advertise", s.advertise().to_json(), 2.0)["index"] >= 1
+    late = checkin(db, device(db), now=2.5)
+
+    # Execute: only two send their shares before the share-keys deadline (2 + 5 s)
+    roster_json = state(db, devices[0], answers[0].assignment_id, 3.0)["roster"]
+    roster = {int(i): AdvertisedKeys.from_json(k) for i, k in roster_json.items()}
+    for d, a, s, index in list(zip(devices, answers, sessions, sorted(roster), strict=True))[:2]:
+        assert "shared_with" in message(
+            db, d, a.assignment_id, "share_keys", shares_to_json(s.share_keys(index, roster)), 3.0
+        )
+    after = state(db, devices[0], answers[0].assignment_id, 8.0)
+
+    # Assert: check-ins closed with the roster; the round is abandoned, nothing to unmask; a new one opens
+    assert isinstance(late, rounds.Refused) and "closed its check-ins" in late.message
+    assert after["phase"] == "done" and after["round_status"] == "abandoned"
+    assert "only 2 devices shared keys" in after["outcome"]
+    assert current_round(db).id != first.id
