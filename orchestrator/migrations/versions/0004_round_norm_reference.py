@@ -1,7 +1,7 @@
 """a committed round's reference update norms (robust aggregation)
 
 Revision ID: 0004
-Revises: 0002
+Revises: 0003
 Create Date: 2026-11-23 06:40:00.000000
 """
 
