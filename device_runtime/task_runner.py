@@ -19,6 +19,7 @@ from pathlib import Path
 
 from device_runtime.client_task import Outcome, TaskConfig, TaskResult, run_evaluation_task, run_training_task
 from device_runtime.example_store import ExampleStore
+from device_runtime.local_state import LocalStateStore
 from device_runtime.model import DeviceModel, ModelLoadError
 from model_export.params import ParamsError, decode_params
 
@@ -64,6 +65,7 @@ class TaskRunner:
         config: TaskConfig,
         should_continue: Callable[[], bool],
         seed: int,
+        kept: LocalStateStore | None,
     ) -> TimedResult:
         started = time.perf_counter()
         try:
@@ -73,10 +75,10 @@ class TaskRunner:
             return TimedResult(TaskResult(Outcome.ERROR, message=str(e)), time.perf_counter() - started)
         if kind == "training":
             result = run_training_task(
-                model, store, params, config, should_continue=should_continue, seed=seed
+                model, store, params, config, should_continue=should_continue, seed=seed, kept=kept
             )
         else:
-            result = run_evaluation_task(model, store, params, config, seed=seed)
+            result = run_evaluation_task(model, store, params, config, seed=seed, kept=kept)
         return TimedResult(result, time.perf_counter() - started)
 
     async def run(
@@ -89,11 +91,13 @@ class TaskRunner:
         *,
         should_continue: Callable[[], bool] = lambda: True,
         seed: int = 0,
+        kept: LocalStateStore | None = None,
     ) -> TimedResult:
-        """A training or evaluation task; `global_blob` is the downloaded safetensors."""
+        """A training or evaluation task; `global_blob` is the downloaded safetensors; `kept` is the
+        device's local state storage, which a population with `local_state: keep` needs."""
         if kind not in ("training", "evaluation"):
             raise ValueError(f"task kind must be 'training' or 'evaluation', got {kind!r}")
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(
-            self._pool, self._run, kind, model_dir, store, global_blob, config, should_continue, seed
+            self._pool, self._run, kind, model_dir, store, global_blob, config, should_continue, seed, kept
         )
