@@ -70,6 +70,14 @@ class TaskConfig:
 
     def __post_init__(self) -> None:
         problems = []
+        if not isinstance(self.local_state, LocalState):
+            # A plain string ("keep") is accepted; `is LocalState.KEEP` tests need the member.
+            try:
+                object.__setattr__(self, "local_state", LocalState(self.local_state))
+            except ValueError:
+                problems.append(
+                    f"local_state must be one of {[k.value for k in LocalState]}, got {self.local_state!r}"
+                )
         for f in fields(self):
             value = getattr(self, f.name)
             if f.type in _ENUM_FIELDS or (value is None and f.type == "int | None"):

@@ -182,4 +182,7 @@ def test_a_stateful_task_needs_its_storage_and_a_local_learning_rate(
         TaskConfig(local_state=LocalState.KEEP)
     with pytest.raises(ValueError, match=r"local_state must be one of \['reconstruct', 'keep'\]"):
         TaskConfig.from_json({"local_state": "remember"})
+    with pytest.raises(ValueError, match=r"local_state must be one of"):
+        TaskConfig(local_state="remember")  # type: ignore[arg-type]
+    assert TaskConfig(local_state="keep", local_learning_rate=0.1).local_state is LocalState.KEEP  # type: ignore[arg-type]
     assert TaskConfig.from_json(config_for(model).to_json()).local_state is LocalState.KEEP
