@@ -185,12 +185,18 @@ def shuffled(examples: Examples, seed: int) -> Examples:
 
 
 def add_negatives(
-    examples: Examples, num_items: int, per_positive: int, rng: np.random.Generator
+    examples: Examples,
+    num_items: int,
+    per_positive: int,
+    rng: np.random.Generator,
+    also_shared: np.ndarray | None = None,
 ) -> Examples:
-    """Implicit feedback: each share gets `per_positive` items the user never shared, label 0."""
+    """Implicit feedback: each share gets `per_positive` items the user never shared, label 0
+    (never one of `examples`' shares nor of `also_shared`, e.g. shares outside the examples)."""
     positives = np.unique(examples.item_ids[examples.labels > 0])
     count = len(positives) * per_positive
-    candidates = np.setdiff1d(np.arange(num_items), positives, assume_unique=True)
+    shared = positives if also_shared is None else np.union1d(positives, also_shared)
+    candidates = np.setdiff1d(np.arange(num_items), shared, assume_unique=True)
     if count == 0 or candidates.size == 0:
         return examples
     negatives = rng.choice(candidates, size=min(count, candidates.size), replace=False)
@@ -364,13 +370,25 @@ def _stateful_start(
     return train, held_out, outside, kept
 
 
-def _pack(examples: Examples, model: DeviceModel, config: TaskConfig, seed: int) -> TaskBatches:
+def _pack(
+    examples: Examples, model: DeviceModel, config: TaskConfig, seed: int, shared: np.ndarray | None = None
+) -> TaskBatches:
+    """One call's batches; implicit feedback adds sampled negatives, never among `shared`."""
     manifest = model.manifest
     if manifest.feedback == "implicit" and config.negatives_per_positive:
         examples = add_negatives(
-            examples, manifest.num_items, config.negatives_per_positive, np.random.default_rng(seed)
+            examples,
+            manifest.num_items,
+            config.negatives_per_positive,
+            np.random.default_rng(seed),
+            also_shared=shared,
         )
     return TaskBatches.pack(split_batches(examples, manifest.batch_size)[: manifest.max_batches], manifest)
+
+
+def _shares(examples: Examples) -> np.ndarray:
+    shares: np.ndarray = np.unique(examples.item_ids[examples.labels > 0])
+    return shares
 
 
 def _stateful_training(
@@ -390,6 +408,8 @@ def _stateful_training(
     train, held_out, outside, storage = started
     if config.shuffle_seed is not None:
         train = shuffled(train, config.shuffle_seed)
+    # The held-out shares stand for the future: training does not know them, not even to avoid
+    # sampling them as negatives.
     batches = _pack(train, model, config, seed)
     model.set_global(global_params)
     if not should_continue():
@@ -443,7 +463,7 @@ def _stateful_evaluation(
     started = _stateful_start(model, store, config, kept)
     if isinstance(started, TaskResult):
         return started
-    _, held_out, _, storage = started
+    train, held_out, _, storage = started
     if not len(held_out):
         return TaskResult(
             Outcome.INSUFFICIENT_DATA, message="no held-out examples: StandardEval needs at least 2 examples"
@@ -454,7 +474,7 @@ def _stateful_evaluation(
             Outcome.INSUFFICIENT_DATA,
             message=f"StandardEval measures kept local parameters and this device has none ({locals_.note})",
         )
-    batches = _pack(held_out, model, config, seed)
+    batches = _pack(held_out, model, config, seed, _shares(train))
     model.set_global(global_params)
     model.set_local(locals_.params)
     sums = model.evaluate(batches)

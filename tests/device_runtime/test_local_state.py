@@ -13,6 +13,7 @@ from device_runtime.client_task import (
     LocalState,
     Outcome,
     TaskConfig,
+    add_negatives,
     run_evaluation_task,
     run_training_task,
 )
@@ -20,7 +21,7 @@ from device_runtime.example_store import Event, ExampleStore
 from device_runtime.local_state import LocalStateStore
 from device_runtime.model import DeviceModel
 from device_runtime.recommender import Recommender
-from device_runtime.task_batches import TaskBatches, split_batches
+from device_runtime.task_batches import Examples, TaskBatches, split_batches
 from model_export.config import ModelConfig
 from tests.conftest import BIASED, ROBUST, SMALL, perturbed_globals
 
@@ -186,3 +187,14 @@ def test_a_stateful_task_needs_its_storage_and_a_local_learning_rate(
         TaskConfig(local_state="remember")  # type: ignore[arg-type]
     assert TaskConfig(local_state="keep", local_learning_rate=0.1).local_state is LocalState.KEEP  # type: ignore[arg-type]
     assert TaskConfig.from_json(config_for(model).to_json()).local_state is LocalState.KEEP
+
+
+def test_held_out_negatives_are_never_one_of_the_users_other_shares() -> None:
+    held_out = Examples(np.array([3, 7]), np.ones(2, np.float32))
+    trained_shares = np.arange(10, 150)  # all but items 0-9 were shared in the training part
+
+    mixed = add_negatives(held_out, 150, 4, np.random.default_rng(0), also_shared=trained_shares)
+
+    negatives = mixed.item_ids[mixed.labels == 0]
+    assert len(negatives) == 8
+    assert set(negatives.tolist()) <= set(range(10)) - {3, 7}
