@@ -238,7 +238,12 @@ def fedrecon_task(
     reconstruct_locals(model, support, config)
     steps = num_steps(query.num_batches, config.update_max_epochs, config.update_max_steps)
     update = model.update_rows(
-        query, steps, config.update_learning_rate, l2_global=config.l2_global, l2_local=config.l2_local
+        query,
+        steps,
+        config.update_learning_rate,
+        local_learning_rate=config.local_learning_rate,  # 0: the locals stay frozen (Algorithm 1)
+        l2_global=config.l2_global,
+        l2_local=config.l2_local,
     )
     if diverged(update):
         return None
