@@ -54,6 +54,11 @@ def _parser() -> argparse.ArgumentParser:
         default=StalenessOptions().participations,
         help="staleness: client tasks per run (the same at 100, 20 and 5 clients per round)",
     )
+    quality.add_argument(
+        "--staleness-scale-server-rate",
+        action="store_true",
+        help="staleness: scale the server learning rate by clients-per-round / 100",
+    )
     return parser
 
 
@@ -83,7 +88,10 @@ def main(argv: list[str] | None = None) -> int:
             better=better,
             split_seeds=tuple(int(s) for s in args.split_seeds.split(",") if s.strip()),
             centralized_epochs=args.centralized_epochs,
-            staleness=StalenessOptions(participations=args.staleness_participations),
+            staleness=StalenessOptions(
+                participations=args.staleness_participations,
+                scale_server_learning_rate=args.staleness_scale_server_rate,
+            ),
         )
         report = run_quality(options)
         print(f"wrote {options.out / 'quality.json'} and {options.out / 'learning_curves.png'}")

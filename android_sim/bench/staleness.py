@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +49,11 @@ class StalenessOptions:
     participations: int = 30_000  # client tasks per run, the same for every participation level
     clients_per_round: tuple[int, ...] = (100, 20, 5)
     sampling_seed: int = 0
+    # False: the server's learning rate as configured at every level, so the items move
+    # 100 / clients-per-round times further per example visit (and between a user's turns).
+    # True: scaled by clients-per-round / 100, so every example visit moves the items as far
+    # at every level and only how often the server steps (the granularity) changes.
+    scale_server_learning_rate: bool = False
 
     def __post_init__(self) -> None:
         if self.participations < 1 or not self.clients_per_round or min(self.clients_per_round) < 1:
@@ -82,10 +87,13 @@ def run_staleness(
         for per_round in options.clients_per_round:
             count = max(1, options.participations // per_round)
             rounds = Rounds(count, per_round, evaluate_every=count, sampling_seed=options.sampling_seed)
+            step = server
+            if options.scale_server_learning_rate:
+                step = replace(server, learning_rate=server.learning_rate * per_round / 100)
             started = time.perf_counter()
             run = train_federated(
                 devices,
-                Server(initial, server),
+                Server(initial, step),
                 split.train,
                 fedrecon_work(seen_batches, fedrecon, per_item),
                 rounds,
@@ -99,7 +107,7 @@ def run_staleness(
             kept = PrivateLocals(manifest)
             run = train_federated(
                 devices,
-                Server(initial, server),
+                Server(initial, step),
                 split.train,
                 furl_work(users, kept, furl, per_item),
                 rounds,
@@ -113,6 +121,7 @@ def run_staleness(
                 "clients_per_round": per_round,
                 "rounds": count,
                 "participations": count * per_round,
+                "server_learning_rate": step.learning_rate,
                 "rounds_between_turns": len(split.train) / per_round,
                 "users_never_sampled": len(split.train) - len(kept.snapshot()),
                 "fedrecon_seen": fedrecon_seen.metrics(),
@@ -135,6 +144,7 @@ def run_staleness(
         "fedrecon_task": fedrecon.to_json(),
         "furl_task": furl.to_json(),
         "server_optimizer": server.to_json(),
+        "scale_server_learning_rate": options.scale_server_learning_rate,
         "runs": rows,
     }
 
@@ -165,7 +175,8 @@ def plot_staleness(path: Path, staleness: dict[str, Any]) -> None:
         ax.set_xlabel(f"clients per round ({staleness['participations']:,} client tasks in every run)")
         ax.set_ylabel(f"test {metric}")
         ax.legend(fontsize=7)
-    fig.suptitle("Staleness: FedRecon vs FURL as participation gets rarer (MovieLens)")
+    scaled = " (server rate scaled with clients per round)" if staleness["scale_server_learning_rate"] else ""
+    fig.suptitle(f"Staleness: FedRecon vs FURL as participation gets rarer (MovieLens){scaled}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
