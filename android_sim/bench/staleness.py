@@ -170,6 +170,8 @@ def plot_staleness(path: Path, staleness: dict[str, Any]) -> None:
         for label, key, style in series:
             ax.plot(xs, [r[key][metric] for r in runs], style, label=label)
         ax.set_xscale("log")
+        if metric == "rmse":
+            ax.set_yscale("log")  # a run that diverged would flatten the others
         ax.set_xticks(xs, [str(x) for x in xs])
         ax.invert_xaxis()  # rarer participation to the right
         ax.set_xlabel(f"clients per round ({staleness['participations']:,} client tasks in every run)")
