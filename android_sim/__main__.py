@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from android_sim.movielens import DataFormatError
 from android_sim.run import DEFAULT_RATINGS, RunConfig, RunError
@@ -59,9 +61,79 @@ def _run_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     )
     run.add_argument("--workers", type=int, default=d.workers, help="interpreter threads (default: cores)")
     run.add_argument("--seed", type=int, default=d.seed)
+    _algorithm_arguments(run)
 
 
-def main(argv: list[str] | None = None) -> int:
+# Flags that set a task config field: (flag, field, type, help).
+_TASK_FLAGS: tuple[tuple[str, str, type, str], ...] = (
+    ("--split", "split", str, "support/query split policy: alternate or reuse"),
+    ("--reuse-below", "reuse_below", int, "devices with fewer examples reuse them for support and query"),
+    ("--reconstruction-steps", "reconstruction_max_steps", int, "at most this many reconstruction steps"),
+    ("--reconstruction-learning-rate", "reconstruction_learning_rate", float, "reconstruction SGD rate"),
+    ("--update-steps", "update_max_steps", int, "at most this many update steps"),
+    ("--update-learning-rate", "update_learning_rate", float, "client SGD rate of the update"),
+    (
+        "--local-state",
+        "local_state",
+        str,
+        "reconstruct: FedRecon (locals fitted afresh each task); keep: FURL (locals kept on the "
+        "device and trained jointly; evaluation on seen devices' newest 10%%, no held-out devices)",
+    ),
+    (
+        "--local-learning-rate",
+        "local_learning_rate",
+        float,
+        "rate of the locals during the update (keep: default the reconstruction rate)",
+    ),
+)
+_ALGORITHM_KEYS = ("task", "server_optimizer")
+
+
+def _algorithm_arguments(run: argparse.ArgumentParser) -> None:
+    group = run.add_argument_group(
+        "algorithm", "over the data's defaults; a settings file first, then these flags over it"
+    )
+    group.add_argument(
+        "--algorithm-settings",
+        type=Path,
+        help='JSON file: {"task": {task config fields}, "server_optimizer": {"name": ..., ...}}',
+    )
+    for flag, _, kind, text in _TASK_FLAGS:
+        group.add_argument(flag, type=kind, help=text)
+    group.add_argument("--server-optimizer", help="sgd, momentum, adam or yogi")
+    group.add_argument("--server-learning-rate", type=float, help="the server optimizer's learning rate")
+
+
+def algorithm(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(task config overrides, server optimizer overrides) from the settings file and the flags."""
+    task: dict[str, Any] = {}
+    server: dict[str, Any] = {}
+    if args.algorithm_settings is not None:
+        path = args.algorithm_settings
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ValueError(f"cannot read algorithm settings {path}: {e}") from None
+        if not isinstance(data, dict) or set(data) - set(_ALGORITHM_KEYS):
+            raise ValueError(
+                f"algorithm settings {path} must be a JSON object with keys from {list(_ALGORITHM_KEYS)}"
+            )
+        for key, target in (("task", task), ("server_optimizer", server)):
+            if not isinstance(data.get(key, {}), dict):
+                raise ValueError(f"algorithm settings {path}: {key!r} must be a JSON object")
+            target.update(data.get(key, {}))
+    for flag, name, _, _ in _TASK_FLAGS:
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if value is not None:
+            task[name] = value
+    if args.server_optimizer is not None:
+        server["name"] = args.server_optimizer
+    if args.server_learning_rate is not None:
+        server["learning_rate"] = args.server_learning_rate
+    return task, server
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m android_sim", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _run_parser(sub)
@@ -78,7 +150,11 @@ def main(argv: list[str] | None = None) -> int:
         "--work-dir", type=Path, default=None, help="where to write the model and the device store"
     )
     demo.add_argument("--user", type=int, default=0, help="which MovieLens user is the device (dense index)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     try:
         if args.command == "demo":
@@ -88,6 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         from android_sim.profiles import DEFAULT_MIX, load_mix
         from android_sim.run import run
 
+        task, server = algorithm(args)
         config = RunConfig(
             work_dir=args.work_dir or Path("runs") / time.strftime("run-%Y%m%d-%H%M%S"),
             data=args.data,
@@ -110,6 +187,8 @@ def main(argv: list[str] | None = None) -> int:
             population=args.population,
             workers=args.workers,
             seed=args.seed,
+            task=task,
+            server_optimizer=server,
         )
         run(config)
         return 0

@@ -53,6 +53,8 @@ class SimDevice:
     client: OrchestratorClient
     device_id: str = ""
     outcomes: collections.Counter[str] = field(default_factory=collections.Counter)
+    trained: bool = False  # has reported a training task (a seen device, with kept locals if stateful)
+    evaluated_round: int | None = None  # the last evaluation round it took part in (or tried to)
 
     @property
     def task(self) -> str:
@@ -82,6 +84,9 @@ class FleetOptions:
     cooldown_hours: float = 2.0  # simulated hours a device rests after it took part
     server_wait_seconds: float = 2.0  # between attempts while the orchestrator is unreachable
     seed: int = 0
+    # Stateful populations (FURL) evaluate on seen devices: training devices that have trained take
+    # part in each open evaluation round (StandardEval on their newest examples) between trainings.
+    seen_devices_evaluate: bool = False
 
 
 def write_store(path: Path, data: DeviceData, num_items: int, label_range: tuple[float, float]) -> None:
@@ -113,6 +118,9 @@ class Fleet:
         self._rng = random.Random(options.seed)
         self.devices = [self._device(i, d) for i, d in enumerate(devices)]
         self._stop = {TRAINING: asyncio.Event(), HELD_OUT: asyncio.Event()}
+        # The open evaluation round, as the run's monitor sees it through the admin API.
+        self.evaluation_round: int | None = None
+        self.training_paused = False  # seen devices only evaluate (the final evaluation)
 
     def _device(self, index: int, spec: DeviceSpec) -> SimDevice:
         device_class = spec.profile.device_class
@@ -182,11 +190,29 @@ class Fleet:
 
         return phase_continues
 
+    def _task(self, device: SimDevice) -> str | None:
+        """What the device checks in for next; None: nothing to do now."""
+        if (
+            self.options.seen_devices_evaluate
+            and device.role == TRAINING
+            and device.trained
+            and self.evaluation_round is not None
+            and device.evaluated_round != self.evaluation_round
+        ):
+            return "evaluation"
+        if device.role == TRAINING and self.training_paused:
+            return None
+        return device.task
+
     async def _loop(self, device: SimDevice) -> None:
         device_class = device.profile.device_class
         # Spread the first check-ins, as a real fleet's are.
         await self._sleep(device, self._rng.random() * 2.0)
         while not self._stop[device.role].is_set():
+            task = self._task(device)
+            if task is None:
+                await self._sleep(device, 0.5)
+                continue
             now = self.clock.now()
             conditions = device.profile.conditions(now)
             if not conditions.eligible:
@@ -196,12 +222,18 @@ class Fleet:
                 continue
             drops = self._rng.random() < device_class.dropout_probability
             vanishes = drops and self._rng.random() < device_class.vanish_share
-            participation = await self._participate(device, conditions.as_dict(), drops, vanishes)
+            participation = await self._participate(device, task, conditions.as_dict(), drops, vanishes)
             if participation is None:
                 await self._sleep(device, self.options.server_wait_seconds * (0.5 + self._rng.random()))
                 continue
             device.outcomes[participation.status] += 1
-            self.stats.outcomes[(device.role, participation.status)] += 1
+            role = device.role if task == device.task else f"{device.role} ({task})"
+            self.stats.outcomes[(role, participation.status)] += 1
+            if task == "training" and participation.status == "reported":
+                device.trained = True
+            elif task == "evaluation" and device.role == TRAINING:
+                assignment = participation.assignment
+                device.evaluated_round = assignment.round_id if assignment else self.evaluation_round
             if participation.task_seconds:
                 self.stats.task_seconds.append(participation.task_seconds)
             if participation.status == "rejected":
@@ -211,7 +243,7 @@ class Fleet:
                 await self._sleep(device, rest * (0.5 + self._rng.random()))
 
     async def _participate(
-        self, device: SimDevice, conditions: dict[str, bool], drops: bool, vanishes: bool
+        self, device: SimDevice, task: str, conditions: dict[str, bool], drops: bool, vanishes: bool
     ) -> Participation | None:
         """One attempt; None when the orchestrator could not be reached (the device waits)."""
         self.stats.in_task += 1
@@ -221,7 +253,7 @@ class Fleet:
                     device.client, store, self.cache_dir, self.options.population, runner=self.runner
                 )
                 participation = await agent.participate(
-                    device.task,
+                    task,
                     conditions,
                     self._should_continue(device, drops),
                     seed=self._rng.getrandbits(31),

@@ -18,6 +18,7 @@ import numpy as np
 from rich.table import Table
 
 from device_runtime.example_store import ExampleStore
+from device_runtime.local_state import LocalStateStore
 from device_runtime.model import DeviceModel
 from device_runtime.recommender import Recommender
 from model_export.params import Params, decode_params
@@ -112,6 +113,45 @@ def _score(
     )
 
 
+async def seen_device_examples(
+    fleet: Fleet, population: str, status: dict[str, Any], show: int
+) -> tuple[None, list[dict[str, Any]]]:
+    """A stateful population's devices serve from the locals they kept: a few trained devices'
+    top-10 next to the global one (no hit rates: no device's future was kept aside)."""
+    seen = [d for d in fleet.devices if d.role == "training" and d.trained and d.num_examples >= 5]
+    if not seen:
+        return None, []
+    client = seen[0].client
+    model_dir = await client.population_model(population, status["artifact_sha256"], fleet.cache_dir)
+    blob = await client.global_params_at(population, int(status["current_version"]))
+
+    def serve() -> list[dict[str, Any]]:
+        model = DeviceModel(model_dir)
+        params = decode_params(blob, model.manifest.global_params, "global parameters")
+        item_bias = params.get("item_bias")
+        global_top = np.argsort(-item_bias, kind="stable")[:K] if item_bias is not None else np.zeros(0)
+        examples = []
+        for device in seen[:show]:
+            with ExampleStore(device.store_path) as store:
+                kept = LocalStateStore(store, population)
+                version = str(status["current_version"])
+                top = Recommender(model, store, params, global_version=version, kept=kept).recommend(K)
+                examples.append(
+                    {
+                        "device": device.index,
+                        "examples": device.num_examples,
+                        "recent": store.examples().item_ids[:5].tolist(),
+                        "next": [],
+                        "personalized": top.items.tolist(),
+                        "local_params": top.local_params,
+                        "global": global_top.tolist(),
+                    }
+                )
+        return examples
+
+    return None, await asyncio.to_thread(serve)
+
+
 def top_k_table(example: dict[str, Any], labels: list[str]) -> Table:
     recent = ", ".join(labels[i] for i in example["recent"][:3])
     table = Table(
@@ -119,7 +159,8 @@ def top_k_table(example: dict[str, Any], labels: list[str]) -> Table:
         title_justify="left",
     )
     table.add_column("#", justify="right")
-    table.add_column("personalized top-10 (on the device)")
+    local_params = example.get("local_params", "reconstructed")
+    table.add_column(f"personalized top-10 (on the device; {local_params} locals)")
     table.add_column("global top-10")
     nxt = set(example["next"])
     for rank, (mine, every) in enumerate(zip(example["personalized"], example["global"], strict=False), 1):

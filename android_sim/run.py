@@ -32,12 +32,13 @@ from android_sim.expressions import SyntheticConfig
 from android_sim.fleet import HELD_OUT, TRAINING, DeviceSpec, Fleet, FleetOptions, write_store
 from android_sim.network import Connector
 from android_sim.profiles import DEFAULT_MIX, DeviceClass, SimClock, draw_profiles
-from android_sim.recommendations import HitRates, held_out_hit_rates, top_k_table
-from device_runtime.client_task import SplitPolicy, TaskConfig
+from android_sim.recommendations import HitRates, held_out_hit_rates, seen_device_examples, top_k_table
+from device_runtime.client_task import LocalState, SplitPolicy, TaskConfig
 from device_runtime.task_runner import TaskRunner
 from model_export.config import Feedback, ModelConfig, TrainingDefaults
 from model_export.in_subprocess import export_in_subprocess
 from model_export.manifest import ManifestError, load_manifest
+from orchestrator.aggregation import ServerOptimizerConfig
 from orchestrator.local import LocalOrchestrator
 from orchestrator.population_settings import PopulationSettings
 
@@ -84,9 +85,26 @@ class RunConfig:
     stall_seconds: float = 120.0  # give up when no round commits for this long
     seed: int = 0
     show_devices: int = 3
+    # The algorithm: task config fields over the data's defaults (split, reuse_below, steps and
+    # learning rates, local_state, local_learning_rate, ...), and the server optimizer.
+    task: dict[str, Any] = field(default_factory=dict)
+    server_optimizer: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def stateful(self) -> bool:
+        return self.task.get("local_state") == LocalState.KEEP.value
 
     def __post_init__(self) -> None:
         problems = []
+        try:
+            algorithm_task({}, self.task)
+        except (TypeError, ValueError) as e:
+            problems.append(f"algorithm: {e}")
+        if self.server_optimizer:
+            try:
+                ServerOptimizerConfig.from_json({"name": "sgd", **self.server_optimizer})
+            except (TypeError, ValueError) as e:
+                problems.append(f"algorithm: {e}")
         if self.data not in ("expressions", "movielens"):
             problems.append(f"data must be 'expressions' or 'movielens', got {self.data!r}")
         if not 0 <= self.held_out_fraction < 1:
@@ -156,15 +174,37 @@ def model_config(data: FleetData) -> ModelConfig:
     )
 
 
+def algorithm_task(base: dict[str, Any], overrides: dict[str, Any]) -> TaskConfig:
+    """`overrides` over `base`; a stateful task without its own local learning rate trains the kept
+    locals at the reconstruction rate (the rate at which a device fits its locals)."""
+    values = {**base, **overrides}
+    if values.get("local_state") == LocalState.KEEP.value and "local_learning_rate" not in overrides:
+        values["local_learning_rate"] = values.get(
+            "reconstruction_learning_rate", TaskConfig.reconstruction_learning_rate
+        )
+    return TaskConfig.from_json(values)
+
+
+def server_optimizer(config: RunConfig, data: FleetData) -> dict[str, Any]:
+    # Each item row's delta is averaged over every client, most of which never touched it;
+    # a server step larger than 1 makes up for that dilution of sparse rows (implicit data).
+    default = {"name": "sgd", "learning_rate": 10.0 if data.feedback is Feedback.IMPLICIT else 1.0}
+    chosen = config.server_optimizer
+    if chosen.get("name", default["name"]) != default["name"]:
+        return dict(chosen)  # another optimizer: none of the default's hyperparameters carry over
+    return {**default, **chosen}
+
+
 def population_settings(config: RunConfig, data: FleetData, model: ModelConfig) -> dict[str, Any]:
-    task = TaskConfig.from_json(
+    task = algorithm_task(
         {
             **{k: v for k, v in asdict(model.training).items()},
             "split": SplitPolicy.ALTERNATE.value,
             # Few examples: use them for both support and query (the keyboard deployment's lesson).
             "reuse_below": 10 if data.feedback is Feedback.IMPLICIT else 0,
             "min_examples": config.min_examples,
-        }
+        },
+        config.task,
     )
     return {
         "target_reports": config.target_reports,
@@ -173,12 +213,7 @@ def population_settings(config: RunConfig, data: FleetData, model: ModelConfig) 
         "round_duration_seconds": config.round_seconds,
         "min_examples": config.min_examples,
         "retry_after_seconds": 2.0,
-        # Each item row's delta is averaged over every client, most of which never touched it;
-        # a server step larger than 1 makes up for that dilution of sparse rows (implicit data).
-        "server_optimizer": {
-            "name": "sgd",
-            "learning_rate": 10.0 if data.feedback is Feedback.IMPLICIT else 1.0,
-        },
+        "server_optimizer": server_optimizer(config, data),
         "task_config": task.to_json(),
         "evaluation_every": config.evaluation_every,
         "evaluation_target_reports": config.target_reports,
@@ -213,9 +248,9 @@ class Devices:
 def prepare_devices(config: RunConfig, data: FleetData, model: ModelConfig, store_dir: Path) -> Devices:
     rng = np.random.default_rng(config.seed)
     store_dir.mkdir(parents=True, exist_ok=True)
-    held_out = set(
-        rng.permutation(len(data.devices))[: round(config.held_out_fraction * len(data.devices))].tolist()
-    )
+    # A stateful population evaluates on its seen devices' newest examples: no device is held out.
+    fraction = 0.0 if config.stateful else config.held_out_fraction
+    held_out = set(rng.permutation(len(data.devices))[: round(fraction * len(data.devices))].tolist())
     profiles = draw_profiles(len(data.devices), config.device_mix, rng)
     specs: list[DeviceSpec] = []
     future: dict[int, np.ndarray] = {}
@@ -324,6 +359,7 @@ class Monitor:
                 status = None
                 self.fleet.stats.last_error = str(e)
             if status is not None:
+                self.fleet.evaluation_round = _open_evaluation(status)
                 done = status["training_rounds_committed"] - start
                 if done != last_count:
                     last_change, last_count = time.monotonic(), done
@@ -353,7 +389,8 @@ class Monitor:
                 raise RunError(str(e)) from None
             status = await _admin_call(self.admin.status(self.population))
             evaluation = next(r for r in status["open_rounds"] if r["kind"] == "evaluation")
-        self.progress.update(self.task, description="final evaluation on held-out devices")
+        self.fleet.evaluation_round = evaluation["id"]
+        self.progress.update(self.task, description="final evaluation")
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             for r in await _admin_call(self.admin.rounds(self.population, kind="evaluation", limit=5)):
@@ -361,6 +398,10 @@ class Monitor:
                     return r
             await asyncio.sleep(0.5)
         return None
+
+
+def _open_evaluation(status: dict[str, Any]) -> int | None:
+    return next((int(r["id"]) for r in status["open_rounds"] if r["kind"] == "evaluation"), None)
 
 
 async def _latest_training_round(admin: AdminClient, population: str) -> dict[str, Any] | None:
@@ -413,7 +454,12 @@ async def run_async(config: RunConfig, console: Console) -> RunResult:
                 SimClock(
                     config.day_seconds, start=float(np.random.default_rng(config.seed).uniform(0, 86_400))
                 ),
-                FleetOptions(population=name, cooldown_hours=config.cooldown_hours, seed=config.seed),
+                FleetOptions(
+                    population=name,
+                    cooldown_hours=config.cooldown_hours,
+                    seed=config.seed,
+                    seen_devices_evaluate=config.stateful,
+                ),
             )
             fleet_task: asyncio.Task[None] | None = None
             try:
@@ -428,15 +474,22 @@ async def run_async(config: RunConfig, console: Console) -> RunResult:
                 with Progress(*columns, console=console, transient=False) as progress:
                     monitor = Monitor(admin, name, fleet, progress, config.stall_seconds)
                     await monitor.wait_for_rounds(start_committed, config.rounds, fleet_task)
-                    fleet.stop([TRAINING])
+                    if config.stateful:
+                        fleet.training_paused = True  # the seen devices evaluate, then rest
+                    else:
+                        fleet.stop([TRAINING])
                     final = await monitor.final_evaluation(timeout=config.round_seconds * 2 + 5)
                 fleet.stop()
                 await fleet_task
                 status = await _admin_call(admin.status(name))
                 rounds = [r for r in await _admin_call(admin.rounds(name)) if r["id"] not in closed_before]
-                recommendations = await held_out_hit_rates(
-                    fleet, devices.future, name, status, data, config.show_devices
-                )
+                recommendations: tuple[HitRates | None, list[dict[str, Any]]]
+                if config.stateful:
+                    recommendations = await seen_device_examples(fleet, name, status, config.show_devices)
+                else:
+                    recommendations = await held_out_hit_rates(
+                        fleet, devices.future, name, status, data, config.show_devices
+                    )
             finally:
                 fleet.stop()
                 if fleet_task is not None:
@@ -490,6 +543,12 @@ def _write_report(
             if fleet.stats.task_seconds
             else None,
         },
+        "algorithm": {
+            "local_state": status["settings"]["task_config"]["local_state"],
+            "evaluation": _evaluation_name(config),
+            "task_config": status["settings"]["task_config"],
+            "server_optimizer": status["settings"]["server_optimizer"],
+        },
         "rounds": rounds,
         "final_evaluation": final,
         "hit_rates": asdict(hit_rates) if hit_rates else None,
@@ -501,22 +560,37 @@ def _write_report(
     result = RunResult(
         report_path, plots, len(training), (final or {}).get("metrics", {}), hit_rates, seconds, body
     )
-    _print_summary(result, data, examples, console)
+    _print_summary(result, config, data, examples, console)
     return result
 
 
+def _evaluation_name(config: RunConfig) -> str:
+    if config.stateful:
+        return "StandardEval on seen devices (their kept locals, on their newest 10% of examples)"
+    return "ReconEval on held-out devices"
+
+
 def _print_summary(
-    result: RunResult, data: FleetData, examples: list[dict[str, Any]], console: Console
+    result: RunResult,
+    config: RunConfig,
+    data: FleetData,
+    examples: list[dict[str, Any]],
+    console: Console,
 ) -> None:
     console.print(f"\n[bold]{result.rounds_committed} training rounds committed in {result.seconds:.0f} s[/]")
+    algorithm = result.summary["algorithm"]
+    console.print(
+        f"local parameters: {algorithm['local_state']} "
+        f"(local learning rate {algorithm['task_config']['local_learning_rate']}); "
+        f"server optimizer {algorithm['server_optimizer']['name']} "
+        f"{algorithm['server_optimizer']['learning_rate']}"
+    )
     final = result.final_evaluation
     if final:
         shown = ", ".join(f"{k} {final[k]:.4f}" for k in ("loss", "rmse", "accuracy") if k in final)
-        console.print(
-            f"final ReconEval on held-out devices: {shown} (weight {final.get('weight_sum', 0):.0f})"
-        )
+        console.print(f"final {_evaluation_name(config)}: {shown} (weight {final.get('weight_sum', 0):.0f})")
     else:
-        console.print("final evaluation: no held-out device reported in time")
+        console.print("final evaluation: no device reported in time")
     if result.hit_rates:
         h = result.hit_rates
         console.print(

@@ -14,6 +14,7 @@ from typing import Any
 
 from device_runtime.client_task import Outcome, TaskConfig, TaskResult
 from device_runtime.example_store import ExampleStore
+from device_runtime.local_state import LocalStateStore
 from device_runtime.model import ModelLoadError
 from device_runtime.orchestrator_client import (
     Assignment,
@@ -149,7 +150,14 @@ class DeviceAgent:
         blob = await self.client.global_params(answer)
         config = TaskConfig.from_json(answer.task_config)
         timed = await self.runner.run(
-            answer.kind, model_dir, self.store, blob, config, should_continue=should_continue, seed=seed
+            answer.kind,
+            model_dir,
+            self.store,
+            blob,
+            config,
+            should_continue=should_continue,
+            seed=seed,
+            kept=LocalStateStore(self.store, self.population),
         )
         result, seconds = timed.result, timed.seconds
         if compute_slowdown > 1.0:

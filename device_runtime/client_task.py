@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from device_runtime.example_store import ExampleStore, Selection
+from device_runtime.local_state import LocalStateStore
 from device_runtime.model import DeviceModel, EvaluationSums, RowUpdate, Update
 from device_runtime.task_batches import Examples, TaskBatches, split_batches
 from model_export.manifest import Manifest
@@ -53,10 +54,21 @@ TASK_CONFIG_MAXIMA: dict[str, int | float] = {
     "update_learning_rate": 1_000.0,
     "update_max_epochs": 1_000,
     "update_max_steps": 10_000,
+    "local_learning_rate": 1_000.0,
     "l2_global": 1_000.0,
     "l2_local": 1_000.0,
     "negatives_per_positive": 100,
 }
+
+
+class LocalState(enum.StrEnum):
+    """What becomes of a device's local parameters between rounds."""
+
+    RECONSTRUCT = "reconstruct"  # FedRecon: fitted afresh on the support set each task, then discarded
+    KEEP = "keep"  # FURL: kept on the device across rounds, trained jointly with the globals
+
+
+_ENUM_FIELDS = ("SplitPolicy", "LocalState")
 
 
 @dataclass(frozen=True)
@@ -80,12 +92,22 @@ class TaskConfig:
     l2_global: float = 0.0
     l2_local: float = 0.0
     negatives_per_positive: int = 4  # implicit feedback: sampled non-shared items per share
+    local_state: LocalState = LocalState.RECONSTRUCT
+    local_learning_rate: float = 0.0  # locals train jointly during the update at this rate (FURL)
 
     def __post_init__(self) -> None:
         problems = []
+        if not isinstance(self.local_state, LocalState):
+            # A plain string ("keep") is accepted; `is LocalState.KEEP` tests need the member.
+            try:
+                object.__setattr__(self, "local_state", LocalState(self.local_state))
+            except ValueError:
+                problems.append(
+                    f"local_state must be one of {[k.value for k in LocalState]}, got {self.local_state!r}"
+                )
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.type == "SplitPolicy" or (value is None and f.type == "int | None"):
+            if f.type in _ENUM_FIELDS or (value is None and f.type == "int | None"):
                 continue
             is_int = f.type.startswith("int")
             kinds = (int,) if is_int else (int, float)
@@ -102,12 +124,17 @@ class TaskConfig:
             problems.append(
                 f"max_examples ({self.max_examples}) must be >= min_examples ({self.min_examples})"
             )
+        if self.local_state is LocalState.KEEP and not self.local_learning_rate > 0:
+            problems.append(
+                "local_state 'keep' needs local_learning_rate > 0: kept locals train only during the update"
+            )
         if problems:
             raise ValueError("invalid task config: " + "; ".join(problems))
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
         data["split"] = self.split.value
+        data["local_state"] = self.local_state.value
         return data
 
     @classmethod
@@ -119,13 +146,15 @@ class TaskConfig:
         if unknown:
             raise ValueError(f"unknown task config fields {sorted(unknown)}; known: {sorted(known)}")
         values = dict(data)
-        if "split" in values:
-            policies = [p.value for p in SplitPolicy]
-            if values["split"] not in policies:
-                raise ValueError(
-                    f"invalid task config: split must be one of {policies}, got {values['split']!r}"
-                )
-            values["split"] = SplitPolicy(values["split"])
+        for name, kind in (("split", SplitPolicy), ("local_state", LocalState)):
+            if name in values:
+                try:
+                    values[name] = kind(values[name])
+                except ValueError:
+                    raise ValueError(
+                        f"invalid task config: {name} must be one of {[k.value for k in kind]}, "
+                        f"got {values[name]!r}"
+                    ) from None
         return cls(**values)
 
     @classmethod
@@ -160,19 +189,35 @@ class SupportQuery:
     outside_catalog: int
 
 
-def select_examples(store: ExampleStore, manifest: Manifest, config: TaskConfig) -> tuple[Examples, int]:
-    """The task's examples (newest `max_examples`, optionally shuffled); drops unknown items.
+def newest_examples(store: ExampleStore, manifest: Manifest, config: TaskConfig) -> tuple[Examples, int]:
+    """The newest `max_examples` examples, newest first, without items outside the catalog.
 
     Items outside the model's catalog (e.g. expressions newer than the model) are left out
     and counted, rather than failing the task.
     """
     examples = store.examples(Selection(limit=config.max_examples))
     known = (examples.item_ids >= 0) & (examples.item_ids < manifest.num_items)
-    outside = int(len(examples) - known.sum())
-    examples = examples[known]
+    return examples[known], int(len(examples) - known.sum())
+
+
+def select_examples(store: ExampleStore, manifest: Manifest, config: TaskConfig) -> tuple[Examples, int]:
+    """The task's examples (newest `max_examples`, optionally shuffled); drops unknown items."""
+    examples, outside = newest_examples(store, manifest, config)
     if config.shuffle_seed is not None:
         examples = shuffled(examples, config.shuffle_seed)
     return examples, outside
+
+
+# A stateful device's StandardEval examples: the newest tenth of what its task selects.
+HOLDOUT_FRACTION = 0.1
+
+
+def hold_out_newest(newest_first: Examples) -> tuple[Examples, Examples]:
+    """(training, held out): the newest `HOLDOUT_FRACTION` held out, at least one example when there
+    are two or more, so a stateful device is measured on examples its kept locals never trained on."""
+    n = len(newest_first)
+    held = max(1, round(n * HOLDOUT_FRACTION)) if n >= 2 else 0
+    return newest_first[held:], newest_first[:held]
 
 
 def shuffled(examples: Examples, seed: int) -> Examples:
@@ -181,12 +226,18 @@ def shuffled(examples: Examples, seed: int) -> Examples:
 
 
 def add_negatives(
-    examples: Examples, num_items: int, per_positive: int, rng: np.random.Generator
+    examples: Examples,
+    num_items: int,
+    per_positive: int,
+    rng: np.random.Generator,
+    also_shared: np.ndarray | None = None,
 ) -> Examples:
-    """Implicit feedback: each share gets `per_positive` items the user never shared, label 0."""
+    """Implicit feedback: each share gets `per_positive` items the user never shared, label 0
+    (never one of `examples`' shares nor of `also_shared`, e.g. shares outside the examples)."""
     positives = np.unique(examples.item_ids[examples.labels > 0])
     count = len(positives) * per_positive
-    candidates = np.setdiff1d(np.arange(num_items), positives, assume_unique=True)
+    shared = positives if also_shared is None else np.union1d(positives, also_shared)
+    candidates = np.setdiff1d(np.arange(num_items), shared, assume_unique=True)
     if count == 0 or candidates.size == 0:
         return examples
     negatives = rng.choice(candidates, size=min(count, candidates.size), replace=False)
@@ -263,9 +314,15 @@ def run_training_task(
     *,
     should_continue: Callable[[], bool] = lambda: True,
     seed: int = 0,
+    kept: LocalStateStore | None = None,
 ) -> TaskResult:
-    """Reconstruct on support, update on query, and return the delta; locals are discarded."""
+    """Reconstruct on support, update on query, and return the delta; locals are discarded.
+
+    With `local_state: keep` (FURL) the device's kept locals (`kept`) train jointly with the
+    globals instead, and are kept for its next task."""
     try:
+        if config.local_state is LocalState.KEEP:
+            return _stateful_training(model, store, global_params, config, kept, should_continue, seed)
         started = _start(model, store, global_params, config, seed)
         if isinstance(started, TaskResult):
             return started
@@ -278,7 +335,12 @@ def run_training_task(
             return TaskResult(Outcome.INTERRUPTED, message="conditions changed before the update")
         steps = num_steps(query.num_batches, config.update_max_epochs, config.update_max_steps)
         update = model.update(
-            query, steps, config.update_learning_rate, l2_global=config.l2_global, l2_local=config.l2_local
+            query,
+            steps,
+            config.update_learning_rate,
+            local_learning_rate=config.local_learning_rate,  # 0: the locals stay frozen (Algorithm 1)
+            l2_global=config.l2_global,
+            l2_local=config.l2_local,
         )
         if diverged(update):
             return TaskResult(
@@ -312,9 +374,15 @@ def run_evaluation_task(
     config: TaskConfig,
     *,
     seed: int = 0,
+    kept: LocalStateStore | None = None,
 ) -> TaskResult:
-    """ReconEval: reconstruct on the support set, measure on the query set; metrics only."""
+    """ReconEval: reconstruct on the support set, measure on the query set; metrics only.
+
+    With `local_state: keep`, StandardEval instead: the kept locals, measured on the held-out
+    newest examples."""
     try:
+        if config.local_state is LocalState.KEEP:
+            return _stateful_evaluation(model, store, global_params, config, kept, seed)
         started = _start(model, store, global_params, config, seed)
         if isinstance(started, TaskResult):
             return started
@@ -326,3 +394,134 @@ def run_evaluation_task(
         return TaskResult(Outcome.ERROR, message=str(e))
     finally:
         model.reset_local()
+
+
+# ---- stateful private parameters (FURL) --------------------------------------------------
+
+
+def _stateful_start(
+    model: DeviceModel, store: ExampleStore, config: TaskConfig, kept: LocalStateStore | None
+) -> tuple[Examples, Examples, int, LocalStateStore] | TaskResult:
+    """A stateful task's examples (training, held out, outside the catalog) or why it cannot run."""
+    if kept is None:
+        return TaskResult(Outcome.ERROR, message="local_state 'keep' needs the device's local state storage")
+    newest_first, outside = newest_examples(store, model.manifest, config)
+    if len(newest_first) < config.min_examples:
+        return TaskResult(
+            Outcome.INSUFFICIENT_DATA,
+            metrics={"num_examples": len(newest_first), "outside_catalog": outside},
+            message=f"{len(newest_first)} usable examples, the task needs at least {config.min_examples}",
+        )
+    train, held_out = hold_out_newest(newest_first)
+    return train, held_out, outside, kept
+
+
+def _pack(
+    examples: Examples, model: DeviceModel, config: TaskConfig, seed: int, shared: np.ndarray | None = None
+) -> TaskBatches:
+    """One call's batches; implicit feedback adds sampled negatives, never among `shared`."""
+    manifest = model.manifest
+    if manifest.feedback == "implicit" and config.negatives_per_positive:
+        examples = add_negatives(
+            examples,
+            manifest.num_items,
+            config.negatives_per_positive,
+            np.random.default_rng(seed),
+            also_shared=shared,
+        )
+    return TaskBatches.pack(split_batches(examples, manifest.batch_size)[: manifest.max_batches], manifest)
+
+
+def _shares(examples: Examples) -> np.ndarray:
+    shares: np.ndarray = np.unique(examples.item_ids[examples.labels > 0])
+    return shares
+
+
+def _stateful_training(
+    model: DeviceModel,
+    store: ExampleStore,
+    global_params: Params,
+    config: TaskConfig,
+    kept: LocalStateStore | None,
+    should_continue: Callable[[], bool],
+    seed: int,
+) -> TaskResult:
+    """FURL's client task: the kept locals and the globals train jointly on the training examples
+    (all but the held-out newest); the delta of the globals goes back, the locals stay here."""
+    started = _stateful_start(model, store, config, kept)
+    if isinstance(started, TaskResult):
+        return started
+    train, held_out, outside, storage = started
+    if config.shuffle_seed is not None:
+        train = shuffled(train, config.shuffle_seed)
+    # The held-out shares stand for the future: training does not know them, not even to avoid
+    # sampling them as negatives.
+    batches = _pack(train, model, config, seed)
+    model.set_global(global_params)
+    if not should_continue():
+        return TaskResult(Outcome.INTERRUPTED, message="conditions changed before the update")
+    locals_ = storage.load(model)
+    model.set_local(locals_.params)
+    before = model.evaluate(batches)
+    steps = num_steps(batches.num_batches, config.update_max_epochs, config.update_max_steps)
+    update = model.update(
+        batches,
+        steps,
+        config.update_learning_rate,
+        local_learning_rate=config.local_learning_rate,
+        l2_global=config.l2_global,
+        l2_local=config.l2_local,
+    )
+    if diverged(update):
+        return TaskResult(
+            Outcome.ERROR, message="the update diverged (non-finite delta); learning rate too high?"
+        )
+    if not should_continue():
+        return TaskResult(Outcome.INTERRUPTED, message="conditions changed before reporting")
+    # Kept only once the task finished: an interrupted task leaves the previous locals.
+    storage.save(model, model.get_local(), locals_.tasks + 1)
+    metrics = {
+        "num_examples": float(len(train) + len(held_out)),
+        "num_query": float(batches.num_examples),
+        "num_held_out": float(len(held_out)),
+        "outside_catalog": float(outside),
+        "update_loss": update.loss,
+        **{f"query_{k}": v for k, v in before.as_dict().items()},
+    }
+    return TaskResult(
+        Outcome.COMPLETED,
+        num_examples=batches.num_examples,
+        delta=update.delta,
+        metrics=metrics,
+        message=locals_.note,
+    )
+
+
+def _stateful_evaluation(
+    model: DeviceModel,
+    store: ExampleStore,
+    global_params: Params,
+    config: TaskConfig,
+    kept: LocalStateStore | None,
+    seed: int,
+) -> TaskResult:
+    """StandardEval on a seen device: its kept locals, measured on its held-out newest examples."""
+    started = _stateful_start(model, store, config, kept)
+    if isinstance(started, TaskResult):
+        return started
+    train, held_out, _, storage = started
+    if not len(held_out):
+        return TaskResult(
+            Outcome.INSUFFICIENT_DATA, message="no held-out examples: StandardEval needs at least 2 examples"
+        )
+    locals_ = storage.load(model)
+    if not locals_.trained:
+        return TaskResult(
+            Outcome.INSUFFICIENT_DATA,
+            message=f"StandardEval measures kept local parameters and this device has none ({locals_.note})",
+        )
+    batches = _pack(held_out, model, config, seed, _shares(train))
+    model.set_global(global_params)
+    model.set_local(locals_.params)
+    sums = model.evaluate(batches)
+    return TaskResult(Outcome.COMPLETED, num_examples=batches.num_examples, metrics=sums.as_dict())

@@ -4,6 +4,8 @@ Inference in FedRecon reconstructs the user's local parameters from the device's
 examples with the latest global parameters. That costs a reconstruction, so the result is
 cached (in memory, and in the store's private `local_state` table across restarts) under
 a key of (global parameters, store revision) and refreshed only when either changes.
+A device of a stateful population (FURL, `local_state: keep`) serves from the locals it
+kept from training instead, once it has trained; until then it reconstructs.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from safetensors import SafetensorError
 
 from device_runtime.client_task import TaskConfig, add_negatives, num_steps, select_examples
 from device_runtime.example_store import ExampleStore
+from device_runtime.local_state import LocalStateStore
 from device_runtime.model import DeviceModel
 from device_runtime.task_batches import TaskBatches, split_batches
 from model_export.params import Params, ParamsError, decode_params, encode_params
@@ -31,6 +34,7 @@ class Recommendation:
     scores: np.ndarray
     source: str  # "personalized" | "popularity" | "unavailable"
     message: str = ""
+    local_params: str = ""  # personalized from "kept" (FURL) or "reconstructed" local parameters
 
 
 def params_fingerprint(params: Params) -> str:
@@ -52,9 +56,12 @@ class Recommender:
         config: TaskConfig | None = None,
         *,
         global_version: str | None = None,
+        kept: LocalStateStore | None = None,
     ) -> None:
+        """`kept`: the device's kept locals (a stateful population), served from once trained."""
         self.model = model
         self.store = store
+        self.kept = kept
         self.config = config or TaskConfig.from_manifest(model.manifest, shuffle_seed=None)
         self._used: tuple[int, np.ndarray] | None = None
         self._loaded_key: str | None = None
@@ -70,18 +77,26 @@ class Recommender:
     def _cache_key(self, revision: int) -> str:
         return json.dumps([self.model.manifest.model_sha256, self._global_version, revision])
 
-    def _ensure_local(self, revision: int) -> None:
-        """Make the interpreter hold local parameters for this store revision and these globals."""
+    def _ensure_local(self, revision: int) -> str:
+        """Make the interpreter hold this device's local parameters: the kept ones when there are
+        trained ones, else reconstructed for this store revision and these globals; says which."""
+        if self.kept is not None:
+            kept = self.kept.load(self.model)
+            if kept.trained:
+                # Read each time: the next training task may have replaced them (a few hundred bytes).
+                self.model.set_local(kept.params)
+                self._loaded_key = None
+                return "kept"
         key = self._cache_key(revision)
         if self._loaded_key == key:
-            return
+            return "reconstructed"
         stored = self.store.load_local_state(_CACHE_KEY)
         if stored is not None:
             cached = self._decode_cache(stored, key)
             if cached is not None:
                 self.model.set_local(cached)
                 self._loaded_key = key
-                return
+                return "reconstructed"
         manifest = self.model.manifest
         examples, _ = select_examples(self.store, manifest, self.config)
         if manifest.feedback == "implicit" and self.config.negatives_per_positive:
@@ -101,6 +116,7 @@ class Recommender:
         # One row holds the key and the tensors, so they can never disagree.
         self.store.save_local_state(_CACHE_KEY, key.encode() + b"\n" + encode_params(local))
         self._loaded_key = key
+        return "reconstructed"
 
     def _decode_cache(self, blob: bytes, key: str) -> Params | None:
         stored_key, _, tensors = blob.partition(b"\n")
@@ -133,7 +149,7 @@ class Recommender:
             mask[self._used_items(revision)] = True
         if self.store.count() == 0:
             return self._popularity(k, mask)
-        self._ensure_local(revision)
+        local_params = self._ensure_local(revision)
         if k <= self.model.manifest.top_k:
             ranking = self.model.infer(mask)
             items, scores = ranking.top_items[:k], ranking.top_scores[:k]
@@ -142,7 +158,7 @@ class Recommender:
             items = np.argsort(-scores_all, kind="stable")[:k].astype(np.int32)
             scores = scores_all[items]
         keep = ~mask[items]  # fewer than k items left after exclusions
-        return Recommendation(items[keep], scores[keep], "personalized")
+        return Recommendation(items[keep], scores[keep], "personalized", local_params=local_params)
 
     def _popularity(self, k: int, mask: np.ndarray) -> Recommendation:
         """No examples yet: rank by the global item biases, which learn popularity."""

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from device_runtime.client_task import TaskConfig, TaskResult, run_evaluation_task, run_training_task
 from device_runtime.example_store import ExampleStore
+from device_runtime.local_state import LocalStateStore
 from device_runtime.model import DeviceModel
 from model_export.params import decode_params
 
@@ -64,16 +65,17 @@ class TaskRunner:
         config: TaskConfig,
         should_continue: Callable[[], bool],
         seed: int,
+        kept: LocalStateStore | None,
     ) -> TimedResult:
         started = time.perf_counter()
         model = self._model(model_dir)
         params = decode_params(global_blob, model.manifest.global_params, "global parameters")
         if kind == "training":
             result = run_training_task(
-                model, store, params, config, should_continue=should_continue, seed=seed
+                model, store, params, config, should_continue=should_continue, seed=seed, kept=kept
             )
         else:
-            result = run_evaluation_task(model, store, params, config, seed=seed)
+            result = run_evaluation_task(model, store, params, config, seed=seed, kept=kept)
         return TimedResult(result, time.perf_counter() - started)
 
     async def run(
@@ -86,8 +88,10 @@ class TaskRunner:
         *,
         should_continue: Callable[[], bool] = lambda: True,
         seed: int = 0,
+        kept: LocalStateStore | None = None,
     ) -> TimedResult:
-        """A training or evaluation task; `global_blob` is the downloaded safetensors.
+        """A training or evaluation task; `global_blob` is the downloaded safetensors; `kept` is the
+        device's local state storage, which a population with `local_state: keep` needs.
 
         A model that does not load or agree with its manifest raises `ModelLoadError` or
         `ManifestError`, and globals that do not fit it raise `ParamsError`: inputs that came from
@@ -96,5 +100,5 @@ class TaskRunner:
             raise ValueError(f"task kind must be 'training' or 'evaluation', got {kind!r}")
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(
-            self._pool, self._run, kind, model_dir, store, global_blob, config, should_continue, seed
+            self._pool, self._run, kind, model_dir, store, global_blob, config, should_continue, seed, kept
         )

@@ -15,6 +15,7 @@ from android_sim.run import DEFAULT_RATINGS
 def _parser() -> argparse.ArgumentParser:
     from android_sim.bench.federated import Rounds
     from android_sim.bench.quality import METHODS, SPLIT_SEEDS
+    from android_sim.bench.staleness import StalenessOptions
 
     d = Rounds()
     parser = argparse.ArgumentParser(prog="python -m android_sim.bench", description=__doc__)
@@ -47,6 +48,17 @@ def _parser() -> argparse.ArgumentParser:
     )
     quality.add_argument("--centralized-epochs", type=int, default=30)
     quality.add_argument("--better-settings", type=Path, help="JSON file: FedRecon settings for 'better'")
+    quality.add_argument(
+        "--staleness-participations",
+        type=int,
+        default=StalenessOptions().participations,
+        help="staleness: client tasks per run (the same at 100, 20 and 5 clients per round)",
+    )
+    quality.add_argument(
+        "--staleness-scale-server-rate",
+        action="store_true",
+        help="staleness: scale the server learning rate by clients-per-round / 100",
+    )
     return parser
 
 
@@ -58,6 +70,7 @@ def main(argv: list[str] | None = None) -> int:
 
         from android_sim.bench.federated import Rounds
         from android_sim.bench.quality import BETTER, FedReconSettings, QualityOptions, run_quality
+        from android_sim.bench.staleness import StalenessOptions
 
         better = BETTER
         if args.better_settings is not None:
@@ -75,9 +88,15 @@ def main(argv: list[str] | None = None) -> int:
             better=better,
             split_seeds=tuple(int(s) for s in args.split_seeds.split(",") if s.strip()),
             centralized_epochs=args.centralized_epochs,
+            staleness=StalenessOptions(
+                participations=args.staleness_participations,
+                scale_server_learning_rate=args.staleness_scale_server_rate,
+            ),
         )
         report = run_quality(options)
         print(f"wrote {options.out / 'quality.json'} and {options.out / 'learning_curves.png'}")
+        if "staleness" in report:
+            print(f"wrote {options.out / 'staleness.png'}")
         for name, target in report["targets"].items():
             if isinstance(target, dict):
                 verdict = "met" if target["met"] else "NOT met"

@@ -256,7 +256,12 @@ def fedrecon_task(
     reconstruct_locals(model, support, config)
     steps = num_steps(query.num_batches, config.update_max_epochs, config.update_max_steps)
     update = model.update_rows(
-        query, steps, config.update_learning_rate, l2_global=config.l2_global, l2_local=config.l2_local
+        query,
+        steps,
+        config.update_learning_rate,
+        local_learning_rate=config.local_learning_rate,  # 0: the locals stay frozen (Algorithm 1)
+        l2_global=config.l2_global,
+        l2_local=config.l2_local,
     )
     if diverged(update):
         return None
@@ -348,8 +353,8 @@ class PrivateLocals:
 def furl_work(
     users: Sequence[TimeSplit], locals_: PrivateLocals, config: TaskConfig, per_item: frozenset[str]
 ) -> ClientWork:
-    """FURL: the device's own locals, trained jointly with the globals (at the reconstruction
-    learning rate, as a device fits its locals) and kept on the device across rounds."""
+    """FURL (a population with `local_state: keep`): the device's own locals, trained jointly with
+    the globals at `local_learning_rate` and kept on the device across rounds."""
 
     def work(model: DeviceModel, params: Params, user: int) -> Report:
         batches = users[user].train
@@ -359,7 +364,7 @@ def furl_work(
             batches,
             steps,
             config.update_learning_rate,
-            local_learning_rate=config.reconstruction_learning_rate,
+            local_learning_rate=config.local_learning_rate,
             l2_global=config.l2_global,
             l2_local=config.l2_local,
         )
@@ -378,6 +383,27 @@ def private_locals_eval_work(users: Sequence[TimeSplit], locals_: PrivateLocals,
         model.set_local(locals_.get(user))
         batches: TaskBatches = getattr(users[user], part)
         return model.evaluate(batches)
+
+    return work
+
+
+def seen_recon_eval_work(users: Sequence[TimeSplit], config: TaskConfig, part: str) -> EvaluationWork:
+    """FedRecon on a seen user: reconstruct on its training examples, measure on its `part`."""
+
+    def work(model: DeviceModel, params: Params, user: int) -> EvaluationSums:
+        reconstruct_locals(model, users[user].train, config)
+        batches: TaskBatches = getattr(users[user], part)
+        return model.evaluate(batches)
+
+    return work
+
+
+def initial_locals_eval_work(clients: Sequence[SupportQuery]) -> EvaluationWork:
+    """A stateful model on a user who never trained: the model's initial locals, measured on query."""
+
+    def work(model: DeviceModel, params: Params, user: int) -> EvaluationSums:
+        model.reset_local()
+        return model.evaluate(clients[user].query)
 
     return work
 

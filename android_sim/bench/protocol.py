@@ -72,21 +72,31 @@ def all_batches(examples: Examples, manifest: Manifest, config: TaskConfig) -> T
     return TaskBatches.pack(batches, manifest)
 
 
-def time_split(examples: Examples, manifest: Manifest) -> TimeSplit:
+def time_parts(examples: Examples, manifest: Manifest) -> tuple[Examples, Examples, Examples]:
     """Oldest 80% / next 10% / newest 10% of a user's examples (at least one of each when it has 3);
-    `examples` newest first."""
+    `examples` newest first. Training: the newest of the oldest 80% that fit one call, in the
+    device's shuffled order."""
     oldest_first = examples[::-1]
     n = len(oldest_first)
     held = max(1, round(n * 0.1)) if n >= 3 else 0
     train_end = n - 2 * held
-    # Training: the newest of the oldest 80% that fit one call, in the device's shuffled order.
     train = shuffled(oldest_first[max(0, train_end - manifest.max_examples) : train_end], PROTOCOL_SEED)
-    parts = (train, oldest_first[train_end : n - held], oldest_first[n - held :])
+    return train, oldest_first[train_end : n - held], oldest_first[n - held :]
+
+
+def time_split(examples: Examples, manifest: Manifest) -> TimeSplit:
+    """`time_parts` packed, one call each."""
     packed = [
         TaskBatches.pack(split_batches(part, manifest.batch_size)[: manifest.max_batches], manifest)
-        for part in parts
+        for part in time_parts(examples, manifest)
     ]
     return TimeSplit(*packed)
+
+
+def seen_support_query(examples: Examples, manifest: Manifest, config: TaskConfig) -> SupportQuery:
+    """FedRecon's batches of a seen user's training part (`time_parts`): alternating support/query."""
+    support, query = split_support_query(time_parts(examples, manifest)[0], manifest, config)
+    return SupportQuery(TaskBatches.pack(support, manifest), TaskBatches.pack(query, manifest))
 
 
 def pack_support_query(

@@ -41,10 +41,11 @@ from android_sim.bench.protocol import (
     time_split,
     user_examples,
 )
+from android_sim.bench.staleness import StalenessOptions, plot_staleness, run_staleness
 from android_sim.device_data import expression_fleet
 from android_sim.expressions import SyntheticConfig
 from android_sim.movielens import load_ratings
-from device_runtime.client_task import SplitPolicy, TaskConfig, diverged, num_steps
+from device_runtime.client_task import LocalState, SplitPolicy, TaskConfig, diverged, num_steps
 from device_runtime.model import DeviceModel
 from device_runtime.task_batches import Examples, TaskBatches
 from model_export.config import ModelConfig
@@ -116,15 +117,18 @@ class FedReconSettings:
 # The protocol's FedRecon (DESIGN.md): client SGD 0.5, server SGD 1.0, reconstruction SGD 0.1.
 FAITHFUL = FedReconSettings()
 
-# FedAvg trains the shared user vector jointly with the items: client SGD 0.5 diverges there;
-# 0.1 had the best validation RMSE of {0.2, 0.1, 0.05} after 100 rounds.
-FEDAVG = FedReconSettings(task=TaskConfig(update_learning_rate=0.1))
+# FedAvg with one user vector shared by everyone (not the paper's FedAvg): it trains jointly with
+# the items, where client SGD 0.5 diverges; 0.1 had the best validation RMSE of {0.2, 0.1, 0.05}.
+SHARED_USER = FedReconSettings(task=TaskConfig(update_learning_rate=0.1))
 
-# FURL trains the device's own user vector jointly with the items (at the reconstruction rate).
+# The paper's FedAvg rows (= FURL, a population with `local_state: keep`): each device's own user
+# vector, kept and trained jointly with the items at local rate 0.1 (the reconstruction rate).
 # Without L2 its validation RMSE rises after round 75 (1.05 -> 1.16 at 300), an overfit
 # typical of unregularized MF. L2 0.1 on both was the steadiest of
 # {0.1/0.1, 0.01/0.01, 0.1 items/0.01 user} over 200 rounds.
-FURL = FedReconSettings(task=TaskConfig(l2_global=0.1, l2_local=0.1))
+FURL = FedReconSettings(
+    task=TaskConfig(l2_global=0.1, l2_local=0.1, local_state=LocalState.KEEP, local_learning_rate=0.1)
+)
 
 # The project's best configuration, chosen on validation users (README, "Quality benchmark"):
 # - biases and a global mean (started at the rating scale's midpoint and trained);
@@ -194,7 +198,8 @@ class MethodResult:
 
 
 HELD_OUT = "held-out test users, ReconEval (reconstruct on support, measure on query)"
-SEEN = "seen users' newest 10% of ratings, StandardEval (their trained user parameters)"
+SEEN = "training users' newest 10% of ratings, StandardEval (their trained user parameters)"
+SHARED = "held-out test users, the shared user vector (no reconstruction)"
 
 
 def initial_globals(model_dir: Path) -> Params:
@@ -250,11 +255,12 @@ def _result(
     )
 
 
-def run_fedavg(
+def run_shared_user(
     data: Dataset, split: UserSplit, rounds: Rounds, models: ModelCache, workers: int
 ) -> MethodResult:
-    """FedAvg as TFF's recipe: no reconstruction, the user vector global too (one for everyone)."""
-    settings = FEDAVG
+    """FedAvg with the user vector global too, one for everyone, no reconstruction (TFF's plain
+    FedAvg recipe applied to the whole model; not the paper's FedAvg, whose user vectors are private)."""
+    settings = SHARED_USER
     model_dir = models.get(whole_user_model(data.num_items))
     with Devices(model_dir, workers) as devices:
         clients = pack_support_query(data.examples, devices.manifest, settings.task)
@@ -270,28 +276,37 @@ def run_fedavg(
         run = train_federated(devices, server, split.train, work, rounds, validate)
         devices.set_global(run.params)
         test = devices.evaluate(evaluation, split.test).metrics()
-    return _result("fedavg", HELD_OUT, test, run, len(split.test), settings.to_json())
+    return _result("fedavg_shared_user", SHARED, test, run, len(split.test), settings.to_json())
 
 
-def run_furl(data: Dataset, rounds: Rounds, models: ModelCache, workers: int) -> MethodResult:
-    """FURL: stateful private user parameters kept on each device; all users train (seen users)."""
+def run_fedavg_stateful(
+    data: Dataset, split: UserSplit, rounds: Rounds, models: ModelCache, workers: int
+) -> tuple[MethodResult, MethodResult]:
+    """The paper's FedAvg (= FURL): the training users keep their own user vectors and train them
+    jointly with the items on their oldest 80%. One training, two rows: StandardEval on their
+    newest 10% with the kept vectors, and ReconEval on the held-out test users. Validation curve:
+    the training users' next 10% (StandardEval)."""
     settings = FURL
     model_dir = models.get(whole_user_model(data.num_items))
     with Devices(model_dir, workers) as devices:
         users = [time_split(e, devices.manifest) for e in data.examples]
-        everyone = list(range(len(users)))
         kept = PrivateLocals(devices.manifest)
         validation = private_locals_eval_work(users, kept, "validation")
 
         def validate(params: Params) -> dict[str, float]:
-            return devices.metrics_of(params, validation, everyone)
+            return devices.metrics_of(params, validation, split.train)
 
         server = Server(initial_globals(model_dir), settings.server)
         work = furl_work(users, kept, settings.task, per_item_names(devices.manifest))
-        run = train_federated(devices, server, everyone, work, rounds, validate)
+        run = train_federated(devices, server, split.train, work, rounds, validate)
         devices.set_global(run.params)
-        test = devices.evaluate(private_locals_eval_work(users, kept, "test"), everyone).metrics()
-    return _result("furl", SEEN, test, run, len(everyone), settings.to_json())
+        seen = devices.evaluate(private_locals_eval_work(users, kept, "test"), split.train).metrics()
+        held_out = pack_support_query(data.examples, devices.manifest, FAITHFUL.task)
+        unseen = devices.evaluate(recon_eval_work(held_out, FAITHFUL.task), split.test).metrics()
+    return (
+        _result("fedavg_standard_eval", SEEN, seen, run, len(split.train), settings.to_json()),
+        _result("fedavg_recon_eval", HELD_OUT, unseen, run, len(split.test), settings.to_json()),
+    )
 
 
 def train_centralized(
@@ -376,14 +391,15 @@ def run_centralized_recon_eval(
 
 
 def run_centralized_standard_eval(
-    data: Dataset, config: TaskConfig, epochs: int, models: ModelCache, workers: int
+    data: Dataset, split: UserSplit, config: TaskConfig, epochs: int, models: ModelCache, workers: int
 ) -> MethodResult:
-    """Centralized MF on every user's oldest 80%, evaluated on their newest 10% (StandardEval)."""
+    """Centralized MF on the training users' oldest 80%, evaluated on their newest 10%
+    (StandardEval; the same users and ratings as FedAvg + StandardEval)."""
     model_dir = models.get(whole_user_model(data.num_items))
     model = DeviceModel(model_dir)
     with Devices(model_dir, workers) as devices:
         users = [time_split(e, devices.manifest) for e in data.examples]
-        everyone = list(range(len(users)))
+        everyone = split.train
         kept = PrivateLocals(devices.manifest)
 
         def validate(params: Params) -> dict[str, float]:
@@ -418,15 +434,19 @@ METHODS = (
     "fedrecon",
     "better",
     "better_seeds",
-    "fedavg",
+    "fedavg_standard_eval",
+    "fedavg_recon_eval",
+    "fedavg_shared_user",
     "centralized_recon_eval",
     "centralized_standard_eval",
-    "furl",
     "kr_ablation",
+    "ku_ablation",
+    "staleness",
     "implicit_movielens",
     "implicit_expressions",
 )
 ABLATION_STEPS = (0, 1, 2, 5, 10)
+UPDATE_ABLATION_STEPS = (1, 2, 5, 10)
 SPLIT_SEEDS = (0, 1, 2, 3, 4)
 
 # Issue 5's targets on MovieLens 100K after 500 rounds of 100 clients.
@@ -448,6 +468,7 @@ class QualityOptions:
     better: FedReconSettings = BETTER
     split_seeds: tuple[int, ...] = SPLIT_SEEDS
     centralized_epochs: int = 30
+    staleness: StalenessOptions = field(default_factory=StalenessOptions)
 
     def __post_init__(self) -> None:
         unknown = [m for m in self.methods if m not in METHODS]
@@ -506,16 +527,21 @@ def run_quality(options: QualityOptions, log: Callable[[str], None] = print) -> 
         done(run_fedrecon(data, split, FAITHFUL, rounds, models, workers))
     if "better" in chosen:
         done(run_fedrecon(data, split, options.better, rounds, models, workers, method="better"))
-    if "fedavg" in chosen:
-        done(run_fedavg(data, split, rounds, models, workers))
+    if chosen & {"fedavg_standard_eval", "fedavg_recon_eval"}:
+        for result in run_fedavg_stateful(data, split, rounds, models, workers):
+            done(result)  # one training, both rows
+    if "fedavg_shared_user" in chosen:
+        done(run_shared_user(data, split, rounds, models, workers))
     if "centralized_recon_eval" in chosen:
         done(
             run_centralized_recon_eval(data, split, CENTRALIZED, options.centralized_epochs, models, workers)
         )
     if "centralized_standard_eval" in chosen:
-        done(run_centralized_standard_eval(data, CENTRALIZED, options.centralized_epochs, models, workers))
-    if "furl" in chosen:
-        done(run_furl(data, rounds, models, workers))
+        done(
+            run_centralized_standard_eval(
+                data, split, CENTRALIZED, options.centralized_epochs, models, workers
+            )
+        )
     if "better_seeds" in chosen:
         runs = []
         for seed in options.split_seeds:
@@ -530,8 +556,24 @@ def run_quality(options: QualityOptions, log: Callable[[str], None] = print) -> 
             "rmse": _spread([r["rmse"] for r in runs]),
             "accuracy": _spread([r["accuracy"] for r in runs]),
         }
-    if "kr_ablation" in chosen:
-        report["kr_ablation"] = run_ablation(data, split, options, models, log)
+    if "kr_ablation" in chosen or "ku_ablation" in chosen:
+        default = run_fedrecon(data, split, options.better, rounds, models, workers)
+        if "kr_ablation" in chosen:
+            report["kr_ablation"] = run_ablation(data, split, options, models, log, default)
+        if "ku_ablation" in chosen:
+            report["ku_ablation"] = run_ablation(data, split, options, models, log, default, update=True)
+    if "staleness" in chosen:
+        report["staleness"] = run_staleness(
+            data.examples,
+            split,
+            options.staleness,
+            models.get(whole_user_model(data.num_items)),
+            workers,
+            FAITHFUL.task,
+            FURL.task,
+            FAITHFUL.server,
+            log,
+        )
     for source in ("movielens", "expressions"):
         if f"implicit_{source}" in chosen:
             fleet = (
@@ -553,26 +595,41 @@ def run_quality(options: QualityOptions, log: Callable[[str], None] = print) -> 
     options.out.mkdir(parents=True, exist_ok=True)
     (options.out / "quality.json").write_text(json.dumps(report, indent=2) + "\n")
     plot_curves(options.out / "learning_curves.png", list(results.values()))
+    if "staleness" in report:
+        plot_staleness(options.out / "staleness.png", report["staleness"])
     return report
 
 
 def run_ablation(
-    data: Dataset, split: UserSplit, options: QualityOptions, models: ModelCache, log: Callable[[str], None]
+    data: Dataset,
+    split: UserSplit,
+    options: QualityOptions,
+    models: ModelCache,
+    log: Callable[[str], None],
+    default: MethodResult,
+    *,
+    update: bool = False,
 ) -> dict[str, Any]:
     """The paper's Figure 3: test accuracy with at most `k_r` reconstruction steps (in training and
-    evaluation), relative to the configuration's own bound (150 steps for "better")."""
+    evaluation), or at most `k_u` update steps (`update`), relative to the configuration's own
+    bounds (150 and 100 steps for "better"); `default` is the run with those bounds."""
     base = options.better
-    default = run_fedrecon(data, split, base, options.rounds, models, options.workers)
+    name, field_name, steps_tried = (
+        ("k_u", "update_max_steps", UPDATE_ABLATION_STEPS)
+        if update
+        else ("k_r", "reconstruction_max_steps", ABLATION_STEPS)
+    )
     rows = []
-    for steps in ABLATION_STEPS:
-        settings = replace(base, task=replace(base.task, reconstruction_max_steps=steps))
+    for steps in steps_tried:
+        task = TaskConfig.from_json({**base.task.to_json(), field_name: steps})
+        settings = replace(base, task=task)
         result = run_fedrecon(data, split, settings, options.rounds, models, options.workers)
         relative = result.test["accuracy"] / default.test["accuracy"]
-        log(f"  k_r = {steps:>2}: accuracy {result.test['accuracy']:.2%} ({relative:.3f} of the default)")
-        rows.append({"k_r": steps, **result.test, "relative_accuracy": relative})
+        log(f"  {name} = {steps:>2}: accuracy {result.test['accuracy']:.2%} ({relative:.3f} of the default)")
+        rows.append({name: steps, **result.test, "relative_accuracy": relative})
     return {
         "settings": base.to_json(),
-        "default": {"k_r": base.task.reconstruction_max_steps, **default.test},
+        "default": {name: getattr(base.task, field_name), **default.test},
         "runs": rows,
     }
 

@@ -171,6 +171,9 @@ def test_cli_unknown_format_is_a_user_error(tmp_path: Path) -> None:
     assert "Traceback" not in result.stderr
 
 
+STUDIES = ("better_seeds", "kr_ablation", "ku_ablation", "staleness")  # not Table 1 rows
+
+
 def test_cli_writes_every_method_to_json_and_a_plot(tmp_path: Path) -> None:
     ratings = _write_ratings(tmp_path / "u.data")
     out = tmp_path / "out"
@@ -178,14 +181,12 @@ def test_cli_writes_every_method_to_json_and_a_plot(tmp_path: Path) -> None:
     result = _bench(
         "--ratings", str(ratings), "--out", str(out), "--models-dir", str(tmp_path / "models"),
         "--rounds", "3", "--clients-per-round", "8", "--evaluate-every", "1",
-        "--centralized-epochs", "2", "--split-seeds", "0,1",
+        "--centralized-epochs", "2", "--split-seeds", "0,1", "--staleness-participations", "20",
     )  # fmt: skip
 
     assert result.returncode == 0, result.stderr
     report = json.loads((out / "quality.json").read_text())
-    federated = [
-        m for m in METHODS if m not in ("better_seeds", "kr_ablation") and not m.startswith("implicit")
-    ]
+    federated = [m for m in METHODS if m not in STUDIES and not m.startswith("implicit")]
     assert sorted(report["methods"]) == sorted(federated)
     for name in federated:
         test = report["methods"][name]["test"]
@@ -193,6 +194,18 @@ def test_cli_writes_every_method_to_json_and_a_plot(tmp_path: Path) -> None:
         assert report["methods"][name]["validation_curve"], name
     assert [r["split_seed"] for r in report["better_split_seeds"]["runs"]] == [0, 1]
     assert [r["k_r"] for r in report["kr_ablation"]["runs"]] == [0, 1, 2, 5, 10]
+    assert [r["k_u"] for r in report["ku_ablation"]["runs"]] == [1, 2, 5, 10]
+    assert report["ku_ablation"]["default"]["k_u"] == 100
+    staleness = report["staleness"]["runs"]
+    assert [r["clients_per_round"] for r in staleness] == [100, 20, 5]
+    for row in staleness:
+        for key in ("fedrecon_seen", "furl_seen", "fedrecon_unseen", "furl_unseen_initial_locals"):
+            assert 0 <= row[key]["accuracy"] <= 1 and row[key]["examples"] > 0, key
+    assert (out / "staleness.png").stat().st_size > 10_000
+    # One FURL training gives both of the paper's FedAvg rows.
+    standard, recon = report["methods"]["fedavg_standard_eval"], report["methods"]["fedavg_recon_eval"]
+    assert standard["validation_curve"] == recon["validation_curve"]
+    assert standard["settings"]["task"]["local_state"] == "keep"
     for source in ("movielens", "expressions"):
         implicit = report["implicit"][source]
         assert implicit["devices_scored"] > 0, source

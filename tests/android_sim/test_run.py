@@ -14,9 +14,12 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from android_sim.__main__ import main
+from android_sim.__main__ import algorithm, build_parser, main
 from android_sim.profiles import DeviceClass
 from android_sim.run import RunConfig, RunResult, load_data, model_config, run, run_async
+from device_runtime.example_store import ExampleStore
+from device_runtime.local_state import LocalStateStore
+from device_runtime.model import DeviceModel
 from model_export.config import ModelConfig
 from orchestrator.local import LocalOrchestrator
 from tests.conftest import MOVIELENS_100K
@@ -195,3 +198,81 @@ def test_movielens_users_are_devices_with_explicit_ratings(
     assert result.hit_rates is None  # explicit ratings: ReconEval RMSE instead
     assert 0.5 < result.final_evaluation["rmse"] < 2.0
     reconcile(result)
+
+
+def test_a_stateful_fleet_keeps_locals_and_evaluates_on_seen_devices(work: Path) -> None:
+    config = small(work, task={"local_state": "keep"}, server_optimizer={"learning_rate": 5.0})
+
+    result = run(config, Console(width=120, record=True))
+
+    assert result.rounds_committed >= 3
+    report = json.loads(result.report_path.read_text())
+    algorithm = report["algorithm"]
+    assert algorithm["local_state"] == "keep" and algorithm["evaluation"].startswith("StandardEval")
+    # Without its own rate, a kept local trains at the reconstruction rate; the server rate as given.
+    assert (
+        algorithm["task_config"]["local_learning_rate"]
+        == algorithm["task_config"]["reconstruction_learning_rate"]
+    )
+    assert algorithm["server_optimizer"]["learning_rate"] == 5.0
+    outcomes = report["fleet"]["device_side_outcomes"]
+    assert not any(key.startswith("held-out") for key in outcomes)  # no device is held out
+    assert outcomes.get("training (evaluation)/reported", 0) >= 1  # seen devices evaluate
+    assert "loss" in result.final_evaluation and result.final_evaluation["weight_sum"] >= 1
+    reconcile(result)
+    assert report["recommendations"] and report["recommendations"][0]["local_params"] == "kept"
+    # The kept locals are in the devices' own store files, trained by as many tasks as they reported.
+    model = DeviceModel(work / "model")
+    name = report["population"]["name"]
+    trained = 0
+    for store_path in sorted((work / "devices").glob("device-*.sqlite")):
+        with ExampleStore(store_path) as store:
+            trained += LocalStateStore(store, name).load(model).tasks
+    assert trained >= outcomes["training/reported"]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--local-state", "remember"], "local_state must be one of ['reconstruct', 'keep']"),
+        (["--split", "diagonal"], "split must be one of ['alternate', 'reuse']"),
+        (["--local-state", "keep", "--local-learning-rate", "0"], "needs local_learning_rate > 0"),
+        (["--reconstruction-steps", "-1"], "reconstruction_max_steps must be finite and >= 0"),
+        (["--server-optimizer", "adagrad"], "unknown server optimizer 'adagrad'"),
+        (["--server-learning-rate", "0"], "learning_rate must be > 0"),
+        (["--algorithm-settings", "/nonexistent.json"], "cannot read algorithm settings"),
+    ],
+)
+def test_algorithm_errors_are_one_clear_line(
+    args: list[str], message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = main(["run", "--work-dir", str(tmp_path / "run"), *args])
+
+    err = capsys.readouterr().err
+    assert code == 2
+    assert message in err and "Traceback" not in err
+    assert not (tmp_path / "run").exists()  # nothing started
+
+
+def test_an_algorithm_settings_file_with_flags_over_it(tmp_path: Path) -> None:
+    settings = tmp_path / "algorithm.json"
+    settings.write_text(
+        json.dumps(
+            {
+                "task": {"split": "reuse", "update_learning_rate": 0.3},
+                "server_optimizer": {"name": "adam", "learning_rate": 0.01},
+            }
+        )
+    )
+    args = build_parser().parse_args(
+        ["run", "--algorithm-settings", str(settings), "--update-learning-rate", "0.2"]
+    )
+
+    task, server = algorithm(args)
+
+    assert task == {"split": "reuse", "update_learning_rate": 0.2}
+    assert server == {"name": "adam", "learning_rate": 0.01}
+    (tmp_path / "bad.json").write_text(json.dumps({"task": {}, "optimizer": {}}))
+    bad = build_parser().parse_args(["run", "--algorithm-settings", str(tmp_path / "bad.json")])
+    with pytest.raises(ValueError, match=r"keys from \['task', 'server_optimizer'\]"):
+        algorithm(bad)

@@ -248,6 +248,20 @@ def test_task_config_cannot_set_a_second_min_examples(
         make_population(db, biased_model, min_examples=25, task_config={"min_examples": 3})
 
 
+def test_a_population_can_keep_local_parameters_only_with_a_local_learning_rate(
+    db: sessionmaker[Session], biased_model: ExportedModel
+) -> None:
+    with pytest.raises(PopulationError, match=r"local_state 'keep' needs local_learning_rate > 0"):
+        make_population(db, biased_model, task_config={"local_state": "keep"})
+
+    make_population(db, biased_model, task_config={"local_state": "keep", "local_learning_rate": 0.1})
+
+    with db() as session:
+        population = session.scalars(select(Population)).one()
+        task = rounds.population_settings(population).task()
+        assert (task.local_state.value, task.local_learning_rate) == ("keep", 0.1)  # what devices get
+
+
 def test_evaluation_report_bound_follows_negatives_per_positive(
     db: sessionmaker[Session], export: Callable[[ModelConfig], Path]
 ) -> None:

@@ -1,0 +1,119 @@
+"""`python -m device_runtime recommend`: a device's top-k from its store and a model directory."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from device_runtime.__main__ import main
+from device_runtime.client_task import LocalState, TaskConfig, run_training_task
+from device_runtime.example_store import Event, ExampleStore
+from device_runtime.local_state import LocalStateStore
+from device_runtime.model import DeviceModel
+from device_runtime.recommender import Recommender
+from model_export.config import ModelConfig
+from model_export.manifest import INITIAL_GLOBAL_FILE
+from model_export.params import decode_params
+from tests.conftest import BIASED, ROOT
+
+
+@pytest.fixture
+def device(export: Callable[[ModelConfig], Path], tmp_path: Path) -> tuple[Path, Path]:
+    """(model dir, store path) of a device with 30 ratings that has trained once in population 'p'."""
+    model_dir = export(BIASED)
+    path = tmp_path / "device.sqlite"
+    with ExampleStore(path, num_items=BIASED.num_items, label_range=(1.0, 5.0)) as store:
+        rng = np.random.default_rng(0)
+        store.add(Event(int(i), float(rng.integers(1, 6)), float(t)) for t, i in enumerate(range(0, 60, 2)))
+        model = DeviceModel(model_dir)
+        config = TaskConfig(local_state=LocalState.KEEP, local_learning_rate=0.5)
+        result = run_training_task(model, store, model.get_global(), config, kept=LocalStateStore(store, "p"))
+        assert result.outcome.value == "completed", result.message
+    return model_dir, path
+
+
+def run_json(capsys: pytest.CaptureFixture[str], *args: str) -> dict:  # type: ignore[type-arg]
+    assert main(["recommend", *args, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)  # type: ignore[no-any-return]
+
+
+def test_top_k_from_reconstructed_and_from_kept_locals(
+    device: tuple[Path, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    model_dir, path = device
+    common = ["--store", str(path), "--model-dir", str(model_dir), "-k", "5"]
+
+    reconstructed = run_json(capsys, *common)
+    kept = run_json(capsys, *common, "--locals", "kept", "--population", "p")
+
+    model = DeviceModel(model_dir)
+    params = decode_params((model_dir / INITIAL_GLOBAL_FILE).read_bytes(), model.manifest.global_params, "g")
+    with ExampleStore(path) as store:
+        expected_kept = Recommender(model, store, params, kept=LocalStateStore(store, "p")).recommend(5)
+        expected_reconstructed = Recommender(model, store, params).recommend(5)
+    assert reconstructed["local_params"] == "reconstructed" and kept["local_params"] == "kept"
+    assert reconstructed["items"] == expected_reconstructed.items.tolist()
+    assert kept["items"] == expected_kept.items.tolist()
+    assert reconstructed["items"] != kept["items"]
+    assert not set(kept["items"]) & set(range(0, 60, 2))  # used items left out by default
+
+
+def test_the_command_runs_as_a_module_and_prints_a_table(device: tuple[Path, Path]) -> None:
+    model_dir, path = device
+
+    command = ["recommend", "--store", str(path), "--model-dir", str(model_dir)]
+
+    done = subprocess.run(
+        [sys.executable, "-m", "device_runtime", *command],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
+
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.strip().splitlines()
+    assert "30 examples" in lines[0] and "reconstructed local parameters" in lines[0]
+    assert len(lines) == 2 + 10  # header, column names, ten items
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"--store": "missing.sqlite"}, "no example store at"),
+        ({"--store": "garbage.sqlite"}, "is not a usable example store"),
+        ({"--model-dir": "no-model"}, "no model directory at"),
+        ({"--model-dir": "empty-model"}, "manifest"),
+        ({"--globals": "garbage.sqlite"}, "not a valid safetensors payload"),
+        ({"--locals": "kept"}, "--locals kept needs --population"),
+        ({"--locals": "kept", "--population": "other"}, "no kept local parameters for population 'other'"),
+        ({"-k": "0"}, "k must be in [1, 200]"),
+        ({"--exclude": "3,x"}, "comma-separated item ids"),
+    ],
+)
+def test_bad_input_is_one_clear_line(
+    change: dict[str, str],
+    message: str,
+    device: tuple[Path, Path],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    model_dir, path = device
+    (tmp_path / "garbage.sqlite").write_bytes(b"this is not a database" * 100)
+    (tmp_path / "empty-model").mkdir()
+    options = {"--store": str(path), "--model-dir": str(model_dir)}
+    for flag, value in change.items():
+        options[flag] = str(tmp_path / value) if value.endswith(("sqlite", "model")) else value
+
+    code = main(["recommend", *[part for pair in options.items() for part in pair]])
+
+    err = capsys.readouterr().err
+    assert code == 2
+    assert message in err and "Traceback" not in err
+    assert not (tmp_path / "missing.sqlite").exists()  # a typo never becomes an empty store
