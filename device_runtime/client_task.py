@@ -54,18 +54,21 @@ class TaskConfig:
     l2_global: float = 0.0
     l2_local: float = 0.0
     negatives_per_positive: int = 4  # implicit feedback: sampled non-shared items per share
+    clip_norm: float | None = None  # DP-FedAvg: the whole delta is clipped to this L2 norm before reporting
 
     def __post_init__(self) -> None:
         problems = []
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.type == "SplitPolicy" or (value is None and f.type == "int | None"):
+            if f.type == "SplitPolicy" or (value is None and f.type.endswith("| None")):
                 continue
             kinds = (int,) if f.type.startswith("int") else (int, float)
             if isinstance(value, bool) or not isinstance(value, kinds):
                 problems.append(f"{f.name} must be {f.type.split(' ')[0]}, got {value!r}")
             elif not math.isfinite(value) or value < 0:
                 problems.append(f"{f.name} must be finite and >= 0, got {value}")
+        if self.clip_norm == 0:
+            problems.append(f"clip_norm must be > 0 (or null for no clipping), got {self.clip_norm}")
         if self.min_examples < 1:
             problems.append(f"min_examples must be >= 1, got {self.min_examples}")
         if self.max_examples < self.min_examples:
@@ -186,6 +189,26 @@ def diverged(update: Update | RowUpdate) -> bool:
     return not (math.isfinite(update.loss) and update.max_abs_change < _SATURATED)
 
 
+def delta_norm(delta: Params) -> float:
+    """L2 norm of a whole delta, every tensor together (float64 sums)."""
+    return math.sqrt(sum(float(np.vdot(v, v)) for v in (np.asarray(t, np.float64) for t in delta.values())))
+
+
+# Clipping aims this much below the bound, so that the float32 result's norm, as the server
+# computes it (float64 sums in another order), is within the bound too.
+_CLIP_MARGIN = 1 - 2**-20
+
+
+def clip_delta(delta: Params, clip_norm: float) -> Params:
+    """The delta scaled so that its whole L2 norm (all tensors together) is <= `clip_norm`;
+    unchanged if it already is. The direction is kept: DP-FedAvg's per-device clipping."""
+    norm = delta_norm(delta)
+    if norm <= clip_norm * _CLIP_MARGIN:
+        return delta
+    scale = clip_norm * _CLIP_MARGIN / norm
+    return {name: (np.asarray(t, np.float64) * scale).astype(np.float32) for name, t in delta.items()}
+
+
 def reconstruct_locals(model: DeviceModel, support: TaskBatches, config: TaskConfig) -> float:
     """Fresh local parameters fitted on the support batches, globals frozen; the mean batch loss."""
     model.reset_local()
@@ -242,6 +265,7 @@ def run_training_task(
             )
         if not should_continue():
             return TaskResult(Outcome.INTERRUPTED, message="conditions changed before reporting")
+        delta = update.delta if config.clip_norm is None else clip_delta(update.delta, config.clip_norm)
         metrics = {
             "num_examples": float(data.num_examples),
             "num_support": float(support.num_examples),
@@ -251,9 +275,7 @@ def run_training_task(
             "update_loss": update.loss,
             **{f"query_{k}": v for k, v in before.as_dict().items()},
         }
-        return TaskResult(
-            Outcome.COMPLETED, num_examples=query.num_examples, delta=update.delta, metrics=metrics
-        )
+        return TaskResult(Outcome.COMPLETED, num_examples=query.num_examples, delta=delta, metrics=metrics)
     except (ParamsError, ValueError, RuntimeError) as e:
         return TaskResult(Outcome.ERROR, message=str(e))
     finally:
