@@ -37,6 +37,7 @@ from model_export.params import (
 )
 from orchestrator.aggregation import WeightedMean, apply_update
 from orchestrator.db import Assignment, ModelVersion, Population, Report, Round
+from orchestrator.differential_privacy import noised_mean, secure_rng
 from orchestrator.population_settings import PopulationSettings
 
 TRAINING, EVALUATION = "training", "evaluation"
@@ -130,6 +131,26 @@ def population_manifest(population: Population) -> Manifest:
     return _parsed_once(population, "manifest", lambda: Manifest.from_json(population.manifest))
 
 
+def _rounds_within_budget(population: Population) -> int | None:
+    """How many training rounds the population's privacy budget allows; None without a budget."""
+
+    def allowed() -> int | None:
+        settings = population_settings(population)
+        dp = settings.dp()
+        if dp is None or dp.epsilon_budget is None:
+            return None
+        return settings.privacy_spent(0).rounds_within_budget
+
+    return _parsed_once(population, "rounds_within_budget", allowed)
+
+
+def privacy_budget_spent(population: Population) -> bool:
+    """True when one more training round would take epsilon past the population's budget: no
+    training round opens any more."""
+    allowed = _rounds_within_budget(population)
+    return allowed is not None and population.training_rounds_committed >= allowed
+
+
 def lock_population(session: Session, name: str) -> Population | None:
     """The population row, locked: one writer per population at a time (FOR UPDATE on PostgreSQL;
     SQLite's BEGIN IMMEDIATE already serializes writers)."""
@@ -193,7 +214,8 @@ def advance(session: Session, population: Population, now: float) -> dict[str, R
     """Close rounds past their deadline (drop their outstanding assignments), open the next;
     returns the open rounds by kind."""
     current = open_rounds(session, population)
-    if TRAINING in current and all(now < r.deadline for r in current.values()):
+    training_closed = privacy_budget_spent(population)
+    if (TRAINING in current or training_closed) and all(now < r.deadline for r in current.values()):
         return current  # the common case: nothing to close, one query
     for round_ in current.values():
         if now < round_.deadline:
@@ -212,7 +234,7 @@ def advance(session: Session, population: Population, now: float) -> dict[str, R
             if round_.kind == TRAINING:
                 open_round(session, population, TRAINING, now)
     current = open_rounds(session, population)
-    if TRAINING not in current:
+    if TRAINING not in current and not privacy_budget_spent(population):
         current[TRAINING] = open_round(session, population, TRAINING, now)
     return current
 
@@ -238,6 +260,12 @@ def checkin(
     answers: list[Accepted | Refused] = []
     for request in requests:
         round_ = current.get(request.kind)
+        if round_ is None and request.kind == TRAINING and privacy_budget_spent(population):
+            spent = settings.privacy_spent(population.training_rounds_committed)
+            # The budget never comes back: a day's retry window keeps devices from asking often.
+            retry_after = max(settings.retry_after_seconds, 86400.0)
+            answers.append(Refused(409, spent.message(), retry_after))
+            continue
         if round_ is None:
             answers.append(
                 Refused(409, f"no {request.kind} round is open", retry_after=settings.retry_after_seconds)
@@ -459,9 +487,18 @@ def _parse_training_report(
             f"num_examples {weight} is outside [{settings.min_examples}, {limit}] "
             f"(the device checked in with {example_count} examples)",
         )
-    norm = math.sqrt(sum(float(np.vdot(t.values, t.values)) for t in delta.values()))
+    # float64 sums: a float32 dot product over many values can be off by more than the
+    # margin a device clips below the DP bound with.
+    norm = math.sqrt(sum(float(np.vdot(v, v)) for v in (t.values.astype(np.float64) for t in delta.values())))
     if norm > settings.update_norm_bound:
         return Refused(422, f"update norm {norm:.4g} exceeds the bound {settings.update_norm_bound:.4g}")
+    dp = settings.dp()
+    if dp is not None and norm > dp.clip_norm:
+        return Refused(
+            422,
+            f"update norm {norm:.6g} exceeds this population's DP clip norm {dp.clip_norm:g}: a device "
+            "clips its whole delta (all global tensors together) to L2 <= task_config.clip_norm",
+        )
     metrics = _check_metrics(raw_metrics)
     if isinstance(metrics, Refused):
         return metrics
@@ -509,6 +546,8 @@ def _commit(session: Session, population: Population, round_: Round, now: float)
     assert base is not None
     params = decode_params(base.params, manifest.global_params, "model version")
     state = dict(load(base.optimizer_state))
+    settings = population_settings(population)
+    dp = settings.dp()
     mean = WeightedMean({s.name: s.shape for s in manifest.global_params})
     # One report's delta in memory at a time: memory is O(model), not O(reports x model).
     for weight, blob in session.execute(
@@ -516,10 +555,19 @@ def _commit(session: Session, population: Population, round_: Round, now: float)
         .where(Report.round_id == round_.id)
         .execution_options(yield_per=16)
     ):
-        mean.add_sparse(decode_sparse_delta(blob), weight)
-    new_params, new_state = apply_update(
-        population_settings(population).optimizer(), params, mean.mean(), state
-    )
+        # Under DP every report weighs the same: an example count would scale a device's
+        # influence past the clip norm the noise is calibrated to.
+        mean.add_sparse(decode_sparse_delta(blob), weight if dp is None else 1.0)
+    if dp is None:
+        mean_delta = mean.mean()
+    else:
+        mean_delta = noised_mean(mean.weighted_sum(), mean.count, dp, secure_rng())
+        spent = settings.privacy_spent(population.training_rounds_committed + 1)
+        dp_metrics = {"dp_noise_stddev": dp.noise_stddev / mean.count}
+        if math.isfinite(spent.epsilon):  # JSON has no infinity; without noise there is no epsilon
+            dp_metrics["dp_epsilon"] = spent.epsilon
+        round_.metrics = {**round_.metrics, **dp_metrics}
+    new_params, new_state = apply_update(settings.optimizer(), params, mean_delta, state)
     check_params(new_params, manifest.global_params, "aggregated model")
     version = population.current_version + 1
     session.add(
@@ -535,8 +583,8 @@ def _commit(session: Session, population: Population, round_: Round, now: float)
     population.current_version = version
     population.training_rounds_committed += 1
     round_.result_version = version
-    open_round(session, population, TRAINING, now)
-    settings = population_settings(population)
+    if not privacy_budget_spent(population):
+        open_round(session, population, TRAINING, now)
     if settings.keep_model_versions:
         prune_model_versions(session, population, settings.keep_model_versions)
     every = settings.evaluation_every
