@@ -59,7 +59,8 @@ class DPConfig:
 
         def number(name: str, kinds: tuple[type, ...] = (int, float)) -> bool:
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, kinds) or not math.isfinite(getattr(self, name)):
+            finite = isinstance(value, kinds) and math.isfinite(getattr(self, name))
+            if isinstance(value, bool) or not finite:
                 problems.append(f"{name} must be a finite number, got {value!r}")
                 return False
             return True

@@ -12,6 +12,8 @@ from device_runtime.client_task import (
     Outcome,
     SplitPolicy,
     TaskConfig,
+    clip_delta,
+    delta_norm,
     prepare,
     run_evaluation_task,
     run_training_task,
@@ -65,6 +67,37 @@ def test_completed_task_returns_the_reference_delta_and_discards_locals(
     for k, v in result.delta.items():  # type: ignore[union-attr]
         np.testing.assert_allclose(v, ref_delta[k], atol=5e-5, rtol=5e-4)
     assert all(not np.any(v) for v in model.get_local().values())
+
+
+def test_a_dp_task_clips_its_whole_delta_to_the_clip_norm(
+    movielens_device: tuple[DeviceModel, ExampleStore],
+) -> None:
+    model, store = movielens_device
+    globals_ = perturbed_globals(model.get_global(), seed=1)
+    unclipped = run_training_task(model, store, globals_, TaskConfig.from_manifest(model.manifest)).delta
+    assert unclipped is not None
+    norm = delta_norm(unclipped)
+    clip = norm / 4
+
+    result = run_training_task(
+        model, store, globals_, TaskConfig.from_manifest(model.manifest, clip_norm=clip)
+    )
+
+    assert result.outcome is Outcome.COMPLETED and result.delta is not None
+    assert clip * (1 - 1e-5) < delta_norm(result.delta) <= clip
+    for name, value in result.delta.items():  # the direction is kept: every tensor scaled alike
+        np.testing.assert_allclose(value, unclipped[name] * (clip / norm), rtol=1e-5, atol=1e-9)
+
+
+def test_clip_delta_leaves_a_small_delta_alone_and_scales_a_large_one() -> None:
+    delta = {"a": np.array([3.0, 0.0], np.float32), "b": np.array([[4.0]], np.float32)}  # norm 5
+
+    assert clip_delta(delta, 10.0) is delta
+    clipped = clip_delta(delta, 1.0)
+
+    assert delta_norm(clipped) <= 1.0
+    np.testing.assert_allclose(clipped["a"], [0.6, 0.0], rtol=1e-5)
+    np.testing.assert_allclose(clipped["b"], [[0.8]], rtol=1e-5)
 
 
 def test_repeated_rounds_on_a_device_lower_its_query_loss(
@@ -222,3 +255,6 @@ def test_task_config_round_trip_and_refusals() -> None:
         TaskConfig(update_learning_rate=float("nan"))
     with pytest.raises(ValueError, match="update_max_steps must be int, got '5'"):
         TaskConfig.from_json({"update_max_steps": "5"})
+    with pytest.raises(ValueError, match="clip_norm must be > 0"):
+        TaskConfig(clip_norm=0.0)
+    assert TaskConfig.from_json({"clip_norm": 2.5}).clip_norm == 2.5

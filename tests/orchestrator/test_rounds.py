@@ -14,8 +14,10 @@ from sqlalchemy.orm import Session, sessionmaker
 from model_export.manifest import Manifest
 from model_export.params import decode_params, decode_sparse_delta, encode_params, encode_sparse_delta
 from orchestrator import rounds
+from orchestrator.api.routes.admin import population_out
 from orchestrator.db import ModelVersion, Population, Report, Round
 from orchestrator.devices import authenticate, enroll
+from orchestrator.differential_privacy import epsilon
 from orchestrator.populations import ExportedModel, PopulationError, create_population
 from tests.orchestrator.conftest import make_population
 
@@ -420,3 +422,95 @@ def test_old_model_versions_are_pruned_but_not_the_export_or_one_an_open_round_u
     with db() as session:
         kept = session.scalars(select(ModelVersion.version).order_by(ModelVersion.version)).all()
     assert kept == [0, 1, 3]
+
+
+# ---- DP-FedAvg ---------------------------------------------------------------------------
+
+
+def dp_settings(clip_norm: float, noise_multiplier: float, **extra: object) -> dict[str, object]:
+    return {
+        "clip_norm": clip_norm,
+        "noise_multiplier": noise_multiplier,
+        "population_size": 100,
+        **extra,
+    }
+
+
+def commit_round(
+    factory: sessionmaker[Session], model: ExportedModel, reports: list[tuple[float, int]]
+) -> Any:
+    """For each (value, num_examples), a new device checks in and reports `delta_body`; the last answer."""
+    answer: Any = None
+    for value, num_examples in reports:
+        dev = device(factory)
+        assigned = checkin(factory, dev)
+        answer = report(factory, dev, assigned.assignment_id, delta_body(model, value, num_examples))
+    return answer
+
+
+def test_a_dp_round_weighs_reports_equally(db: sessionmaker[Session], biased_model: ExportedModel) -> None:
+    make_population(db, biased_model, target_reports=2, differential_privacy=dp_settings(100.0, 0.0))
+    before = version_params(db, biased_model, 0)
+
+    committed = commit_round(db, biased_model, [(1.0, 10), (4.0, 30)])
+
+    after = version_params(db, biased_model, 1)
+    np.testing.assert_allclose(after["global_mean"] - before["global_mean"], 2.5, rtol=1e-6)  # not 3.25
+    assert committed.metrics["dp_noise_stddev"] == 0.0
+    assert "dp_epsilon" not in committed.metrics  # no noise: no finite epsilon
+
+
+def test_a_dp_round_noises_every_row_and_records_epsilon(
+    db: sessionmaker[Session], biased_model: ExportedModel
+) -> None:
+    make_population(db, biased_model, target_reports=2, differential_privacy=dp_settings(10.0, 1.0))
+    before = version_params(db, biased_model, 0)
+
+    committed = commit_round(db, biased_model, [(1.0, 10), (1.0, 10)])
+
+    after = version_params(db, biased_model, 1)
+    change = after["item_embeddings"] - before["item_embeddings"]
+    assert np.count_nonzero(change) == change.size  # rows no device touched moved too
+    # Noise stddev on the mean: 1.0 * 10 / 2 reports = 5 per coordinate.
+    assert 4.5 < float(np.std(np.delete(change, [3, 7], axis=0))) < 5.5
+    assert committed.metrics["dp_noise_stddev"] == 5.0
+    with db() as session:
+        population = session.scalars(select(Population)).one()
+        expected = rounds.population_settings(population).privacy_spent(1).epsilon
+    assert committed.metrics["dp_epsilon"] == pytest.approx(expected)
+
+
+def test_a_report_above_the_dp_clip_norm_is_refused_with_the_bound(
+    db: sessionmaker[Session], biased_model: ExportedModel
+) -> None:
+    make_population(db, biased_model, target_reports=1, differential_privacy=dp_settings(1.0, 1.0))
+    dev = device(db)
+    answer = checkin(db, dev)
+    assert answer.kind == "training"
+
+    refused = report(db, dev, answer.assignment_id, delta_body(biased_model, 0.2))  # norm 0.2 * sqrt(33)
+
+    assert isinstance(refused, rounds.Refused) and refused.status == 422
+    assert "1.14891 exceeds this population's DP clip norm 1" in refused.message
+    assert round_by_id(db, answer.round_id).invalid == 1
+
+
+def test_the_privacy_budget_stops_training_rounds_and_says_so(
+    db: sessionmaker[Session], biased_model: ExportedModel
+) -> None:
+    budget = epsilon(1.0, 1 / 100, 2, 1e-5)  # exactly two rounds' worth
+    dp = dp_settings(10.0, 1.0, epsilon_budget=budget)
+    make_population(db, biased_model, target_reports=1, evaluation_every=0, differential_privacy=dp)
+
+    first, second = commit_round(db, biased_model, [(0.1, 10)]), commit_round(db, biased_model, [(0.1, 10)])
+    refused = checkin(db, device(db))
+
+    assert (first.status, second.status) == ("committed", "committed")
+    assert isinstance(refused, rounds.Refused) and refused.status == 409
+    assert "privacy budget spent" in refused.message and "after 2 training rounds" in refused.message
+    with db() as session:
+        population = session.scalars(select(Population)).one()
+        assert rounds.TRAINING not in rounds.open_rounds(session, population)
+        status = population_out(session, population)
+    assert status.privacy is not None and status.privacy.budget_spent
+    assert status.privacy.epsilon == pytest.approx(budget) and status.training_rounds_committed == 2
