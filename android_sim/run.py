@@ -76,6 +76,11 @@ class RunConfig:
     stall_seconds: float = 120.0  # give up when no round commits for this long
     seed: int = 0
     show_devices: int = 3
+    # DP-FedAvg (on when clip_norm is set): devices clip to it, the server adds noise to the sum.
+    clip_norm: float | None = None
+    noise_multiplier: float | None = None
+    population_size: int | None = None  # default: the fleet's training devices
+    epsilon_budget: float | None = None
 
     def __post_init__(self) -> None:
         problems = []
@@ -88,6 +93,11 @@ class RunConfig:
                 problems.append(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.devices < 0 or self.expressions < 2:
             problems.append("devices must be >= 0 and expressions >= 2")
+        dp_options = ("noise_multiplier", "population_size", "epsilon_budget")
+        if self.clip_norm is None and any(getattr(self, name) is not None for name in dp_options):
+            problems.append("--noise-multiplier, --population-size and --epsilon-budget need --clip-norm")
+        if self.clip_norm is not None and self.noise_multiplier is None:
+            problems.append("--clip-norm needs --noise-multiplier (0 for clipping without noise)")
         if self.orchestrator_url and not self.admin_token:
             problems.append("an orchestrator URL needs its admin token (--admin-token)")
         if problems:
@@ -144,7 +154,23 @@ def model_config(data: FleetData) -> ModelConfig:
     )
 
 
-def population_settings(config: RunConfig, data: FleetData, model: ModelConfig) -> dict[str, Any]:
+def differential_privacy(config: RunConfig, training_devices: int) -> dict[str, Any] | None:
+    """The population's DP settings from the run's flags; None without --clip-norm."""
+    if config.clip_norm is None:
+        return None
+    settings: dict[str, Any] = {
+        "clip_norm": config.clip_norm,
+        "noise_multiplier": config.noise_multiplier,
+        "population_size": config.population_size or training_devices,
+    }
+    if config.epsilon_budget is not None:
+        settings["epsilon_budget"] = config.epsilon_budget
+    return settings
+
+
+def population_settings(
+    config: RunConfig, data: FleetData, model: ModelConfig, training_devices: int = 0
+) -> dict[str, Any]:
     task = TaskConfig.from_json(
         {
             **{k: v for k, v in asdict(model.training).items()},
@@ -171,6 +197,7 @@ def population_settings(config: RunConfig, data: FleetData, model: ModelConfig) 
         "evaluation_every": config.evaluation_every,
         "evaluation_target_reports": config.target_reports,
         "evaluation_round_duration_seconds": config.round_seconds,
+        "differential_privacy": differential_privacy(config, training_devices),
     }
 
 
@@ -305,6 +332,10 @@ class Monitor:
                     last_printed = done
                 if done >= rounds:
                     return
+                privacy = status.get("privacy")
+                if privacy and privacy["budget_spent"]:
+                    self.progress.console.print(f"[yellow]{privacy['message']}[/]")
+                    return
             if time.monotonic() - last_change > self.stall_seconds:
                 raise RunError(
                     f"no training round committed for {self.stall_seconds:.0f} s "
@@ -362,7 +393,7 @@ async def run_async(config: RunConfig, console: Console) -> RunResult:
     async with orchestrator(config, work, console) as (url, token, connector):
         admin = AdminClient(url, token, transport=connector.transport()[0])
         await _admin_call(admin.ping())
-        settings = population_settings(config, data, model)
+        settings = population_settings(config, data, model, len(devices.specs) - held_out)
         population = await _admin_call(admin.ensure_population(name, model_dir, settings))
         if population["settings"] != PopulationSettings(**settings).model_dump():
             console.print(f"[yellow]population {name!r} exists: reusing it with its own settings[/]")
@@ -450,6 +481,7 @@ def _write_report(
         "population": {
             k: status[k] for k in ("name", "current_version", "training_rounds_committed", "artifact_sha256")
         },
+        "privacy": status.get("privacy"),
         "fleet": {
             "device_classes": classes,
             "device_side_outcomes": {
@@ -471,6 +503,9 @@ def _write_report(
         report_path, plots, len(training), (final or {}).get("metrics", {}), hit_rates, seconds, body
     )
     _print_summary(result, data, examples, console)
+    privacy = status.get("privacy")
+    if privacy:
+        console.print(f"differential privacy: {privacy['message']}")
     return result
 
 

@@ -18,6 +18,7 @@ from android_sim.__main__ import main
 from android_sim.profiles import DeviceClass
 from android_sim.run import RunConfig, RunResult, load_data, model_config, run, run_async
 from model_export.config import ModelConfig
+from orchestrator.differential_privacy import epsilon
 from orchestrator.local import LocalOrchestrator
 from tests.conftest import MOVIELENS_100K
 
@@ -137,6 +138,25 @@ def test_the_in_process_transport_runs_the_same_device_code(work: Path) -> None:
     reconcile(result)
 
 
+def test_a_dp_fleet_reports_epsilon_and_stops_at_its_budget(work: Path) -> None:
+    # 45 training devices, 6 reports a round: a budget that allows exactly two rounds.
+    budget = epsilon(1.0, 6 / 45, 2, 1e-5)
+    config = small(
+        work, in_process=True, rounds=10, clip_norm=0.5, noise_multiplier=1.0, epsilon_budget=budget
+    )
+
+    result = run(config, Console(width=120))
+
+    assert result.rounds_committed == 2
+    privacy = result.summary["privacy"]
+    assert privacy["budget_spent"] and privacy["epsilon"] == pytest.approx(budget)
+    assert "privacy budget spent" in privacy["message"]
+    training = [r for r in result.summary["rounds"] if r["kind"] == "training"]
+    epsilons = [r["metrics"]["dp_epsilon"] for r in training if r["status"] == "committed"]
+    assert epsilons == sorted(epsilons) and epsilons[-1] == pytest.approx(budget)
+    assert result.final_evaluation  # evaluation goes on after training stopped
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
@@ -144,6 +164,12 @@ def test_the_in_process_transport_runs_the_same_device_code(work: Path) -> None:
         (["--orchestrator-url", "http://127.0.0.1:9"], "needs its admin token"),
         (["--orchestrator-url", "http://127.0.0.1:9", "--admin-token", "x"], "no orchestrator answers"),
         (["--rounds", "0"], "rounds must be >= 1"),
+        (["--noise-multiplier", "1"], "need --clip-norm"),
+        (["--clip-norm", "1"], "--clip-norm needs --noise-multiplier"),
+        (
+            ["--clip-norm", "1", "--noise-multiplier", "1", "--population-size", "5"],
+            "population_size (5) must be >= target_reports (40)",
+        ),
     ],
 )
 def test_user_errors_are_one_clear_line(
