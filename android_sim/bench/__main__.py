@@ -14,7 +14,7 @@ from android_sim.run import DEFAULT_RATINGS
 
 def _parser() -> argparse.ArgumentParser:
     from android_sim.bench.federated import Rounds
-    from android_sim.bench.quality import METHODS, SPLIT_SEEDS
+    from android_sim.bench.quality import DP_CLIP_NORM, DP_NOISE_MULTIPLIERS, METHODS, SPLIT_SEEDS
 
     d = Rounds()
     parser = argparse.ArgumentParser(prog="python -m android_sim.bench", description=__doc__)
@@ -47,6 +47,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     quality.add_argument("--centralized-epochs", type=int, default=30)
     quality.add_argument("--better-settings", type=Path, help="JSON file: FedRecon settings for 'better'")
+    quality.add_argument("--dp-clip-norm", type=float, default=DP_CLIP_NORM, help="dp_fedrecon's clip norm")
+    quality.add_argument(
+        "--dp-noise-multipliers",
+        default=",".join(map(str, DP_NOISE_MULTIPLIERS)),
+        help="dp_fedrecon's noise multipliers (0: clipping only)",
+    )
     return parser
 
 
@@ -75,6 +81,8 @@ def main(argv: list[str] | None = None) -> int:
             better=better,
             split_seeds=tuple(int(s) for s in args.split_seeds.split(",") if s.strip()),
             centralized_epochs=args.centralized_epochs,
+            dp_clip_norm=args.dp_clip_norm,
+            dp_noise_multipliers=tuple(float(z) for z in args.dp_noise_multipliers.split(",") if z.strip()),
         )
         report = run_quality(options)
         print(f"wrote {options.out / 'quality.json'} and {options.out / 'learning_curves.png'}")

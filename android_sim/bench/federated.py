@@ -18,18 +18,19 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TypeVar
 
 import numpy as np
 
-from device_runtime.client_task import TaskConfig, diverged, num_steps, reconstruct_locals
+from device_runtime.client_task import TaskConfig, clip_delta, diverged, num_steps, reconstruct_locals
 from device_runtime.model import DeviceModel, EvaluationSums, RowUpdate
 from device_runtime.task_batches import TaskBatches
 from model_export.manifest import Manifest
 from model_export.params import Params, SparseTensor, row_shape
 from orchestrator.aggregation import ServerOptimizerConfig, WeightedMean, apply_update, init_state
+from orchestrator.differential_privacy import DPConfig, noised_mean
 
 R = TypeVar("R")
 
@@ -152,13 +153,25 @@ def whole(values: np.ndarray) -> SparseTensor:
 
 
 class Server:
-    """The orchestrator's commit: the weighted mean of the round's reports, then the server optimizer."""
+    """The orchestrator's commit: the weighted mean of the round's reports, then the server optimizer.
 
-    def __init__(self, params: Params, optimizer: ServerOptimizerConfig) -> None:
+    With `dp` (DP-FedAvg), as the orchestrator does: every report weighs the same and the mean is
+    `noised_mean` of their sum; `rng` is seeded here so that a benchmark run can be repeated.
+    """
+
+    def __init__(
+        self,
+        params: Params,
+        optimizer: ServerOptimizerConfig,
+        dp: DPConfig | None = None,
+        rng: np.random.Generator | None = None,
+    ) -> None:
         self.params = {k: np.asarray(v, np.float32) for k, v in params.items()}
         self.optimizer = optimizer
         self.state = init_state(optimizer, self.params)
         self.shapes = {k: tuple(v.shape) for k, v in self.params.items()}
+        self.dp = dp
+        self.rng = rng or np.random.default_rng(0)
 
     def commit(self, reports: Sequence[Report]) -> int:
         """Apply one round; returns how many reports were refused (diverged)."""
@@ -168,9 +181,15 @@ class Server:
             if report is None:
                 refused += 1
             else:
-                mean.add_sparse(*report)
+                delta, weight = report
+                mean.add_sparse(delta, weight if self.dp is None else 1.0)
         if mean.count:
-            self.params, self.state = apply_update(self.optimizer, self.params, mean.mean(), self.state)
+            mean_delta = (
+                mean.mean()
+                if self.dp is None
+                else noised_mean(mean.weighted_sum(), mean.count, self.dp, self.rng)
+            )
+            self.params, self.state = apply_update(self.optimizer, self.params, mean_delta, self.state)
         return refused
 
 
@@ -242,6 +261,8 @@ def fedrecon_task(
     )
     if diverged(update):
         return None
+    if config.clip_norm is not None:  # DP-FedAvg: the device clips its whole delta
+        update = replace(update, delta=clip_delta(update.delta, config.clip_norm))
     return sparse_delta(update, shapes(params), per_item), float(query.num_examples)
 
 

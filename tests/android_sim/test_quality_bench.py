@@ -178,13 +178,15 @@ def test_cli_writes_every_method_to_json_and_a_plot(tmp_path: Path) -> None:
     result = _bench(
         "--ratings", str(ratings), "--out", str(out), "--models-dir", str(tmp_path / "models"),
         "--rounds", "3", "--clients-per-round", "8", "--evaluate-every", "1",
-        "--centralized-epochs", "2", "--split-seeds", "0,1",
+        "--centralized-epochs", "2", "--split-seeds", "0,1", "--dp-noise-multipliers", "0,1",
     )  # fmt: skip
 
     assert result.returncode == 0, result.stderr
     report = json.loads((out / "quality.json").read_text())
     federated = [
-        m for m in METHODS if m not in ("better_seeds", "kr_ablation") and not m.startswith("implicit")
+        m
+        for m in METHODS
+        if m not in ("better_seeds", "kr_ablation", "dp_fedrecon") and not m.startswith("implicit")
     ]
     assert sorted(report["methods"]) == sorted(federated)
     for name in federated:
@@ -193,6 +195,12 @@ def test_cli_writes_every_method_to_json_and_a_plot(tmp_path: Path) -> None:
         assert report["methods"][name]["validation_curve"], name
     assert [r["split_seed"] for r in report["better_split_seeds"]["runs"]] == [0, 1]
     assert [r["k_r"] for r in report["kr_ablation"]["runs"]] == [0, 1, 2, 5, 10]
+    dp = report["dp_fedrecon"]
+    clipping_only, noised = dp["runs"]
+    assert (clipping_only["noise_multiplier"], noised["noise_multiplier"]) == (0.0, 1.0)
+    assert clipping_only["epsilon"] is None and clipping_only["population_size_for_epsilon_5"] is None
+    assert noised["epsilon"] > 0 and noised["population_size_for_epsilon_5"] >= dp["clients_per_round"]
+    assert dp["population_size"] == report["protocol"]["users"]["train"]
     for source in ("movielens", "expressions"):
         implicit = report["implicit"][source]
         assert implicit["devices_scored"] > 0, source
