@@ -199,14 +199,15 @@ def delta_norm(delta: Params) -> float:
 _CLIP_MARGIN = 1 - 2**-20
 
 
-def clip_delta(delta: Params, clip_norm: float) -> Params:
-    """The delta scaled so that its whole L2 norm (all tensors together) is <= `clip_norm`;
-    unchanged if it already is. The direction is kept: DP-FedAvg's per-device clipping."""
+def clip_delta(delta: Params, clip_norm: float) -> tuple[Params, bool]:
+    """The delta scaled so that its whole L2 norm (all tensors together) is <= `clip_norm`,
+    and whether it already was (then it is returned unchanged). The direction is kept:
+    DP-FedAvg's per-device clipping."""
     norm = delta_norm(delta)
     if norm <= clip_norm * _CLIP_MARGIN:
-        return delta
+        return delta, True
     scale = clip_norm * _CLIP_MARGIN / norm
-    return {name: (np.asarray(t, np.float64) * scale).astype(np.float32) for name, t in delta.items()}
+    return {name: (np.asarray(t, np.float64) * scale).astype(np.float32) for name, t in delta.items()}, False
 
 
 def reconstruct_locals(model: DeviceModel, support: TaskBatches, config: TaskConfig) -> float:
@@ -265,7 +266,12 @@ def run_training_task(
             )
         if not should_continue():
             return TaskResult(Outcome.INTERRUPTED, message="conditions changed before reporting")
-        delta = update.delta if config.clip_norm is None else clip_delta(update.delta, config.clip_norm)
+        delta, clip_metrics = update.delta, {}
+        if config.clip_norm is not None:
+            delta, within = clip_delta(update.delta, config.clip_norm)
+            # Adaptive clipping (Andrew et al. 2021) needs the count of unclipped devices; the
+            # server adds noise to the round's sum of it before using it.
+            clip_metrics = {"dp_within_clip": float(within)}
         metrics = {
             "num_examples": float(data.num_examples),
             "num_support": float(support.num_examples),
@@ -274,6 +280,7 @@ def run_training_task(
             "reconstruction_loss": reconstruction_loss,
             "update_loss": update.loss,
             **{f"query_{k}": v for k, v in before.as_dict().items()},
+            **clip_metrics,
         }
         return TaskResult(Outcome.COMPLETED, num_examples=query.num_examples, delta=delta, metrics=metrics)
     except (ParamsError, ValueError, RuntimeError) as e:

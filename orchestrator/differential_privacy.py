@@ -10,7 +10,12 @@ round logic, or the unmasked sum of a secure aggregation).
   coordinate of every tensor, divided by the number of reports (uniform weights: an example
   count would make one device's influence unbounded). The count is treated as public: the
   server sees who reported anyway.
-- `Accountant`: each round is a Poisson-sampled Gaussian mechanism with sampling rate
+- Adaptive clipping (Andrew et al., NeurIPS 2021), optional: each device also says whether its
+  delta was within the round's clip norm; `adapt_clip_norm` noises that count and moves the
+  clip norm geometrically towards the `target_unclipped_quantile` of the norms. The delta's
+  noise multiplier is raised so that both Gaussian mechanisms together cost exactly what one
+  with `noise_multiplier` does (their Theorem 1), so the accounting below is unchanged.
+- Accounting: each round is a Poisson-sampled Gaussian mechanism with sampling rate
   reports per round / population size, composed over the rounds with Renyi DP
   (`dp_accounting`), converted to epsilon at the population's delta.
 """
@@ -21,7 +26,7 @@ import functools
 import logging
 import math
 import secrets
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
@@ -53,6 +58,10 @@ class DPConfig:
     population_size: int  # devices that could take part (the operator's statement); sets the sampling rate
     target_delta: float = 1e-5
     epsilon_budget: float | None = None  # stop committing training rounds before epsilon would exceed it
+    # Adaptive clipping (None: the clip norm stays fixed); clip_norm is then the first round's.
+    target_unclipped_quantile: float | None = None  # gamma: the share of devices left unclipped
+    clip_learning_rate: float = 0.2  # eta_C of the geometric update
+    clipped_count_stddev: float | None = None  # sigma_b; the paper suggests reports per round / 20
 
     def __post_init__(self) -> None:
         problems = []
@@ -86,13 +95,52 @@ class DPConfig:
                 problems.append(
                     "an epsilon_budget needs noise_multiplier > 0: without noise epsilon is infinite"
                 )
+        if self.target_unclipped_quantile is not None and not problems:
+            self._check_adaptive(problems, number)
         if problems:
             raise ValueError("invalid differential_privacy settings: " + "; ".join(problems))
 
+    def _check_adaptive(self, problems: list[str], number: Callable[[str], bool]) -> None:
+        if number("target_unclipped_quantile") and not 0 < self.target_unclipped_quantile < 1:  # type: ignore[operator]
+            problems.append(
+                f"target_unclipped_quantile must be in (0, 1), got {self.target_unclipped_quantile}"
+            )
+        if number("clip_learning_rate") and self.clip_learning_rate <= 0:
+            problems.append(f"clip_learning_rate must be > 0, got {self.clip_learning_rate}")
+        if self.clipped_count_stddev is None:
+            problems.append(
+                "adaptive clipping needs clipped_count_stddev (the noise on the count of unclipped "
+                "devices; Andrew et al. suggest reports per round / 20)"
+            )
+        elif number("clipped_count_stddev") and self.noise_multiplier > 0:
+            if not 2 * self.clipped_count_stddev > self.noise_multiplier:
+                problems.append(
+                    f"clipped_count_stddev ({self.clipped_count_stddev:g}) must be > noise_multiplier / 2 "
+                    f"({self.noise_multiplier / 2:g}): the count's noise is paid for out of the "
+                    "noise_multiplier's privacy"
+                )
+        elif self.clipped_count_stddev < 0:
+            problems.append(f"clipped_count_stddev must be >= 0, got {self.clipped_count_stddev}")
+
     @property
-    def noise_stddev(self) -> float:
-        """Standard deviation of the noise on each coordinate of the round's sum."""
-        return self.noise_multiplier * self.clip_norm
+    def adaptive(self) -> bool:
+        return self.target_unclipped_quantile is not None
+
+    @property
+    def delta_noise_multiplier(self) -> float:
+        """The noise multiplier on the deltas' sum: `noise_multiplier` itself with a fixed clip norm;
+        with adaptive clipping, (z^-2 - (2 sigma_b)^-2)^-1/2, so that the two Gaussian mechanisms
+        (deltas, sensitivity C; centred count, sensitivity 1/2) compose to one of multiplier z."""
+        z = self.noise_multiplier
+        if not self.adaptive or z == 0:
+            return z
+        assert self.clipped_count_stddev is not None  # checked at construction
+        return float((z**-2 - (2 * self.clipped_count_stddev) ** -2) ** -0.5)
+
+    def noise_stddev(self, clip_norm: float | None = None) -> float:
+        """Standard deviation of the noise on each coordinate of the round's sum, for the round's
+        clip norm (with a fixed one: `clip_norm`)."""
+        return self.delta_noise_multiplier * (self.clip_norm if clip_norm is None else clip_norm)
 
     def sampling_rate(self, reports_per_round: int) -> float:
         if not 1 <= reports_per_round <= self.population_size:
@@ -129,15 +177,26 @@ def secure_rng() -> np.random.Generator:
     return np.random.default_rng(secrets.randbits(256))
 
 
-def noised_mean(update_sum: Params, num_reports: int, config: DPConfig, rng: np.random.Generator) -> Params:
-    """(sum of the clipped updates + N(0, (z C)^2) on every coordinate) / number of reports.
-
-    Every coordinate gets noise, including rows no device touched: noise only on the touched rows
-    would tell which rows those are. Computed in float64, returned as float32.
-    """
+def _check_count(num_reports: int) -> None:
     if isinstance(num_reports, bool) or not isinstance(num_reports, int | np.integer) or num_reports < 1:
         raise ValueError(f"num_reports must be an integer >= 1, got {num_reports!r}")
-    stddev = config.noise_stddev
+
+
+def noised_mean(
+    update_sum: Params,
+    num_reports: int,
+    config: DPConfig,
+    rng: np.random.Generator,
+    clip_norm: float | None = None,
+) -> Params:
+    """(sum of the clipped updates + N(0, (z C)^2) on every coordinate) / number of reports.
+
+    `clip_norm` is the round's C under adaptive clipping (default: the configured one). Every
+    coordinate gets noise, including rows no device touched: noise only on the touched rows
+    would tell which rows those are. Computed in float64, returned as float32.
+    """
+    _check_count(num_reports)
+    stddev = config.noise_stddev(clip_norm)
     out: Params = {}
     for name, total in update_sum.items():
         noisy = np.asarray(total, dtype=np.float64)
@@ -145,6 +204,27 @@ def noised_mean(update_sum: Params, num_reports: int, config: DPConfig, rng: np.
             noisy = noisy + rng.normal(0.0, stddev, size=noisy.shape)
         out[name] = (noisy / num_reports).astype(np.float32)
     return out
+
+
+def adapt_clip_norm(
+    clip_norm: float, unclipped: int, num_reports: int, config: DPConfig, rng: np.random.Generator
+) -> tuple[float, float]:
+    """The next round's clip norm from this round's count of devices whose delta was within
+    `clip_norm` (Andrew et al. 2021, Algorithm 1): (new clip norm, the noised unclipped share).
+
+    The count is centred (each device adds b - 1/2, sensitivity 1/2), noised with
+    N(0, sigma_b^2), and the clip norm moves as C exp(-eta (share - gamma)): down when more than
+    the target share was left unclipped, up when fewer."""
+    _check_count(num_reports)
+    if not config.adaptive or config.target_unclipped_quantile is None:
+        raise ValueError("adapt_clip_norm needs differential_privacy.target_unclipped_quantile")
+    if not 0 <= unclipped <= num_reports:
+        raise ValueError(f"unclipped count {unclipped} must be in [0, {num_reports}]")
+    noise = rng.normal(0.0, config.clipped_count_stddev) if config.clipped_count_stddev else 0.0
+    share = (unclipped - num_reports / 2 + noise) / num_reports + 0.5
+    return clip_norm * math.exp(
+        -config.clip_learning_rate * (share - config.target_unclipped_quantile)
+    ), share
 
 
 # ---- accounting ------------------------------------------------------------------------------

@@ -27,6 +27,7 @@ from sqlalchemy.orm import Session, object_session
 
 from model_export.manifest import Manifest
 from model_export.params import (
+    Params,
     ParamsError,
     check_params,
     check_sparse_delta,
@@ -37,13 +38,16 @@ from model_export.params import (
 )
 from orchestrator.aggregation import WeightedMean, apply_update
 from orchestrator.db import Assignment, ModelVersion, Population, Report, Round
-from orchestrator.differential_privacy import noised_mean, secure_rng
+from orchestrator.differential_privacy import DPConfig, adapt_clip_norm, noised_mean, secure_rng
 from orchestrator.population_settings import PopulationSettings
 
 TRAINING, EVALUATION = "training", "evaluation"
 T = TypeVar("T")
 EVALUATION_METRICS = ("loss_sum", "squared_error_sum", "correct_sum", "weight_sum")
 MAX_METRICS = 64
+# DP round metrics. A training round under adaptive clipping is opened with its clip norm in
+# its metrics; devices send WITHIN_CLIP (0 or 1) and may send no other "dp_" metric.
+CLIP_NORM, NEXT_CLIP_NORM, WITHIN_CLIP = "dp_clip_norm", "dp_next_clip_norm", "dp_within_clip"
 
 # The statements of check-ins and reports are built once: building and hashing a statement
 # costs several times more than SQLite takes to run it.
@@ -103,6 +107,12 @@ class Accepted:
     kind: str
     deadline: float
     model_version: int
+    clip_norm: float | None = None  # the round's DP clip norm, when it is not the configured one
+
+
+def _accepted(assignment_id: str, round_: Round) -> Accepted:
+    clip_norm = round_.metrics.get(CLIP_NORM)
+    return Accepted(assignment_id, round_.id, round_.kind, round_.deadline, round_.base_version, clip_norm)
 
 
 # A population's settings and manifest never change after creation, so they are parsed once
@@ -186,6 +196,10 @@ def open_round(session: Session, population: Population, kind: str, now: float) 
         target = settings.evaluation_target_reports
         capacity = math.ceil(target * settings.oversampling)
         min_reports, duration = 1, settings.evaluation_round_duration_seconds
+    dp = settings.dp()
+    metrics = {}
+    if kind == TRAINING and dp is not None and dp.adaptive:
+        metrics[CLIP_NORM] = _next_clip_norm(session, population, dp.clip_norm)
     round_ = Round(
         population_id=population.id,
         kind=kind,
@@ -198,11 +212,26 @@ def open_round(session: Session, population: Population, kind: str, now: float) 
         opened_at=now,
         deadline=now + duration,
         closed_at=None,
-        metrics={},
+        metrics=metrics,
     )
     session.add(round_)
     session.flush()
     return round_
+
+
+def _next_clip_norm(session: Session, population: Population, initial: float) -> float:
+    """Adaptive clipping: the clip norm the last committed training round chose for its successor
+    (an abandoned round passes its own on), or the configured one before any round."""
+    last = session.scalars(
+        select(Round)
+        .where(Round.population_id == population.id, Round.kind == TRAINING, Round.status != "open")
+        .order_by(Round.id.desc())
+        .limit(1)
+    ).first()
+    if last is None:
+        return initial
+    key = NEXT_CLIP_NORM if last.status == "committed" else CLIP_NORM
+    return float(last.metrics.get(key, initial))
 
 
 def open_rounds(session: Session, population: Population) -> dict[str, Round]:
@@ -276,9 +305,7 @@ def checkin(
         if existing is not None:
             assignment_id, status = existing
             if status == "assigned":  # a retried check-in gets the same assignment back
-                answers.append(
-                    Accepted(assignment_id, round_.id, round_.kind, round_.deadline, round_.base_version)
-                )
+                answers.append(_accepted(assignment_id, round_))
             else:  # one assignment per device per round: a device cannot weigh in twice
                 answers.append(
                     Refused(
@@ -313,7 +340,7 @@ def checkin(
                 "finished_at": None,
             }
         )
-        answers.append(Accepted(assignment_id, round_.id, round_.kind, round_.deadline, round_.base_version))
+        answers.append(_accepted(assignment_id, round_))
     if new_assignments:
         # Plain rows on the connection, not ORM objects: they are not read back in this transaction.
         session.connection().execute(_INSERT_ASSIGNMENTS, new_assignments)
@@ -394,7 +421,7 @@ def report(
     round_ = assignment.round
     settings = population_settings(population)
     parsed = (
-        _parse_training_report(population, settings, assignment.example_count, body)
+        _parse_training_report(population, settings, round_, assignment.example_count, body)
         if round_.kind == TRAINING
         else _parse_evaluation_report(settings, assignment.example_count, body, content_type)
     )
@@ -462,8 +489,24 @@ def _check_metrics(raw: Any) -> dict[str, float] | Refused:
     return metrics
 
 
+def _check_dp_metrics(metrics: dict[str, float], adaptive: bool) -> Refused | None:
+    """Devices may send WITHIN_CLIP (0 or 1; required under adaptive clipping) and no other "dp_"
+    metric: those are the server's, and a device's would be summed into them."""
+    reserved = sorted(k for k in metrics if k.startswith("dp_") and k != WITHIN_CLIP)
+    if reserved:
+        return Refused(422, f"metrics {reserved} are reserved for the server (names starting with 'dp_')")
+    within = metrics.get(WITHIN_CLIP)
+    if within not in (None, 0.0, 1.0) or (adaptive and within is None):
+        return Refused(
+            422,
+            f"metric {WITHIN_CLIP!r} must be 1 (the delta was within the clip norm) or 0 (it was "
+            f"clipped){'; adaptive clipping needs it' if adaptive else ''}, got {within!r}",
+        )
+    return None
+
+
 def _parse_training_report(
-    population: Population, settings: PopulationSettings, example_count: int, body: bytes
+    population: Population, settings: PopulationSettings, round_: Round, example_count: int, body: bytes
 ) -> tuple[float, bytes, dict[str, float]] | Refused:
     manifest = population_manifest(population)
     try:
@@ -493,15 +536,19 @@ def _parse_training_report(
     if norm > settings.update_norm_bound:
         return Refused(422, f"update norm {norm:.4g} exceeds the bound {settings.update_norm_bound:.4g}")
     dp = settings.dp()
-    if dp is not None and norm > dp.clip_norm:
+    clip_norm = None if dp is None else float(round_.metrics.get(CLIP_NORM, dp.clip_norm))
+    if clip_norm is not None and norm > clip_norm:
         return Refused(
             422,
-            f"update norm {norm:.6g} exceeds this population's DP clip norm {dp.clip_norm:g}: a device "
+            f"update norm {norm:.6g} exceeds this round's DP clip norm {clip_norm:g}: a device "
             "clips its whole delta (all global tensors together) to L2 <= task_config.clip_norm",
         )
     metrics = _check_metrics(raw_metrics)
     if isinstance(metrics, Refused):
         return metrics
+    refused = _check_dp_metrics(metrics, dp is not None and dp.adaptive)
+    if refused is not None:
+        return refused
     # Stored as received: it is the storage format, checked tensor by tensor above.
     return float(weight), body, metrics
 
@@ -558,15 +605,7 @@ def _commit(session: Session, population: Population, round_: Round, now: float)
         # Under DP every report weighs the same: an example count would scale a device's
         # influence past the clip norm the noise is calibrated to.
         mean.add_sparse(decode_sparse_delta(blob), weight if dp is None else 1.0)
-    if dp is None:
-        mean_delta = mean.mean()
-    else:
-        mean_delta = noised_mean(mean.weighted_sum(), mean.count, dp, secure_rng())
-        spent = settings.privacy_spent(population.training_rounds_committed + 1)
-        dp_metrics = {"dp_noise_stddev": dp.noise_stddev / mean.count}
-        if math.isfinite(spent.epsilon):  # JSON has no infinity; without noise there is no epsilon
-            dp_metrics["dp_epsilon"] = spent.epsilon
-        round_.metrics = {**round_.metrics, **dp_metrics}
+    mean_delta = mean.mean() if dp is None else _private_mean(population, round_, mean, dp)
     new_params, new_state = apply_update(settings.optimizer(), params, mean_delta, state)
     check_params(new_params, manifest.global_params, "aggregated model")
     version = population.current_version + 1
@@ -594,6 +633,27 @@ def _commit(session: Session, population: Population, round_: Round, now: float)
         and EVALUATION not in open_rounds(session, population)
     ):
         open_round(session, population, EVALUATION, now)
+
+
+def _private_mean(population: Population, round_: Round, total: WeightedMean, dp: DPConfig) -> Params:
+    """DP-FedAvg's server step over the round's (equally weighted) sum, and its round metrics:
+    the noise on the mean, epsilon so far, and under adaptive clipping the next clip norm."""
+    rng = secure_rng()
+    metrics = dict(round_.metrics)
+    # The raw count of unclipped devices is not for release; only its noised share is.
+    unclipped = round(metrics.pop(WITHIN_CLIP, 0.0))
+    clip_norm = float(metrics.get(CLIP_NORM, dp.clip_norm))
+    mean = noised_mean(total.weighted_sum(), total.count, dp, rng, clip_norm)
+    metrics["dp_noise_stddev"] = dp.noise_stddev(clip_norm) / total.count
+    if dp.adaptive:
+        metrics[NEXT_CLIP_NORM], metrics["dp_unclipped_share"] = adapt_clip_norm(
+            clip_norm, unclipped, total.count, dp, rng
+        )
+    spent = population_settings(population).privacy_spent(population.training_rounds_committed + 1)
+    if math.isfinite(spent.epsilon):  # JSON has no infinity; without noise there is no epsilon
+        metrics["dp_epsilon"] = spent.epsilon
+    round_.metrics = metrics
+    return mean
 
 
 def prune_model_versions(session: Session, population: Population, keep: int) -> int:

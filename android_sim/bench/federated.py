@@ -262,7 +262,7 @@ def fedrecon_task(
     if diverged(update):
         return None
     if config.clip_norm is not None:  # DP-FedAvg: the device clips its whole delta
-        update = replace(update, delta=clip_delta(update.delta, config.clip_norm))
+        update = replace(update, delta=clip_delta(update.delta, config.clip_norm)[0])
     return sparse_delta(update, shapes(params), per_item), float(query.num_examples)
 
 

@@ -85,6 +85,7 @@ def test_a_dp_task_clips_its_whole_delta_to_the_clip_norm(
 
     assert result.outcome is Outcome.COMPLETED and result.delta is not None
     assert clip * (1 - 1e-5) < delta_norm(result.delta) <= clip
+    assert result.metrics["dp_within_clip"] == 0.0  # for adaptive clipping's count
     for name, value in result.delta.items():  # the direction is kept: every tensor scaled alike
         np.testing.assert_allclose(value, unclipped[name] * (clip / norm), rtol=1e-5, atol=1e-9)
 
@@ -92,10 +93,11 @@ def test_a_dp_task_clips_its_whole_delta_to_the_clip_norm(
 def test_clip_delta_leaves_a_small_delta_alone_and_scales_a_large_one() -> None:
     delta = {"a": np.array([3.0, 0.0], np.float32), "b": np.array([[4.0]], np.float32)}  # norm 5
 
-    assert clip_delta(delta, 10.0) is delta
-    clipped = clip_delta(delta, 1.0)
+    kept, kept_within = clip_delta(delta, 10.0)
+    clipped, within = clip_delta(delta, 1.0)
 
-    assert delta_norm(clipped) <= 1.0
+    assert kept is delta and kept_within
+    assert not within and delta_norm(clipped) <= 1.0
     np.testing.assert_allclose(clipped["a"], [0.6, 0.0], rtol=1e-5)
     np.testing.assert_allclose(clipped["b"], [[0.8]], rtol=1e-5)
 

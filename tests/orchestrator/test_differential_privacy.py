@@ -11,6 +11,7 @@ from dp_accounting.rdp import RdpAccountant
 
 from orchestrator.differential_privacy import (
     DPConfig,
+    adapt_clip_norm,
     epsilon,
     noised_mean,
     population_size_for,
@@ -116,6 +117,30 @@ def test_population_size_for_a_target_epsilon_is_the_smallest_that_reaches_it() 
         population_size_for(5.0, 0.0, per_round, rounds, delta)
 
 
+def test_adaptive_clipping_moves_the_clip_norm_towards_the_target_quantile() -> None:
+    exact = config(0.0, target_unclipped_quantile=0.5, clip_learning_rate=0.2, clipped_count_stddev=0.0)
+    rng = np.random.default_rng(0)
+
+    shrunk, share = adapt_clip_norm(2.0, 8, 10, exact, rng)  # 80% unclipped: the norm is too large
+    grown, none = adapt_clip_norm(2.0, 0, 10, exact, rng)
+
+    assert share == pytest.approx(0.8) and shrunk == pytest.approx(2.0 * math.exp(-0.2 * 0.3))
+    assert none == pytest.approx(0.0) and grown == pytest.approx(2.0 * math.exp(0.2 * 0.5))
+
+
+def test_adaptive_clipping_pays_for_the_count_out_of_the_deltas_noise() -> None:
+    dp = config(1.0, target_unclipped_quantile=0.5, clipped_count_stddev=5.0)
+    rng = np.random.default_rng(1)
+
+    shares = [adapt_clip_norm(2.0, 5, 10, dp, rng)[1] for _ in range(20_000)]
+
+    # (z^-2 - (2 sigma_b)^-2)^-1/2 with z = 1, sigma_b = 5; the two together cost what z alone does.
+    assert dp.delta_noise_multiplier == pytest.approx((1 - 1 / 100) ** -0.5)
+    assert dp.noise_stddev(3.0) == pytest.approx(3.0 * (1 - 1 / 100) ** -0.5)
+    # The share's noise: sigma_b / reports.
+    assert np.mean(shares) == pytest.approx(0.5, abs=0.01) and np.std(shares) == pytest.approx(0.5, rel=0.03)
+
+
 @pytest.mark.parametrize(
     ("settings", "message"),
     [
@@ -133,6 +158,30 @@ def test_population_size_for_a_target_epsilon_is_the_smallest_that_reaches_it() 
         ({"clip_norm": 1, "noise_multiplier": 1}, r"need \['population_size'\]"),
         ({"clip_norm": 1, "noise_multiplier": 1, "population_size": 100, "sigma": 2}, "unknown"),
         ({"clip_norm": float("nan"), "noise_multiplier": 1, "population_size": 100}, "finite number"),
+        (
+            {"clip_norm": 1, "noise_multiplier": 1, "population_size": 100, "target_unclipped_quantile": 0.5},
+            "adaptive clipping needs clipped_count_stddev",
+        ),
+        (
+            {
+                "clip_norm": 1,
+                "noise_multiplier": 1,
+                "population_size": 100,
+                "target_unclipped_quantile": 0.5,
+                "clipped_count_stddev": 0.5,
+            },
+            r"clipped_count_stddev \(0.5\) must be > noise_multiplier / 2",
+        ),
+        (
+            {
+                "clip_norm": 1,
+                "noise_multiplier": 1,
+                "population_size": 100,
+                "target_unclipped_quantile": 1.5,
+                "clipped_count_stddev": 5,
+            },
+            r"target_unclipped_quantile must be in \(0, 1\)",
+        ),
     ],
 )
 def test_bad_settings_are_refused_with_what_was_expected(settings: dict[str, object], message: str) -> None:

@@ -77,6 +77,7 @@ def delta_body(
     value: float,
     num_examples: int = 10,
     rows: tuple[int, ...] = (3, 7),
+    metrics: dict[str, float] | None = None,
     **overrides: np.ndarray,
 ) -> bytes:
     delta = {s.name: np.zeros(s.shape, np.float32) for s in manifest_of(model).global_params}
@@ -85,7 +86,11 @@ def delta_body(
     delta["global_mean"][:] = value
     delta.update(overrides)
     return encode_sparse_delta(
-        delta, {"num_examples": str(num_examples), "metrics": json.dumps({"update_loss": value})}
+        delta,
+        {
+            "num_examples": str(num_examples),
+            "metrics": json.dumps({"update_loss": value} if metrics is None else metrics),
+        },
     )
 
 
@@ -491,7 +496,7 @@ def test_a_report_above_the_dp_clip_norm_is_refused_with_the_bound(
     refused = report(db, dev, answer.assignment_id, delta_body(biased_model, 0.2))  # norm 0.2 * sqrt(33)
 
     assert isinstance(refused, rounds.Refused) and refused.status == 422
-    assert "1.14891 exceeds this population's DP clip norm 1" in refused.message
+    assert "1.14891 exceeds this round's DP clip norm 1" in refused.message
     assert round_by_id(db, answer.round_id).invalid == 1
 
 
@@ -514,3 +519,53 @@ def test_the_privacy_budget_stops_training_rounds_and_says_so(
         status = population_out(session, population)
     assert status.privacy is not None and status.privacy.budget_spent
     assert status.privacy.epsilon == pytest.approx(budget) and status.training_rounds_committed == 2
+
+
+def test_adaptive_clipping_moves_the_clip_norm_round_by_round(
+    db: sessionmaker[Session], biased_model: ExportedModel
+) -> None:
+    # No noise, so the clip norm's step is exact: both devices unclipped (share 1) against a
+    # target of 0.5 shrinks it by exp(-0.2 * 0.5).
+    adaptive = {"target_unclipped_quantile": 0.5, "clip_learning_rate": 0.2, "clipped_count_stddev": 0.0}
+    make_population(
+        db, biased_model, target_reports=2, differential_privacy=dp_settings(10.0, 0.0, **adaptive)
+    )
+    a, b = device(db), device(db)
+    first, second = checkin(db, a), checkin(db, b)
+    within = {"dp_within_clip": 1.0}
+
+    report(db, a, first.assignment_id, delta_body(biased_model, 0.1, metrics=within))
+    committed = report(db, b, second.assignment_id, delta_body(biased_model, 0.1, metrics=within))
+    following = checkin(db, device(db))
+
+    assert first.clip_norm == 10.0
+    assert committed.metrics["dp_unclipped_share"] == 1.0
+    assert committed.metrics["dp_next_clip_norm"] == pytest.approx(10.0 * np.exp(-0.1))
+    assert "dp_within_clip" not in committed.metrics  # only the noised share is released
+    assert following.clip_norm == pytest.approx(10.0 * np.exp(-0.1))
+    assert current_round(db).metrics["dp_clip_norm"] == following.clip_norm
+
+
+@pytest.mark.parametrize(
+    ("metrics", "message"),
+    [
+        ({"update_loss": 1.0}, "'dp_within_clip' must be 1 .* or 0 .*; adaptive clipping needs it, got None"),
+        ({"dp_within_clip": 0.5}, "got 0.5"),
+        ({"dp_within_clip": 1.0, "dp_clip_norm": -9.0}, r"\['dp_clip_norm'\] are reserved for the server"),
+    ],
+)
+def test_adaptive_clipping_refuses_a_missing_or_forged_count(
+    db: sessionmaker[Session], biased_model: ExportedModel, metrics: dict[str, float], message: str
+) -> None:
+    adaptive = {"target_unclipped_quantile": 0.5, "clipped_count_stddev": 1.0}
+    make_population(
+        db, biased_model, target_reports=2, differential_privacy=dp_settings(10.0, 1.0, **adaptive)
+    )
+    dev = device(db)
+    answer = checkin(db, dev)
+
+    refused = report(db, dev, answer.assignment_id, delta_body(biased_model, 0.1, metrics=metrics))
+
+    assert isinstance(refused, rounds.Refused) and refused.status == 422
+    assert __import__("re").search(message, refused.message), refused.message
+    assert current_round(db).metrics == {"dp_clip_norm": 10.0}
