@@ -141,9 +141,7 @@ def test_the_in_process_transport_runs_the_same_device_code(work: Path) -> None:
 def test_a_dp_fleet_reports_epsilon_and_stops_at_its_budget(work: Path) -> None:
     # 45 training devices, 6 reports a round: a budget that allows exactly two rounds.
     budget = epsilon(1.0, 6 / 45, 2, 1e-5)
-    config = small(
-        work, in_process=True, rounds=10, clip_norm=0.5, noise_multiplier=1.0, epsilon_budget=budget
-    )
+    config = small(work, rounds=10, clip_norm=0.5, noise_multiplier=1.0, epsilon_budget=budget)
 
     result = run(config, Console(width=120))
 

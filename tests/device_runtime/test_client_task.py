@@ -15,11 +15,13 @@ from device_runtime.client_task import (
     clip_delta,
     delta_norm,
     prepare,
+    reconstruct_locals,
     run_evaluation_task,
     run_training_task,
 )
 from device_runtime.example_store import Event, ExampleStore
 from device_runtime.model import DeviceModel
+from device_runtime.task_batches import TaskBatches
 from model_export.config import ModelConfig
 from model_export.reference import ReferenceModel
 from tests.conftest import IMPLICIT, MOVIELENS, perturbed_globals
@@ -88,6 +90,32 @@ def test_a_dp_task_clips_its_whole_delta_to_the_clip_norm(
     assert result.metrics["dp_within_clip"] == 0.0  # for adaptive clipping's count
     for name, value in result.delta.items():  # the direction is kept: every tensor scaled alike
         np.testing.assert_allclose(value, unclipped[name] * (clip / norm), rtol=1e-5, atol=1e-9)
+
+
+def test_clipping_alone_does_not_hide_the_user_embedding_from_a_curious_server(
+    movielens_device: tuple[DeviceModel, ExampleStore],
+) -> None:
+    """Issue 11's attack on a clipped report. Clipping scales the whole delta, so a touched row's
+    item delta over its bias delta is still the device's (frozen) user embedding; DP's noise goes
+    on the round's sum, after the server has read the report. In plaintext mode a report leaks
+    with or without DP: only secure aggregation hides one device's update."""
+    model, store = movielens_device
+    globals_ = perturbed_globals(model.get_global(), seed=1)
+    config = TaskConfig.from_manifest(model.manifest, clip_norm=0.05)
+    result = run_training_task(model, store, globals_, config)
+    assert result.outcome is Outcome.COMPLETED and result.delta is not None
+    assert result.metrics["dp_within_clip"] == 0.0  # it was clipped
+
+    rows = np.flatnonzero(result.delta["item_bias"])
+    recovered = result.delta["item_embeddings"][rows] / result.delta["item_bias"][rows, None]
+
+    support = TaskBatches.pack(prepare(store, model.manifest, config, seed=0).support, model.manifest)
+    model.set_global(globals_)
+    reconstruct_locals(model, support, config)  # what the device held during its update
+    user = model.get_local()["user_embedding"].ravel()
+    cosine = recovered @ user / (np.linalg.norm(recovered, axis=1) * np.linalg.norm(user))
+    assert len(rows) > 50 and cosine.min() > 0.9999
+    np.testing.assert_allclose(recovered, np.broadcast_to(user, recovered.shape), rtol=1e-3, atol=1e-4)
 
 
 def test_clip_delta_leaves_a_small_delta_alone_and_scales_a_large_one() -> None:
