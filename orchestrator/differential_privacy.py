@@ -101,7 +101,8 @@ class DPConfig:
             raise ValueError("invalid differential_privacy settings: " + "; ".join(problems))
 
     def _check_adaptive(self, problems: list[str], number: Callable[[str], bool]) -> None:
-        if number("target_unclipped_quantile") and not 0 < self.target_unclipped_quantile < 1:  # type: ignore[operator]
+        quantile = self.target_unclipped_quantile
+        if number("target_unclipped_quantile") and quantile is not None and not 0 < quantile < 1:
             problems.append(
                 f"target_unclipped_quantile must be in (0, 1), got {self.target_unclipped_quantile}"
             )
