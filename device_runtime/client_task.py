@@ -55,12 +55,19 @@ class TaskConfig:
     l2_local: float = 0.0
     negatives_per_positive: int = 4  # implicit feedback: sampled non-shared items per share
     clip_norm: float | None = None  # DP-FedAvg: the whole delta is clipped to this L2 norm before reporting
+    # Adaptive clipping: also report whether the delta was within clip_norm (metric dp_within_clip).
+    # Only when asked: it is one bit about the update that the server would otherwise not see.
+    report_within_clip: bool = False
 
     def __post_init__(self) -> None:
         problems = []
         for f in fields(self):
             value = getattr(self, f.name)
             if f.type == "SplitPolicy" or (value is None and f.type.endswith("| None")):
+                continue
+            if f.type == "bool":
+                if not isinstance(value, bool):
+                    problems.append(f"{f.name} must be true or false, got {value!r}")
                 continue
             kinds = (int,) if f.type.startswith("int") else (int, float)
             if isinstance(value, bool) or not isinstance(value, kinds):
@@ -269,9 +276,10 @@ def run_training_task(
         delta, clip_metrics = update.delta, {}
         if config.clip_norm is not None:
             delta, within = clip_delta(update.delta, config.clip_norm)
-            # Adaptive clipping (Andrew et al. 2021) needs the count of unclipped devices; the
-            # server adds noise to the round's sum of it before using it.
-            clip_metrics = {"dp_within_clip": float(within)}
+            if config.report_within_clip:
+                # Adaptive clipping (Andrew et al. 2021) needs the count of unclipped devices; the
+                # server adds noise to the round's sum of it before using it.
+                clip_metrics = {"dp_within_clip": float(within)}
         metrics = {
             "num_examples": float(data.num_examples),
             "num_support": float(support.num_examples),

@@ -74,7 +74,11 @@ class PopulationSettings(BaseModel):
                     f"task_config.clip_norm ({stated}) differs from differential_privacy.clip_norm "
                     f"({dp.clip_norm}); leave it out: devices are sent the DP clip norm"
                 )
-            self.task_config = {**self.task_config, "clip_norm": dp.clip_norm}
+            self.task_config = {
+                **self.task_config,
+                "clip_norm": dp.clip_norm,
+                "report_within_clip": dp.adaptive,
+            }
             if dp.epsilon_budget is not None and self.privacy_spent(0).rounds_within_budget == 0:
                 raise ValueError(
                     f"differential_privacy.epsilon_budget {dp.epsilon_budget:g} does not allow one round: "
