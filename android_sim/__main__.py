@@ -63,6 +63,11 @@ def _run_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
         "--population-size", type=int, help="devices that could take part (default: the training devices)"
     )
     dp.add_argument("--epsilon-budget", type=float, help="stop training rounds before epsilon exceeds it")
+    dp.add_argument(
+        "--target-unclipped-quantile",
+        type=float,
+        help="adaptive clipping: the share of devices to leave unclipped (--clip-norm is the first round's)",
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -116,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
             noise_multiplier=args.noise_multiplier,
             population_size=args.population_size,
             epsilon_budget=args.epsilon_budget,
+            target_unclipped_quantile=args.target_unclipped_quantile,
         )
         run(config)
         return 0

@@ -81,6 +81,8 @@ class RunConfig:
     noise_multiplier: float | None = None
     population_size: int | None = None  # default: the fleet's training devices
     epsilon_budget: float | None = None
+    # Adaptive clipping: --clip-norm is then the first round's; the count's noise is reports / 20.
+    target_unclipped_quantile: float | None = None
 
     def __post_init__(self) -> None:
         problems = []
@@ -93,9 +95,12 @@ class RunConfig:
                 problems.append(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.devices < 0 or self.expressions < 2:
             problems.append("devices must be >= 0 and expressions >= 2")
-        dp_options = ("noise_multiplier", "population_size", "epsilon_budget")
+        dp_options = ("noise_multiplier", "population_size", "epsilon_budget", "target_unclipped_quantile")
         if self.clip_norm is None and any(getattr(self, name) is not None for name in dp_options):
-            problems.append("--noise-multiplier, --population-size and --epsilon-budget need --clip-norm")
+            problems.append(
+                "--noise-multiplier, --population-size, --epsilon-budget and --target-unclipped-quantile "
+                "need --clip-norm"
+            )
         if self.clip_norm is not None and self.noise_multiplier is None:
             problems.append("--clip-norm needs --noise-multiplier (0 for clipping without noise)")
         if self.orchestrator_url and not self.admin_token:
@@ -165,6 +170,10 @@ def differential_privacy(config: RunConfig, training_devices: int) -> dict[str, 
     }
     if config.epsilon_budget is not None:
         settings["epsilon_budget"] = config.epsilon_budget
+    if config.target_unclipped_quantile is not None:
+        settings["target_unclipped_quantile"] = config.target_unclipped_quantile
+        # Andrew et al.'s suggestion: the count's noise at a twentieth of the reports per round.
+        settings["clipped_count_stddev"] = config.target_reports / 20
     return settings
 
 
