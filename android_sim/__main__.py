@@ -62,6 +62,24 @@ def _run_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     run.add_argument("--workers", type=int, default=d.workers, help="interpreter threads (default: cores)")
     run.add_argument("--seed", type=int, default=d.seed)
     _algorithm_arguments(run)
+    dp = run.add_argument_group(
+        "differential privacy (DP-FedAvg)",
+        "devices clip their whole delta to --clip-norm; the server adds Gaussian noise "
+        "N(0, (noise multiplier x clip norm)^2) to the round's sum and tracks epsilon",
+    )
+    dp.add_argument("--clip-norm", type=float, help="L2 bound on a device's delta (turns DP on)")
+    dp.add_argument(
+        "--noise-multiplier", type=float, help="noise stddev over the clip norm; 0: clipping only"
+    )
+    dp.add_argument(
+        "--population-size", type=int, help="devices that could take part (default: the training devices)"
+    )
+    dp.add_argument("--epsilon-budget", type=float, help="stop training rounds before epsilon exceeds it")
+    dp.add_argument(
+        "--target-unclipped-quantile",
+        type=float,
+        help="adaptive clipping: the share of devices to leave unclipped (--clip-norm is the first round's)",
+    )
 
 
 # Flags that set a task config field: (flag, field, type, help).
@@ -189,6 +207,11 @@ def main(argv: list[str] | None = None) -> int:
             seed=args.seed,
             task=task,
             server_optimizer=server,
+            clip_norm=args.clip_norm,
+            noise_multiplier=args.noise_multiplier,
+            population_size=args.population_size,
+            epsilon_budget=args.epsilon_budget,
+            target_unclipped_quantile=args.target_unclipped_quantile,
         )
         run(config)
         return 0

@@ -53,7 +53,15 @@ def plot_metrics(path: Path, rounds: list[dict[str, Any]], explicit: bool) -> No
     left.set_xlabel("training round")
     left.set_ylabel(metric)
     left.set_title("training rounds")
-    left.legend(fontsize=8)
+    left.legend(fontsize=8, loc="upper left")
+    private = [
+        (i, r["metrics"]["dp_epsilon"]) for i, r in enumerate(training, 1) if "dp_epsilon" in r["metrics"]
+    ]
+    if private:  # DP-FedAvg: the privacy spent so far, next to what it bought
+        twin = left.twinx()
+        twin.plot(*zip(*private, strict=True), "r--", label="epsilon spent (DP-FedAvg)")
+        twin.set_ylabel("epsilon")
+        twin.legend(fontsize=8, loc="upper right")
     if evaluation:
         xs = [_trained_rounds_before(rounds, r) for r in evaluation]
         right.plot(xs, [r["metrics"][metric] for r in evaluation], marker="o", label=f"ReconEval {metric}")

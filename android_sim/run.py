@@ -94,6 +94,14 @@ class RunConfig:
     def stateful(self) -> bool:
         return self.task.get("local_state") == LocalState.KEEP.value
 
+    # DP-FedAvg (on when clip_norm is set): devices clip to it, the server adds noise to the sum.
+    clip_norm: float | None = None
+    noise_multiplier: float | None = None
+    population_size: int | None = None  # default: the fleet's training devices
+    epsilon_budget: float | None = None
+    # Adaptive clipping: --clip-norm is then the first round's; the count's noise is reports / 20.
+    target_unclipped_quantile: float | None = None
+
     def __post_init__(self) -> None:
         problems = []
         try:
@@ -118,6 +126,14 @@ class RunConfig:
             problems.append("secure aggregation needs target_reports >= 6 (min_reports = target / 2 >= 3)")
         if self.devices < 0 or self.expressions < 2:
             problems.append("devices must be >= 0 and expressions >= 2")
+        dp_options = ("noise_multiplier", "population_size", "epsilon_budget", "target_unclipped_quantile")
+        if self.clip_norm is None and any(getattr(self, name) is not None for name in dp_options):
+            problems.append(
+                "--noise-multiplier, --population-size, --epsilon-budget and --target-unclipped-quantile "
+                "need --clip-norm"
+            )
+        if self.clip_norm is not None and self.noise_multiplier is None:
+            problems.append("--clip-norm needs --noise-multiplier (0 for clipping without noise)")
         if self.orchestrator_url and not self.admin_token:
             problems.append("an orchestrator URL needs its admin token (--admin-token)")
         if problems:
@@ -195,7 +211,27 @@ def server_optimizer(config: RunConfig, data: FleetData) -> dict[str, Any]:
     return {**default, **chosen}
 
 
-def population_settings(config: RunConfig, data: FleetData, model: ModelConfig) -> dict[str, Any]:
+def differential_privacy(config: RunConfig, training_devices: int) -> dict[str, Any] | None:
+    """The population's DP settings from the run's flags; None without --clip-norm."""
+    if config.clip_norm is None:
+        return None
+    settings: dict[str, Any] = {
+        "clip_norm": config.clip_norm,
+        "noise_multiplier": config.noise_multiplier,
+        "population_size": config.population_size or training_devices,
+    }
+    if config.epsilon_budget is not None:
+        settings["epsilon_budget"] = config.epsilon_budget
+    if config.target_unclipped_quantile is not None:
+        settings["target_unclipped_quantile"] = config.target_unclipped_quantile
+        # Andrew et al.'s suggestion: the count's noise at a twentieth of the reports per round.
+        settings["clipped_count_stddev"] = config.target_reports / 20
+    return settings
+
+
+def population_settings(
+    config: RunConfig, data: FleetData, model: ModelConfig, training_devices: int = 0
+) -> dict[str, Any]:
     task = algorithm_task(
         {
             **{k: v for k, v in asdict(model.training).items()},
@@ -226,6 +262,7 @@ def population_settings(config: RunConfig, data: FleetData, model: ModelConfig) 
             "masked_input_seconds": config.secure_phase_seconds,
             "unmasking_seconds": config.secure_phase_seconds,
         },
+        "differential_privacy": differential_privacy(config, training_devices),
     }
 
 
@@ -372,6 +409,10 @@ class Monitor:
                     last_printed = done
                 if done >= rounds:
                     return
+                privacy = status.get("privacy")
+                if privacy and privacy["budget_spent"]:
+                    self.progress.console.print(f"[yellow]{privacy['message']}[/]")
+                    return
             if time.monotonic() - last_change > self.stall_seconds:
                 raise RunError(
                     f"no training round committed for {self.stall_seconds:.0f} s "
@@ -434,7 +475,7 @@ async def run_async(config: RunConfig, console: Console) -> RunResult:
     async with orchestrator(config, work, console) as (url, token, connector):
         admin = AdminClient(url, token, transport=connector.transport()[0])
         await _admin_call(admin.ping())
-        settings = population_settings(config, data, model)
+        settings = population_settings(config, data, model, len(devices.specs) - held_out)
         population = await _admin_call(admin.ensure_population(name, model_dir, settings))
         if population["settings"] != PopulationSettings(**settings).model_dump():
             console.print(f"[yellow]population {name!r} exists: reusing it with its own settings[/]")
@@ -534,6 +575,7 @@ def _write_report(
         "population": {
             k: status[k] for k in ("name", "current_version", "training_rounds_committed", "artifact_sha256")
         },
+        "privacy": status.get("privacy"),
         "fleet": {
             "device_classes": classes,
             "device_side_outcomes": {
@@ -561,6 +603,9 @@ def _write_report(
         report_path, plots, len(training), (final or {}).get("metrics", {}), hit_rates, seconds, body
     )
     _print_summary(result, config, data, examples, console)
+    privacy = status.get("privacy")
+    if privacy:
+        console.print(f"differential privacy: {privacy['message']}")
     return result
 
 

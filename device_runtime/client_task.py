@@ -55,6 +55,7 @@ TASK_CONFIG_MAXIMA: dict[str, int | float] = {
     "update_max_epochs": 1_000,
     "update_max_steps": 10_000,
     "local_learning_rate": 1_000.0,
+    "clip_norm": 1e9,
     "l2_global": 1_000.0,
     "l2_local": 1_000.0,
     "negatives_per_positive": 100,
@@ -94,6 +95,10 @@ class TaskConfig:
     negatives_per_positive: int = 4  # implicit feedback: sampled non-shared items per share
     local_state: LocalState = LocalState.RECONSTRUCT
     local_learning_rate: float = 0.0  # locals train jointly during the update at this rate (FURL)
+    clip_norm: float | None = None  # DP-FedAvg: the whole delta is clipped to this L2 norm before reporting
+    # Adaptive clipping: also report whether the delta was within clip_norm (metric dp_within_clip).
+    # Only when asked: it is one bit about the update that the server would otherwise not see.
+    report_within_clip: bool = False
 
     def __post_init__(self) -> None:
         problems = []
@@ -107,7 +112,11 @@ class TaskConfig:
                 )
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.type in _ENUM_FIELDS or (value is None and f.type == "int | None"):
+            if f.type in _ENUM_FIELDS or (value is None and f.type.endswith("| None")):
+                continue
+            if f.type == "bool":
+                if not isinstance(value, bool):
+                    problems.append(f"{f.name} must be true or false, got {value!r}")
                 continue
             is_int = f.type.startswith("int")
             kinds = (int,) if is_int else (int, float)
@@ -118,6 +127,8 @@ class TaskConfig:
                 problems.append(f"{f.name} must be finite, got {value}")
             elif not 0 <= value <= highest:  # ints are exact here: 2**64 must not round to a float
                 problems.append(f"{f.name} must be in [0, {_shown(highest)}], got {_shown(value)}")
+        if self.clip_norm == 0:
+            problems.append(f"clip_norm must be > 0 (or null for no clipping), got {self.clip_norm}")
         if self.min_examples < 1:
             problems.append(f"min_examples must be >= 1, got {self.min_examples}")
         if self.max_examples < self.min_examples:
@@ -281,6 +292,27 @@ def diverged(update: Update | RowUpdate) -> bool:
     return not (math.isfinite(update.loss) and update.max_abs_change < _SATURATED)
 
 
+def delta_norm(delta: Params) -> float:
+    """L2 norm of a whole delta, every tensor together (float64 sums)."""
+    return math.sqrt(sum(float(np.vdot(v, v)) for v in (np.asarray(t, np.float64) for t in delta.values())))
+
+
+# Clipping aims this much below the bound, so that the float32 result's norm, as the server
+# computes it (float64 sums in another order), is within the bound too.
+_CLIP_MARGIN = 1 - 2**-20
+
+
+def clip_delta(delta: Params, clip_norm: float) -> tuple[Params, bool]:
+    """The delta scaled so that its whole L2 norm (all tensors together) is <= `clip_norm`,
+    and whether it already was (then it is returned unchanged). The direction is kept:
+    DP-FedAvg's per-device clipping."""
+    norm = delta_norm(delta)
+    if norm <= clip_norm * _CLIP_MARGIN:
+        return delta, True
+    scale = clip_norm * _CLIP_MARGIN / norm
+    return {name: (np.asarray(t, np.float64) * scale).astype(np.float32) for name, t in delta.items()}, False
+
+
 def reconstruct_locals(model: DeviceModel, support: TaskBatches, config: TaskConfig) -> float:
     """Fresh local parameters fitted on the support batches, globals frozen; the mean batch loss."""
     model.reset_local()
@@ -348,6 +380,13 @@ def run_training_task(
             )
         if not should_continue():
             return TaskResult(Outcome.INTERRUPTED, message="conditions changed before reporting")
+        delta, clip_metrics = update.delta, {}
+        if config.clip_norm is not None:
+            delta, within = clip_delta(update.delta, config.clip_norm)
+            if config.report_within_clip:
+                # Adaptive clipping (Andrew et al. 2021) needs the count of unclipped devices; the
+                # server adds noise to the round's sum of it before using it.
+                clip_metrics = {"dp_within_clip": float(within)}
         metrics = {
             "num_examples": float(data.num_examples),
             "num_support": float(support.num_examples),
@@ -356,10 +395,9 @@ def run_training_task(
             "reconstruction_loss": reconstruction_loss,
             "update_loss": update.loss,
             **{f"query_{k}": v for k, v in before.as_dict().items()},
+            **clip_metrics,
         }
-        return TaskResult(
-            Outcome.COMPLETED, num_examples=query.num_examples, delta=update.delta, metrics=metrics
-        )
+        return TaskResult(Outcome.COMPLETED, num_examples=query.num_examples, delta=delta, metrics=metrics)
     except (ParamsError, ValueError, RuntimeError) as e:
         return TaskResult(Outcome.ERROR, message=str(e))
     finally:

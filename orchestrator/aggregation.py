@@ -125,6 +125,10 @@ class WeightedMean:
         self._total_weight += float(weight)
         self._count += 1
 
+    def weighted_sum(self) -> Params:
+        """The weighted sum so far, float64, in the template's shapes (DP-FedAvg noises the sum)."""
+        return {name: total.reshape(self._shapes[name]).copy() for name, total in self._sums.items()}
+
     def mean(self) -> Params:
         """The weighted mean, float32, in the template's shapes."""
         if self._count == 0 or self._total_weight <= 0:

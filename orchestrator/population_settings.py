@@ -1,4 +1,4 @@
-"""What an admin sets per population: round sizes, deadlines, filters, the server optimizer."""
+"""What an admin sets per population: round sizes, deadlines, filters, the server optimizer, DP."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from device_runtime.client_task import TaskConfig
 from orchestrator.aggregation import RobustAggregation, ServerOptimizerConfig
+from orchestrator.differential_privacy import DPConfig, PrivacySpent, privacy_spent
 from orchestrator.limits import MAX_COUNT
 
 # Every setting has a range: a round of a million reports or a deadline a month away is already
@@ -128,6 +129,12 @@ class PopulationSettings(BaseModel):
         "secure: secure aggregation, the server learns only the sum of a round's survivors",
     )
     secure: SecureAggregationSettings = SecureAggregationSettings.model_validate({})
+    differential_privacy: dict[str, Any] | None = Field(
+        None,
+        description="DP-FedAvg: {clip_norm, noise_multiplier, population_size, target_delta (1e-5), "
+        "epsilon_budget (optional)}; devices clip to clip_norm, the server adds Gaussian noise to the "
+        "sum and weighs every report equally; null: no DP",
+    )
 
     @field_validator("server_optimizer")
     @classmethod
@@ -141,6 +148,11 @@ class PopulationSettings(BaseModel):
         _check_numbers("task_config", value)
         return TaskConfig.from_json(value).to_json()
 
+    @field_validator("differential_privacy")
+    @classmethod
+    def _dp(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        return None if value is None else DPConfig.from_json(value).to_json()
+
     @model_validator(mode="after")
     def _sizes(self) -> PopulationSettings:
         if self.min_reports > self.target_reports:
@@ -152,6 +164,30 @@ class PopulationSettings(BaseModel):
         self.task_config = TaskConfig.from_json(
             {**self.task_config, "min_examples": self.min_examples}
         ).to_json()
+        dp = self.dp()
+        if dp is not None:
+            if dp.population_size < self.target_reports:
+                raise ValueError(
+                    f"differential_privacy.population_size ({dp.population_size}) must be >= target_reports "
+                    f"({self.target_reports}): the sampling rate is target_reports / population_size"
+                )
+            stated = self.task_config.get("clip_norm")
+            if stated is not None and stated != dp.clip_norm:
+                raise ValueError(
+                    f"task_config.clip_norm ({stated}) differs from differential_privacy.clip_norm "
+                    f"({dp.clip_norm}); leave it out: devices are sent the DP clip norm"
+                )
+            self.task_config = {
+                **self.task_config,
+                "clip_norm": dp.clip_norm,
+                "report_within_clip": dp.adaptive,
+            }
+            if dp.epsilon_budget is not None and self.privacy_spent(0).rounds_within_budget == 0:
+                raise ValueError(
+                    f"differential_privacy.epsilon_budget {dp.epsilon_budget:g} does not allow one round: "
+                    f"one round costs epsilon {self.privacy_spent(1).epsilon:.3g}; raise the noise, the "
+                    "population size or the budget"
+                )
         return self
 
     @model_validator(mode="after")
@@ -161,6 +197,15 @@ class PopulationSettings(BaseModel):
                 f"secure aggregation needs min_reports >= 3 (a sum of one or two inputs reveals them), "
                 f"got {self.min_reports}"
             )
+        dp = self.dp()
+        if self.aggregation == "secure" and dp is not None:
+            if dp.adaptive:
+                raise ValueError(
+                    "adaptive clipping (target_unclipped_quantile) needs each device's clipped bit, which "
+                    "secure aggregation would have to mask too; use a fixed clip_norm with secure aggregation"
+                )
+            # One bound: devices clip to the DP clip norm, which the noise is calibrated to.
+            self.secure = self.secure.model_copy(update={"clip_norm": dp.clip_norm})
         return self
 
     @property
@@ -184,6 +229,16 @@ class PopulationSettings(BaseModel):
 
     def task(self) -> TaskConfig:
         return TaskConfig.from_json(self.task_config)
+
+    def dp(self) -> DPConfig | None:
+        return None if self.differential_privacy is None else DPConfig.from_json(self.differential_privacy)
+
+    def privacy_spent(self, rounds: int) -> PrivacySpent:
+        """Epsilon after `rounds` committed training rounds of `target_reports` reports each."""
+        dp = self.dp()
+        if dp is None:
+            raise ValueError("this population has no differential_privacy settings")
+        return privacy_spent(dp, self.target_reports, rounds)
 
 
 def _check_numbers(what: str, value: dict[str, Any]) -> None:

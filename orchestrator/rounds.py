@@ -51,6 +51,7 @@ from orchestrator.aggregation import (
     tensor_norms,
 )
 from orchestrator.db import Assignment, ModelVersion, Population, Report, Round
+from orchestrator.differential_privacy import DPConfig, adapt_clip_norm, noised_mean, secure_rng
 from orchestrator.limits import MAX_METRIC_MAGNITUDE, MAX_REPORT_HEADER_BYTES, json_document
 from orchestrator.logs import log_on_commit
 from orchestrator.population_settings import PopulationSettings
@@ -61,6 +62,9 @@ T = TypeVar("T")
 EVALUATION_METRICS = ("loss_sum", "squared_error_sum", "correct_sum", "weight_sum")
 MAX_METRICS = 64
 log = logging.getLogger("orchestrator.rounds")
+# DP round metrics. A training round under adaptive clipping is opened with its clip norm in
+# its metrics; devices send WITHIN_CLIP (0 or 1) and may send no other "dp_" metric.
+CLIP_NORM, NEXT_CLIP_NORM, WITHIN_CLIP = "dp_clip_norm", "dp_next_clip_norm", "dp_within_clip"
 
 # The statements of check-ins and reports are built once: building and hashing a statement
 # costs several times more than SQLite takes to run it.
@@ -111,6 +115,12 @@ class Accepted:
     kind: str
     deadline: float
     model_version: int
+    clip_norm: float | None = None  # the round's DP clip norm, when it is not the configured one
+
+
+def _accepted(assignment_id: str, round_: Round) -> Accepted:
+    clip_norm = round_.metrics.get(CLIP_NORM)
+    return Accepted(assignment_id, round_.id, round_.kind, round_.deadline, round_.base_version, clip_norm)
 
 
 # A population's settings and manifest never change after creation, so they are parsed once
@@ -137,6 +147,26 @@ def population_settings(population: Population) -> PopulationSettings:
 
 def population_manifest(population: Population) -> Manifest:
     return _parsed_once(population, "manifest", lambda: Manifest.from_json(population.manifest))
+
+
+def _rounds_within_budget(population: Population) -> int | None:
+    """How many training rounds the population's privacy budget allows; None without a budget."""
+
+    def allowed() -> int | None:
+        settings = population_settings(population)
+        dp = settings.dp()
+        if dp is None or dp.epsilon_budget is None:
+            return None
+        return settings.privacy_spent(0).rounds_within_budget
+
+    return _parsed_once(population, "rounds_within_budget", allowed)
+
+
+def privacy_budget_spent(population: Population) -> bool:
+    """True when one more training round would take epsilon past the population's budget: no
+    training round opens any more."""
+    allowed = _rounds_within_budget(population)
+    return allowed is not None and population.training_rounds_committed >= allowed
 
 
 def lock_population(session: Session, name: str) -> Population | None:
@@ -175,6 +205,10 @@ def open_round(session: Session, population: Population, kind: str, now: float) 
         target = settings.evaluation_target_reports
         capacity = math.ceil(target * settings.oversampling)
         min_reports, duration = 1, settings.evaluation_round_duration_seconds
+    dp = settings.dp()
+    round_metrics = {}
+    if kind == TRAINING and dp is not None and dp.adaptive:
+        round_metrics[CLIP_NORM] = _next_clip_norm(session, population, dp.clip_norm)
     round_ = Round(
         population_id=population.id,
         kind=kind,
@@ -187,7 +221,7 @@ def open_round(session: Session, population: Population, kind: str, now: float) 
         opened_at=now,
         deadline=now + duration,
         closed_at=None,
-        metrics={},
+        metrics=round_metrics,
     )
     session.add(round_)
     session.flush()
@@ -209,6 +243,21 @@ def open_round(session: Session, population: Population, kind: str, now: float) 
     return round_
 
 
+def _next_clip_norm(session: Session, population: Population, initial: float) -> float:
+    """Adaptive clipping: the clip norm the last committed training round chose for its successor
+    (an abandoned round passes its own on), or the configured one before any round."""
+    last = session.scalars(
+        select(Round)
+        .where(Round.population_id == population.id, Round.kind == TRAINING, Round.status != "open")
+        .order_by(Round.id.desc())
+        .limit(1)
+    ).first()
+    if last is None:
+        return initial
+    key = NEXT_CLIP_NORM if last.status == "committed" else CLIP_NORM
+    return float(last.metrics.get(key, initial))
+
+
 def open_rounds(session: Session, population: Population) -> dict[str, Round]:
     rounds = session.scalars(_OPEN_ROUNDS, {"population_id": population.id}).all()
     return {r.kind: r for r in rounds}
@@ -219,7 +268,12 @@ def advance(session: Session, population: Population, now: float) -> dict[str, R
     returns the open rounds by kind."""
     current = open_rounds(session, population)
     secure = population_settings(population).secure_training
-    if TRAINING in current and all(now < r.deadline for r in current.values()) and not secure:
+    training_closed = privacy_budget_spent(population)
+    if (
+        (TRAINING in current or training_closed)
+        and all(now < r.deadline for r in current.values())
+        and not secure
+    ):
         return current  # the common case: nothing to close, one query
     for round_ in current.values():
         if round_.kind == TRAINING and secure:
@@ -244,7 +298,7 @@ def advance(session: Session, population: Population, now: float) -> dict[str, R
             if round_.kind == TRAINING:
                 open_round(session, population, TRAINING, now)
     current = open_rounds(session, population)
-    if TRAINING not in current:
+    if TRAINING not in current and not privacy_budget_spent(population):
         current[TRAINING] = open_round(session, population, TRAINING, now)
     return current
 
@@ -258,7 +312,7 @@ def advance_secure(session: Session, population: Population, round_: Round, now:
             "secure_survivors": float(outcome.survivors),
             "unmask_seconds": outcome.unmask_seconds,
         }
-        _commit(session, population, round_, now, outcome.mean_delta)
+        _commit(session, population, round_, now, outcome.mean_delta, outcome.survivors)
     elif isinstance(outcome, secure_rounds.Abandon):
         round_.status, round_.closed_at = "abandoned", now
         _count_closed(session, population, round_, "abandoned")
@@ -287,6 +341,12 @@ def checkin(
     tally: Counter[tuple[str, ...]] = Counter()  # (population, kind, answer) for metrics
     for request in requests:
         round_ = current.get(request.kind)
+        if round_ is None and request.kind == TRAINING and privacy_budget_spent(population):
+            spent = settings.privacy_spent(population.training_rounds_committed)
+            # The budget never comes back: a day's retry window keeps devices from asking often.
+            retry_after = max(settings.retry_after_seconds, 86400.0)
+            answers.append(Refused(409, spent.message(), retry_after))
+            continue
         if round_ is None:
             tally[population.name, request.kind, "no_round"] += 1
             answers.append(
@@ -299,9 +359,7 @@ def checkin(
             assignment_id, status = existing
             if status == "assigned":  # a retried check-in gets the same assignment back
                 tally[population.name, request.kind, "again"] += 1
-                answers.append(
-                    Accepted(assignment_id, round_.id, round_.kind, round_.deadline, round_.base_version)
-                )
+                answers.append(_accepted(assignment_id, round_))
             else:  # one assignment per device per round: a device cannot weigh in twice
                 tally[population.name, request.kind, "already_took_part"] += 1
                 answers.append(
@@ -347,7 +405,7 @@ def checkin(
                 "finished_at": None,
             }
         )
-        answers.append(Accepted(assignment_id, round_.id, round_.kind, round_.deadline, round_.base_version))
+        answers.append(_accepted(assignment_id, round_))
     if new_assignments:
         # Plain rows on the connection, not ORM objects: they are not read back in this transaction.
         session.connection().execute(_INSERT_ASSIGNMENTS, new_assignments)
@@ -453,7 +511,7 @@ def report(
             409, f"round {round_.id} uses secure aggregation: take part through /v1/assignments/{{id}}/secure"
         )
     parsed = (
-        _parse_training_report(population, settings, assignment.example_count, body)
+        _parse_training_report(population, settings, round_, assignment.example_count, body)
         if round_.kind == TRAINING
         else _parse_evaluation_report(population, assignment.example_count, body, content_type)
     )
@@ -583,8 +641,24 @@ def _header_size(body: bytes) -> int | Refused:
     return size
 
 
+def _check_dp_metrics(metrics: dict[str, float], adaptive: bool) -> Refused | None:
+    """Devices may send WITHIN_CLIP (0 or 1; required under adaptive clipping) and no other "dp_"
+    metric: those are the server's, and a device's would be summed into them."""
+    reserved = sorted(k for k in metrics if k.startswith("dp_") and k != WITHIN_CLIP)
+    if reserved:
+        return Refused(422, f"metrics {reserved} are reserved for the server (names starting with 'dp_')")
+    within = metrics.get(WITHIN_CLIP)
+    if within not in (None, 0.0, 1.0) or (adaptive and within is None):
+        return Refused(
+            422,
+            f"metric {WITHIN_CLIP!r} must be 1 (the delta was within the clip norm) or 0 (it was "
+            f"clipped){'; adaptive clipping needs it' if adaptive else ''}, got {within!r}",
+        )
+    return None
+
+
 def _parse_training_report(
-    population: Population, settings: PopulationSettings, example_count: int, body: bytes
+    population: Population, settings: PopulationSettings, round_: Round, example_count: int, body: bytes
 ) -> tuple[float, bytes, dict[str, float]] | Refused:
     manifest = population_manifest(population)
     header = _header_size(body)
@@ -627,16 +701,30 @@ def _parse_training_report(
             f"(the device checked in with {example_count} examples)",
             reason="num_examples",
         )
-    norm = math.sqrt(sum(float(np.vdot(t.values, t.values)) for t in delta.values()))
+    # float64 sums: a float32 dot product over many values can be off by more than the
+    # margin a device clips below the DP bound with.
+    norm = math.sqrt(sum(float(np.vdot(v, v)) for v in (t.values.astype(np.float64) for t in delta.values())))
     if norm > settings.update_norm_bound:
         return Refused(
             422,
             f"update norm {norm:.4g} exceeds the bound {settings.update_norm_bound:.4g}",
             reason="update_norm",
         )
+    dp = settings.dp()
+    clip_norm = None if dp is None else float(round_.metrics.get(CLIP_NORM, dp.clip_norm))
+    if clip_norm is not None and norm > clip_norm:
+        return Refused(
+            422,
+            f"update norm {norm:.6g} exceeds this round's DP clip norm {clip_norm:g}: a device "
+            "clips its whole delta (all global tensors together) to L2 <= task_config.clip_norm",
+            reason="update_norm",
+        )
     metrics = _check_metrics(raw_metrics)
     if isinstance(metrics, Refused):
         return metrics
+    refused = _check_dp_metrics(metrics, dp is not None and dp.adaptive)
+    if refused is not None:
+        return refused
     # Only the tensors are stored (the metadata is in the columns): anything else a device put
     # in its header is not kept.
     return float(weight), encode_sparse_delta(delta), metrics
@@ -682,10 +770,16 @@ def _parse_evaluation_report(
 
 
 def _commit(
-    session: Session, population: Population, round_: Round, now: float, mean_delta: Params | None = None
+    session: Session,
+    population: Population,
+    round_: Round,
+    now: float,
+    mean_delta: Params | None = None,
+    survivors: int = 0,
 ) -> None:
     """Aggregate the round's reports into a new model version (training) or just close it.
-    A secure round passes its unmasked `mean_delta`, since it has no individual reports."""
+    A secure round passes its unmasked `mean_delta` over its `survivors`, since it has no
+    individual reports."""
     round_.status, round_.closed_at = "committed", now
     if round_.kind == EVALUATION:
         _count_closed(session, population, round_, "committed")
@@ -696,36 +790,31 @@ def _commit(
     assert base is not None
     params = decode_params(base.params, manifest.global_params, "model version")
     state = dict(load(base.optimizer_state))
+    settings = population_settings(population)
+    dp = settings.dp()
     if mean_delta is None:
         shapes = {s.name: s.shape for s in manifest.global_params}
-        rule = population_settings(population).robust()
         reports = (
             select(Report.weight, Report.delta)
             .where(Report.round_id == round_.id)
             .order_by(Report.assignment_id)
             .execution_options(yield_per=16)
         )
-        # Two passes, one report's delta in memory at a time: memory is O(model), not O(reports x
-        # model). The first finds the round's median weight and norms (the caps and clipping bounds).
-        weights, norms = [], []
-        for weight, blob in session.execute(reports):
-            weights.append(weight)
-            norms.append(tensor_norms(decode_sparse_delta(blob)))
-        plan = plan_round(weights, norms, _norm_reference(session, population), rule)
-        clipped = (
-            clip_by_norm(decode_sparse_delta(blob), plan.bounds) for _, blob in session.execute(reports)
-        )
-        if rule.method == "none":
+        if dp is not None:
+            # Under DP every report weighs the same and is not clipped again: the devices clipped
+            # to the bound the noise is calibrated to (checked per report), and an example count
+            # would scale a device's influence past it.
             mean = WeightedMean(shapes)
-            for delta, weight in zip(clipped, plan.weights, strict=True):
-                mean.add_sparse(delta, weight)
-            mean_delta = mean.mean()
+            for _, blob in session.execute(reports):
+                mean.add_sparse(decode_sparse_delta(blob), 1.0)
+            mean_delta = _private_mean(population, round_, mean.weighted_sum(), mean.count, dp)
         else:
-            mean_delta = robust_mean(list(clipped), plan.weights, shapes, rule.method, rule.trim_fraction)
-        round_.norm_reference = plan.next_reference
-    new_params, new_state = apply_update(
-        population_settings(population).optimizer(), params, mean_delta, state
-    )
+            mean_delta = _robust_mean(session, population, round_, reports, shapes)
+    elif dp is not None and survivors:
+        # Secure aggregation unmasked the survivors' mean of clipped deltas: noise goes on their sum.
+        total = {name: value * survivors for name, value in mean_delta.items()}
+        mean_delta = _private_mean(population, round_, total, survivors, dp)
+    new_params, new_state = apply_update(settings.optimizer(), params, mean_delta, state)
     check_params(new_params, manifest.global_params, "aggregated model")
     metrics.observe(session, metrics.AGGREGATION_SECONDS, (population.name,), time.perf_counter() - started)
     version = population.current_version + 1
@@ -743,8 +832,8 @@ def _commit(
     population.training_rounds_committed += 1
     round_.result_version = version
     _count_closed(session, population, round_, "committed")
-    open_round(session, population, TRAINING, now)
-    settings = population_settings(population)
+    if not privacy_budget_spent(population):
+        open_round(session, population, TRAINING, now)
     if settings.keep_model_versions:
         prune_model_versions(session, population, settings.keep_model_versions)
     every = settings.evaluation_every
@@ -754,6 +843,29 @@ def _commit(
         and EVALUATION not in open_rounds(session, population)
     ):
         open_round(session, population, EVALUATION, now)
+
+
+def _robust_mean(
+    session: Session, population: Population, round_: Round, reports: Any, shapes: dict[str, tuple[int, ...]]
+) -> Params:
+    """The round's mean delta with each report clipped to its reference norms and its weight
+    capped, by the population's robust rule; sets the round's reference norms for the next."""
+    rule = population_settings(population).robust()
+    # Two passes, one report's delta in memory at a time: memory is O(model), not O(reports x
+    # model). The first finds the round's median weight and norms (the caps and clipping bounds).
+    weights, norms = [], []
+    for weight, blob in session.execute(reports):
+        weights.append(weight)
+        norms.append(tensor_norms(decode_sparse_delta(blob)))
+    plan = plan_round(weights, norms, _norm_reference(session, population), rule)
+    clipped = (clip_by_norm(decode_sparse_delta(blob), plan.bounds) for _, blob in session.execute(reports))
+    round_.norm_reference = plan.next_reference
+    if rule.method == "none":
+        mean = WeightedMean(shapes)
+        for delta, weight in zip(clipped, plan.weights, strict=True):
+            mean.add_sparse(delta, weight)
+        return mean.mean()
+    return robust_mean(list(clipped), plan.weights, shapes, rule.method, rule.trim_fraction)
 
 
 def _norm_reference(session: Session, population: Population) -> dict[str, float] | None:
@@ -788,6 +900,29 @@ def _count_closed(session: Session, population: Population, round_: Round, trans
         late=round_.late,
         invalid=round_.invalid,
     )
+
+
+def _private_mean(
+    population: Population, round_: Round, update_sum: Params, count: int, dp: DPConfig
+) -> Params:
+    """DP-FedAvg's server step over the round's (equally weighted) sum, and its round metrics:
+    the noise on the mean, epsilon so far, and under adaptive clipping the next clip norm."""
+    rng = secure_rng()
+    metrics = dict(round_.metrics)
+    # The raw count of unclipped devices is not for release; only its noised share is.
+    unclipped = round(metrics.pop(WITHIN_CLIP, 0.0))
+    clip_norm = float(metrics.get(CLIP_NORM, dp.clip_norm))
+    mean = noised_mean(update_sum, count, dp, rng, clip_norm)
+    metrics["dp_noise_stddev"] = dp.noise_stddev(clip_norm) / count
+    if dp.adaptive:
+        metrics[NEXT_CLIP_NORM], metrics["dp_unclipped_share"] = adapt_clip_norm(
+            clip_norm, unclipped, count, dp, rng
+        )
+    spent = population_settings(population).privacy_spent(population.training_rounds_committed + 1)
+    if math.isfinite(spent.epsilon):  # JSON has no infinity; without noise there is no epsilon
+        metrics["dp_epsilon"] = spent.epsilon
+    round_.metrics = metrics
+    return mean
 
 
 def prune_model_versions(session: Session, population: Population, keep: int) -> int:

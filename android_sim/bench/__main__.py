@@ -14,7 +14,7 @@ from android_sim.run import DEFAULT_RATINGS
 
 def _parser() -> argparse.ArgumentParser:
     from android_sim.bench.federated import Rounds
-    from android_sim.bench.quality import METHODS, SPLIT_SEEDS
+    from android_sim.bench.quality import DP_CLIP_NORM, DP_NOISE_MULTIPLIERS, METHODS, SPLIT_SEEDS
     from android_sim.bench.staleness import StalenessOptions
 
     d = Rounds()
@@ -59,6 +59,12 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="staleness: scale the server learning rate by clients-per-round / 100",
     )
+    quality.add_argument("--dp-clip-norm", type=float, default=DP_CLIP_NORM, help="dp_fedrecon's clip norm")
+    quality.add_argument(
+        "--dp-noise-multipliers",
+        default=",".join(map(str, DP_NOISE_MULTIPLIERS)),
+        help="dp_fedrecon's noise multipliers (0: clipping only)",
+    )
     return parser
 
 
@@ -92,6 +98,8 @@ def main(argv: list[str] | None = None) -> int:
                 participations=args.staleness_participations,
                 scale_server_learning_rate=args.staleness_scale_server_rate,
             ),
+            dp_clip_norm=args.dp_clip_norm,
+            dp_noise_multipliers=tuple(float(z) for z in args.dp_noise_multipliers.split(",") if z.strip()),
         )
         report = run_quality(options)
         print(f"wrote {options.out / 'quality.json'} and {options.out / 'learning_curves.png'}")

@@ -18,13 +18,13 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TypeVar
 
 import numpy as np
 
-from device_runtime.client_task import TaskConfig, diverged, num_steps, reconstruct_locals
+from device_runtime.client_task import TaskConfig, clip_delta, diverged, num_steps, reconstruct_locals
 from device_runtime.model import DeviceModel, EvaluationSums, RowUpdate
 from device_runtime.task_batches import TaskBatches
 from model_export.manifest import Manifest
@@ -37,6 +37,7 @@ from orchestrator.aggregation import (
     apply_update,
     init_state,
 )
+from orchestrator.differential_privacy import DPConfig, noised_mean
 
 R = TypeVar("R")
 
@@ -159,12 +160,21 @@ def whole(values: np.ndarray) -> SparseTensor:
 
 
 class Server:
-    """The orchestrator's commit: the weighted mean of the round's reports (or, with `aggregation`,
-    the orchestrator's robust aggregation: clipping, capped weights, optionally a trimmed mean or
-    median), then the server optimizer."""
+    """The orchestrator's commit: the weighted mean of the round's reports, then the server optimizer.
+
+    With `aggregation`, the orchestrator's robust aggregation (clipping, capped weights, optionally
+    a trimmed mean or median). With `dp` (DP-FedAvg), as the orchestrator does: every report weighs
+    the same and the mean is `noised_mean` of their sum; `rng` is seeded here so that a benchmark
+    run can be repeated.
+    """
 
     def __init__(
-        self, params: Params, optimizer: ServerOptimizerConfig, aggregation: RobustAggregation | None = None
+        self,
+        params: Params,
+        optimizer: ServerOptimizerConfig,
+        aggregation: RobustAggregation | None = None,
+        dp: DPConfig | None = None,
+        rng: np.random.Generator | None = None,
     ) -> None:
         self.params = {k: np.asarray(v, np.float32) for k, v in params.items()}
         self.optimizer = optimizer
@@ -172,13 +182,20 @@ class Server:
         self.norm_reference: dict[str, float] | None = None
         self.state = init_state(optimizer, self.params)
         self.shapes = {k: tuple(v.shape) for k, v in self.params.items()}
+        self.dp = dp
+        self.rng = rng or np.random.default_rng(0)
 
     def commit(self, reports: Sequence[Report]) -> int:
         """Apply one round; returns how many reports were refused (diverged)."""
         taken = [report for report in reports if report is not None]
         if not taken:
             return len(reports)
-        if self.aggregation is None:
+        if self.dp is not None:
+            mean = WeightedMean(self.shapes)
+            for delta, _ in taken:
+                mean.add_sparse(delta, 1.0)
+            mean_delta = noised_mean(mean.weighted_sum(), mean.count, self.dp, self.rng)
+        elif self.aggregation is None:
             mean = WeightedMean(self.shapes)
             for delta, weight in taken:
                 mean.add_sparse(delta, weight)
@@ -265,6 +282,8 @@ def fedrecon_task(
     )
     if diverged(update):
         return None
+    if config.clip_norm is not None:  # DP-FedAvg: the device clips its whole delta
+        update = replace(update, delta=clip_delta(update.delta, config.clip_norm)[0])
     return sparse_delta(update, shapes(params), per_item), float(query.num_examples)
 
 

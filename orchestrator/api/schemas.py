@@ -75,6 +75,21 @@ class RoundOut(BaseModel):
     metrics: dict[str, float]
 
 
+class PrivacyOut(BaseModel):
+    """A DP population's privacy spent so far (Renyi DP accounting, Poisson-sampled Gaussian rounds)."""
+
+    epsilon: float | None = Field(
+        description="at delta after the committed rounds; null: no noise, no guarantee"
+    )
+    delta: float
+    sampling_rate: float = Field(description="target_reports / population_size")
+    training_rounds: int
+    epsilon_budget: float | None
+    rounds_within_budget: int | None
+    budget_spent: bool = Field(description="true: no more training rounds are opened or committed")
+    message: str
+
+
 class PopulationOut(BaseModel):
     name: str
     current_version: int
@@ -82,3 +97,4 @@ class PopulationOut(BaseModel):
     artifact_sha256: str
     settings: dict[str, Any]
     open_rounds: list[RoundOut]
+    privacy: PrivacyOut | None = Field(None, description="only for populations with differential_privacy")

@@ -182,6 +182,7 @@ def test_cli_writes_every_method_to_json_and_a_plot(tmp_path: Path) -> None:
         "--ratings", str(ratings), "--out", str(out), "--models-dir", str(tmp_path / "models"),
         "--rounds", "3", "--clients-per-round", "8", "--evaluate-every", "1",
         "--centralized-epochs", "2", "--split-seeds", "0,1", "--staleness-participations", "20",
+        "--dp-noise-multipliers", "0,1",
     )  # fmt: skip
 
     assert result.returncode == 0, result.stderr
@@ -206,6 +207,12 @@ def test_cli_writes_every_method_to_json_and_a_plot(tmp_path: Path) -> None:
     standard, recon = report["methods"]["fedavg_standard_eval"], report["methods"]["fedavg_recon_eval"]
     assert standard["validation_curve"] == recon["validation_curve"]
     assert standard["settings"]["task"]["local_state"] == "keep"
+    dp = report["dp_fedrecon"]
+    clipping_only, noised = dp["runs"]
+    assert (clipping_only["noise_multiplier"], noised["noise_multiplier"]) == (0.0, 1.0)
+    assert clipping_only["epsilon"] is None and clipping_only["population_size_for_epsilon_5"] is None
+    assert noised["epsilon"] > 0 and noised["population_size_for_epsilon_5"] >= dp["clients_per_round"]
+    assert dp["population_size"] == report["protocol"]["users"]["train"]
     for source in ("movielens", "expressions"):
         implicit = report["implicit"][source]
         assert implicit["devices_scored"] > 0, source

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import shutil
 import threading
@@ -21,6 +22,7 @@ from device_runtime.example_store import ExampleStore
 from device_runtime.local_state import LocalStateStore
 from device_runtime.model import DeviceModel
 from model_export.config import ModelConfig
+from orchestrator.differential_privacy import epsilon
 from orchestrator.local import LocalOrchestrator
 from tests.conftest import MOVIELENS_100K
 
@@ -156,6 +158,37 @@ def test_the_in_process_transport_runs_the_same_device_code(work: Path) -> None:
     reconcile(result)
 
 
+def test_a_dp_fleet_reports_epsilon_and_stops_at_its_budget(work: Path) -> None:
+    # 45 training devices, 6 reports a round: a budget that allows exactly two rounds.
+    budget = epsilon(1.0, 6 / 45, 2, 1e-5)
+    config = small(work, rounds=10, clip_norm=0.5, noise_multiplier=1.0, epsilon_budget=budget)
+
+    result = run(config, Console(width=120))
+
+    assert result.rounds_committed == 2
+    privacy = result.summary["privacy"]
+    assert privacy["budget_spent"] and privacy["epsilon"] == pytest.approx(budget)
+    assert "privacy budget spent" in privacy["message"]
+    training = [r for r in result.summary["rounds"] if r["kind"] == "training"]
+    epsilons = [r["metrics"]["dp_epsilon"] for r in training if r["status"] == "committed"]
+    assert epsilons == sorted(epsilons) and epsilons[-1] == pytest.approx(budget)
+    assert result.final_evaluation  # evaluation goes on after training stopped
+
+
+def test_a_fleet_with_adaptive_clipping_moves_its_clip_norm(work: Path) -> None:
+    config = small(work, rounds=3, clip_norm=0.001, noise_multiplier=0.0, target_unclipped_quantile=0.5)
+
+    result = run(config, Console(width=120))
+
+    training = [r for r in result.summary["rounds"] if r["kind"] == "training" and r["status"] == "committed"]
+    clip_norms = [r["metrics"]["dp_clip_norm"] for r in training]
+    # Far below every device's delta norm: nobody is left unclipped, so the clip norm grows each round.
+    assert clip_norms[0] == 0.001 and all(b > a for a, b in itertools.pairwise(clip_norms))
+    # The share is noised (count noise 6 / 20 = 0.3 over 6 reports: a standard deviation of 0.05).
+    assert all(abs(r["metrics"]["dp_unclipped_share"]) < 0.3 for r in training)
+    assert all(r["counters"]["invalid"] == 0 for r in training)  # devices clipped to each round's norm
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
@@ -163,6 +196,13 @@ def test_the_in_process_transport_runs_the_same_device_code(work: Path) -> None:
         (["--orchestrator-url", "http://127.0.0.1:9"], "needs its admin token"),
         (["--orchestrator-url", "http://127.0.0.1:9", "--admin-token", "x"], "no orchestrator answers"),
         (["--rounds", "0"], "rounds must be >= 1"),
+        (["--noise-multiplier", "1"], "need --clip-norm"),
+        (["--target-unclipped-quantile", "0.5"], "need --clip-norm"),
+        (["--clip-norm", "1"], "--clip-norm needs --noise-multiplier"),
+        (
+            ["--clip-norm", "1", "--noise-multiplier", "1", "--population-size", "5"],
+            "population_size (5) must be >= target_reports (40)",
+        ),
     ],
 )
 def test_user_errors_are_one_clear_line(

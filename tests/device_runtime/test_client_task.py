@@ -12,12 +12,16 @@ from device_runtime.client_task import (
     Outcome,
     SplitPolicy,
     TaskConfig,
+    clip_delta,
+    delta_norm,
     prepare,
+    reconstruct_locals,
     run_evaluation_task,
     run_training_task,
 )
 from device_runtime.example_store import Event, ExampleStore
 from device_runtime.model import DeviceModel
+from device_runtime.task_batches import TaskBatches
 from model_export.config import ModelConfig
 from model_export.reference import ReferenceModel
 from tests.conftest import IMPLICIT, MOVIELENS, perturbed_globals
@@ -65,6 +69,68 @@ def test_completed_task_returns_the_reference_delta_and_discards_locals(
     for k, v in result.delta.items():  # type: ignore[union-attr]
         np.testing.assert_allclose(v, ref_delta[k], atol=5e-5, rtol=5e-4)
     assert all(not np.any(v) for v in model.get_local().values())
+
+
+def test_a_dp_task_clips_its_whole_delta_to_the_clip_norm(
+    movielens_device: tuple[DeviceModel, ExampleStore],
+) -> None:
+    model, store = movielens_device
+    globals_ = perturbed_globals(model.get_global(), seed=1)
+    unclipped = run_training_task(model, store, globals_, TaskConfig.from_manifest(model.manifest)).delta
+    assert unclipped is not None
+    norm = delta_norm(unclipped)
+    clip = norm / 4
+
+    result = run_training_task(
+        model,
+        store,
+        globals_,
+        TaskConfig.from_manifest(model.manifest, clip_norm=clip, report_within_clip=True),
+    )
+
+    assert result.outcome is Outcome.COMPLETED and result.delta is not None
+    assert clip * (1 - 1e-5) < delta_norm(result.delta) <= clip
+    assert result.metrics["dp_within_clip"] == 0.0  # for adaptive clipping's count
+    for name, value in result.delta.items():  # the direction is kept: every tensor scaled alike
+        np.testing.assert_allclose(value, unclipped[name] * (clip / norm), rtol=1e-5, atol=1e-9)
+
+
+def test_clipping_alone_does_not_hide_the_user_embedding_from_a_curious_server(
+    movielens_device: tuple[DeviceModel, ExampleStore],
+) -> None:
+    """Issue 11's attack on a clipped report. Clipping scales the whole delta, so a touched row's
+    item delta over its bias delta is still the device's (frozen) user embedding; DP's noise goes
+    on the round's sum, after the server has read the report. In plaintext mode a report leaks
+    with or without DP: only secure aggregation hides one device's update."""
+    model, store = movielens_device
+    globals_ = perturbed_globals(model.get_global(), seed=1)
+    config = TaskConfig.from_manifest(model.manifest, clip_norm=0.05)
+    result = run_training_task(model, store, globals_, config)
+    assert result.outcome is Outcome.COMPLETED and result.delta is not None
+    assert "dp_within_clip" not in result.metrics  # sent only for adaptive clipping
+
+    rows = np.flatnonzero(result.delta["item_bias"])
+    recovered = result.delta["item_embeddings"][rows] / result.delta["item_bias"][rows, None]
+
+    support = TaskBatches.pack(prepare(store, model.manifest, config, seed=0).support, model.manifest)
+    model.set_global(globals_)
+    reconstruct_locals(model, support, config)  # what the device held during its update
+    user = model.get_local()["user_embedding"].ravel()
+    cosine = recovered @ user / (np.linalg.norm(recovered, axis=1) * np.linalg.norm(user))
+    assert len(rows) > 50 and cosine.min() > 0.9999
+    np.testing.assert_allclose(recovered, np.broadcast_to(user, recovered.shape), rtol=1e-3, atol=1e-4)
+
+
+def test_clip_delta_leaves_a_small_delta_alone_and_scales_a_large_one() -> None:
+    delta = {"a": np.array([3.0, 0.0], np.float32), "b": np.array([[4.0]], np.float32)}  # norm 5
+
+    kept, kept_within = clip_delta(delta, 10.0)
+    clipped, within = clip_delta(delta, 1.0)
+
+    assert kept is delta and kept_within
+    assert not within and delta_norm(clipped) <= 1.0
+    np.testing.assert_allclose(clipped["a"], [0.6, 0.0], rtol=1e-5)
+    np.testing.assert_allclose(clipped["b"], [[0.8]], rtol=1e-5)
 
 
 def test_repeated_rounds_on_a_device_lower_its_query_loss(
@@ -233,3 +299,6 @@ def test_task_config_round_trip_and_refusals() -> None:
         TaskConfig.from_json({"split": [1]})
     with pytest.raises(ValueError, match="update_max_steps must be int, got '5'"):
         TaskConfig.from_json({"update_max_steps": "5"})
+    with pytest.raises(ValueError, match="clip_norm must be > 0"):
+        TaskConfig(clip_norm=0.0)
+    assert TaskConfig.from_json({"clip_norm": 2.5}).clip_norm == 2.5

@@ -9,6 +9,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import httpx
 import numpy as np
@@ -306,3 +307,42 @@ def test_protocol_errors_carry_the_servers_reason(server: Server) -> None:
 
     with pytest.raises(ProtocolError, match="404: no population 'nope'"):
         asyncio.run(bad())
+
+
+def test_an_adaptive_dp_population_sends_each_round_its_clip_norm_and_shows_its_privacy(
+    server: Server, export: Callable[[ModelConfig], Path]
+) -> None:
+    # No noise, so the clip norm's step is exact: one unclipped report against a target of 0.5.
+    dp = {
+        "clip_norm": 10.0,
+        "noise_multiplier": 0.0,
+        "population_size": 100,
+        "target_unclipped_quantile": 0.5,
+        "clipped_count_stddev": 0.0,
+    }
+    model_dir = export(BIASED)
+    settings = json.dumps({"target_reports": 1, "differential_privacy": dp})
+    assert admin_create_population(server.url, model_dir, "dp", settings).status_code == 201
+    manifest = load_manifest(model_dir)
+    delta = {s.name: np.full(s.shape, 0.01, np.float32) for s in manifest.global_params}
+    body = encode_sparse_delta(delta, {"num_examples": "5", "metrics": json.dumps({"dp_within_clip": 1.0})})
+
+    def checkin() -> tuple[dict[str, Any], dict[str, str]]:
+        headers = {"Authorization": f"Bearer {enroll(server.url)}"}
+        url = f"{server.url}/v1/populations/dp/checkin"
+        return httpx.post(url, json={"example_count": 10}, headers=headers, timeout=10).json(), headers
+
+    first, headers = checkin()
+    reported = httpx.post(f"{server.url}{first['report_url']}", content=body, headers=headers, timeout=10)
+    second, _ = checkin()
+    admin = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+    status = httpx.get(f"{server.url}/v1/admin/populations/dp", headers=admin, timeout=10).json()
+
+    assert reported.status_code == 200, reported.text
+    assert first["task_config"]["clip_norm"] == 10.0 and first["task_config"]["report_within_clip"]
+    assert second["task_config"]["clip_norm"] == pytest.approx(10.0 * np.exp(-0.1))
+    assert status["training_rounds_committed"] == 1
+    assert (
+        status["privacy"]["epsilon"] is None
+        and "no differential privacy guarantee" in status["privacy"]["message"]
+    )

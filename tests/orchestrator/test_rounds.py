@@ -17,8 +17,10 @@ from model_export.config import ModelConfig
 from model_export.manifest import Manifest
 from model_export.params import decode_params, decode_sparse_delta, encode_params, encode_sparse_delta
 from orchestrator import rounds
+from orchestrator.api.routes.admin import population_out
 from orchestrator.db import ModelVersion, Population, Report, Round
 from orchestrator.devices import authenticate, enroll
+from orchestrator.differential_privacy import epsilon
 from orchestrator.populations import ExportedModel, PopulationError, create_population
 from tests.conftest import IMPLICIT
 from tests.orchestrator.conftest import make_population
@@ -79,6 +81,7 @@ def delta_body(
     value: float,
     num_examples: int = 10,
     rows: tuple[int, ...] = (3, 7),
+    metrics: dict[str, float] | None = None,
     **overrides: np.ndarray,
 ) -> bytes:
     delta = {s.name: np.zeros(s.shape, np.float32) for s in manifest_of(model).global_params}
@@ -87,7 +90,11 @@ def delta_body(
     delta["global_mean"][:] = value
     delta.update(overrides)
     return encode_sparse_delta(
-        delta, {"num_examples": str(num_examples), "metrics": json.dumps({"update_loss": value})}
+        delta,
+        {
+            "num_examples": str(num_examples),
+            "metrics": json.dumps({"update_loss": value} if metrics is None else metrics),
+        },
     )
 
 
@@ -521,13 +528,13 @@ def test_ten_hostile_devices_cannot_move_the_global_mean_under_the_defaults(
     # by 999, inside the update-norm bound (1000): they fill the next round.
     hostile = [device(db) for _ in range(10)]
     answers = [checkin(db, dev, count=2**31 - 1, now=now) for dev in hostile]
-    push = {"global_mean": np.full(1, 999.0, np.float32)}
+    push = np.full(1, 999.0, np.float32)
     results = [
         report(
             db,
             dev,
             a.assignment_id,
-            delta_body(biased_model, 0.0, num_examples=300, rows=(), **push),
+            delta_body(biased_model, 0.0, num_examples=300, rows=(), global_mean=push),
             now=now,
         )
         for dev, a in zip(hostile, answers, strict=True)
@@ -538,3 +545,145 @@ def test_ten_hostile_devices_cannot_move_the_global_mean_under_the_defaults(
     assert results[-1].status == "committed" and results[-1].result_version == 3
     moved = float(version_params(db, biased_model, 3)["global_mean"][0] - before[0])
     assert 0 < moved < 0.05, moved  # the honest deltas of the mean were ~0.01; the push was 999
+
+
+# ---- DP-FedAvg ---------------------------------------------------------------------------
+
+
+def dp_settings(clip_norm: float, noise_multiplier: float, **extra: object) -> dict[str, object]:
+    return {
+        "clip_norm": clip_norm,
+        "noise_multiplier": noise_multiplier,
+        "population_size": 100,
+        **extra,
+    }
+
+
+def commit_round(
+    factory: sessionmaker[Session], model: ExportedModel, reports: list[tuple[float, int]]
+) -> Any:
+    """For each (value, num_examples), a new device checks in and reports `delta_body`; the last answer."""
+    answer: Any = None
+    for value, num_examples in reports:
+        dev = device(factory)
+        assigned = checkin(factory, dev)
+        answer = report(factory, dev, assigned.assignment_id, delta_body(model, value, num_examples))
+    return answer
+
+
+def test_a_dp_round_weighs_reports_equally(db: sessionmaker[Session], biased_model: ExportedModel) -> None:
+    make_population(db, biased_model, target_reports=2, differential_privacy=dp_settings(100.0, 0.0))
+    before = version_params(db, biased_model, 0)
+
+    committed = commit_round(db, biased_model, [(1.0, 10), (4.0, 30)])
+
+    after = version_params(db, biased_model, 1)
+    np.testing.assert_allclose(after["global_mean"] - before["global_mean"], 2.5, rtol=1e-6)  # not 3.25
+    assert committed.metrics["dp_noise_stddev"] == 0.0
+    assert "dp_epsilon" not in committed.metrics  # no noise: no finite epsilon
+
+
+def test_a_dp_round_noises_every_row_and_records_epsilon(
+    db: sessionmaker[Session], biased_model: ExportedModel
+) -> None:
+    make_population(db, biased_model, target_reports=2, differential_privacy=dp_settings(10.0, 1.0))
+    before = version_params(db, biased_model, 0)
+
+    committed = commit_round(db, biased_model, [(1.0, 10), (1.0, 10)])
+
+    after = version_params(db, biased_model, 1)
+    change = after["item_embeddings"] - before["item_embeddings"]
+    assert np.count_nonzero(change) == change.size  # rows no device touched moved too
+    # Noise stddev on the mean: 1.0 * 10 / 2 reports = 5 per coordinate.
+    assert 4.5 < float(np.std(np.delete(change, [3, 7], axis=0))) < 5.5
+    assert committed.metrics["dp_noise_stddev"] == 5.0
+    with db() as session:
+        population = session.scalars(select(Population)).one()
+        expected = rounds.population_settings(population).privacy_spent(1).epsilon
+    assert committed.metrics["dp_epsilon"] == pytest.approx(expected)
+
+
+def test_a_report_above_the_dp_clip_norm_is_refused_with_the_bound(
+    db: sessionmaker[Session], biased_model: ExportedModel
+) -> None:
+    make_population(db, biased_model, target_reports=1, differential_privacy=dp_settings(1.0, 1.0))
+    dev = device(db)
+    answer = checkin(db, dev)
+    assert answer.kind == "training"
+
+    refused = report(db, dev, answer.assignment_id, delta_body(biased_model, 0.2))  # norm 0.2 * sqrt(33)
+
+    assert isinstance(refused, rounds.Refused) and refused.status == 422
+    assert "1.14891 exceeds this round's DP clip norm 1" in refused.message
+    assert round_by_id(db, answer.round_id).invalid == 1
+
+
+def test_the_privacy_budget_stops_training_rounds_and_says_so(
+    db: sessionmaker[Session], biased_model: ExportedModel
+) -> None:
+    budget = epsilon(1.0, 1 / 100, 2, 1e-5)  # exactly two rounds' worth
+    dp = dp_settings(10.0, 1.0, epsilon_budget=budget)
+    make_population(db, biased_model, target_reports=1, evaluation_every=0, differential_privacy=dp)
+
+    first, second = commit_round(db, biased_model, [(0.1, 10)]), commit_round(db, biased_model, [(0.1, 10)])
+    refused = checkin(db, device(db))
+
+    assert (first.status, second.status) == ("committed", "committed")
+    assert isinstance(refused, rounds.Refused) and refused.status == 409
+    assert "privacy budget spent" in refused.message and "after 2 training rounds" in refused.message
+    with db() as session:
+        population = session.scalars(select(Population)).one()
+        assert rounds.TRAINING not in rounds.open_rounds(session, population)
+        status = population_out(session, population)
+    assert status.privacy is not None and status.privacy.budget_spent
+    assert status.privacy.epsilon == pytest.approx(budget) and status.training_rounds_committed == 2
+
+
+def test_adaptive_clipping_moves_the_clip_norm_round_by_round(
+    db: sessionmaker[Session], biased_model: ExportedModel
+) -> None:
+    # No noise, so the clip norm's step is exact: both devices unclipped (share 1) against a
+    # target of 0.5 shrinks it by exp(-0.2 * 0.5).
+    adaptive = {"target_unclipped_quantile": 0.5, "clip_learning_rate": 0.2, "clipped_count_stddev": 0.0}
+    make_population(
+        db, biased_model, target_reports=2, differential_privacy=dp_settings(10.0, 0.0, **adaptive)
+    )
+    a, b = device(db), device(db)
+    first, second = checkin(db, a), checkin(db, b)
+    within = {"dp_within_clip": 1.0}
+
+    report(db, a, first.assignment_id, delta_body(biased_model, 0.1, metrics=within))
+    committed = report(db, b, second.assignment_id, delta_body(biased_model, 0.1, metrics=within))
+    following = checkin(db, device(db))
+
+    assert first.clip_norm == 10.0
+    assert committed.metrics["dp_unclipped_share"] == 1.0
+    assert committed.metrics["dp_next_clip_norm"] == pytest.approx(10.0 * np.exp(-0.1))
+    assert "dp_within_clip" not in committed.metrics  # only the noised share is released
+    assert following.clip_norm == pytest.approx(10.0 * np.exp(-0.1))
+    assert current_round(db).metrics["dp_clip_norm"] == following.clip_norm
+
+
+@pytest.mark.parametrize(
+    ("metrics", "message"),
+    [
+        ({"update_loss": 1.0}, "'dp_within_clip' must be 1 .* or 0 .*; adaptive clipping needs it, got None"),
+        ({"dp_within_clip": 0.5}, "got 0.5"),
+        ({"dp_within_clip": 1.0, "dp_clip_norm": -9.0}, r"\['dp_clip_norm'\] are reserved for the server"),
+    ],
+)
+def test_adaptive_clipping_refuses_a_missing_or_forged_count(
+    db: sessionmaker[Session], biased_model: ExportedModel, metrics: dict[str, float], message: str
+) -> None:
+    adaptive = {"target_unclipped_quantile": 0.5, "clipped_count_stddev": 1.0}
+    make_population(
+        db, biased_model, target_reports=2, differential_privacy=dp_settings(10.0, 1.0, **adaptive)
+    )
+    dev = device(db)
+    answer = checkin(db, dev)
+
+    refused = report(db, dev, answer.assignment_id, delta_body(biased_model, 0.1, metrics=metrics))
+
+    assert isinstance(refused, rounds.Refused) and refused.status == 422
+    assert __import__("re").search(message, refused.message), refused.message
+    assert current_round(db).metrics == {"dp_clip_norm": 10.0}

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import math
 from typing import Annotated, Any
 
 from fastapi import APIRouter, File, Form, HTTPException, Query, Request, UploadFile
@@ -8,7 +9,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from orchestrator import rounds
 from orchestrator.api.deps import AdminDep, ClockDep, SessionFactoryDep, run_db
-from orchestrator.api.schemas import PopulationOut, RoundOut
+from orchestrator.api.schemas import PopulationOut, PrivacyOut, RoundOut
 from orchestrator.db import Population, Round
 from orchestrator.limits import MAX_COUNT, MAX_MANIFEST_BYTES, json_document
 from orchestrator.populations import ExportedModel, PopulationError, create_population
@@ -47,6 +48,23 @@ def round_out(r: Round) -> RoundOut:
     )
 
 
+def privacy_out(p: Population) -> PrivacyOut | None:
+    settings = rounds.population_settings(p)
+    if settings.dp() is None:
+        return None
+    spent = settings.privacy_spent(p.training_rounds_committed)
+    return PrivacyOut(
+        epsilon=spent.epsilon if math.isfinite(spent.epsilon) else None,
+        delta=spent.delta,
+        sampling_rate=spent.sampling_rate,
+        training_rounds=spent.rounds,
+        epsilon_budget=spent.epsilon_budget,
+        rounds_within_budget=spent.rounds_within_budget,
+        budget_spent=spent.budget_spent,
+        message=spent.message(),
+    )
+
+
 def population_out(session: Any, p: Population) -> PopulationOut:
     return PopulationOut(
         name=p.name,
@@ -55,6 +73,7 @@ def population_out(session: Any, p: Population) -> PopulationOut:
         artifact_sha256=p.artifact_sha256,
         settings=p.settings,
         open_rounds=[round_out(r) for r in rounds.open_rounds(session, p).values()],
+        privacy=privacy_out(p),
     )
 
 

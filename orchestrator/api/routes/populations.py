@@ -138,6 +138,12 @@ def _checkin(
         ]
 
 
+def _task_config(population: Population, clip_norm: float | None) -> dict[str, Any]:
+    """The population's task config; under adaptive clipping, with the round's clip norm."""
+    task_config = rounds.population_settings(population).task_config
+    return task_config if clip_norm is None else {**task_config, "clip_norm": clip_norm}
+
+
 def _assignment_out(
     population: Population | None, answer: rounds.Accepted | rounds.Refused, now: float
 ) -> AssignmentOut | rounds.Refused:
@@ -161,7 +167,7 @@ def _assignment_out(
         manifest_url=f"/v1/populations/{name}/manifest",
         report_url=f"/v1/assignments/{assignment}/report",
         abort_url=f"/v1/assignments/{assignment}/abort",
-        task_config=settings.task_config,
+        task_config=_task_config(population, answer.clip_norm),
         aggregation="secure" if secure else "plaintext",
         secure_url=f"/v1/assignments/{assignment}/secure" if secure else None,
     )
