@@ -23,7 +23,7 @@ import random
 import re
 import secrets
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -239,9 +239,16 @@ class OrchestratorClient:
         given = data.get("assignment_id")
         held = given if isinstance(given, str) and _ID.fullmatch(given) else None
         try:
-            answer = _Fields(data, "the assignment", {"accepted"} | {f.name for f in fields(Assignment)})
+            # A field with a default may be left out (an older server does not send it).
+            optional = frozenset(
+                f.name for f in fields(Assignment) if (f.default, f.default_factory) != (MISSING, MISSING)
+            )
+            required = {"accepted"} | {f.name for f in fields(Assignment)} - optional
+            answer = _Fields(data, "the assignment", required, optional)
             values: dict[str, Any] = {}
             for f in fields(Assignment):
+                if f.name not in data:
+                    continue
                 if f.name.endswith("_url"):
                     values[f.name] = answer.text(f.name, max_length=2_000)
                     self.url_of(values[f.name], f"the assignment's {f.name}")
@@ -384,12 +391,15 @@ class _Fields:
     """One JSON object of an answer, read field by field; each problem is an `InvalidAnswer` that
     names the answer, the field, what it held and what was expected."""
 
-    def __init__(self, data: dict[str, Any], what: str, expected: set[str]) -> None:
-        missing, extra = sorted(expected - data.keys()), sorted(data.keys() - expected)
+    def __init__(
+        self, data: dict[str, Any], what: str, required: set[str], optional: frozenset[str] = frozenset()
+    ) -> None:
+        missing, extra = sorted(required - data.keys()), sorted(data.keys() - required - optional)
         if missing or extra:
+            also = f", and optionally {sorted(optional)}" if optional else ""
             raise InvalidAnswer(
                 f"{what} lacks fields {missing} and has unexpected fields {extra}; "
-                f"expected exactly {sorted(expected)}"
+                f"expected exactly {sorted(required)}{also}"
             )
         self.data = data
         self.what = what

@@ -25,6 +25,7 @@ from device_runtime.task_runner import TaskRunner
 from model_export.config import ModelConfig
 from model_export.manifest import MANIFEST_FILE, MODEL_FILE, Manifest
 from model_export.params import decode_params, encode_params
+from orchestrator.local import free_port
 from tests.conftest import SMALL
 from tests.device_runtime.hostile_orchestrator import (
     ASSIGNMENT_ID,
@@ -675,8 +676,10 @@ def test_a_server_that_fails_then_recovers_is_retried_with_backoff(
 
 
 def test_a_server_that_is_down_is_an_outcome(store: ExampleStore, runner: TaskRunner, tmp_path: Path) -> None:
+    port = free_port()  # nobody listens there
+
     async def once() -> Participation:
-        client = OrchestratorClient("http://127.0.0.1:9", TOKEN, attempts=2, backoff_seconds=0.01)
+        client = OrchestratorClient(f"http://127.0.0.1:{port}", TOKEN, attempts=2, backoff_seconds=0.01)
         try:
             return await DeviceAgent(client, store, tmp_path, POPULATION, runner=runner).participate()
         finally:
@@ -686,7 +689,7 @@ def test_a_server_that_is_down_is_an_outcome(store: ExampleStore, runner: TaskRu
 
     assert participation.status == "unreachable"
     assert re.search(
-        r"POST http://127.0.0.1:9/v1/populations/p/checkin failed after 2 attempts \(ConnectError",
+        rf"POST http://127.0.0.1:{port}/v1/populations/p/checkin failed after 2 attempts \(ConnectError",
         participation.detail,
     ), participation.detail
 
