@@ -76,8 +76,15 @@ class Connections:
         self, method: str, path: str, body: bytes | None, headers: dict[str, str]
     ) -> tuple[int, bytes]:
         reader, writer = self.idle.pop() if self.idle else await asyncio.open_connection(self.host, self.port)
-        writer.write(http_request(self.host, method, path, body, headers))
-        answer = await read_answer(reader, await reader.readline())
+        request = http_request(self.host, method, path, body, headers)
+        writer.write(request)
+        status_line = await reader.readline()
+        if not status_line:  # the server closed the idle connection (keep-alive timeout): reopen
+            writer.close()
+            reader, writer = await asyncio.open_connection(self.host, self.port)
+            writer.write(request)
+            status_line = await reader.readline()
+        answer = await read_answer(reader, status_line)
         self.idle.append((reader, writer))
         return answer
 
@@ -131,15 +138,14 @@ async def closed_loop(
 async def open_loop(
     conns: Connections, tokens: list[str], body: bytes, rate: float, seconds: float
 ) -> Measured:
-    measured, rng, running = Measured(), random.Random(2), set()
+    measured, rng = Measured(), random.Random(2)
+    visits: list[asyncio.Task[None]] = []
     start = time.perf_counter()
     for i in range(int(rate * seconds)):
         # Visits start on schedule, whatever the server's answers so far.
         await asyncio.sleep(max(0.0, start + i / rate - time.perf_counter()))
-        task = asyncio.create_task(visit(conns, tokens[i % len(tokens)], body, rng, measured))
-        running.add(task)
-        task.add_done_callback(running.discard)
-    await asyncio.gather(*running)
+        visits.append(asyncio.create_task(visit(conns, tokens[i % len(tokens)], body, rng, measured)))
+    await asyncio.gather(*visits)  # a visit that raises fails the benchmark
     return measured
 
 
@@ -207,10 +213,18 @@ async def measure(pids: list[int], phase: Coroutine[Any, Any, Measured]) -> Phas
 
 async def drive(port: int, pids: list[int], body: bytes, args: argparse.Namespace) -> tuple[Phase, Phase]:
     conns = Connections("127.0.0.1", port)
-    enrolled = await asyncio.gather(
-        *(conns.send("POST", "/v1/devices", None, {}) for _ in range(args.devices))
+    tokens: list[str] = []
+
+    async def enroll(count: int) -> None:
+        for _ in range(count):
+            _, answer = await conns.send("POST", "/v1/devices", None, {})
+            tokens.append(json.loads(answer)["token"])
+
+    # As many connections as the closed loop keeps busy; more would only sit idle.
+    share = -(-args.devices // args.concurrency)
+    await asyncio.gather(
+        *(enroll(max(0, min(share, args.devices - i * share))) for i in range(args.concurrency))
     )
-    tokens = [json.loads(answer)["token"] for _, answer in enrolled]
     closed = await measure(pids, closed_loop(conns, tokens, body, args.concurrency, args.seconds))
     opened = await measure(pids, open_loop(conns, tokens, body, args.rate, args.seconds))
     conns.close()
