@@ -28,6 +28,7 @@ import random
 import secrets
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Coroutine, Iterator
 from dataclasses import dataclass, field
@@ -36,6 +37,7 @@ from typing import Any
 
 import numpy as np
 from sqlalchemy import create_engine, text
+from sqlalchemy.pool import NullPool
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -76,8 +78,15 @@ class Connections:
         self, method: str, path: str, body: bytes | None, headers: dict[str, str]
     ) -> tuple[int, bytes]:
         reader, writer = self.idle.pop() if self.idle else await asyncio.open_connection(self.host, self.port)
-        writer.write(http_request(self.host, method, path, body, headers))
-        answer = await read_answer(reader, await reader.readline())
+        request = http_request(self.host, method, path, body, headers)
+        writer.write(request)
+        status_line = await reader.readline()
+        if not status_line:  # the server closed the idle connection (keep-alive timeout): reopen
+            writer.close()
+            reader, writer = await asyncio.open_connection(self.host, self.port)
+            writer.write(request)
+            status_line = await reader.readline()
+        answer = await read_answer(reader, status_line)
         self.idle.append((reader, writer))
         return answer
 
@@ -131,15 +140,14 @@ async def closed_loop(
 async def open_loop(
     conns: Connections, tokens: list[str], body: bytes, rate: float, seconds: float
 ) -> Measured:
-    measured, rng, running = Measured(), random.Random(2), set()
+    measured, rng = Measured(), random.Random(2)
+    visits: list[asyncio.Task[None]] = []
     start = time.perf_counter()
     for i in range(int(rate * seconds)):
         # Visits start on schedule, whatever the server's answers so far.
         await asyncio.sleep(max(0.0, start + i / rate - time.perf_counter()))
-        task = asyncio.create_task(visit(conns, tokens[i % len(tokens)], body, rng, measured))
-        running.add(task)
-        task.add_done_callback(running.discard)
-    await asyncio.gather(*running)
+        visits.append(asyncio.create_task(visit(conns, tokens[i % len(tokens)], body, rng, measured)))
+    await asyncio.gather(*visits)  # a visit that raises fails the benchmark
     return measured
 
 
@@ -173,6 +181,52 @@ def percentile(values: list[float], q: float) -> float:
     return float(np.percentile(values, q)) * 1000 if values else float("nan")
 
 
+class BackendStates:
+    """Samples what the orchestrator's PostgreSQL connections are doing (pg_stat_activity, every
+    20 ms, on a thread): of those inside a transaction, the share waiting for a lock, waiting for
+    the orchestrator's next statement (`idle in transaction`: the server process is busy in Python
+    or waits for the CPU meanwhile), or running in PostgreSQL. This says what bounds a deployment
+    that does not use the cores."""
+
+    def __init__(self, database_url: str) -> None:
+        self.engine = create_engine(database_url, poolclass=NullPool)
+        self.counts: dict[str, int] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def _sample(self) -> None:
+        query = text(
+            "SELECT state, wait_event_type FROM pg_stat_activity "
+            "WHERE datname = current_database() AND pid <> pg_backend_pid() "
+            "AND (state = 'active' OR state LIKE 'idle in transaction%')"
+        )
+        with self.engine.connect() as conn:
+            while not self._stop.wait(0.02):
+                for state, wait in conn.execute(query):
+                    kind = (
+                        "waiting for a lock"
+                        if wait == "Lock"
+                        else "waiting for the orchestrator"
+                        if state != "active"
+                        else "running"
+                    )
+                    self.counts[kind] = self.counts.get(kind, 0) + 1
+                conn.rollback()  # a fresh snapshot of pg_stat_activity next time
+
+    def __enter__(self) -> BackendStates:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.engine.dispose()
+
+    def shares(self) -> dict[str, float]:
+        total = sum(self.counts.values()) or 1
+        return {kind: n / total for kind, n in sorted(self.counts.items())}
+
+
 @dataclass
 class Phase:
     """A phase's figures."""
@@ -182,6 +236,7 @@ class Phase:
     generator_cpu: float
     server_cpu: float
     busy_share: float
+    backend_states: dict[str, float] = field(default_factory=dict)
 
     def rate(self, kind: str) -> float:
         return len(self.measured.latencies.get(kind, [])) / self.seconds
@@ -205,13 +260,28 @@ async def measure(pids: list[int], phase: Coroutine[Any, Any, Measured]) -> Phas
     )
 
 
-async def drive(port: int, pids: list[int], body: bytes, args: argparse.Namespace) -> tuple[Phase, Phase]:
+async def drive(
+    port: int, pids: list[int], body: bytes, args: argparse.Namespace, database_url: str
+) -> tuple[Phase, Phase]:
     conns = Connections("127.0.0.1", port)
-    enrolled = await asyncio.gather(
-        *(conns.send("POST", "/v1/devices", None, {}) for _ in range(args.devices))
+    tokens: list[str] = []
+
+    async def enroll(count: int) -> None:
+        for _ in range(count):
+            _, answer = await conns.send("POST", "/v1/devices", None, {})
+            tokens.append(json.loads(answer)["token"])
+
+    # As many connections as the closed loop keeps busy; more would only sit idle.
+    share = -(-args.devices // args.concurrency)
+    await asyncio.gather(
+        *(enroll(max(0, min(share, args.devices - i * share))) for i in range(args.concurrency))
     )
-    tokens = [json.loads(answer)["token"] for _, answer in enrolled]
-    closed = await measure(pids, closed_loop(conns, tokens, body, args.concurrency, args.seconds))
+    if database_url.startswith("postgresql"):
+        with BackendStates(database_url) as states:
+            closed = await measure(pids, closed_loop(conns, tokens, body, args.concurrency, args.seconds))
+        closed.backend_states = states.shares()
+    else:
+        closed = await measure(pids, closed_loop(conns, tokens, body, args.concurrency, args.seconds))
     opened = await measure(pids, open_loop(conns, tokens, body, args.rate, args.seconds))
     conns.close()
     return closed, opened
@@ -248,7 +318,7 @@ def run_deployment(
             created = admin_create_population(server.url, model_dir, "load", json.dumps(SETTINGS))
             assert created.status_code == 201, created.text
             time.sleep(1.0)  # every worker is up (the first answer may come from the first one started)
-            return asyncio.run(drive(server.port, server_pids(server.process.pid), body, args))
+            return asyncio.run(drive(server.port, server_pids(server.process.pid), body, args, url))
 
 
 def main() -> int:
@@ -297,6 +367,7 @@ def main() -> int:
                 "server_cpu_ms_per_request": 1000 * closed.server_cpu / closed.requests(),
                 "machine_busy_share": closed.busy_share,
                 "errors_5xx": float(errors),
+                **{f"pg_in_transaction_{k.replace(' ', '_')}": v for k, v in closed.backend_states.items()},
             }
     print(
         f"load benchmark: {args.devices} devices ({DROPOUT:.0%} of the accepted drop out), 3706 x 50 model, "
@@ -339,6 +410,17 @@ def main() -> int:
                 ]
             )
         )
+    for name, r in results.items():
+        states = {
+            k.removeprefix("pg_in_transaction_").replace("_", " "): v
+            for k, v in r.items()
+            if k.startswith("pg_")
+        }
+        if states:
+            print(
+                f"{name}, PostgreSQL connections inside a transaction (closed loop): "
+                + ", ".join(f"{v:.0%} {k}" for k, v in states.items())
+            )
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
     return 0

@@ -70,7 +70,9 @@ def target(
 
 # The description the server publishes at /openapi.json, built from the same app in this process
 # so that each operation is a test of its own.
-SCHEMA = schemathesis.openapi.from_dict(create_app(Settings(database_url="sqlite://")).openapi())
+SCHEMA = schemathesis.openapi.from_dict(
+    create_app(Settings(database_url="sqlite://", admin_token=ADMIN_TOKEN)).openapi()
+)
 
 
 def operations() -> list[tuple[str, str]]:
