@@ -20,6 +20,7 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from pydantic import SecretStr
 from schemathesis import GenerationMode
 from schemathesis.core.result import Ok
 
@@ -71,7 +72,7 @@ def target(
 # The description the server publishes at /openapi.json, built from the same app in this process
 # so that each operation is a test of its own.
 SCHEMA = schemathesis.openapi.from_dict(
-    create_app(Settings(database_url="sqlite://", admin_token=ADMIN_TOKEN)).openapi()
+    create_app(Settings(database_url="sqlite://", admin_token=SecretStr(ADMIN_TOKEN))).openapi()
 )
 
 
