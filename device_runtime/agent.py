@@ -169,8 +169,11 @@ class DeviceAgent:
             detail = f"{result.outcome.value}: {result.message}"
             if result.outcome is Outcome.INTERRUPTED and not abort_when_interrupted:
                 return Participation("vanished", answer, result, detail=detail, task_seconds=seconds)
-            detail += await self._abort(answer)
-            return Participation("aborted", answer, result, detail=detail, task_seconds=seconds)
+            lost = await self._abort(answer)
+            # An abort that never arrived leaves the server to find out at the deadline, as for
+            # a device that vanished: counted so, the device's and the server's tallies agree.
+            status = "vanished" if lost else "aborted"
+            return Participation(status, answer, result, detail=detail + lost, task_seconds=seconds)
         if answer.kind == "training" and answer.aggregation == "secure":
             assert result.delta is not None
             return await self.take_part_securely(

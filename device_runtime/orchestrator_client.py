@@ -249,7 +249,9 @@ class OrchestratorClient:
             for f in fields(Assignment):
                 if f.name not in data:
                     continue
-                if f.name.endswith("_url"):
+                if f.name.endswith("_url") and data[f.name] is None and str(f.type).endswith(" | None"):
+                    values[f.name] = None  # e.g. secure_url of a plaintext round
+                elif f.name.endswith("_url"):
                     values[f.name] = answer.text(f.name, max_length=2_000)
                     self.url_of(values[f.name], f"the assignment's {f.name}")
                 else:
@@ -260,6 +262,16 @@ class OrchestratorClient:
                 f"a string matching {_ID.pattern}",
             )
             answer.check(values["kind"] in ("training", "evaluation"), "kind", "'training' or 'evaluation'")
+            answer.check(
+                values.get("aggregation", "plaintext") in ("plaintext", "secure"),
+                "aggregation",
+                "'plaintext' or 'secure'",
+            )
+            answer.check(
+                values.get("aggregation", "plaintext") == "plaintext" or values.get("secure_url") is not None,
+                "secure_url",
+                "a URL on the orchestrator's origin when aggregation is 'secure'",
+            )
             answer.check(values["round_id"] >= 0, "round_id", "an integer >= 0")
             answer.check(values["model_version"] >= 0, "model_version", "an integer >= 0")
             answer.check(
@@ -369,22 +381,22 @@ class OrchestratorClient:
 
     async def secure_state(self, assignment: Assignment) -> dict[str, Any]:
         """The secure round's phase and what this device needs for it."""
-        return dict((await self._request("GET", self._secure_url(assignment))).json())
+        return await self._json("GET", self._secure_url(assignment), "the secure round's state")
 
     async def secure_message(self, assignment: Assignment, phase: str, body: Any) -> dict[str, Any]:
         """A JSON message of the `keys`, `shares` or `unmasking` phase."""
-        return dict(
-            (await self._request("POST", f"{self._secure_url(assignment)}/{phase}", json=body)).json()
+        return await self._json(
+            "POST", f"{self._secure_url(assignment)}/{phase}", f"the answer to the {phase} message", json=body
         )
 
     async def secure_masked_input(self, assignment: Assignment, body: bytes) -> dict[str, Any]:
-        response = await self._request(
+        return await self._json(
             "POST",
             f"{self._secure_url(assignment)}/masked-input",
+            "the answer to the masked input",
             content=body,
             headers={"Content-Type": "application/octet-stream"},
         )
-        return dict(response.json())
 
 
 class _Fields:

@@ -20,7 +20,13 @@ from typing import Any
 
 import numpy as np
 
-from device_runtime.orchestrator_client import Assignment, OrchestratorClient, ProtocolError
+from device_runtime.orchestrator_client import (
+    Assignment,
+    InvalidAnswer,
+    OrchestratorClient,
+    ProtocolError,
+    ServerUnavailable,
+)
 from model_export.manifest import Manifest
 from model_export.params import Params
 from secure_aggregation.config import ProtocolError as SecureProtocolError
@@ -96,6 +102,14 @@ class SecureRoundDriver:
             return self._result(status, e.detail)
         except (ProtocolError, SecureProtocolError) as e:
             return self._result("refused", str(e))
+        except (KeyError, TypeError, ValueError) as e:  # a state answer that lacks or mistypes a field
+            with contextlib.suppress(ProtocolError, InvalidAnswer, ServerUnavailable):
+                await self.client.abort(self.assignment)
+            return self._result(
+                "invalid_answer",
+                f"the secure round's state broke the protocol ({type(e).__name__}: {e}); expected the "
+                "phase, its deadline and what this device needs for it",
+            )
         return self._result("reported")
 
     def _result(self, status: str, detail: str = "") -> SecureParticipation:
