@@ -71,7 +71,9 @@ def create_population(
         raise PopulationError(str(e)) from None
     overrides = settings.get("task_config", {})
     if not isinstance(overrides, dict):
-        raise PopulationError(f"invalid settings: task_config must be an object, got {overrides!r}")
+        raise PopulationError(
+            f"invalid settings: task_config must be a JSON object, got {type(overrides).__name__}"
+        )
     if "min_examples" in overrides and overrides["min_examples"] != settings.get("min_examples", 1):
         raise PopulationError(
             f"task_config.min_examples ({overrides['min_examples']}) differs from the population's "

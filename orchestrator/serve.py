@@ -28,11 +28,6 @@ def serve(settings: Settings, workers: int) -> int:
     if workers < 1:
         print(f"error: --workers must be at least 1, got {workers}", file=sys.stderr)
         return 2
-    try:
-        settings.admin_token_digest()  # before any worker starts: none may run without a real secret
-    except AdminTokenError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
     if workers > 1 and settings.database_url.startswith("sqlite"):
         print(
             f"error: --workers {workers} needs a PostgreSQL database (ORCHESTRATOR_DATABASE_URL="
@@ -41,6 +36,11 @@ def serve(settings: Settings, workers: int) -> int:
             "Use --workers 1 with SQLite.",
             file=sys.stderr,
         )
+        return 2
+    try:
+        settings.admin_token_digest()  # before any worker starts: none may run without a real secret
+    except AdminTokenError as e:
+        print(f"error: {e}", file=sys.stderr)
         return 2
     # uvicorn's own lines (start-up, errors) at info at least: its debug lines are per connection.
     logging_config = log_config(settings.log_level, uvicorn_level=max(settings.log_level, "info", key=_rank))

@@ -117,7 +117,7 @@ def test_an_interrupted_or_diverged_task_keeps_the_previous_locals(
     interrupted = run_training_task(
         model, store, globals_, config_for(model), kept=kept, should_continue=stop_after_update
     )
-    too_fast = config_for(model, update_learning_rate=1e30)
+    too_fast = config_for(model, update_learning_rate=1_000.0)  # the largest accepted rate
     diverged = run_training_task(model, store, globals_, too_fast, kept=kept)
 
     assert interrupted.outcome is Outcome.INTERRUPTED

@@ -25,7 +25,7 @@ from secure_aggregation.messages import (
 )
 from secure_aggregation.quantization import Layout, dequantize_sum, quantize
 from tests.conftest import BIASED
-from tests.orchestrator.conftest import Server, admin_create_population
+from tests.orchestrator.conftest import ADMIN_TOKEN, Server, admin_create_population
 
 SETTINGS = {
     "target_reports": 5,
@@ -149,7 +149,7 @@ def test_lying_messages_are_refused_and_the_round_commits_without_harm(
     # The round committed: base + mean of all five quantized inputs (server SGD, rate 1)
     status = httpx.get(
         f"{server.url}/v1/admin/populations/p",
-        headers={"Authorization": "Bearer test-admin-token"},
+        headers={"Authorization": f"Bearer {ADMIN_TOKEN}"},
         timeout=10,
     ).json()
     assert status["current_version"] == 1
