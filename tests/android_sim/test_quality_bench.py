@@ -171,7 +171,7 @@ def test_cli_unknown_format_is_a_user_error(tmp_path: Path) -> None:
     assert "Traceback" not in result.stderr
 
 
-STUDIES = ("better_seeds", "kr_ablation", "ku_ablation", "staleness")  # not Table 1 rows
+STUDIES = ("better_seeds", "kr_ablation", "ku_ablation", "staleness", "dp_fedrecon")  # not Table 1 rows
 
 
 def test_cli_writes_every_method_to_json_and_a_plot(tmp_path: Path) -> None:
