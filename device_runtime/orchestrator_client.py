@@ -249,11 +249,11 @@ class OrchestratorClient:
             for f in fields(Assignment):
                 if f.name not in data:
                     continue
-                if f.name.endswith("_url") and data[f.name] is None and str(f.type).endswith(" | None"):
-                    values[f.name] = None  # e.g. secure_url of a plaintext round
-                elif f.name.endswith("_url"):
+                if f.name.endswith("_url") and not (data[f.name] is None and f.default is None):
                     values[f.name] = answer.text(f.name, max_length=2_000)
                     self.url_of(values[f.name], f"the assignment's {f.name}")
+                elif f.name.endswith("_url"):  # an optional URL (secure_url of a plaintext round)
+                    values[f.name] = None
                 else:
                     values[f.name] = answer.typed(f.name, str(f.type))
             answer.check(

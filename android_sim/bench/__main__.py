@@ -14,7 +14,13 @@ from android_sim.run import DEFAULT_RATINGS
 
 def _parser() -> argparse.ArgumentParser:
     from android_sim.bench.federated import Rounds
-    from android_sim.bench.quality import DP_CLIP_NORM, DP_NOISE_MULTIPLIERS, METHODS, SPLIT_SEEDS
+    from android_sim.bench.quality import (
+        DP_CLIP_NORM,
+        DP_NOISE_MULTIPLIERS,
+        METHODS,
+        SECURE_BITS,
+        SPLIT_SEEDS,
+    )
     from android_sim.bench.staleness import StalenessOptions
 
     d = Rounds()
@@ -59,11 +65,16 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="staleness: scale the server learning rate by clients-per-round / 100",
     )
-    quality.add_argument("--dp-clip-norm", type=float, default=DP_CLIP_NORM, help="dp_fedrecon's clip norm")
+    quality.add_argument(
+        "--dp-clip-norm", type=float, default=DP_CLIP_NORM, help="dp_fedrecon, secure_fedrecon clip norm"
+    )
     quality.add_argument(
         "--dp-noise-multipliers",
         default=",".join(map(str, DP_NOISE_MULTIPLIERS)),
         help="dp_fedrecon's noise multipliers (0: clipping only)",
+    )
+    quality.add_argument(
+        "--secure-bits", type=int, default=SECURE_BITS, help="secure_fedrecon's modulus 2^bits"
     )
     return parser
 
@@ -100,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
             ),
             dp_clip_norm=args.dp_clip_norm,
             dp_noise_multipliers=tuple(float(z) for z in args.dp_noise_multipliers.split(",") if z.strip()),
+            secure_bits=args.secure_bits,
         )
         report = run_quality(options)
         print(f"wrote {options.out / 'quality.json'} and {options.out / 'learning_curves.png'}")

@@ -38,6 +38,8 @@ from orchestrator.aggregation import (
     init_state,
 )
 from orchestrator.differential_privacy import DPConfig, noised_mean
+from secure_aggregation.config import RoundParameters
+from secure_aggregation.quantization import Layout, dequantize_sum, quantize
 
 R = TypeVar("R")
 
@@ -165,7 +167,10 @@ class Server:
     With `aggregation`, the orchestrator's robust aggregation (clipping, capped weights, optionally
     a trimmed mean or median). With `dp` (DP-FedAvg), as the orchestrator does: every report weighs
     the same and the mean is `noised_mean` of their sum; `rng` is seeded here so that a benchmark
-    run can be repeated.
+    run can be repeated. With `secure` (secure aggregation's arithmetic), every report is flattened
+    densely in `layout`'s order, clipped and quantized as a device does, the integers are summed
+    modulo 2^bits and the sum is dequantized, as the server unmasks it (the masks cancel exactly in
+    that sum, so they are left out); every report weighs the same, and with `dp` the sum is noised.
     """
 
     def __init__(
@@ -175,6 +180,7 @@ class Server:
         aggregation: RobustAggregation | None = None,
         dp: DPConfig | None = None,
         rng: np.random.Generator | None = None,
+        secure: tuple[RoundParameters, Layout] | None = None,
     ) -> None:
         self.params = {k: np.asarray(v, np.float32) for k, v in params.items()}
         self.optimizer = optimizer
@@ -184,13 +190,16 @@ class Server:
         self.shapes = {k: tuple(v.shape) for k, v in self.params.items()}
         self.dp = dp
         self.rng = rng or np.random.default_rng(0)
+        self.secure = secure
 
     def commit(self, reports: Sequence[Report]) -> int:
         """Apply one round; returns how many reports were refused (diverged)."""
         taken = [report for report in reports if report is not None]
         if not taken:
             return len(reports)
-        if self.dp is not None:
+        if self.secure is not None:
+            mean_delta = self._secure_mean([delta for delta, _ in taken])
+        elif self.dp is not None:
             mean = WeightedMean(self.shapes)
             for delta, _ in taken:
                 mean.add_sparse(delta, 1.0)
@@ -207,6 +216,19 @@ class Server:
             )
         self.params, self.state = apply_update(self.optimizer, self.params, mean_delta, self.state)
         return len(reports) - len(taken)
+
+    def _secure_mean(self, deltas: Sequence[dict[str, SparseTensor]]) -> Params:
+        assert self.secure is not None
+        parameters, layout = self.secure
+        modulus = np.uint64(parameters.modulus_mask)
+        total = np.zeros(parameters.vector_length, np.uint64)
+        for delta in deltas:
+            vector = layout.flatten({name: tensor.dense() for name, tensor in delta.items()})
+            total = (total + quantize(vector, parameters, self.rng)) & modulus
+        update_sum = layout.unflatten(dequantize_sum(total, parameters))
+        if self.dp is not None:
+            return noised_mean(update_sum, len(deltas), self.dp, self.rng)
+        return {name: (value / len(deltas)).astype(np.float32) for name, value in update_sum.items()}
 
 
 @dataclass(frozen=True)

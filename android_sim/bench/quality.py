@@ -54,6 +54,8 @@ from model_export.config import ModelConfig
 from model_export.params import Params
 from orchestrator.aggregation import RobustAggregation, ServerOptimizerConfig
 from orchestrator.differential_privacy import DPConfig, epsilon, population_size_for
+from secure_aggregation.config import RoundParameters
+from secure_aggregation.quantization import Layout
 
 # Model fields a run may change; the rest (catalog, batch shapes) the protocol fixes.
 MODEL_CHOICES = (
@@ -209,6 +211,28 @@ def initial_globals(model_dir: Path) -> Params:
     return DeviceModel(model_dir).get_global()
 
 
+@dataclass(frozen=True)
+class SecureQuantization:
+    """Secure aggregation's arithmetic for a benchmark run: what the orchestrator would announce."""
+
+    clip_norm: float
+    bits: int
+    max_summands: int  # the round's capacity: clients per round x oversampling
+
+    def parameters(self, vector_length: int) -> RoundParameters:
+        # Neighbours, threshold and survivors only concern the masks, which cancel in the sum.
+        return RoundParameters(
+            context="quality benchmark",
+            vector_length=vector_length,
+            bits=self.bits,
+            clip_norm=self.clip_norm,
+            max_summands=self.max_summands,
+            neighbours=0,
+            threshold=1.0,
+            min_survivors=1,
+        )
+
+
 def run_fedrecon(
     data: Dataset,
     split: UserSplit,
@@ -218,10 +242,16 @@ def run_fedrecon(
     workers: int,
     method: str = "fedrecon",
     dp: DPConfig | None = None,
+    secure: SecureQuantization | None = None,
 ) -> MethodResult:
-    """FedRecon; with `dp`, DP-FedAvg: devices clip to `dp.clip_norm`, the server noises the sum."""
-    if dp is not None:
-        settings = replace(settings, task=replace(settings.task, clip_norm=dp.clip_norm))
+    """FedRecon; with `dp`, DP-FedAvg: devices clip to `dp.clip_norm`, the server noises the sum.
+    With `secure`, secure aggregation's quantization: dense deltas clipped to `secure.clip_norm`,
+    quantized, summed modulo 2^bits and dequantized, every device weighing the same."""
+    if dp is not None and secure is not None and dp.clip_norm != secure.clip_norm:
+        raise ValueError(f"DP clip norm {dp.clip_norm} differs from secure clip norm {secure.clip_norm}")
+    clip_norm = secure.clip_norm if secure is not None else dp.clip_norm if dp is not None else None
+    if clip_norm is not None:
+        settings = replace(settings, task=replace(settings.task, clip_norm=clip_norm))
     model_dir = models.get(settings.model_config(data.num_items))
     with Devices(model_dir, workers) as devices:
         clients = pack_support_query(data.examples, devices.manifest, settings.task)
@@ -236,12 +266,14 @@ def run_fedrecon(
         def validate(params: Params) -> dict[str, float]:
             return devices.metrics_of(params, evaluation, split.validation)
 
+        layout = Layout.of(devices.manifest.global_params)
         server = Server(
             initial_globals(model_dir),
             settings.server,
             settings.aggregation,
             dp,
             np.random.default_rng(rounds.sampling_seed),
+            None if secure is None else (secure.parameters(layout.length), layout),
         )
         work = fedrecon_work(clients, settings.task, per_item_names(devices.manifest))
         run = train_federated(devices, server, split.train, work, rounds, validate)
@@ -456,6 +488,7 @@ METHODS = (
     "ku_ablation",
     "staleness",
     "dp_fedrecon",
+    "secure_fedrecon",
     "implicit_movielens",
     "implicit_expressions",
 )
@@ -468,6 +501,10 @@ DP_NOISE_MULTIPLIERS = (0.0, 0.3, 0.7, 1.0)
 DP_DELTA = 1e-5
 DP_TARGET_EPSILON = 5.0
 SPLIT_SEEDS = (0, 1, 2, 3, 4)
+# Secure aggregation as the orchestrator runs it by default: 32 bits, capacity = target x 1.3.
+SECURE_BITS = 32
+SECURE_OVERSAMPLING = 1.3
+QUANTIZATION_RMSE = 0.002  # issue 11: quantization alone moves test RMSE by at most this
 
 # Issue 5's targets on MovieLens 100K after 500 rounds of 100 clients.
 FAITHFUL_RMSE = (0.965, 0.990)
@@ -491,6 +528,7 @@ class QualityOptions:
     staleness: StalenessOptions = field(default_factory=StalenessOptions)
     dp_clip_norm: float = DP_CLIP_NORM
     dp_noise_multipliers: tuple[float, ...] = DP_NOISE_MULTIPLIERS
+    secure_bits: int = SECURE_BITS
 
     def __post_init__(self) -> None:
         unknown = [m for m in self.methods if m not in METHODS]
@@ -598,6 +636,8 @@ def run_quality(options: QualityOptions, log: Callable[[str], None] = print) -> 
         )
     if "dp_fedrecon" in chosen:
         report["dp_fedrecon"] = run_dp(data, split, options, models, log)
+    if "secure_fedrecon" in chosen:
+        report["secure_fedrecon"] = run_secure(data, split, options, models, log, results.get("fedrecon"))
     for source in ("movielens", "expressions"):
         if f"implicit_{source}" in chosen:
             fleet = (
@@ -703,6 +743,54 @@ def run_dp(
     }
 
 
+def run_secure(
+    data: Dataset,
+    split: UserSplit,
+    options: QualityOptions,
+    models: ModelCache,
+    log: Callable[[str], None],
+    weighted: MethodResult | None,
+) -> dict[str, Any]:
+    """The protocol's FedRecon under secure aggregation without noise, against plaintext with the
+    same uniform weights and clip norm (the difference is quantization alone) and against the
+    protocol's example-weighted plaintext (`weighted`, run here unless given). The clip norm is
+    the DP one (a population's secure clip norm follows its DP clip norm)."""
+    rounds, workers = options.rounds, options.workers
+    per_round = min(rounds.clients_per_round, len(split.train))
+    clip = options.dp_clip_norm
+    secure = SecureQuantization(clip, options.secure_bits, math.ceil(per_round * SECURE_OVERSAMPLING))
+    if weighted is None:
+        weighted = run_fedrecon(data, split, FAITHFUL, rounds, models, workers)
+    uniform_dp = DPConfig(clip, 0.0, len(split.train), DP_DELTA)  # no noise: clipping, uniform weights
+    uniform = run_fedrecon(data, split, FAITHFUL, rounds, models, workers, "uniform", uniform_dp)
+    quantized = run_fedrecon(data, split, FAITHFUL, rounds, models, workers, "secure", secure=secure)
+    runs = {"plaintext_weighted": weighted, "plaintext_uniform": uniform, "secure_quantized": quantized}
+    for name, result in runs.items():
+        log(
+            f"  {name:<20} RMSE {result.test['rmse']:.4f}, accuracy {result.test['accuracy']:.2%} "
+            f"({result.seconds:.0f} s)"
+        )
+
+    def difference(a: MethodResult, b: MethodResult) -> dict[str, float]:
+        return {key: a.test[key] - b.test[key] for key in ("rmse", "accuracy")}
+
+    levels = secure.parameters(vector_length=1).levels  # levels do not depend on the length
+    return {
+        "settings": FAITHFUL.to_json(),
+        "clip_norm": clip,
+        "bits": secure.bits,
+        "max_summands": secure.max_summands,
+        "quantization_step": clip / levels,
+        "runs": {
+            name: {**result.test, "seconds": round(result.seconds, 1), "validation_curve": result.curve}
+            for name, result in runs.items()
+        },
+        "quantization": difference(quantized, uniform),
+        "uniform_weights_and_clipping": difference(uniform, weighted),
+        "secure_vs_weighted_plaintext": difference(quantized, weighted),
+    }
+
+
 def _target(measured: float, met: bool, target: str) -> dict[str, Any]:
     return {"measured": measured, "target": target, "met": bool(met)}
 
@@ -733,6 +821,11 @@ def check_targets(report: dict[str, Any], results: dict[str, MethodResult]) -> d
         )
         targets["better_accuracy"] = _target(
             better.test["accuracy"], better.test["accuracy"] >= BETTER_ACCURACY, f">= {BETTER_ACCURACY:.0%}"
+        )
+    if "secure_fedrecon" in report:
+        shift = abs(report["secure_fedrecon"]["quantization"]["rmse"])
+        targets["secure_quantization_rmse"] = _target(
+            shift, shift <= QUANTIZATION_RMSE, f"<= {QUANTIZATION_RMSE} (secure vs uniform plaintext)"
         )
     return targets
 

@@ -11,13 +11,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from android_sim.bench.federated import Devices, Rounds, recon_eval_work
+from android_sim.bench.federated import Devices, Rounds, Server, recon_eval_work
 from android_sim.bench.models import ModelCache
 from android_sim.bench.protocol import pack_support_query, split_users, time_split
 from android_sim.bench.quality import (
     METHODS,
     Dataset,
     FedReconSettings,
+    SecureQuantization,
     load_dataset,
     protocol_model,
     run_fedrecon,
@@ -25,6 +26,10 @@ from android_sim.bench.quality import (
 from device_runtime.client_task import SplitPolicy, TaskConfig
 from device_runtime.model import DeviceModel, EvaluationSums
 from device_runtime.task_batches import Examples, TaskBatches
+from model_export.params import SparseTensor
+from orchestrator.aggregation import ServerOptimizerConfig
+from orchestrator.differential_privacy import DPConfig
+from secure_aggregation.quantization import Layout
 from tests.conftest import MOVIELENS_100K, ROOT
 
 
@@ -135,6 +140,37 @@ def test_threads_give_the_same_metrics_as_one(tmp_path: Path) -> None:
     assert sums[0] == sums[1]
 
 
+def test_secure_commit_is_the_uniform_mean_of_the_clipped_deltas_up_to_one_quantization_step() -> None:
+    rng = np.random.default_rng(3)
+    initial = {"item_embeddings": np.zeros((6, 2), np.float32), "item_bias": np.zeros(6, np.float32)}
+    layout = Layout([(name, value.shape) for name, value in initial.items()])
+    secure = SecureQuantization(clip_norm=1.0, bits=16, max_summands=4)
+    reports = []
+    for rows in ([0, 2], [1, 2, 5], [4]):
+        rows_array = np.asarray(rows)
+        # Devices clip before they report (the task's clip_norm): every delta is within the bound.
+        embeddings = rng.normal(0, 0.2, (len(rows), 2)).astype(np.float32)
+        biases = rng.normal(0, 0.2, len(rows)).astype(np.float32)
+        assert np.sqrt(np.sum(embeddings**2) + np.sum(biases**2)) < 1.0
+        delta = {
+            "item_embeddings": SparseTensor((6, 2), rows_array, embeddings),
+            "item_bias": SparseTensor((6,), rows_array, biases),
+        }
+        reports.append((delta, float(len(rows) * 10)))
+    sgd = ServerOptimizerConfig("sgd")  # learning rate 1: the new model is the old one plus the mean
+    plaintext = Server(initial, sgd, dp=DPConfig(clip_norm=1.0, noise_multiplier=0.0, population_size=3))
+    quantized = Server(initial, sgd, secure=(secure.parameters(layout.length), layout))
+
+    plaintext.commit(reports)
+    quantized.commit(reports)
+
+    step = secure.clip_norm / secure.parameters(layout.length).levels
+    for name in initial:
+        difference = np.abs(quantized.params[name] - plaintext.params[name])
+        assert difference.max() <= step  # each device's rounding is under one step; so is the mean's
+        assert difference.max() > 0  # the quantizer is on the path: 16 bits leave a visible step
+
+
 def _bench(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "android_sim.bench", "quality", *args],
@@ -171,7 +207,14 @@ def test_cli_unknown_format_is_a_user_error(tmp_path: Path) -> None:
     assert "Traceback" not in result.stderr
 
 
-STUDIES = ("better_seeds", "kr_ablation", "ku_ablation", "staleness", "dp_fedrecon")  # not Table 1 rows
+STUDIES = (  # not Table 1 rows
+    "better_seeds",
+    "kr_ablation",
+    "ku_ablation",
+    "staleness",
+    "dp_fedrecon",
+    "secure_fedrecon",
+)
 
 
 def test_cli_writes_every_method_to_json_and_a_plot(tmp_path: Path) -> None:
@@ -213,6 +256,13 @@ def test_cli_writes_every_method_to_json_and_a_plot(tmp_path: Path) -> None:
     assert clipping_only["epsilon"] is None and clipping_only["population_size_for_epsilon_5"] is None
     assert noised["epsilon"] > 0 and noised["population_size_for_epsilon_5"] >= dp["clients_per_round"]
     assert dp["population_size"] == report["protocol"]["users"]["train"]
+    secure = report["secure_fedrecon"]
+    assert set(secure["runs"]) == {"plaintext_weighted", "plaintext_uniform", "secure_quantized"}
+    assert secure["runs"]["plaintext_weighted"]["rmse"] == report["methods"]["fedrecon"]["test"]["rmse"]
+    assert secure["quantization"]["rmse"] == pytest.approx(
+        secure["runs"]["secure_quantized"]["rmse"] - secure["runs"]["plaintext_uniform"]["rmse"]
+    )
+    assert "secure_quantization_rmse" in report["targets"]
     for source in ("movielens", "expressions"):
         implicit = report["implicit"][source]
         assert implicit["devices_scored"] > 0, source

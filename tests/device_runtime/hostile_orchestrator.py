@@ -122,6 +122,9 @@ class HostileOrchestrator:
             "report_url": f"/v1/assignments/{ASSIGNMENT_ID}/report",
             "abort_url": f"/v1/assignments/{ASSIGNMENT_ID}/abort",
             "task_config": TaskConfig.from_manifest(Manifest.from_json(self.manifest)).to_json(),
+            # As the orchestrator answers for a plaintext round: no secure phases, secure_url null.
+            "aggregation": "plaintext",
+            "secure_url": None,
         }
         answer.update(changes)
         return {k: v for k, v in answer.items() if v is not ...}

@@ -257,6 +257,14 @@ CASES = [
         True,
     ),
     Case(
+        "assignment with a null required URL",
+        "checkin",
+        one(lambda s: json_answer(s.assignment(report_url=None))),
+        BAD,
+        r"report_url is None; expected a string",
+        True,
+    ),
+    Case(
         "assignment extra field",
         "checkin",
         one(lambda s: json_answer(s.assignment(surprise=1))),
