@@ -23,9 +23,9 @@ from rich.console import Console
 
 from android_sim.run import SIMULATED_FLEET_LIMITS, RunResult, run_async
 from device_runtime import orchestrator_client
-from device_runtime.agent import DeviceAgent
+from device_runtime.agent import DeviceAgent, Participation
 from device_runtime.example_store import ExampleStore
-from device_runtime.orchestrator_client import OrchestratorClient, RetryLater
+from device_runtime.orchestrator_client import Assignment, OrchestratorClient, Rejection, RetryLater
 from model_export.manifest import load_manifest
 from orchestrator.local import LocalOrchestrator
 from tests.android_sim.test_run import small, work  # noqa: F401  (work: the fixture)
@@ -204,19 +204,17 @@ def test_a_rate_limited_device_comes_back_after_the_window(work: Path) -> None: 
         settings={"checkin_burst": 1, "checkins_per_second": 0.5},
     )
 
-    async def device() -> tuple[object, object, object]:
+    async def device() -> tuple[Assignment | Rejection, Participation, RetryLater, Assignment | Rejection]:
         client = OrchestratorClient(server.url)
         try:
             await client.enroll()
             first = await client.checkin("p", 0)
             with ExampleStore(work / "device.sqlite") as store:
-                agent = DeviceAgent(client, store, work / "cache", "p")
-                limited = await agent.participate()
-                with pytest.raises(RetryLater) as raised:
-                    await client.checkin("p", 0)
-                await asyncio.sleep(raised.value.retry_after_seconds)
-                after = await client.checkin("p", 0)
-            return first, limited, (raised.value, after)
+                limited = await DeviceAgent(client, store, work / "cache", "p").participate()
+            with pytest.raises(RetryLater) as raised:
+                await client.checkin("p", 0)
+            await asyncio.sleep(raised.value.retry_after_seconds)
+            return first, limited, raised.value, await client.checkin("p", 0)
         finally:
             await client.aclose()
 
@@ -225,11 +223,11 @@ def test_a_rate_limited_device_comes_back_after_the_window(work: Path) -> None: 
         assert created.status_code == 201, created.text
 
         # Execute
-        first, limited, (raised, after) = asyncio.run(device())
+        first, limited, raised, after = asyncio.run(device())
 
     # Assert: the 429 is a rejection with the server's window, not a refusal, and the window is honoured
-    assert type(first).__name__ == "Rejection"
-    assert limited.status == "rejected" and "429" in limited.detail  # type: ignore[attr-defined]
-    assert 1.0 <= limited.retry_after_seconds <= 2.0  # type: ignore[attr-defined]
-    assert raised.status == 429 and raised.retry_after_seconds >= 1.0  # type: ignore[attr-defined]
-    assert type(after).__name__ == "Rejection"  # answered by the round logic again, not 429
+    assert isinstance(first, Rejection)
+    assert limited.status == "rejected" and "429" in limited.detail
+    assert 1.0 <= limited.retry_after_seconds <= 2.0
+    assert raised.status == 429 and raised.retry_after_seconds >= 1.0
+    assert isinstance(after, Rejection)  # answered by the round logic again, not by the rate limit
