@@ -1,9 +1,10 @@
 """Faults under a running fleet: the server SIGKILLed and restarted on the same port and database,
 the SQLite file held locked by another connection, one of two server processes on PostgreSQL
-killed. Each time the run finishes, nothing committed is lost, nothing counts twice (the ledger's
-invariants, tests/orchestrator/ledger.py), and the devices waited out the fault by their retry
-windows (503 with Retry-After, a refused connection) rather than giving up. And a device told 429
-comes back after the window instead of taking it as a refusal."""
+killed, PostgreSQL itself stopped and started. Each time the run finishes, nothing committed is
+lost, nothing counts twice (the ledger's invariants, tests/orchestrator/ledger.py), and the devices
+waited out the fault by their retry windows (503 with Retry-After, a refused connection) rather
+than giving up. And a device told 429 comes back after the window instead of taking it as a
+refusal."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import contextlib
 import os
 import signal
 import sqlite3
+import subprocess
 import threading
 import time
 from dataclasses import dataclass, field
@@ -194,6 +196,46 @@ def test_a_fleet_outlasts_a_killed_worker_process(
         assert result.rounds_committed >= 3
         check_ledger(url, load_manifest(work / "model"))
         assert victim not in worker_pids(server.process.pid)
+
+
+POSTGRES_STOP = os.environ.get("TEST_POSTGRES_STOP")  # shell commands (.ci/run sets them)
+POSTGRES_START = os.environ.get("TEST_POSTGRES_START")
+
+
+@pytest.mark.skipif(
+    not (POSTGRES_URL and POSTGRES_STOP and POSTGRES_START),
+    reason="needs a PostgreSQL server the test may stop and start (TEST_POSTGRES_STOP, TEST_POSTGRES_START)",
+)
+def test_a_fleet_outlasts_a_stopped_postgresql(
+    work: Path,  # noqa: F811
+    retries: list[tuple[str, float]],
+) -> None:
+    assert POSTGRES_STOP and POSTGRES_START
+    # Prepare: a fleet training against one server process on PostgreSQL
+    with contextlib.ExitStack() as stack:
+        url = stack.enter_context(fresh_postgres_database())
+        server = LocalOrchestrator(
+            url, ADMIN_TOKEN, log_path=work / "server.log", settings=SIMULATED_FLEET_LIMITS
+        )
+        stack.callback(server.stop)
+        server.start()
+        fleet = FleetRun(server, work, rounds=3)
+        fleet.wait_for_commits(1)
+
+        # Execute: the database goes away for 4 s, then comes back
+        try:
+            subprocess.run(POSTGRES_STOP, shell=True, check=True, capture_output=True, timeout=60)
+            time.sleep(4.0)
+        finally:
+            subprocess.run(POSTGRES_START, shell=True, check=True, capture_output=True, timeout=60)
+        result = fleet.finish()
+
+        # Assert: the run finished, nothing counted twice, and the devices were told to come back (503)
+        assert result.rounds_committed >= 3
+        check_ledger(url, load_manifest(work / "model"))
+    assert [seconds for reason, seconds in retries if reason.startswith("503")]
+    outcomes = result.summary["fleet"]["device_side_outcomes"]
+    assert not [k for k in outcomes if k.endswith("/unreachable")], outcomes
 
 
 def test_a_rate_limited_device_comes_back_after_the_window(work: Path) -> None:  # noqa: F811
