@@ -22,6 +22,7 @@ from device_runtime.orchestrator_client import (
     OrchestratorClient,
     ProtocolError,
     Rejection,
+    RetryLater,
     ServerUnavailable,
 )
 from device_runtime.secure_round import SecureRoundDriver
@@ -34,7 +35,8 @@ from model_export.params import ParamsError
 class Participation:
     """What happened when the device tried to take part once."""
 
-    # reported | refused (the server answered 4xx, e.g. a report not taken) | rejected (check-in)
+    # reported | refused (the server answered 4xx, e.g. a report not taken) | rejected (check-in
+    # declined, or the server asked to come back later: 429, a long 503; after `retry_after_seconds`)
     # | aborted | vanished (stopped without telling the server, as a phone that loses power or
     # network does) | invalid_answer (the server's answer broke the protocol: the detail says how)
     # | unreachable (no answer after all retries)
@@ -101,6 +103,8 @@ class DeviceAgent:
             return await self._give_up("invalid_answer", e.message, e.assignment_id)
         except (ModelLoadError, ManifestError, ParamsError) as e:  # the model or globals it was sent
             return await self._give_up("invalid_answer", str(e))
+        except RetryLater as e:
+            return await self._give_up("rejected", str(e), retry_after_seconds=e.retry_after_seconds)
         except ProtocolError as e:
             return await self._give_up("refused", str(e))
         except ServerUnavailable as e:
@@ -108,14 +112,16 @@ class DeviceAgent:
         finally:
             self.assignment = None
 
-    async def _give_up(self, status: str, detail: str, assignment_id: str | None = None) -> Participation:
+    async def _give_up(
+        self, status: str, detail: str, assignment_id: str | None = None, retry_after_seconds: float = 0.0
+    ) -> Participation:
         """The participation ends early; the assignment held (or named by a bad answer) is aborted."""
         held = self.assignment
         if held is not None:
             detail += await self._abort(held)
         elif assignment_id is not None:
             detail += await self._abort(assignment_id)
-        return Participation(status, held, detail=detail)
+        return Participation(status, held, retry_after_seconds=retry_after_seconds, detail=detail)
 
     async def _abort(self, assignment: Assignment | str) -> str:
         """Abort on the device's own orchestrator; '' when it arrived, else why not (the round's

@@ -3,13 +3,16 @@
 Control messages are JSON; tensors are safetensors. What goes up: the example *count*, the
 device's conditions, the delta of the global parameters (the rows it changed) with its
 weight, and aggregate metrics. Never local parameters, never examples. Transport errors and 5xx answers are
-retried with backoff, so a server that restarts or is slow does not lose the device.
+retried with backoff (a 503's Retry-After at least), so a server that restarts or is slow does not lose the
+device; a 429 (or a 503 whose window is longer than a request waits) is `RetryLater`: come back after
+its window, not a refusal.
 
 The device trusts nothing it is told: requests (and the bearer token) go only to the
 orchestrator's own origin, every answer is bounded in size and checked field by field before
 use, and the model cache is checked against its content address each time it is used. Whatever is
 wrong surfaces as one of three errors: `ProtocolError` (the server refused, 4xx),
-`InvalidAnswer` (the answer breaks the protocol) or `ServerUnavailable` (no answer).
+`InvalidAnswer` (the answer breaks the protocol) or `ServerUnavailable` (no answer); `RetryLater`
+is the `ProtocolError` that carries the server's retry window.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from model_export.params import Params, encode_sparse_delta
 MAX_JSON_BYTES = 1 << 20  # a control message; the largest real one (a manifest) is a few KB
 MAX_ANSWER_BYTES = 256 << 20  # any other answer: a bound against an endless stream
 MAX_RETRY_AFTER_SECONDS = 30 * 86_400.0
+MAX_WAIT_IN_REQUEST_SECONDS = 60.0  # a longer 503 window ends the request: the device comes back later
 ABORT_ATTEMPTS = 2  # the round's deadline covers an abort that never arrives; do not stall on it
 _INT64_MAX = 2**63 - 1
 _ID = re.compile(r"[A-Za-z0-9_-]{1,128}")  # ids go into URL paths: nothing that could change one
@@ -51,6 +55,15 @@ class ProtocolError(RuntimeError):
         super().__init__(f"{status}: {message}")
         self.status = status
         self.message = message
+
+
+class RetryLater(ProtocolError):
+    """The server asked the device to come back after `retry_after_seconds` (429, or a 503 with a
+    window too long to wait inside one request): not a refusal of the device or its request."""
+
+    def __init__(self, status: int, message: str, retry_after_seconds: float) -> None:
+        super().__init__(status, message)
+        self.retry_after_seconds = retry_after_seconds
 
 
 class ServerUnavailable(RuntimeError):
@@ -145,8 +158,9 @@ class OrchestratorClient:
         attempts: int | None = None,
         **kwargs: Any,
     ) -> httpx.Response:
-        """The 2xx answer, read whole only if at most `max_bytes` long; 4xx raise `ProtocolError`,
-        transport errors and 5xx are retried, and then raise `ServerUnavailable`."""
+        """The 2xx answer, read whole only if at most `max_bytes` long; a 429 raises `RetryLater`,
+        other 4xx `ProtocolError`; transport errors and 5xx are retried, and then raise
+        `ServerUnavailable`."""
         url = self.url_of(path, f"{method} target")
         headers = dict(kwargs.pop("headers", {}))
         if self.token:
@@ -154,6 +168,7 @@ class OrchestratorClient:
         attempts = attempts or self.attempts
         last: str = ""
         for attempt in range(attempts):
+            wait_at_least = 0.0  # a 503's Retry-After
             try:
                 async with self._http.stream(method, url, headers=headers, **kwargs) as streamed:
                     status = streamed.status_code
@@ -175,11 +190,20 @@ class OrchestratorClient:
                         f"{method} {url} answered {status} (a redirect to "
                         f"{streamed.headers.get('location', 'nowhere')!r}); the protocol has no redirects"
                     )
+                window = _retry_after(streamed.headers)
+                if status == 429 or (status == 503 and (window or 0.0) > MAX_WAIT_IN_REQUEST_SECONDS):
+                    raise RetryLater(status, detail, window if window is not None else self.backoff_seconds)
                 if 400 <= status < 500:
                     raise ProtocolError(status, detail)
                 last = f"{status}: {detail}"
-            # Exponential backoff with jitter, so a restarting server is not hit by the whole fleet at once.
-            await asyncio.sleep(self.backoff_seconds * (2 ** min(attempt, 6)) * (0.5 + random.random()))
+                if status == 503:
+                    wait_at_least = window or 0.0
+            if attempt + 1 == attempts:
+                break
+            # Exponential backoff with jitter, so a restarting server is not hit by the whole fleet at
+            # once; never sooner than a 503's Retry-After.
+            backoff = self.backoff_seconds * (2 ** min(attempt, 6)) * (0.5 + random.random())
+            await _wait_before_retry(max(backoff, wait_at_least), last)
         raise ServerUnavailable(f"{method} {url} failed after {attempts} attempts ({last})")
 
     async def _json(self, method: str, path: str, what: str, **kwargs: Any) -> dict[str, Any]:
@@ -500,6 +524,21 @@ async def _read_prefix(response: httpx.Response, max_bytes: int) -> bytes:
         if size >= max_bytes:
             break
     return b"".join(chunks)[:max_bytes]
+
+
+async def _wait_before_retry(seconds: float, reason: str) -> None:
+    """The pause before a request is tried again after `reason` (kept apart so that tests can see
+    the device's retries)."""
+    await asyncio.sleep(seconds)
+
+
+def _retry_after(headers: httpx.Headers) -> float | None:
+    """A Retry-After in seconds, bounded; None when absent or not a number of seconds."""
+    try:
+        seconds = float(headers.get("retry-after", ""))
+    except ValueError:
+        return None
+    return min(seconds, MAX_RETRY_AFTER_SECONDS) if math.isfinite(seconds) and seconds >= 0 else None
 
 
 def _detail(headers: httpx.Headers, body: bytes) -> str:

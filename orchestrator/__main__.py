@@ -48,10 +48,14 @@ def main(argv: list[str] | None = None) -> int:
         return run_server(settings, args.workers)
 
     from orchestrator.db import Population, make_engine
-    from orchestrator.migrate import migrate
+    from orchestrator.migrate import DatabaseUnusable, migrate
     from orchestrator.populations import ExportedModel, PopulationError, create_population
 
-    migrate(settings.database_url)
+    try:
+        migrate(settings.database_url)
+    except DatabaseUnusable as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     engine = make_engine(settings.database_url)
     if args.command == "create-population":
         raw = Path(args.settings[1:]).read_text() if args.settings.startswith("@") else args.settings

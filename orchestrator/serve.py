@@ -42,6 +42,15 @@ def serve(settings: Settings, workers: int) -> int:
     except AdminTokenError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    from orchestrator.migrate import DatabaseUnusable, migrate
+
+    try:
+        # Here, before uvicorn, so that an unusable database is one line and exit code 2 rather
+        # than a traceback from the app's start-up; the workers then find the schema current.
+        migrate(settings.database_url)
+    except DatabaseUnusable as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     # uvicorn's own lines (start-up, errors) at info at least: its debug lines are per connection.
     logging_config = log_config(settings.log_level, uvicorn_level=max(settings.log_level, "info", key=_rank))
     if workers == 1:
@@ -57,8 +66,6 @@ def serve(settings: Settings, workers: int) -> int:
         )
         return 0
 
-    from orchestrator.migrate import migrate
-
     os.environ.update(
         ORCHESTRATOR_DATABASE_URL=settings.database_url,
         ORCHESTRATOR_HOST=settings.host,
@@ -66,7 +73,6 @@ def serve(settings: Settings, workers: int) -> int:
     )
     metrics_dir = _multiprocess_metrics_dir()
     try:
-        migrate(settings.database_url)  # once, rather than N workers racing to
         uvicorn.run(
             "orchestrator.app:create_app",
             factory=True,

@@ -12,6 +12,7 @@ import httpx
 import pytest
 from sqlalchemy import create_engine, text
 from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.pool import NullPool
 
 from model_export.config import ModelConfig
 from orchestrator.db import make_engine
@@ -33,7 +34,8 @@ BACKENDS = ["sqlite", "postgresql"] if POSTGRES_URL else ["sqlite"]
 @contextlib.contextmanager
 def fresh_postgres_database() -> Iterator[str]:
     assert POSTGRES_URL
-    admin = create_engine(POSTGRES_URL, isolation_level="AUTOCOMMIT")
+    # No pool: a connection kept across the test would be dead if the test restarted the server.
+    admin = create_engine(POSTGRES_URL, isolation_level="AUTOCOMMIT", poolclass=NullPool)
     name = f"test_{secrets.token_hex(6)}"
     with admin.connect() as conn:
         conn.execute(text(f'CREATE DATABASE "{name}"'))

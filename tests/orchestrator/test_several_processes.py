@@ -3,8 +3,9 @@ server process on SQLite, and (with TEST_POSTGRES_URL) two server processes on o
 
 Many devices check in (some twice at once), report (some twice at once, some late), abort or
 vanish, over their own connections, so that requests of one round land in different processes.
-Then the database itself is asked: no device has two assignments in a round, no report counts
-twice, a round commits once, no round accepts beyond its capacity, model versions are consecutive.
+Then the database itself is asked (tests/orchestrator/ledger.py): no device has two assignments in a
+round, no report counts twice, a round commits once, no round accepts beyond its capacity, model
+versions are consecutive.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
-from sqlalchemy import Connection, create_engine, text
 
 from model_export.config import ModelConfig
 from model_export.manifest import load_manifest
@@ -34,6 +34,7 @@ from tests.orchestrator.conftest import (
     admin_create_population,
     fresh_postgres_database,
 )
+from tests.orchestrator.ledger import check_ledger
 from tests.orchestrator.test_observability import scrape, total
 
 DEVICES = 48
@@ -126,10 +127,6 @@ async def load(url: str, body: bytes) -> Seen:
     return seen
 
 
-def per_round(db: Connection, query: str) -> dict[int, float]:
-    return {int(round_id): float(value) for round_id, value in db.execute(text(query))}
-
-
 def test_invariants_hold_under_concurrent_devices(
     deployment: Deployment, export: Callable[[ModelConfig], Path]
 ) -> None:
@@ -148,56 +145,17 @@ def test_invariants_hold_under_concurrent_devices(
     samples = scrape(deployment.server.url)
 
     assert not [s for s in seen.statuses if s >= 500], seen.statuses
-    engine = create_engine(deployment.database_url)
-    with engine.connect() as db:
-        population = db.execute(
-            text("SELECT id, current_version, training_rounds_committed FROM populations")
-        ).one()
-        rounds = db.execute(
-            text(
-                "SELECT id, status, base_version, result_version, capacity, accepted, reported, total_weight "
-                "FROM rounds WHERE kind = 'training' ORDER BY id"
-            )
-        ).all()
-        assignments_per_round = per_round(db, "SELECT round_id, count(*) FROM assignments GROUP BY round_id")
-        twice = db.execute(
-            text(
-                "SELECT round_id, device_id FROM assignments GROUP BY round_id, device_id HAVING count(*) > 1"
-            )
-        ).all()
-        reports = per_round(db, "SELECT round_id, count(*) FROM reports GROUP BY round_id")
-        weights = per_round(db, "SELECT round_id, sum(weight) FROM reports GROUP BY round_id")
-        reported_assignments = db.execute(
-            text("SELECT count(*) FROM assignments WHERE status = 'reported'")
-        ).scalar()
-        versions = [v for (v,) in db.execute(text("SELECT version FROM model_versions ORDER BY version"))]
-        version_rounds = [
-            r for (r,) in db.execute(text("SELECT round_id FROM model_versions WHERE version > 0"))
-        ]
-    engine.dispose()
+    ledger = check_ledger(deployment.database_url, load_manifest(model_dir))
 
-    committed = [r for r in rounds if r.status == "committed"]
-    assert len(committed) >= 3, "the load should commit several rounds"
-    # No device has two assignments in one round, as the database and as the devices saw it.
-    assert twice == []
+    assert len(ledger.committed) >= 3, "the load should commit several rounds"
+    # As the devices saw it: one assignment per device and round, one 200 per report at most.
     assert all(len(ids) == 1 for ids in seen.assignments.values())
-    # No round accepted more check-ins than its capacity, and each acceptance is one assignment.
-    assert all(r.accepted <= r.capacity for r in rounds)
-    assert all(assignments_per_round.get(r.id, 0) == r.accepted for r in rounds)
-    # No report counts twice: one 200 per assignment at most, and the counters are the stored reports.
     assert set(seen.reports_accepted.values()) == {1}
-    assert sum(seen.reports_accepted.values()) == sum(reports.values()) == reported_assignments
-    assert all(r.reported == reports.get(r.id, 0) for r in rounds)
-    assert all(r.total_weight == pytest.approx(weights.get(r.id, 0.0)) for r in rounds)
-    # Each round committed once, into the next version: consecutive, each from the one before.
-    assert sorted(r.result_version for r in committed) == list(range(1, population.current_version + 1))
-    assert all(r.base_version == r.result_version - 1 for r in committed)
-    assert population.training_rounds_committed == population.current_version == len(committed)
-    assert sorted(version_rounds) == sorted(r.id for r in committed) and versions[0] == 0
-    assert all(r.result_version is None for r in rounds if r.status != "committed")
+    assert sum(seen.reports_accepted.values()) == sum(ledger.reports.values()) == ledger.reported_assignments
     # /metrics adds up every process's counts.
-    assert total(samples, "orchestrator_checkins_total", answer="accepted") == sum(r.accepted for r in rounds)
-    assert total(samples, "orchestrator_reports_total", outcome="accepted") == sum(reports.values())
+    accepted = sum(r.accepted for r in ledger.rounds)
+    assert total(samples, "orchestrator_checkins_total", answer="accepted") == accepted
+    assert total(samples, "orchestrator_reports_total", outcome="accepted") == sum(ledger.reports.values())
     # With several processes, the requests were in fact answered by several of them.
     pids = {
         line["pid"]
