@@ -338,6 +338,17 @@ def _start(
     return data, support, query
 
 
+def _clipped(delta: Params, config: TaskConfig) -> tuple[Params, dict[str, float]]:
+    """DP-FedAvg: the whole delta clipped to the task's clip norm (unchanged without one), and the
+    metrics the server asked for about it."""
+    if config.clip_norm is None:
+        return delta, {}
+    clipped, within = clip_delta(delta, config.clip_norm)
+    # Adaptive clipping (Andrew et al. 2021) needs the count of unclipped devices; the server adds
+    # noise to the round's sum of it before using it. Only when asked: it is a bit about the update.
+    return clipped, ({"dp_within_clip": float(within)} if config.report_within_clip else {})
+
+
 def run_training_task(
     model: DeviceModel,
     store: ExampleStore,
@@ -380,13 +391,7 @@ def run_training_task(
             )
         if not should_continue():
             return TaskResult(Outcome.INTERRUPTED, message="conditions changed before reporting")
-        delta, clip_metrics = update.delta, {}
-        if config.clip_norm is not None:
-            delta, within = clip_delta(update.delta, config.clip_norm)
-            if config.report_within_clip:
-                # Adaptive clipping (Andrew et al. 2021) needs the count of unclipped devices; the
-                # server adds noise to the round's sum of it before using it.
-                clip_metrics = {"dp_within_clip": float(within)}
+        delta, clip_metrics = _clipped(update.delta, config)
         metrics = {
             "num_examples": float(data.num_examples),
             "num_support": float(support.num_examples),
@@ -518,6 +523,7 @@ def _stateful_training(
         return TaskResult(Outcome.INTERRUPTED, message="conditions changed before reporting")
     # Kept only once the task finished: an interrupted task leaves the previous locals.
     storage.save(model, model.get_local(), locals_.tasks + 1)
+    delta, clip_metrics = _clipped(update.delta, config)
     metrics = {
         "num_examples": float(len(train) + len(held_out)),
         "num_query": float(batches.num_examples),
@@ -525,11 +531,12 @@ def _stateful_training(
         "outside_catalog": float(outside),
         "update_loss": update.loss,
         **{f"query_{k}": v for k, v in before.as_dict().items()},
+        **clip_metrics,
     }
     return TaskResult(
         Outcome.COMPLETED,
         num_examples=batches.num_examples,
-        delta=update.delta,
+        delta=delta,
         metrics=metrics,
         message=locals_.note,
     )

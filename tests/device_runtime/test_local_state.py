@@ -14,6 +14,7 @@ from device_runtime.client_task import (
     Outcome,
     TaskConfig,
     add_negatives,
+    delta_norm,
     run_evaluation_task,
     run_training_task,
 )
@@ -125,6 +126,29 @@ def test_an_interrupted_or_diverged_task_keeps_the_previous_locals(
     after = kept.load(model)
     assert after.tasks == 1
     np.testing.assert_array_equal(after.params["user_embedding"], saved.params["user_embedding"])
+
+
+def test_a_stateful_dp_task_clips_its_delta_too(device: tuple[DeviceModel, ExampleStore]) -> None:
+    model, store = device
+    globals_ = perturbed_globals(model.get_global(), seed=1)
+    unclipped = run_training_task(
+        model, store, globals_, config_for(model), kept=LocalStateStore(store, "free")
+    ).delta
+    assert unclipped is not None
+    clip = delta_norm(unclipped) / 4
+
+    result = run_training_task(
+        model,
+        store,
+        globals_,
+        config_for(model, clip_norm=clip, report_within_clip=True),
+        kept=LocalStateStore(store, "private"),
+    )
+
+    # A DP population's server refuses a report above its clip norm: kept locals change nothing.
+    assert result.outcome is Outcome.COMPLETED and result.delta is not None
+    assert clip * (1 - 1e-5) < delta_norm(result.delta) <= clip
+    assert result.metrics["dp_within_clip"] == 0.0
 
 
 def test_stale_locals_are_discarded_with_the_reason(
