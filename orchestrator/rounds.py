@@ -469,8 +469,9 @@ def _finish(session: Session, assignment: _Found, status: str, now: float) -> No
     )
 
 
-def _closed(assignment: _Found) -> Refused | None:
-    """Why an assignment can no longer take a report (counting late ones), or None."""
+def _closed(assignment: _Found, report: bool = True) -> Refused | None:
+    """Why an assignment can no longer take a report or an abort, or None; a late report is
+    counted in the round's `late` (a late abort is not a report, and is not counted)."""
     round_ = assignment.round
     if assignment.status == "reported":
         return Refused(409, "this assignment has already reported", reason="repeated")
@@ -479,7 +480,7 @@ def _closed(assignment: _Found) -> Refused | None:
     if assignment.status == "invalid":
         return Refused(409, "this assignment's report was refused as invalid", reason="repeated")
     if assignment.status == "dropped" or round_.status != "open":
-        round_.late += 1
+        round_.late += int(report)
         return Refused(
             409, f"the round's deadline has passed; the report is late (round {round_.status})", reason="late"
         )
@@ -577,7 +578,7 @@ def abort(
     assignment = _find_assignment(session, population, assignment_id, device_id, now)
     if isinstance(assignment, Refused):
         return assignment
-    closed = _closed(assignment)
+    closed = _closed(assignment, report=False)
     if closed is not None:
         return closed
     _finish(session, assignment, "aborted", now)

@@ -342,6 +342,23 @@ def test_report_metadata_must_carry_num_examples(
     assert isinstance(refused, rounds.Refused) and "num_examples" in refused.message
 
 
+def test_a_late_abort_is_refused_but_not_counted_as_a_late_report(
+    db: sessionmaker[Session], biased_model: ExportedModel
+) -> None:
+    make_population(db, biased_model, target_reports=2, round_duration_seconds=10)
+    dev = device(db)
+    answer = checkin(db, dev, now=1.0)
+
+    with db.begin() as session:
+        population = rounds.lock_population(session, "p")
+        assert population is not None
+        refused = rounds.abort(session, population, answer.assignment_id, dev, 12.0)
+
+    # The round's `late` counts late reports only, as the reports metric does.
+    assert isinstance(refused, rounds.Refused) and refused.status == 409
+    assert round_by_id(db, answer.round_id).late == 0
+
+
 def test_ownership_unknown_repeated_and_aborted(
     db: sessionmaker[Session], biased_model: ExportedModel
 ) -> None:
