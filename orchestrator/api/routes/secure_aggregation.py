@@ -16,7 +16,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from orchestrator import rounds, secure_rounds
 from orchestrator.api.deps import ClockDep, SessionFactoryDep, SettingsDep, TokenDep, require_device, run_db
-from orchestrator.db import Round
+from orchestrator.db import Population, Round
 
 router = APIRouter(prefix="/v1/assignments", tags=["devices"])
 
@@ -28,16 +28,24 @@ def _raise(refused: rounds.Refused) -> HTTPException:
     return HTTPException(refused.status, refused.message, headers=headers)
 
 
+def _callers_round(
+    session: Session, assignment_id: str, token: str, now: float
+) -> tuple[Population, str, Round]:
+    """The caller's (locked) population, assignment status and secure round; 401/403/404/409
+    otherwise."""
+    device_id = require_device(session, token)
+    population = rounds.population_of_assignment(session, assignment_id)
+    if population is None:
+        raise HTTPException(404, f"no assignment {assignment_id!r}")
+    found = rounds.secure_round_of(session, population, assignment_id, device_id, now)
+    if isinstance(found, rounds.Refused):
+        raise _raise(found)
+    return (population, *found)
+
+
 def _state(factory: sessionmaker[Session], assignment_id: str, token: str, now: float) -> dict[str, Any]:
     with factory.begin() as session:
-        device_id = require_device(session, token)
-        population = rounds.population_of_assignment(session, assignment_id)
-        if population is None:
-            raise HTTPException(404, f"no assignment {assignment_id!r}")
-        found = rounds.secure_round_of(session, population, assignment_id, device_id, now)
-        if isinstance(found, rounds.Refused):
-            raise _raise(found)
-        status, round_ = found
+        _, status, round_ = _callers_round(session, assignment_id, token, now)
         return {"assignment_status": status, **secure_rounds.state(session, round_, assignment_id, now)}
 
 
@@ -45,14 +53,7 @@ def _message(
     factory: sessionmaker[Session], handler: Handler, assignment_id: str, token: str, body: Any, now: float
 ) -> dict[str, Any]:
     with factory.begin() as session:
-        device_id = require_device(session, token)
-        population = rounds.population_of_assignment(session, assignment_id)
-        if population is None:
-            raise HTTPException(404, f"no assignment {assignment_id!r}")
-        found = rounds.secure_round_of(session, population, assignment_id, device_id, now)
-        if isinstance(found, rounds.Refused):
-            raise _raise(found)
-        status, round_ = found
+        population, status, round_ = _callers_round(session, assignment_id, token, now)
         if status != "assigned" or round_.status != "open":
             raise HTTPException(409, f"this assignment is {status} and its round {round_.status}")
         answer = handler(session, round_, assignment_id, body, now)
