@@ -9,7 +9,7 @@ from typing import Any
 
 import httpx
 
-from model_export.manifest import INITIAL_GLOBAL_FILE, MANIFEST_FILE, MODEL_FILE
+from contracts.manifest import INITIAL_GLOBAL_FILE, MANIFEST_FILE, MODEL_FILE
 
 
 class AdminError(RuntimeError):

@@ -9,12 +9,13 @@ from pathlib import Path
 import numpy as np
 
 from android_sim.movielens import load_ratings, load_titles
-from device_runtime.client_task import TaskConfig, run_training_task
+from contracts.manifest import INITIAL_GLOBAL_FILE
+from contracts.params import decode_params
+from contracts.task_config import TaskConfig
+from device_runtime.client_task import run_training_task
 from device_runtime.example_store import Event, ExampleStore
 from device_runtime.model import DeviceModel
 from device_runtime.recommender import Recommender
-from model_export.manifest import INITIAL_GLOBAL_FILE
-from model_export.params import decode_params
 
 
 def run_demo(ratings_path: Path, work_dir: Path | None = None, user: int = 0) -> int:

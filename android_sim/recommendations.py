@@ -17,11 +17,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from rich.table import Table
 
+from contracts.params import Params, decode_params
 from device_runtime.example_store import ExampleStore
 from device_runtime.local_state import LocalStateStore
 from device_runtime.model import DeviceModel
 from device_runtime.recommender import Recommender
-from model_export.params import Params, decode_params
 
 if TYPE_CHECKING:
     from android_sim.device_data import FleetData

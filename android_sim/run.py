@@ -33,11 +33,11 @@ from android_sim.fleet import HELD_OUT, TRAINING, DeviceSpec, Fleet, FleetOption
 from android_sim.network import Connector
 from android_sim.profiles import DEFAULT_MIX, DeviceClass, SimClock, draw_profiles
 from android_sim.recommendations import HitRates, held_out_hit_rates, seen_device_examples, top_k_table
-from device_runtime.client_task import LocalState, SplitPolicy, TaskConfig
+from contracts.manifest import ManifestError, load_manifest
+from contracts.task_config import LocalState, SplitPolicy, TaskConfig
 from device_runtime.task_runner import TaskRunner
 from model_export.config import Feedback, ModelConfig, TrainingDefaults
 from model_export.in_subprocess import export_in_subprocess
-from model_export.manifest import ManifestError, load_manifest
 from orchestrator.aggregation import ServerOptimizerConfig
 from orchestrator.local import LocalOrchestrator
 from orchestrator.population_settings import PopulationSettings

@@ -47,12 +47,13 @@ def measure(model_dir: Path, backend: str, repeats: int) -> dict[str, float]:
 
     import numpy as np
 
-    from device_runtime.client_task import TaskConfig, num_steps, run_training_task
+    from contracts.manifest import INITIAL_GLOBAL_FILE
+    from contracts.params import decode_params
+    from contracts.task_config import TaskConfig
+    from device_runtime.client_task import num_steps, run_training_task
     from device_runtime.example_store import Event, ExampleStore
     from device_runtime.model import DeviceModel
     from device_runtime.recommender import Recommender
-    from model_export.manifest import INITIAL_GLOBAL_FILE
-    from model_export.params import decode_params
 
     model = DeviceModel(model_dir, backend=backend)
     n = model.manifest.num_items
@@ -102,9 +103,9 @@ def measure(model_dir: Path, backend: str, repeats: int) -> dict[str, float]:
 
 
 def export(num_items: int, dim: int, out: Path) -> dict[str, float]:
+    from contracts.manifest import load_manifest
     from model_export.config import ModelConfig
     from model_export.in_subprocess import export_in_subprocess
-    from model_export.manifest import load_manifest
 
     config = ModelConfig(
         num_items=num_items,

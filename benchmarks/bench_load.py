@@ -44,7 +44,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench_orchestrator import client_delta, export, http_request, read_answer  # noqa: E402  (beside this file)
 
-from model_export.params import encode_sparse_delta  # noqa: E402
+from contracts.params import encode_sparse_delta  # noqa: E402
 from orchestrator.local import LocalOrchestrator  # noqa: E402
 from tests.orchestrator.conftest import ADMIN_TOKEN, admin_create_population  # noqa: E402
 

@@ -33,12 +33,12 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from model_export.config import ModelConfig  # noqa: E402
-from model_export.in_subprocess import export_in_subprocess  # noqa: E402
-from model_export.params import (  # noqa: E402
+from contracts.params import (  # noqa: E402
     decode_sparse_delta,
     encode_sparse_delta,
 )
+from model_export.config import ModelConfig  # noqa: E402
+from model_export.in_subprocess import export_in_subprocess  # noqa: E402
 from orchestrator.aggregation import WeightedMean  # noqa: E402
 from tests.orchestrator.conftest import Server, admin_create_population  # noqa: E402
 

@@ -32,12 +32,12 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from contracts.manifest import load_manifest  # noqa: E402
+from contracts.params import encode_sparse_delta  # noqa: E402
 from device_runtime.orchestrator_client import Assignment, OrchestratorClient  # noqa: E402
 from device_runtime.secure_round import SecureRoundDriver  # noqa: E402
 from model_export.config import ModelConfig  # noqa: E402
 from model_export.in_subprocess import export_in_subprocess  # noqa: E402
-from model_export.manifest import load_manifest  # noqa: E402
-from model_export.params import encode_sparse_delta  # noqa: E402
 from secure_aggregation import server  # noqa: E402
 from secure_aggregation.config import RoundParameters  # noqa: E402
 from secure_aggregation.device import DeviceSession, round_graph  # noqa: E402

@@ -15,12 +15,12 @@ from pathlib import Path
 
 import numpy as np
 
+from contracts.manifest import INITIAL_GLOBAL_FILE, ManifestError
+from contracts.params import ParamsError, decode_params
 from device_runtime.example_store import ExampleStore, ExampleStoreError
 from device_runtime.local_state import LocalStateStore
 from device_runtime.model import DeviceModel, ModelLoadError
 from device_runtime.recommender import Recommender
-from model_export.manifest import INITIAL_GLOBAL_FILE, ManifestError
-from model_export.params import ParamsError, decode_params
 
 RECONSTRUCTED, KEPT = "reconstructed", "kept"
 

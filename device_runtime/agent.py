@@ -12,7 +12,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from device_runtime.client_task import Outcome, TaskConfig, TaskResult
+from contracts.manifest import ManifestError, load_manifest
+from contracts.params import ParamsError
+from contracts.task_config import TaskConfig
+from device_runtime.client_task import Outcome, TaskResult
 from device_runtime.example_store import ExampleStore
 from device_runtime.local_state import LocalStateStore
 from device_runtime.model import ModelLoadError
@@ -27,8 +30,6 @@ from device_runtime.orchestrator_client import (
 )
 from device_runtime.secure_round import SecureRoundDriver
 from device_runtime.task_runner import TaskRunner
-from model_export.manifest import ManifestError, load_manifest
-from model_export.params import ParamsError
 
 
 @dataclass

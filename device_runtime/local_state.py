@@ -18,9 +18,9 @@ from dataclasses import dataclass
 
 from safetensors import SafetensorError
 
+from contracts.params import Params, ParamsError, check_params, decode_params, encode_params, read_metadata
 from device_runtime.example_store import ExampleStore
 from device_runtime.model import DeviceModel
-from model_export.params import Params, ParamsError, check_params, decode_params, encode_params, read_metadata
 
 _KEY_PREFIX = "kept_locals/"
 _FRESH = ": starting from the model's initial values"

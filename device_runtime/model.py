@@ -11,10 +11,10 @@ from typing import Any
 
 import numpy as np
 
+from contracts.manifest import MODEL_FILE, Manifest, ManifestError, load_manifest
+from contracts.params import Params, check_params
 from device_runtime.interpreter import interpreter_class
 from device_runtime.task_batches import TaskBatches
-from model_export.manifest import MODEL_FILE, Manifest, ManifestError, load_manifest
-from model_export.params import Params, check_params
 
 
 class ModelLoadError(RuntimeError):

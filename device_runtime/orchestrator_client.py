@@ -32,9 +32,9 @@ from typing import Any
 
 import httpx
 
-from device_runtime.client_task import TaskConfig
-from model_export.manifest import MANIFEST_FILE, MODEL_FILE, Manifest
-from model_export.params import Params, encode_sparse_delta
+from contracts.manifest import MANIFEST_FILE, MODEL_FILE, Manifest
+from contracts.params import Params, encode_sparse_delta
+from contracts.task_config import TaskConfig
 
 MAX_JSON_BYTES = 1 << 20  # a control message; the largest real one (a manifest) is a few KB
 MAX_ANSWER_BYTES = 256 << 20  # any other answer: a bound against an endless stream

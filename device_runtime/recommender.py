@@ -18,12 +18,13 @@ from dataclasses import dataclass
 import numpy as np
 from safetensors import SafetensorError
 
-from device_runtime.client_task import TaskConfig, add_negatives, num_steps, select_examples
+from contracts.params import Params, ParamsError, decode_params, encode_params
+from contracts.task_config import TaskConfig
+from device_runtime.client_task import add_negatives, num_steps, select_examples
 from device_runtime.example_store import ExampleStore
 from device_runtime.local_state import LocalStateStore
 from device_runtime.model import DeviceModel
 from device_runtime.task_batches import TaskBatches, split_batches
-from model_export.params import Params, ParamsError, decode_params, encode_params
 
 _CACHE_KEY = "recommender.local_params"
 

@@ -20,6 +20,8 @@ from typing import Any
 
 import numpy as np
 
+from contracts.manifest import Manifest
+from contracts.params import Params
 from device_runtime.orchestrator_client import (
     Assignment,
     InvalidAnswer,
@@ -27,8 +29,6 @@ from device_runtime.orchestrator_client import (
     ProtocolError,
     ServerUnavailable,
 )
-from model_export.manifest import Manifest
-from model_export.params import Params
 from secure_aggregation.config import ProtocolError as SecureProtocolError
 from secure_aggregation.config import RoundParameters
 from secure_aggregation.device import DeviceSession

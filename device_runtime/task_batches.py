@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from model_export.manifest import Manifest
+from contracts.manifest import Manifest
 
 
 class InvalidExamples(ValueError):

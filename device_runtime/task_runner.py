@@ -17,11 +17,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from device_runtime.client_task import TaskConfig, TaskResult, run_evaluation_task, run_training_task
+from contracts.params import decode_params
+from contracts.task_config import TaskConfig
+from device_runtime.client_task import TaskResult, run_evaluation_task, run_training_task
 from device_runtime.example_store import ExampleStore
 from device_runtime.local_state import LocalStateStore
 from device_runtime.model import DeviceModel
-from model_export.params import decode_params
 
 
 @dataclass(frozen=True)

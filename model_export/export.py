@@ -11,8 +11,7 @@ import numpy as np
 import tensorflow as tf
 from safetensors.numpy import save_file
 
-from model_export.config import ModelConfig
-from model_export.manifest import (
+from contracts.manifest import (
     FORMAT_VERSION,
     INITIAL_GLOBAL_FILE,
     MANIFEST_FILE,
@@ -21,6 +20,7 @@ from model_export.manifest import (
     TensorSpec,
     sha256_file,
 )
+from model_export.config import ModelConfig
 from model_export.model import FedReconModel
 
 

@@ -3,7 +3,7 @@
 No HTTP, no database, no I/O: the round logic hands deltas and weights in and gets parameters back,
 so all of this is testable with hand-computed numbers.
 
-- Sparse deltas (`model_export.params.SparseTensor`): a client trains only the item rows it has
+- Sparse deltas (`contracts.params.SparseTensor`): a client trains only the item rows it has
   examples for (about 150 of 20,000), so its delta travels and is stored as those rows.
 - `WeightedMean`: a streaming weighted mean of deltas, memory O(model) however many clients report.
 - Robust aggregation (`RobustAggregation`, `plan_round`, `clip_by_norm`, `robust_mean`): what
@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from model_export.params import Params, SparseTensor, row_shape
+from contracts.params import Params, SparseTensor, row_shape
 
 
 def _describe_mismatch(

@@ -34,7 +34,7 @@ import numpy as np
 from dp_accounting import dp_event
 from dp_accounting.rdp import rdp_privacy_accountant
 
-from model_export.params import Params
+from contracts.params import Params
 
 
 class _FractionalOrderNoise(logging.Filter):

@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from device_runtime.client_task import TaskConfig
+from contracts.task_config import TaskConfig
 from orchestrator.aggregation import RobustAggregation, ServerOptimizerConfig
 from orchestrator.differential_privacy import DPConfig, PrivacySpent, privacy_spent
 from orchestrator.limits import MAX_COUNT

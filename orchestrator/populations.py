@@ -11,9 +11,9 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from device_runtime.client_task import TaskConfig
-from model_export.manifest import INITIAL_GLOBAL_FILE, MANIFEST_FILE, MODEL_FILE, Manifest, ManifestError
-from model_export.params import ParamsError, decode_params, encode_params
+from contracts.manifest import INITIAL_GLOBAL_FILE, MANIFEST_FILE, MODEL_FILE, Manifest, ManifestError
+from contracts.params import ParamsError, decode_params, encode_params
+from contracts.task_config import TaskConfig
 from orchestrator.aggregation import init_state
 from orchestrator.db import Artifact, ModelVersion, Population
 from orchestrator.population_settings import PopulationSettings

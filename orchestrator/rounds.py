@@ -29,8 +29,8 @@ from safetensors.numpy import load
 from sqlalchemy import CursorResult, bindparam, delete, func, insert, select, update
 from sqlalchemy.orm import Session, object_session
 
-from model_export.manifest import Manifest
-from model_export.params import (
+from contracts.manifest import Manifest
+from contracts.params import (
     Params,
     ParamsError,
     check_params,

@@ -31,8 +31,8 @@ import numpy as np
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
-from model_export.manifest import Manifest
-from model_export.params import Params
+from contracts.manifest import Manifest
+from contracts.params import Params
 from orchestrator.db import Assignment, Round, SecureParticipant, SecureRound
 from orchestrator.population_settings import PopulationSettings
 from orchestrator.refusals import Refused

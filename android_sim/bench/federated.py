@@ -24,11 +24,12 @@ from typing import TypeVar
 
 import numpy as np
 
-from device_runtime.client_task import TaskConfig, clip_delta, diverged, num_steps, reconstruct_locals
+from contracts.manifest import Manifest
+from contracts.params import Params, SparseTensor, row_shape
+from contracts.task_config import TaskConfig
+from device_runtime.client_task import clip_delta, diverged, num_steps, reconstruct_locals
 from device_runtime.model import DeviceModel, EvaluationSums, RowUpdate
 from device_runtime.task_batches import TaskBatches
-from model_export.manifest import Manifest
-from model_export.params import Params, SparseTensor, row_shape
 from orchestrator.aggregation import (
     RobustAggregation,
     ServerOptimizerConfig,

@@ -41,14 +41,15 @@ from android_sim.bench.protocol import PROTOCOL_SEED, split_users
 from android_sim.device_data import DeviceData, FleetData, movielens_fleet
 from android_sim.fleet import write_store
 from android_sim.run import RunConfig, model_config, population_settings
-from device_runtime.client_task import TaskConfig, add_negatives, shuffled, split_support_query
+from contracts.manifest import Manifest
+from contracts.params import Params
+from contracts.task_config import TaskConfig
+from device_runtime.client_task import add_negatives, shuffled, split_support_query
 from device_runtime.example_store import ExampleStore
 from device_runtime.model import DeviceModel
 from device_runtime.recommender import Recommender
 from device_runtime.task_batches import Examples, TaskBatches
 from model_export.config import Feedback
-from model_export.manifest import Manifest
-from model_export.params import Params
 from orchestrator.aggregation import ServerOptimizerConfig
 
 K = 10

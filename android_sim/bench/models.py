@@ -6,9 +6,9 @@ import hashlib
 import json
 from pathlib import Path
 
+from contracts.manifest import MANIFEST_FILE
 from model_export.config import ModelConfig
 from model_export.in_subprocess import export_in_subprocess
-from model_export.manifest import MANIFEST_FILE
 
 
 class ModelCache:

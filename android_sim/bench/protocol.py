@@ -19,9 +19,10 @@ import numpy as np
 
 from android_sim.bench.federated import SupportQuery, TimeSplit
 from android_sim.movielens import Ratings
-from device_runtime.client_task import TaskConfig, shuffled, split_support_query
+from contracts.manifest import Manifest
+from contracts.task_config import TaskConfig
+from device_runtime.client_task import shuffled, split_support_query
 from device_runtime.task_batches import Examples, TaskBatches, split_batches
-from model_export.manifest import Manifest
 
 PROTOCOL_SEED = 42
 

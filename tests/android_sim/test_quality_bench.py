@@ -23,10 +23,10 @@ from android_sim.bench.quality import (
     protocol_model,
     run_fedrecon,
 )
-from device_runtime.client_task import SplitPolicy, TaskConfig
+from contracts.params import SparseTensor
+from contracts.task_config import SplitPolicy, TaskConfig
 from device_runtime.model import DeviceModel, EvaluationSums
 from device_runtime.task_batches import Examples, TaskBatches
-from model_export.params import SparseTensor
 from orchestrator.aggregation import ServerOptimizerConfig
 from orchestrator.differential_privacy import DPConfig
 from secure_aggregation.quantization import Layout

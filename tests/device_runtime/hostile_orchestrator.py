@@ -24,8 +24,8 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
-from device_runtime.client_task import TaskConfig
-from model_export.manifest import INITIAL_GLOBAL_FILE, MANIFEST_FILE, MODEL_FILE, Manifest
+from contracts.manifest import INITIAL_GLOBAL_FILE, MANIFEST_FILE, MODEL_FILE, Manifest
+from contracts.task_config import TaskConfig
 from orchestrator.local import free_port
 
 POPULATION = "p"

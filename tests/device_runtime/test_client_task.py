@@ -8,10 +8,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from contracts.task_config import SplitPolicy, TaskConfig
 from device_runtime.client_task import (
     Outcome,
-    SplitPolicy,
-    TaskConfig,
     clip_delta,
     delta_norm,
     prepare,

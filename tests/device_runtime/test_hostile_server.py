@@ -18,13 +18,13 @@ import numpy as np
 import pytest
 from safetensors.numpy import save
 
+from contracts.manifest import MANIFEST_FILE, MODEL_FILE, Manifest
+from contracts.params import decode_params, encode_params
 from device_runtime.agent import DeviceAgent, Participation
 from device_runtime.example_store import Event, ExampleStore
 from device_runtime.orchestrator_client import InvalidAnswer, OrchestratorClient
 from device_runtime.task_runner import TaskRunner
 from model_export.config import ModelConfig
-from model_export.manifest import MANIFEST_FILE, MODEL_FILE, Manifest
-from model_export.params import decode_params, encode_params
 from orchestrator.local import free_port
 from tests.conftest import SMALL
 from tests.device_runtime.hostile_orchestrator import (

@@ -9,10 +9,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from contracts.task_config import LocalState, TaskConfig
 from device_runtime.client_task import (
-    LocalState,
     Outcome,
-    TaskConfig,
     add_negatives,
     delta_norm,
     run_evaluation_task,

@@ -10,11 +10,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from contracts.manifest import ManifestError, sha256_file
+from contracts.params import ParamsError, decode_params, encode_params
 from device_runtime.model import DeviceModel, ModelLoadError
 from device_runtime.task_batches import Examples, TaskBatches, split_batches
 from model_export.config import ModelConfig
-from model_export.manifest import ManifestError, sha256_file
-from model_export.params import ParamsError, decode_params, encode_params
 from tests.conftest import BIASED
 
 

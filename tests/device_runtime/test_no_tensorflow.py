@@ -23,7 +23,8 @@ class NoTensorFlow(importlib.abc.MetaPathFinder):
 sys.meta_path.insert(0, NoTensorFlow())
 
 from pathlib import Path
-from device_runtime.client_task import TaskConfig, run_training_task
+from device_runtime.client_task import run_training_task
+from contracts.task_config import TaskConfig
 from device_runtime.example_store import Event, ExampleStore
 from device_runtime.model import DeviceModel
 from device_runtime.recommender import Recommender

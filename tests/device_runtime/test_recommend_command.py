@@ -11,15 +11,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from contracts.manifest import INITIAL_GLOBAL_FILE
+from contracts.params import decode_params
+from contracts.task_config import LocalState, TaskConfig
 from device_runtime.__main__ import main
-from device_runtime.client_task import LocalState, TaskConfig, run_training_task
+from device_runtime.client_task import run_training_task
 from device_runtime.example_store import Event, ExampleStore
 from device_runtime.local_state import LocalStateStore
 from device_runtime.model import DeviceModel
 from device_runtime.recommender import Recommender
 from model_export.config import ModelConfig
-from model_export.manifest import INITIAL_GLOBAL_FILE
-from model_export.params import decode_params
 from tests.conftest import BIASED, ROOT
 
 

@@ -8,8 +8,8 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from contracts.manifest import REQUIRED_SIGNATURES, load_manifest
 from model_export.config import ModelConfig
-from model_export.manifest import REQUIRED_SIGNATURES, load_manifest
 from tests.conftest import BIASED, ROOT
 
 

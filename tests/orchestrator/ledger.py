@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 from sqlalchemy import Connection, Row, create_engine, text
 
-from model_export.manifest import Manifest
-from model_export.params import decode_params
+from contracts.manifest import Manifest
+from contracts.params import decode_params
 
 
 @dataclass

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from numpy.typing import ArrayLike
 
-from model_export.params import Params, SparseTensor, decode_sparse_delta, encode_sparse_delta
+from contracts.params import Params, SparseTensor, decode_sparse_delta, encode_sparse_delta
 from orchestrator.aggregation import (
     RobustAggregation,
     ServerOptimizerConfig,

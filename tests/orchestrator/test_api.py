@@ -15,10 +15,10 @@ import httpx
 import numpy as np
 import pytest
 
+from contracts.manifest import load_manifest
+from contracts.params import encode_sparse_delta
 from device_runtime.orchestrator_client import OrchestratorClient, ProtocolError, ServerUnavailable
 from model_export.config import ModelConfig
-from model_export.manifest import load_manifest
-from model_export.params import encode_sparse_delta
 from orchestrator.local import free_port
 from tests.conftest import BIASED, ROOT
 from tests.orchestrator.conftest import ADMIN_TOKEN, Server, admin_create_population

@@ -25,11 +25,12 @@ import numpy as np
 import pytest
 from safetensors.numpy import load, save
 
-from device_runtime.client_task import TaskConfig, run_training_task
+from contracts.params import decode_params, encode_sparse_delta, read_metadata
+from contracts.task_config import TaskConfig
+from device_runtime.client_task import run_training_task
 from device_runtime.example_store import Event, ExampleStore
 from device_runtime.model import DeviceModel
 from model_export.config import ModelConfig
-from model_export.params import decode_params, encode_sparse_delta, read_metadata
 from orchestrator.app import create_app
 from orchestrator.local import PROJECT_ROOT
 from orchestrator.settings import AdminTokenError, Settings

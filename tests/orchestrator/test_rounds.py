@@ -13,9 +13,9 @@ from safetensors.numpy import load, save
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
+from contracts.manifest import Manifest
+from contracts.params import decode_params, decode_sparse_delta, encode_params, encode_sparse_delta
 from model_export.config import ModelConfig
-from model_export.manifest import Manifest
-from model_export.params import decode_params, decode_sparse_delta, encode_params, encode_sparse_delta
 from orchestrator import rounds
 from orchestrator.api.routes.admin import population_out
 from orchestrator.db import ModelVersion, Population, Report, Round

@@ -10,10 +10,10 @@ import httpx
 import numpy as np
 from sqlalchemy import create_engine, text
 
+from contracts.manifest import load_manifest
+from contracts.params import decode_params
 from device_runtime.agent import Participation
 from model_export.config import ModelConfig
-from model_export.manifest import load_manifest
-from model_export.params import decode_params
 from secure_aggregation.quantization import Layout, clip
 from tests.conftest import MOVIELENS
 from tests.orchestrator.conftest import Server, admin_create_population

@@ -11,9 +11,9 @@ from typing import Any
 import httpx
 import numpy as np
 
+from contracts.manifest import load_manifest
+from contracts.params import decode_params, encode_sparse_delta
 from model_export.config import ModelConfig
-from model_export.manifest import load_manifest
-from model_export.params import decode_params, encode_sparse_delta
 from secure_aggregation.config import RoundParameters
 from secure_aggregation.device import DeviceSession
 from secure_aggregation.messages import (

@@ -23,9 +23,9 @@ import httpx
 import numpy as np
 import pytest
 
+from contracts.manifest import load_manifest
+from contracts.params import encode_sparse_delta
 from model_export.config import ModelConfig
-from model_export.manifest import load_manifest
-from model_export.params import encode_sparse_delta
 from orchestrator.local import LocalOrchestrator
 from tests.conftest import BIASED
 from tests.orchestrator.conftest import (

@@ -13,13 +13,13 @@ from pathlib import Path
 import httpx
 import numpy as np
 
+from contracts.params import decode_sparse_delta, read_metadata
 from device_runtime.agent import DeviceAgent, Participation
 from device_runtime.example_store import ExampleStore
 from device_runtime.local_state import LocalStateStore
 from device_runtime.model import DeviceModel
 from device_runtime.orchestrator_client import OrchestratorClient
 from model_export.config import ModelConfig
-from model_export.params import decode_sparse_delta, read_metadata
 from tests.conftest import MOVIELENS
 from tests.orchestrator.conftest import Server, admin_create_population
 from tests.orchestrator.test_end_to_end import Fleet, UserData, admin, settings

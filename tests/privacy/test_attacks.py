@@ -16,12 +16,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from device_runtime.client_task import TaskConfig, prepare, reconstruct_locals, run_training_task
+from contracts.params import decode_params, decode_sparse_delta, encode_sparse_delta
+from contracts.task_config import TaskConfig
+from device_runtime.client_task import prepare, reconstruct_locals, run_training_task
 from device_runtime.example_store import Event, ExampleStore
 from device_runtime.model import DeviceModel
 from device_runtime.task_batches import TaskBatches
 from model_export.config import ModelConfig
-from model_export.params import decode_params, decode_sparse_delta, encode_sparse_delta
 from secure_aggregation import server
 from secure_aggregation.config import RoundParameters
 from secure_aggregation.device import DeviceSession, round_graph

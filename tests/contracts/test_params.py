@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import save
 
-from model_export.manifest import TensorSpec
-from model_export.params import (
+from contracts.manifest import TensorSpec
+from contracts.params import (
     ParamsError,
     SparseTensor,
     check_sparse_delta,

@@ -14,7 +14,7 @@ import numpy as np
 from safetensors import SafetensorError
 from safetensors.numpy import load, save
 
-from model_export.manifest import TensorSpec
+from contracts.manifest import TensorSpec
 
 Params = dict[str, np.ndarray]
 

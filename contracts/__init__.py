@@ -1,0 +1,1 @@
+"""Contracts every part shares: manifest, parameter wire format, features, task config."""
