@@ -16,11 +16,13 @@ from device_runtime.client_task import run_training_task
 from device_runtime.example_store import Event, ExampleStore
 from device_runtime.model import DeviceModel
 from device_runtime.recommender import Recommender
+from model_export.config import ITEM, LABEL
 
 
 def run_demo(ratings_path: Path, work_dir: Path | None = None, user: int = 0) -> int:
     from model_export.config import ModelConfig
-    from model_export.export import export_model
+    from model_export.export import export_spec
+    from model_export.matrix_factorization import build_spec
 
     work = Path(work_dir or tempfile.mkdtemp(prefix="fedrecon-demo-"))
     ratings = load_ratings(ratings_path)
@@ -32,7 +34,7 @@ def run_demo(ratings_path: Path, work_dir: Path | None = None, user: int = 0) ->
     config = ModelConfig(
         num_items=ratings.num_items, item_bias=True, user_bias=True, global_mean=True, global_mean_init=mean
     )
-    result = export_model(config, work / "model")
+    result = export_spec(build_spec(config), work / "model")
     print(
         f"exported {result.model_dir} in {time.perf_counter() - t0:.1f} s "
         f"({result.tflite_bytes:,} bytes; signatures {', '.join(sorted(result.manifest.signatures))})"
@@ -42,11 +44,10 @@ def run_demo(ratings_path: Path, work_dir: Path | None = None, user: int = 0) ->
     rows = ratings.by_user()[user]
     store_path = work / f"device-{user}.sqlite"
     store_path.unlink(missing_ok=True)
-    with ExampleStore(
-        store_path, num_items=model.manifest.num_items, label_range=model.manifest.label_range
-    ) as store:
+    with ExampleStore(store_path, model.manifest.features) as store:
         store.add(
-            Event(int(ratings.item[i]), float(ratings.rating[i]), float(ratings.timestamp[i])) for i in rows
+            Event({ITEM: int(ratings.item[i]), LABEL: float(ratings.rating[i])}, float(ratings.timestamp[i]))
+            for i in rows
         )
         print(f"device {user}: {store.count()} examples in {store_path} (interpreter: {model.backend})")
 

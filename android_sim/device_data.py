@@ -15,7 +15,7 @@ import numpy as np
 from android_sim.expressions import SyntheticConfig, generate_expressions
 from android_sim.movielens import load_ratings, load_titles
 from device_runtime.example_store import Event
-from model_export.config import Feedback
+from model_export.config import ITEM, LABEL, Feedback
 
 
 @dataclass(frozen=True)
@@ -29,7 +29,7 @@ class DeviceData:
 
     def events(self) -> list[Event]:
         return [
-            Event(int(i), float(label), float(t))
+            Event({ITEM: int(i), LABEL: float(label)}, float(t))
             for i, label, t in zip(self.item_ids, self.labels, self.timestamps, strict=True)
         ]
 

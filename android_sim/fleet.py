@@ -23,6 +23,7 @@ import httpx
 from android_sim.device_data import DeviceData
 from android_sim.network import Connector, SimulatedLink
 from android_sim.profiles import DeviceProfile, SimClock
+from contracts.features import FeatureSpec
 from device_runtime.agent import DeviceAgent, Participation
 from device_runtime.example_store import ExampleStore
 from device_runtime.orchestrator_client import OrchestratorClient
@@ -89,11 +90,11 @@ class FleetOptions:
     seen_devices_evaluate: bool = False
 
 
-def write_store(path: Path, data: DeviceData, num_items: int, label_range: tuple[float, float]) -> None:
+def write_store(path: Path, data: DeviceData, features: Sequence[FeatureSpec]) -> None:
     path.unlink(missing_ok=True)
     for suffix in ("-wal", "-shm"):
         path.with_name(path.name + suffix).unlink(missing_ok=True)
-    with ExampleStore(path, num_items=num_items, label_range=label_range) as store:
+    with ExampleStore(path, features) as store:
         store.add(data.events())
 
 

@@ -22,6 +22,7 @@ from device_runtime.example_store import ExampleStore
 from device_runtime.local_state import LocalStateStore
 from device_runtime.model import DeviceModel
 from device_runtime.recommender import Recommender
+from model_export.config import ITEM
 
 if TYPE_CHECKING:
     from android_sim.device_data import FleetData
@@ -85,7 +86,7 @@ def _score(
             recommender = Recommender(model, store, params, global_version=version)
             # Expressions are re-shared, so keep what the user already used; ratings are not.
             top = recommender.recommend(K, exclude_used=not future)
-            recent = store.examples().item_ids[:5].tolist()
+            recent = store.examples()[ITEM][:5].tolist()
         nxt = future.get(device.index)
         if nxt is not None and len(nxt):
             scored += 1
@@ -140,7 +141,7 @@ async def seen_device_examples(
                     {
                         "device": device.index,
                         "examples": device.num_examples,
-                        "recent": store.examples().item_ids[:5].tolist(),
+                        "recent": store.examples()[ITEM][:5].tolist(),
                         "next": [],
                         "personalized": top.items.tolist(),
                         "local_params": top.local_params,

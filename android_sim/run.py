@@ -296,7 +296,7 @@ def prepare_devices(config: RunConfig, data: FleetData, model: ModelConfig, stor
         if i in held_out and data.feedback is Feedback.IMPLICIT and len(device) >= 2:
             stored, future[i] = device.split_future(1)
         path = store_dir / f"device-{i:05d}.sqlite"
-        write_store(path, stored, model.num_items, model.label_range)
+        write_store(path, stored, model.features())
         specs.append(DeviceSpec(HELD_OUT if i in held_out else TRAINING, profiles[i], path, len(stored)))
     return Devices(specs, future)
 

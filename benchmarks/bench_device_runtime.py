@@ -54,14 +54,17 @@ def measure(model_dir: Path, backend: str, repeats: int) -> dict[str, float]:
     from device_runtime.example_store import Event, ExampleStore
     from device_runtime.model import DeviceModel
     from device_runtime.recommender import Recommender
+    from model_export.config import ITEM, LABEL
 
     model = DeviceModel(model_dir, backend=backend)
-    n = model.manifest.num_items
+    n = model.manifest.catalog_size
     rng = np.random.default_rng(0)
     with tempfile.TemporaryDirectory() as tmp:
-        store = ExampleStore(Path(tmp) / "device.sqlite", num_items=n)
+        store = ExampleStore(Path(tmp) / "device.sqlite", model.manifest.features)
         items = rng.choice(n, 300, replace=False)
-        store.add(Event(int(i), float(rng.integers(1, 6)), float(t)) for t, i in enumerate(items))
+        store.add(
+            Event({ITEM: int(i), LABEL: float(rng.integers(1, 6))}, float(t)) for t, i in enumerate(items)
+        )
         # As a device gets them: a safetensors download, not a read from the interpreter.
         global_params = decode_params(
             (model_dir / INITIAL_GLOBAL_FILE).read_bytes(), model.manifest.global_params, "globals"

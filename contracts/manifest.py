@@ -1,6 +1,6 @@
 """`manifest.json`: the contract between an exported model, the orchestrator and devices.
 
-Pure Python (no TensorFlow, no numpy) so that every part can read it. Shapes are read
+No TensorFlow, so that every part can read it. Shapes are read
 from here, never guessed; `load_manifest` checks the file against the `.tflite` beside it.
 """
 
@@ -12,7 +12,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-FORMAT_VERSION = 1
+from contracts.features import FeatureSpec, FeatureSpecError, check_feature_specs
+
+FORMAT_VERSION = 2
 MODEL_FILE = "model.tflite"
 MANIFEST_FILE = "manifest.json"
 INITIAL_GLOBAL_FILE = "global_params.safetensors"
@@ -28,7 +30,15 @@ REQUIRED_SIGNATURES = (
     "reset_local",
 )
 DTYPES = ("float32", "int32")
-_TRAINING = ("reconstruct", "update", "evaluate")  # the signatures that take packed batches
+TRAINING_SIGNATURES = ("reconstruct", "update", "evaluate")  # the signatures that take packed batches
+# The batch inputs every training signature takes besides features, task rows and dense globals.
+WEIGHTS, NUM_BATCHES = "weights", "num_batches"
+HYPERPARAMETERS = {
+    "reconstruct": ("num_steps", "learning_rate", "l2_local"),
+    "update": ("num_steps", "learning_rate", "local_learning_rate", "l2_global", "l2_local"),
+    "evaluate": (),
+}
+TASK_KINDS = ("ranking", "classification", "regression")
 
 
 class ManifestError(ValueError):
@@ -37,9 +47,13 @@ class ManifestError(ValueError):
 
 @dataclass(frozen=True)
 class TensorSpec:
+    """A named tensor; a global parameter read and trained only in the rows a task's examples use
+    has `row_sparse` = the feature that indexes it."""
+
     name: str
     shape: tuple[int, ...]
     dtype: str
+    row_sparse: str | None = None
 
     @property
     def num_elements(self) -> int:
@@ -49,13 +63,17 @@ class TensorSpec:
         return count
 
     def to_json(self) -> dict[str, Any]:
-        return {"name": self.name, "shape": list(self.shape), "dtype": self.dtype}
+        data: dict[str, Any] = {"name": self.name, "shape": list(self.shape), "dtype": self.dtype}
+        if self.row_sparse is not None:
+            data["row_sparse"] = self.row_sparse
+        return data
 
     @classmethod
     def from_json(cls, data: Any, where: str) -> TensorSpec:
         if not isinstance(data, dict):
             raise ManifestError(f"{where}: expected an object with name, shape, dtype")
         name, shape, dtype = data.get("name"), data.get("shape"), data.get("dtype")
+        row_sparse = data.get("row_sparse")
         if not isinstance(name, str) or not name:
             raise ManifestError(f"{where}: 'name' must be a non-empty string, got {name!r}")
         if not isinstance(shape, list) or not all(
@@ -64,7 +82,97 @@ class TensorSpec:
             raise ManifestError(f"{where} ({name}): 'shape' must be a list of ints >= 0")
         if dtype not in DTYPES:
             raise ManifestError(f"{where} ({name}): 'dtype' must be one of {DTYPES}")
-        return cls(name=name, shape=tuple(shape), dtype=dtype)
+        if row_sparse is not None and not isinstance(row_sparse, str):
+            raise ManifestError(f"{where} ({name}): 'row_sparse' must name a feature, got {row_sparse!r}")
+        return cls(name=name, shape=tuple(shape), dtype=dtype, row_sparse=row_sparse)
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    """A metric `evaluate` sums over examples (`<name>_sum`); `value_range` bounds one example's value."""
+
+    name: str
+    value_range: tuple[float, float] | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        data: dict[str, Any] = {"name": self.name}
+        if self.value_range is not None:
+            data["range"] = list(self.value_range)
+        return data
+
+    @classmethod
+    def from_json(cls, data: Any) -> MetricSpec:
+        if not isinstance(data, dict) or not isinstance(data.get("name"), str) or not data["name"]:
+            raise ManifestError(f"a metric must be an object with a name, got {data!r}")
+        value_range = data.get("range")
+        if value_range is not None and (
+            not isinstance(value_range, list)
+            or len(value_range) != 2
+            or not all(isinstance(x, int | float) and not isinstance(x, bool) for x in value_range)
+            or value_range[0] > value_range[1]
+        ):
+            raise ManifestError(f"metric {data['name']!r}: 'range' must be [low, high], got {value_range!r}")
+        return cls(
+            data["name"], None if value_range is None else (float(value_range[0]), float(value_range[1]))
+        )
+
+
+@dataclass(frozen=True)
+class TaskSpec:
+    """What `infer` does.
+
+    - `ranking`: scores every row of the catalog feature's table for this user (`infer(exclude)` ->
+      `scores`, `top_items`, `top_scores`); `negative_sampling`: labels are implicit (1 = shared)
+      and tasks add sampled non-shared catalog items as 0s; `popularity`: a global [catalog] tensor
+      that ranks for a user with no examples yet (e.g. item biases), or None.
+    - `classification`: `infer(<input features of one batch>)` -> `top_classes`, `top_scores`
+      [batch_size, top_k] over `num_classes`.
+    - `regression`: `infer(<input features of one batch>)` -> `predictions` [batch_size].
+    """
+
+    kind: str
+    top_k: int = 0
+    catalog_feature: str | None = None
+    negative_sampling: bool = False
+    popularity: str | None = None
+    num_classes: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        data: dict[str, Any] = {"kind": self.kind}
+        if self.kind == "ranking":
+            data |= {
+                "catalog_feature": self.catalog_feature,
+                "top_k": self.top_k,
+                "negative_sampling": self.negative_sampling,
+                "popularity": self.popularity,
+            }
+        elif self.kind == "classification":
+            data |= {"num_classes": self.num_classes, "top_k": self.top_k}
+        return data
+
+    @classmethod
+    def from_json(cls, data: Any) -> TaskSpec:
+        if not isinstance(data, dict) or data.get("kind") not in TASK_KINDS:
+            raise ManifestError(f"'task' must be an object with 'kind' one of {TASK_KINDS}, got {data!r}")
+        kind = data["kind"]
+        if kind == "ranking":
+            catalog, popularity = data.get("catalog_feature"), data.get("popularity")
+            if not isinstance(catalog, str) or not (popularity is None or isinstance(popularity, str)):
+                raise ManifestError(
+                    "a ranking task names its 'catalog_feature' (and optionally 'popularity')"
+                )
+            return cls(
+                kind,
+                top_k=_require(data, "top_k", int),
+                catalog_feature=catalog,
+                negative_sampling=bool(data.get("negative_sampling", False)),
+                popularity=popularity,
+            )
+        if kind == "classification":
+            return cls(
+                kind, top_k=_require(data, "top_k", int), num_classes=_require(data, "num_classes", int)
+            )
+        return cls(kind)
 
 
 @dataclass(frozen=True)
@@ -72,15 +180,13 @@ class Manifest:
     format_version: int
     model_sha256: str
     model_bytes: int
-    feedback: str
-    num_items: int
-    embedding_dim: int
+    features: tuple[FeatureSpec, ...]
     batch_size: int
     max_batches: int
-    top_k: int
-    label_range: tuple[float, float]
     global_params: tuple[TensorSpec, ...]
     local_params: tuple[TensorSpec, ...]
+    metrics: tuple[MetricSpec, ...]
+    task: TaskSpec
     signatures: dict[str, dict[str, dict[str, TensorSpec]]]
     training_defaults: dict[str, float | int]
     config: dict[str, Any] = field(default_factory=dict)
@@ -90,25 +196,57 @@ class Manifest:
     def max_examples(self) -> int:
         return self.max_batches * self.batch_size
 
+    def feature(self, name: str) -> FeatureSpec:
+        for spec in self.features:
+            if spec.name == name:
+                return spec
+        raise KeyError(name)
+
+    @property
+    def input_features(self) -> tuple[FeatureSpec, ...]:
+        return tuple(f for f in self.features if f.role == "input")
+
+    @property
+    def label_features(self) -> tuple[FeatureSpec, ...]:
+        return tuple(f for f in self.features if f.role == "label")
+
     def global_spec(self, name: str) -> TensorSpec:
         for spec in self.global_params:
             if spec.name == name:
                 return spec
         raise KeyError(name)
 
+    @property
+    def row_sparse_features(self) -> tuple[str, ...]:
+        """Features that index a row-sparse global, in declaration order (packed as slots)."""
+        return tuple(f.name for f in self.features if any(p.row_sparse == f.name for p in self.global_params))
+
+    def max_rows(self, feature: str) -> int:
+        """Distinct rows a task can touch through `feature`: its values in one call's examples."""
+        spec = self.feature(feature)
+        per_example = 1
+        for dim in spec.shape:
+            per_example *= dim
+        return self.max_examples * per_example
+
+    @property
+    def catalog_size(self) -> int:
+        """The rows a ranking task ranks."""
+        if self.task.catalog_feature is None:
+            raise ManifestError(f"a {self.task.kind} model ranks no catalog")
+        return self.feature(self.task.catalog_feature).num_values
+
     def to_json(self) -> dict[str, Any]:
         return {
             "format_version": self.format_version,
             "model": {"file": MODEL_FILE, "sha256": self.model_sha256, "bytes": self.model_bytes},
-            "feedback": self.feedback,
-            "num_items": self.num_items,
-            "embedding_dim": self.embedding_dim,
+            "features": [f.to_json() for f in self.features],
             "batch_size": self.batch_size,
             "max_batches": self.max_batches,
-            "top_k": self.top_k,
-            "label_range": list(self.label_range),
             "global_params": [s.to_json() for s in self.global_params],
             "local_params": [s.to_json() for s in self.local_params],
+            "metrics": [m.to_json() for m in self.metrics],
+            "task": self.task.to_json(),
             "signatures": {
                 name: {side: [s.to_json() for s in specs.values()] for side, specs in sig.items()}
                 for name, sig in self.signatures.items()
@@ -125,26 +263,19 @@ class Manifest:
         version = data.get("format_version")
         if version != FORMAT_VERSION:
             raise ManifestError(
-                f"unsupported manifest format_version {version!r}; this code reads {FORMAT_VERSION}"
+                f"unsupported manifest format_version {version!r}; this code reads {FORMAT_VERSION} "
+                "(export the model again with `python -m model_export`)"
             )
         model = _require(data, "model", dict)
-        ints = {
-            k: _require(data, k, int)
-            for k in ("num_items", "embedding_dim", "batch_size", "max_batches", "top_k")
-        }
+        ints = {k: _require(data, k, int) for k in ("batch_size", "max_batches")}
         for k, v in ints.items():
             if v < 1:
                 raise ManifestError(f"'{k}' must be >= 1, got {v}")
-        feedback = _require(data, "feedback", str)
-        if feedback not in ("explicit", "implicit"):
-            raise ManifestError(f"'feedback' must be 'explicit' or 'implicit', got {feedback!r}")
-        label_range = _require(data, "label_range", list)
-        if (
-            len(label_range) != 2
-            or not all(isinstance(x, (int, float)) for x in label_range)
-            or not label_range[0] < label_range[1]
-        ):
-            raise ManifestError(f"'label_range' must be [low, high] with low < high, got {label_range}")
+        try:
+            features = tuple(FeatureSpec.from_json(f) for f in _require(data, "features", list))
+            check_feature_specs(features)
+        except FeatureSpecError as e:
+            raise ManifestError(f"features: {e}") from None
         signatures: dict[str, dict[str, dict[str, TensorSpec]]] = {}
         for name, sig in _require(data, "signatures", dict).items():
             if not isinstance(sig, dict):
@@ -163,54 +294,118 @@ class Manifest:
             format_version=version,
             model_sha256=_require(model, "sha256", str),
             model_bytes=_require(model, "bytes", int),
-            feedback=feedback,
-            label_range=(float(label_range[0]), float(label_range[1])),
+            features=features,
             global_params=tuple(
                 TensorSpec.from_json(s, "global_params") for s in _require(data, "global_params", list)
             ),
             local_params=tuple(
                 TensorSpec.from_json(s, "local_params") for s in _require(data, "local_params", list)
             ),
+            metrics=tuple(MetricSpec.from_json(m) for m in _require(data, "metrics", list)),
+            task=TaskSpec.from_json(data.get("task")),
             signatures=signatures,
             training_defaults=_require(data, "training_defaults", dict),
             config=data.get("config", {}),
             exported_with=data.get("exported_with", {}),
             **ints,
         )
-        manifest._check_consistency()
+        manifest.check_consistency()
         return manifest
 
-    def _check_consistency(self) -> None:
-        """The parameter specs must agree with the numbers and with set_global/set_local."""
-        try:
-            items = self.global_spec("item_embeddings")
-        except KeyError:
-            raise ManifestError("global_params must include 'item_embeddings'") from None
-        if items.shape != (self.num_items, self.embedding_dim):
-            raise ManifestError(
-                f"item_embeddings shape {list(items.shape)} disagrees with num_items x "
-                f"embedding_dim = [{self.num_items}, {self.embedding_dim}]"
-            )
-        # The runtime packs batches and reads rankings by these numbers: the model must take them.
-        shapes: dict[tuple[str, str, str], tuple[int, ...]] = {
-            (name, "inputs", "labels"): (self.max_batches, self.batch_size) for name in _TRAINING
-        }
-        shapes[("infer", "inputs", "exclude")] = (self.num_items,)
-        shapes[("infer", "outputs", "top_items")] = (self.top_k,)
-        for (name, side, tensor), shape in shapes.items():
-            spec = self.signatures[name][side].get(tensor)
-            if spec is None or spec.shape != shape:
+    def training_inputs(self, signature: str) -> dict[str, tuple[tuple[int, ...], str]]:
+        """(shape, dtype) of every input a training/evaluation signature must take (the layout)."""
+        b, s = self.batch_size, self.max_batches
+        row_sparse = set(self.row_sparse_features)
+        expected: dict[str, tuple[tuple[int, ...], str]] = {}
+        for f in self.features:
+            # A feature that indexes a row-sparse table arrives as slots into the task's rows.
+            expected[f.name] = ((s, b, *f.shape), "int32" if f.name in row_sparse else f.dtype)
+        for p in self.global_params:
+            if p.row_sparse is not None:
+                expected[p.name] = ((self.max_rows(p.row_sparse), *p.shape[1:]), p.dtype)
+            else:
+                expected[p.name] = (p.shape, p.dtype)
+        expected[WEIGHTS] = ((s, b), "float32")
+        expected[NUM_BATCHES] = ((), "int32")
+        for h in HYPERPARAMETERS[signature]:
+            expected[h] = ((), "int32" if h == "num_steps" else "float32")
+        return expected
+
+    def check_consistency(self) -> None:
+        """Parameters, features, task and signatures must agree; a ManifestError says where not."""
+        names = {f.name for f in self.features}
+        for p in self.global_params:
+            if p.row_sparse is None:
+                continue
+            if p.row_sparse not in names:
+                raise ManifestError(f"global {p.name!r} is row-sparse by unknown feature {p.row_sparse!r}")
+            feature = self.feature(p.row_sparse)
+            if p.name not in feature.tables or feature.role != "input":
                 raise ManifestError(
-                    f"signature {name!r} {side} {tensor!r} has shape "
-                    f"{None if spec is None else list(spec.shape)}; the manifest's batch_size, "
-                    f"max_batches, num_items and top_k say {list(shape)}"
+                    f"feature {feature.name!r} indexing {p.name!r} must be an input with a table"
                 )
-        for setter, params in (("set_global", self.global_params), ("set_local", self.local_params)):
-            declared = {s.name: s for s in params}
-            if self.signatures[setter]["inputs"] != declared:
+            if not p.shape or p.shape[0] != feature.num_values:
                 raise ManifestError(
-                    f"signature {setter!r} inputs {sorted(self.signatures[setter]['inputs'])} "
-                    f"disagree with the declared parameters {sorted(declared)}"
+                    f"row-sparse global {p.name!r} has shape {list(p.shape)}; feature {feature.name!r} "
+                    f"indexes {feature.num_values} rows"
+                )
+        if self.task.kind == "ranking":
+            catalog = self.task.catalog_feature
+            if catalog not in self.row_sparse_features:
+                raise ManifestError(
+                    f"ranking task: catalog feature {catalog!r} must index a row-sparse global"
+                )
+            if not 1 <= self.task.top_k <= self.catalog_size:
+                raise ManifestError(f"ranking task: top_k must be in [1, {self.catalog_size}]")
+            if self.task.popularity is not None and self.global_spec(self.task.popularity).shape != (
+                self.catalog_size,
+            ):
+                raise ManifestError(f"ranking task: popularity {self.task.popularity!r} must be [catalog]")
+        expected_io: dict[tuple[str, str], dict[str, tuple[tuple[int, ...], str]]] = {}
+        for name in TRAINING_SIGNATURES:
+            expected_io[(name, "inputs")] = self.training_inputs(name)
+        expected_io[("update", "outputs")] = {
+            "loss": ((), "float32"),
+            **{
+                f"{p.name}_delta": (
+                    (self.max_rows(p.row_sparse), *p.shape[1:]) if p.row_sparse else p.shape,
+                    "float32",
+                )
+                for p in self.global_params
+            },
+        }
+        expected_io[("evaluate", "outputs")] = {
+            f"{m}_sum": ((), "float32") for m in ("loss", "weight", *(m.name for m in self.metrics))
+        }
+        for setter, params in (("set_global", self.global_params), ("set_local", self.local_params)):
+            expected_io[(setter, "inputs")] = {p.name: (p.shape, p.dtype) for p in params}
+        b = self.batch_size
+        if self.task.kind == "ranking":
+            n, k = self.catalog_size, self.task.top_k
+            expected_io[("infer", "inputs")] = {"exclude": ((n,), "float32")}
+            expected_io[("infer", "outputs")] = {
+                "scores": ((n,), "float32"),
+                "top_items": ((k,), "int32"),
+                "top_scores": ((k,), "float32"),
+            }
+        else:
+            expected_io[("infer", "inputs")] = {f.name: ((b, *f.shape), f.dtype) for f in self.input_features}
+            if self.task.kind == "classification":
+                k = self.task.top_k
+                expected_io[("infer", "outputs")] = {
+                    "top_classes": ((b, k), "int32"),
+                    "top_scores": ((b, k), "float32"),
+                }
+            else:
+                expected_io[("infer", "outputs")] = {"predictions": ((b,), "float32")}
+        for (name, side), expected in expected_io.items():
+            actual = {k: (s.shape, s.dtype) for k, s in self.signatures[name][side].items()}
+            if actual != expected:
+                wrong = sorted(k for k in set(actual) | set(expected) if actual.get(k) != expected.get(k))
+                raise ManifestError(
+                    f"signature {name!r} {side} disagree with the manifest's features, parameters and "
+                    f"task at {wrong}: declared {[actual.get(k) for k in wrong]}, the layout needs "
+                    f"{[expected.get(k) for k in wrong]} ((shape, dtype) each; None: absent)"
                 )
 
 

@@ -16,13 +16,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from contracts.features import Examples, per_example
 from contracts.manifest import Manifest
 from contracts.params import Params, ParamsError
 from contracts.task_config import LocalState, SplitPolicy, TaskConfig
 from device_runtime.example_store import ExampleStore, Selection
 from device_runtime.local_state import LocalStateStore
 from device_runtime.model import DeviceModel, EvaluationSums, RowUpdate, Update
-from device_runtime.task_batches import Examples, TaskBatches, split_batches
+from device_runtime.task_batches import TaskBatches, split_batches
 
 
 class Outcome(enum.StrEnum):
@@ -49,19 +50,30 @@ class SupportQuery:
     outside_catalog: int
 
 
-def newest_examples(store: ExampleStore, manifest: Manifest, config: TaskConfig) -> tuple[Examples, int]:
-    """The newest `max_examples` examples, newest first, without items outside the catalog.
+def within_model(examples: Examples, manifest: Manifest) -> np.ndarray:
+    """Which examples the model can take: every indexing feature within its tables' rows.
 
-    Items outside the model's catalog (e.g. expressions newer than the model) are left out
-    and counted, rather than failing the task.
+    A store may hold values the model does not know yet (e.g. expressions newer than the model).
     """
+    keep = np.ones(examples.num_examples, bool)
+    for feature in manifest.features:
+        if feature.tables and feature.value_range is not None:
+            values = per_example(examples[feature.name])
+            low, high = feature.value_range
+            keep &= np.all((values >= low) & (values <= high), axis=1)
+    return keep
+
+
+def newest_examples(store: ExampleStore, manifest: Manifest, config: TaskConfig) -> tuple[Examples, int]:
+    """The newest `max_examples` examples, newest first, without those outside the model's tables
+    (left out and counted, rather than failing the task)."""
     examples = store.examples(Selection(limit=config.max_examples))
-    known = (examples.item_ids >= 0) & (examples.item_ids < manifest.num_items)
-    return examples[known], int(len(examples) - known.sum())
+    known = within_model(examples, manifest)
+    return examples.select(known), int(examples.num_examples - known.sum())
 
 
 def select_examples(store: ExampleStore, manifest: Manifest, config: TaskConfig) -> tuple[Examples, int]:
-    """The task's examples (newest `max_examples`, optionally shuffled); drops unknown items."""
+    """The task's examples (newest `max_examples`, optionally shuffled); drops unknown values."""
     examples, outside = newest_examples(store, manifest, config)
     if config.shuffle_seed is not None:
         examples = shuffled(examples, config.shuffle_seed)
@@ -75,43 +87,55 @@ HOLDOUT_FRACTION = 0.1
 def hold_out_newest(newest_first: Examples) -> tuple[Examples, Examples]:
     """(training, held out): the newest `HOLDOUT_FRACTION` held out, at least one example when there
     are two or more, so a stateful device is measured on examples its kept locals never trained on."""
-    n = len(newest_first)
+    n = newest_first.num_examples
     held = max(1, round(n * HOLDOUT_FRACTION)) if n >= 2 else 0
-    return newest_first[held:], newest_first[:held]
+    return newest_first.select(slice(held, None)), newest_first.select(slice(None, held))
 
 
 def shuffled(examples: Examples, seed: int) -> Examples:
     """The examples in an order fixed by `seed` (the protocol's per-user shuffle)."""
-    return examples[np.random.default_rng(seed).permutation(len(examples))]
+    return examples.select(np.random.default_rng(seed).permutation(examples.num_examples))
+
+
+def shares(examples: Examples, manifest: Manifest) -> np.ndarray:
+    """A ranking model with implicit labels: the distinct catalog rows with a positive label."""
+    catalog, label = manifest.task.catalog_feature, manifest.label_features[0].name
+    assert catalog is not None
+    found: np.ndarray = np.unique(examples[catalog][examples[label] > 0])
+    return found
 
 
 def add_negatives(
     examples: Examples,
-    num_items: int,
+    manifest: Manifest,
     per_positive: int,
     rng: np.random.Generator,
     also_shared: np.ndarray | None = None,
 ) -> Examples:
-    """Implicit feedback: each share gets `per_positive` items the user never shared, label 0
-    (never one of `examples`' shares nor of `also_shared`, e.g. shares outside the examples)."""
-    positives = np.unique(examples.item_ids[examples.labels > 0])
+    """A ranking model with implicit labels: each share gets `per_positive` catalog rows the user
+    never shared, label 0 (never one of `examples`' shares nor of `also_shared`, e.g. shares
+    outside the examples)."""
+    catalog, label = manifest.task.catalog_feature, manifest.label_features[0].name
+    assert catalog is not None
+    positives = shares(examples, manifest)
     count = len(positives) * per_positive
     shared = positives if also_shared is None else np.union1d(positives, also_shared)
-    candidates = np.setdiff1d(np.arange(num_items), shared, assume_unique=True)
+    candidates = np.setdiff1d(np.arange(manifest.catalog_size), shared, assume_unique=True)
     if count == 0 or candidates.size == 0:
         return examples
     negatives = rng.choice(candidates, size=min(count, candidates.size), replace=False)
-    mixed = Examples.concat(
-        [examples, Examples(negatives.astype(np.int64), np.zeros(len(negatives), np.float32))]
+    sampled = Examples(
+        {catalog: negatives.astype(examples[catalog].dtype), label: np.zeros(len(negatives), np.float32)}
     )
-    return mixed[rng.permutation(len(mixed))]
+    mixed = Examples.concat([examples, sampled], manifest.features)
+    return mixed.select(rng.permutation(mixed.num_examples))
 
 
 def split_support_query(
     examples: Examples, manifest: Manifest, config: TaskConfig
 ) -> tuple[list[Examples], list[Examples]]:
     batches = split_batches(examples, manifest.batch_size)
-    if config.split is SplitPolicy.REUSE or len(examples) < config.reuse_below or len(batches) < 2:
+    if config.split is SplitPolicy.REUSE or examples.num_examples < config.reuse_below or len(batches) < 2:
         # Too few to split: reuse everything for both sets, as the keyboard deployment did.
         return batches[: manifest.max_batches], batches[: manifest.max_batches]
     return batches[0::2][: manifest.max_batches], batches[1::2][: manifest.max_batches]
@@ -119,10 +143,10 @@ def split_support_query(
 
 def prepare(store: ExampleStore, manifest: Manifest, config: TaskConfig, seed: int) -> SupportQuery:
     examples, outside = select_examples(store, manifest, config)
-    num_examples = len(examples)
-    if manifest.feedback == "implicit" and config.negatives_per_positive:
+    num_examples = examples.num_examples
+    if manifest.task.negative_sampling and config.negatives_per_positive:
         examples = add_negatives(
-            examples, manifest.num_items, config.negatives_per_positive, np.random.default_rng(seed)
+            examples, manifest, config.negatives_per_positive, np.random.default_rng(seed)
         )
     support, query = split_support_query(examples, manifest, config)
     return SupportQuery(support, query, num_examples, outside)
@@ -298,11 +322,13 @@ def _stateful_start(
     if kept is None:
         return TaskResult(Outcome.ERROR, message="local_state 'keep' needs the device's local state storage")
     newest_first, outside = newest_examples(store, model.manifest, config)
-    if len(newest_first) < config.min_examples:
+    if newest_first.num_examples < config.min_examples:
         return TaskResult(
             Outcome.INSUFFICIENT_DATA,
-            metrics={"num_examples": len(newest_first), "outside_catalog": outside},
-            message=f"{len(newest_first)} usable examples, the task needs at least {config.min_examples}",
+            metrics={"num_examples": newest_first.num_examples, "outside_catalog": outside},
+            message=(
+                f"{newest_first.num_examples} usable examples, the task needs at least {config.min_examples}"
+            ),
         )
     train, held_out = hold_out_newest(newest_first)
     return train, held_out, outside, kept
@@ -311,22 +337,13 @@ def _stateful_start(
 def _pack(
     examples: Examples, model: DeviceModel, config: TaskConfig, seed: int, shared: np.ndarray | None = None
 ) -> TaskBatches:
-    """One call's batches; implicit feedback adds sampled negatives, never among `shared`."""
+    """One call's batches; implicit labels add sampled negatives, never among `shared`."""
     manifest = model.manifest
-    if manifest.feedback == "implicit" and config.negatives_per_positive:
+    if manifest.task.negative_sampling and config.negatives_per_positive:
         examples = add_negatives(
-            examples,
-            manifest.num_items,
-            config.negatives_per_positive,
-            np.random.default_rng(seed),
-            also_shared=shared,
+            examples, manifest, config.negatives_per_positive, np.random.default_rng(seed), also_shared=shared
         )
     return TaskBatches.pack(split_batches(examples, manifest.batch_size)[: manifest.max_batches], manifest)
-
-
-def _shares(examples: Examples) -> np.ndarray:
-    shares: np.ndarray = np.unique(examples.item_ids[examples.labels > 0])
-    return shares
 
 
 def _stateful_training(
@@ -374,9 +391,9 @@ def _stateful_training(
     storage.save(model, model.get_local(), locals_.tasks + 1)
     delta, clip_metrics = _clipped(update.delta, config)
     metrics = {
-        "num_examples": float(len(train) + len(held_out)),
+        "num_examples": float(train.num_examples + held_out.num_examples),
         "num_query": float(batches.num_examples),
-        "num_held_out": float(len(held_out)),
+        "num_held_out": float(held_out.num_examples),
         "outside_catalog": float(outside),
         "update_loss": update.loss,
         **{f"query_{k}": v for k, v in before.as_dict().items()},
@@ -404,7 +421,7 @@ def _stateful_evaluation(
     if isinstance(started, TaskResult):
         return started
     train, held_out, _, storage = started
-    if not len(held_out):
+    if not held_out.num_examples:
         return TaskResult(
             Outcome.INSUFFICIENT_DATA, message="no held-out examples: StandardEval needs at least 2 examples"
         )
@@ -414,7 +431,8 @@ def _stateful_evaluation(
             Outcome.INSUFFICIENT_DATA,
             message=f"StandardEval measures kept local parameters and this device has none ({locals_.note})",
         )
-    batches = _pack(held_out, model, config, seed, _shares(train))
+    shared = shares(train, model.manifest) if model.manifest.task.negative_sampling else None
+    batches = _pack(held_out, model, config, seed, shared)
     model.set_global(global_params)
     model.set_local(locals_.params)
     sums = model.evaluate(batches)

@@ -1,30 +1,34 @@
 """The device's local examples in a SQLite file. Examples never leave the device.
 
-The app writes events as the user shares (or rates) things; the trainer and the
-recommender read them. SQLite in WAL mode lets one writer and many readers work at once,
-across threads and processes; each thread has its own connection. Every write is one
-transaction, validated before it starts, so a bad event or a crash never leaves half a
-batch behind. A trigger-maintained `revision` tells readers whether anything changed.
+The app writes events (an example's named features, per the model's feature spec: an
+expression share, a rating, a sentence) as the user does things; the trainer and the
+recommender read them. Each example is one row: its features packed as one little-endian
+record (a numpy structured dtype of the spec), its time and context; the store records
+the spec's layout and refuses to be opened with another. SQLite in WAL mode lets one writer
+and many readers work at once, across threads and processes; each thread has its own
+connection. Every write is one transaction, validated before it starts, so a bad event or
+a crash never leaves half a batch behind.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import sqlite3
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
-from device_runtime.task_batches import Examples, InvalidExamples
+from contracts.features import Examples, FeatureSpec, FeatureSpecError, InvalidExamples
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS examples (
     id INTEGER PRIMARY KEY,
-    item_id INTEGER NOT NULL CHECK (item_id >= 0),
-    label REAL NOT NULL,
+    features BLOB NOT NULL,
     timestamp REAL NOT NULL,
     context TEXT
 );
@@ -38,10 +42,23 @@ CREATE TRIGGER IF NOT EXISTS examples_delete AFTER DELETE ON examples
 CREATE TRIGGER IF NOT EXISTS examples_update AFTER UPDATE ON examples
     BEGIN UPDATE store_meta SET value = value + 1 WHERE key = 'revision'; END;
 CREATE TABLE IF NOT EXISTS local_state (key TEXT PRIMARY KEY, value BLOB NOT NULL);
+CREATE TABLE IF NOT EXISTS store_features (id INTEGER PRIMARY KEY CHECK (id = 1), spec TEXT NOT NULL);
 """
 
 
-_SCHEMA_VERSION = 1
+def _create_schema(conn: sqlite3.Connection) -> None:
+    """The schema, statement by statement inside the caller's transaction (`executescript` would
+    commit it first)."""
+    statement = ""
+    for line in _SCHEMA.strip().splitlines(keepends=True):
+        statement += line
+        if sqlite3.complete_statement(statement):
+            conn.execute(statement)
+            statement = ""
+
+
+# 1: (item_id, label) columns, before models declared their features; 2: features per the spec.
+_SCHEMA_VERSION = 2
 
 
 class ExampleStoreError(RuntimeError):
@@ -50,10 +67,9 @@ class ExampleStoreError(RuntimeError):
 
 @dataclass(frozen=True)
 class Event:
-    """One thing the user did: shared (label 1) or rated (label = rating) `item_id` at `timestamp`."""
+    """One example at `timestamp`: its `features` by name (e.g. `{"item": 17, "label": 4.0}`)."""
 
-    item_id: int
-    label: float
+    features: Mapping[str, Any]
     timestamp: float
     context: str | None = None
 
@@ -89,30 +105,111 @@ class Selection:
         return clause + order + limit, args
 
 
-class ExampleStore:
-    """A device's examples. `num_items` and `label_range`, when given, are enforced on write."""
+def record_dtype(features: Sequence[FeatureSpec]) -> np.dtype:
+    """One example's features as one packed little-endian record."""
+    return np.dtype([(f.name, "<i4" if f.dtype == "int32" else "<f4", f.shape) for f in features])
 
-    def __init__(
-        self,
-        path: Path,
-        *,
-        num_items: int | None = None,
-        label_range: tuple[float, float] | None = None,
-    ) -> None:
+
+def _layout(features: Sequence[FeatureSpec]) -> list[dict[str, Any]]:
+    """What the stored records depend on: names, dtypes, shapes and roles (not value ranges)."""
+    return [
+        {k: v for k, v in f.to_json().items() if k in ("name", "dtype", "shape", "role")} for f in features
+    ]
+
+
+class ExampleStore:
+    """A device's examples, with the features of `features` (the model's spec), enforced on write.
+
+    A new store needs `features`; an existing one remembers its own, and opening it with
+    features of another layout is an `ExampleStoreError`. A store of the first schema
+    (item, label) is migrated when opened with a spec of one integer input and one label.
+    """
+
+    def __init__(self, path: Path, features: Sequence[FeatureSpec] | None = None) -> None:
         self.path = Path(path)
-        self.num_items = num_items
-        self.label_range = label_range
         self._local = threading.local()
         self._connections: list[sqlite3.Connection] = []
         self._lock = threading.Lock()
         try:
             conn = self._connection()
-            # Opening an existing store only reads: the schema is written once, then marked done.
-            if conn.execute("PRAGMA user_version").fetchone()[0] != _SCHEMA_VERSION:
+            version = conn.execute("PRAGMA user_version").fetchone()[0]
+            if version == 1:
+                self._migrate_from_v1(conn, features)
+            elif version != _SCHEMA_VERSION:
+                if features is None:
+                    raise ExampleStoreError(f"{self.path} is a new example store: give the model's features")
                 with conn:
-                    conn.executescript(_SCHEMA + f"PRAGMA user_version = {_SCHEMA_VERSION};")
-        except sqlite3.DatabaseError as e:
+                    conn.execute("BEGIN IMMEDIATE")
+                    _create_schema(conn)
+                    conn.execute(
+                        "INSERT OR IGNORE INTO store_features (id, spec) VALUES (1, ?)",
+                        (json.dumps([f.to_json() for f in features]),),
+                    )
+                    conn.execute(f"PRAGMA user_version = {_SCHEMA_VERSION}")
+            stored = [FeatureSpec.from_json(f) for f in json.loads(self._stored_spec(conn))]
+        except (sqlite3.DatabaseError, FeatureSpecError, json.JSONDecodeError) as e:
             raise ExampleStoreError(f"{self.path} is not a usable example store: {e}") from None
+        if features is not None and _layout(features) != _layout(stored):
+            raise ExampleStoreError(
+                f"{self.path} holds examples with the features {_layout(stored)}; the model's are "
+                f"{_layout(features)}: use a store per model layout (or export the model with these features)"
+            )
+        self.features: tuple[FeatureSpec, ...] = tuple(features if features is not None else stored)
+        self._record = record_dtype(self.features)
+
+    @staticmethod
+    def _stored_spec(conn: sqlite3.Connection) -> str:
+        row = conn.execute("SELECT spec FROM store_features WHERE id = 1").fetchone()
+        if row is None:
+            raise sqlite3.DatabaseError("it has no feature spec")
+        return str(row[0])
+
+    def _migrate_from_v1(self, conn: sqlite3.Connection, features: Sequence[FeatureSpec] | None) -> None:
+        """Schema 1 held (item_id, label): rewrite its rows as records of `features`, in one transaction."""
+        inputs = [f for f in features or () if f.role == "input"]
+        labels = [f for f in features or () if f.role == "label"]
+        if not (
+            features is not None
+            and len(inputs) == 1
+            and len(labels) == 1
+            and len(features) == 2
+            and inputs[0].dtype == "int32"
+            and not inputs[0].shape
+            and not labels[0].shape
+        ):
+            raise ExampleStoreError(
+                f"{self.path} holds (item, label) examples from before feature specs; it can be migrated "
+                "only to a model with one scalar int32 input and one scalar label, got "
+                f"{None if features is None else _layout(features)}"
+            )
+        with conn:
+            conn.execute("BEGIN IMMEDIATE")
+            old = conn.execute(
+                "SELECT id, item_id, label, timestamp, context FROM examples ORDER BY id"
+            ).fetchall()
+            columns = {
+                inputs[0].name: np.asarray([r[1] for r in old], np.int64),
+                labels[0].name: np.asarray([r[2] for r in old], np.float64),
+            }
+            try:
+                checked = Examples(columns).validated(features)
+            except InvalidExamples as e:
+                raise ExampleStoreError(
+                    f"{self.path}: its (item, label) examples do not fit the model's features ({e}); "
+                    "left as they are"
+                ) from None
+            conn.execute("DROP TABLE examples")
+            _create_schema(conn)
+            conn.execute(
+                "INSERT INTO store_features (id, spec) VALUES (1, ?)",
+                (json.dumps([f.to_json() for f in features]),),
+            )
+            blobs = _pack_records(checked, record_dtype(features))
+            conn.executemany(
+                "INSERT INTO examples (id, features, timestamp, context) VALUES (?, ?, ?, ?)",
+                [(r[0], blob, r[3], r[4]) for r, blob in zip(old, blobs, strict=True)],
+            )
+            conn.execute(f"PRAGMA user_version = {_SCHEMA_VERSION}")
 
     def _connection(self) -> sqlite3.Connection:
         conn: sqlite3.Connection | None = getattr(self._local, "conn", None)
@@ -142,38 +239,55 @@ class ExampleStore:
 
     # ---- writes ------------------------------------------------------------------------
 
-    def _check(self, event: Event, index: int) -> tuple[int, float, float, str | None]:
-        item = event.item_id
-        if isinstance(item, bool) or not isinstance(item, (int, np.integer)) or item < 0:
-            raise InvalidExamples(f"event {index}: item_id must be an integer >= 0, got {item!r}")
-        if self.num_items is not None and item >= self.num_items:
-            raise InvalidExamples(
-                f"event {index}: item_id {item} is outside the catalog [0, {self.num_items})"
-            )
+    def _checked(self, events: Sequence[Event]) -> tuple[list[bytes], list[tuple[float, str | None]]]:
+        names = [f.name for f in self.features]
+        shapes = {f.name: f.shape for f in self.features}
+        for i, event in enumerate(events):
+            if not isinstance(event.features, Mapping) or set(event.features) != set(names):
+                got = sorted(event.features) if isinstance(event.features, Mapping) else event.features
+                raise InvalidExamples(f"event {i}: expected the features {sorted(names)}, got {got!r}")
+            for name, value in event.features.items():
+                if np.shape(value) != shapes[name]:
+                    raise InvalidExamples(
+                        f"event {i}: feature {name!r} must have shape {list(shapes[name])}, "
+                        f"got {list(np.shape(value))}"
+                    )
+                # numpy would read True as 1 in a column of integers.
+                if np.asarray(value).dtype.kind == "b":
+                    raise InvalidExamples(
+                        f"event {i}: feature {name!r} must be integers or numbers, got {value!r}"
+                    )
+        times: list[tuple[float, str | None]] = []
+        for i, event in enumerate(events):
+            try:
+                timestamp = float(event.timestamp)
+            except (TypeError, ValueError):
+                raise InvalidExamples(
+                    f"event {i}: timestamp must be a number, got {event.timestamp!r}"
+                ) from None
+            if not math.isfinite(timestamp):
+                raise InvalidExamples(f"event {i}: timestamp must be finite, got {timestamp}")
+            times.append((timestamp, event.context))
         try:
-            label, timestamp = float(event.label), float(event.timestamp)
-        except (TypeError, ValueError):
-            raise InvalidExamples(
-                f"event {index}: label and timestamp must be numbers, got {event!r}"
-            ) from None
-        if not math.isfinite(label):
-            raise InvalidExamples(f"event {index}: label must be finite, got {label}")
-        if self.label_range is not None and not self.label_range[0] <= label <= self.label_range[1]:
-            raise InvalidExamples(f"event {index}: label {label} outside {list(self.label_range)}")
-        if not math.isfinite(timestamp):
-            raise InvalidExamples(f"event {index}: timestamp must be finite, got {timestamp}")
-        return int(item), label, timestamp, event.context
+            columns = {n: np.asarray([e.features[n] for e in events]) for n in names}
+        except (TypeError, ValueError) as e:
+            raise InvalidExamples(f"events' features must be numbers or arrays of numbers: {e}") from None
+        if not events:
+            return [], []
+        checked = Examples(columns).validated(self.features)
+        return _pack_records(checked, self._record), times
 
     def add(self, events: Iterable[Event]) -> int:
         """Append events atomically: all are stored, or (on any invalid event) none."""
-        rows = [self._check(e, i) for i, e in enumerate(events)]
+        records, times = self._checked(list(events))
         conn = self._connection()
         with conn:
             conn.execute("BEGIN IMMEDIATE")
             conn.executemany(
-                "INSERT INTO examples (item_id, label, timestamp, context) VALUES (?, ?, ?, ?)", rows
+                "INSERT INTO examples (features, timestamp, context) VALUES (?, ?, ?)",
+                [(r, t, c) for r, (t, c) in zip(records, times, strict=True)],
             )
-        return len(rows)
+        return len(records)
 
     def delete_before(self, timestamp: float) -> int:
         """Retention: drop examples older than `timestamp`; returns how many."""
@@ -202,10 +316,11 @@ class ExampleStore:
         conn = sqlite3.connect(self.path, timeout=30.0, isolation_level=None)
         try:
             conn.execute("BEGIN")
-            cursor = conn.execute(f"SELECT item_id, label, timestamp, context FROM examples{clause}", args)
+            cursor = conn.execute(f"SELECT features, timestamp, context FROM examples{clause}", args)
             while rows := cursor.fetchmany(chunk_size):
-                for item_id, label, timestamp, context in rows:
-                    yield Event(item_id, label, timestamp, context)
+                records = np.frombuffer(b"".join(r[0] for r in rows), self._record)
+                for record, (_, timestamp, context) in zip(records, rows, strict=True):
+                    yield Event({f.name: record[f.name] for f in self.features}, timestamp, context)
             conn.execute("COMMIT")
         finally:
             conn.close()
@@ -213,16 +328,15 @@ class ExampleStore:
     def examples(self, selection: Selection = Selection()) -> Examples:
         """The selection as column-wise arrays, ready for batching."""
         clause, args = selection.sql()
-        rows = self._connection().execute(f"SELECT item_id, label FROM examples{clause}", args).fetchall()
-        if not rows:
-            return Examples.concat([])
-        data = np.asarray(rows, dtype=np.float64)
-        return Examples(data[:, 0].astype(np.int64), data[:, 1].astype(np.float32))
+        rows = self._connection().execute(f"SELECT features FROM examples{clause}", args).fetchall()
+        records = np.frombuffer(b"".join(r[0] for r in rows), self._record)
+        return Examples({f.name: records[f.name].astype(f.dtype) for f in self.features})
 
-    def used_items(self) -> np.ndarray:
-        """Distinct item ids the user has examples for (e.g. to exclude from recommendations)."""
-        rows = self._connection().execute("SELECT DISTINCT item_id FROM examples").fetchall()
-        return np.asarray([r[0] for r in rows], dtype=np.int64)
+    def distinct_values(self, feature: str) -> np.ndarray:
+        """The distinct values of an integer feature over every example (e.g. the items a user has
+        used, to exclude from recommendations)."""
+        values: np.ndarray = np.unique(self.examples()[feature])
+        return values
 
     # ---- device-private state (never uploaded) -----------------------------------------
 
@@ -238,3 +352,11 @@ class ExampleStore:
 
     def integrity_ok(self) -> bool:
         return bool(self._connection().execute("PRAGMA integrity_check").fetchone()[0] == "ok")
+
+
+def _pack_records(examples: Examples, record: np.dtype) -> list[bytes]:
+    packed = np.zeros(examples.num_examples, record)
+    for name in record.names or ():
+        packed[name] = examples[name]
+    raw, size = packed.tobytes(), record.itemsize
+    return [raw[i : i + size] for i in range(0, len(raw), size)]

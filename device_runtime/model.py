@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from contracts.features import Examples
 from contracts.manifest import MODEL_FILE, Manifest, ManifestError, load_manifest
 from contracts.params import Params, check_params
 from device_runtime.interpreter import interpreter_class
@@ -23,39 +24,47 @@ class ModelLoadError(RuntimeError):
 
 @dataclass(frozen=True)
 class EvaluationSums:
-    """Weighted sums over evaluated examples; they add across devices."""
+    """Weighted sums over evaluated examples (`loss_sum`, `weight_sum`, `<metric>_sum`); they add
+    across devices."""
 
-    loss_sum: float
-    squared_error_sum: float
-    correct_sum: float
-    weight_sum: float
+    sums: dict[str, float]
+
+    @classmethod
+    def zero(cls) -> EvaluationSums:
+        return cls({})
+
+    @property
+    def weight_sum(self) -> float:
+        return self.sums.get("weight_sum", 0.0)
 
     def as_dict(self) -> dict[str, float]:
-        return {
-            "loss_sum": self.loss_sum,
-            "squared_error_sum": self.squared_error_sum,
-            "correct_sum": self.correct_sum,
-            "weight_sum": self.weight_sum,
-        }
+        return dict(self.sums)
 
     def __add__(self, other: EvaluationSums) -> EvaluationSums:
-        return EvaluationSums(
-            self.loss_sum + other.loss_sum,
-            self.squared_error_sum + other.squared_error_sum,
-            self.correct_sum + other.correct_sum,
-            self.weight_sum + other.weight_sum,
-        )
+        keys = self.sums.keys() | other.sums.keys()
+        return EvaluationSums({k: self.sums.get(k, 0.0) + other.sums.get(k, 0.0) for k in sorted(keys)})
 
     def metrics(self) -> dict[str, float]:
-        """Example-weighted loss, RMSE and accuracy over everything summed; NaN when empty."""
+        """Example-weighted means of the loss and of each metric over everything summed (NaN when
+        empty); `rmse` from a `squared_error` metric and `accuracy` from a `correct` one."""
+        names = [k.removesuffix("_sum") for k in self.sums if k.endswith("_sum") and k != "weight_sum"]
         if self.weight_sum <= 0:
-            return {"loss": math.nan, "rmse": math.nan, "accuracy": math.nan, "examples": 0.0}
-        return {
-            "loss": self.loss_sum / self.weight_sum,
-            "rmse": math.sqrt(self.squared_error_sum / self.weight_sum),
-            "accuracy": self.correct_sum / self.weight_sum,
-            "examples": self.weight_sum,
-        }
+            return {
+                **dict.fromkeys(names, math.nan),
+                **_named(dict.fromkeys(names, math.nan)),
+                "examples": 0.0,
+            }
+        means = {name: self.sums[f"{name}_sum"] / self.weight_sum for name in names}
+        return {**means, **_named(means), "examples": self.weight_sum}
+
+
+def _named(means: dict[str, float]) -> dict[str, float]:
+    named = {}
+    if "squared_error" in means:
+        named["rmse"] = math.sqrt(means["squared_error"]) if means["squared_error"] >= 0 else math.nan
+    if "correct" in means:
+        named["accuracy"] = means["correct"]
+    return named
 
 
 @dataclass(frozen=True)
@@ -69,15 +78,15 @@ class Update:
 class RowUpdate:
     """An update as the task's rows: what a server that aggregates sparse deltas needs."""
 
-    item_ids: np.ndarray  # the task's distinct items, increasing
-    delta: Params  # per-item tensors: one row per entry of `item_ids`; the other globals whole
+    rows: dict[str, np.ndarray]  # row-sparse global -> the rows it changed (increasing)
+    delta: Params  # row-sparse globals: one row per entry of `rows[name]`; the other globals whole
     loss: float  # mean batch loss over the steps
     max_abs_change: float  # over every changed value; inf/NaN if any was non-finite
 
 
 @dataclass(frozen=True)
 class Ranking:
-    scores: np.ndarray  # [num_items]
+    scores: np.ndarray  # [catalog size]
     top_items: np.ndarray  # [top_k], best first, excluded items last
     top_scores: np.ndarray  # [top_k]
 
@@ -142,9 +151,8 @@ class DeviceModel:
             raise ModelLoadError(f"{model_path} is not a loadable TFLite model: {e}") from None
         self._runners: dict[str, Any] = {}
         self._check_signatures()
-        self._per_item = {
-            s.name for s in self.manifest.global_params if s.shape[:1] == (self.manifest.num_items,)
-        }
+        # Row-sparse global -> the feature whose task rows it is given in.
+        self._row_sparse = {s.name: s.row_sparse for s in self.manifest.global_params if s.row_sparse}
         # None: still the exported initial values, read from the interpreter only if asked.
         self._global: Params | None = None
         self._variables_current = True
@@ -194,8 +202,9 @@ class DeviceModel:
         return {k: v.copy() for k, v in self._globals().items()}
 
     def _task_globals(self, batches: TaskBatches) -> Params:
-        """The task's rows of the per-item globals, and the other globals whole."""
-        return {k: v[batches.item_ids] if k in self._per_item else v for k, v in self._globals().items()}
+        """The task's rows of the row-sparse globals, and the other globals whole."""
+        rows = self._row_sparse
+        return {k: v[batches.rows[rows[k]]] if k in rows else v for k, v in self._globals().items()}
 
     def set_local(self, params: Params) -> None:
         checked = check_params(params, self.manifest.local_params, "local parameters")
@@ -245,15 +254,17 @@ class DeviceModel:
             l2_local=_float32("l2_local", l2_local),
         )
         delta: Params = {}
+        rows: dict[str, np.ndarray] = {}
         max_abs = 0.0
         for spec in self.manifest.global_params:
             compact = out[f"{spec.name}_delta"]
-            if spec.name in self._per_item:
-                compact = compact[: batches.num_items]
+            if spec.row_sparse is not None:
+                compact = compact[: batches.num_rows[spec.row_sparse]]
+                rows[spec.name] = batches.used_rows(spec.row_sparse)
             delta[spec.name] = compact.astype(np.float32, copy=True)
             if compact.size:
                 max_abs = max(max_abs, float(np.max(np.abs(compact))))
-        return RowUpdate(batches.item_ids[: batches.num_items], delta, float(out["loss"]), max_abs)
+        return RowUpdate(rows, delta, float(out["loss"]), max_abs)
 
     def update(
         self,
@@ -276,9 +287,9 @@ class DeviceModel:
         )
         delta: Params = {}
         for spec in self.manifest.global_params:
-            if spec.name in self._per_item:
+            if spec.name in rows.rows:
                 dense = lazy_zeros(spec.shape)
-                dense[rows.item_ids] = rows.delta[spec.name]
+                dense[rows.rows[spec.name]] = rows.delta[spec.name]
                 delta[spec.name] = dense
             else:
                 delta[spec.name] = rows.delta[spec.name]
@@ -286,15 +297,44 @@ class DeviceModel:
 
     def evaluate(self, batches: TaskBatches) -> EvaluationSums:
         out = self._call("evaluate", **batches.inputs(), **self._task_globals(batches))
-        return EvaluationSums(**{k: float(v) for k, v in out.items()})
+        return EvaluationSums({k: float(out[k]) for k in sorted(out)})
 
-    def infer(self, exclude: np.ndarray | None = None) -> Ranking:
-        """Scores with the current local and global parameters; `exclude` is a bool mask per item."""
+    def _install_globals(self) -> None:
         if not self._variables_current:
             self._call("set_global", **self._globals())
             self._variables_current = True
-        mask = np.zeros(self.manifest.num_items, np.float32)
+
+    def infer(self, exclude: np.ndarray | None = None) -> Ranking:
+        """A ranking model's scores for this user over the catalog, with the current local and
+        global parameters; `exclude` is a bool mask (or indices) of catalog rows to rank last."""
+        if self.manifest.task.kind != "ranking":
+            raise ValueError(
+                f"infer ranks a catalog; this model's task is {self.manifest.task.kind!r} (use predict)"
+            )
+        self._install_globals()
+        mask = np.zeros(self.manifest.catalog_size, np.float32)
         if exclude is not None:
             mask[exclude] = 1.0
         out = self._call("infer", exclude=mask)
         return Ranking(out["scores"].copy(), out["top_items"].copy(), out["top_scores"].copy())
+
+    def predict(self, examples: Examples) -> dict[str, np.ndarray]:
+        """A classification or regression model's `infer` outputs for each example (in batches of
+        the model's batch size; labels, if given, are ignored)."""
+        if self.manifest.task.kind == "ranking":
+            raise ValueError("a ranking model ranks its catalog: use infer")
+        self._install_globals()
+        inputs = self.manifest.input_features
+        checked = Examples({f.name: examples[f.name] for f in inputs}).validated(inputs)
+        b, n = self.manifest.batch_size, checked.num_examples
+        parts: dict[str, list[np.ndarray]] = {}
+        for start in range(0, n, b):
+            count = min(b, n - start)
+            batch = {}
+            for f in inputs:
+                padded = np.zeros((b, *f.shape), f.dtype)
+                padded[:count] = checked[f.name][start : start + count]
+                batch[f.name] = padded
+            for k, v in self._call("infer", **batch).items():
+                parts.setdefault(k, []).append(v[:count].copy())
+        return {k: np.concatenate(v) for k, v in parts.items()}

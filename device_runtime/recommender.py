@@ -60,6 +60,12 @@ class Recommender:
         kept: LocalStateStore | None = None,
     ) -> None:
         """`kept`: the device's kept locals (a stateful population), served from once trained."""
+        task = model.manifest.task
+        if task.kind != "ranking" or task.catalog_feature is None:
+            raise ValueError(
+                f"a recommender needs a model that ranks a catalog; this model's task is {task.kind!r}"
+            )
+        self.catalog = task.catalog_feature
         self.model = model
         self.store = store
         self.kept = kept
@@ -71,7 +77,8 @@ class Recommender:
     def set_global(self, params: Params, *, version: str | None = None) -> None:
         """Install new global parameters (e.g. after a round); the local cache goes stale."""
         self.model.set_global(params)
-        self._item_bias = params.get("item_bias")
+        popularity = self.model.manifest.task.popularity
+        self._popularity_scores = None if popularity is None else params[popularity]
         self._global_version = version or params_fingerprint(params)
         self._loaded_key = None
 
@@ -100,12 +107,12 @@ class Recommender:
                 return "reconstructed"
         manifest = self.model.manifest
         examples, _ = select_examples(self.store, manifest, self.config)
-        if manifest.feedback == "implicit" and self.config.negatives_per_positive:
+        if manifest.task.negative_sampling and self.config.negatives_per_positive:
             # Reconstruct as training does: from shares alone every item looks liked, and the user
             # vector drifts toward whatever is popular. Seeded by the revision, so a cached
             # reconstruction is the one this store would give again.
             rng = np.random.default_rng(revision)
-            examples = add_negatives(examples, manifest.num_items, self.config.negatives_per_positive, rng)
+            examples = add_negatives(examples, manifest, self.config.negatives_per_positive, rng)
         batches = split_batches(examples, manifest.batch_size)[: manifest.max_batches]
         support = TaskBatches.pack(batches, manifest)
         self.model.reset_local()
@@ -130,14 +137,14 @@ class Recommender:
 
     def _used_items(self, revision: int) -> np.ndarray:
         if self._used is None or self._used[0] != revision:
-            self._used = (revision, self.store.used_items())
+            self._used = (revision, self.store.distinct_values(self.catalog))
         return self._used[1]
 
     def recommend(
         self, k: int = 10, *, exclude: Iterable[int] = (), exclude_used: bool = True
     ) -> Recommendation:
         """The `k` best items, leaving out `exclude` and (by default) what the user already used."""
-        n = self.model.manifest.num_items
+        n = self.model.manifest.catalog_size
         if not 1 <= k <= n:
             raise ValueError(f"k must be in [1, {n}], got {k}")
         mask = np.zeros(n, dtype=bool)
@@ -147,11 +154,12 @@ class Recommender:
         mask[excluded] = True
         revision = self.store.revision
         if exclude_used:
-            mask[self._used_items(revision)] = True
+            used = self._used_items(revision)
+            mask[used[(used >= 0) & (used < n)]] = True
         if self.store.count() == 0:
             return self._popularity(k, mask)
         local_params = self._ensure_local(revision)
-        if k <= self.model.manifest.top_k:
+        if k <= self.model.manifest.task.top_k:
             ranking = self.model.infer(mask)
             items, scores = ranking.top_items[:k], ranking.top_scores[:k]
         else:
@@ -162,14 +170,14 @@ class Recommender:
         return Recommendation(items[keep], scores[keep], "personalized", local_params=local_params)
 
     def _popularity(self, k: int, mask: np.ndarray) -> Recommendation:
-        """No examples yet: rank by the global item biases, which learn popularity."""
-        bias = self._item_bias
+        """No examples yet: rank by the model's popularity global (e.g. item biases, which learn it)."""
+        bias = self._popularity_scores
         if bias is None:
             return Recommendation(
                 np.zeros(0, np.int32),
                 np.zeros(0, np.float32),
                 "unavailable",
-                "no local examples and the model has no item biases to rank by popularity",
+                "no local examples and the model has no popularity parameter (e.g. item biases) to rank by",
             )
         scores = np.where(mask, -np.inf, bias)
         items = np.argsort(-scores, kind="stable")[:k]

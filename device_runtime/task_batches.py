@@ -1,4 +1,10 @@
-"""Examples packed into the padded, weighted arrays that the training signatures take."""
+"""Examples packed into the padded, weighted arrays that the training signatures take.
+
+The layout is the manifest's (`contracts.manifest.Manifest.training_inputs`): per feature
+`[max_batches, batch_size, *shape]`; a feature that indexes row-sparse globals becomes
+*slots* into the task's rows of those globals (its distinct values, then padding), which
+the model gathers from the globals; `weights` are 1 for an example and 0 for padding.
+"""
 
 from __future__ import annotations
 
@@ -7,113 +13,67 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from contracts.manifest import Manifest
-
-
-class InvalidExamples(ValueError):
-    """Examples the model cannot train on: unknown items, NaN or out-of-range labels."""
-
-
-@dataclass(frozen=True)
-class Examples:
-    """Column-wise examples: `item_ids[i]` was rated or shared with `labels[i]`."""
-
-    item_ids: np.ndarray
-    labels: np.ndarray
-
-    def __post_init__(self) -> None:
-        if self.item_ids.ndim != 1 or self.labels.ndim != 1 or len(self.item_ids) != len(self.labels):
-            raise InvalidExamples(
-                f"item_ids and labels must be 1-D and of equal length, got shapes "
-                f"{self.item_ids.shape} and {self.labels.shape}"
-            )
-
-    def __len__(self) -> int:
-        return len(self.item_ids)
-
-    def __getitem__(self, index: slice | np.ndarray) -> Examples:
-        return Examples(self.item_ids[index], self.labels[index])
-
-    @classmethod
-    def concat(cls, parts: Sequence[Examples]) -> Examples:
-        if not parts:
-            return cls(np.zeros(0, np.int64), np.zeros(0, np.float32))
-        return cls(np.concatenate([p.item_ids for p in parts]), np.concatenate([p.labels for p in parts]))
-
-    def validate(self, manifest: Manifest) -> None:
-        """Raise `InvalidExamples` saying which example is wrong and what was expected."""
-        bad_item = np.flatnonzero((self.item_ids < 0) | (self.item_ids >= manifest.num_items))
-        if bad_item.size:
-            i = int(bad_item[0])
-            raise InvalidExamples(
-                f"{bad_item.size} example(s) name items outside the catalog, e.g. item "
-                f"{int(self.item_ids[i])}; expected ids in [0, {manifest.num_items})"
-            )
-        labels = self.labels.astype(np.float64)
-        if not np.all(np.isfinite(labels)):
-            raise InvalidExamples(
-                f"{int(np.sum(~np.isfinite(labels)))} example(s) have NaN or infinite labels"
-            )
-        low, high = manifest.label_range
-        out = np.flatnonzero((labels < low) | (labels > high))
-        if out.size:
-            raise InvalidExamples(
-                f"{out.size} example(s) have labels outside [{low}, {high}], e.g. {labels[out[0]]}"
-            )
-        if manifest.feedback == "implicit" and not np.all((labels == 0) | (labels == 1)):
-            raise InvalidExamples("implicit feedback labels must be 0 (not shared) or 1 (shared)")
+from contracts.features import Examples, InvalidExamples
+from contracts.manifest import NUM_BATCHES, WEIGHTS, Manifest
 
 
 def split_batches(examples: Examples, batch_size: int) -> list[Examples]:
-    return [examples[i : i + batch_size] for i in range(0, len(examples), batch_size)]
+    n = examples.num_examples
+    return [examples.select(slice(i, i + batch_size)) for i in range(0, n, batch_size)]
 
 
 @dataclass(frozen=True)
 class TaskBatches:
-    """Up to `max_batches` batches as the signatures want them (see `model_export.model`)."""
+    """Up to `max_batches` batches as the signatures want them."""
 
-    item_ids: np.ndarray  # [max_examples] int32: the distinct items, then padding
-    slots: np.ndarray  # [max_batches, batch_size] int32: index into item_ids per example
-    labels: np.ndarray  # [max_batches, batch_size] float32
+    features: dict[str, np.ndarray]  # [max_batches, batch_size, *shape]; slots for row-sparse features
+    rows: dict[str, np.ndarray]  # row-sparse feature -> [max_rows] int32: its distinct values, then padding
+    num_rows: dict[str, int]  # row-sparse feature -> distinct values actually used
     weights: np.ndarray  # [max_batches, batch_size] float32: 1 real, 0 padding
     num_batches: int
-    num_items: int  # distinct items actually used (the rest of item_ids is padding)
 
     @property
     def num_examples(self) -> int:
         return int(self.weights.sum())
 
+    def used_rows(self, feature: str) -> np.ndarray:
+        """The distinct values of a row-sparse feature in these batches, increasing."""
+        return self.rows[feature][: self.num_rows[feature]]
+
     def inputs(self) -> dict[str, np.ndarray]:
-        """The batch inputs of a training/evaluation signature (the global rows come from the model)."""
-        return {
-            "slots": self.slots,
-            "labels": self.labels,
-            "weights": self.weights,
-            "num_batches": np.array(self.num_batches, np.int32),
-        }
+        """The batch inputs of a training/evaluation signature (the globals come from the model)."""
+        return {**self.features, WEIGHTS: self.weights, NUM_BATCHES: np.array(self.num_batches, np.int32)}
 
     @classmethod
     def pack(cls, batches: Sequence[Examples], manifest: Manifest) -> TaskBatches:
-        """Pad each batch to `batch_size` and map items to slots; validates the examples."""
+        """Pad each batch to `batch_size` and map row-sparse features to slots; validates the examples."""
         b, s = manifest.batch_size, manifest.max_batches
         if len(batches) > s:
             raise InvalidExamples(f"{len(batches)} batches given; this model takes at most {s} per call")
         for batch in batches:
-            if len(batch) > b:
-                raise InvalidExamples(f"a batch has {len(batch)} examples; the model's batch size is {b}")
-        flat = Examples.concat(list(batches))
-        flat.validate(manifest)
-        unique, inverse = np.unique(flat.item_ids, return_inverse=True)
-        item_ids = np.zeros(manifest.max_examples, np.int32)
-        item_ids[: unique.size] = unique
-        slots = np.zeros((s, b), np.int32)
-        labels = np.zeros((s, b), np.float32)
+            if batch.num_examples > b:
+                raise InvalidExamples(
+                    f"a batch has {batch.num_examples} examples; the model's batch size is {b}"
+                )
+        flat = Examples.concat(list(batches), manifest.features).validated(manifest.features)
+        counts = [batch.num_examples for batch in batches]
+        # Where each example goes in the padded [max_batches, batch_size] grid.
+        grid_rows = np.repeat(np.arange(len(counts)), counts)
+        grid_cols = np.concatenate([np.arange(n) for n in counts]) if counts else np.zeros(0, np.int64)
+        rows: dict[str, np.ndarray] = {}
+        num_rows: dict[str, int] = {}
+        features: dict[str, np.ndarray] = {}
+        for feature in manifest.features:
+            column = flat[feature.name]
+            if feature.name in manifest.row_sparse_features:
+                unique, column = np.unique(column, return_inverse=True)
+                padded = np.zeros(manifest.max_rows(feature.name), np.int32)
+                padded[: unique.size] = unique
+                rows[feature.name], num_rows[feature.name] = padded, int(unique.size)
+                column = column.reshape(flat[feature.name].shape)
+            packed = np.zeros((s, b, *feature.shape), feature.dtype if feature.name not in rows else np.int32)
+            packed[grid_rows, grid_cols] = column
+            features[feature.name] = packed
         weights = np.zeros((s, b), np.float32)
-        start = 0
-        for row, batch in enumerate(batches):
-            n = len(batch)
-            slots[row, :n] = inverse[start : start + n]
-            labels[row, :n] = batch.labels
-            weights[row, :n] = 1.0
-            start += n
-        return cls(item_ids, slots, labels, weights, len(batches), int(unique.size))
+        weights[grid_rows, grid_cols] = 1.0
+        return cls(features, rows, num_rows, weights, len(batches))

@@ -1,25 +1,43 @@
-"""`python -m model_export`: export the FedRecon model with its training signatures."""
+"""`python -m model_export`: export a model with its training signatures.
+
+`--model my_pkg.my_model:build` exports the `ExportSpec` that `build()` returns (see
+`model_export.spec`); without it, the FedRecon matrix-factorization model that the options
+describe.
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from model_export.config import Feedback, ModelConfig, TrainingDefaults
+
+if TYPE_CHECKING:
+    from model_export.export import ExportResult
 
 
 def build_parser() -> argparse.ArgumentParser:
     d, t = ModelConfig(), TrainingDefaults()
     p = argparse.ArgumentParser(
         prog="python -m model_export",
-        description="Export the FedRecon matrix-factorization model to TFLite with training "
-        "signatures (reconstruct, update, evaluate, infer, get/set global and local parameters).",
+        description="Export a model to TFLite with training signatures (reconstruct, update, "
+        "evaluate, infer, get/set global and local parameters): your own (--model) or the FedRecon "
+        "matrix-factorization model the options below describe.",
+    )
+    p.add_argument(
+        "--model",
+        default=None,
+        metavar="MODULE:FUNCTION",
+        help="a function returning a model_export.spec.ExportSpec, e.g. my_pkg.my_model:build",
     )
     p.add_argument(
         "--output-dir",
+        "--out",
         type=Path,
         required=True,
         help="directory to write model.tflite, manifest.json and global_params.safetensors into",
@@ -131,6 +149,9 @@ def config_from_args(args: argparse.Namespace) -> ModelConfig:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    if args.model is not None:
+        return _export_user_model(args.model, args.output_dir)
     try:
         if args.config is not None:
             config = ModelConfig.from_json(json.loads(args.config.read_text()))
@@ -139,16 +160,52 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, TypeError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    from model_export.export import export_model  # TensorFlow loads only when exporting
+    # TensorFlow loads only when exporting.
+    from model_export.export import export_spec
+    from model_export.matrix_factorization import build_spec
 
-    result = export_model(config, args.output_dir)
+    _report(export_spec(build_spec(config), args.output_dir))
+    return 0
+
+
+def _export_user_model(target: str, output_dir: Path) -> int:
+    from model_export.export import export_spec
+    from model_export.spec import ExportError, ExportSpec
+
+    module_name, _, function_name = target.partition(":")
+    if not module_name or not function_name:
+        print(
+            f"error: --model takes MODULE:FUNCTION, e.g. my_pkg.my_model:build; got {target!r}",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        build = getattr(importlib.import_module(module_name), function_name)
+    except (ImportError, AttributeError) as e:
+        print(f"error: cannot load {target!r}: {e}", file=sys.stderr)
+        return 2
+    spec = build()
+    if not isinstance(spec, ExportSpec):
+        print(
+            f"error: {target} returned {type(spec).__name__}, expected a model_export.spec.ExportSpec",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        result = export_spec(spec, output_dir)
+    except ExportError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    _report(result)
+    return 0
+
+
+def _report(result: ExportResult) -> None:
     print(
         f"exported {result.model_dir / 'model.tflite'}: {result.tflite_bytes:,} bytes "
         f"({result.tflite_bytes / result.parameter_bytes:.2f}x the {result.parameter_bytes:,} "
         f"bytes of parameters); signatures: {', '.join(sorted(result.manifest.signatures))}"
     )
-    return 0
 
 
 if __name__ == "__main__":

@@ -12,6 +12,11 @@ import math
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+from contracts.features import FeatureSpec
+
+# The matrix-factorization model's features: the catalog item of an example and its label.
+ITEM, LABEL = "item", "label"
+
 
 class Feedback(enum.StrEnum):
     """What a label means, and therefore which loss the model trains."""
@@ -86,6 +91,25 @@ class ModelConfig:
         if self.feedback is Feedback.IMPLICIT:
             return (0.0, 1.0)
         return (self.rating_min, self.rating_max)
+
+    def features(self) -> tuple[FeatureSpec, FeatureSpec]:
+        """An example: the catalog item (indexing the item tables) and its label."""
+        low, high = self.label_range
+        return (
+            FeatureSpec(
+                ITEM,
+                "int32",
+                value_range=(0, self.num_items - 1),
+                tables=("item_embeddings", "item_bias") if self.item_bias else ("item_embeddings",),
+            ),
+            FeatureSpec(
+                LABEL,
+                "float32",
+                role="label",
+                value_range=(low, high),
+                discrete=self.feedback is Feedback.IMPLICIT,
+            ),
+        )
 
     def to_json(self) -> dict[str, object]:
         data = asdict(self)

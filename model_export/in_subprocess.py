@@ -22,8 +22,18 @@ def export_in_subprocess(config: ModelConfig, out: Path) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     config_file = out / "config.json"
     config_file.write_text(json.dumps(config.to_json()))
+    return _run(["--config", str(config_file)], out)
+
+
+def export_spec_in_subprocess(target: str, out: Path) -> Path:
+    """`python -m model_export --model MODULE:FUNCTION` into `out` (the function returns an
+    `ExportSpec`); returns `out`. Raises with the exporter's stderr."""
+    return _run(["--model", target], out)
+
+
+def _run(args: list[str], out: Path) -> Path:
     result = subprocess.run(
-        [sys.executable, "-m", "model_export", "--config", str(config_file), "--output-dir", str(out)],
+        [sys.executable, "-m", "model_export", *args, "--output-dir", str(out)],
         capture_output=True,
         text=True,
         cwd=ROOT,

@@ -59,7 +59,6 @@ from orchestrator.refusals import Refused as Refused  # re-exported: the routes 
 
 TRAINING, EVALUATION = "training", "evaluation"
 T = TypeVar("T")
-EVALUATION_METRICS = ("loss_sum", "squared_error_sum", "correct_sum", "weight_sum")
 MAX_METRICS = 64
 log = logging.getLogger("orchestrator.rounds")
 # DP round metrics. A training round under adaptive clipping is opened with its clip norm in
@@ -590,10 +589,16 @@ def abort(
 # ---- report validation -----------------------------------------------------------------
 
 
-def _max_weight(population: Population, feedback: str, example_count: int) -> int:
+def evaluation_metrics(manifest: Manifest) -> tuple[str, ...]:
+    """The sums an evaluation report holds: the model's loss, weight and declared metrics."""
+    return ("loss_sum", "weight_sum", *(f"{m.name}_sum" for m in manifest.metrics))
+
+
+def _max_weight(population: Population, manifest: Manifest, example_count: int) -> int:
     """The largest |query| a device that claimed `example_count` examples can honestly report."""
     task = _parsed_once(population, "task", lambda: population_settings(population).task())
-    per_example = 1 + (task.negatives_per_positive if feedback == "implicit" else 0)
+    # A ranking task with sampled negatives trains on them too.
+    per_example = 1 + (task.negatives_per_positive if manifest.task.negative_sampling else 0)
     return min(example_count, task.max_examples) * per_example
 
 
@@ -694,7 +699,7 @@ def _parse_training_report(
         )
     # `min_examples` counts a device's examples (checked at check-in and on the device); the
     # weight is |query|, which an honest device's split makes smaller, so only >= 1 is required here.
-    limit = _max_weight(population, manifest.feedback, example_count)
+    limit = _max_weight(population, manifest, example_count)
     if not 1 <= weight <= limit:
         return Refused(
             422,
@@ -747,13 +752,13 @@ def _parse_evaluation_report(
     metrics = _check_metrics(data["metrics"])
     if isinstance(metrics, Refused):
         return metrics
-    if set(metrics) != set(EVALUATION_METRICS):
-        return Refused(
-            422, f"evaluation metrics must be exactly {list(EVALUATION_METRICS)}", reason="metrics"
-        )
+    manifest = population_manifest(population)
+    expected = evaluation_metrics(manifest)
+    if set(metrics) != set(expected):
+        return Refused(422, f"evaluation metrics must be exactly {list(expected)}", reason="metrics")
     weight = data["num_examples"]
-    # The same bound as training reports: implicit tasks count their sampled negatives too.
-    limit = _max_weight(population, population_manifest(population).feedback, example_count)
+    # The same bound as training reports: sampled negatives count too.
+    limit = _max_weight(population, manifest, example_count)
     if isinstance(weight, bool) or not isinstance(weight, int) or not 1 <= weight <= limit:
         return Refused(
             422, f"num_examples must be an integer in [1, {limit}], got {weight!r}", reason="num_examples"
@@ -762,8 +767,17 @@ def _parse_evaluation_report(
         return Refused(
             422, "metric sums must be >= 0 and weight_sum must equal num_examples", reason="metrics"
         )
-    if metrics["correct_sum"] > metrics["weight_sum"]:
-        return Refused(422, "correct_sum cannot exceed weight_sum", reason="metrics")
+    for metric in manifest.metrics:
+        # A metric whose per-example value is bounded bounds its weighted sum.
+        if metric.value_range is not None:
+            low, high = metric.value_range
+            total = metrics[f"{metric.name}_sum"]
+            if not low * weight <= total <= high * weight:
+                return Refused(
+                    422,
+                    f"{metric.name}_sum must be within [{low:g}, {high:g}] x weight_sum, got {total}",
+                    reason="metrics",
+                )
     return float(weight), None, metrics
 
 
@@ -944,15 +958,23 @@ def prune_model_versions(session: Session, population: Population, keep: int) ->
 
 
 def summarize_metrics(round_: Round) -> dict[str, float]:
-    """Per-round metrics: the sums devices sent, and the ratios they stand for."""
+    """Per-round metrics: the sums devices sent, and the example-weighted means they stand for
+    (`<name>` for each `<name>_sum`; also `rmse` from `squared_error` and `accuracy` from `correct`)."""
     sums = dict(round_.metrics)
     out = dict(sums)
     for prefix in ("", "query_"):
         weight = sums.get(f"{prefix}weight_sum", 0.0)
         if weight > 0:
-            out[f"{prefix}loss"] = sums.get(f"{prefix}loss_sum", 0.0) / weight
-            out[f"{prefix}rmse"] = math.sqrt(sums.get(f"{prefix}squared_error_sum", 0.0) / weight)
-            out[f"{prefix}accuracy"] = sums.get(f"{prefix}correct_sum", 0.0) / weight
+            for key, total in sums.items():
+                if not key.endswith("_sum") or key.startswith("query_") != (prefix == "query_"):
+                    continue
+                name = key.removeprefix(prefix).removesuffix("_sum")
+                if name != "weight":
+                    out[f"{prefix}{name}"] = total / weight
+            if f"{prefix}squared_error_sum" in sums:
+                out[f"{prefix}rmse"] = math.sqrt(max(sums[f"{prefix}squared_error_sum"], 0.0) / weight)
+            if f"{prefix}correct_sum" in sums:
+                out[f"{prefix}accuracy"] = sums[f"{prefix}correct_sum"] / weight
     if round_.reported:
         for k in ("reconstruction_loss", "update_loss"):
             if k in sums:

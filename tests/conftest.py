@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from model_export.config import Feedback, ModelConfig
-from model_export.in_subprocess import export_in_subprocess
+from model_export.in_subprocess import export_in_subprocess, export_spec_in_subprocess
 
 ROOT = Path(__file__).resolve().parent.parent
 MOVIELENS_100K = ROOT.parent / "shared" / "data" / "movielens-100k" / "u.data"
@@ -65,6 +65,16 @@ def export(tmp_path_factory: pytest.TempPathFactory) -> Callable[[ModelConfig], 
         return cache[config]
 
     return get
+
+
+# A user's own Keras model (neither MF nor an LSTM), exported through `--model`.
+GENRE_RATING = "tests.model_export.genre_rating:build"
+
+
+@pytest.fixture(scope="session")
+def genre_rating_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The exported `tests/model_export/genre_rating.py`, once per session."""
+    return export_spec_in_subprocess(GENRE_RATING, tmp_path_factory.mktemp("genre-rating"))
 
 
 @pytest.fixture(params=BACKENDS)

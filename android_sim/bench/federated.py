@@ -127,7 +127,7 @@ class Devices:
         return results
 
     def evaluate(self, work: EvaluationWork, users: Sequence[int]) -> EvaluationSums:
-        total = EvaluationSums(0.0, 0.0, 0.0, 0.0)
+        total = EvaluationSums.zero()
         for sums in self.map(work, users):
             total = total + sums
         return total
@@ -139,7 +139,8 @@ class Devices:
 
 
 def per_item_names(manifest: Manifest) -> frozenset[str]:
-    return frozenset(s.name for s in manifest.global_params if s.shape[:1] == (manifest.num_items,))
+    """The row-sparse globals: a client's update holds only its rows of these."""
+    return frozenset(s.name for s in manifest.global_params if s.row_sparse is not None)
 
 
 def sparse_delta(
@@ -150,7 +151,7 @@ def sparse_delta(
     out: dict[str, SparseTensor] = {}
     for name, values in update.delta.items():
         if name in per_item:
-            out[name] = SparseTensor(shapes[name], update.item_ids, values)
+            out[name] = SparseTensor(shapes[name], update.rows[name], values)
         else:
             out[name] = whole(values)
     return out

@@ -41,6 +41,7 @@ from android_sim.bench.protocol import PROTOCOL_SEED, split_users
 from android_sim.device_data import DeviceData, FleetData, movielens_fleet
 from android_sim.fleet import write_store
 from android_sim.run import RunConfig, model_config, population_settings
+from contracts.features import Examples
 from contracts.manifest import Manifest
 from contracts.params import Params
 from contracts.task_config import TaskConfig
@@ -48,8 +49,8 @@ from device_runtime.client_task import add_negatives, shuffled, split_support_qu
 from device_runtime.example_store import ExampleStore
 from device_runtime.model import DeviceModel
 from device_runtime.recommender import Recommender
-from device_runtime.task_batches import Examples, TaskBatches
-from model_export.config import Feedback
+from device_runtime.task_batches import TaskBatches
+from model_export.config import ITEM, LABEL, Feedback
 from orchestrator.aggregation import ServerOptimizerConfig
 
 K = 10
@@ -79,14 +80,14 @@ def movielens_shares(path: Path) -> FleetData:
 
 
 def _newest_first(device: DeviceData) -> Examples:
-    return Examples(device.item_ids[::-1], device.labels[::-1])
+    return Examples({ITEM: device.item_ids[::-1], LABEL: device.labels[::-1]})
 
 
 def _with_negatives(
     examples: Examples, manifest: Manifest, config: TaskConfig, rng: np.random.Generator
 ) -> Examples:
-    selected = shuffled(examples[: config.max_examples], PROTOCOL_SEED)
-    return add_negatives(selected, manifest.num_items, config.negatives_per_positive, rng)
+    selected = shuffled(examples.select(slice(None, config.max_examples)), PROTOCOL_SEED)
+    return add_negatives(selected, manifest, config.negatives_per_positive, rng)
 
 
 def implicit_work(
@@ -183,7 +184,7 @@ def run_implicit(
                 continue
             past, future = device.split_future(1)
             path = Path(stores) / f"device-{user}.sqlite"
-            write_store(path, past, data.num_items, manifest.label_range)
+            write_store(path, past, manifest.features)
             with ExampleStore(path) as store:
                 recommender = Recommender(model, store, run.params, config)
                 top = recommender.recommend(K, exclude_used=exclude_used)

@@ -19,10 +19,12 @@ import numpy as np
 
 from android_sim.bench.federated import SupportQuery, TimeSplit
 from android_sim.movielens import Ratings
+from contracts.features import Examples
 from contracts.manifest import Manifest
 from contracts.task_config import TaskConfig
 from device_runtime.client_task import shuffled, split_support_query
-from device_runtime.task_batches import Examples, TaskBatches, split_batches
+from device_runtime.task_batches import TaskBatches, split_batches
+from model_export.config import ITEM, LABEL
 
 PROTOCOL_SEED = 42
 
@@ -48,12 +50,12 @@ def user_examples(ratings: Ratings, labels: np.ndarray | None = None) -> list[Ex
     out = []
     for rows in ratings.by_user():
         newest_first = rows[np.argsort(-ratings.timestamp[rows], kind="stable")]
-        out.append(Examples(ratings.item[newest_first], values[newest_first]))
+        out.append(Examples({ITEM: ratings.item[newest_first], LABEL: values[newest_first]}))
     return out
 
 
 def _selected(examples: Examples, config: TaskConfig) -> Examples:
-    return shuffled(examples[: config.max_examples], PROTOCOL_SEED)
+    return shuffled(examples.select(slice(None, config.max_examples)), PROTOCOL_SEED)
 
 
 def support_query(examples: Examples, manifest: Manifest, config: TaskConfig) -> SupportQuery:
@@ -77,12 +79,14 @@ def time_parts(examples: Examples, manifest: Manifest) -> tuple[Examples, Exampl
     """Oldest 80% / next 10% / newest 10% of a user's examples (at least one of each when it has 3);
     `examples` newest first. Training: the newest of the oldest 80% that fit one call, in the
     device's shuffled order."""
-    oldest_first = examples[::-1]
-    n = len(oldest_first)
+    oldest_first = examples.select(slice(None, None, -1))
+    n = oldest_first.num_examples
     held = max(1, round(n * 0.1)) if n >= 3 else 0
     train_end = n - 2 * held
-    train = shuffled(oldest_first[max(0, train_end - manifest.max_examples) : train_end], PROTOCOL_SEED)
-    return train, oldest_first[train_end : n - held], oldest_first[n - held :]
+    train = shuffled(
+        oldest_first.select(slice(max(0, train_end - manifest.max_examples), train_end)), PROTOCOL_SEED
+    )
+    return train, oldest_first.select(slice(train_end, n - held)), oldest_first.select(slice(n - held, None))
 
 
 def time_split(examples: Examples, manifest: Manifest) -> TimeSplit:

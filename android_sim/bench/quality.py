@@ -47,11 +47,12 @@ from android_sim.bench.staleness import StalenessOptions, plot_staleness, run_st
 from android_sim.device_data import expression_fleet
 from android_sim.expressions import SyntheticConfig
 from android_sim.movielens import load_ratings
+from contracts.features import Examples
 from contracts.params import Params
 from contracts.task_config import LocalState, SplitPolicy, TaskConfig
 from device_runtime.client_task import diverged, num_steps
 from device_runtime.model import DeviceModel
-from device_runtime.task_batches import Examples, TaskBatches
+from device_runtime.task_batches import TaskBatches
 from model_export.config import ModelConfig
 from orchestrator.aggregation import RobustAggregation, ServerOptimizerConfig
 from orchestrator.differential_privacy import DPConfig, epsilon, population_size_for
@@ -397,7 +398,7 @@ def train_centralized(
             kept.put(user, model.get_local())
             for name, delta in update.delta.items():
                 if name in per_item:
-                    params[name][update.item_ids] += delta
+                    params[name][update.rows[name]] += delta
                 else:
                     params[name] += delta
         metrics = validate(params)

@@ -37,10 +37,10 @@ from android_sim.bench.federated import (
     train_federated,
 )
 from android_sim.bench.protocol import UserSplit, pack_support_query, seen_support_query, time_split
+from contracts.features import Examples
 from contracts.params import Params
 from contracts.task_config import TaskConfig
 from device_runtime.model import DeviceModel
-from device_runtime.task_batches import Examples
 from orchestrator.aggregation import ServerOptimizerConfig
 
 

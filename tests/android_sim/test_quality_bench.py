@@ -23,10 +23,11 @@ from android_sim.bench.quality import (
     protocol_model,
     run_fedrecon,
 )
+from contracts.features import Examples
 from contracts.params import SparseTensor
 from contracts.task_config import SplitPolicy, TaskConfig
 from device_runtime.model import DeviceModel, EvaluationSums
-from device_runtime.task_batches import Examples, TaskBatches
+from device_runtime.task_batches import TaskBatches
 from orchestrator.aggregation import ServerOptimizerConfig
 from orchestrator.differential_privacy import DPConfig
 from secure_aggregation.quantization import Layout
@@ -60,19 +61,19 @@ def test_users_batches_follow_the_protocol(tmp_path: Path) -> None:
     data = load_dataset(MOVIELENS_100K)
     model_dir = ModelCache(tmp_path).get(protocol_model(data.num_items, embedding_dim=4))
     manifest = DeviceModel(model_dir).manifest
-    heavy = max(range(len(data.examples)), key=lambda u: len(data.examples[u]))
+    heavy = max(range(len(data.examples)), key=lambda u: data.examples[u].num_examples)
 
     client = pack_support_query([data.examples[heavy]], manifest, TaskConfig())[0]
     split = time_split(data.examples[heavy], manifest)
 
-    assert len(data.examples[heavy]) > 300
+    assert data.examples[heavy].num_examples > 300
     # Capped at 300, batches of 5, alternating: 30 support and 30 query batches.
     assert (client.support.num_batches, client.query.num_batches) == (30, 30)
     assert client.support.num_examples + client.query.num_examples == 300
-    n = len(data.examples[heavy])
+    n = data.examples[heavy].num_examples
     assert split.test.num_examples == split.validation.num_examples == round(n * 0.1)
-    newest = set(data.examples[heavy].item_ids[: split.test.num_examples].tolist())
-    assert set(split.test.item_ids[: split.test.num_items].tolist()) == newest
+    newest = set(data.examples[heavy]["item"][: split.test.num_examples].tolist())
+    assert set(split.test.used_rows("item").tolist()) == newest
 
 
 def test_metrics_match_a_hand_computation(tmp_path: Path) -> None:
@@ -81,19 +82,23 @@ def test_metrics_match_a_hand_computation(tmp_path: Path) -> None:
     items = np.array([[3.5, 0.0], [1.0, 1.0], [4.2, 0.0], [2.0, 2.0], [0.0, 5.0], [1.0, 0.0]], np.float32)
     model.set_global({"item_embeddings": items})
     model.set_local({"user_embedding": np.array([1.0, 0.5], np.float32)})
-    examples = Examples(np.array([0, 1, 2, 3, 4, 5, 0]), np.array([4, 2, 5, 3, 3, 1, 3], np.float32))
-    batches = TaskBatches.pack([examples[:5], examples[5:]], model.manifest)
+    examples = Examples(
+        {"item": np.array([0, 1, 2, 3, 4, 5, 0]), "label": np.array([4, 2, 5, 3, 3, 1, 3], np.float32)}
+    )
+    batches = TaskBatches.pack(
+        [examples.select(slice(None, 5)), examples.select(slice(5, None))], model.manifest
+    )
 
     sums = model.evaluate(batches)
 
-    predictions = items[examples.item_ids] @ np.array([1.0, 0.5])  # 3.5 1.5 4.2 3 2.5 1 3.5
-    errors = predictions - examples.labels
+    predictions = items[examples["item"]] @ np.array([1.0, 0.5])  # 3.5 1.5 4.2 3 2.5 1 3.5
+    errors = predictions - examples["label"]
     assert sums.weight_sum == 7
     assert sums.metrics()["rmse"] == pytest.approx(math.sqrt(np.mean(errors**2)), rel=1e-6)
     # Within 0.5 inclusive: 3.5 for a 4 and for a 3 both count, 4.2 for a 5 does not.
-    assert sums.correct_sum == 6
+    assert sums.sums["correct_sum"] == 6
     assert sums.metrics()["accuracy"] == pytest.approx(6 / 7)
-    assert math.isnan(EvaluationSums(0, 0, 0, 0).metrics()["rmse"])
+    assert math.isnan(EvaluationSums.zero().metrics()["loss"])
 
 
 def test_a_short_run_improves_validation_rmse(tmp_path: Path) -> None:
@@ -124,7 +129,7 @@ def test_training_on_reused_examples_still_evaluates_reconstruct_on_support_meas
     manifest = DeviceModel(models.get(settings.model_config(data.num_items))).manifest
     alternating = pack_support_query([data.examples[u] for u in split.test], manifest, TaskConfig())
     assert result.test["examples"] == sum(c.query.num_examples for c in alternating)
-    assert result.test["examples"] < sum(min(300, len(data.examples[u])) for u in split.test)
+    assert result.test["examples"] < sum(min(300, data.examples[u].num_examples) for u in split.test)
 
 
 def test_threads_give_the_same_metrics_as_one(tmp_path: Path) -> None:

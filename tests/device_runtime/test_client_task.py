@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -32,7 +33,10 @@ def fill(
     store: ExampleStore, items: np.ndarray, labels: np.ndarray, timestamps: np.ndarray | None = None
 ) -> None:
     times = np.arange(len(items)) if timestamps is None else timestamps
-    store.add(Event(int(i), float(r), float(t)) for i, r, t in zip(items, labels, times, strict=True))
+    store.add(
+        Event({"item": int(i), "label": float(r)}, float(t))
+        for i, r, t in zip(items, labels, times, strict=True)
+    )
 
 
 @pytest.fixture
@@ -40,7 +44,7 @@ def movielens_device(
     export: Callable[[ModelConfig], Path], backend: str, tmp_path: Path, movielens_users: UserData
 ) -> tuple[DeviceModel, ExampleStore]:
     model = DeviceModel(export(MOVIELENS), backend=backend)
-    store = ExampleStore(tmp_path / "device.sqlite", num_items=1682, label_range=(1.0, 5.0))
+    store = ExampleStore(tmp_path / "device.sqlite", model.manifest.features)
     fill(store, *movielens_users[0])  # 272 ratings
     return model, store
 
@@ -58,7 +62,7 @@ def test_completed_task_returns_the_reference_delta_and_discards_locals(
     data = prepare(store, model.manifest, config, seed=0)
     ref = ReferenceModel("explicit", globals_, {k: np.zeros_like(v) for k, v in model.get_local().items()})
     as_ref = [
-        [(b.item_ids, b.labels.astype(np.float64), np.ones(len(b))) for b in part]
+        [(b["item"], b["label"].astype(np.float64), np.ones(b.num_examples)) for b in part]
         for part in (data.support, data.query)
     ]
     ref.reconstruct(as_ref[0], min(50, 5 * len(as_ref[0])), 0.1, 0.0)
@@ -153,12 +157,15 @@ def test_too_few_examples_is_insufficient_data(
     movielens_device: tuple[DeviceModel, ExampleStore], tmp_path: Path
 ) -> None:
     model, _ = movielens_device
-    store = ExampleStore(tmp_path / "small.sqlite")
+    store = ExampleStore(tmp_path / "small.sqlite", model.manifest.features)
     fill(store, np.array([1, 2, 3]), np.array([4.0, 5.0, 3.0]))
 
     few = run_training_task(model, store, model.get_global(), TaskConfig(min_examples=5))
     empty = run_training_task(
-        model, ExampleStore(tmp_path / "empty.sqlite"), model.get_global(), TaskConfig()
+        model,
+        ExampleStore(tmp_path / "empty.sqlite", model.manifest.features),
+        model.get_global(),
+        TaskConfig(),
     )
 
     assert few.outcome is Outcome.INSUFFICIENT_DATA
@@ -171,7 +178,7 @@ def test_few_examples_are_reused_for_support_and_query(
     movielens_device: tuple[DeviceModel, ExampleStore], tmp_path: Path
 ) -> None:
     model, _ = movielens_device
-    store = ExampleStore(tmp_path / "few.sqlite")
+    store = ExampleStore(tmp_path / "few.sqlite", model.manifest.features)
     fill(store, np.arange(12), np.full(12, 4.0))
 
     reused = run_training_task(model, store, model.get_global(), TaskConfig(reuse_below=20))
@@ -222,7 +229,9 @@ def test_items_outside_the_catalog_are_left_out_and_counted(
     movielens_device: tuple[DeviceModel, ExampleStore], tmp_path: Path
 ) -> None:
     model, _ = movielens_device
-    store = ExampleStore(tmp_path / "new-items.sqlite")  # the app knows items the model does not
+    item, label = model.manifest.features
+    # The app knows items the model does not.
+    store = ExampleStore(tmp_path / "new-items.sqlite", (replace(item, value_range=(0, 9999)), label))
     fill(store, np.array([1, 2, 3, 5000, 6000, 4, 5, 6]), np.full(8, 4.0))
 
     result = run_training_task(model, store, model.get_global(), TaskConfig(min_examples=1))
@@ -237,7 +246,7 @@ def test_examples_are_capped_at_max_examples(
 ) -> None:
     model, _ = movielens_device
     heavy = max(movielens_users, key=lambda u: len(u[0]))
-    store = ExampleStore(tmp_path / "heavy.sqlite")
+    store = ExampleStore(tmp_path / "heavy.sqlite", model.manifest.features)
     fill(store, *heavy)
 
     result = run_training_task(model, store, model.get_global(), TaskConfig(max_examples=300))
@@ -251,15 +260,15 @@ def test_implicit_feedback_adds_sampled_negatives(
     export: Callable[[ModelConfig], Path], backend: str, tmp_path: Path
 ) -> None:
     model = DeviceModel(export(IMPLICIT), backend=backend)
-    store = ExampleStore(tmp_path / "shares.sqlite", num_items=150, label_range=(0.0, 1.0))
+    store = ExampleStore(tmp_path / "shares.sqlite", model.manifest.features)
     fill(store, np.arange(10), np.ones(10))
     config = TaskConfig(negatives_per_positive=3, reuse_below=100)
 
     data = prepare(store, model.manifest, config, seed=0)
     result = run_training_task(model, store, model.get_global(), config)
 
-    labels = np.concatenate([b.labels for b in data.query])
-    negatives = np.concatenate([b.item_ids for b in data.query])[labels == 0]
+    labels = np.concatenate([b["label"] for b in data.query])
+    negatives = np.concatenate([b["item"] for b in data.query])[labels == 0]
     assert (labels == 1).sum() == 10 and (labels == 0).sum() == 30
     assert not set(negatives) & set(range(10))
     assert result.outcome is Outcome.COMPLETED

@@ -62,9 +62,10 @@ def runner() -> Iterator[TaskRunner]:
 def store(tmp_path: Path) -> Iterator[ExampleStore]:
     rng = np.random.default_rng(0)
     items, ratings = rng.integers(0, SMALL.num_items, 40), rng.integers(1, 6, 40)
-    with ExampleStore(tmp_path / "device.sqlite") as opened:
+    with ExampleStore(tmp_path / "device.sqlite", SMALL.features()) as opened:
         opened.add(
-            Event(int(i), float(r), float(t)) for t, (i, r) in enumerate(zip(items, ratings, strict=True))
+            Event({"item": int(i), "label": float(r)}, float(t))
+            for t, (i, r) in enumerate(zip(items, ratings, strict=True))
         )
         yield opened
 
@@ -100,7 +101,9 @@ def manifest_with(server: HostileOrchestrator, **changes: Any) -> dict[str, Any]
 def renamed_output(server: HostileOrchestrator) -> dict[str, Any]:
     """The manifest with an output of `evaluate` under another name than the model gives it."""
     manifest: dict[str, Any] = copy.deepcopy(server.manifest)
-    manifest["signatures"]["evaluate"]["outputs"][0]["name"] = "loss_total"
+    for output in manifest["signatures"]["evaluate"]["outputs"]:
+        if output["name"] == "loss_sum":
+            output["name"] = "loss_total"
     return manifest
 
 
@@ -406,8 +409,8 @@ CASES = [
         "manifest",
         one(lambda s: json_answer(manifest_with(s, batch_size=s.manifest["batch_size"] + 1))),
         BAD,
-        r"'labels' has shape \[6, 4\]; "
-        r"the manifest's batch_size, max_batches, num_items and top_k say \[6, 5\]",
+        r"'reconstruct' inputs disagree with the manifest's features, parameters and task at "
+        r"\['item', 'item_embeddings', 'label', 'weights'\]",
         True,
     ),
     Case(
@@ -415,7 +418,8 @@ CASES = [
         "manifest",
         one(lambda s: json_answer(renamed_output(s))),
         BAD,
-        r"signature 'evaluate' outputs disagree with the manifest: model has .*'loss_sum'",
+        r"signature 'evaluate' outputs disagree with the manifest's features, parameters and task at "
+        r"\['loss_sum', 'loss_total'\]",
         True,
     ),
     Case(

@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from contracts.features import Examples
 from contracts.task_config import LocalState, TaskConfig
 from device_runtime.client_task import (
     Outcome,
@@ -21,18 +22,20 @@ from device_runtime.example_store import Event, ExampleStore
 from device_runtime.local_state import LocalStateStore
 from device_runtime.model import DeviceModel
 from device_runtime.recommender import Recommender
-from device_runtime.task_batches import Examples, TaskBatches, split_batches
+from device_runtime.task_batches import TaskBatches, split_batches
 from model_export.config import ModelConfig
-from tests.conftest import BIASED, ROBUST, SMALL, perturbed_globals
+from tests.conftest import BIASED, IMPLICIT, ROBUST, SMALL, perturbed_globals
 
 KEEP = {"local_state": "keep", "local_learning_rate": 0.1, "shuffle_seed": None}
 
 
 def make_store(path: Path, n: int = 40, seed: int = 0) -> ExampleStore:
     rng = np.random.default_rng(seed)
-    store = ExampleStore(path, num_items=BIASED.num_items, label_range=(1.0, 5.0))
+    store = ExampleStore(path, BIASED.features())
     items = rng.choice(BIASED.num_items, size=n, replace=False)
-    store.add(Event(int(i), float(rng.integers(1, 6)), float(t)) for t, i in enumerate(items))
+    store.add(
+        Event({"item": int(i), "label": float(rng.integers(1, 6))}, float(t)) for t, i in enumerate(items)
+    )
     return store
 
 
@@ -90,7 +93,7 @@ def test_training_holds_out_the_newest_tenth_and_evaluation_measures_it_with_the
     assert "has none" in before_training.message
     assert trained.num_examples == 36 and trained.metrics["num_held_out"] == 4  # 40 examples
     assert evaluated.outcome is Outcome.COMPLETED, evaluated.message
-    newest = store.examples()[:4]  # the store hands out newest first
+    newest = store.examples().select(slice(None, 4))  # the store hands out newest first
     model.set_global(globals_)
     model.set_local(kept.load(model).params)
     batches = split_batches(newest, model.manifest.batch_size)
@@ -188,8 +191,8 @@ def test_the_recommender_serves_from_the_kept_locals(device: tuple[DeviceModel, 
     assert served.local_params == "kept" and served.source == "personalized"
     model.set_global(globals_)
     model.set_local(kept.load(model).params)
-    mask = np.zeros(model.manifest.num_items, bool)
-    mask[store.used_items()] = True
+    mask = np.zeros(model.manifest.catalog_size, bool)
+    mask[store.distinct_values("item")] = True
     scores = np.where(mask, -np.inf, model.infer().scores)
     np.testing.assert_array_equal(served.items, np.argsort(-scores, kind="stable")[:10])
 
@@ -212,12 +215,15 @@ def test_a_stateful_task_needs_its_storage_and_a_local_learning_rate(
     assert TaskConfig.from_json(config_for(model).to_json()).local_state is LocalState.KEEP
 
 
-def test_held_out_negatives_are_never_one_of_the_users_other_shares() -> None:
-    held_out = Examples(np.array([3, 7]), np.ones(2, np.float32))
+def test_held_out_negatives_are_never_one_of_the_users_other_shares(
+    export: Callable[[ModelConfig], Path],
+) -> None:
+    manifest = DeviceModel(export(IMPLICIT)).manifest
+    held_out = Examples({"item": np.array([3, 7], np.int32), "label": np.ones(2, np.float32)})
     trained_shares = np.arange(10, 150)  # all but items 0-9 were shared in the training part
 
-    mixed = add_negatives(held_out, 150, 4, np.random.default_rng(0), also_shared=trained_shares)
+    mixed = add_negatives(held_out, manifest, 4, np.random.default_rng(0), also_shared=trained_shares)
 
-    negatives = mixed.item_ids[mixed.labels == 0]
+    negatives = mixed["item"][mixed["label"] == 0]
     assert len(negatives) == 8
     assert set(negatives.tolist()) <= set(range(10)) - {3, 7}

@@ -10,10 +10,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from contracts.features import Examples
 from contracts.manifest import ManifestError, sha256_file
 from contracts.params import ParamsError, decode_params, encode_params
 from device_runtime.model import DeviceModel, ModelLoadError
-from device_runtime.task_batches import Examples, TaskBatches, split_batches
+from device_runtime.task_batches import TaskBatches, split_batches
 from model_export.config import ModelConfig
 from tests.conftest import BIASED
 
@@ -71,7 +72,7 @@ def test_missing_and_malformed_manifest(model_copy: Path) -> None:
 def test_manifest_that_disagrees_with_the_model(model_copy: Path, backend: str) -> None:
     def widen_slots(data: dict) -> None:
         for spec in data["signatures"]["update"]["inputs"]:
-            if spec["name"] == "slots":
+            if spec["name"] == "item":
                 spec["shape"] = [99, 5]
 
     edit_manifest(model_copy, widen_slots)
@@ -88,9 +89,12 @@ def test_manifest_without_a_required_signature(model_copy: Path) -> None:
 
 
 def test_manifest_parameter_shape_disagreeing_with_its_numbers(model_copy: Path) -> None:
-    edit_manifest(model_copy, lambda d: d.update(num_items=201))
+    edit_manifest(model_copy, lambda d: d["features"][0].update(range=[0, 200]))
 
-    with pytest.raises(ManifestError, match="item_embeddings shape"):
+    with pytest.raises(
+        ManifestError,
+        match=r"row-sparse global 'item_embeddings' has shape \[200, 16\]; feature 'item' indexes 201 rows",
+    ):
         DeviceModel(model_copy)
 
 
@@ -139,7 +143,7 @@ def test_unknown_interpreter_backend(model_copy: Path) -> None:
 
 def test_numbers_a_signature_input_cannot_hold_are_refused_not_wrapped(model_copy: Path) -> None:
     model = DeviceModel(model_copy)
-    examples = Examples(np.arange(10, dtype=np.int64), np.full(10, 4.0, np.float32))
+    examples = Examples({"item": np.arange(10, dtype=np.int64), "label": np.full(10, 4.0, np.float32)})
     batches = TaskBatches.pack(split_batches(examples, model.manifest.batch_size), model.manifest)
 
     with pytest.raises(ValueError, match="num_steps must fit the model's int32 input, got 4294967301"):

@@ -30,8 +30,8 @@ from device_runtime.model import DeviceModel
 from device_runtime.recommender import Recommender
 
 model = DeviceModel(Path(sys.argv[1]), backend=sys.argv[3])
-store = ExampleStore(Path(sys.argv[2]), num_items=200)
-store.add(Event(i, 4.0, float(i)) for i in range(30))
+store = ExampleStore(Path(sys.argv[2]), model.manifest.features)
+store.add(Event({"item": i, "label": 4.0}, float(i)) for i in range(30))
 result = run_training_task(model, store, model.get_global(), TaskConfig())
 top = Recommender(model, store, model.get_global()).recommend(5)
 print(json.dumps({

@@ -29,9 +29,12 @@ def device(export: Callable[[ModelConfig], Path], tmp_path: Path) -> tuple[Path,
     """(model dir, store path) of a device with 30 ratings that has trained once in population 'p'."""
     model_dir = export(BIASED)
     path = tmp_path / "device.sqlite"
-    with ExampleStore(path, num_items=BIASED.num_items, label_range=(1.0, 5.0)) as store:
+    with ExampleStore(path, BIASED.features()) as store:
         rng = np.random.default_rng(0)
-        store.add(Event(int(i), float(rng.integers(1, 6)), float(t)) for t, i in enumerate(range(0, 60, 2)))
+        store.add(
+            Event({"item": int(i), "label": float(rng.integers(1, 6))}, float(t))
+            for t, i in enumerate(range(0, 60, 2))
+        )
         model = DeviceModel(model_dir)
         config = TaskConfig(local_state=LocalState.KEEP, local_learning_rate=0.5)
         result = run_training_task(model, store, model.get_global(), config, kept=LocalStateStore(store, "p"))

@@ -31,8 +31,8 @@ class CountingModel(DeviceModel):
 @pytest.fixture
 def setup(export: Callable[[ModelConfig], Path], backend: str, tmp_path: Path):  # type: ignore[no-untyped-def]
     model = CountingModel(export(BIASED), backend=backend)
-    store = ExampleStore(tmp_path / "device.sqlite", num_items=200, label_range=(1.0, 5.0))
-    store.add(Event(i, float(1 + i % 5), float(i)) for i in range(0, 40, 2))
+    store = ExampleStore(tmp_path / "device.sqlite", model.manifest.features)
+    store.add(Event({"item": i, "label": float(1 + i % 5)}, float(i)) for i in range(0, 40, 2))
     return model, store, perturbed_globals(model.get_global(), seed=3)
 
 
@@ -61,7 +61,7 @@ def test_local_parameters_are_cached_and_refreshed_when_the_store_changes(setup)
     recommender.recommend(10)
     assert model.reconstructions == 1
 
-    store.add([Event(101, 5.0, 100.0), Event(103, 5.0, 101.0)])
+    store.add([Event({"item": 101, "label": 5.0}, 100.0), Event({"item": 103, "label": 5.0}, 101.0)])
     after_new_data = recommender.recommend(10)
     assert model.reconstructions == 2
     assert not {101, 103} & set(after_new_data.items)
@@ -98,7 +98,7 @@ def test_a_damaged_cache_is_rebuilt(setup) -> None:  # type: ignore[no-untyped-d
 
 def test_cold_start_ranks_by_item_bias(setup, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     model, _, globals_ = setup
-    empty = ExampleStore(tmp_path / "new-phone.sqlite")
+    empty = ExampleStore(tmp_path / "new-phone.sqlite", model.manifest.features)
 
     top = Recommender(model, empty, globals_).recommend(5, exclude=[int(np.argmax(globals_["item_bias"]))])
 
@@ -110,11 +110,13 @@ def test_cold_start_ranks_by_item_bias(setup, tmp_path: Path) -> None:  # type: 
 def test_cold_start_without_item_bias_says_so(export: Callable[[ModelConfig], Path], tmp_path: Path) -> None:
     model = DeviceModel(export(SMALL))
 
-    top = Recommender(model, ExampleStore(tmp_path / "s.sqlite"), model.get_global()).recommend(5)
+    store = ExampleStore(tmp_path / "s.sqlite", model.manifest.features)
+
+    top = Recommender(model, store, model.get_global()).recommend(5)
 
     assert top.source == "unavailable"
     assert len(top.items) == 0
-    assert "no item biases" in top.message
+    assert "no popularity parameter" in top.message
 
 
 def test_bad_requests(setup) -> None:  # type: ignore[no-untyped-def]
@@ -131,16 +133,16 @@ def test_implicit_reconstruction_samples_negatives_as_training_does(
     export: Callable[[ModelConfig], Path], backend: str, tmp_path: Path
 ) -> None:
     model = CountingModel(export(IMPLICIT), backend=backend)
-    store = ExampleStore(tmp_path / "device.sqlite", num_items=150, label_range=(0.0, 1.0))
+    store = ExampleStore(tmp_path / "device.sqlite", model.manifest.features)
     shared = list(range(3, 30, 3))
-    store.add(Event(i, 1.0, float(t)) for t, i in enumerate(shared))
+    store.add(Event({"item": i, "label": 1.0}, float(t)) for t, i in enumerate(shared))
 
     Recommender(model, store, model.get_global()).recommend(10)
 
     support = model.support
     assert support is not None
     real = support.weights > 0
-    items, labels = support.item_ids[support.slots][real], support.labels[real]
+    items, labels = support.rows["item"][support.features["item"]][real], support.features["label"][real]
     assert sorted(items[labels == 1.0].tolist()) == shared
     negatives = items[labels == 0.0]
     assert len(negatives) == 4 * len(shared)  # the task config's negatives per share

@@ -11,8 +11,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from contracts.features import Examples
 from device_runtime.model import DeviceModel
-from device_runtime.task_batches import Examples, TaskBatches, split_batches
+from device_runtime.task_batches import TaskBatches, split_batches
 from model_export.config import ModelConfig
 from model_export.reference import ReferenceModel
 from tests.conftest import BIASED, IMPLICIT, ROBUST, SMALL, perturbed_globals
@@ -29,11 +30,11 @@ def random_examples(config: ModelConfig, count: int, seed: int) -> Examples:
         labels = rng.integers(0, 2, count).astype(np.float32)
     else:
         labels = rng.integers(1, 6, count).astype(np.float32)
-    return Examples(items, labels)
+    return Examples({"item": items, "label": labels})
 
 
 def reference_batches(batches: list[Examples]) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
-    return [(b.item_ids, b.labels.astype(np.float64), np.ones(len(b))) for b in batches]
+    return [(b["item"], b["label"].astype(np.float64), np.ones(b.num_examples)) for b in batches]
 
 
 def setup_pair(model_dir: Path, backend: str, seed: int) -> tuple[DeviceModel, ReferenceModel]:
@@ -44,7 +45,7 @@ def setup_pair(model_dir: Path, backend: str, seed: int) -> tuple[DeviceModel, R
     model.set_global(globals_)
     model.set_local(locals_)
     huber_delta = float(model.manifest.config.get("huber_delta", 0.0))
-    return model, ReferenceModel(model.manifest.feedback, globals_, locals_, huber_delta)
+    return model, ReferenceModel(model.manifest.config["feedback"], globals_, locals_, huber_delta)
 
 
 def assert_close(actual: np.ndarray | float, expected: np.ndarray | float) -> None:

@@ -41,9 +41,12 @@ def settings(**overrides: object) -> str:
 
 
 def fill_store(path: Path, user: tuple[np.ndarray, np.ndarray, np.ndarray]) -> ExampleStore:
-    store = ExampleStore(path, num_items=1682, label_range=(1.0, 5.0))
+    store = ExampleStore(path, MOVIELENS.features())
     items, ratings, times = user
-    store.add(Event(int(i), float(r), float(t)) for i, r, t in zip(items, ratings, times, strict=True))
+    store.add(
+        Event({"item": int(i), "label": float(r)}, float(t))
+        for i, r, t in zip(items, ratings, times, strict=True)
+    )
     return store
 
 

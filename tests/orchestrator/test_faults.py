@@ -251,7 +251,7 @@ def test_a_rate_limited_device_comes_back_after_the_window(work: Path) -> None: 
         try:
             await client.enroll()
             first = await client.checkin("p", 0)
-            with ExampleStore(work / "device.sqlite") as store:
+            with ExampleStore(work / "device.sqlite", load_manifest(work / "model").features) as store:
                 limited = await DeviceAgent(client, store, work / "cache", "p").participate()
             with pytest.raises(RetryLater) as raised:
                 await client.checkin("p", 0)

@@ -89,9 +89,10 @@ def with_counter(state: dict[str, Any], counter: str, by: int = 1) -> dict[str, 
 def real_report(model_dir: Path, tmp: Path, global_params: bytes) -> bytes:
     """A training report as a device makes it: the TFLite model trained on its own examples."""
     rng = np.random.default_rng(0)
-    store = ExampleStore(tmp / "device.sqlite", num_items=BIASED.num_items, label_range=(1.0, 5.0))
+    store = ExampleStore(tmp / "device.sqlite", BIASED.features())
     store.add(
-        Event(int(i), float(rng.integers(1, 6)), float(t)) for t, i in enumerate(rng.integers(0, 200, 60))
+        Event({"item": int(i), "label": float(rng.integers(1, 6))}, float(t))
+        for t, i in enumerate(rng.integers(0, 200, 60))
     )
     model = DeviceModel(model_dir)
     result = run_training_task(

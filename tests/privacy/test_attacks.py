@@ -57,17 +57,18 @@ def trained(
     out = []
     for u in range(DEVICES):
         items, ratings, times = movielens_users[u]
-        store = ExampleStore(
-            tmp_path_factory.mktemp("store") / "s.sqlite", num_items=1682, label_range=(1, 5)
+        store = ExampleStore(tmp_path_factory.mktemp("store") / "s.sqlite", manifest.features)
+        store.add(
+            Event({"item": int(i), "label": float(r)}, float(t))
+            for i, r, t in zip(items, ratings, times, strict=True)
         )
-        store.add(Event(int(i), float(r), float(t)) for i, r, t in zip(items, ratings, times, strict=True))
         result = run_training_task(model, store, global_params, config, seed=0)
         assert result.delta is not None, result.message
         # The device's secret, recomputed the way the task computed it (reconstruction is deterministic).
         data = prepare(store, manifest, config, seed=0)
         model.set_global(global_params)
         reconstruct_locals(model, TaskBatches.pack(data.support, manifest), config)
-        query_items = {int(i) for batch in data.query for i in batch.item_ids}
+        query_items = {int(i) for batch in data.query for i in batch["item"]}
         out.append(Trained(model.get_local()["user_embedding"].ravel().copy(), query_items, result.delta))
         model.reset_local()
         store.close()

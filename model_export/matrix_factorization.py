@@ -1,0 +1,97 @@
+"""The FedRecon matrix-factorization model as a Keras model, exported through the generic path.
+
+Parameters are split as in Federated Reconstruction:
+
+- global: `item_embeddings` [num_items, dim], optional `item_bias` [num_items] (both row-sparse
+  by the `item` feature: a task trains only its items' rows) and `global_mean` [1];
+- local: `user_embedding` [dim], optional `user_bias` [1], reconstructed on the device.
+
+A score is `<item_embeddings[item], user_embedding> + item_bias[item] + user_bias + global_mean`:
+a predicted rating (explicit feedback) or a logit (implicit: shared or not).
+"""
+
+from __future__ import annotations
+
+import keras
+import tensorflow as tf
+
+from contracts.manifest import TaskSpec
+from model_export.config import ITEM, Feedback, ModelConfig
+from model_export.layers import LocalVector, Offset, RowTable
+from model_export.spec import ExportSpec, Metric, PerExample
+
+
+def explicit_loss(huber_delta: float) -> PerExample:
+    def loss(label: tf.Tensor, score: tf.Tensor) -> tf.Tensor:
+        error = score - label
+        if huber_delta > 0.0:
+            # Huber, scaled to match the squared error (value and slope) at +-delta, so the
+            # learning rates mean the same as without it.
+            abs_error = tf.abs(error)
+            return tf.where(
+                abs_error <= huber_delta, tf.square(error), 2.0 * huber_delta * abs_error - huber_delta**2
+            )
+        return tf.square(error)
+
+    return loss
+
+
+def implicit_loss(label: tf.Tensor, logit: tf.Tensor) -> tf.Tensor:
+    return tf.nn.sigmoid_cross_entropy_with_logits(labels=label, logits=logit)
+
+
+def build_model(config: ModelConfig) -> keras.Model:
+    item = keras.Input(shape=(), dtype="int32", name=ITEM)
+    init = keras.initializers.RandomNormal(stddev=config.init_stddev, seed=config.seed)
+    rows = keras.layers.Embedding(
+        config.num_items, config.embedding_dim, embeddings_initializer=init, name="item_embeddings"
+    )(item)
+    score = LocalVector(config.embedding_dim, name="user_embedding")(rows)
+    if config.item_bias:
+        score = keras.layers.Add(name="plus_item_bias")(
+            [score, RowTable(config.num_items, name="item_bias")(item)]
+        )
+    if config.user_bias:
+        score = Offset(name="user_bias")(score)
+    if config.global_mean:
+        score = Offset(config.global_mean_init, name="global_mean")(score)
+    return keras.Model({ITEM: item}, score, name="matrix_factorization")
+
+
+def build_spec(config: ModelConfig) -> ExportSpec:
+    """MF as an `ExportSpec`: what `python -m model_export` exports by default."""
+    implicit = config.feedback is Feedback.IMPLICIT
+    if implicit:
+        metrics = (
+            Metric("squared_error", lambda y, s: tf.square(tf.sigmoid(s) - y), (0.0, 1.0)),
+            Metric(
+                "correct", lambda y, s: tf.cast(tf.cast(s > 0.0, tf.float32) == y, tf.float32), (0.0, 1.0)
+            ),
+        )
+    else:
+        metrics = (
+            Metric("squared_error", lambda y, s: tf.square(s - y)),  # RMSE, whatever the training loss
+            # Within 0.5 inclusive, as TFF's RatingAccuracy: the prediction rounds to the rating.
+            Metric("correct", lambda y, s: tf.cast(tf.abs(s - y) <= 0.5, tf.float32), (0.0, 1.0)),
+        )
+    model = build_model(config)
+    local = ["user_embedding"] + (["user_bias"] if config.user_bias else [])
+    return ExportSpec(
+        model=model,
+        features=config.features(),
+        local_variables=local,
+        loss=implicit_loss if implicit else explicit_loss(config.huber_delta),
+        metrics=metrics,
+        row_sparse={"item_embeddings": ITEM, **({"item_bias": ITEM} if config.item_bias else {})},
+        task=TaskSpec(
+            "ranking",
+            top_k=config.top_k,
+            catalog_feature=ITEM,
+            negative_sampling=implicit,
+            popularity="item_bias" if config.item_bias else None,
+        ),
+        batch_size=config.batch_size,
+        max_batches=config.max_batches,
+        training_defaults=config.to_json()["training"],  # type: ignore[arg-type]
+        config=config.to_json(),
+    )

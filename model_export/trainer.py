@@ -1,0 +1,504 @@
+"""A user's Keras model as a `tf.Module` with the TFLite training signatures (the generic layout).
+
+Every signature that trains or evaluates takes one call's worth of padded, weighted batches:
+
+- per feature, `[max_batches, batch_size, *shape]`; a feature that indexes a row-sparse table
+  arrives as *slots* (int32) into that table's task rows;
+- per row-sparse global, its *task rows* `[max_rows, *row_shape]` (the rows the examples use,
+  gathered by the runtime, then padding); every dense global whole;
+- `weights [max_batches, batch_size]` (0 pads) and `num_batches`;
+- hyperparameters: `num_steps`, `learning_rate`, `local_learning_rate`, `l2_global`, `l2_local`.
+
+`reconstruct` trains the locals with the globals frozen; `update` trains the globals (and, at
+`local_learning_rate` > 0, the locals) and returns each global's change (`<name>_delta`: the
+task rows' change for a row-sparse table) and the mean loss; `evaluate` returns weighted sums
+(`loss_sum`, `weight_sum`, `<metric>_sum`). Whole reconstructions and updates run in one call
+(a `tf.while_loop` over the batches, cycling). Why the task rows: a step costs O(batch), not
+O(table), and a signature that reads a whole variable keeps its own full-size copy of it
+(TFLite's READ_VARIABLE copies into the subgraph's arena), so only `infer` and `get_global` do.
+
+The Keras model runs through `stateless_call` on the values these signatures hold (so
+GradientTape differentiates with respect to them). Keras checks that each value has its
+variable's shape, so training uses a *twin* of the model (`keras.models.clone_model`) whose
+row-sparse tables have `max_rows` rows and share every other layer with the original.
+
+The objective of one batch: the weighted mean of the per-example loss, plus `l2_global` times
+the weighted mean over examples of the squared norm of the row-sparse rows each example uses
+(so a step stays sparse), plus `l2_local` times the squared norm of the locals (on a batch
+that is not all padding).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from contracts.features import FeatureSpec, FeatureSpecError, check_feature_specs
+from contracts.manifest import HYPERPARAMETERS, NUM_BATCHES, WEIGHTS
+from model_export.layers import RowTable
+from model_export.spec import ExportError, ExportSpec
+
+_RESERVED = {WEIGHTS, NUM_BATCHES, "exclude", *(h for names in HYPERPARAMETERS.values() for h in names)}
+_ROW_SPARSE_LAYERS = (keras.layers.Embedding, RowTable)
+
+
+def parameter_names(paths: list[str]) -> dict[str, str]:
+    """Variable path -> its name in the manifest: the layer's name when the layer has one
+    variable (`item_embeddings/embeddings` -> `item_embeddings`), else the path with `_`."""
+    layers = [p.split("/", 1)[0] for p in paths]
+    return {
+        p: layer if layers.count(layer) == 1 else re.sub(r"\W", "_", p)
+        for p, layer in zip(paths, layers, strict=True)
+    }
+
+
+class _Hidden:
+    """Keeps the Keras models out of the tf.Module's tracked state (their own variables are
+    not part of the export; the module's are)."""
+
+    def __init__(self, model: Any, twin: Any) -> None:
+        self.model, self.twin = model, twin
+
+
+class Trainer(tf.Module):  # type: ignore[misc]
+    """The exported module; see the module docstring for the signatures."""
+
+    def __init__(self, spec: ExportSpec) -> None:
+        super().__init__(name="trainer")
+        self.spec = spec
+        model = spec.model
+        if not isinstance(model, keras.Model) or not isinstance(model.input, dict):
+            raise ExportError(
+                "the model must be a functional keras.Model whose inputs are a dict keyed by feature "
+                "name, e.g. keras.Model({'item': item_input}, outputs)"
+            )
+        if spec.batch_size < 1 or spec.max_batches < 1:
+            raise ExportError(
+                f"batch_size and max_batches must be >= 1, got {spec.batch_size}, {spec.max_batches}"
+            )
+        paths = [v.path for v in model.trainable_variables]
+        self.names = parameter_names(paths)
+        self.features = self._checked_features(spec, model)
+        self.row_sparse = self._checked_row_sparse(spec, model)  # param name -> feature
+        local_paths = self._resolve_locals(spec.local_variables, paths)
+        local_layers = {p.split("/", 1)[0] for p in local_paths}
+        clash = sorted(local_layers & set(spec.row_sparse))
+        if clash:
+            raise ExportError(f"row-sparse tables are global; {clash} are also listed as local variables")
+        self.local_paths = [p for p in paths if p in local_paths]
+        self.global_paths = [p for p in paths if p not in local_paths]
+        self._check_names()
+        self.label = next(f for f in self.features if f.role == "label")
+        self.inputs = [f for f in self.features if f.role == "input"]
+        by_path = {v.path: v for v in model.trainable_variables}
+        self.global_vars = {
+            self.names[p]: tf.Variable(np.asarray(by_path[p].numpy()), name=self.names[p])
+            for p in self.global_paths
+        }
+        self.local_vars = {
+            self.names[p]: tf.Variable(np.asarray(by_path[p].numpy()), name=self.names[p])
+            for p in self.local_paths
+        }
+        self._initial_local = {n: v.numpy().copy() for n, v in self.local_vars.items()}
+        self._constants = {v.path: tf.constant(np.asarray(v.numpy())) for v in model.non_trainable_variables}
+        self._keras = _Hidden(model, self._training_twin(model))
+        self._check_task()
+
+    # ---- checks of the spec --------------------------------------------------------------
+
+    @staticmethod
+    def _checked_features(spec: ExportSpec, model: Any) -> list[FeatureSpec]:
+        try:
+            check_feature_specs(list(spec.features))
+        except FeatureSpecError as e:
+            raise ExportError(str(e)) from None
+        inputs = {f.name: f for f in spec.features if f.role == "input"}
+        labels = [f.name for f in spec.features if f.role == "label"]
+        if len(labels) != 1:
+            raise ExportError(f"the features must include exactly one label (role 'label'), got {labels}")
+        model_inputs = model.input
+        if set(inputs) != set(model_inputs):
+            raise ExportError(
+                "the feature spec disagrees with the model's inputs: the model takes "
+                f"{sorted(model_inputs)}, the spec declares inputs {sorted(inputs)}"
+            )
+        for name, tensor in model_inputs.items():
+            feature = inputs[name]
+            shape = tuple(tensor.shape[1:])
+            if shape != feature.shape or str(tensor.dtype) != feature.dtype:
+                raise ExportError(
+                    f"the feature spec disagrees with the model's input {name!r}: the model takes "
+                    f"{tensor.dtype}{list(shape)} per example, the spec says "
+                    f"{feature.dtype}{list(feature.shape)}"
+                )
+        return list(spec.features)
+
+    def _checked_row_sparse(self, spec: ExportSpec, model: Any) -> dict[str, str]:
+        """Fill each indexing feature's `tables` and range from its layer; param name -> feature."""
+        layers = {layer.name: layer for layer in model.layers}
+        out: dict[str, str] = {}
+        features = {f.name: f for f in self.features}
+        consumers: dict[int, list[Any]] = {}
+        for op in model.operations:
+            for node in op._inbound_nodes:
+                for tensor in node.arguments.keras_tensors:
+                    consumers.setdefault(id(tensor), []).append(op)
+        for layer_name, feature_name in spec.row_sparse.items():
+            layer = layers.get(layer_name)
+            if not isinstance(layer, _ROW_SPARSE_LAYERS):
+                raise ExportError(
+                    f"row_sparse names {layer_name!r}: expected an Embedding or RowTable layer of the model; "
+                    f"its layers are {sorted(layers)}"
+                )
+            feature = features.get(feature_name)
+            if feature is None or feature.role != "input" or feature.dtype != "int32" or feature.shape:
+                raise ExportError(
+                    f"row_sparse table {layer_name!r} must be indexed by a scalar int32 input feature, "
+                    f"got {feature_name!r}"
+                )
+            feature_input = model.input[feature_name]
+            if layer not in consumers.get(id(feature_input), []) or len(layer._inbound_nodes) != 1:
+                raise ExportError(
+                    f"row_sparse table {layer_name!r} must be called once, directly on input {feature_name!r}"
+                )
+            others = [
+                op.name for op in consumers[id(feature_input)] if not isinstance(op, _ROW_SPARSE_LAYERS)
+            ]
+            if others:
+                raise ExportError(
+                    f"input {feature_name!r} indexes a row-sparse table, so training sees it as slots into "
+                    f"the task's rows; it may feed only row-sparse tables, but also feeds {others}"
+                )
+            (variable,) = layer.trainable_variables
+            rows = int(variable.shape[0])
+            name = self.names[variable.path]
+            if feature.value_range not in (None, (0.0, rows - 1.0)):
+                raise ExportError(
+                    f"feature {feature_name!r} declares the range {feature.value_range}; the model's "
+                    f"{layer_name!r} that it indexes has {rows} rows, so it takes [0, {rows - 1}]"
+                )
+            tables = feature.tables if name in feature.tables else (*feature.tables, name)
+            features[feature_name] = replace(feature, tables=tables, value_range=(0.0, rows - 1.0))
+            out[name] = feature_name
+        self.features = [features[f.name] for f in self.features]
+        return out
+
+    def _resolve_locals(self, wanted: Any, paths: list[str]) -> set[str]:
+        if isinstance(wanted, str):
+            raise ExportError(f"local_variables must be a list of names, got the string {wanted!r}")
+        found: set[str] = set()
+        for name in wanted:
+            matches = {p for p in paths if name in (p, self.names[p], p.split("/", 1)[0])}
+            if not matches:
+                raise ExportError(
+                    f"local variable {name!r} does not exist; the model's trainable variables are "
+                    f"{sorted(self.names.values())} (paths {paths})"
+                )
+            found |= matches
+        return found
+
+    def _check_names(self) -> None:
+        taken = [f.name for f in self.features] + list(self.names.values())
+        clash = sorted({n for n in taken if taken.count(n) > 1 or n in _RESERVED})
+        if clash:
+            raise ExportError(
+                f"signature inputs would share the names {clash}: rename the features or layers "
+                f"(reserved: {sorted(_RESERVED)})"
+            )
+
+    def _check_task(self) -> None:
+        task = self.spec.task
+        if task.kind == "ranking":
+            catalog = task.catalog_feature
+            if catalog not in self.row_sparse.values() or [f.name for f in self.inputs] != [catalog]:
+                raise ExportError(
+                    f"a ranking task scores every row of its catalog feature's table, so the catalog feature "
+                    f"({catalog!r}) must be the model's only input and index a row-sparse table"
+                )
+            if task.popularity is not None and task.popularity not in self.global_vars:
+                raise ExportError(f"ranking popularity {task.popularity!r} is not a global parameter")
+
+    def _training_twin(self, model: Any) -> Any:
+        """The model with each row-sparse table sized to the task rows (`max_rows`); other layers shared."""
+        max_rows = self.spec.batch_size * self.spec.max_batches
+        sparse_layers = set(self.spec.row_sparse)
+
+        def clone(layer: Any) -> Any:
+            if layer.name not in sparse_layers:
+                return layer
+            config = layer.get_config()
+            config["input_dim" if isinstance(layer, keras.layers.Embedding) else "rows"] = max_rows
+            return layer.__class__.from_config(config)
+
+        return keras.models.clone_model(model, clone_function=clone)
+
+    # ---- maths shared by the signatures -------------------------------------------------
+
+    def _forward(self, model: Any, values: dict[str, tf.Tensor], inputs: dict[str, tf.Tensor]) -> tf.Tensor:
+        """The model's outputs for `inputs` with the variables at `values` (by manifest name)."""
+        trainable = [values[self.names[v.path]] for v in model.trainable_variables]
+        non_trainable = [self._constants[v.path] for v in model.non_trainable_variables]
+        outputs, _ = model.stateless_call(trainable, non_trainable, inputs, training=False)
+        return outputs
+
+    def _per_example(self, fn: Callable[[Any, Any], Any], label: tf.Tensor, outputs: tf.Tensor) -> tf.Tensor:
+        value = tf.convert_to_tensor(fn(label, outputs))
+        batch = label.shape[0]
+        if value.shape != (batch,):
+            raise ExportError(
+                f"loss and metrics must return one value per example, shape [{batch}]; got {value.shape} "
+                f"for labels {label.shape} and model outputs {outputs.shape}"
+            )
+        return tf.cast(value, tf.float32)
+
+    def _batch_objective(
+        self,
+        values: dict[str, tf.Tensor],
+        batch: dict[str, tf.Tensor],
+        weights: tf.Tensor,
+        l2_global: tf.Tensor,
+        l2_local: tf.Tensor,
+    ) -> tuple[tf.Tensor, tf.Tensor]:
+        """(objective with L2, data loss) of one padded batch; both 0 for an all-padding batch."""
+        total = tf.reduce_sum(weights)
+        outputs = self._forward(self._keras.twin, values, {f.name: batch[f.name] for f in self.inputs})
+        losses = self._per_example(self.spec.loss, batch[self.label.name], outputs)
+        data_loss = tf.math.divide_no_nan(tf.reduce_sum(weights * losses), total)
+        objective = data_loss
+        if self.row_sparse:
+            squares = []
+            for name, feature in self.row_sparse.items():
+                rows = tf.gather(values[name], batch[feature])
+                squares.append(tf.reduce_sum(tf.square(rows), axis=list(range(1, rows.shape.rank))))
+            row_sq = tf.add_n(squares) if len(squares) > 1 else squares[0]
+            objective += l2_global * tf.math.divide_no_nan(tf.reduce_sum(weights * row_sq), total)
+        if self.local_vars:
+            local_sq = tf.add_n([tf.reduce_sum(tf.square(values[n])) for n in self.local_vars])
+            objective += tf.cast(total > 0.0, tf.float32) * l2_local * local_sq
+        return objective, data_loss
+
+    def _clamp_batches(self, num_batches: tf.Tensor) -> tf.Tensor:
+        # tf.where, not clip_by_value: the converter turns an int clamp to [0, 6] into a
+        # Relu6 that TFLite has no int32 builtin for.
+        upper = tf.constant(self.spec.max_batches)
+        num_batches = tf.where(num_batches > upper, upper, num_batches)
+        return tf.where(num_batches < 0, tf.zeros_like(num_batches), num_batches)
+
+    def _loop_bounds(self, num_batches: tf.Tensor, num_steps: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+        """Clamp caller-supplied counts so a bad call cannot index outside the padded arrays."""
+        num_batches = self._clamp_batches(num_batches)
+        num_steps = tf.where(num_batches > 0, tf.maximum(num_steps, 0), 0)
+        return tf.maximum(num_batches, 1), num_steps
+
+    def _train(
+        self,
+        inputs: dict[str, tf.Tensor],
+        trained: list[str],
+        rates: list[tf.Tensor],
+        frozen: dict[str, tf.Tensor],
+        start: list[tf.Tensor],
+        l2_global: tf.Tensor,
+        l2_local: tf.Tensor,
+    ) -> tuple[tf.Tensor, list[tf.Tensor]]:
+        """`num_steps` SGD steps on the `trained` values over the batches, cycling;
+        returns (mean loss, final values)."""
+        modulus, num_steps = self._loop_bounds(inputs[NUM_BATCHES], inputs["num_steps"])
+        features = [f.name for f in self.features]
+
+        def body(step: tf.Tensor, loss_sum: tf.Tensor, *current: tf.Tensor) -> Any:
+            b = tf.math.floormod(step, modulus)
+            batch = {name: inputs[name][b] for name in features}
+            with tf.GradientTape() as tape:
+                tape.watch(current)
+                values = {**frozen, **dict(zip(trained, current, strict=True))}
+                objective, data_loss = self._batch_objective(
+                    values, batch, inputs[WEIGHTS][b], l2_global, l2_local
+                )
+            grads = tape.gradient(objective, list(current))
+            new = [
+                v if g is None else v - r * tf.convert_to_tensor(g)
+                for v, r, g in zip(current, rates, grads, strict=True)
+            ]
+            return (step + 1, loss_sum + data_loss, *new)
+
+        _, loss_sum, *final = tf.while_loop(
+            lambda step, *_: step < num_steps, body, (tf.constant(0), tf.constant(0.0), *start)
+        )
+        return tf.math.divide_no_nan(loss_sum, tf.cast(num_steps, tf.float32)), final
+
+    # ---- signatures ----------------------------------------------------------------------
+
+    def reconstruct(self, **inputs: tf.Tensor) -> dict[str, tf.Tensor]:
+        """`num_steps` SGD steps on the local parameters; globals frozen."""
+        names = list(self.local_vars)
+        frozen = {n: inputs[n] for n in self.global_vars}
+        loss, final = self._train(
+            inputs,
+            names,
+            [inputs["learning_rate"]] * len(names),
+            frozen,
+            [self.local_vars[n].read_value() for n in names],
+            tf.constant(0.0),
+            inputs["l2_local"],
+        )
+        for n, v in zip(names, final, strict=True):
+            self.local_vars[n].assign(v)
+        return {"loss": loss}
+
+    def update(self, **inputs: tf.Tensor) -> dict[str, tf.Tensor]:
+        """`num_steps` SGD steps on the globals (and the locals at `local_learning_rate` > 0);
+        returns the change of each global given. The global variables are not touched: the
+        device's copy of the model is the server's."""
+        global_names, local_names = list(self.global_vars), list(self.local_vars)
+        start_global = [inputs[n] for n in global_names]
+        rates = [inputs["learning_rate"]] * len(global_names) + [inputs["local_learning_rate"]] * len(
+            local_names
+        )
+        loss, final = self._train(
+            inputs,
+            global_names + local_names,
+            rates,
+            {},
+            start_global + [self.local_vars[n].read_value() for n in local_names],
+            inputs["l2_global"],
+            inputs["l2_local"],
+        )
+        outputs = {"loss": loss}
+        for n, begin, end in zip(global_names, start_global, final, strict=False):
+            outputs[f"{n}_delta"] = end - begin
+        for n, v in zip(local_names, final[len(global_names) :], strict=True):
+            self.local_vars[n].assign(v)
+        return outputs
+
+    def evaluate(self, **inputs: tf.Tensor) -> dict[str, tf.Tensor]:
+        """Weighted sums over the first `num_batches` batches, so that devices' metrics add up."""
+        s, b = self.spec.max_batches, self.spec.batch_size
+        in_range = tf.cast(tf.range(s) < self._clamp_batches(inputs[NUM_BATCHES]), tf.float32)[:, None]
+        weights = tf.reshape(inputs[WEIGHTS] * in_range, [s * b])
+        flat = {f.name: tf.reshape(inputs[f.name], [s * b, *f.shape]) for f in self.features}
+        values = {
+            **{n: inputs[n] for n in self.global_vars},
+            **{n: v.read_value() for n, v in self.local_vars.items()},
+        }
+        # All batches in one call of the model: evaluation does not step between batches.
+        outputs = self._forward(self._keras.twin, values, {f.name: flat[f.name] for f in self.inputs})
+        label = flat[self.label.name]
+        sums = {
+            "loss_sum": tf.reduce_sum(weights * self._per_example(self.spec.loss, label, outputs)),
+            "weight_sum": tf.reduce_sum(weights),
+        }
+        for metric in self.spec.metrics:
+            sums[f"{metric.name}_sum"] = tf.reduce_sum(
+                weights * self._per_example(metric.per_example, label, outputs)
+            )
+        return sums
+
+    def _infer_scores(self, inputs: dict[str, tf.Tensor]) -> tf.Tensor:
+        values = {
+            **{n: v.read_value() for n, v in self.global_vars.items()},
+            **{n: v.read_value() for n, v in self.local_vars.items()},
+        }
+        outputs = self._forward(self._keras.model, values, inputs)
+        if self.spec.infer_scores is not None:
+            return tf.convert_to_tensor(self.spec.infer_scores(inputs, outputs))
+        if outputs.shape.rank >= 2 and outputs.shape[-1] == 1 and self.spec.task.kind != "classification":
+            outputs = tf.squeeze(outputs, -1)
+        return outputs
+
+    def infer_ranking(self, exclude: tf.Tensor) -> dict[str, tf.Tensor]:
+        """Scores for every catalog row and the `top_k` best; rows with `exclude` > 0 rank last."""
+        catalog = self.spec.task.catalog_feature
+        assert catalog is not None
+        scores = self._infer_scores({catalog: tf.range(exclude.shape[0], dtype=tf.int32)})
+        ranked = tf.where(exclude > 0.0, tf.fill(tf.shape(scores), -3.0e38), scores)
+        top = tf.math.top_k(ranked, k=self.spec.task.top_k, sorted=True)
+        return {"scores": scores, "top_items": top.indices, "top_scores": top.values}
+
+    def infer_batch(self, **inputs: tf.Tensor) -> dict[str, tf.Tensor]:
+        """Classification: the `top_k` classes per example; regression: the prediction per example."""
+        scores = self._infer_scores(inputs)
+        if self.spec.task.kind == "classification":
+            top = tf.math.top_k(scores, k=self.spec.task.top_k, sorted=True)
+            return {"top_classes": top.indices, "top_scores": top.values}
+        return {"predictions": tf.cast(scores, tf.float32)}
+
+    def get_global(self) -> dict[str, tf.Tensor]:
+        return {k: v.read_value() for k, v in self.global_vars.items()}
+
+    def set_global(self, **values: tf.Tensor) -> dict[str, tf.Tensor]:
+        for k, v in values.items():
+            self.global_vars[k].assign(v)
+        return {"ok": tf.constant(1)}
+
+    def get_local(self) -> dict[str, tf.Tensor]:
+        return {k: v.read_value() for k, v in self.local_vars.items()}
+
+    def set_local(self, **values: tf.Tensor) -> dict[str, tf.Tensor]:
+        for k, v in values.items():
+            self.local_vars[k].assign(v)
+        return {"ok": tf.constant(1)}
+
+    def reset_local(self) -> dict[str, tf.Tensor]:
+        """Local parameters back to their exported initial values, before a reconstruction."""
+        for k, v in self.local_vars.items():
+            v.assign(tf.constant(self._initial_local[k]))
+        return {"ok": tf.constant(1)}
+
+    # ---- the concrete functions the converter sees --------------------------------------
+
+    def training_specs(self, signature: str) -> dict[str, tf.TensorSpec]:
+        """The generic layout's inputs of a training/evaluation signature."""
+        s, b = self.spec.max_batches, self.spec.batch_size
+        sparse_features = set(self.row_sparse.values())
+        specs = {
+            f.name: tf.TensorSpec(
+                [s, b, *f.shape], tf.int32 if f.name in sparse_features else f.dtype, name=f.name
+            )
+            for f in self.features
+        }
+        for name, var in self.global_vars.items():
+            shape = [s * b, *var.shape[1:]] if name in self.row_sparse else var.shape
+            specs[name] = tf.TensorSpec(shape, var.dtype, name=name)
+        specs[WEIGHTS] = tf.TensorSpec([s, b], tf.float32, name=WEIGHTS)
+        specs[NUM_BATCHES] = tf.TensorSpec([], tf.int32, name=NUM_BATCHES)
+        for h in HYPERPARAMETERS[signature]:
+            specs[h] = tf.TensorSpec([], tf.int32 if h == "num_steps" else tf.float32, name=h)
+        return specs
+
+    def signatures(self) -> dict[str, Any]:
+        """Named concrete functions with static input signatures, ready for conversion."""
+
+        def keyword_fn(method: Any, specs: dict[str, tf.TensorSpec]) -> Any:
+            # TFLite signature inputs are named after keyword arguments.
+            return tf.function(lambda **kw: method(**kw)).get_concrete_function(**specs)
+
+        global_specs = {k: tf.TensorSpec(v.shape, v.dtype, name=k) for k, v in self.global_vars.items()}
+        local_specs = {k: tf.TensorSpec(v.shape, v.dtype, name=k) for k, v in self.local_vars.items()}
+        if self.spec.task.kind == "ranking":
+            catalog = next(f for f in self.features if f.name == self.spec.task.catalog_feature)
+            infer = tf.function(self.infer_ranking).get_concrete_function(
+                tf.TensorSpec([catalog.num_values], tf.float32, name="exclude")
+            )
+        else:
+            b = self.spec.batch_size
+            infer = keyword_fn(
+                self.infer_batch,
+                {f.name: tf.TensorSpec([b, *f.shape], f.dtype, name=f.name) for f in self.inputs},
+            )
+        return {
+            "reconstruct": keyword_fn(self.reconstruct, self.training_specs("reconstruct")),
+            "update": keyword_fn(self.update, self.training_specs("update")),
+            "evaluate": keyword_fn(self.evaluate, self.training_specs("evaluate")),
+            "infer": infer,
+            "get_global": tf.function(self.get_global).get_concrete_function(),
+            "set_global": keyword_fn(self.set_global, global_specs),
+            "get_local": tf.function(self.get_local).get_concrete_function(),
+            "set_local": keyword_fn(self.set_local, local_specs),
+            "reset_local": tf.function(self.reset_local).get_concrete_function(),
+        }

@@ -1,0 +1,83 @@
+"""Specs that cannot be exported, each for one reason (the tests run them through the CLI)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import keras
+
+from contracts.features import FeatureSpec
+from model_export.spec import ExportSpec
+from tests.model_export import genre_rating
+
+
+def unknown_local_variable() -> ExportSpec:
+    return replace(genre_rating.build(), local_variables=("user_embeddings",))
+
+
+def features_disagree_with_inputs() -> ExportSpec:
+    spec = genre_rating.build()
+    return replace(spec, features=[f for f in spec.features if f.name != "genre"])
+
+
+def feature_of_another_dtype() -> ExportSpec:
+    spec = genre_rating.build()
+    features = [replace(f, dtype="float32") if f.name == "genre" else f for f in spec.features]
+    return replace(spec, features=features)
+
+
+def row_sparse_layer_that_is_not_a_table() -> ExportSpec:
+    return replace(genre_rating.build(), row_sparse={"hidden": "movie"})
+
+
+def unsupported_gradient() -> ExportSpec:
+    """ELU's gradient (EluGrad) is not a TFLite builtin and the export does not rewrite it."""
+    spec = genre_rating.build()
+    movie = keras.Input(shape=(), dtype="int32", name="movie")
+    genre = keras.Input(shape=(), dtype="int32", name="genre")
+    m = keras.layers.Embedding(genre_rating.NUM_MOVIES, 4, name="movie_embeddings")(movie)
+    g = keras.layers.Embedding(genre_rating.NUM_GENRES, 3, name="genre_embeddings")(genre)
+    hidden = keras.layers.Dense(4, activation="elu", name="smooth")(keras.layers.Concatenate()([m, g]))
+    rating = keras.layers.Dense(1, name="rating")(hidden)
+    features = (*spec.features[:2], FeatureSpec("rating", "float32", role="label", value_range=(1, 5)))
+    return replace(
+        spec,
+        model=keras.Model({"movie": movie, "genre": genre}, rating),
+        features=features,
+        local_variables=("rating",),
+        loss=lambda y, p: (p[:, 0] - y) ** 2,
+        metrics=(),
+    )
+
+
+CASES = (
+    "unknown_local_variable",
+    "features_disagree_with_inputs",
+    "feature_of_another_dtype",
+    "row_sparse_layer_that_is_not_a_table",
+    "unsupported_gradient",
+)
+
+
+def main(out: str) -> None:
+    """Export each case through the CLI into `out/<case>`; print {case: [exit code, stderr]} as JSON."""
+    import contextlib
+    import io
+    import json
+    from pathlib import Path
+
+    from model_export.__main__ import main as cli
+
+    results = {}
+    for case in CASES:
+        stderr = io.StringIO()
+        with contextlib.redirect_stderr(stderr):
+            code = cli(["--model", f"tests.model_export.bad_specs:{case}", "--out", str(Path(out) / case)])
+        results[case] = [code, stderr.getvalue()]
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    import sys
+
+    main(sys.argv[1])
