@@ -184,11 +184,13 @@ EXPECTED_ERRORS = {
 
 
 def test_specs_that_cannot_be_exported_fail_clearly_and_write_nothing(tmp_path: Path) -> None:
-    result = _subprocess("tests.model_export.bad_specs", str(tmp_path))
+    result = _subprocess("tests.model_export.export_cases", str(tmp_path))
 
     outcomes = json.loads(result.stdout.strip().splitlines()[-1])
 
-    assert set(outcomes) == set(EXPECTED_ERRORS)
+    assert set(outcomes) == {*EXPECTED_ERRORS, "slices_convert"}
+    assert outcomes["slices_convert"][0] == 0, outcomes["slices_convert"][1]
+    assert load_manifest(tmp_path / "slices_convert").task.kind == "regression"
     for name, pattern in EXPECTED_ERRORS.items():
         code, stderr = outcomes[name]
         assert code == 2, (name, stderr)

@@ -1,12 +1,15 @@
-"""Specs that cannot be exported, each for one reason (the tests run them through the CLI)."""
+"""Specs for the export's checks: each bad one fails for one reason; `slices_convert` exports
+(its slice's gradient is rewritten to builtin ops). The tests run them through the CLI."""
 
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
 import keras
 
 from contracts.features import FeatureSpec
+from model_export.layers import LocalVector
 from model_export.spec import ExportSpec
 from tests.model_export import genre_rating
 
@@ -50,7 +53,28 @@ def unsupported_gradient() -> ExportSpec:
     )
 
 
+@keras.saving.register_keras_serializable(package="tests")
+class Middle(keras.layers.Layer):  # type: ignore[misc]
+    """Columns 1 and 2 of its input: a slice with constant bounds (TensorFlow's gradient of it,
+    StridedSliceGrad, is not a TFLite builtin)."""
+
+    def call(self, inputs: Any) -> Any:
+        return inputs[:, 1:3]
+
+
+def slices_convert() -> ExportSpec:
+    spec = genre_rating.build()
+    movie = keras.Input(shape=(), dtype="int32", name="movie")
+    genre = keras.Input(shape=(), dtype="int32", name="genre")
+    m = keras.layers.Embedding(genre_rating.NUM_MOVIES, 4, name="movie_embeddings")(movie)
+    g = keras.layers.Embedding(genre_rating.NUM_GENRES, 3, name="genre_embeddings")(genre)
+    joined = keras.layers.Concatenate()([Middle(name="middle")(m), g])
+    rating = LocalVector(5, name="user_embedding")(joined)
+    return replace(spec, model=keras.Model({"movie": movie, "genre": genre}, rating))
+
+
 CASES = (
+    "slices_convert",
     "unknown_local_variable",
     "features_disagree_with_inputs",
     "feature_of_another_dtype",
@@ -72,7 +96,7 @@ def main(out: str) -> None:
     for case in CASES:
         stderr = io.StringIO()
         with contextlib.redirect_stderr(stderr):
-            code = cli(["--model", f"tests.model_export.bad_specs:{case}", "--out", str(Path(out) / case)])
+            code = cli(["--model", f"tests.model_export.export_cases:{case}", "--out", str(Path(out) / case)])
         results[case] = [code, stderr.getvalue()]
     print(json.dumps(results))
 
