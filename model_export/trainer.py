@@ -58,12 +58,27 @@ def parameter_names(paths: list[str]) -> dict[str, str]:
     }
 
 
+class _WholeTable(keras.layers.Layer):  # type: ignore[misc]
+    """A row-sparse table in the ranking twin: ranking looks up every catalog row in order, which
+    is the table itself, so this returns it without a catalog-sized gather (its input is ignored)."""
+
+    def __init__(self, shape: tuple[int, ...], weight_name: str, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.table = self.add_weight(shape=shape, initializer="zeros", name=weight_name)
+
+    def call(self, inputs: Any) -> Any:
+        return keras.ops.convert_to_tensor(self.table)
+
+    def compute_output_shape(self, input_shape: tuple[int | None, ...]) -> tuple[int, ...]:
+        return tuple(self.table.shape)
+
+
 class _Hidden:
     """Keeps the Keras models out of the tf.Module's tracked state (their own variables are
     not part of the export; the module's are)."""
 
-    def __init__(self, model: Any, twin: Any) -> None:
-        self.model, self.twin = model, twin
+    def __init__(self, model: Any, twin: Any, ranking_twin: Any) -> None:
+        self.model, self.twin, self.ranking_twin = model, twin, ranking_twin
 
 
 class Trainer(tf.Module):  # type: ignore[misc]
@@ -107,8 +122,8 @@ class Trainer(tf.Module):  # type: ignore[misc]
         }
         self._initial_local = {n: v.numpy().copy() for n, v in self.local_vars.items()}
         self._constants = {v.path: tf.constant(np.asarray(v.numpy())) for v in model.non_trainable_variables}
-        self._keras = _Hidden(model, self._training_twin(model))
         self._check_task()
+        self._keras = _Hidden(model, self._training_twin(model), self._ranking_twin(model))
 
     # ---- checks of the spec --------------------------------------------------------------
 
@@ -235,6 +250,22 @@ class Trainer(tf.Module):  # type: ignore[misc]
             config = layer.get_config()
             config["input_dim" if isinstance(layer, keras.layers.Embedding) else "rows"] = max_rows
             return layer.__class__.from_config(config)
+
+        return keras.models.clone_model(model, clone_function=clone)
+
+    def _ranking_twin(self, model: Any) -> Any:
+        """For a ranking task, the model with the catalog feature's tables returned whole."""
+        if self.spec.task.kind != "ranking":
+            return None
+        catalog_tables = {
+            name for name, f in self.spec.row_sparse.items() if f == self.spec.task.catalog_feature
+        }
+
+        def clone(layer: Any) -> Any:
+            if layer.name not in catalog_tables:
+                return layer
+            (variable,) = layer.trainable_variables
+            return _WholeTable(tuple(variable.shape), variable.name, name=layer.name)
 
         return keras.models.clone_model(model, clone_function=clone)
 
@@ -399,12 +430,12 @@ class Trainer(tf.Module):  # type: ignore[misc]
             )
         return sums
 
-    def _infer_scores(self, inputs: dict[str, tf.Tensor]) -> tf.Tensor:
+    def _infer_scores(self, inputs: dict[str, tf.Tensor], model: Any) -> tf.Tensor:
         values = {
             **{n: v.read_value() for n, v in self.global_vars.items()},
             **{n: v.read_value() for n, v in self.local_vars.items()},
         }
-        outputs = self._forward(self._keras.model, values, inputs)
+        outputs = self._forward(model, values, inputs)
         if self.spec.infer_scores is not None:
             return tf.convert_to_tensor(self.spec.infer_scores(inputs, outputs))
         if outputs.shape.rank >= 2 and outputs.shape[-1] == 1 and self.spec.task.kind != "classification":
@@ -415,14 +446,16 @@ class Trainer(tf.Module):  # type: ignore[misc]
         """Scores for every catalog row and the `top_k` best; rows with `exclude` > 0 rank last."""
         catalog = self.spec.task.catalog_feature
         assert catalog is not None
-        scores = self._infer_scores({catalog: tf.range(exclude.shape[0], dtype=tf.int32)})
+        scores = self._infer_scores(
+            {catalog: tf.range(exclude.shape[0], dtype=tf.int32)}, self._keras.ranking_twin
+        )
         ranked = tf.where(exclude > 0.0, tf.fill(tf.shape(scores), -3.0e38), scores)
         top = tf.math.top_k(ranked, k=self.spec.task.top_k, sorted=True)
         return {"scores": scores, "top_items": top.indices, "top_scores": top.values}
 
     def infer_batch(self, **inputs: tf.Tensor) -> dict[str, tf.Tensor]:
         """Classification: the `top_k` classes per example; regression: the prediction per example."""
-        scores = self._infer_scores(inputs)
+        scores = self._infer_scores(inputs, self._keras.model)
         if self.spec.task.kind == "classification":
             top = tf.math.top_k(scores, k=self.spec.task.top_k, sorted=True)
             return {"top_classes": top.indices, "top_scores": top.values}
