@@ -39,6 +39,8 @@ _FIXES = {
     "StridedSliceGrad": "slice with constant bounds and unit strides, or use tf.unstack / keras.ops.unstack "
     "instead of slicing (e.g. for an unrolled LSTM: unroll=True over unstacked time steps)",
     "BroadcastGradientArgs": "give every input a static shape (the signatures already fix the batch size)",
+    # Verified with Keras 3.15: its TensorFlow argmax of floats uses bitwise ops.
+    "BitwiseAnd": "if it comes from keras.ops.argmax on floats (e.g. in a metric), use tf.argmax",
 }
 
 
@@ -63,7 +65,7 @@ def _nodes(trainer_signatures: dict[str, Any]) -> list[tuple[str, str]]:
 
 def _unsupported_op_error(message: str, signatures: dict[str, Any], layer_names: list[str]) -> ExportError:
     """An ExportError naming each op TFLite lacks, the layer it came from (from its name scope), and a fix."""
-    op_types = sorted(set(re.findall(r"\btf\.(\w+)", message)))
+    op_types = sorted(set(re.findall(r"\btf\.([A-Z]\w*)", message)))  # op types are CamelCase
     nodes = _nodes(signatures)
     lines = []
     for op_type in op_types:

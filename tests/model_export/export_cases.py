@@ -1,5 +1,6 @@
 """Specs for the export's checks: each bad one fails for one reason; `slices_convert` exports
-(its slice's gradient is rewritten to builtin ops). The tests run them through the CLI."""
+(its slice's gradient is rewritten to builtin ops), and so does `next_token`, a classification
+model with no row-sparse table and a local embedding table. The tests run them through the CLI."""
 
 from __future__ import annotations
 
@@ -7,10 +8,12 @@ from dataclasses import replace
 from typing import Any
 
 import keras
+import tensorflow as tf
 
 from contracts.features import FeatureSpec
+from contracts.manifest import TaskSpec
 from model_export.layers import LocalVector
-from model_export.spec import ExportSpec
+from model_export.spec import ExportSpec, Metric
 from tests.model_export import genre_rating
 
 
@@ -73,8 +76,39 @@ def slices_convert() -> ExportSpec:
     return replace(spec, model=keras.Model({"movie": movie, "genre": genre}, rating))
 
 
+VOCABULARY, CONTEXT = 12, 4
+
+
+def next_token() -> ExportSpec:
+    """The next token from the previous four: token embeddings local (e.g. a user's own words),
+    a dense softmax layer global; `infer` gives the top 3 tokens."""
+    tokens = keras.Input(shape=(CONTEXT,), dtype="int32", name="tokens")
+    embedded = keras.layers.Embedding(VOCABULARY, 3, name="token_embeddings")(tokens)
+    logits = keras.layers.Dense(VOCABULARY, name="logits")(keras.layers.Flatten()(embedded))
+    return ExportSpec(
+        model=keras.Model({"tokens": tokens}, logits),
+        features=(
+            FeatureSpec("tokens", "int32", (CONTEXT,), value_range=(0, VOCABULARY - 1)),
+            FeatureSpec("next", "int32", role="label", value_range=(0, VOCABULARY - 1)),
+        ),
+        local_variables=("token_embeddings",),
+        loss=lambda y, logits: keras.ops.sparse_categorical_crossentropy(y, logits, from_logits=True),
+        metrics=(
+            Metric(
+                "correct",
+                lambda y, logits: tf.cast(tf.argmax(logits, -1, output_type=tf.int32) == y, tf.float32),
+                (0.0, 1.0),
+            ),
+        ),
+        task=TaskSpec("classification", top_k=3, num_classes=VOCABULARY),
+        batch_size=4,
+        max_batches=3,
+    )
+
+
 CASES = (
     "slices_convert",
+    "next_token",
     "unknown_local_variable",
     "features_disagree_with_inputs",
     "feature_of_another_dtype",

@@ -188,9 +188,18 @@ def test_specs_that_cannot_be_exported_fail_clearly_and_write_nothing(tmp_path: 
 
     outcomes = json.loads(result.stdout.strip().splitlines()[-1])
 
-    assert set(outcomes) == {*EXPECTED_ERRORS, "slices_convert"}
+    assert set(outcomes) == {*EXPECTED_ERRORS, "slices_convert", "next_token"}
     assert outcomes["slices_convert"][0] == 0, outcomes["slices_convert"][1]
     assert load_manifest(tmp_path / "slices_convert").task.kind == "regression"
+    assert outcomes["next_token"][0] == 0, outcomes["next_token"][1]
+    classifier = DeviceModel(tmp_path / "next_token")
+    contexts = Examples(
+        {"tokens": np.array([[1, 2, 3, 4], [5, 6, 7, 8], [0, 0, 0, 1], [9, 10, 11, 2], [3, 3, 3, 3]])}
+    )
+    top = classifier.predict(contexts)
+    assert top["top_classes"].shape == (5, 3) and top["top_scores"].shape == (5, 3)
+    assert np.all(np.diff(top["top_scores"], axis=1) <= 0)  # best first
+    assert [s.name for s in classifier.manifest.local_params] == ["token_embeddings"]
     for name, pattern in EXPECTED_ERRORS.items():
         code, stderr = outcomes[name]
         assert code == 2, (name, stderr)
