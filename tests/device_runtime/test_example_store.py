@@ -5,6 +5,7 @@ from __future__ import annotations
 import multiprocessing
 import sqlite3
 import threading
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -83,6 +84,8 @@ def test_a_store_of_the_first_schema_is_migrated(tmp_path: Path) -> None:
         ExampleStoreError, match="can be migrated only to a model with one scalar int32 input"
     ):
         ExampleStore(path, SENTENCES)
+    with pytest.raises(ExampleStoreError, match=r"do not fit the model's features .*; left as they are"):
+        ExampleStore(path, (replace(RATINGS[0], value_range=(0, 5)), RATINGS[1]))  # item 9 is outside
     store = ExampleStore(path, RATINGS)
 
     assert [
