@@ -19,8 +19,8 @@ local user vector (the embedding tables are trained only in the rows a task uses
         return ExportSpec(
             model=keras.Model({"movie": movie, "genre": genre}, rating),
             features=(
-                FeatureSpec("movie", "int32", value_range=(0, 99), table="movie_embeddings"),
-                FeatureSpec("genre", "int32", value_range=(0, 9), table="genre_embeddings"),
+                FeatureSpec("movie", "int32"),  # its range and tables come from the model
+                FeatureSpec("genre", "int32"),
                 FeatureSpec("rating", "float32", role="label", value_range=(1, 5)),
             ),
             local_variables=("user_embedding",),
