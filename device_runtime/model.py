@@ -47,7 +47,8 @@ class EvaluationSums:
     def metrics(self) -> dict[str, float]:
         """Example-weighted means of the loss and of each metric over everything summed (NaN when
         empty); `rmse` from a `squared_error` metric and `accuracy` from a `correct` one."""
-        names = [k.removesuffix("_sum") for k in self.sums if k.endswith("_sum") and k != "weight_sum"]
+        others = [k.removesuffix("_sum") for k in self.sums if k.endswith("_sum")]
+        names = ["loss", *(n for n in others if n not in ("loss", "weight"))]
         if self.weight_sum <= 0:
             return {
                 **dict.fromkeys(names, math.nan),
