@@ -32,7 +32,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from device_runtime.orchestrator_client import Assignment, OrchestratorClient  # noqa: E402
+from contracts.protocol import Assignment  # noqa: E402
+from device_runtime.orchestrator_client import OrchestratorClient  # noqa: E402
 from device_runtime.secure_round import SecureRoundDriver  # noqa: E402
 from model_export.config import ModelConfig  # noqa: E402
 from model_export.in_subprocess import export_in_subprocess  # noqa: E402

@@ -20,8 +20,8 @@ from typing import Any
 
 import numpy as np
 
+from contracts.protocol import Assignment
 from device_runtime.orchestrator_client import (
-    Assignment,
     InvalidAnswer,
     OrchestratorClient,
     ProtocolError,

@@ -317,7 +317,7 @@ CASES = [
         "checkin",
         one(lambda s: json_answer(s.assignment(artifact_sha256="../../../etc/passwd"))),
         BAD,
-        r"artifact_sha256 is '../../../etc/passwd'; expected 64 lowercase hexadecimal digits",
+        r"artifact_sha256 is '../../../etc/passwd'; expected a string matching \^\[0-9a-f\]\{64\}\$",
         True,
     ),
     Case(

@@ -12,11 +12,12 @@ import httpx
 import numpy as np
 import pytest
 
+from contracts.protocol import Assignment
 from device_runtime.agent import DeviceAgent, Participation
 from device_runtime.client_task import TaskConfig, prepare
 from device_runtime.example_store import Event, ExampleStore
 from device_runtime.model import DeviceModel
-from device_runtime.orchestrator_client import Assignment, OrchestratorClient, ProtocolError
+from device_runtime.orchestrator_client import OrchestratorClient, ProtocolError
 from model_export.config import ModelConfig
 from model_export.params import decode_params, decode_sparse_delta, encode_params
 from tests.conftest import MOVIELENS
