@@ -19,6 +19,7 @@ import math
 import re
 import types
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal, TypeVar
 
@@ -178,13 +179,14 @@ class PopulationView:
 # ---- reading a message -------------------------------------------------------------------------
 
 M = TypeVar("M")
+Reader = Callable[[Any, str, str], Any]  # (a JSON value, what is read, the field's path) -> the value
 
 
 def parse(message: type[M], data: object, what: str) -> M:
     """`data` (parsed JSON) as a `message`, each field checked against its declaration; extra and
     missing fields are refused, fields with a default may be left out. An `InvalidMessage` names
     `what` was read, the field, what it held and what was expected."""
-    return typing.cast(M, _read(message, data, what, ""))
+    return typing.cast(M, _message_reader(typing.cast(type, message))(data, what, ""))
 
 
 @functools.cache
@@ -220,118 +222,145 @@ def declared(annotation: Any) -> tuple[Any, Spec, bool]:
     return annotation, spec, nullable
 
 
-def _read(annotation: Any, value: Any, what: str, path: str) -> Any:
-    kind, spec, nullable = declared(annotation)
-    if value is None and nullable:
-        return None
-    origin = typing.get_origin(kind)
-    if kind is Any:  # a free-form JSON value (population settings, a task config)
-        return value
-    if dataclasses.is_dataclass(kind):
-        return _message(typing.cast(type, kind), value, what, path)
-    if kind is bool:
-        _require(isinstance(value, bool), value, "true or false", what, path)
-        return value
-    if kind is int:
-        return _integer(value, spec, what, path)
-    if kind is float:
-        return _number(value, spec, what, path)
-    if kind is str:
-        return _text(value, spec, what, path)
-    if origin is Literal:
-        allowed = typing.get_args(kind)
-        ok = any(type(value) is type(a) and value == a for a in allowed)
-        _require(ok, value, " or ".join(_literal(a) for a in allowed), what, path)
-        return value
-    if origin is dict:
-        keys, values = typing.get_args(kind)
-        limit = f" of at most {spec.max_length} entries" if spec.max_length is not None else ""
-        ok = isinstance(value, dict) and (spec.max_length is None or len(value) <= spec.max_length)
-        _require(ok, value, f"a JSON object{limit}", what, path)
-        return {
-            _read(keys, k, what, f"a key of {path}"): _read(values, v, what, f"{path}[{k!r}]")
-            for k, v in value.items()
-        }
-    if origin is list:
-        (items,) = typing.get_args(kind)
-        limit = f" of at most {spec.max_length} items" if spec.max_length is not None else ""
-        ok = isinstance(value, list) and (spec.max_length is None or len(value) <= spec.max_length)
-        _require(ok, value, f"a JSON array{limit}", what, path)
-        return [_read(items, v, what, f"{path}[{i}]") for i, v in enumerate(value)]
-    raise TypeError(f"no JSON reading for {annotation!r} ({path or what})")
-
-
-def _message(message: type, value: Any, what: str, path: str) -> Any:
-    where = f"{what}'s {path}" if path else what
-    if not isinstance(value, dict):
-        raise InvalidMessage(f"{where} is {_json_type(value)}; expected a JSON object")
+@functools.cache
+def _message_reader(message: type) -> Reader:
+    """The reader of a message dataclass, built once from its declaration."""
     fields = dataclasses.fields(message)
     optional = {f.name for f in fields if (f.default, f.default_factory) != (dataclasses.MISSING,) * 2}
     required = {f.name for f in fields} - optional
-    missing, extra = sorted(required - value.keys()), sorted(map(str, value.keys() - required - optional))
-    if missing or extra:
-        also = f", and optionally {sorted(optional)}" if optional else ""
-        raise InvalidMessage(
-            f"{where} lacks fields {missing} and has unexpected fields {extra}; "
-            f"expected exactly {sorted(required)}{also}"
+    also = f", and optionally {sorted(optional)}" if optional else ""
+    expected = f"expected exactly {sorted(required)}{also}"
+    readers = [(name, _reader(annotation)) for name, annotation in field_types(message).items()]
+
+    def read(value: Any, what: str, path: str) -> Any:
+        where = f"{what}'s {path}" if path else what
+        if not isinstance(value, dict):
+            raise InvalidMessage(f"{where} is {_json_type(value)}; expected a JSON object")
+        missing, extra = required - value.keys(), value.keys() - required - optional
+        if missing or extra:
+            raise InvalidMessage(
+                f"{where} lacks fields {sorted(missing)} and has unexpected fields "
+                f"{sorted(map(str, extra))}; {expected}"
+            )
+        values = {
+            name: reader(value[name], what, f"{path}.{name}" if path else name)
+            for name, reader in readers
+            if name in value
+        }
+        try:
+            return message(**values)
+        except InvalidMessage as e:  # a rule across fields (__post_init__)
+            raise InvalidMessage(f"{where}: {e}") from None
+
+    return read
+
+
+def _reader(annotation: Any) -> Reader:
+    kind, spec, nullable = declared(annotation)
+    read = _kind_reader(kind, spec)
+    if not nullable:
+        return read
+    return lambda value, what, path: None if value is None else read(value, what, path)
+
+
+def _kind_reader(kind: Any, spec: Spec) -> Reader:
+    origin, args = typing.get_origin(kind), typing.get_args(kind)
+    if kind is Any:  # a free-form JSON value (population settings, a task config)
+        return lambda value, what, path: value
+    if dataclasses.is_dataclass(kind):
+        return _message_reader(typing.cast(type, kind))
+    if kind is bool:
+        return _checked(lambda v: isinstance(v, bool), "true or false")
+    if kind is int:
+        return _integer_reader(spec)
+    if kind is float:
+        return _number_reader(spec)
+    if kind is str:
+        return _text_reader(spec)
+    if origin is Literal:
+        expected = " or ".join(_literal(a) for a in args)
+        return _checked(lambda v: any(type(v) is type(a) and v == a for a in args), expected)
+    if origin in (dict, list):
+        limit = spec.max_length
+        what = "a JSON object" if origin is dict else "a JSON array"
+        unit = "entries" if origin is dict else "items"
+        check = _checked(
+            lambda v: isinstance(v, origin) and (limit is None or len(v) <= limit),
+            what if limit is None else f"{what} of at most {limit} {unit}",
         )
-    types_ = field_types(message)
-    values = {
-        name: _read(types_[name], value[name], what, f"{path}.{name}" if path else name)
-        for name in types_
-        if name in value
-    }
-    try:
-        return message(**values)
-    except InvalidMessage as e:  # a rule across fields (__post_init__)
-        raise InvalidMessage(f"{where}: {e}") from None
+        if origin is list:
+            items = _reader(args[0])
+            return lambda value, what, path: [
+                items(v, what, f"{path}[{i}]") for i, v in enumerate(check(value, what, path))
+            ]
+        keys, values = _reader(args[0]), _reader(args[1])
+        return lambda value, what, path: {
+            keys(k, what, f"a key of {path}"): values(v, what, f"{path}[{k!r}]")
+            for k, v in check(value, what, path).items()
+        }
+    raise TypeError(f"no JSON reading for {kind!r}")
 
 
-def _integer(value: Any, spec: Spec, what: str, path: str) -> int:
-    ok = isinstance(value, int) and not isinstance(value, bool) and -INT64_MAX <= value <= INT64_MAX
-    _require(ok, value, "a 64-bit integer", what, path)
+def _checked(ok: Callable[[Any], bool], expected: str) -> Reader:
+    """A reader that passes a value on as it is when `ok(value)`."""
+
+    def read(value: Any, what: str, path: str) -> Any:
+        if not ok(value):
+            raise InvalidMessage(f"{what}: {path} is {_shown(value)}; expected {expected}")
+        return value
+
+    return read
+
+
+def _integer_reader(spec: Spec) -> Reader:
     low, high = spec.ge, spec.le
+    is_integer = _checked(
+        lambda v: isinstance(v, int) and not isinstance(v, bool) and -INT64_MAX <= v <= INT64_MAX,
+        "a 64-bit integer",
+    )
+    if low is None and high is None:
+        return lambda value, what, path: int(is_integer(value, what, path))
     if low is not None and high is not None:
         expected = f"an integer in [{low:.0f}, {high:.0f}]"
     else:
         expected = f"an integer >= {low:.0f}" if low is not None else f"an integer <= {high:.0f}"
-    _require((low is None or value >= low) and (high is None or value <= high), value, expected, what, path)
-    return int(value)
+    in_range = _checked(lambda v: (low is None or v >= low) and (high is None or v <= high), expected)
+    return lambda value, what, path: int(in_range(is_integer(value, what, path), what, path))
 
 
-def _number(value: Any, spec: Spec, what: str, path: str) -> float:
+def _number_reader(spec: Spec) -> Reader:
     low, high = spec.ge, spec.le
-    ok = (
-        isinstance(value, (int, float))
-        and not isinstance(value, bool)
-        and -INT64_MAX <= value <= INT64_MAX  # an int beyond this is no float either
-        and math.isfinite(value)
-        and (low is None or value >= low)
-        and (high is None or value <= high)
-    )
     if low is not None and high is not None:
         expected = f"a finite number in [{low:g}, {high:g}]"
     elif low is not None or high is not None:
         expected = f"a finite number >= {low:g}" if low is not None else f"a finite number <= {high:g}"
     else:
         expected = "a finite number"
-    _require(ok, value, expected, what, path)
-    return float(value)
+    check = _checked(
+        lambda v: (
+            isinstance(v, int | float)
+            and not isinstance(v, bool)
+            and -INT64_MAX <= v <= INT64_MAX  # an int beyond this is no float either
+            and math.isfinite(v)
+            and (low is None or v >= low)
+            and (high is None or v <= high)
+        ),
+        expected,
+    )
+    return lambda value, what, path: float(check(value, what, path))
 
 
-def _text(value: Any, spec: Spec, what: str, path: str) -> str:
+def _text_reader(spec: Spec) -> Reader:
     if spec.pattern is not None:
-        ok = isinstance(value, str) and re.fullmatch(spec.pattern, value) is not None
-        _require(ok, value, f"a string matching {spec.pattern}", what, path)
-    else:
-        ok = isinstance(value, str) and (spec.max_length is None or len(value) <= spec.max_length)
-        _require(ok, value, f"a string of at most {spec.max_length} characters", what, path)
-    return typing.cast(str, value)
-
-
-def _require(ok: bool, value: Any, expected: str, what: str, path: str) -> None:
-    if not ok:
-        raise InvalidMessage(f"{what}: {path} is {_shown(value)}; expected {expected}")
+        matches = re.compile(spec.pattern).fullmatch
+        return _checked(
+            lambda v: isinstance(v, str) and matches(v) is not None, f"a string matching {spec.pattern}"
+        )
+    limit = spec.max_length
+    return _checked(
+        lambda v: isinstance(v, str) and (limit is None or len(v) <= limit),
+        f"a string of at most {limit} characters",
+    )
 
 
 def _literal(value: object) -> str:

@@ -31,8 +31,8 @@ from contracts import protocol
 @functools.cache
 def model_of(message: type) -> type[BaseModel]:
     """The pydantic model of a contract dataclass: its name, fields, defaults, bounds and
-    descriptions; no extra fields. It validates the dataclass too (`from_attributes`), so that a
-    route may return one."""
+    descriptions; no extra fields, and strict types as the device reads them (no "5" for 5). It
+    validates the dataclass too (`from_attributes`), so that a route may return one."""
     fields: dict[str, Any] = {}
     for f in dataclasses.fields(message):
         annotation = protocol.field_types(message)[f.name]
@@ -46,7 +46,7 @@ def model_of(message: type) -> type[BaseModel]:
         fields[f.name] = (_pydantic_type(annotation), default)
     return create_model(
         message.__name__,
-        __config__=ConfigDict(extra="forbid", from_attributes=True),
+        __config__=ConfigDict(extra="forbid", strict=True, from_attributes=True),
         __doc__=message.__doc__,
         **fields,
     )
@@ -64,8 +64,10 @@ def _pydantic_type(annotation: Any) -> Any:
         inner = types.GenericAlias(origin, tuple(_pydantic_type(a) for a in args))
     else:  # bool, int, str, a Literal, Any
         inner = kind
-    # Spec's bounds are named as pydantic names them.
+    # Spec's bounds are named as pydantic names them; a number is a 64-bit one, as the device reads it.
     bounds = {k: v for k, v in dataclasses.asdict(spec).items() if k != "description" and v is not None}
+    if kind in (int, float):
+        bounds = {"ge": -protocol.INT64_MAX, "le": protocol.INT64_MAX, **bounds}
     if bounds:
         inner = typing.cast(Any, Annotated)[inner, Field(**bounds)]
     return inner | None if nullable else inner
@@ -73,15 +75,18 @@ def _pydantic_type(annotation: Any) -> Any:
 
 class _AsModel:
     """Pydantic metadata for a contract dataclass in a request: validated and documented as its
-    derived model, then handed to the route as the dataclass."""
+    derived model, then handed to the route as the dataclass. A request message is flat (no
+    field holds another message), so the model's fields are the dataclass's values as they are."""
 
     def __get_pydantic_core_schema__(
         self, source: type, handler: GetCoreSchemaHandler
     ) -> core_schema.CoreSchema:
-        def message(model: BaseModel) -> Any:
-            return protocol.parse(source, model.model_dump(), "the request")
-
-        return core_schema.no_info_after_validator_function(message, handler(model_of(source)))
+        kinds = [protocol.declared(a)[0] for a in protocol.field_types(source).values()]
+        if any(dataclasses.is_dataclass(kind) for kind in kinds):
+            raise TypeError(f"{source.__name__} nests a message; a request message is flat")
+        return core_schema.no_info_after_validator_function(
+            lambda model: source(**vars(model)), handler(model_of(source))
+        )
 
 
 CheckInBody = Annotated[protocol.CheckIn, _AsModel()]

@@ -1,6 +1,5 @@
 from __future__ import annotations
 
-import dataclasses
 import json
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
@@ -8,6 +7,7 @@ from typing import Annotated, Any, cast
 
 from fastapi import APIRouter, HTTPException, Path, Request, Response
 from fastapi.routing import APIRoute
+from pydantic_core import to_json
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 from starlette.applications import Starlette
@@ -93,13 +93,13 @@ async def checkin(population: str, body: CheckInBody, token: TokenDep, request: 
     groups: CheckInGroups = request.app.state.checkin_groups
     result = await groups.submit(population, _CheckInCall(token, body.example_count, body.task))
     if isinstance(result, Assignment):
-        return Response(json.dumps(dataclasses.asdict(result)), media_type="application/json")
+        return Response(to_json(result), media_type="application/json")
     if result.status in (401, 404):
         headers = {"WWW-Authenticate": "Bearer"} if result.status == 401 else None
         raise HTTPException(result.status, result.message, headers=headers)
     retry = result.retry_after if result.retry_after is not None else 30.0
     return Response(
-        json.dumps(dataclasses.asdict(Rejection(result.message, retry))),
+        to_json(Rejection(result.message, retry)),
         media_type="application/json",
         headers={"Retry-After": str(max(1, round(retry)))},
     )
