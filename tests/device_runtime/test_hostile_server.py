@@ -518,6 +518,14 @@ CASES = [
         True,
     ),
     Case(
+        "report answer with a negative round id",
+        "report",
+        one(lambda s: json_answer({"round_id": -1, "round_status": "open", "reported": 1, "target": 10})),
+        BAD,
+        r"the report answer: round_id is -1; expected an integer >= 0",
+        True,
+    ),
+    Case(
         "report late",
         "report",
         one(lambda s: json_answer({"detail": "the round closed (late)"}, 409)),
