@@ -282,11 +282,11 @@ def _kind_reader(kind: Any, spec: Spec) -> Reader:
         return _checked(lambda v: any(type(v) is type(a) and v == a for a in args), expected)
     if origin in (dict, list):
         limit = spec.max_length
-        what = "a JSON object" if origin is dict else "a JSON array"
+        container = "a JSON object" if origin is dict else "a JSON array"
         unit = "entries" if origin is dict else "items"
         check = _checked(
             lambda v: isinstance(v, origin) and (limit is None or len(v) <= limit),
-            what if limit is None else f"{what} of at most {limit} {unit}",
+            container if limit is None else f"{container} of at most {limit} {unit}",
         )
         if origin is list:
             items = _reader(args[0])
