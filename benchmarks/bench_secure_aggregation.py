@@ -34,7 +34,8 @@ sys.path.insert(0, str(ROOT))
 
 from contracts.manifest import load_manifest  # noqa: E402
 from contracts.params import encode_sparse_delta  # noqa: E402
-from device_runtime.orchestrator_client import Assignment, OrchestratorClient  # noqa: E402
+from contracts.protocol import Assignment  # noqa: E402
+from device_runtime.orchestrator_client import OrchestratorClient  # noqa: E402
 from device_runtime.secure_round import SecureRoundDriver  # noqa: E402
 from model_export.config import ModelConfig  # noqa: E402
 from model_export.in_subprocess import export_in_subprocess  # noqa: E402

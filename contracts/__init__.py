@@ -1,1 +1,1 @@
-"""Contracts every part shares: manifest, parameter wire format, features, task config."""
+"""What every part shares (manifest, parameters, features, task config, protocol); stdlib, numpy, safetensors only."""

@@ -7,6 +7,7 @@ devices' network traffic on its event loop while a small pool does the maths.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -14,17 +15,16 @@ from typing import Any
 
 from contracts.manifest import ManifestError, load_manifest
 from contracts.params import ParamsError
+from contracts.protocol import Assignment, Rejection
 from contracts.task_config import TaskConfig
 from device_runtime.client_task import Outcome, TaskResult
 from device_runtime.example_store import ExampleStore
 from device_runtime.local_state import LocalStateStore
 from device_runtime.model import ModelLoadError
 from device_runtime.orchestrator_client import (
-    Assignment,
     InvalidAnswer,
     OrchestratorClient,
     ProtocolError,
-    Rejection,
     RetryLater,
     ServerUnavailable,
 )
@@ -201,7 +201,9 @@ class DeviceAgent:
                 reply = await self.client.report_evaluation(answer, result.num_examples, result.metrics)
         except ProtocolError as e:  # e.g. 409: the round closed (target reached, or deadline) first
             return Participation("refused", answer, result, detail=str(e), task_seconds=seconds)
-        return Participation("reported", answer, result, server_answer=reply, task_seconds=seconds)
+        return Participation(
+            "reported", answer, result, server_answer=dataclasses.asdict(reply), task_seconds=seconds
+        )
 
     async def take_part_securely(
         self,

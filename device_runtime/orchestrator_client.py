@@ -18,6 +18,7 @@ is the `ProtocolError` that carries the server's retry window.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import json
 import math
@@ -26,25 +27,33 @@ import random
 import re
 import secrets
 from collections.abc import Mapping
-from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 
 from contracts.manifest import MANIFEST_FILE, MODEL_FILE, Manifest
 from contracts.params import Params, encode_sparse_delta
+from contracts.protocol import (
+    ID_PATTERN,
+    MAX_RETRY_AFTER_SECONDS,
+    SHA256_PATTERN,
+    Assignment,
+    Enrolled,
+    InvalidMessage,
+    Rejection,
+    ReportAccepted,
+    parse,
+)
 from contracts.task_config import TaskConfig
 
 MAX_JSON_BYTES = 1 << 20  # a control message; the largest real one (a manifest) is a few KB
 MAX_ANSWER_BYTES = 256 << 20  # any other answer: a bound against an endless stream
-MAX_RETRY_AFTER_SECONDS = 30 * 86_400.0
 MAX_WAIT_IN_REQUEST_SECONDS = 60.0  # a longer 503 window ends the request: the device comes back later
 ABORT_ATTEMPTS = 2  # the round's deadline covers an abort that never arrives; do not stall on it
-_INT64_MAX = 2**63 - 1
-_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")  # ids go into URL paths: nothing that could change one
-_SHA256 = re.compile(r"[0-9a-f]{64}")  # names a cache directory: nothing that could leave it
-_TOKEN = re.compile(r"[\x21-\x7e]{1,4096}")  # goes into a header
+_ID = re.compile(ID_PATTERN)
+_SHA256 = re.compile(SHA256_PATTERN)
+_URLS = tuple(f.name for f in dataclasses.fields(Assignment) if f.name.endswith("_url"))
 _DEFAULT_PORTS = {"http": 80, "https": 443}
 
 
@@ -80,31 +89,6 @@ class InvalidAnswer(RuntimeError):
         super().__init__(message)
         self.message = message
         self.assignment_id = assignment_id
-
-
-@dataclass(frozen=True)
-class Assignment:
-    assignment_id: str
-    round_id: int
-    kind: str
-    deadline: float
-    seconds_left: float
-    model_version: int
-    artifact_sha256: str
-    artifact_url: str
-    params_url: str
-    manifest_url: str
-    report_url: str
-    abort_url: str
-    task_config: dict[str, Any]
-    aggregation: str = "plaintext"  # "secure": take part through secure_url instead of report_url
-    secure_url: str | None = None
-
-
-@dataclass(frozen=True)
-class Rejection:
-    reason: str
-    retry_after_seconds: float
 
 
 class OrchestratorClient:
@@ -227,10 +211,9 @@ class OrchestratorClient:
 
     async def enroll(self) -> str:
         data = await self._json("POST", "/v1/devices", "the enrollment answer")
-        answer = _Fields(data, "the enrollment answer", {"device_id", "token"})
-        device_id = answer.text("device_id", _ID)
-        self.token = answer.text("token", _TOKEN)
-        return device_id
+        enrolled = _parsed(Enrolled, data, "the enrollment answer")
+        self.token = enrolled.token
+        return enrolled.device_id
 
     async def checkin(
         self,
@@ -247,11 +230,7 @@ class OrchestratorClient:
         if accepted is True:
             return self._assignment(data)
         if accepted is False:
-            answer = _Fields(data, "the check-in rejection", {"accepted", "reason", "retry_after_seconds"})
-            return Rejection(
-                answer.text("reason", max_length=2_000),
-                answer.number("retry_after_seconds", 0.0, MAX_RETRY_AFTER_SECONDS),
-            )
+            return _parsed(Rejection, data, "the check-in rejection")
         raise InvalidAnswer(
             f"the check-in answer has accepted={accepted!r}; expected true (an assignment) or false "
             "(a rejection)"
@@ -263,51 +242,16 @@ class OrchestratorClient:
         given = data.get("assignment_id")
         held = given if isinstance(given, str) and _ID.fullmatch(given) else None
         try:
-            # A field with a default may be left out (an older server does not send it).
-            optional = frozenset(
-                f.name for f in fields(Assignment) if (f.default, f.default_factory) != (MISSING, MISSING)
-            )
-            required = {"accepted"} | {f.name for f in fields(Assignment)} - optional
-            answer = _Fields(data, "the assignment", required, optional)
-            values: dict[str, Any] = {}
-            for f in fields(Assignment):
-                if f.name not in data:
-                    continue
-                if f.name.endswith("_url") and not (data[f.name] is None and f.default is None):
-                    values[f.name] = answer.text(f.name, max_length=2_000)
-                    self.url_of(values[f.name], f"the assignment's {f.name}")
-                elif f.name.endswith("_url"):  # an optional URL (secure_url of a plaintext round)
-                    values[f.name] = None
-                else:
-                    values[f.name] = answer.typed(f.name, str(f.type))
-            answer.check(
-                _ID.fullmatch(values["assignment_id"]) is not None,
-                "assignment_id",
-                f"a string matching {_ID.pattern}",
-            )
-            answer.check(values["kind"] in ("training", "evaluation"), "kind", "'training' or 'evaluation'")
-            answer.check(
-                values.get("aggregation", "plaintext") in ("plaintext", "secure"),
-                "aggregation",
-                "'plaintext' or 'secure'",
-            )
-            answer.check(
-                values.get("aggregation", "plaintext") == "plaintext" or values.get("secure_url") is not None,
-                "secure_url",
-                "a URL on the orchestrator's origin when aggregation is 'secure'",
-            )
-            answer.check(values["round_id"] >= 0, "round_id", "an integer >= 0")
-            answer.check(values["model_version"] >= 0, "model_version", "an integer >= 0")
-            answer.check(
-                _SHA256.fullmatch(values["artifact_sha256"]) is not None,
-                "artifact_sha256",
-                "64 lowercase hexadecimal digits",
-            )
+            assignment = _parsed(Assignment, data, "the assignment")
+            for name in _URLS:
+                url = getattr(assignment, name)
+                if url is not None:  # secure_url of a plaintext round
+                    self.url_of(url, f"the assignment's {name}")
             try:
-                TaskConfig.from_json(values["task_config"])
+                TaskConfig.from_json(assignment.task_config)
             except ValueError as e:
                 raise InvalidAnswer(f"the assignment's task_config is not usable: {e}") from None
-            return Assignment(**values)
+            return assignment
         except InvalidAnswer as e:
             raise InvalidAnswer(e.message, assignment_id=held) from None
 
@@ -361,25 +305,27 @@ class OrchestratorClient:
 
     async def report_training(
         self, assignment: Assignment, delta: Params, num_examples: int, metrics: Mapping[str, float]
-    ) -> dict[str, Any]:
+    ) -> ReportAccepted:
         # Sparse: the rows the task changed (~150 of thousands), not the dense tensors, so an upload
         # is ~20x smaller and the server validates and stores it without scanning the whole model.
         body = encode_sparse_delta(
             delta, {"num_examples": str(int(num_examples)), "metrics": json.dumps(dict(metrics))}
         )
-        return await self._json(
+        data = await self._json(
             "POST",
             assignment.report_url,
             "the report answer",
             content=body,
             headers={"Content-Type": "application/octet-stream"},
         )
+        return _parsed(ReportAccepted, data, "the report answer")
 
     async def report_evaluation(
         self, assignment: Assignment, num_examples: int, metrics: Mapping[str, float]
-    ) -> dict[str, Any]:
+    ) -> ReportAccepted:
         body = {"num_examples": int(num_examples), "metrics": dict(metrics)}
-        return await self._json("POST", assignment.report_url, "the report answer", json=body)
+        data = await self._json("POST", assignment.report_url, "the report answer", json=body)
+        return _parsed(ReportAccepted, data, "the report answer")
 
     async def abort(self, assignment: Assignment) -> None:
         await self._request("POST", assignment.abort_url, max_bytes=MAX_JSON_BYTES, attempts=ABORT_ATTEMPTS)
@@ -423,78 +369,15 @@ class OrchestratorClient:
         )
 
 
-class _Fields:
-    """One JSON object of an answer, read field by field; each problem is an `InvalidAnswer` that
-    names the answer, the field, what it held and what was expected."""
+M = TypeVar("M")
 
-    def __init__(
-        self, data: dict[str, Any], what: str, required: set[str], optional: frozenset[str] = frozenset()
-    ) -> None:
-        missing, extra = sorted(required - data.keys()), sorted(data.keys() - required - optional)
-        if missing or extra:
-            also = f", and optionally {sorted(optional)}" if optional else ""
-            raise InvalidAnswer(
-                f"{what} lacks fields {missing} and has unexpected fields {extra}; "
-                f"expected exactly {sorted(required)}{also}"
-            )
-        self.data = data
-        self.what = what
 
-    def check(self, ok: bool, name: str, expected: str) -> None:
-        if not ok:
-            raise InvalidAnswer(f"{self.what}: {name} is {_shown(self.data[name])}; expected {expected}")
-
-    def text(self, name: str, pattern: re.Pattern[str] | None = None, max_length: int = 200) -> str:
-        value = self.data[name]
-        expected = f"a string matching {pattern.pattern}" if pattern else f"a string of <= {max_length} chars"
-        self.check(
-            isinstance(value, str)
-            and (pattern.fullmatch(value) is not None if pattern else len(value) <= max_length),
-            name,
-            expected,
-        )
-        return str(value)
-
-    def integer(self, name: str) -> int:
-        value = self.data[name]
-        ok = isinstance(value, int) and not isinstance(value, bool) and -_INT64_MAX <= value <= _INT64_MAX
-        self.check(ok, name, "a 64-bit integer")
-        return int(value)
-
-    def number(self, name: str, low: float = -math.inf, high: float = math.inf) -> float:
-        value = self.data[name]
-        ok = (
-            isinstance(value, (int, float))
-            and not isinstance(value, bool)
-            and -_INT64_MAX <= value <= _INT64_MAX  # an int beyond this is no float either
-            and math.isfinite(value)
-            and low <= value <= high
-        )
-        bounded = math.isfinite(low) or math.isfinite(high)
-        self.check(ok, name, f"a finite number in [{low:g}, {high:g}]" if bounded else "a finite number")
-        return float(value)
-
-    def typed(self, name: str, annotation: str) -> Any:
-        """A field by its dataclass annotation (the types a JSON answer can carry)."""
-        if annotation.endswith(" | None") and self.data[name] is None:
-            return None
-        base = annotation.removesuffix(" | None")
-        if base == "str":
-            return self.text(name, max_length=2_000)
-        if base == "int":
-            return self.integer(name)
-        if base == "float":
-            return self.number(name)
-        if base == "bool":
-            self.check(isinstance(self.data[name], bool), name, "true or false")
-            return self.data[name]
-        if base.startswith("dict["):
-            self.check(isinstance(self.data[name], dict), name, "a JSON object")
-            return self.data[name]
-        if base.startswith("list["):
-            self.check(isinstance(self.data[name], list), name, "a JSON array")
-            return self.data[name]
-        raise TypeError(f"no JSON check for field {name!r} of type {annotation!r}")
+def _parsed(message: type[M], data: dict[str, Any], what: str) -> M:
+    """`data` read as the protocol's `message`, or an `InvalidAnswer` that says what was wrong."""
+    try:
+        return parse(message, data, what)
+    except InvalidMessage as e:
+        raise InvalidAnswer(str(e)) from None
 
 
 _WIRE = {"content-encoding", "content-length", "transfer-encoding"}
@@ -566,12 +449,6 @@ def _origin(url: httpx.URL) -> tuple[str, str, int | None]:
 def _shown_origin(origin: tuple[str, str, int | None]) -> str:
     scheme, host, port = origin
     return f"{scheme}://{host}:{port}"
-
-
-def _shown(value: Any) -> str:
-    """A value from an answer for an error message, cut short."""
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _model_manifest(data: dict[str, Any], sha256: str) -> Manifest:

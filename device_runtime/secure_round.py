@@ -22,8 +22,8 @@ import numpy as np
 
 from contracts.manifest import Manifest
 from contracts.params import Params
+from contracts.protocol import Assignment
 from device_runtime.orchestrator_client import (
-    Assignment,
     InvalidAnswer,
     OrchestratorClient,
     ProtocolError,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -82,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         if found is None:
             print(f"error: no population {args.name!r}", file=sys.stderr)
             return 2
-        print(json.dumps(population_out(session, found).model_dump(), indent=2))
+        print(json.dumps(dataclasses.asdict(population_out(session, found)), indent=2))
     return 0
 
 

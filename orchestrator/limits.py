@@ -9,9 +9,10 @@ from __future__ import annotations
 import json
 from typing import Any
 
-# Counts a device or an admin may state (examples, reports, versions): well inside the
-# database's signed 64-bit integers and exact as float64.
-MAX_COUNT = 2**31 - 1
+# Counts a device or an admin may state (examples, reports, versions): part of the protocol,
+# which the device shares.
+from contracts.protocol import MAX_COUNT as MAX_COUNT
+
 # A JSON document a client sends (population settings, a manifest, an evaluation report,
 # a report's metrics): how deeply it may nest, and how large its text may be.
 MAX_JSON_DEPTH = 16

@@ -1,100 +1,103 @@
-"""Request and response bodies of the HTTP protocol (JSON; tensors travel as safetensors)."""
+"""The protocol's JSON messages (contracts.protocol) as FastAPI validates and documents them.
+
+The pydantic models here are derived from the contract dataclasses field by field, so that names,
+types, bounds and descriptions have one source, the one the device checks answers against.
+Routes build and return the dataclasses; FastAPI validates and serializes them through these
+models, and a request body arrives as the dataclass (`CheckInBody`).
+"""
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+import dataclasses
+import functools
+import types
+import typing
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    FiniteFloat,
+    GetCoreSchemaHandler,
+    TypeAdapter,
+    create_model,
+)
+from pydantic_core import core_schema
 
-from orchestrator.limits import MAX_COUNT
+from contracts import protocol
 
 
-class Enrolled(BaseModel):
-    device_id: str
-    token: str = Field(description="send as 'Authorization: Bearer <token>'; shown once")
-
-
-class CheckIn(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    example_count: int = Field(ge=0, le=MAX_COUNT, description="how many examples the device holds")
-    task: Literal["training", "evaluation"] = "training"
-    conditions: dict[Annotated[str, StringConstraints(max_length=64)], bool] = Field(
-        default_factory=dict, max_length=32, description="e.g. idle, charging, unmetered (at most 32)"
+@functools.cache
+def model_of(message: type) -> type[BaseModel]:
+    """The pydantic model of a contract dataclass: its name, fields, defaults, bounds and
+    descriptions; no extra fields, and strict types as the device reads them (no "5" for 5). It
+    validates the dataclass too (`from_attributes`), so that a route may return one."""
+    fields: dict[str, Any] = {}
+    for f in dataclasses.fields(message):
+        annotation = protocol.field_types(message)[f.name]
+        description = protocol.declared(annotation)[1].description or None
+        if f.default_factory is not dataclasses.MISSING:
+            default = Field(default_factory=f.default_factory, description=description)
+        else:
+            default = Field(
+                f.default if f.default is not dataclasses.MISSING else ..., description=description
+            )
+        fields[f.name] = (_pydantic_type(annotation), default)
+    return create_model(
+        message.__name__,
+        __config__=ConfigDict(extra="forbid", strict=True, from_attributes=True),
+        __doc__=message.__doc__,
+        **fields,
     )
 
 
-class AssignmentOut(BaseModel):
-    accepted: Literal[True] = True
-    assignment_id: str
-    round_id: int
-    kind: str
-    deadline: float = Field(description="server time (unix seconds) by which to report")
-    seconds_left: float
-    model_version: int
-    artifact_sha256: str
-    artifact_url: str
-    params_url: str
-    manifest_url: str
-    report_url: str
-    abort_url: str
-    task_config: dict[str, Any]
-    aggregation: Literal["plaintext", "secure"] = Field(
-        "plaintext", description="secure: take part through secure_url's phases instead of report_url"
-    )
-    secure_url: str | None = None
+def _pydantic_type(annotation: Any) -> Any:
+    """A field's annotation with its Spec as pydantic constraints (descriptions stay at the field)."""
+    kind, spec, nullable = protocol.declared(annotation)
+    origin, args = typing.get_origin(kind), typing.get_args(kind)
+    if dataclasses.is_dataclass(kind):
+        inner: Any = model_of(typing.cast(type, kind))
+    elif kind is float:
+        inner = FiniteFloat
+    elif origin in (dict, list):
+        inner = types.GenericAlias(origin, tuple(_pydantic_type(a) for a in args))
+    else:  # bool, int, str, a Literal, Any
+        inner = kind
+    # Spec's bounds are named as pydantic names them; a number is a 64-bit one, as the device reads it.
+    bounds = {k: v for k, v in dataclasses.asdict(spec).items() if k != "description" and v is not None}
+    if kind in (int, float):
+        bounds = {"ge": -protocol.INT64_MAX, "le": protocol.INT64_MAX, **bounds}
+    if bounds:
+        inner = typing.cast(Any, Annotated)[inner, Field(**bounds)]
+    return inner | None if nullable else inner
 
 
-class RejectionOut(BaseModel):
-    accepted: Literal[False] = False
-    reason: str
-    retry_after_seconds: float
+class _AsModel:
+    """Pydantic metadata for a contract dataclass in a request: validated and documented as its
+    derived model, then handed to the route as the dataclass. A request message is flat (no
+    field holds another message), so the model's fields are the dataclass's values as they are."""
+
+    def __get_pydantic_core_schema__(
+        self, source: type, handler: GetCoreSchemaHandler
+    ) -> core_schema.CoreSchema:
+        kinds = [protocol.declared(a)[0] for a in protocol.field_types(source).values()]
+        if any(dataclasses.is_dataclass(kind) for kind in kinds):
+            raise TypeError(f"{source.__name__} nests a message; a request message is flat")
+        return core_schema.no_info_after_validator_function(
+            lambda model: source(**vars(model)), handler(model_of(source))
+        )
 
 
-class ReportAccepted(BaseModel):
-    round_id: int
-    round_status: str
-    reported: int
-    target: int
+CheckInBody = Annotated[protocol.CheckIn, _AsModel()]
+CHECK_IN = TypeAdapter(CheckInBody)  # for the check-in route's shortcut
 
-
-class RoundOut(BaseModel):
-    id: int
-    kind: str
-    status: str
-    base_version: int
-    result_version: int | None
-    target: int
-    capacity: int
-    min_reports: int
-    opened_at: float
-    deadline: float
-    closed_at: float | None
-    counters: dict[str, int]
-    total_weight: float
-    metrics: dict[str, float]
-
-
-class PrivacyOut(BaseModel):
-    """A DP population's privacy spent so far (Renyi DP accounting, Poisson-sampled Gaussian rounds)."""
-
-    epsilon: float | None = Field(
-        description="at delta after the committed rounds; null: no noise, no guarantee"
-    )
-    delta: float
-    sampling_rate: float = Field(description="target_reports / population_size")
-    training_rounds: int
-    epsilon_budget: float | None
-    rounds_within_budget: int | None
-    budget_spent: bool = Field(description="true: no more training rounds are opened or committed")
-    message: str
-
-
-class PopulationOut(BaseModel):
-    name: str
-    current_version: int
-    training_rounds_committed: int
-    artifact_sha256: str
-    settings: dict[str, Any]
-    open_rounds: list[RoundOut]
-    privacy: PrivacyOut | None = Field(None, description="only for populations with differential_privacy")
+Enrolled = model_of(protocol.Enrolled)
+AssignmentOut = model_of(protocol.Assignment)
+RejectionOut = model_of(protocol.Rejection)
+ReportAccepted = model_of(protocol.ReportAccepted)
+RoundOut = model_of(protocol.RoundView)
+PopulationOut = model_of(protocol.PopulationView)
+# As values, so that a type checker does not take them for annotations.
+RoundsOut = types.GenericAlias(list, (RoundOut,))
+PopulationsOut = types.GenericAlias(list, (PopulationOut,))

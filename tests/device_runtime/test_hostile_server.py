@@ -320,7 +320,7 @@ CASES = [
         "checkin",
         one(lambda s: json_answer(s.assignment(artifact_sha256="../../../etc/passwd"))),
         BAD,
-        r"artifact_sha256 is '../../../etc/passwd'; expected 64 lowercase hexadecimal digits",
+        r"artifact_sha256 is '../../../etc/passwd'; expected a string matching \^\[0-9a-f\]\{64\}\$",
         True,
     ),
     Case(
@@ -519,6 +519,14 @@ CASES = [
         one(lambda s: Answer(gzip.compress(b"{}"), content_type=BINARY)),
         BAD,
         r"the report answer came as Content-Type 'application/octet-stream'; expected application/json",
+        True,
+    ),
+    Case(
+        "report answer with a negative round id",
+        "report",
+        one(lambda s: json_answer({"round_id": -1, "round_status": "open", "reported": 1, "target": 10})),
+        BAD,
+        r"the report answer: round_id is -1; expected an integer >= 0",
         True,
     ),
     Case(

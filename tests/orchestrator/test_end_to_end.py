@@ -13,12 +13,13 @@ import numpy as np
 import pytest
 
 from contracts.params import decode_params, decode_sparse_delta, encode_params
+from contracts.protocol import Assignment
 from contracts.task_config import TaskConfig
 from device_runtime.agent import DeviceAgent, Participation
 from device_runtime.client_task import prepare
 from device_runtime.example_store import Event, ExampleStore
 from device_runtime.model import DeviceModel
-from device_runtime.orchestrator_client import Assignment, OrchestratorClient, ProtocolError
+from device_runtime.orchestrator_client import OrchestratorClient, ProtocolError
 from model_export.config import ModelConfig
 from tests.conftest import MOVIELENS
 from tests.orchestrator.conftest import ADMIN_TOKEN, Server, admin_create_population

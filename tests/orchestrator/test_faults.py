@@ -25,10 +25,11 @@ from rich.console import Console
 
 from android_sim.run import SIMULATED_FLEET_LIMITS, RunResult, run_async
 from contracts.manifest import load_manifest
+from contracts.protocol import Assignment, Rejection
 from device_runtime import orchestrator_client
 from device_runtime.agent import DeviceAgent, Participation
 from device_runtime.example_store import ExampleStore
-from device_runtime.orchestrator_client import Assignment, OrchestratorClient, Rejection, RetryLater
+from device_runtime.orchestrator_client import OrchestratorClient, RetryLater
 from orchestrator.local import LocalOrchestrator
 from tests.android_sim.test_run import small, work  # noqa: F401  (work: the fixture)
 from tests.orchestrator.conftest import (

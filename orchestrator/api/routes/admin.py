@@ -1,15 +1,16 @@
 from __future__ import annotations
 
 import math
-from typing import Annotated, Any
+from typing import Annotated, Any, cast
 
 from fastapi import APIRouter, File, Form, HTTPException, Query, Request, UploadFile
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
+from contracts.protocol import PopulationView, PrivacyView, RoundView, TaskKind
 from orchestrator import rounds
+from orchestrator.api import schemas
 from orchestrator.api.deps import AdminDep, ClockDep, SessionFactoryDep, run_db
-from orchestrator.api.schemas import PopulationOut, PrivacyOut, RoundOut
 from orchestrator.db import Population, Round
 from orchestrator.limits import MAX_COUNT, MAX_MANIFEST_BYTES, json_document
 from orchestrator.populations import ExportedModel, PopulationError, create_population
@@ -29,10 +30,10 @@ COUNTERS = (
 )
 
 
-def round_out(r: Round) -> RoundOut:
-    return RoundOut(
+def round_out(r: Round) -> RoundView:
+    return RoundView(
         id=r.id,
-        kind=r.kind,
+        kind=cast(TaskKind, r.kind),  # a round is of one of the two kinds
         status=r.status,
         base_version=r.base_version,
         result_version=r.result_version,
@@ -48,12 +49,12 @@ def round_out(r: Round) -> RoundOut:
     )
 
 
-def privacy_out(p: Population) -> PrivacyOut | None:
+def privacy_out(p: Population) -> PrivacyView | None:
     settings = rounds.population_settings(p)
     if settings.dp() is None:
         return None
     spent = settings.privacy_spent(p.training_rounds_committed)
-    return PrivacyOut(
+    return PrivacyView(
         epsilon=spent.epsilon if math.isfinite(spent.epsilon) else None,
         delta=spent.delta,
         sampling_rate=spent.sampling_rate,
@@ -65,8 +66,8 @@ def privacy_out(p: Population) -> PrivacyOut | None:
     )
 
 
-def population_out(session: Any, p: Population) -> PopulationOut:
-    return PopulationOut(
+def population_out(session: Any, p: Population) -> PopulationView:
+    return PopulationView(
         name=p.name,
         current_version=p.current_version,
         training_rounds_committed=p.training_rounds_committed,
@@ -84,7 +85,9 @@ def _population(session: Any, name: str) -> Population:
     return found  # type: ignore[no-any-return]
 
 
-@router.post("/populations", response_model=PopulationOut, status_code=201, summary="Create a population")
+@router.post(
+    "/populations", response_model=schemas.PopulationOut, status_code=201, summary="Create a population"
+)
 async def create(
     _: AdminDep,
     factory: SessionFactoryDep,
@@ -94,7 +97,7 @@ async def create(
     manifest: Annotated[UploadFile, File(description="manifest.json")],
     global_params: Annotated[UploadFile, File(description="global_params.safetensors")],
     settings: Annotated[str, Form(description="PopulationSettings as JSON")] = "{}",
-) -> PopulationOut:
+) -> PopulationView:
     try:
         manifest_json = json_document(await manifest.read(), "manifest", MAX_MANIFEST_BYTES)
         settings_json = json_document(settings, "settings")
@@ -111,31 +114,31 @@ async def create(
         return population_out(session, population)
 
 
-def _list_populations(factory: sessionmaker[Session]) -> list[PopulationOut]:
+def _list_populations(factory: sessionmaker[Session]) -> list[PopulationView]:
     with factory() as session:
         return [
             population_out(session, p) for p in session.scalars(select(Population).order_by(Population.id))
         ]
 
 
-@router.get("/populations", response_model=list[PopulationOut], summary="All populations")
-async def list_populations(_: AdminDep, factory: SessionFactoryDep, request: Request) -> list[PopulationOut]:
+@router.get("/populations", response_model=schemas.PopulationsOut, summary="All populations")
+async def list_populations(_: AdminDep, factory: SessionFactoryDep, request: Request) -> list[PopulationView]:
     return await run_db(request.app, _list_populations, factory)
 
 
-def _status(factory: sessionmaker[Session], name: str) -> PopulationOut:
+def _status(factory: sessionmaker[Session], name: str) -> PopulationView:
     with factory() as session:
         return population_out(session, _population(session, name))
 
 
-@router.get("/populations/{name}", response_model=PopulationOut, summary="A population's status")
-async def status(name: str, _: AdminDep, factory: SessionFactoryDep, request: Request) -> PopulationOut:
+@router.get("/populations/{name}", response_model=schemas.PopulationOut, summary="A population's status")
+async def status(name: str, _: AdminDep, factory: SessionFactoryDep, request: Request) -> PopulationView:
     return await run_db(request.app, _status, factory, name)
 
 
 def _list_rounds(
     factory: sessionmaker[Session], name: str, kind: str | None, limit: int, offset: int
-) -> list[RoundOut]:
+) -> list[RoundView]:
     with factory() as session:
         population = _population(session, name)
         query = select(Round).where(Round.population_id == population.id)
@@ -145,7 +148,7 @@ def _list_rounds(
         return [round_out(r) for r in session.scalars(query)]
 
 
-@router.get("/populations/{name}/rounds", response_model=list[RoundOut], summary="Rounds, newest first")
+@router.get("/populations/{name}/rounds", response_model=schemas.RoundsOut, summary="Rounds, newest first")
 async def list_rounds(
     name: str,
     _: AdminDep,
@@ -154,17 +157,17 @@ async def list_rounds(
     kind: str | None = None,
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
     offset: Annotated[int, Query(ge=0, le=MAX_COUNT)] = 0,
-) -> list[RoundOut]:
+) -> list[RoundView]:
     return await run_db(request.app, _list_rounds, factory, name, kind, limit, offset)
 
 
 @router.post(
     "/populations/{name}/evaluations",
-    response_model=RoundOut,
+    response_model=schemas.RoundOut,
     status_code=201,
     summary="Open an evaluation round",
 )
-def schedule_evaluation(name: str, _: AdminDep, factory: SessionFactoryDep, clock: ClockDep) -> RoundOut:
+def schedule_evaluation(name: str, _: AdminDep, factory: SessionFactoryDep, clock: ClockDep) -> RoundView:
     with factory.begin() as session:
         population = rounds.lock_population(session, name)
         if population is None:

@@ -7,7 +7,9 @@ from fastapi import APIRouter, HTTPException, Request
 from sqlalchemy.orm import Session, sessionmaker
 from starlette.applications import Starlette
 
+from contracts.protocol import ReportAccepted
 from orchestrator import rounds
+from orchestrator.api import schemas
 from orchestrator.api.deps import (
     DATABASE_UNAVAILABLE,
     UNAUTHENTICATED,
@@ -18,7 +20,6 @@ from orchestrator.api.deps import (
     run_db,
 )
 from orchestrator.api.group_commit import GroupCommit
-from orchestrator.api.schemas import ReportAccepted
 from orchestrator.db import Round
 from orchestrator.devices import authenticate_all
 
@@ -85,7 +86,7 @@ def _report(
 
 @router.post(
     "/{assignment_id}/report",
-    response_model=ReportAccepted,
+    response_model=schemas.ReportAccepted,
     summary="Report a task's result",
     description="Training: the sparse delta of the manifest's global tensors as safetensors "
     "(`<name>/rows` int32 increasing, `<name>/values` float32, `<name>/shape` int64) with "
@@ -114,7 +115,7 @@ def _abort(
         return rounds.abort(session, population, assignment_id, device_id, now)
 
 
-@router.post("/{assignment_id}/abort", response_model=ReportAccepted, summary="Give up an assignment")
+@router.post("/{assignment_id}/abort", response_model=schemas.ReportAccepted, summary="Give up an assignment")
 async def abort(
     assignment_id: str, request: Request, token: TokenDep, factory: SessionFactoryDep, clock: ClockDep
 ) -> ReportAccepted:

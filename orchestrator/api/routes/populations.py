@@ -3,14 +3,16 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
-from typing import Annotated, Any
+from typing import Annotated, Any, cast
 
 from fastapi import APIRouter, HTTPException, Path, Request, Response
 from fastapi.routing import APIRoute
+from pydantic_core import to_json
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 from starlette.applications import Starlette
 
+from contracts.protocol import Assignment, Rejection, TaskKind
 from orchestrator import rounds
 from orchestrator.api.deps import (
     DATABASE_UNAVAILABLE,
@@ -22,7 +24,7 @@ from orchestrator.api.deps import (
     token_of,
 )
 from orchestrator.api.group_commit import GroupCommit
-from orchestrator.api.schemas import AssignmentOut, CheckIn, RejectionOut
+from orchestrator.api.schemas import CHECK_IN, AssignmentOut, CheckInBody, RejectionOut
 from orchestrator.db import ModelVersion, Population
 from orchestrator.devices import authenticate_all
 from orchestrator.limits import MAX_COUNT, MAX_JSON_DEPTH
@@ -37,7 +39,7 @@ class _CheckInCall:
     kind: str
 
 
-CheckInGroups = GroupCommit[str, _CheckInCall, AssignmentOut | rounds.Refused]
+CheckInGroups = GroupCommit[str, _CheckInCall, Assignment | rounds.Refused]
 
 
 def checkin_groups(app: Starlette, window_seconds: float) -> CheckInGroups:
@@ -45,7 +47,7 @@ def checkin_groups(app: Starlette, window_seconds: float) -> CheckInGroups:
 
     async def transaction(
         population: str, calls: Sequence[_CheckInCall]
-    ) -> list[AssignmentOut | rounds.Refused]:
+    ) -> list[Assignment | rounds.Refused]:
         return await run_db(app, _checkin, app.state.sessionmaker, population, calls, app.state.clock())
 
     return GroupCommit(transaction, window_seconds, fail_together=DATABASE_UNAVAILABLE, name="checkin")
@@ -76,7 +78,7 @@ class _CheckInRoute(APIRoute):
                     document = None
                 if document is not None and content_type == "application/json":
                     try:
-                        body = CheckIn.model_validate(document)
+                        body = CHECK_IN.validate_python(document)
                     except ValueError:  # as above
                         pass
                     else:
@@ -87,17 +89,17 @@ class _CheckInRoute(APIRoute):
         return handler
 
 
-async def checkin(population: str, body: CheckIn, token: TokenDep, request: Request) -> Response:
+async def checkin(population: str, body: CheckInBody, token: TokenDep, request: Request) -> Response:
     groups: CheckInGroups = request.app.state.checkin_groups
     result = await groups.submit(population, _CheckInCall(token, body.example_count, body.task))
-    if isinstance(result, AssignmentOut):
-        return Response(result.model_dump_json(), media_type="application/json")
+    if isinstance(result, Assignment):
+        return Response(to_json(result), media_type="application/json")
     if result.status in (401, 404):
         headers = {"WWW-Authenticate": "Bearer"} if result.status == 401 else None
         raise HTTPException(result.status, result.message, headers=headers)
     retry = result.retry_after if result.retry_after is not None else 30.0
     return Response(
-        RejectionOut(reason=result.message, retry_after_seconds=retry).model_dump_json(),
+        to_json(Rejection(result.message, retry)),
         media_type="application/json",
         headers={"Retry-After": str(max(1, round(retry)))},
     )
@@ -115,7 +117,7 @@ router.add_api_route(
 
 def _checkin(
     factory: sessionmaker[Session], population: str, calls: Sequence[_CheckInCall], now: float
-) -> list[AssignmentOut | rounds.Refused]:
+) -> list[Assignment | rounds.Refused]:
     """One transaction for check-ins that arrived together; each call gets its own answer."""
     with factory.begin() as session:
         device_ids = authenticate_all(session, [call.token for call in calls])
@@ -146,7 +148,7 @@ def _task_config(population: Population, clip_norm: float | None) -> dict[str, A
 
 def _assignment_out(
     population: Population | None, answer: rounds.Accepted | rounds.Refused, now: float
-) -> AssignmentOut | rounds.Refused:
+) -> Assignment | rounds.Refused:
     if isinstance(answer, rounds.Refused):
         return answer
     assert population is not None  # only a population hands out assignments
@@ -154,10 +156,10 @@ def _assignment_out(
     settings = rounds.population_settings(population)
     secure = answer.kind == rounds.TRAINING and settings.secure_training
     version, assignment = answer.model_version, answer.assignment_id
-    return AssignmentOut(
+    return Assignment(
         assignment_id=assignment,
         round_id=answer.round_id,
-        kind=answer.kind,
+        kind=cast(TaskKind, answer.kind),  # a round is of one of the two kinds
         deadline=answer.deadline,
         seconds_left=answer.deadline - now,
         model_version=version,

@@ -1,0 +1,99 @@
+"""The architecture's import rules, read from the source with `ast`: every import, function-local
+ones and `importlib.import_module("...")` included. The server never imports device code or the
+exporter, device code never imports the exporter, the server or TensorFlow, the contracts need
+only the standard library, numpy and safetensors, and secure aggregation stands on its own."""
+
+from __future__ import annotations
+
+import ast
+import sys
+
+import pytest
+
+from tests.conftest import ROOT
+
+TENSORFLOW = ("tensorflow", "keras")
+FORBIDDEN = {
+    "orchestrator": ("device_runtime", "android_sim", "model_export", *TENSORFLOW),
+    "device_runtime": ("model_export", "orchestrator", "android_sim", *TENSORFLOW),
+    "secure_aggregation": ("orchestrator", "device_runtime", "model_export"),
+}
+CONTRACTS_MAY_IMPORT = frozenset({"contracts", "numpy", "safetensors", *sys.stdlib_module_names})
+
+
+
+def imports(source: str, package: str) -> list[tuple[int, str]]:
+    """(line, module) for each import in `source`, a module of `package`; relative imports are
+    the package's own."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            found.append((node.lineno, package if node.level else node.module or package))
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute | ast.Name)
+            and (node.func.attr if isinstance(node.func, ast.Attribute) else node.func.id)
+            in ("import_module", "__import__")
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+            and isinstance(node.args[0].value, str)
+        ):
+            found.append((node.lineno, node.args[0].value))
+    return sorted(found)
+
+
+def violations(package: str, allowed: frozenset[str] | None = None) -> list[tuple[str, int, str]]:
+    """(file, line, module) for each import in `package` that its rule forbids: a module under
+    FORBIDDEN[package], or, when `allowed` is given, any module whose top level is not in it."""
+    found = []
+    for path in sorted((ROOT / package).rglob("*.py")):
+        name = path.relative_to(ROOT).as_posix()
+        for line, module in imports(path.read_text(), package):
+            top = module.split(".")[0]
+            broken = top not in allowed if allowed is not None else top in FORBIDDEN[package]
+            if broken:
+                found.append((name, line, module))
+    return found
+
+
+def shown(found: list[tuple[str, int, str]], rule: str) -> str:
+    return "\n".join(f"{name}:{line}: imports {module} ({rule})" for name, line, module in found)
+
+
+@pytest.mark.parametrize("package", sorted(FORBIDDEN))
+def test_a_package_imports_none_of_what_its_rule_forbids(package: str) -> None:
+    forbidden = violations(package)
+
+    rule = f"{package}/ must not import {', '.join(FORBIDDEN[package])}"
+    assert not forbidden, f"forbidden imports:\n{shown(forbidden, rule)}"
+
+
+def test_the_contracts_need_only_the_standard_library_numpy_and_safetensors() -> None:
+    found = violations("contracts", CONTRACTS_MAY_IMPORT)
+
+    assert (ROOT / "contracts" / "protocol.py").exists()  # the rule reads a package that is there
+    rule = "contracts/ imports only the standard library, numpy and safetensors"
+    assert not found, f"forbidden imports:\n{shown(found, rule)}"
+
+
+def test_the_rule_sees_function_local_and_dynamic_imports() -> None:
+    source = (
+        "from __future__ import annotations\n"
+        "from . import sibling\n"
+        "def export():\n"
+        "    import tensorflow as tf\n"
+        "    from keras import layers\n"
+        "    return importlib.import_module('model_export.manifest')\n"
+    )
+
+    found = imports(source, "device_runtime")
+
+    assert found == [
+        (1, "__future__"),
+        (2, "device_runtime"),
+        (4, "tensorflow"),
+        (5, "keras"),
+        (6, "model_export.manifest"),
+    ]
