@@ -299,27 +299,45 @@ def measure(check: Check, folder: Path) -> dict[str, Any]:
     return figures
 
 
-def variants(vocab_sizes: list[int], many_buckets: int, calls: int, steps: int) -> list[Check]:
-    return [
-        Check(vocab_size=v, num_oov_buckets=n, oov_local=local, calls=calls, steps=steps)
-        for v in vocab_sizes
-        for n, local in ((1, False), (1, True), (many_buckets, True))
-    ]
+VARIANTS = {"fedavg": (False, False), "fedrecon_one": (True, False), "fedrecon_many": (True, True)}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    d = Check()
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--vocab-sizes", type=int, nargs="+", default=[1000, 10000])
-    parser.add_argument("--many-buckets", type=int, default=500, help="OOV buckets of the 'many' variant")
-    parser.add_argument("--calls", type=int, default=10, help="update calls")
-    parser.add_argument("--steps", type=int, default=5, help="SGD steps per update call")
+    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
+    parser.add_argument("--many-buckets", type=int, default=500, help="OOV buckets of fedrecon_many")
+    parser.add_argument("--calls", type=int, default=d.calls, help="update calls")
+    parser.add_argument("--steps", type=int, default=d.steps, help="SGD steps per update call")
+    parser.add_argument("--seq-len", type=int, default=d.seq_len)
+    parser.add_argument("--embedding-dim", type=int, default=d.embedding_dim)
+    parser.add_argument("--lstm-units", type=int, default=d.lstm_units)
+    parser.add_argument("--batch-size", type=int, default=d.batch_size)
+    parser.add_argument("--num-batches", type=int, default=d.num_batches, help="batches in the task")
     parser.add_argument("--json", type=Path, help="write every figure here")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    checks = [
+        Check(
+            vocab_size=vocab_size,
+            num_oov_buckets=args.many_buckets if many else 1,
+            oov_local=local,
+            seq_len=args.seq_len,
+            embedding_dim=args.embedding_dim,
+            lstm_units=args.lstm_units,
+            batch_size=args.batch_size,
+            num_batches=args.num_batches,
+            calls=args.calls,
+            steps=args.steps,
+        )
+        for vocab_size in args.vocab_sizes
+        for local, many in (VARIANTS[v] for v in args.variants)
+    ]
     results = []
     with tempfile.TemporaryDirectory() as work:
-        for i, check in enumerate(variants(args.vocab_sizes, args.many_buckets, args.calls, args.steps)):
+        for i, check in enumerate(checks):
             folder = Path(work) / str(i)
             folder.mkdir()
             figures = measure(check, folder)
