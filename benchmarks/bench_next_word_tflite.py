@@ -115,14 +115,16 @@ def export(check: Check, out: Path) -> None:
     )
     keras_model = model.keras_model
     is_local = [v.path in model.local_paths for v in keras_model.trainable_variables]
-    # Keras state that no step reads or changes (the LSTM's dropout seed), as constants: an
-    # int64 variable in the module leaves the converted model with no initial values at all.
+    # Keras state that `stateless_call` wants but no step changes (the LSTM's dropout seed).
     frozen = [tf.constant(v.numpy()) for v in keras_model.non_trainable_variables]
     batches_spec = tf.TensorSpec([check.num_batches, check.batch_size, check.seq_len], tf.int32)
 
     class Training(tf.Module):  # type: ignore[misc]
         def __init__(self) -> None:
             super().__init__()
+            # The tf.Variables under the Keras ones, tracked here: a module that holds only the
+            # Keras 3 model saves none of them, and the converted model reads uninitialised
+            # variables (NaN under LiteRT, a READ_VARIABLE failure under tflite_runtime).
             self.trainable = [v.value for v in keras_model.trainable_variables]
 
         def _logits(self, values: list[tf.Tensor], tokens: tf.Tensor) -> tf.Tensor:
