@@ -91,7 +91,7 @@ def task_batches(check: Check) -> tuple[Any, Any, int]:
 
 
 def export(check: Check, out: Path) -> None:
-    """TensorFlow side: write model.tflite, task.npz and reference.json (TF's outputs per call)."""
+    """TensorFlow side: write model.tflite, task.npz, reference.json (TF's outputs, parameter counts)."""
     import numpy as np
     import tensorflow as tf
 
@@ -195,7 +195,11 @@ def export(check: Check, out: Path) -> None:
         result = {k: float(v) for k, v in signatures[name](tokens=tokens, targets=targets, **inputs).items()}
         return {**result, "seconds": time.perf_counter() - started}
 
-    (out / "reference.json").write_text(json.dumps(calls(check, run, bool(model.local_paths))))
+    reference = calls(check, run, bool(model.local_paths))
+    sizes = {"global": 0, "local": 0}
+    for v in keras_model.trainable_variables:
+        sizes["local" if v.path in model.local_paths else "global"] += int(np.prod(v.shape))
+    (out / "reference.json").write_text(json.dumps({"calls": reference, "floats": sizes}))
 
 
 def calls(check: Check, run: Any, has_local: bool) -> list[dict[str, Any]]:
@@ -268,7 +272,8 @@ def measure(check: Check, folder: Path) -> dict[str, Any]:
     started = time.perf_counter()
     _child("export", check, folder)
     export_seconds = time.perf_counter() - started
-    runs = {"tensorflow": json.loads((folder / "reference.json").read_text())}
+    exported = json.loads((folder / "reference.json").read_text())
+    runs = {"tensorflow": exported["calls"]}
     for backend in BACKENDS:
         _child("device", check, folder, backend)
         runs[backend] = json.loads((folder / f"{backend}.json").read_text())
@@ -281,6 +286,8 @@ def measure(check: Check, folder: Path) -> dict[str, Any]:
         "check": asdict(check),
         "name": check.name,
         "tflite_bytes": (folder / "model.tflite").stat().st_size,
+        "global_floats": exported["floats"]["global"],
+        "local_floats": exported["floats"]["local"],
         "export_seconds": export_seconds,
     }
     for runtime, run in runs.items():
@@ -345,7 +352,10 @@ def main(argv: list[str] | None = None) -> None:
             figures = measure(check, folder)
             results.append(figures)
             size_mb, seconds = figures["tflite_bytes"] / 1e6, figures["export_seconds"]
-            print(f"{check.name}: .tflite {size_mb:.2f} MB, export {seconds:.0f} s")
+            print(
+                f"{check.name}: {figures['global_floats']:,} global and {figures['local_floats']:,} "
+                f"local floats, .tflite {size_mb:.2f} MB, export {seconds:.0f} s"
+            )
             for runtime in ("tensorflow", *BACKENDS):
                 f = figures[runtime]
                 print(

@@ -99,6 +99,8 @@ def test_training_converts_to_builtins_lowers_the_loss_on_both_interpreters_and_
     assert result.returncode == 0, result.stderr[-3000:]
     [figures] = json.loads((tmp_path / "f.json").read_text())
     assert figures["check"]["num_oov_buckets"] == 4 and figures["check"]["oov_local"]
+    # Local: the 4 OOV rows of the input embedding (8 wide) and of the output layer (8 + 1 each).
+    assert figures["local_floats"] == 4 * 8 + 4 * (8 + 1)
     for runtime in ("tensorflow", "ai_edge_litert", "tflite_runtime"):
         run = figures[runtime]
         losses = run["update_losses"]
