@@ -326,6 +326,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--lstm-units", type=int, default=d.lstm_units)
     parser.add_argument("--batch-size", type=int, default=d.batch_size)
     parser.add_argument("--num-batches", type=int, default=d.num_batches, help="batches in the task")
+    parser.add_argument("--learning-rate", type=float, default=d.learning_rate, help="of update")
     parser.add_argument("--json", type=Path, help="write every figure here")
     args = parser.parse_args(argv)
     checks = [
@@ -340,6 +341,7 @@ def main(argv: list[str] | None = None) -> None:
             num_batches=args.num_batches,
             calls=args.calls,
             steps=args.steps,
+            learning_rate=args.learning_rate,
         )
         for vocab_size in args.vocab_sizes
         for local, many in (VARIANTS[v] for v in args.variants)
