@@ -277,12 +277,12 @@ def next_word_data(
 ) -> NextWordData:
     """Roles with at least `min_examples` examples, split, the vocabulary of the training roles."""
     eligible = [r for r in roles if r.num_examples(seq_len) >= min_examples]
-    if len(eligible) < 3:
+    split = split_roles(eligible, seed)
+    if not split.validation or not split.test:
         raise ValueError(
             f"{len(eligible)} roles have at least {min_examples} examples of {seq_len} tokens; "
-            "expected at least 3 (one per split): lower min_examples"
+            "too few for one validation and one test role at least (80/10/10): lower min_examples"
         )
-    split = split_roles(eligible, seed)
     vocabulary = Vocabulary.build(split.train, vocab_size, num_oov_buckets)
 
     def encode(part: list[Role]) -> list[Examples]:

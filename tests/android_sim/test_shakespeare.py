@@ -182,6 +182,11 @@ def test_roles_with_too_few_examples_are_left_out() -> None:
     assert min(len(e["tokens"]) for e in [*data.train, *data.validation, *data.test]) == 10
 
 
+def test_too_few_roles_for_a_held_out_split_are_refused_with_the_fix() -> None:
+    with pytest.raises(ValueError, match=r"5 roles have at least 5 examples .* lower min_examples"):
+        next_word_data(roles_of(*[5] * 5, 4), vocab_size=10, num_oov_buckets=1, seq_len=2, min_examples=5)
+
+
 def test_role_split_is_a_deterministic_80_10_10_partition() -> None:
     roles = roles_of(*range(1, 41))
 
