@@ -309,6 +309,7 @@ def advance_secure(session: Session, population: Population, round_: Round, now:
     outcome = secure_rounds.advance(session, round_, settings, population_manifest(population), now)
     if isinstance(outcome, secure_rounds.Commit):
         round_.metrics = {
+            **round_.metrics,  # the phases' durations
             "secure_survivors": float(outcome.survivors),
             "unmask_seconds": outcome.unmask_seconds,
         }

@@ -57,6 +57,19 @@ ADVERTISE, SHARE_KEYS, MASKED_INPUT, UNMASKING, DONE = (
     "unmasking",
     "done",
 )
+PHASES = (ADVERTISE, SHARE_KEYS, MASKED_INPUT, UNMASKING)
+
+
+def phase_seconds_metric(phase: str) -> str:
+    """The round metric with how long `phase` lasted (set when it closes, committed or abandoned)."""
+    return f"secure_{phase}_seconds"
+
+
+def _close_phase(round_: Round, phase: str, now: float) -> None:
+    """Record how long the phase that closes now lasted: where a round's time goes."""
+    names = [phase_seconds_metric(p) for p in PHASES]
+    spent = sum(v for k, v in round_.metrics.items() if k in names)
+    round_.metrics = {**round_.metrics, phase_seconds_metric(phase): now - round_.opened_at - spent}
 
 
 @dataclass(frozen=True)
@@ -154,14 +167,14 @@ def advance(
             if not (timed_out or full or len(participants) >= round_.target):
                 return None
             _drop_outstanding(session, round_, {p.assignment_id for p in participants.values()}, now)
-            _next_phase(secure_round, SHARE_KEYS, settings.secure.share_keys_seconds, now)
+            _next_phase(round_, secure_round, SHARE_KEYS, settings.secure.share_keys_seconds, now)
             problem = _too_few(secure_round, len(participants), "advertised keys")
         elif phase == SHARE_KEYS:
             sharers = {i for i, p in participants.items() if p.sent_shares}
             if not (timed_out or active <= sharers):
                 return None
             _drop_outstanding(session, round_, {participants[i].assignment_id for i in sharers}, now)
-            _next_phase(secure_round, MASKED_INPUT, settings.secure.masked_input_seconds, now)
+            _next_phase(round_, secure_round, MASKED_INPUT, settings.secure.masked_input_seconds, now)
             problem = _too_few(secure_round, len(sharers), "shared keys") or _unreachable(
                 secure_round, participants, sharers
             )
@@ -171,7 +184,7 @@ def advance(
             if not (timed_out or (active & sharers) <= senders):
                 return None
             _drop_outstanding(session, round_, {participants[i].assignment_id for i in senders}, now)
-            _next_phase(secure_round, UNMASKING, settings.secure.unmasking_seconds, now)
+            _next_phase(round_, secure_round, UNMASKING, settings.secure.unmasking_seconds, now)
             problem = _too_few(secure_round, len(senders), "sent their masked input")
         else:  # UNMASKING
             return _finish(session, round_, secure_round, participants, layout(manifest), timed_out, now)
@@ -180,7 +193,8 @@ def advance(
     return None
 
 
-def _next_phase(secure_round: SecureRound, phase: str, seconds: float, now: float) -> None:
+def _next_phase(round_: Round, secure_round: SecureRound, phase: str, seconds: float, now: float) -> None:
+    _close_phase(round_, secure_round.phase, now)
     secure_round.phase, secure_round.phase_deadline = phase, now + seconds
 
 
@@ -238,6 +252,7 @@ def _finish(
     problem = server.unmask_problem(parameters, graph, sharers, survivors, responses)
     if problem is not None and not timed_out and set(responses) != survivors:
         return None  # more answers may still come
+    _close_phase(round_, UNMASKING, now)
     if problem is not None:
         return _abandon(session, round_, secure_round, problem, now)
     started = time.perf_counter()
