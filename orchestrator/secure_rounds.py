@@ -3,15 +3,23 @@
 A secure round is an ordinary round (check-in, assignments, capacity = target x oversampling)
 whose reports are replaced by four phases, each with its own deadline:
 
-    advertise --(target devices advertised keys, or deadline)--> share_keys
-    share_keys --(every advertiser sent shares, or deadline)---> masked_input
-    masked_input --(every sharer sent its input, or deadline)--> unmasking
-    unmasking --(enough shares to unmask, or deadline)---------> done: commit or abandon
+    advertise --(capacity devices advertised keys, or deadline)-----------------> share_keys
+    share_keys --(every advertiser sent shares, or stragglers, or deadline)-----> masked_input
+    masked_input --(target inputs, every sharer's, or stragglers, or deadline)--> unmasking
+    unmasking --(enough shares to unmask, or deadline)--------------------------> done
 
-Devices train before advertising, so the advertise phase is the round's check-in and training time.
-A phase that closes with too few devices, or with a device whose secrets too few neighbours hold,
-abandons the round: no shares are asked for and nothing is unmasked. At the end the server holds
-the sum of the survivors' inputs and never any single one unmasked; the masked inputs are deleted.
+Only the masked input needs the device's update, so a device advertises its keys right after it
+checks in and sends its shares while it trains: the advertise phase is the round's check-in time,
+the masked-input phase its training time, and after training only the masked input and the
+unmasking answer remain. Like a plaintext round at its target reports, the masked-input phase
+closes at `target` inputs: the slowest of the oversampled devices count as dropped, and their
+masks are removed with their shares; and once enough devices have answered a phase, it waits
+for stragglers (a device that vanished silently looks like one) only a while sized from the
+round's own pace, not to its deadline. A phase that closes with too few devices, or with a device
+whose secrets too few neighbours hold, abandons the round: no shares are asked for and nothing is
+unmasked. At the end the server holds the sum of the survivors' inputs and never any single one
+unmasked; the masked inputs are deleted. Each phase change is announced (`phase_changes`) to the
+devices waiting for it, and each phase's duration is kept in the round's metrics.
 
 Like `rounds`, every function runs in the caller's transaction with an explicit `now`, and
 refusals are returned as `Refused` values. The cryptography and the checks of each message are the
@@ -34,6 +42,8 @@ from sqlalchemy.orm import Session
 from model_export.manifest import Manifest
 from model_export.params import Params
 from orchestrator.db import Assignment, Round, SecureParticipant, SecureRound
+from orchestrator.on_commit import on_commit
+from orchestrator.phase_changes import PHASE_CHANGES
 from orchestrator.population_settings import PopulationSettings
 from orchestrator.refusals import Refused
 from secure_aggregation import server
@@ -163,28 +173,40 @@ def advance(
         if phase == ADVERTISE:
             advertised = {p.assignment_id for p in participants.values()}
             waiting = any(status[a] == "assigned" and a not in advertised for a in status)
+            # Devices advertise as they check in: the roster closes with the round's check-ins.
             full = round_.accepted >= round_.capacity and not waiting
-            if not (timed_out or full or len(participants) >= round_.target):
+            if not (timed_out or full):
                 return None
             _drop_outstanding(session, round_, {p.assignment_id for p in participants.values()}, now)
-            _next_phase(round_, secure_round, SHARE_KEYS, settings.secure.share_keys_seconds, now)
+            _next_phase(session, round_, secure_round, SHARE_KEYS, settings.secure.share_keys_seconds, now)
             problem = _too_few(secure_round, len(participants), "advertised keys")
         elif phase == SHARE_KEYS:
             sharers = {i for i, p in participants.items() if p.sent_shares}
-            if not (timed_out or active <= sharers):
+            if not (
+                timed_out
+                or active <= sharers
+                or _stragglers_left(round_, secure_round, settings, sharers, now)
+            ):
                 return None
             _drop_outstanding(session, round_, {participants[i].assignment_id for i in sharers}, now)
-            _next_phase(round_, secure_round, MASKED_INPUT, settings.secure.masked_input_seconds, now)
+            _next_phase(
+                session, round_, secure_round, MASKED_INPUT, settings.secure.masked_input_seconds, now
+            )
             problem = _too_few(secure_round, len(sharers), "shared keys") or _unreachable(
                 secure_round, participants, sharers
             )
         elif phase == MASKED_INPUT:
             sharers = {i for i, p in participants.items() if p.sent_shares}
             senders = {i for i, p in participants.items() if p.sent_masked_input}
-            if not (timed_out or (active & sharers) <= senders):
+            if not (
+                timed_out
+                or len(senders) >= round_.target
+                or (active & sharers) <= senders
+                or _stragglers_left(round_, secure_round, settings, senders, now)
+            ):
                 return None
             _drop_outstanding(session, round_, {participants[i].assignment_id for i in senders}, now)
-            _next_phase(round_, secure_round, UNMASKING, settings.secure.unmasking_seconds, now)
+            _next_phase(session, round_, secure_round, UNMASKING, settings.secure.unmasking_seconds, now)
             problem = _too_few(secure_round, len(senders), "sent their masked input")
         else:  # UNMASKING
             return _finish(session, round_, secure_round, participants, layout(manifest), timed_out, now)
@@ -193,8 +215,27 @@ def advance(
     return None
 
 
-def _next_phase(round_: Round, secure_round: SecureRound, phase: str, seconds: float, now: float) -> None:
+def _stragglers_left(
+    round_: Round, secure_round: SecureRound, settings: PopulationSettings, answered: set[int], now: float
+) -> bool:
+    """Whether the phase stops waiting for the devices that have not answered yet.
+
+    A device that vanished silently is still active until the phase's deadline, which must
+    leave room for the slowest phone's training. Once enough devices have answered to go on,
+    the phase waits at most `straggler_wait` times the round's age for the rest (a deadline
+    sized from how fast this round's devices are); the configured deadline still applies."""
+    wait = settings.secure.straggler_wait
+    if wait is None or len(answered) < max(3, _parameters(secure_round).min_survivors):
+        return False
+    secure_round.phase_deadline = min(secure_round.phase_deadline, now + wait * (now - round_.opened_at))
+    return now >= secure_round.phase_deadline
+
+
+def _next_phase(
+    session: Session, round_: Round, secure_round: SecureRound, phase: str, seconds: float, now: float
+) -> None:
     _close_phase(round_, secure_round.phase, now)
+    on_commit(session, PHASE_CHANGES.notify)
     secure_round.phase, secure_round.phase_deadline = phase, now + seconds
 
 
@@ -221,6 +262,7 @@ def _unreachable(
 
 def _abandon(session: Session, round_: Round, secure_round: SecureRound, reason: str, now: float) -> Abandon:
     _drop_outstanding(session, round_, set(), now)
+    on_commit(session, PHASE_CHANGES.notify)
     secure_round.phase, secure_round.outcome = DONE, reason[:500]
     session.execute(
         update(SecureParticipant).where(SecureParticipant.round_id == round_.id).values(masked_input=None)
@@ -278,6 +320,7 @@ def _finish(
     )
     round_.reported, round_.total_weight = len(survivors), float(len(survivors))
     _drop_outstanding(session, round_, set(survivor_assignments), now)
+    on_commit(session, PHASE_CHANGES.notify)
     secure_round.phase = DONE
     session.execute(
         update(SecureParticipant).where(SecureParticipant.round_id == round_.id).values(masked_input=None)
