@@ -112,6 +112,7 @@ def test_devices_advertise_as_they_check_in_and_the_roster_closes_at_capacity(
     assert at_target["phase"] == "advertise"
     assert closed["phase"] == "share_keys" and len(closed["roster"]) == 6
     assert isinstance(late, rounds.Refused) and "closed its check-ins" in late.message
+    assert late.retry_after == 10.0  # the population's retry window, not the round's far deadline
     assert current_round(db).metrics["secure_advertise_seconds"] == 2.0
 
 
