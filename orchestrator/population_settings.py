@@ -56,12 +56,12 @@ class SecureAggregationSettings(BaseModel):
     masked_input_seconds: float = Field(60.0, gt=0, description="training and sending the masked input")
     unmasking_seconds: float = Field(10.0, gt=0)
     straggler_wait: float | None = Field(
-        0.5,
+        1.0,
         gt=0,
-        le=10,
-        description="once min_reports devices have sent their shares (or masked inputs), the phase "
-        "waits for the others at most this share of the round's age so far (a device that vanished "
-        "silently is one); null: until the phase's deadline",
+        le=100,
+        description="once a phase has heard from min_reports devices (keys from a full round, shares, "
+        "masked inputs), it waits for the others at most this many times as long as that took (a "
+        "device that vanished silently is one); null: until the phase's deadline",
     )
 
     @field_validator("neighbours")

@@ -3,7 +3,7 @@
 A secure round is an ordinary round (check-in, assignments, capacity = target x oversampling)
 whose reports are replaced by four phases, each with its own deadline:
 
-    advertise --(capacity devices advertised keys, or deadline)-----------------> share_keys
+    advertise --(capacity devices advertised keys, or stragglers, or deadline)--> share_keys
     share_keys --(every advertiser sent shares, or stragglers, or deadline)-----> masked_input
     masked_input --(target inputs, every sharer's, or stragglers, or deadline)--> unmasking
     unmasking --(enough shares to unmask, or deadline)--------------------------> done
@@ -15,7 +15,7 @@ unmasking answer remain. Like a plaintext round at its target reports, the maske
 closes at `target` inputs: the slowest of the oversampled devices count as dropped, and their
 masks are removed with their shares; and once enough devices have answered a phase, it waits
 for stragglers (a device that vanished silently looks like one) only a while sized from the
-round's own pace, not to its deadline. A phase that closes with too few devices, or with a device
+phase's own pace, not to its deadline. A phase that closes with too few devices, or with a device
 whose secrets too few neighbours hold, abandons the round: no shares are asked for and nothing is
 unmasked. At the end the server holds the sum of the survivors' inputs and never any single one
 unmasked; the masked inputs are deleted. Each phase change is announced (`phase_changes`) to the
@@ -75,11 +75,15 @@ def phase_seconds_metric(phase: str) -> str:
     return f"secure_{phase}_seconds"
 
 
+def _phase_started(round_: Round) -> float:
+    """When the current phase opened: the round's opening plus the phases closed before it."""
+    names = [phase_seconds_metric(p) for p in PHASES]
+    return round_.opened_at + sum(v for k, v in round_.metrics.items() if k in names)
+
+
 def _close_phase(round_: Round, phase: str, now: float) -> None:
     """Record how long the phase that closes now lasted: where a round's time goes."""
-    names = [phase_seconds_metric(p) for p in PHASES]
-    spent = sum(v for k, v in round_.metrics.items() if k in names)
-    round_.metrics = {**round_.metrics, phase_seconds_metric(phase): now - round_.opened_at - spent}
+    round_.metrics = {**round_.metrics, phase_seconds_metric(phase): now - _phase_started(round_)}
 
 
 @dataclass(frozen=True)
@@ -174,8 +178,14 @@ def advance(
             advertised = {p.assignment_id for p in participants.values()}
             waiting = any(status[a] == "assigned" and a not in advertised for a in status)
             # Devices advertise as they check in: the roster closes with the round's check-ins.
-            full = round_.accepted >= round_.capacity and not waiting
-            if not (timed_out or full):
+            full = round_.accepted >= round_.capacity
+            # A device that vanished between its check-in and its keys holds a full roster open.
+            enough = full and len(participants) >= _enough(secure_round)
+            if not (
+                timed_out
+                or (full and not waiting)
+                or _stragglers_left(round_, secure_round, settings, enough, now)
+            ):
                 return None
             _drop_outstanding(session, round_, {p.assignment_id for p in participants.values()}, now)
             _next_phase(session, round_, secure_round, SHARE_KEYS, settings.secure.share_keys_seconds, now)
@@ -185,7 +195,9 @@ def advance(
             if not (
                 timed_out
                 or active <= sharers
-                or _stragglers_left(round_, secure_round, settings, sharers, now)
+                or _stragglers_left(
+                    round_, secure_round, settings, len(sharers) >= _enough(secure_round), now
+                )
             ):
                 return None
             _drop_outstanding(session, round_, {participants[i].assignment_id for i in sharers}, now)
@@ -202,7 +214,9 @@ def advance(
                 timed_out
                 or len(senders) >= round_.target
                 or (active & sharers) <= senders
-                or _stragglers_left(round_, secure_round, settings, senders, now)
+                or _stragglers_left(
+                    round_, secure_round, settings, len(senders) >= _enough(secure_round), now
+                )
             ):
                 return None
             _drop_outstanding(session, round_, {participants[i].assignment_id for i in senders}, now)
@@ -216,18 +230,19 @@ def advance(
 
 
 def _stragglers_left(
-    round_: Round, secure_round: SecureRound, settings: PopulationSettings, answered: set[int], now: float
+    round_: Round, secure_round: SecureRound, settings: PopulationSettings, enough: bool, now: float
 ) -> bool:
     """Whether the phase stops waiting for the devices that have not answered yet.
 
     A device that vanished silently is still active until the phase's deadline, which must
-    leave room for the slowest phone's training. Once enough devices have answered to go on,
-    the phase waits at most `straggler_wait` times the round's age for the rest (a deadline
-    sized from how fast this round's devices are); the configured deadline still applies."""
+    leave room for the slowest phone. Once `enough` devices have answered to go on, the phase
+    waits for the rest at most `straggler_wait` times as long as it took to get there (a deadline
+    sized from this round's own pace); the configured deadline still applies."""
     wait = settings.secure.straggler_wait
-    if wait is None or len(answered) < max(3, _parameters(secure_round).min_survivors):
+    if wait is None or not enough:
         return False
-    secure_round.phase_deadline = min(secure_round.phase_deadline, now + wait * (now - round_.opened_at))
+    pace = now - _phase_started(round_)
+    secure_round.phase_deadline = min(secure_round.phase_deadline, now + wait * pace)
     return now >= secure_round.phase_deadline
 
 
@@ -239,10 +254,14 @@ def _next_phase(
     secure_round.phase, secure_round.phase_deadline = phase, now + seconds
 
 
+def _enough(secure_round: SecureRound) -> int:
+    """Devices a phase needs to go on: the round's minimum, and never fewer than 3."""
+    return max(3, _parameters(secure_round).min_survivors)
+
+
 def _too_few(secure_round: SecureRound, count: int, what: str) -> str | None:
-    needed = _parameters(secure_round).min_survivors
-    if count < max(3, needed):
-        return f"only {count} devices {what}; a secure round needs at least {max(3, needed)}"
+    if count < _enough(secure_round):
+        return f"only {count} devices {what}; a secure round needs at least {_enough(secure_round)}"
     return None
 
 

@@ -89,10 +89,10 @@ def test_too_few_sharers_abandon_the_round_at_the_phase_deadline_and_the_next_on
     assert current_round(db).id != first.id
 
 
-def test_devices_advertise_as_they_check_in_and_the_roster_closes_at_capacity(
+def test_the_roster_waits_for_capacity_and_for_a_device_that_never_advertises_as_long_again(
     db: sessionmaker[Session], biased_model: ExportedModel
 ) -> None:
-    # Prepare: target 4, capacity 6; four devices check in and advertise at once
+    # Prepare: target 4, capacity 6; six devices check in, four advertise at once
     make_population(db, biased_model, **{**SECURE, "oversampling": 1.5})
     devices = [device(db) for _ in range(6)]
     answers = [checkin(db, d, now=0.5) for d in devices]
@@ -101,22 +101,29 @@ def test_devices_advertise_as_they_check_in_and_the_roster_closes_at_capacity(
         message(db, d, a.assignment_id, "advertise", DeviceSession(params).advertise().to_json(), 1.0)
     at_target = state(db, devices[0], answers[0].assignment_id, 1.0)
 
-    # Execute: the last two of the round's capacity advertise
-    for d, a in list(zip(devices, answers, strict=True))[4:]:
-        message(db, d, a.assignment_id, "advertise", DeviceSession(params).advertise().to_json(), 2.0)
+    # Execute: a fifth advertises; the sixth never does (it vanished after its check-in)
+    message(
+        db,
+        devices[4],
+        answers[4].assignment_id,
+        "advertise",
+        DeviceSession(params).advertise().to_json(),
+        1.5,
+    )
+    waiting = state(db, devices[0], answers[0].assignment_id, 1.9)
     closed = state(db, devices[0], answers[0].assignment_id, 2.0)
     late = checkin(db, device(db), now=2.0)
 
-    # Assert: the roster waited for capacity, not for the target (training comes later), then
-    # went out to every device; the phase's duration is in the round's metrics
-    assert at_target["phase"] == "advertise"
-    assert closed["phase"] == "share_keys" and len(closed["roster"]) == 6
+    # Assert: the roster did not close at the target (training comes after the keys), and waited
+    # for the sixth as long again as the round took to fill (1 s); then it went out to the five
+    assert at_target["phase"] == "advertise" and waiting["phase"] == "advertise"
+    assert closed["phase"] == "share_keys" and len(closed["roster"]) == 5
     assert isinstance(late, rounds.Refused) and "closed its check-ins" in late.message
     assert late.retry_after == 10.0  # the population's retry window, not the round's far deadline
     assert current_round(db).metrics["secure_advertise_seconds"] == 2.0
 
 
-def test_once_enough_inputs_are_in_a_straggler_is_waited_for_half_the_rounds_age_and_counts_as_dropped(
+def test_once_enough_inputs_are_in_a_straggler_is_waited_for_as_long_again_and_counts_as_dropped(
     db: sessionmaker[Session], biased_model: ExportedModel
 ) -> None:
     # Prepare: four devices advertise at check-in (t=1) and share keys while training (t=2)
@@ -144,7 +151,8 @@ def test_once_enough_inputs_are_in_a_straggler_is_waited_for_half_the_rounds_age
         )
         return encode_vector(sessions[k].masked_input(zero, ciphertexts), params)
 
-    # Execute: three (min_reports) send their masked input at t=4; the fourth is still training
+    # Execute: three (min_reports) send their masked input at t=4, 2 s into the phase; the
+    # fourth is still training
     inputs = [masked(k, 4.0) for k in range(4)]
     for k in range(3):
         message(db, devices[k], answers[k].assignment_id, "masked_input", inputs[k], 4.0)
@@ -161,8 +169,8 @@ def test_once_enough_inputs_are_in_a_straggler_is_waited_for_half_the_rounds_age
             6.5,
         )
 
-    # Assert: at 4 + 0.5 x 4 s the phase went on without the fourth, whose masks the others'
-    # shares removed: the round committed with three inputs
+    # Assert: at 4 + 2 s (straggler_wait 1 x the phase's pace) the phase went on without the
+    # fourth, whose masks the others' shares removed: the round committed with three inputs
     assert waiting["phase"] == "masked_input"
     assert moved_on["phase"] == "unmasking" and moved_on["survivors"] == sorted(indices[:3])
     assert isinstance(late, rounds.Refused) and late.status == 409
