@@ -69,8 +69,9 @@ class RunConfig:
     min_examples: int = 3
     round_seconds: float = 10.0
     aggregation: str = "plaintext"  # or "secure": secure aggregation (README, "Privacy")
-    # Deadline of each secure phase after the training one: a device that vanishes holds its phase
-    # until then, and the others answer within about a second.
+    # Deadline of the secure phases that need no training (share keys, unmasking): the devices
+    # answer within about a second. Check-ins (advertising keys) close at capacity or after half
+    # the round's time, and the masked-input phase (training) has the round's time.
     secure_phase_seconds: float = 2.0
     secure_clip_norm: float = 10.0  # L2 bound each device clips its delta to under secure aggregation
     evaluation_every: int = 10
@@ -257,9 +258,9 @@ def population_settings(
         "aggregation": config.aggregation,
         "secure": {
             "clip_norm": config.secure_clip_norm,
-            "advertise_seconds": config.round_seconds,
+            "advertise_seconds": config.round_seconds / 2,
             "share_keys_seconds": config.secure_phase_seconds,
-            "masked_input_seconds": config.secure_phase_seconds,
+            "masked_input_seconds": config.round_seconds,
             "unmasking_seconds": config.secure_phase_seconds,
         },
         "differential_privacy": differential_privacy(config, training_devices),

@@ -1,1 +1,1 @@
-"""What every part shares: manifest, parameters, features, task config, protocol (stdlib, numpy, safetensors)."""
+"""What every part shares: manifest, parameters, features, task config, protocol messages."""

@@ -28,7 +28,7 @@ from device_runtime.orchestrator_client import (
     RetryLater,
     ServerUnavailable,
 )
-from device_runtime.secure_round import SecureRoundDriver
+from device_runtime.secure_round import SecureParticipation, SecureRoundDriver
 from device_runtime.task_runner import TaskRunner
 
 
@@ -153,6 +153,41 @@ class DeviceAgent:
                 "rejected", retry_after_seconds=answer.retry_after_seconds, detail=answer.reason
             )
         self.assignment = answer
+        if answer.kind == "training" and answer.aggregation == "secure":
+            # Keys and shares do not depend on the update: they go out while the device trains.
+            driver = SecureRoundDriver(
+                self.client,
+                answer,
+                stays=phase_continues or (lambda phase: should_continue()),
+                abort_when_leaving=abort_when_interrupted,
+            )
+            sharing = asyncio.create_task(driver.share())
+            try:
+                return await self._train(
+                    answer,
+                    lambda: should_continue() and not driver.left,
+                    seed,
+                    compute_slowdown,
+                    abort_when_interrupted,
+                    (driver, sharing),
+                )
+            finally:
+                # The device stopped (or finished): its keys and shares go no further, and an
+                # error of theirs that an earlier one cut short is not left unread.
+                sharing.cancel()
+                await asyncio.gather(sharing, return_exceptions=True)
+        return await self._train(answer, should_continue, seed, compute_slowdown, abort_when_interrupted)
+
+    async def _train(
+        self,
+        answer: Assignment,
+        should_continue: Callable[[], bool],
+        seed: int,
+        compute_slowdown: float,
+        abort_when_interrupted: bool,
+        secure: tuple[SecureRoundDriver, asyncio.Task[SecureParticipation | None]] | None = None,
+    ) -> Participation:
+        """Run the task, then report it, or, in a secure round, finish the round's phases."""
         model_dir = await self.client.model_dir(answer, self.cache_dir)
         blob = await self.client.global_params(answer)
         config = TaskConfig.from_json(answer.task_config)
@@ -170,6 +205,10 @@ class DeviceAgent:
         if compute_slowdown > 1.0:
             await asyncio.sleep((compute_slowdown - 1.0) * seconds)
             seconds *= compute_slowdown
+        if secure is not None and secure[0].left:  # the round went on without it, or it left a phase
+            left = await secure[1]
+            assert left is not None
+            return _secure_participation(answer, result, seconds, left)
         if result.outcome is Outcome.COMPLETED and not should_continue():
             result = TaskResult(Outcome.INTERRUPTED, message="conditions changed before reporting")
         if result.outcome is not Outcome.COMPLETED:
@@ -181,16 +220,12 @@ class DeviceAgent:
             # a device that vanished: counted so, the device's and the server's tallies agree.
             status = "vanished" if lost else "aborted"
             return Participation(status, answer, result, detail=detail + lost, task_seconds=seconds)
-        if answer.kind == "training" and answer.aggregation == "secure":
+        if secure is not None:
             assert result.delta is not None
-            return await self.take_part_securely(
-                answer,
-                model_dir,
-                result,
-                seconds,
-                phase_continues or (lambda phase: should_continue()),
-                abort_when_interrupted=abort_when_interrupted,
-            )
+            driver, sharing = secure
+            manifest = load_manifest(model_dir, verify_model=False)
+            outcome = await sharing or await driver.finish(manifest, result.delta)
+            return _secure_participation(answer, result, seconds, outcome)
         try:
             if answer.kind == "training":
                 assert result.delta is not None
@@ -205,31 +240,16 @@ class DeviceAgent:
             "reported", answer, result, server_answer=dataclasses.asdict(reply), task_seconds=seconds
         )
 
-    async def take_part_securely(
-        self,
-        answer: Assignment,
-        model_dir: Path,
-        result: TaskResult,
-        seconds: float,
-        phase_continues: Callable[[str], bool],
-        *,
-        abort_when_interrupted: bool = True,
-    ) -> Participation:
-        """The secure round's phases with the task's delta in place of a report."""
-        assert result.delta is not None
-        driver = SecureRoundDriver(
-            self.client,
-            answer,
-            load_manifest(model_dir, verify_model=False),
-            stays=phase_continues,
-            abort_when_leaving=abort_when_interrupted,
-        )
-        secure = await driver.run(result.delta)
-        return Participation(
-            secure.status,
-            answer,
-            result,
-            detail=f"{secure.phase}: {secure.detail}" if secure.detail else "",
-            server_answer={"bytes_up": secure.bytes_up, "bytes_down": secure.bytes_down},
-            task_seconds=seconds,
-        )
+
+def _secure_participation(
+    answer: Assignment, result: TaskResult, seconds: float, secure: SecureParticipation
+) -> Participation:
+    """A secure round's outcome, with the task's result in place of a report."""
+    return Participation(
+        secure.status,
+        answer,
+        result,
+        detail=f"{secure.phase}: {secure.detail}" if secure.detail else "",
+        server_answer={"bytes_up": secure.bytes_up, "bytes_down": secure.bytes_down},
+        task_seconds=seconds,
+    )

@@ -349,9 +349,13 @@ class OrchestratorClient:
             raise ProtocolError(200, "this assignment's round does not use secure aggregation")
         return assignment.secure_url
 
-    async def secure_state(self, assignment: Assignment) -> dict[str, Any]:
-        """The secure round's phase and what this device needs for it."""
-        return await self._json("GET", self._secure_url(assignment), "the secure round's state")
+    async def secure_state(self, assignment: Assignment, until: str | None = None) -> dict[str, Any]:
+        """The secure round's phase and what this device needs for it; with `until`, the server
+        holds the answer (for some seconds at most) until the round reaches that phase or a later one."""
+        params = None if until is None else {"until": until}
+        return await self._json(
+            "GET", self._secure_url(assignment), "the secure round's state", params=params
+        )
 
     async def secure_message(self, assignment: Assignment, phase: str, body: Any) -> dict[str, Any]:
         """A JSON message of the `keys`, `shares` or `unmasking` phase."""

@@ -1,10 +1,14 @@
 """The device's side of a secure round: drive the phases of `secure_aggregation` over HTTP.
 
-After training, the device flattens its dense delta, clips and quantizes it, and then, phase by
-phase (polling the round's state until the server opens the next phase): advertises its keys,
-sends Shamir shares encrypted to its neighbours, sends its masked input, and sends the shares that
-let the server unmask the survivors' sum. Its secrets live in one `DeviceSession` and go with it.
-The cryptography runs on a worker thread, so many simulated devices share one event loop.
+Only the masked input needs the device's update, so the phases come in two parts. `share` runs
+from check-in on, while the device trains: it advertises the device's keys, sends Shamir shares
+encrypted to its neighbours once the server announces the roster, and fetches the shares its
+neighbours encrypted to it once every device has shared. `finish` runs after training: it clips
+and quantizes the dense delta, sends the masked input, and then the shares that let the server
+unmask the survivors' sum. Between phases the device asks for the round's state with `until`, and
+the server answers as soon as the phase opens (long-polling). Its secrets live in one
+`DeviceSession` and go with it. The cryptography runs on a worker thread, so many simulated
+devices share one event loop.
 """
 
 from __future__ import annotations
@@ -14,7 +18,8 @@ import contextlib
 import json
 import random
 import secrets
-from collections.abc import Callable
+import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,6 +46,8 @@ from secure_aggregation.messages import (
 from secure_aggregation.quantization import Layout, quantize
 
 PHASES = ("advertise", "share_keys", "masked_input", "unmasking")
+# Between two questions about the state when the server answers without holding the answer.
+MIN_POLL_SECONDS = 0.2
 
 
 @dataclass(frozen=True)
@@ -69,40 +76,57 @@ def quantized_update(manifest: Manifest, delta: Params, params: RoundParameters)
 
 
 class SecureRoundDriver:
-    """One device in one secure round: `run` takes it through the phases."""
+    """One device in one secure round: `share` (from check-in, while training), then `finish`
+    with the trained delta; or `run` for both in a row."""
 
     def __init__(
         self,
         client: OrchestratorClient,
         assignment: Assignment,
-        manifest: Manifest,
         *,
         stays: Callable[[str], bool] = lambda phase: True,
         abort_when_leaving: bool = True,
-        poll_seconds: float = 0.5,
     ) -> None:
         self.client = client
         self.assignment = assignment
-        self.manifest = manifest
         self.stays = stays
         self.abort_when_leaving = abort_when_leaving
-        self.poll_seconds = poll_seconds
         self.phase = PHASES[0]
         self.bytes_up = 0
         self.bytes_down = 0
+        # Set once the device is out of the round (read by the training loop on its thread).
+        self.left = False
+        self._session: DeviceSession | None = None
+        self._ciphertexts: dict[int, bytes] = {}
 
-    async def run(self, delta: Params) -> SecureParticipation:
+    async def share(self) -> SecureParticipation | None:
+        """Advertise keys, send shares, receive the neighbours' shares. None when the device is
+        ready for its masked input, else how it left the round (it then trains no further)."""
+        return await self._guarded(self._share())
+
+    async def finish(self, manifest: Manifest, delta: Params) -> SecureParticipation:
+        """After `share` returned None: the masked input of `delta`, then the unmasking answer."""
+        return await self._guarded(self._finish(manifest, delta)) or self._result("reported")
+
+    async def run(self, manifest: Manifest, delta: Params) -> SecureParticipation:
+        return await self.share() or await self.finish(manifest, delta)
+
+    async def _guarded(self, phases: Awaitable[None]) -> SecureParticipation | None:
         try:
-            await self._phases(delta)
+            await phases
+            return None
         except _Left as e:
+            self.left = True
             if e.status == "aborted" and self.abort_when_leaving:
                 with contextlib.suppress(ProtocolError):  # the round may already have dropped it
                     await self.client.abort(self.assignment)
             status = e.status if e.status != "aborted" or self.abort_when_leaving else "vanished"
             return self._result(status, e.detail)
         except (ProtocolError, SecureProtocolError) as e:
+            self.left = True
             return self._result("refused", str(e))
         except (KeyError, TypeError, ValueError) as e:  # a state answer that lacks or mistypes a field
+            self.left = True
             with contextlib.suppress(ProtocolError, InvalidAnswer, ServerUnavailable):
                 await self.client.abort(self.assignment)
             return self._result(
@@ -110,7 +134,6 @@ class SecureRoundDriver:
                 f"the secure round's state broke the protocol ({type(e).__name__}: {e}); expected the "
                 "phase, its deadline and what this device needs for it",
             )
-        return self._result("reported")
 
     def _result(self, status: str, detail: str = "") -> SecureParticipation:
         return SecureParticipation(status, self.phase, detail, self.bytes_up, self.bytes_down)
@@ -121,9 +144,10 @@ class SecureRoundDriver:
             raise _Left("aborted", f"conditions changed before the {phase} phase")
 
     async def _state(self, phase: str, needs: str | None) -> dict[str, Any]:
-        """Poll until the server is at `phase` (with the `needs` entry for this device)."""
+        """The state once the server is at `phase` (with the `needs` entry for this device)."""
         while True:
-            state = await self.client.secure_state(self.assignment)
+            asked = time.monotonic()
+            state = await self.client.secure_state(self.assignment, until=phase)
             self.bytes_down += len(json.dumps(state))
             if state["phase"] == phase and (needs is None or needs in state):
                 return state
@@ -136,18 +160,17 @@ class SecureRoundDriver:
                 )
             if state["phase"] == phase:
                 raise _Left("refused", f"the server did not include this device in the {phase} phase")
-            # Jittered, so that a round's devices do not poll the server in step.
-            wait = self.poll_seconds * (0.5 + random.random())
-            await asyncio.sleep(min(wait, max(0.01, float(state["seconds_left"]))))
+            # The server held the answer as long as it would; ask again at once, unless it did not
+            # hold it at all (then pace the questions, jittered so devices do not ask in step).
+            if time.monotonic() - asked < MIN_POLL_SECONDS:
+                await asyncio.sleep(MIN_POLL_SECONDS * (0.5 + random.random()))
 
-    async def _phases(self, delta: Params) -> None:
+    async def _share(self) -> None:
         state = await self._state("advertise", None)
         params = RoundParameters.from_json(state["parameters"])
         self._enter("advertise")
-        session = DeviceSession(params)
-        quantized = await asyncio.to_thread(quantized_update, self.manifest, delta, params)
-        keys = session.advertise().to_json()
-        index = int((await self._post("keys", keys))["index"])
+        session = self._session = DeviceSession(params)
+        index = int((await self._post("keys", session.advertise().to_json()))["index"])
 
         state = await self._state("share_keys", "roster")
         self._enter("share_keys")
@@ -156,10 +179,20 @@ class SecureRoundDriver:
         await self._post("shares", shares_to_json(shares))
 
         state = await self._state("masked_input", "ciphertexts")
+        self._ciphertexts = ciphertexts_from_json(state["ciphertexts"], len(roster))
+
+    async def _finish(self, manifest: Manifest, delta: Params) -> None:
+        session = self._session
+        if session is None:
+            raise RuntimeError("finish() before share() had the device ready for its masked input")
         self._enter("masked_input")
-        ciphertexts = ciphertexts_from_json(state["ciphertexts"], len(roster))
-        masked = await asyncio.to_thread(session.masked_input, quantized, ciphertexts)
-        body = encode_vector(masked, params)
+        params = session.params
+
+        def masked() -> np.ndarray:
+            quantized = quantized_update(manifest, delta, params)
+            return session.masked_input(quantized, self._ciphertexts)
+
+        body = encode_vector(await asyncio.to_thread(masked), params)
         self.bytes_up += len(body)
         await self.client.secure_masked_input(self.assignment, body)
 

@@ -47,10 +47,22 @@ class SecureAggregationSettings(BaseModel):
         description="share of a device's neighbours whose shares reconstruct its secrets; lower "
         "tolerates more dropouts, higher tolerates more devices colluding with the server",
     )
-    advertise_seconds: float = Field(60.0, gt=0, description="check-in, training and advertising keys")
-    share_keys_seconds: float = Field(10.0, gt=0)
-    masked_input_seconds: float = Field(10.0, gt=0)
+    # Devices advertise keys as they check in and share keys while they train: the masked-input
+    # phase is the one that covers training.
+    advertise_seconds: float = Field(
+        30.0, gt=0, description="check-in and advertising keys (the roster closes at capacity or then)"
+    )
+    share_keys_seconds: float = Field(10.0, gt=0, description="sending shares (devices are training)")
+    masked_input_seconds: float = Field(60.0, gt=0, description="training and sending the masked input")
     unmasking_seconds: float = Field(10.0, gt=0)
+    straggler_wait: float | None = Field(
+        1.0,
+        gt=0,
+        le=100,
+        description="once a phase has heard from min_reports devices (keys from a full round, shares, "
+        "masked inputs), it waits for the others at most this many times as long as that took (a "
+        "device that vanished silently is one); null: until the phase's deadline",
+    )
 
     @field_validator("neighbours")
     @classmethod

@@ -308,6 +308,7 @@ def advance_secure(session: Session, population: Population, round_: Round, now:
     outcome = secure_rounds.advance(session, round_, settings, population_manifest(population), now)
     if isinstance(outcome, secure_rounds.Commit):
         round_.metrics = {
+            **round_.metrics,  # the phases' durations
             "secure_survivors": float(outcome.survivors),
             "unmask_seconds": outcome.unmask_seconds,
         }
@@ -372,7 +373,11 @@ def checkin(
             and settings.secure_training
             and not secure_rounds.accepting(session, round_)
         ):
-            answers.append(Refused(409, "the secure round has closed its check-ins", retry_after))
+            # Its deadline adds up every phase's bound, but a secure round whose roster is full
+            # usually ends within seconds, and the next one opens then: come back soon.
+            answers.append(
+                Refused(409, "the secure round has closed its check-ins", settings.retry_after_seconds)
+            )
             continue
         round_.checked_in += 1
         if request.example_count < settings.min_examples:

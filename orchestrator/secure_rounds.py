@@ -3,15 +3,23 @@
 A secure round is an ordinary round (check-in, assignments, capacity = target x oversampling)
 whose reports are replaced by four phases, each with its own deadline:
 
-    advertise --(target devices advertised keys, or deadline)--> share_keys
-    share_keys --(every advertiser sent shares, or deadline)---> masked_input
-    masked_input --(every sharer sent its input, or deadline)--> unmasking
-    unmasking --(enough shares to unmask, or deadline)---------> done: commit or abandon
+    advertise --(capacity devices advertised keys, or stragglers, or deadline)--> share_keys
+    share_keys --(every advertiser sent shares, or stragglers, or deadline)-----> masked_input
+    masked_input --(target inputs, every sharer's, or stragglers, or deadline)--> unmasking
+    unmasking --(enough shares to unmask, or deadline)--------------------------> done
 
-Devices train before advertising, so the advertise phase is the round's check-in and training time.
-A phase that closes with too few devices, or with a device whose secrets too few neighbours hold,
-abandons the round: no shares are asked for and nothing is unmasked. At the end the server holds
-the sum of the survivors' inputs and never any single one unmasked; the masked inputs are deleted.
+Only the masked input needs the device's update, so a device advertises its keys right after it
+checks in and sends its shares while it trains: the advertise phase is the round's check-in time,
+the masked-input phase its training time, and after training only the masked input and the
+unmasking answer remain. Like a plaintext round at its target reports, the masked-input phase
+closes at `target` inputs: the slowest of the oversampled devices count as dropped, and their
+masks are removed with their shares; and once enough devices have answered a phase, it waits
+for stragglers (a device that vanished silently looks like one) only a while sized from the
+phase's own pace, not to its deadline. A phase that closes with too few devices, or with a device
+whose secrets too few neighbours hold, abandons the round: no shares are asked for and nothing is
+unmasked. At the end the server holds the sum of the survivors' inputs and never any single one
+unmasked; the masked inputs are deleted. Each phase change is announced (`phase_changes`) to the
+devices waiting for it, and each phase's duration is kept in the round's metrics.
 
 Like `rounds`, every function runs in the caller's transaction with an explicit `now`, and
 refusals are returned as `Refused` values. The cryptography and the checks of each message are the
@@ -34,6 +42,8 @@ from sqlalchemy.orm import Session
 from contracts.manifest import Manifest
 from contracts.params import Params
 from orchestrator.db import Assignment, Round, SecureParticipant, SecureRound
+from orchestrator.on_commit import on_commit
+from orchestrator.phase_changes import PHASE_CHANGES
 from orchestrator.population_settings import PopulationSettings
 from orchestrator.refusals import Refused
 from secure_aggregation import server
@@ -57,6 +67,23 @@ ADVERTISE, SHARE_KEYS, MASKED_INPUT, UNMASKING, DONE = (
     "unmasking",
     "done",
 )
+PHASES = (ADVERTISE, SHARE_KEYS, MASKED_INPUT, UNMASKING)
+
+
+def phase_seconds_metric(phase: str) -> str:
+    """The round metric with how long `phase` lasted (set when it closes, committed or abandoned)."""
+    return f"secure_{phase}_seconds"
+
+
+def _phase_started(round_: Round) -> float:
+    """When the current phase opened: the round's opening plus the phases closed before it."""
+    names = [phase_seconds_metric(p) for p in PHASES]
+    return round_.opened_at + sum(v for k, v in round_.metrics.items() if k in names)
+
+
+def _close_phase(round_: Round, phase: str, now: float) -> None:
+    """Record how long the phase that closes now lasted: where a round's time goes."""
+    round_.metrics = {**round_.metrics, phase_seconds_metric(phase): now - _phase_started(round_)}
 
 
 @dataclass(frozen=True)
@@ -150,28 +177,50 @@ def advance(
         if phase == ADVERTISE:
             advertised = {p.assignment_id for p in participants.values()}
             waiting = any(status[a] == "assigned" and a not in advertised for a in status)
-            full = round_.accepted >= round_.capacity and not waiting
-            if not (timed_out or full or len(participants) >= round_.target):
+            # Devices advertise as they check in: the roster closes with the round's check-ins.
+            full = round_.accepted >= round_.capacity
+            # A device that vanished between its check-in and its keys holds a full roster open.
+            enough = full and len(participants) >= _enough(secure_round)
+            if not (
+                timed_out
+                or (full and not waiting)
+                or _stragglers_left(round_, secure_round, settings, enough, now)
+            ):
                 return None
             _drop_outstanding(session, round_, {p.assignment_id for p in participants.values()}, now)
-            _next_phase(secure_round, SHARE_KEYS, settings.secure.share_keys_seconds, now)
+            _next_phase(session, round_, secure_round, SHARE_KEYS, settings.secure.share_keys_seconds, now)
             problem = _too_few(secure_round, len(participants), "advertised keys")
         elif phase == SHARE_KEYS:
             sharers = {i for i, p in participants.items() if p.sent_shares}
-            if not (timed_out or active <= sharers):
+            if not (
+                timed_out
+                or active <= sharers
+                or _stragglers_left(
+                    round_, secure_round, settings, len(sharers) >= _enough(secure_round), now
+                )
+            ):
                 return None
             _drop_outstanding(session, round_, {participants[i].assignment_id for i in sharers}, now)
-            _next_phase(secure_round, MASKED_INPUT, settings.secure.masked_input_seconds, now)
+            _next_phase(
+                session, round_, secure_round, MASKED_INPUT, settings.secure.masked_input_seconds, now
+            )
             problem = _too_few(secure_round, len(sharers), "shared keys") or _unreachable(
                 secure_round, participants, sharers
             )
         elif phase == MASKED_INPUT:
             sharers = {i for i, p in participants.items() if p.sent_shares}
             senders = {i for i, p in participants.items() if p.sent_masked_input}
-            if not (timed_out or (active & sharers) <= senders):
+            if not (
+                timed_out
+                or len(senders) >= round_.target
+                or (active & sharers) <= senders
+                or _stragglers_left(
+                    round_, secure_round, settings, len(senders) >= _enough(secure_round), now
+                )
+            ):
                 return None
             _drop_outstanding(session, round_, {participants[i].assignment_id for i in senders}, now)
-            _next_phase(secure_round, UNMASKING, settings.secure.unmasking_seconds, now)
+            _next_phase(session, round_, secure_round, UNMASKING, settings.secure.unmasking_seconds, now)
             problem = _too_few(secure_round, len(senders), "sent their masked input")
         else:  # UNMASKING
             return _finish(session, round_, secure_round, participants, layout(manifest), timed_out, now)
@@ -180,14 +229,39 @@ def advance(
     return None
 
 
-def _next_phase(secure_round: SecureRound, phase: str, seconds: float, now: float) -> None:
+def _stragglers_left(
+    round_: Round, secure_round: SecureRound, settings: PopulationSettings, enough: bool, now: float
+) -> bool:
+    """Whether the phase stops waiting for the devices that have not answered yet.
+
+    A device that vanished silently is still active until the phase's deadline, which must
+    leave room for the slowest phone. Once `enough` devices have answered to go on, the phase
+    waits for the rest at most `straggler_wait` times as long as it took to get there (a deadline
+    sized from this round's own pace); the configured deadline still applies."""
+    wait = settings.secure.straggler_wait
+    if wait is None or not enough:
+        return False
+    pace = now - _phase_started(round_)
+    secure_round.phase_deadline = min(secure_round.phase_deadline, now + wait * pace)
+    return now >= secure_round.phase_deadline
+
+
+def _next_phase(
+    session: Session, round_: Round, secure_round: SecureRound, phase: str, seconds: float, now: float
+) -> None:
+    _close_phase(round_, secure_round.phase, now)
+    on_commit(session, PHASE_CHANGES.notify)
     secure_round.phase, secure_round.phase_deadline = phase, now + seconds
 
 
+def _enough(secure_round: SecureRound) -> int:
+    """Devices a phase needs to go on: the round's minimum, and never fewer than 3."""
+    return max(3, _parameters(secure_round).min_survivors)
+
+
 def _too_few(secure_round: SecureRound, count: int, what: str) -> str | None:
-    needed = _parameters(secure_round).min_survivors
-    if count < max(3, needed):
-        return f"only {count} devices {what}; a secure round needs at least {max(3, needed)}"
+    if count < _enough(secure_round):
+        return f"only {count} devices {what}; a secure round needs at least {_enough(secure_round)}"
     return None
 
 
@@ -207,6 +281,7 @@ def _unreachable(
 
 def _abandon(session: Session, round_: Round, secure_round: SecureRound, reason: str, now: float) -> Abandon:
     _drop_outstanding(session, round_, set(), now)
+    on_commit(session, PHASE_CHANGES.notify)
     secure_round.phase, secure_round.outcome = DONE, reason[:500]
     session.execute(
         update(SecureParticipant).where(SecureParticipant.round_id == round_.id).values(masked_input=None)
@@ -238,6 +313,7 @@ def _finish(
     problem = server.unmask_problem(parameters, graph, sharers, survivors, responses)
     if problem is not None and not timed_out and set(responses) != survivors:
         return None  # more answers may still come
+    _close_phase(round_, UNMASKING, now)
     if problem is not None:
         return _abandon(session, round_, secure_round, problem, now)
     started = time.perf_counter()
@@ -263,6 +339,7 @@ def _finish(
     )
     round_.reported, round_.total_weight = len(survivors), float(len(survivors))
     _drop_outstanding(session, round_, set(survivor_assignments), now)
+    on_commit(session, PHASE_CHANGES.notify)
     secure_round.phase = DONE
     session.execute(
         update(SecureParticipant).where(SecureParticipant.round_id == round_.id).values(masked_input=None)
@@ -346,15 +423,17 @@ def state(session: Session, round_: Round, assignment_id: str, now: float) -> di
 def _shares_for(
     session: Session, round_id: int, graph: Mapping[int, list[int]], holder: int
 ) -> dict[int, EncryptedShares]:
-    """What each of `holder`'s neighbours that shared keys sent for it, read in one query."""
+    """What each of `holder`'s neighbours that shared keys sent for it, read in one query. The
+    database extracts the holder's entry from each sender's message: every device of a round
+    asks, and parsing every neighbour's whole message for each would cost O(n k^2) a round."""
     rows = session.execute(
-        select(SecureParticipant.device_index, SecureParticipant.shares).where(
+        select(SecureParticipant.device_index, SecureParticipant.shares[str(holder)]).where(
             SecureParticipant.round_id == round_id,
             SecureParticipant.sent_shares,
             SecureParticipant.device_index.in_(graph[holder]),
         )
     )
-    return {owner: EncryptedShares.from_json(shares[str(holder)]) for owner, shares in rows}
+    return {owner: EncryptedShares.from_json(shares) for owner, shares in rows}
 
 
 def advertise(

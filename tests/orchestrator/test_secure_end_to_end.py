@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -12,7 +13,7 @@ from sqlalchemy import create_engine, text
 
 from contracts.manifest import load_manifest
 from contracts.params import decode_params
-from device_runtime.agent import Participation
+from device_runtime.agent import DeviceAgent, Participation
 from model_export.config import ModelConfig
 from secure_aggregation.quantization import Layout, clip
 from tests.conftest import MOVIELENS
@@ -28,6 +29,7 @@ SECURE = {
     "share_keys_seconds": 3,
     "masked_input_seconds": 3,
     "unmasking_seconds": 3,
+    "straggler_wait": None,  # the tests' devices train at this machine's pace, not a fleet's
 }
 
 
@@ -74,20 +76,91 @@ def test_a_secure_round_with_dropouts_at_every_phase_commits_the_survivors_mean(
     first = history[-1]
     assert first["status"] == "committed" and first["counters"]["reported"] == 9
     # ... and its model is the base plus the mean of their clipped deltas (server SGD, rate 1)
-    manifest = load_manifest(model_dir)
-    layout = Layout.of(manifest.global_params)
     survivors = [p for i, p in enumerate(participations) if leaves.get(i) in (None, "unmasking")]
-    deltas = [p.task.delta for p in survivors if p.task is not None and p.task.delta is not None]
-    mean = np.mean([clip(layout.flatten(d), CLIP_NORM) for d in deltas], axis=0)
-    assert len(deltas) == 9
-    base = decode_params(
-        (model_dir / "global_params.safetensors").read_bytes(), manifest.global_params, "base"
-    )
-    new = decode_params(blob, manifest.global_params, "version 1")
-    assert np.allclose(layout.flatten(new), layout.flatten(base) + mean, atol=2e-6)
+    assert_base_plus_mean_of_clipped_deltas(model_dir, blob, survivors, 9)
     # The server kept no masked input once the round closed, and never an unmasked one.
     engine = create_engine(server.database_url)
     with engine.connect() as conn:
         kept = conn.execute(text("SELECT count(*) FROM secure_participants WHERE masked_input IS NOT NULL"))
         assert kept.scalar() == 0
     engine.dispose()
+
+
+def assert_base_plus_mean_of_clipped_deltas(
+    model_dir: Path, blob: bytes, survivors: list[Participation], count: int
+) -> None:
+    """Version 1 is the base plus the mean of the survivors' clipped deltas (server SGD, rate 1)."""
+    manifest = load_manifest(model_dir)
+    layout = Layout.of(manifest.global_params)
+    deltas = [p.task.delta for p in survivors if p.task is not None and p.task.delta is not None]
+    mean = np.mean([clip(layout.flatten(d), CLIP_NORM) for d in deltas], axis=0)
+    assert len(deltas) == count
+    base = decode_params(
+        (model_dir / "global_params.safetensors").read_bytes(), manifest.global_params, "base"
+    )
+    new = decode_params(blob, manifest.global_params, "version 1")
+    assert np.allclose(layout.flatten(new), layout.flatten(base) + mean, atol=2e-6)
+
+
+def test_devices_share_keys_while_they_train_and_one_that_stops_after_sharing_is_masked_out(
+    server: Server, export: Callable[[ModelConfig], Path], movielens_users: UserData, tmp_path: Path
+) -> None:
+    # Prepare: 5 devices whose training cannot end before the server holds their shares (the
+    # first check during training waits for them, at most 30 s); device 0 then stops training
+    model_dir = export(MOVIELENS)
+    population = settings(
+        target_reports=5,
+        oversampling=1.0,
+        min_reports=3,
+        aggregation="secure",
+        secure=SECURE,
+    )
+    created = admin_create_population(server.url, model_dir, "movies", population)
+    assert created.status_code == 201, created.text
+    engine = create_engine(server.database_url)
+
+    def shared(assignment_id: str) -> bool:
+        with engine.connect() as conn:
+            sent = conn.execute(
+                text("SELECT sent_shares FROM secure_participants WHERE assignment_id = :a"),
+                {"a": assignment_id},
+            )
+            return bool(sent.scalar())
+
+    shared_while_training: dict[int, bool] = {}
+
+    def training(i: int, agent: DeviceAgent) -> Callable[[], bool]:
+        def should_continue() -> bool:  # called on the training thread
+            if i not in shared_while_training:
+                assert agent.assignment is not None
+                give_up = time.monotonic() + 30
+                while not shared(agent.assignment.assignment_id) and time.monotonic() < give_up:
+                    time.sleep(0.05)
+                shared_while_training[i] = shared(agent.assignment.assignment_id)
+            return i != 0
+
+        return should_continue
+
+    async def scenario() -> tuple[list[Participation], bytes]:
+        async with httpx.AsyncClient(timeout=60) as http:
+            fleet = await Fleet(server.url, tmp_path, movielens_users, list(range(5)), http).enroll()
+            runs = [
+                agent.participate(should_continue=training(i, agent), phase_continues=leaving_at(None))
+                for i, agent in enumerate(fleet.agents)
+            ]
+            done = list(await asyncio.gather(*runs))
+            return done, await fleet.agents[1].client.global_params_at("movies", 1)
+
+    # Execute
+    participations, blob = asyncio.run(scenario())
+    engine.dispose()
+
+    # Assert: every device's shares reached the server while it was training; the one that
+    # stopped after sharing is masked out of the committed sum of the other four
+    assert shared_while_training == {i: True for i in range(5)}
+    assert [p.status for p in participations] == ["aborted"] + ["reported"] * 4, [
+        p.detail for p in participations
+    ]
+    first = admin(server.url, "/v1/admin/populations/movies/rounds?kind=training&limit=10")[-1]
+    assert first["status"] == "committed" and first["counters"]["reported"] == 4
+    assert_base_plus_mean_of_clipped_deltas(model_dir, blob, participations[1:], 4)

@@ -4,7 +4,9 @@ other devices finish it as if nothing happened."""
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +42,8 @@ SETTINGS = {
         "share_keys_seconds": 30,
         "masked_input_seconds": 30,
         "unmasking_seconds": 30,
+        # Each device here sends when the test says, not at a fleet's pace.
+        "straggler_wait": None,
     },
 }
 
@@ -201,3 +205,34 @@ def test_a_round_whose_mean_is_longer_than_the_clip_norm_is_abandoned(
     state = devices[0].state()
     assert state["phase"] == "done" and state["round_status"] == "abandoned"
     assert "norm" in state["outcome"] and "clip_norm" in state["outcome"]
+
+
+def test_a_device_waiting_for_the_next_phase_is_answered_when_it_opens(
+    server: Server, export: Callable[[ModelConfig], Path]
+) -> None:
+    # Prepare: a round of three devices, two of which advertised their keys
+    model_dir = export(BIASED)
+    created = admin_create_population(
+        server.url, model_dir, "p", json.dumps({**SETTINGS, "target_reports": 3})
+    )
+    assert created.status_code == 201, created.text
+    devices = [Device(server.url) for _ in range(3)]
+    params = RoundParameters.from_json(devices[0].state()["parameters"])
+    for device in devices[:2]:
+        assert device.send("keys", DeviceSession(params).advertise().to_json()).status_code == 200
+
+    # Execute: the first device asks for the state once the roster is out; the third advertises
+    with ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(devices[0].call, "GET", devices[0].secure, params={"until": "share_keys"})
+        time.sleep(0.5)
+        held = not waiting.done()
+        assert devices[2].send("keys", DeviceSession(params).advertise().to_json()).status_code == 200
+        answer = waiting.result(timeout=30)
+    unknown = devices[0].call("GET", devices[0].secure, params={"until": "tomorrow"})
+
+    # Assert: the answer waited for the phase and then brought the roster; a phase that does not
+    # exist is refused
+    assert held
+    assert answer.status_code == 200 and answer.json()["phase"] == "share_keys", answer.text
+    assert len(answer.json()["roster"]) == 3
+    _refused(unknown, 422, "until must be one of the phases")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import pytest
 from pydantic import ValidationError
 from sqlalchemy.orm import Session, sessionmaker
@@ -13,9 +14,9 @@ from orchestrator.population_settings import PopulationSettings
 from orchestrator.populations import ExportedModel
 from secure_aggregation.config import RoundParameters
 from secure_aggregation.device import DeviceSession
-from secure_aggregation.messages import AdvertisedKeys, shares_to_json
+from secure_aggregation.messages import AdvertisedKeys, ciphertexts_from_json, encode_vector, shares_to_json
 from tests.orchestrator.conftest import make_population
-from tests.orchestrator.test_rounds import checkin, current_round, device
+from tests.orchestrator.test_rounds import checkin, current_round, device, round_by_id
 
 SECURE: dict[str, Any] = {
     "target_reports": 4,
@@ -86,3 +87,94 @@ def test_too_few_sharers_abandon_the_round_at_the_phase_deadline_and_the_next_on
     assert after["phase"] == "done" and after["round_status"] == "abandoned"
     assert "only 2 devices shared keys" in after["outcome"]
     assert current_round(db).id != first.id
+
+
+def test_the_roster_waits_for_capacity_and_for_a_device_that_never_advertises_as_long_again(
+    db: sessionmaker[Session], biased_model: ExportedModel
+) -> None:
+    # Prepare: target 4, capacity 6; six devices check in, four advertise at once
+    make_population(db, biased_model, **{**SECURE, "oversampling": 1.5})
+    devices = [device(db) for _ in range(6)]
+    answers = [checkin(db, d, now=0.5) for d in devices]
+    params = RoundParameters.from_json(state(db, devices[0], answers[0].assignment_id, 0.5)["parameters"])
+    for d, a in list(zip(devices, answers, strict=True))[:4]:
+        message(db, d, a.assignment_id, "advertise", DeviceSession(params).advertise().to_json(), 1.0)
+    at_target = state(db, devices[0], answers[0].assignment_id, 1.0)
+
+    # Execute: a fifth advertises; the sixth never does (it vanished after its check-in)
+    message(
+        db,
+        devices[4],
+        answers[4].assignment_id,
+        "advertise",
+        DeviceSession(params).advertise().to_json(),
+        1.5,
+    )
+    waiting = state(db, devices[0], answers[0].assignment_id, 1.9)
+    closed = state(db, devices[0], answers[0].assignment_id, 2.0)
+    late = checkin(db, device(db), now=2.0)
+
+    # Assert: the roster did not close at the target (training comes after the keys), and waited
+    # for the sixth as long again as the round took to fill (1 s); then it went out to the five
+    assert at_target["phase"] == "advertise" and waiting["phase"] == "advertise"
+    assert closed["phase"] == "share_keys" and len(closed["roster"]) == 5
+    assert isinstance(late, rounds.Refused) and "closed its check-ins" in late.message
+    assert late.retry_after == 10.0  # the population's retry window, not the round's far deadline
+    assert current_round(db).metrics["secure_advertise_seconds"] == 2.0
+
+
+def test_once_enough_inputs_are_in_a_straggler_is_waited_for_as_long_again_and_counts_as_dropped(
+    db: sessionmaker[Session], biased_model: ExportedModel
+) -> None:
+    # Prepare: four devices advertise at check-in (t=1) and share keys while training (t=2)
+    make_population(
+        db, biased_model, **{**SECURE, "secure": {**SECURE["secure"], "masked_input_seconds": 60}}
+    )
+    devices = [device(db) for _ in range(4)]
+    answers = [checkin(db, d) for d in devices]
+    first = current_round(db)
+    params = RoundParameters.from_json(state(db, devices[0], answers[0].assignment_id, 1.0)["parameters"])
+    sessions = [DeviceSession(params) for _ in devices]
+    indices = [
+        message(db, d, a.assignment_id, "advertise", s.advertise().to_json(), 1.0)["index"]
+        for d, a, s in zip(devices, answers, sessions, strict=True)
+    ]
+    roster_json = state(db, devices[0], answers[0].assignment_id, 1.5)["roster"]
+    roster = {int(i): AdvertisedKeys.from_json(k) for i, k in roster_json.items()}
+    for d, a, s, index in zip(devices, answers, sessions, indices, strict=True):
+        message(db, d, a.assignment_id, "share_keys", shares_to_json(s.share_keys(index, roster)), 2.0)
+    zero = np.zeros(params.vector_length, np.uint64)
+
+    def masked(k: int, now: float) -> bytes:
+        ciphertexts = ciphertexts_from_json(
+            state(db, devices[k], answers[k].assignment_id, now)["ciphertexts"], 4
+        )
+        return encode_vector(sessions[k].masked_input(zero, ciphertexts), params)
+
+    # Execute: three (min_reports) send their masked input at t=4, 2 s into the phase; the
+    # fourth is still training
+    inputs = [masked(k, 4.0) for k in range(4)]
+    for k in range(3):
+        message(db, devices[k], answers[k].assignment_id, "masked_input", inputs[k], 4.0)
+    waiting = state(db, devices[0], answers[0].assignment_id, 5.9)
+    moved_on = state(db, devices[0], answers[0].assignment_id, 6.0)
+    late = message(db, devices[3], answers[3].assignment_id, "masked_input", inputs[3], 6.0)
+    for k in range(3):
+        message(
+            db,
+            devices[k],
+            answers[k].assignment_id,
+            "unmasking",
+            sessions[k].unmask(moved_on["survivors"]).to_json(),
+            6.5,
+        )
+
+    # Assert: at 4 + 2 s (straggler_wait 1 x the phase's pace) the phase went on without the
+    # fourth, whose masks the others' shares removed: the round committed with three inputs
+    assert waiting["phase"] == "masked_input"
+    assert moved_on["phase"] == "unmasking" and moved_on["survivors"] == sorted(indices[:3])
+    assert isinstance(late, rounds.Refused) and late.status == 409
+    closed = round_by_id(db, first.id)
+    assert closed.status == "committed" and closed.metrics["secure_survivors"] == 3
+    phases = {p: closed.metrics[f"secure_{p}_seconds"] for p in secure_rounds.PHASES}
+    assert phases == {"advertise": 1.0, "share_keys": 1.0, "masked_input": 4.0, "unmasking": 0.5}

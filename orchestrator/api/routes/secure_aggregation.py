@@ -1,6 +1,8 @@
 """Secure aggregation's phases for one assignment: the device's state, then one message per phase.
 
-`GET /v1/assignments/{id}/secure` tells the device the phase and what it needs for it; the four
+`GET /v1/assignments/{id}/secure` tells the device the phase and what it needs for it; with
+`?until=<phase>` the answer waits (long-polling, at most `LONG_POLL_SECONDS`) until the round has
+reached that phase or a later one, so a device learns of a phase as soon as it opens. The four
 `POST`s carry its keys, its encrypted shares, its masked input (raw little-endian integers) and
 its unmasking shares. A message sent twice, out of phase, by a device that skipped the phase
 before, or that fails its checks is a 409 or 422 that changes nothing for the other devices.
@@ -8,17 +10,25 @@ before, or that fails its checks is a 409 or 422 that changes nothing for the ot
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import APIRouter, HTTPException, Request
+from fastapi import APIRouter, HTTPException, Query, Request
 from sqlalchemy.orm import Session, sessionmaker
 
 from orchestrator import rounds, secure_rounds
 from orchestrator.api.deps import ClockDep, SessionFactoryDep, SettingsDep, TokenDep, require_device, run_db
 from orchestrator.db import Population, Round
+from orchestrator.phase_changes import PHASE_CHANGES
 
 router = APIRouter(prefix="/v1/assignments", tags=["devices"])
+
+# A held state request answers within this, whatever happens: below the devices' HTTP timeouts.
+LONG_POLL_SECONDS = 10.0
+# Phase changes made by another server process are not announced here: read again this often.
+RECHECK_SECONDS = 1.0
+ORDER = (*secure_rounds.PHASES, secure_rounds.DONE)
 
 Handler = Callable[[Session, Round, str, Any, float], dict[str, Any] | rounds.Refused]
 
@@ -86,9 +96,27 @@ async def _post_json(request: Request, handler: Handler, assignment_id: str, tok
 
 @router.get("/{assignment_id}/secure", summary="The secure round's phase and what this device needs for it")
 async def state(
-    assignment_id: str, request: Request, token: TokenDep, factory: SessionFactoryDep, clock: ClockDep
+    assignment_id: str,
+    request: Request,
+    token: TokenDep,
+    factory: SessionFactoryDep,
+    clock: ClockDep,
+    until: Annotated[
+        str | None,
+        Query(description=f"hold the answer until the round reaches this phase or a later one: {ORDER}"),
+    ] = None,
 ) -> dict[str, Any]:
-    return await run_db(request.app, _state, factory, assignment_id, token, clock())
+    if until is not None and until not in ORDER:
+        raise HTTPException(422, f"until must be one of the phases {list(ORDER)}, got {until!r}")
+    loop = asyncio.get_running_loop()
+    give_up = loop.time() + LONG_POLL_SECONDS
+    while True:
+        seen = PHASE_CHANGES.generation  # before reading: a change in between wakes the wait at once
+        answer = await run_db(request.app, _state, factory, assignment_id, token, clock())
+        left = give_up - loop.time()
+        if until is None or ORDER.index(answer["phase"]) >= ORDER.index(until) or left <= 0:
+            return answer
+        await PHASE_CHANGES.wait(seen, min(left, RECHECK_SECONDS))
 
 
 @router.post("/{assignment_id}/secure/keys", summary="Phase 1: advertise two X25519 public keys")
