@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +13,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load, save
 from sqlalchemy import select
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
 from model_export.config import ModelConfig
@@ -18,7 +21,7 @@ from model_export.manifest import Manifest
 from model_export.params import decode_params, decode_sparse_delta, encode_params, encode_sparse_delta
 from orchestrator import rounds
 from orchestrator.api.routes.admin import population_out
-from orchestrator.db import ModelVersion, Population, Report, Round
+from orchestrator.db import Assignment, ModelVersion, Population, Report, Round
 from orchestrator.devices import authenticate, enroll
 from orchestrator.differential_privacy import epsilon
 from orchestrator.populations import ExportedModel, PopulationError, create_population
@@ -157,6 +160,89 @@ def test_a_retried_checkin_gets_the_same_assignment(
 
     assert first.assignment_id == second.assignment_id
     assert current_round(db).accepted == 1
+
+
+def test_a_group_beyond_capacity_admits_up_to_it_in_order(
+    db: sessionmaker[Session], biased_model: ExportedModel
+) -> None:
+    make_population(db, biased_model, target_reports=2, oversampling=2.0, min_examples=5)
+    first, *devices = [device(db) for _ in range(7)]
+    checkin(db, first)
+    group = [rounds.CheckIn(d, 4 if d == devices[1] else 50, rounds.TRAINING) for d in devices[:5]]
+    group.append(rounds.CheckIn(devices[0], 50, rounds.TRAINING))  # the same device again
+
+    with db.begin() as session:
+        population = rounds.find_population(session, "p")
+        assert population is not None
+        answers = rounds.checkin(session, population, group, 1.0)
+
+    assert [type(a).__name__ for a in answers] == [
+        "Accepted",
+        "Refused",  # too few examples
+        "Accepted",
+        "Accepted",
+        "Refused",  # the round is full (capacity 4)
+        "Accepted",
+    ]
+    assert isinstance(answers[4], rounds.Refused) and "full" in answers[4].message
+    assert answers[5] == answers[0]  # the repeat gets the first's assignment
+    r = current_round(db)
+    assert (r.capacity, r.checked_in, r.accepted, r.rejected_capacity, r.rejected_min_examples) == (
+        4,
+        6,
+        4,
+        1,
+        1,
+    )
+    full = checkin(db, devices[5])
+    assert isinstance(full, rounds.Refused) and "full" in full.message
+    r = current_round(db)
+    assert (r.checked_in, r.accepted, r.rejected_capacity) == (7, 4, 2)
+
+
+def test_concurrent_checkins_never_exceed_capacity_nor_give_a_device_two_assignments(
+    db: sessionmaker[Session], biased_model: ExportedModel
+) -> None:
+    # Eight transactions at once (on PostgreSQL, without the population lock), each with a group
+    # of devices; every device is in two groups, as when a client retries through another process.
+    make_population(db, biased_model, target_reports=10, oversampling=1.5)
+    devices = [device(db) for _ in range(32)]
+    groups = [devices[i * 4 : i * 4 + 4] for i in range(8)]
+    groups = [group + groups[(i + 1) % 8][:2] + groups[(i + 3) % 8][2:] for i, group in enumerate(groups)]
+    start = threading.Barrier(len(groups))
+
+    def check_in(group: list[str]) -> list[tuple[str, rounds.Accepted | rounds.Refused]]:
+        start.wait()
+        for lock in (False, True):  # as the check-in route retries
+            try:
+                with db.begin() as session:
+                    population = rounds.find_population(session, "p")
+                    assert population is not None
+                    requests = [rounds.CheckIn(d, 50, rounds.TRAINING) for d in group]
+                    return list(
+                        zip(group, rounds.checkin(session, population, requests, 1.0, lock), strict=True)
+                    )
+            except (rounds.RoundClosed, IntegrityError):
+                if lock:
+                    raise
+        raise AssertionError("unreachable")
+
+    with ThreadPoolExecutor(len(groups)) as pool:
+        answers = [a for group_answers in pool.map(check_in, groups) for a in group_answers]
+
+    accepted: dict[str, set[str]] = {}
+    for dev, answer in answers:
+        if isinstance(answer, rounds.Accepted):
+            accepted.setdefault(dev, set()).add(answer.assignment_id)
+        else:
+            assert "full" in answer.message
+    assert len(accepted) == 15 and all(len(ids) == 1 for ids in accepted.values())
+    r = current_round(db)
+    assert (r.capacity, r.accepted) == (15, 15)
+    assert r.checked_in == r.accepted + r.rejected_capacity
+    with db() as session:
+        assigned = session.scalars(select(Assignment.device_id).where(Assignment.round_id == r.id)).all()
+    assert sorted(assigned) == sorted(accepted)
 
 
 def test_target_reports_commit_the_weighted_mean(
