@@ -46,7 +46,9 @@ from orchestrator import metrics, secure_rounds
 from orchestrator.aggregation import (
     WeightedMean,
     apply_update,
+    cap_weights,
     clip_by_norm,
+    known_bounds,
     plan_round,
     robust_mean,
     tensor_norms,
@@ -132,6 +134,9 @@ _FINISH_ASSIGNMENT = (
     .values(status=bindparam("new_status"), finished_at=bindparam("now"))
 )
 _INSERT_REPORT = insert(Report)
+_REPORT_WEIGHTS = (  # in the order the commit reads the reports
+    select(Report.weight).where(Report.round_id == bindparam("round_id")).order_by(Report.assignment_id)
+)
 
 
 @dataclass(frozen=True)
@@ -982,21 +987,32 @@ def _robust_mean(
     """The round's mean delta with each report clipped to its reference norms and its weight
     capped, by the population's robust rule; sets the round's reference norms for the next."""
     rule = population_settings(population).robust()
-    # Two passes, one report's delta in memory at a time: memory is O(model), not O(reports x
-    # model). The first finds the round's median weight and norms (the caps and clipping bounds).
-    weights, norms = [], []
-    for weight, blob in session.execute(reports):
-        weights.append(weight)
-        norms.append(tensor_norms(decode_sparse_delta(blob)))
-    plan = plan_round(weights, norms, _norm_reference(session, population), rule)
-    clipped = (clip_by_norm(decode_sparse_delta(blob), plan.bounds) for _, blob in session.execute(reports))
-    round_.norm_reference = plan.next_reference
+    reference = _norm_reference(session, population)
+    weights = list(session.scalars(_REPORT_WEIGHTS, {"round_id": round_.id}))
+    capped = cap_weights(weights, rule.max_weight_multiple)
+    # One report's delta in memory at a time for the weighted mean: memory is O(model), not
+    # O(reports x model). Once a round has left reference norms, the clipping bounds are known
+    # before any report is read, and each is decoded once; a population's first round clips to
+    # its own median norms, so it reads its reports twice.
+    bounds = known_bounds(reference, shapes, rule)
+    norms: list[dict[str, float]] = []
+    if bounds is None:
+        norms = [tensor_norms(decode_sparse_delta(blob)) for _, blob in session.execute(reports)]
+        bounds = plan_round(weights, norms, reference, rule).bounds
+    mean, kept = WeightedMean(shapes), []
+    for (_, blob), weight in zip(session.execute(reports), capped, strict=True):
+        delta = decode_sparse_delta(blob)
+        if len(norms) < len(weights):
+            norms.append(tensor_norms(delta))
+        clipped = clip_by_norm(delta, bounds)
+        if rule.method == "none":
+            mean.add_sparse(clipped, weight)
+        else:
+            kept.append(clipped)
+    round_.norm_reference = plan_round(weights, norms, reference, rule).next_reference
     if rule.method == "none":
-        mean = WeightedMean(shapes)
-        for delta, weight in zip(clipped, plan.weights, strict=True):
-            mean.add_sparse(delta, weight)
         return mean.mean()
-    return robust_mean(list(clipped), plan.weights, shapes, rule.method, rule.trim_fraction)
+    return robust_mean(kept, capped, shapes, rule.method, rule.trim_fraction)
 
 
 def _norm_reference(session: Session, population: Population) -> dict[str, float] | None:

@@ -20,6 +20,7 @@ from model_export.config import ModelConfig
 from model_export.manifest import Manifest
 from model_export.params import decode_params, decode_sparse_delta, encode_params, encode_sparse_delta
 from orchestrator import rounds
+from orchestrator.aggregation import aggregate, known_bounds
 from orchestrator.api.routes.admin import population_out
 from orchestrator.db import Assignment, ModelVersion, Population, Report, Round
 from orchestrator.devices import authenticate, enroll
@@ -648,6 +649,48 @@ def test_ten_hostile_devices_cannot_move_the_global_mean_under_the_defaults(
     assert results[-1].status == "committed" and results[-1].result_version == 3
     moved = float(version_params(db, biased_model, 3)["global_mean"][0] - before[0])
     assert 0 < moved < 0.05, moved  # the honest deltas of the mean were ~0.01; the push was 999
+
+
+@pytest.mark.parametrize("method", ["none", "median"])
+def test_a_round_clipped_to_the_last_rounds_norms_commits_what_aggregate_computes(
+    db: sessionmaker[Session], biased_model: ExportedModel, method: str
+) -> None:
+    # Prepare: a first round leaves reference norms; the second has an outsized report to clip.
+    make_population(
+        db,
+        biased_model,
+        target_reports=4,
+        robust_aggregation=method,
+        server_optimizer={"name": "sgd", "learning_rate": 1.0},
+    )
+    rng = np.random.default_rng(1)
+    for bodies in ([honest_body(biased_model, rng) for _ in range(4)], [delta_body(biased_model, 5.0)]):
+        bodies += [honest_body(biased_model, rng) for _ in range(4 - len(bodies))]
+        for body in bodies:
+            dev = device(db)
+            answer = checkin(db, dev)
+            assert report(db, dev, answer.assignment_id, body).status
+
+    # Execute: the same aggregation in memory, over the second round's stored reports.
+    with db() as session:
+        population = session.scalars(select(Population)).one()
+        rule = rounds.population_settings(population).robust()
+        first, second = session.scalars(select(Round).where(Round.status == "committed").order_by(Round.id))
+        stored = session.execute(
+            select(Report.weight, Report.delta)
+            .where(Report.round_id == second.id)
+            .order_by(Report.assignment_id)
+        ).all()
+    shapes = {s.name: s.shape for s in manifest_of(biased_model).global_params}
+    assert known_bounds(first.norm_reference, shapes, rule) is not None  # one pass over the reports
+    deltas = [decode_sparse_delta(blob) for _, blob in stored]
+    expected, reference = aggregate(deltas, [w for w, _ in stored], shapes, rule, first.norm_reference)
+
+    # Assert: the server committed that mean and that next reference.
+    before, after = version_params(db, biased_model, 1), version_params(db, biased_model, 2)
+    for name, value in expected.items():
+        np.testing.assert_allclose(after[name] - before[name], value, rtol=1e-5, atol=1e-7)
+    assert second.norm_reference == pytest.approx(reference)
 
 
 # ---- DP-FedAvg ---------------------------------------------------------------------------
