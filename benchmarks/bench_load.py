@@ -312,7 +312,16 @@ def run_deployment(
         client_delta(np.random.default_rng(0)), {"num_examples": "150", "metrics": "{}"}
     )
     with database(kind, args.postgres_url, tmp) as url:
-        server = LocalOrchestrator(url, ADMIN_TOKEN, workers=workers, log_path=tmp / f"{kind}-{workers}.log")
+        # The per-device and per-address rate limits are raised out of the way: the simulated
+        # devices all come from one address, and each checks in more often than a real one would.
+        limits = {
+            "enrollment_burst": args.devices,
+            "checkin_burst": 1000,
+            "checkins_per_second": 100.0,
+        }
+        server = LocalOrchestrator(
+            url, ADMIN_TOKEN, workers=workers, log_path=tmp / f"{kind}-{workers}.log", settings=limits
+        )
         with server:
             assert server.process is not None
             created = admin_create_population(server.url, model_dir, "load", json.dumps(SETTINGS))
@@ -367,6 +376,9 @@ def main() -> int:
                 "server_cpu_ms_per_request": 1000 * closed.server_cpu / closed.requests(),
                 "machine_busy_share": closed.busy_share,
                 "errors_5xx": float(errors),
+                "rate_limited_429": float(
+                    closed.measured.statuses.get(429, 0) + opened.measured.statuses.get(429, 0)
+                ),
                 **{f"pg_in_transaction_{k.replace(' ', '_')}": v for k, v in closed.backend_states.items()},
             }
     print(
@@ -388,6 +400,7 @@ def main() -> int:
         "server CPU ms/req",
         "busy",
         "5xx",
+        "429",
     )
     print(" | ".join(header))
     for name, r in results.items():
@@ -407,6 +420,7 @@ def main() -> int:
                     f"{r['server_cpu_ms_per_request']:.3f}",
                     f"{r['machine_busy_share']:.0%}",
                     f"{r['errors_5xx']:.0f}",
+                    f"{r['rate_limited_429']:.0f}",
                 ]
             )
         )

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
@@ -229,6 +229,18 @@ def plan_round(
             for name in names
         },
     )
+
+
+def known_bounds(
+    reference: Mapping[str, float] | None, names: Iterable[str], rule: RobustAggregation
+) -> dict[str, float] | None:
+    """The clipping bounds `plan_round` will set for tensors `names`, when the reference fixes
+    them all (a norm > 0 for each) so that a round's reports can be clipped as they are read;
+    None when some bound depends on the round's own norms."""
+    known = reference or {}
+    if not all(known.get(name, 0.0) > 0 for name in names):
+        return None
+    return {name: rule.norm_clip_multiple * known[name] for name in names}
 
 
 def clip_by_norm(delta: Mapping[str, SparseTensor], bounds: Mapping[str, float]) -> dict[str, SparseTensor]:

@@ -28,6 +28,7 @@ import numpy as np
 from safetensors.numpy import load
 from sqlalchemy import CursorResult, bindparam, delete, func, insert, select, update
 from sqlalchemy.orm import Session, object_session
+from sqlalchemy.orm.attributes import set_committed_value
 
 from contracts.manifest import Manifest
 from contracts.params import (
@@ -45,7 +46,9 @@ from orchestrator import metrics, secure_rounds
 from orchestrator.aggregation import (
     WeightedMean,
     apply_update,
+    cap_weights,
     clip_by_norm,
+    known_bounds,
     plan_round,
     robust_mean,
     tensor_norms,
@@ -67,7 +70,12 @@ CLIP_NORM, NEXT_CLIP_NORM, WITHIN_CLIP = "dp_clip_norm", "dp_next_clip_norm", "d
 
 # The statements of check-ins and reports are built once: building and hashing a statement
 # costs several times more than SQLite takes to run it.
-_POPULATION_BY_NAME = select(Population).where(Population.name == bindparam("name")).with_for_update()
+_POPULATION_BY_NAME = select(Population).where(Population.name == bindparam("name"))
+# FOR NO KEY UPDATE, not FOR UPDATE: writers of a population still exclude each other, but the
+# foreign-key checks of rows that point at it (a check-in's round update) do not wait for them,
+# which would deadlock a check-in holding its round's row against a report waiting for that row.
+_LOCK = {"key_share": True}  # the same, for Session.refresh
+_POPULATION_BY_NAME_LOCKED = _POPULATION_BY_NAME.with_for_update(key_share=True)
 _POPULATIONS_OF_ASSIGNMENTS = (
     select(Assignment.id, Round.population_id)
     .join(Round, Assignment.round_id == Round.id)
@@ -77,14 +85,45 @@ _POPULATIONS_BY_ID = (
     select(Population)
     .where(Population.id.in_(bindparam("ids", expanding=True)))
     .order_by(Population.id)  # always in the same order, so two servers never deadlock
-    .with_for_update()
+    .with_for_update(key_share=True)
 )
-_OPEN_ROUNDS = select(Round).where(Round.population_id == bindparam("population_id"), Round.status == "open")
+# Fresh values even for rounds already in the session: a check-in reads them before it takes the
+# population's lock, and another server process may have reported into them meanwhile.
+_OPEN_ROUNDS = (
+    select(Round)
+    .where(Round.population_id == bindparam("population_id"), Round.status == "open")
+    .execution_options(populate_existing=True)
+)
 _TAKEN = select(Assignment.id, Assignment.round_id, Assignment.device_id, Assignment.status).where(
     Assignment.round_id.in_(bindparam("round_ids", expanding=True)),
     Assignment.device_id.in_(bindparam("device_ids", expanding=True)),
 )
 _INSERT_ASSIGNMENTS = insert(Assignment)
+# Admission: a round's check-in counters move by one statement on the round's row, which also
+# checks that the round is still open, so check-ins take no population lock (see `checkin`).
+_ADMIT = (
+    update(Round)
+    .where(Round.id == bindparam("round_id"), Round.status == "open")
+    .values(
+        checked_in=Round.checked_in + bindparam("more_checked_in"),
+        rejected_min_examples=Round.rejected_min_examples + bindparam("more_too_few"),
+        rejected_capacity=Round.rejected_capacity + bindparam("more_full"),
+        accepted=Round.accepted + bindparam("wanted"),
+    )
+    .returning(
+        Round.capacity, Round.checked_in, Round.rejected_min_examples, Round.rejected_capacity, Round.accepted
+    )
+)
+_GIVE_BACK = (  # the part of `wanted` beyond the round's capacity, refused as full
+    update(Round)
+    .where(Round.id == bindparam("round_id"))
+    .values(
+        accepted=Round.accepted - bindparam("over"),
+        rejected_capacity=Round.rejected_capacity + bindparam("over"),
+    )
+    .returning(Round.rejected_capacity, Round.accepted)
+)
+_ROUND_COUNTERS = ("checked_in", "rejected_min_examples", "rejected_capacity", "accepted")
 _ASSIGNMENT = select(
     Assignment.device_id, Assignment.status, Assignment.example_count, Assignment.round_id
 ).where(Assignment.id == bindparam("assignment_id"))
@@ -94,6 +133,9 @@ _FINISH_ASSIGNMENT = (
     .values(status=bindparam("new_status"), finished_at=bindparam("now"))
 )
 _INSERT_REPORT = insert(Report)
+_REPORT_WEIGHTS = (  # in the order the commit reads the reports
+    select(Report.weight).where(Report.round_id == bindparam("round_id")).order_by(Report.assignment_id)
+)
 
 
 @dataclass(frozen=True)
@@ -171,7 +213,18 @@ def privacy_budget_spent(population: Population) -> bool:
 def lock_population(session: Session, name: str) -> Population | None:
     """The population row, locked: one writer per population at a time (FOR UPDATE on PostgreSQL;
     SQLite's BEGIN IMMEDIATE already serializes writers)."""
+    return session.scalars(_POPULATION_BY_NAME_LOCKED, {"name": name}).first()
+
+
+def find_population(session: Session, name: str) -> Population | None:
+    """The population row, not locked: enough for a check-in (`checkin` locks it when a round must
+    open or close)."""
     return session.scalars(_POPULATION_BY_NAME, {"name": name}).first()
+
+
+def _relock(session: Session, population: Population) -> None:
+    """Lock a population read without its lock, and re-read what may have changed meanwhile."""
+    session.refresh(population, ["current_version", "training_rounds_committed"], with_for_update=_LOCK)
 
 
 def populations_of_assignments(session: Session, assignment_ids: Sequence[str]) -> dict[str, Population]:
@@ -262,24 +315,31 @@ def open_rounds(session: Session, population: Population) -> dict[str, Round]:
     return {r.kind: r for r in rounds}
 
 
+def _up_to_date(population: Population, current: Mapping[str, Round], now: float) -> bool:
+    """Whether `advance` has nothing to do: no round to close or open, no secure phase to move."""
+    return (
+        (TRAINING in current or privacy_budget_spent(population))
+        and all(now < r.deadline for r in current.values())
+        and not population_settings(population).secure_training
+    )
+
+
 def advance(session: Session, population: Population, now: float) -> dict[str, Round]:
     """Close rounds past their deadline (drop their outstanding assignments), open the next;
-    returns the open rounds by kind."""
+    returns the open rounds by kind. The population must be locked."""
     current = open_rounds(session, population)
-    secure = population_settings(population).secure_training
-    training_closed = privacy_budget_spent(population)
-    if (
-        (TRAINING in current or training_closed)
-        and all(now < r.deadline for r in current.values())
-        and not secure
-    ):
+    if _up_to_date(population, current, now):
         return current  # the common case: nothing to close, one query
+    secure = population_settings(population).secure_training
     for round_ in current.values():
         if round_.kind == TRAINING and secure:
             advance_secure(session, population, round_, now)
             continue
         if now < round_.deadline:
             continue
+        # The round's row lock: a check-in admitted into it (which takes no population lock) has
+        # committed before its assignments are dropped, and none is admitted after.
+        session.refresh(round_, list(_ROUND_COUNTERS), with_for_update=_LOCK)
         dropped: CursorResult[Any] = session.execute(  # type: ignore[assignment]
             update(Assignment)
             .where(Assignment.round_id == round_.id, Assignment.status == "assigned")
@@ -319,16 +379,37 @@ def advance_secure(session: Session, population: Population, round_: Round, now:
         open_round(session, population, TRAINING, now)
 
 
+class RoundClosed(Exception):
+    """A round closed (another server process committed or closed it) between a check-in's read of
+    the open rounds and its admission. The transaction must be rolled back and retried with
+    `checkin(..., lock=True)`, which cannot meet a closed round."""
+
+
 def checkin(
-    session: Session, population: Population, requests: Sequence[CheckIn], now: float
+    session: Session,
+    population: Population,
+    requests: Sequence[CheckIn],
+    now: float,
+    lock: bool = False,
 ) -> list[Accepted | Refused]:
     """Answer authenticated check-ins, in order, in the caller's transaction.
 
     Check-ins that arrive together are answered together: one look-up of the devices' existing
     assignments, one insert and one counter update per round, however many there are.
+
+    The population lock is taken only when a round must open or close (or with `lock`), so that
+    check-ins do not queue behind each other and behind reports for it (on PostgreSQL, with
+    several server processes). Otherwise a check-in's only lock is its round's row, from the
+    admission's counter update to the commit: the update admits up to the round's capacity and
+    only into a round still open (else `RoundClosed`); the unique (round, device) index refuses
+    a device's second assignment made at the same time in another process (IntegrityError: the
+    retried transaction finds the first one).
     """
     settings = population_settings(population)
-    current = advance(session, population, now)
+    current = open_rounds(session, population)
+    if lock or not _up_to_date(population, current, now):
+        _relock(session, population)
+        current = advance(session, population, now)
     devices = {r.device_id for r in requests}
     taken: dict[tuple[int, str], tuple[str, str]] = {
         (round_id, device_id): (assignment_id, status)
@@ -336,9 +417,12 @@ def checkin(
             _TAKEN, {"round_ids": [r.id for r in current.values()], "device_ids": list(devices)}
         )
     }
-    new_assignments: list[dict[str, Any]] = []
-    answers: list[Accepted | Refused] = []
+    answers: list[Accepted | Refused | None] = []  # None: waits for its round's admission
     tally: Counter[tuple[str, ...]] = Counter()  # (population, kind, answer) for metrics
+    candidates: dict[int, list[int]] = {}  # round id -> indexes of requests that may be admitted
+    too_few: Counter[int] = Counter()  # round id -> check-ins refused for too few examples
+    pending: dict[tuple[int, str], int] = {}  # (round id, device) -> index of its candidate request
+    repeats: list[tuple[int, int]] = []  # (index, index of the same device's candidate request)
     for request in requests:
         round_ = current.get(request.kind)
         if round_ is None and request.kind == TRAINING and privacy_budget_spent(population):
@@ -379,42 +463,93 @@ def checkin(
                 Refused(409, "the secure round has closed its check-ins", settings.retry_after_seconds)
             )
             continue
-        round_.checked_in += 1
         if request.example_count < settings.min_examples:
-            round_.rejected_min_examples += 1
+            too_few[round_.id] += 1
             tally[population.name, request.kind, "too_few_examples"] += 1
             message = (
                 f"{request.example_count} examples; this population needs at least {settings.min_examples}"
             )
             answers.append(Refused(409, message, retry_after))
             continue
-        if round_.accepted >= round_.capacity:
-            round_.rejected_capacity += 1
-            tally[population.name, request.kind, "full"] += 1
-            answers.append(Refused(409, "this round is full", retry_after))
-            continue
-        round_.accepted += 1
-        tally[population.name, request.kind, "accepted"] += 1
-        assignment_id = secrets.token_hex(16)
-        taken[round_.id, request.device_id] = (assignment_id, "assigned")
-        new_assignments.append(
-            {
-                "id": assignment_id,
-                "round_id": round_.id,
-                "device_id": request.device_id,
-                "status": "assigned",
-                "example_count": request.example_count,
-                "created_at": now,
-                "deadline": round_.deadline,
-                "finished_at": None,
-            }
-        )
-        answers.append(_accepted(assignment_id, round_))
+        first = pending.setdefault((round_.id, request.device_id), len(answers))
+        if first == len(answers):
+            candidates.setdefault(round_.id, []).append(first)
+        else:  # the same device twice in one group: the second gets the first's answer
+            repeats.append((len(answers), first))
+        answers.append(None)
+    by_id = {r.id: r for r in current.values()}
+    new_assignments: list[dict[str, Any]] = []
+    for round_id in sorted(candidates.keys() | too_few.keys()):  # in id order: no deadlock between groups
+        round_, waiting = by_id[round_id], candidates.get(round_id, [])
+        admitted = _admit(session, round_, len(waiting), too_few[round_id])
+        for position, index in enumerate(waiting):
+            request = requests[index]
+            if position >= admitted:
+                tally[population.name, request.kind, "full"] += 1
+                retry_after = max(settings.retry_after_seconds, round_.deadline - now)
+                answers[index] = Refused(409, "this round is full", retry_after)
+                continue
+            tally[population.name, request.kind, "accepted"] += 1
+            assignment_id = secrets.token_hex(16)
+            new_assignments.append(
+                {
+                    "id": assignment_id,
+                    "round_id": round_id,
+                    "device_id": request.device_id,
+                    "status": "assigned",
+                    "example_count": request.example_count,
+                    "created_at": now,
+                    "deadline": round_.deadline,
+                    "finished_at": None,
+                }
+            )
+            answers[index] = _accepted(assignment_id, round_)
+    for index, first in repeats:  # counted once in the round's counters, as the first
+        answers[index] = answers[first]
+        answer = "again" if isinstance(answers[first], Accepted) else "full"
+        tally[population.name, requests[index].kind, answer] += 1
     if new_assignments:
         # Plain rows on the connection, not ORM objects: they are not read back in this transaction.
         session.connection().execute(_INSERT_ASSIGNMENTS, new_assignments)
     metrics.count_all(session, metrics.CHECKINS, tally)
-    return answers
+    return cast(list[Accepted | Refused], answers)  # every None was filled above
+
+
+def _admit(session: Session, round_: Round, wanted: int, too_few: int) -> int:
+    """Count a group's check-ins into an open round and admit up to `wanted` of them within its
+    capacity; returns how many were admitted. Raises RoundClosed if the round is no longer open."""
+    # `accepted` only grows while a round is open: a round already full stays full.
+    wanted_now = 0 if round_.accepted >= round_.capacity else wanted
+    admitted = (
+        session.connection()
+        .execute(
+            _ADMIT,
+            {
+                "round_id": round_.id,
+                "more_checked_in": wanted + too_few,
+                "more_too_few": too_few,
+                "more_full": wanted - wanted_now,
+                "wanted": wanted_now,
+            },
+        )
+        .first()
+    )
+    if admitted is None:
+        raise RoundClosed(f"round {round_.id} closed during a check-in")
+    capacity, *counters = admitted
+    accepted_before = int(counters[-1]) - wanted_now
+    granted = max(0, min(wanted_now, int(capacity) - accepted_before))
+    if granted < wanted_now:  # the group overfilled the round: the rest is refused as full
+        given_back = (
+            session.connection()
+            .execute(_GIVE_BACK, {"round_id": round_.id, "over": wanted_now - granted})
+            .one()
+        )
+        counters[2:] = given_back
+    # The session's copy of the round shows the counters as they now are in this transaction.
+    for name, value in zip(_ROUND_COUNTERS, counters, strict=True):
+        set_committed_value(round_, name, value)
+    return granted
 
 
 @dataclass(frozen=True)
@@ -871,21 +1006,32 @@ def _robust_mean(
     """The round's mean delta with each report clipped to its reference norms and its weight
     capped, by the population's robust rule; sets the round's reference norms for the next."""
     rule = population_settings(population).robust()
-    # Two passes, one report's delta in memory at a time: memory is O(model), not O(reports x
-    # model). The first finds the round's median weight and norms (the caps and clipping bounds).
-    weights, norms = [], []
-    for weight, blob in session.execute(reports):
-        weights.append(weight)
-        norms.append(tensor_norms(decode_sparse_delta(blob)))
-    plan = plan_round(weights, norms, _norm_reference(session, population), rule)
-    clipped = (clip_by_norm(decode_sparse_delta(blob), plan.bounds) for _, blob in session.execute(reports))
-    round_.norm_reference = plan.next_reference
+    reference = _norm_reference(session, population)
+    weights = list(session.scalars(_REPORT_WEIGHTS, {"round_id": round_.id}))
+    capped = cap_weights(weights, rule.max_weight_multiple)
+    # One report's delta in memory at a time for the weighted mean: memory is O(model), not
+    # O(reports x model). Once a round has left reference norms, the clipping bounds are known
+    # before any report is read, and each is decoded once; a population's first round clips to
+    # its own median norms, so it reads its reports twice.
+    bounds = known_bounds(reference, shapes, rule)
+    norms: list[dict[str, float]] = []
+    if bounds is None:
+        norms = [tensor_norms(decode_sparse_delta(blob)) for _, blob in session.execute(reports)]
+        bounds = plan_round(weights, norms, reference, rule).bounds
+    mean, kept = WeightedMean(shapes), []
+    for (_, blob), weight in zip(session.execute(reports), capped, strict=True):
+        delta = decode_sparse_delta(blob)
+        if len(norms) < len(weights):
+            norms.append(tensor_norms(delta))
+        clipped = clip_by_norm(delta, bounds)
+        if rule.method == "none":
+            mean.add_sparse(clipped, weight)
+        else:
+            kept.append(clipped)
+    round_.norm_reference = plan_round(weights, norms, reference, rule).next_reference
     if rule.method == "none":
-        mean = WeightedMean(shapes)
-        for delta, weight in zip(clipped, plan.weights, strict=True):
-            mean.add_sparse(delta, weight)
         return mean.mean()
-    return robust_mean(list(clipped), plan.weights, shapes, rule.method, rule.trim_fraction)
+    return robust_mean(kept, capped, shapes, rule.method, rule.trim_fraction)
 
 
 def _norm_reference(session: Session, population: Population) -> dict[str, float] | None:

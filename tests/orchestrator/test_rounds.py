@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -11,14 +13,16 @@ import numpy as np
 import pytest
 from safetensors.numpy import load, save
 from sqlalchemy import select
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
 from contracts.manifest import Manifest
 from contracts.params import decode_params, decode_sparse_delta, encode_params, encode_sparse_delta
 from model_export.config import ModelConfig
 from orchestrator import rounds
+from orchestrator.aggregation import aggregate, known_bounds
 from orchestrator.api.routes.admin import population_out
-from orchestrator.db import ModelVersion, Population, Report, Round
+from orchestrator.db import Assignment, ModelVersion, Population, Report, Round
 from orchestrator.devices import authenticate, enroll
 from orchestrator.differential_privacy import epsilon
 from orchestrator.populations import ExportedModel, PopulationError, create_population
@@ -157,6 +161,89 @@ def test_a_retried_checkin_gets_the_same_assignment(
 
     assert first.assignment_id == second.assignment_id
     assert current_round(db).accepted == 1
+
+
+def test_a_group_beyond_capacity_admits_up_to_it_in_order(
+    db: sessionmaker[Session], biased_model: ExportedModel
+) -> None:
+    make_population(db, biased_model, target_reports=2, oversampling=2.0, min_examples=5)
+    first, *devices = [device(db) for _ in range(7)]
+    checkin(db, first)
+    group = [rounds.CheckIn(d, 4 if d == devices[1] else 50, rounds.TRAINING) for d in devices[:5]]
+    group.append(rounds.CheckIn(devices[0], 50, rounds.TRAINING))  # the same device again
+
+    with db.begin() as session:
+        population = rounds.find_population(session, "p")
+        assert population is not None
+        answers = rounds.checkin(session, population, group, 1.0)
+
+    assert [type(a).__name__ for a in answers] == [
+        "Accepted",
+        "Refused",  # too few examples
+        "Accepted",
+        "Accepted",
+        "Refused",  # the round is full (capacity 4)
+        "Accepted",
+    ]
+    assert isinstance(answers[4], rounds.Refused) and "full" in answers[4].message
+    assert answers[5] == answers[0]  # the repeat gets the first's assignment
+    r = current_round(db)
+    assert (r.capacity, r.checked_in, r.accepted, r.rejected_capacity, r.rejected_min_examples) == (
+        4,
+        6,
+        4,
+        1,
+        1,
+    )
+    full = checkin(db, devices[5])
+    assert isinstance(full, rounds.Refused) and "full" in full.message
+    r = current_round(db)
+    assert (r.checked_in, r.accepted, r.rejected_capacity) == (7, 4, 2)
+
+
+def test_concurrent_checkins_never_exceed_capacity_nor_give_a_device_two_assignments(
+    db: sessionmaker[Session], biased_model: ExportedModel
+) -> None:
+    # Eight transactions at once (on PostgreSQL, without the population lock), each with a group
+    # of devices; every device is in two groups, as when a client retries through another process.
+    make_population(db, biased_model, target_reports=10, oversampling=1.5)
+    devices = [device(db) for _ in range(32)]
+    groups = [devices[i * 4 : i * 4 + 4] for i in range(8)]
+    groups = [group + groups[(i + 1) % 8][:2] + groups[(i + 3) % 8][2:] for i, group in enumerate(groups)]
+    start = threading.Barrier(len(groups))
+
+    def check_in(group: list[str]) -> list[tuple[str, rounds.Accepted | rounds.Refused]]:
+        start.wait()
+        for lock in (False, True):  # as the check-in route retries
+            try:
+                with db.begin() as session:
+                    population = rounds.find_population(session, "p")
+                    assert population is not None
+                    requests = [rounds.CheckIn(d, 50, rounds.TRAINING) for d in group]
+                    return list(
+                        zip(group, rounds.checkin(session, population, requests, 1.0, lock), strict=True)
+                    )
+            except (rounds.RoundClosed, IntegrityError):
+                if lock:
+                    raise
+        raise AssertionError("unreachable")
+
+    with ThreadPoolExecutor(len(groups)) as pool:
+        answers = [a for group_answers in pool.map(check_in, groups) for a in group_answers]
+
+    accepted: dict[str, set[str]] = {}
+    for dev, answer in answers:
+        if isinstance(answer, rounds.Accepted):
+            accepted.setdefault(dev, set()).add(answer.assignment_id)
+        else:
+            assert "full" in answer.message
+    assert len(accepted) == 15 and all(len(ids) == 1 for ids in accepted.values())
+    r = current_round(db)
+    assert (r.capacity, r.accepted) == (15, 15)
+    assert r.checked_in == r.accepted + r.rejected_capacity
+    with db() as session:
+        assigned = session.scalars(select(Assignment.device_id).where(Assignment.round_id == r.id)).all()
+    assert sorted(assigned) == sorted(accepted)
 
 
 def test_target_reports_commit_the_weighted_mean(
@@ -562,6 +649,48 @@ def test_ten_hostile_devices_cannot_move_the_global_mean_under_the_defaults(
     assert results[-1].status == "committed" and results[-1].result_version == 3
     moved = float(version_params(db, biased_model, 3)["global_mean"][0] - before[0])
     assert 0 < moved < 0.05, moved  # the honest deltas of the mean were ~0.01; the push was 999
+
+
+@pytest.mark.parametrize("method", ["none", "median"])
+def test_a_round_clipped_to_the_last_rounds_norms_commits_what_aggregate_computes(
+    db: sessionmaker[Session], biased_model: ExportedModel, method: str
+) -> None:
+    # Prepare: a first round leaves reference norms; the second has an outsized report to clip.
+    make_population(
+        db,
+        biased_model,
+        target_reports=4,
+        robust_aggregation=method,
+        server_optimizer={"name": "sgd", "learning_rate": 1.0},
+    )
+    rng = np.random.default_rng(1)
+    for bodies in ([honest_body(biased_model, rng) for _ in range(4)], [delta_body(biased_model, 5.0)]):
+        bodies += [honest_body(biased_model, rng) for _ in range(4 - len(bodies))]
+        for body in bodies:
+            dev = device(db)
+            answer = checkin(db, dev)
+            assert report(db, dev, answer.assignment_id, body).status
+
+    # Execute: the same aggregation in memory, over the second round's stored reports.
+    with db() as session:
+        population = session.scalars(select(Population)).one()
+        rule = rounds.population_settings(population).robust()
+        first, second = session.scalars(select(Round).where(Round.status == "committed").order_by(Round.id))
+        stored = session.execute(
+            select(Report.weight, Report.delta)
+            .where(Report.round_id == second.id)
+            .order_by(Report.assignment_id)
+        ).all()
+    shapes = {s.name: s.shape for s in manifest_of(biased_model).global_params}
+    assert known_bounds(first.norm_reference, shapes, rule) is not None  # one pass over the reports
+    deltas = [decode_sparse_delta(blob) for _, blob in stored]
+    expected, reference = aggregate(deltas, [w for w, _ in stored], shapes, rule, first.norm_reference)
+
+    # Assert: the server committed that mean and that next reference.
+    before, after = version_params(db, biased_model, 1), version_params(db, biased_model, 2)
+    for name, value in expected.items():
+        np.testing.assert_allclose(after[name] - before[name], value, rtol=1e-5, atol=1e-7)
+    assert second.norm_reference == pytest.approx(reference)
 
 
 # ---- DP-FedAvg ---------------------------------------------------------------------------

@@ -9,6 +9,7 @@ from fastapi import APIRouter, HTTPException, Path, Request, Response
 from fastapi.routing import APIRoute
 from pydantic_core import to_json
 from sqlalchemy import select
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 from starlette.applications import Starlette
 
@@ -118,7 +119,19 @@ router.add_api_route(
 def _checkin(
     factory: sessionmaker[Session], population: str, calls: Sequence[_CheckInCall], now: float
 ) -> list[Assignment | rounds.Refused]:
-    """One transaction for check-ins that arrived together; each call gets its own answer."""
+    """One transaction for check-ins that arrived together; each call gets its own answer.
+
+    Retried once, with the population locked, when another server process closed the round or
+    gave one of these devices its assignment at the same time (rounds.checkin)."""
+    try:
+        return _checkin_once(factory, population, calls, now, lock=False)
+    except (rounds.RoundClosed, IntegrityError):
+        return _checkin_once(factory, population, calls, now, lock=True)
+
+
+def _checkin_once(
+    factory: sessionmaker[Session], population: str, calls: Sequence[_CheckInCall], now: float, lock: bool
+) -> list[Assignment | rounds.Refused]:
     with factory.begin() as session:
         device_ids = authenticate_all(session, [call.token for call in calls])
         known = [
@@ -126,9 +139,9 @@ def _checkin(
             for call, device_id in zip(calls, device_ids, strict=True)
             if device_id is not None
         ]
-        found = rounds.lock_population(session, population)
+        found = rounds.find_population(session, population)
         answers = iter(
-            rounds.checkin(session, found, known, now)
+            rounds.checkin(session, found, known, now, lock)
             if found is not None
             else [rounds.Refused(404, f"no population {population!r}")] * len(known)
         )
