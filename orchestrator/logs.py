@@ -48,7 +48,8 @@ class JsonFormatter(logging.Formatter):
 
 def log_config(level: str, uvicorn_level: str) -> dict[str, Any]:
     """A `logging.config.dictConfig` (uvicorn's `log_config`, applied in every worker process):
-    JSON lines on stderr for the orchestrator's loggers at `level` and uvicorn's at `uvicorn_level`."""
+    JSON lines on stderr for the orchestrator's loggers at `level`, uvicorn's at `uvicorn_level` and
+    every other library's warnings."""
     handler = {"class": "logging.StreamHandler", "formatter": "json", "stream": "ext://sys.stderr"}
     levels = {"orchestrator": level, "uvicorn": uvicorn_level, "uvicorn.error": uvicorn_level}
     return {
@@ -60,6 +61,9 @@ def log_config(level: str, uvicorn_level: str) -> dict[str, Any]:
             name: {"handlers": ["stderr"], "level": value.upper(), "propagate": False}
             for name, value in levels.items()
         },
+        # Libraries' warnings (psycopg, SQLAlchemy) as JSON lines too, not raw text from
+        # logging's last-resort handler in the middle of the log.
+        "root": {"handlers": ["stderr"], "level": "WARNING"},
     }
 
 

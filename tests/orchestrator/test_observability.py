@@ -245,3 +245,27 @@ def test_several_processes_need_postgresql(tmp_path: Path) -> None:
 
     assert done.returncode == 2
     assert "--workers 2 needs a PostgreSQL database" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_a_library_warning_is_a_json_line_too() -> None:
+    # Prepare: a process configured as the server configures its workers.
+    script = (
+        "import logging, logging.config\n"
+        "from orchestrator.logs import log_config\n"
+        "logging.config.dictConfig(log_config('info', 'warning'))\n"
+        "logging.getLogger('psycopg').warning('error ignored terminating %s', 'pipeline')\n"
+    )
+
+    # Execute
+    done = subprocess.run(
+        [sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, check=True
+    )
+
+    # Assert: one JSON object, not logging's raw last-resort text.
+    (line,) = done.stderr.splitlines()
+    record = json.loads(line)
+    assert (record["logger"], record["level"], record["message"]) == (
+        "psycopg",
+        "warning",
+        "error ignored terminating pipeline",
+    )
