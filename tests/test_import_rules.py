@@ -21,7 +21,6 @@ FORBIDDEN = {
 CONTRACTS_MAY_IMPORT = frozenset({"contracts", "numpy", "safetensors", *sys.stdlib_module_names})
 
 
-
 def imports(source: str, package: str) -> list[tuple[int, str]]:
     """(line, module) for each import in `source`, a module of `package`; relative imports are
     the package's own."""

@@ -6,6 +6,7 @@ import argparse
 import os
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from android_sim.movielens import DataFormatError
@@ -91,16 +92,23 @@ def _parser() -> argparse.ArgumentParser:
     nextword.add_argument(
         "--many-buckets", type=int, default=100, help="local OOV buckets of the last methods"
     )
-    nextword.add_argument("--rounds", type=int, default=20)
-    nextword.add_argument("--clients-per-round", type=int, default=20)
+    nextword.add_argument("--rounds", type=int, default=40)
+    nextword.add_argument("--clients-per-round", type=int, default=10)
     nextword.add_argument("--no-fine-tuning", action="store_true", help="leave out FedRecon + fine-tuning")
+    nextword.add_argument(
+        "--learning-rate", type=float, default=0.3, help="client update (and FedAvg's) rate"
+    )
+    nextword.add_argument("--reconstruction-learning-rate", type=float, default=0.5)
+    nextword.add_argument("--server-optimizer", default="adam", help="sgd, adam, yogi, ... (orchestrator's)")
+    nextword.add_argument("--server-learning-rate", type=float, default=0.01)
     nextword.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="interpreter threads")
     return parser
 
 
 def _nextword(args: argparse.Namespace) -> int:
     from android_sim.bench.federated import Rounds
-    from android_sim.bench.nextword import run, table
+    from android_sim.bench.nextword import TASK, run, table
+    from orchestrator.aggregation import ServerOptimizerConfig
 
     vocab_sizes = [int(v) for v in args.vocab_sizes.split(",") if v.strip()]
     rounds = Rounds(args.rounds, args.clients_per_round, evaluate_every=args.rounds)
@@ -108,7 +116,26 @@ def _nextword(args: argparse.Namespace) -> int:
         f"next-word prediction, Shakespeare roles as devices: {rounds.rounds} rounds of "
         f"{rounds.clients_per_round} clients; held-out roles: reconstruct on the older half, score the newer"
     )
-    rows = run(args.models_dir, vocab_sizes, args.many_buckets, rounds, args.workers, not args.no_fine_tuning)
+    task = replace(
+        TASK,
+        update_learning_rate=args.learning_rate,
+        reconstruction_learning_rate=args.reconstruction_learning_rate,
+    )
+    server = ServerOptimizerConfig(args.server_optimizer, args.server_learning_rate)
+    print(
+        f"client learning rates: update {task.update_learning_rate}, reconstruction "
+        f"{task.reconstruction_learning_rate}; server: {server.name} {server.learning_rate}"
+    )
+    rows = run(
+        args.models_dir,
+        vocab_sizes,
+        args.many_buckets,
+        rounds,
+        args.workers,
+        not args.no_fine_tuning,
+        task,
+        server,
+    )
     print(table(rows))
     return 0
 

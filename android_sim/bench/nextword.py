@@ -78,6 +78,7 @@ class Row:
     seconds: float
 
 
+SERVER = ServerOptimizerConfig("sgd", 1.0)  # the new model is the mean client model
 TASK = TaskConfig(
     reconstruction_learning_rate=0.5,
     reconstruction_max_epochs=2,
@@ -160,7 +161,14 @@ def held_out_work(clients: Sequence[SupportQuery], config: TaskConfig, fine_tune
 
 
 def run_method(
-    data: NextWordData, model_dir: Path, method: Method, rounds: Rounds, workers: int, vocab_size: int
+    data: NextWordData,
+    model_dir: Path,
+    method: Method,
+    rounds: Rounds,
+    workers: int,
+    vocab_size: int,
+    task: TaskConfig = TASK,
+    server_optimizer: ServerOptimizerConfig = SERVER,
 ) -> Row:
     started = time.perf_counter()
     with Devices(model_dir, workers) as devices:
@@ -171,15 +179,15 @@ def run_method(
         initial_model = DeviceModel(model_dir)
         initial = initial_model.get_global()
         if method.oov_local:
-            work = fedrecon_work(clients, TASK, per_item)
-            evaluate = held_out_work(held_out, TASK, method.fine_tune)
+            work = fedrecon_work(clients, task, per_item)
+            evaluate = held_out_work(held_out, task, method.fine_tune)
         else:
             # The OOV rows are server parameters too: downloaded, trained and averaged.
             initial_model.reset_local()
             initial.update(initial_model.get_local())
-            work = fedavg_work([pack(role, manifest) for role in data.train], TASK, per_item)
+            work = fedavg_work([pack(role, manifest) for role in data.train], task, per_item)
             evaluate = shared_locals_eval_work(held_out)
-        server = Server(initial, ServerOptimizerConfig("sgd", 1.0))
+        server = Server(initial, server_optimizer)
         run = train_federated(devices, server, list(range(len(clients))), work, rounds, lambda params: {})
         devices.set_global(run.params)
         without_oov, with_oov = accuracies(devices.evaluate(evaluate, list(range(len(held_out)))))
@@ -202,6 +210,8 @@ def run(
     rounds: Rounds,
     workers: int,
     fine_tune: bool,
+    task: TaskConfig = TASK,
+    server_optimizer: ServerOptimizerConfig = SERVER,
     folder: Path | None = None,
 ) -> list[Row]:
     roles = read_roles() if folder is None else read_roles(folder)
@@ -212,7 +222,7 @@ def run(
                 continue
             data = next_word_data(roles, vocab_size, method.num_oov_buckets, SEQ_LEN)
             model_dir = export(models_dir, vocab_size, method, SEQ_LEN)
-            row = run_method(data, model_dir, method, rounds, workers, vocab_size)
+            row = run_method(data, model_dir, method, rounds, workers, vocab_size, task, server_optimizer)
             print(
                 f"  {vocab_size:>6,}  {row.method:<50}  {row.accuracy_without_oov:6.2%}  "
                 f"{row.accuracy_with_oov:6.2%}  {row.bytes_per_round:>11,}  ({row.seconds:.0f} s)",

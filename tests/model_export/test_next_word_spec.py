@@ -1,8 +1,7 @@
 """The next-word model exported through `--model model_export.models.next_word:build` trains
 under the device runtime: real Shakespeare windows, the real TFLite interpreter.
 
-Exported once per module (in a subprocess: tflite_runtime cannot load a model in a process that
-imported TensorFlow), at tiny sizes: 50 global tokens, 4 local OOV buckets, windows of 8.
+Exported once per session at tiny sizes (`tests.conftest.NEXT_WORD_SIZES`).
 """
 
 from __future__ import annotations
@@ -16,26 +15,11 @@ from android_sim.shakespeare import Vocabulary, read_roles, role_examples
 from contracts.features import Examples
 from device_runtime.model import DeviceModel
 from device_runtime.task_batches import TaskBatches, split_batches
-from model_export.in_subprocess import export_spec_in_subprocess
+from tests.conftest import NEXT_WORD_SIZES
 
-NUM_GLOBAL_TOKENS, OOV_BUCKETS, SEQ_LEN = 50, 4, 8
-SIZES = {
-    "NWP_NUM_GLOBAL_TOKENS": str(NUM_GLOBAL_TOKENS),
-    "NWP_OOV_BUCKETS": str(OOV_BUCKETS),
-    "NWP_OOV_LOCAL": "1",
-    "NWP_SEQ_LEN": str(SEQ_LEN),
-    "NWP_EMBEDDING_DIM": "8",
-    "NWP_LSTM_UNITS": "8",
-    "NWP_BATCH_SIZE": "4",
-    "NWP_MAX_BATCHES": "3",
-}
-
-
-@pytest.fixture(scope="module")
-def next_word_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return export_spec_in_subprocess(
-        "model_export.models.next_word:build", tmp_path_factory.mktemp("next-word"), SIZES
-    )
+NUM_GLOBAL_TOKENS = int(NEXT_WORD_SIZES["NWP_NUM_GLOBAL_TOKENS"])
+OOV_BUCKETS = int(NEXT_WORD_SIZES["NWP_OOV_BUCKETS"])
+SEQ_LEN = int(NEXT_WORD_SIZES["NWP_SEQ_LEN"])
 
 
 @pytest.fixture(scope="module")
