@@ -15,6 +15,7 @@ from android_sim.run import DEFAULT_RATINGS
 
 def _parser() -> argparse.ArgumentParser:
     from android_sim.bench.federated import Rounds
+    from android_sim.bench.nextword import SERVER as NEXTWORD_SERVER
     from android_sim.bench.quality import (
         DP_CLIP_NORM,
         DP_NOISE_MULTIPLIERS,
@@ -99,8 +100,10 @@ def _parser() -> argparse.ArgumentParser:
         "--learning-rate", type=float, default=0.3, help="client update (and FedAvg's) rate"
     )
     nextword.add_argument("--reconstruction-learning-rate", type=float, default=0.5)
-    nextword.add_argument("--server-optimizer", default="adam", help="sgd, adam, yogi, ... (orchestrator's)")
-    nextword.add_argument("--server-learning-rate", type=float, default=0.01)
+    nextword.add_argument(
+        "--server-optimizer", default=NEXTWORD_SERVER.name, help="sgd, adam, yogi, ... (orchestrator's)"
+    )
+    nextword.add_argument("--server-learning-rate", type=float, default=NEXTWORD_SERVER.learning_rate)
     nextword.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="interpreter threads")
     return parser
 

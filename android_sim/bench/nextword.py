@@ -78,7 +78,7 @@ class Row:
     seconds: float
 
 
-SERVER = ServerOptimizerConfig("sgd", 1.0)  # the new model is the mean client model
+SERVER = ServerOptimizerConfig("adam", 0.01)  # as the paper's adaptive server optimizers
 TASK = TaskConfig(
     reconstruction_learning_rate=0.5,
     reconstruction_max_epochs=2,
