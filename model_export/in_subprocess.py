@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 
 from model_export.config import ModelConfig
@@ -25,19 +26,20 @@ def export_in_subprocess(config: ModelConfig, out: Path) -> Path:
     return _run(["--config", str(config_file)], out)
 
 
-def export_spec_in_subprocess(target: str, out: Path) -> Path:
+def export_spec_in_subprocess(target: str, out: Path, env: Mapping[str, str] | None = None) -> Path:
     """`python -m model_export --model MODULE:FUNCTION` into `out` (the function returns an
-    `ExportSpec`); returns `out`. Raises with the exporter's stderr."""
-    return _run(["--model", target], out)
+    `ExportSpec`; `env` adds to the environment it runs in, e.g. the function's parameters);
+    returns `out`. Raises with the exporter's stderr."""
+    return _run(["--model", target], out, env or {})
 
 
-def _run(args: list[str], out: Path) -> Path:
+def _run(args: list[str], out: Path, env: Mapping[str, str] | None = None) -> Path:
     result = subprocess.run(
         [sys.executable, "-m", "model_export", *args, "--output-dir", str(out)],
         capture_output=True,
         text=True,
         cwd=ROOT,
-        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"},
+        env={**os.environ, **(env or {}), "TF_CPP_MIN_LOG_LEVEL": "3"},
     )
     if result.returncode != 0:
         raise RuntimeError(f"model export failed: {result.stderr.strip()[-2000:]}")

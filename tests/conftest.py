@@ -77,6 +77,28 @@ def genre_rating_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return export_spec_in_subprocess(GENRE_RATING, tmp_path_factory.mktemp("genre-rating"))
 
 
+# The next-word LSTM (`model_export.models.next_word:build`) at tiny sizes: 50 global tokens, 4
+# local OOV buckets, windows of 8 tokens.
+NEXT_WORD_SIZES = {
+    "NWP_NUM_GLOBAL_TOKENS": "50",
+    "NWP_OOV_BUCKETS": "4",
+    "NWP_OOV_LOCAL": "1",
+    "NWP_SEQ_LEN": "8",
+    "NWP_EMBEDDING_DIM": "8",
+    "NWP_LSTM_UNITS": "8",
+    "NWP_BATCH_SIZE": "4",
+    "NWP_MAX_BATCHES": "3",
+}
+
+
+@pytest.fixture(scope="session")
+def next_word_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny next-word model (`NEXT_WORD_SIZES`), exported once per session."""
+    return export_spec_in_subprocess(
+        "model_export.models.next_word:build", tmp_path_factory.mktemp("next-word"), NEXT_WORD_SIZES
+    )
+
+
 @pytest.fixture(params=BACKENDS)
 def backend(request: pytest.FixtureRequest) -> str:
     return str(request.param)

@@ -6,6 +6,7 @@ import argparse
 import os
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from android_sim.movielens import DataFormatError
@@ -14,6 +15,7 @@ from android_sim.run import DEFAULT_RATINGS
 
 def _parser() -> argparse.ArgumentParser:
     from android_sim.bench.federated import Rounds
+    from android_sim.bench.nextword import SERVER as NEXTWORD_SERVER
     from android_sim.bench.quality import (
         DP_CLIP_NORM,
         DP_NOISE_MULTIPLIERS,
@@ -76,12 +78,80 @@ def _parser() -> argparse.ArgumentParser:
     quality.add_argument(
         "--secure-bits", type=int, default=SECURE_BITS, help="secure_fedrecon's modulus 2^bits"
     )
+    nextword = sub.add_parser(
+        "nextword",
+        help="the FedRecon paper's Table 2: next-word prediction on Shakespeare, OOV rows global or local",
+        description="FedAvg with a shared OOV bucket against FedRecon with local OOV buckets, through "
+        "the exported next-word model's TFLite signatures and the orchestrator's aggregation; prints "
+        "held-out roles' accuracy without and with OOV and the bytes a device moves per round.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    nextword.add_argument(
+        "--models-dir", type=Path, default=Path("runs/models"), help="exported models, reused"
+    )
+    nextword.add_argument("--vocab-sizes", default="1000,5000", help="comma-separated vocabulary sizes")
+    nextword.add_argument(
+        "--many-buckets", type=int, default=100, help="local OOV buckets of the last methods"
+    )
+    nextword.add_argument("--rounds", type=int, default=40)
+    nextword.add_argument("--clients-per-round", type=int, default=10)
+    nextword.add_argument("--no-fine-tuning", action="store_true", help="leave out FedRecon + fine-tuning")
+    nextword.add_argument(
+        "--learning-rate", type=float, default=0.3, help="client update (and FedAvg's) rate"
+    )
+    nextword.add_argument("--reconstruction-learning-rate", type=float, default=0.5)
+    nextword.add_argument(
+        "--server-optimizer", default=NEXTWORD_SERVER.name, help="sgd, adam, yogi, ... (orchestrator's)"
+    )
+    nextword.add_argument("--server-learning-rate", type=float, default=NEXTWORD_SERVER.learning_rate)
+    nextword.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="interpreter threads")
     return parser
+
+
+def _nextword(args: argparse.Namespace) -> int:
+    from android_sim.bench.federated import Rounds
+    from android_sim.bench.nextword import TASK, run, table
+    from orchestrator.aggregation import ServerOptimizerConfig
+
+    vocab_sizes = [int(v) for v in args.vocab_sizes.split(",") if v.strip()]
+    rounds = Rounds(args.rounds, args.clients_per_round, evaluate_every=args.rounds)
+    print(
+        f"next-word prediction, Shakespeare roles as devices: {rounds.rounds} rounds of "
+        f"{rounds.clients_per_round} clients; held-out roles: reconstruct on the older half, score the newer"
+    )
+    task = replace(
+        TASK,
+        update_learning_rate=args.learning_rate,
+        reconstruction_learning_rate=args.reconstruction_learning_rate,
+    )
+    server = ServerOptimizerConfig(args.server_optimizer, args.server_learning_rate)
+    print(
+        f"client learning rates: update {task.update_learning_rate}, reconstruction "
+        f"{task.reconstruction_learning_rate}; server: {server.name} {server.learning_rate}"
+    )
+    rows = run(
+        args.models_dir,
+        vocab_sizes,
+        args.many_buckets,
+        rounds,
+        args.workers,
+        not args.no_fine_tuning,
+        task,
+        server,
+    )
+    print(table(rows))
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    if args.command == "nextword":
+        try:
+            return _nextword(args)
+        except (DataFormatError, ValueError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     try:
         import json
 

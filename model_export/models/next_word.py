@@ -16,15 +16,27 @@ The OOV rows live in their own variables (`OOV_VARIABLES`) so that an export can
 local. Only TFLite builtin ops: tanh/sigmoid (no ReLU, whose gradient is Flex), no slicing
 (whose gradient is Flex), `tf.where` in place of an integer clamp (a clamp becomes an int32
 RELU6 that TFLite lacks), and the LSTM unrolled (`tf.unstack`, no while loop).
+
+Exported for federated training by `build_spec(config)`, or from the command line with the sizes
+in `NWP_*` environment variables (`ENVIRONMENT`)::
+
+    NWP_NUM_GLOBAL_TOKENS=1003 NWP_OOV_BUCKETS=100 NWP_OOV_LOCAL=1 \
+        python -m model_export --model model_export.models.next_word:build --out DIR
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import keras
 import tensorflow as tf
+
+from contracts.features import FeatureSpec
+from contracts.manifest import TaskSpec
+from model_export.spec import ExportSpec, Metric
 
 PAD = 0
 EMBEDDING = "embedding"
@@ -199,3 +211,114 @@ def next_word_metrics(targets: tf.Tensor, logits: tf.Tensor, num_global_tokens: 
         "correct_in_vocab_sum": tf.reduce_sum(in_vocab * correct),
         "in_vocab_tokens_sum": tf.reduce_sum(in_vocab),
     }
+
+
+# ---- the model as an ExportSpec: what the device runtime and the federation train ----------
+
+# Environment variables `build()` reads (`python -m model_export --model
+# model_export.models.next_word:build`), with `NextWordConfig`'s defaults otherwise.
+ENVIRONMENT = {
+    "NWP_NUM_GLOBAL_TOKENS": "num_global_tokens",
+    "NWP_OOV_BUCKETS": "num_oov_buckets",
+    "NWP_OOV_LOCAL": "oov_local",
+    "NWP_SEQ_LEN": "seq_len",
+    "NWP_EMBEDDING_DIM": "embedding_dim",
+    "NWP_LSTM_UNITS": "lstm_units",
+    "NWP_BATCH_SIZE": "batch_size",
+    "NWP_MAX_BATCHES": "max_batches",
+}
+DEFAULT_NUM_GLOBAL_TOKENS = 1003  # 1,000 words plus PAD, BOS, EOS (`android_sim.shakespeare`)
+DEFAULT_BATCH_SIZE, DEFAULT_MAX_BATCHES = 8, 8
+
+
+def _token_mask(targets: tf.Tensor) -> tf.Tensor:
+    return tf.cast(targets != PAD, tf.float32)
+
+
+def _correct(targets: tf.Tensor, logits: tf.Tensor) -> tf.Tensor:
+    predicted = tf.argmax(logits, axis=-1, output_type=tf.int32)
+    return tf.cast(predicted == targets, tf.float32)
+
+
+def example_loss(targets: tf.Tensor, logits: tf.Tensor) -> tf.Tensor:
+    """Per example (one window): the mean cross-entropy over its non-padding targets."""
+    mask = _token_mask(targets)
+    losses = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=targets, logits=logits)
+    return tf.math.divide_no_nan(tf.reduce_sum(mask * losses, axis=-1), tf.reduce_sum(mask, axis=-1))
+
+
+def example_metrics(num_global_tokens: int, seq_len: int) -> tuple[Metric, ...]:
+    """Token counts per example, so that sums over examples and devices give the accuracies of
+    `next_word_metrics`: `correct_tokens / tokens` with OOV (predicting the target's bucket is
+    right), `correct_in_vocab_tokens / in_vocab_tokens` without (OOV targets do not count)."""
+
+    def in_vocab(targets: tf.Tensor) -> tf.Tensor:
+        return _token_mask(targets) * tf.cast(targets < num_global_tokens, tf.float32)
+
+    bounds = (0.0, float(seq_len))
+    return (
+        Metric("correct_tokens", lambda y, p: tf.reduce_sum(_token_mask(y) * _correct(y, p), -1), bounds),
+        Metric("tokens", lambda y, p: tf.reduce_sum(_token_mask(y), -1), bounds),
+        Metric(
+            "correct_in_vocab_tokens", lambda y, p: tf.reduce_sum(in_vocab(y) * _correct(y, p), -1), bounds
+        ),
+        Metric("in_vocab_tokens", lambda y, p: tf.reduce_sum(in_vocab(y), -1), bounds),
+    )
+
+
+def last_token_logits(inputs: Mapping[str, Any], logits: Any) -> Any:
+    """`infer`: the logits after the last non-padding token of each window, [B, G + n]."""
+    length = tf.reduce_sum(tf.cast(inputs["tokens"] != PAD, tf.int32), axis=-1)
+    last = tf.where(length > 0, length - 1, tf.zeros_like(length))
+    return tf.gather(logits, last, batch_dims=1)
+
+
+def build_spec(
+    config: NextWordConfig,
+    batch_size: int = DEFAULT_BATCH_SIZE,
+    max_batches: int = DEFAULT_MAX_BATCHES,
+    top_k: int = 3,
+) -> ExportSpec:
+    """The next-word model as an `ExportSpec`: `tokens` in, `targets` the label (both int32
+    [seq_len], ids in [0, num_tokens)); the OOV rows local when `config.oov_local`."""
+    c = config
+    built = build_next_word_model(c)
+    ids = (0, c.num_tokens - 1)
+    return ExportSpec(
+        model=keras.Model({"tokens": built.keras_model.input}, built.keras_model.output, name="next_word"),
+        features=(
+            FeatureSpec("tokens", "int32", (c.seq_len,), value_range=ids, discrete=True),
+            FeatureSpec("targets", "int32", (c.seq_len,), role="label", value_range=ids, discrete=True),
+        ),
+        local_variables=built.local_paths,
+        loss=example_loss,
+        metrics=example_metrics(c.num_global_tokens, c.seq_len),
+        task=TaskSpec("classification", top_k=min(top_k, c.num_tokens), num_classes=c.num_tokens),
+        infer_scores=last_token_logits,
+        batch_size=batch_size,
+        max_batches=max_batches,
+        training_defaults={"reconstruction_learning_rate": 0.5, "update_learning_rate": 0.5},
+        config={"model": "next_word", **asdict(c)},
+    )
+
+
+def build() -> ExportSpec:
+    """`build_spec` with the sizes from the environment (`ENVIRONMENT`), for `--model`."""
+    values: dict[str, Any] = {}
+    for variable, name in ENVIRONMENT.items():
+        raw = os.environ.get(variable)
+        if raw is None:
+            continue
+        if name == "oov_local":
+            if raw not in ("0", "1"):
+                raise ValueError(f"{variable} is {raw!r}; expected 1 (local OOV rows) or 0 (global)")
+            values[name] = raw == "1"
+        else:
+            try:
+                values[name] = int(raw)
+            except ValueError:
+                raise ValueError(f"{variable} is {raw!r}; expected an integer") from None
+    batch_size = values.pop("batch_size", DEFAULT_BATCH_SIZE)
+    max_batches = values.pop("max_batches", DEFAULT_MAX_BATCHES)
+    values.setdefault("num_global_tokens", DEFAULT_NUM_GLOBAL_TOKENS)
+    return build_spec(NextWordConfig(**values), batch_size, max_batches)
