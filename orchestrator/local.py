@@ -117,6 +117,10 @@ class LocalOrchestrator:
             self._log = None
 
     def __enter__(self) -> Self:
+        # `with server.start():` is the usual form: entering must not start a second server,
+        # whose predecessor nobody would stop.
+        if self.process is not None and self.process.poll() is None:
+            return self
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

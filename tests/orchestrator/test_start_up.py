@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.local import PROJECT_ROOT, free_port
+from orchestrator.local import PROJECT_ROOT, LocalOrchestrator, free_port
 from tests.orchestrator.conftest import ADMIN_TOKEN
 
 FILE_SIZE_LIMIT = 16 * 1024  # bytes: smaller than a migrated database, as a full disk would be
@@ -98,3 +98,28 @@ def test_a_full_disk_at_start_up_is_one_clear_line(tmp_path: Path) -> None:
     assert "Traceback" not in done.stderr
     (line,) = done.stderr.strip().splitlines()
     assert line.startswith("error: ") and str(path) in line and "free space" in line, line
+
+
+def test_a_started_local_orchestrator_entered_as_a_context_leaves_no_server_behind(tmp_path: Path) -> None:
+    # Prepare
+    server = LocalOrchestrator(f"sqlite:///{tmp_path / 'server.sqlite'}")
+
+    # Execute: the usual form, which once started a second server and orphaned the first.
+    with server.start():
+        assert server.process is not None
+        pid = server.process.pid
+    still_serving = [
+        p.name for p in Path("/proc").iterdir() if p.name.isdigit() and _serves_on(p, server.port)
+    ]
+
+    # Assert
+    assert server.process.poll() is not None, f"server {pid} still runs"
+    assert still_serving == [], f"orchestrators still serving port {server.port}: {still_serving}"
+
+
+def _serves_on(proc: Path, port: int) -> bool:
+    try:
+        command = (proc / "cmdline").read_bytes().split(b"\0")
+    except OSError:  # the process ended meanwhile
+        return False
+    return b"serve" in command and str(port).encode() in command
