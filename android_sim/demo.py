@@ -14,9 +14,9 @@ from contracts.params import decode_params
 from contracts.task_config import TaskConfig
 from device_runtime.client_task import run_training_task
 from device_runtime.example_store import Event, ExampleStore
-from device_runtime.model import DeviceModel
 from device_runtime.recommender import Recommender
 from model_export.config import ITEM, LABEL
+from model_runtime.tflite_model import TFLiteModel
 
 
 def run_demo(ratings_path: Path, work_dir: Path | None = None, user: int = 0) -> int:
@@ -40,7 +40,7 @@ def run_demo(ratings_path: Path, work_dir: Path | None = None, user: int = 0) ->
         f"({result.tflite_bytes:,} bytes; signatures {', '.join(sorted(result.manifest.signatures))})"
     )
 
-    model = DeviceModel(work / "model")
+    model = TFLiteModel(work / "model")
     rows = ratings.by_user()[user]
     store_path = work / f"device-{user}.sqlite"
     store_path.unlink(missing_ok=True)

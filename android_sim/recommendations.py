@@ -20,9 +20,9 @@ from rich.table import Table
 from contracts.params import Params, decode_params
 from device_runtime.example_store import ExampleStore
 from device_runtime.local_state import LocalStateStore
-from device_runtime.model import DeviceModel
 from device_runtime.recommender import Recommender
 from model_export.config import ITEM
+from model_runtime.tflite_model import TFLiteModel
 
 if TYPE_CHECKING:
     from android_sim.device_data import FleetData
@@ -57,7 +57,7 @@ async def held_out_hit_rates(
     client = held_out[0].client
     model_dir = await client.population_model(population, status["artifact_sha256"], fleet.cache_dir)
     blob = await client.global_params_at(population, int(status["current_version"]))
-    model = DeviceModel(model_dir)
+    model = TFLiteModel(model_dir)
     params = decode_params(blob, model.manifest.global_params, "global parameters")
     training_items = [data.devices[d.index].item_ids for d in fleet.devices if d.role == "training"]
     counts = np.bincount(np.concatenate(training_items), minlength=data.num_items)
@@ -68,7 +68,7 @@ async def held_out_hit_rates(
 
 
 def _score(
-    model: DeviceModel,
+    model: TFLiteModel,
     params: Params,
     version: str,
     held_out: list[Any],
@@ -127,7 +127,7 @@ async def seen_device_examples(
     blob = await client.global_params_at(population, int(status["current_version"]))
 
     def serve() -> list[dict[str, Any]]:
-        model = DeviceModel(model_dir)
+        model = TFLiteModel(model_dir)
         params = decode_params(blob, model.manifest.global_params, "global parameters")
         item_bias = params.get("item_bias")
         global_top = np.argsort(-item_bias, kind="stable")[:K] if item_bias is not None else np.zeros(0)

@@ -52,11 +52,11 @@ def measure(model_dir: Path, backend: str, repeats: int) -> dict[str, float]:
     from contracts.task_config import TaskConfig
     from device_runtime.client_task import num_steps, run_training_task
     from device_runtime.example_store import Event, ExampleStore
-    from device_runtime.model import DeviceModel
     from device_runtime.recommender import Recommender
     from model_export.config import ITEM, LABEL
+    from model_runtime.tflite_model import TFLiteModel
 
-    model = DeviceModel(model_dir, backend=backend)
+    model = TFLiteModel(model_dir, backend=backend)
     n = model.manifest.catalog_size
     rng = np.random.default_rng(0)
     with tempfile.TemporaryDirectory() as tmp:

@@ -191,7 +191,7 @@ def bench_aggregation(repeats: int) -> dict[str, float]:
 
 def load(url: str, model_dir: Path, args: argparse.Namespace) -> dict[str, object]:
     rng = np.random.default_rng(1)
-    # What a device uploads: the rows its task changed (DeviceModel.update, orchestrator_client).
+    # What a device uploads: the rows its task changed (TFLiteModel.update, orchestrator_client).
     body = encode_sparse_delta(client_delta(rng), {"num_examples": "150", "metrics": "{}"})
     results: dict[str, object] = {"report_body_bytes": len(body)}
     client = Load(url, args.concurrency)

@@ -19,8 +19,8 @@ from contracts.manifest import INITIAL_GLOBAL_FILE, ManifestError
 from contracts.params import ParamsError, decode_params
 from device_runtime.example_store import ExampleStore, ExampleStoreError
 from device_runtime.local_state import LocalStateStore
-from device_runtime.model import DeviceModel, ModelLoadError
 from device_runtime.recommender import Recommender
+from model_runtime.tflite_model import ModelLoadError, TFLiteModel
 
 RECONSTRUCTED, KEPT = "reconstructed", "kept"
 
@@ -87,7 +87,7 @@ def recommend(args: argparse.Namespace) -> dict[str, object]:
             f"no model directory at {args.model_dir}: expected the output of `python -m model_export`"
         )
     try:
-        model = DeviceModel(args.model_dir)
+        model = TFLiteModel(args.model_dir)
     except (ManifestError, ModelLoadError) as e:
         raise CommandError(str(e)) from None
     globals_path = args.globals or args.model_dir / INITIAL_GLOBAL_FILE

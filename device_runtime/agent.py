@@ -20,7 +20,6 @@ from contracts.task_config import TaskConfig
 from device_runtime.client_task import Outcome, TaskResult
 from device_runtime.example_store import ExampleStore
 from device_runtime.local_state import LocalStateStore
-from device_runtime.model import ModelLoadError
 from device_runtime.orchestrator_client import (
     InvalidAnswer,
     OrchestratorClient,
@@ -30,6 +29,7 @@ from device_runtime.orchestrator_client import (
 )
 from device_runtime.secure_round import SecureParticipation, SecureRoundDriver
 from device_runtime.task_runner import TaskRunner
+from model_runtime.tflite_model import ModelLoadError
 
 
 @dataclass

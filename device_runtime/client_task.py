@@ -22,8 +22,8 @@ from contracts.params import Params, ParamsError
 from contracts.task_config import LocalState, SplitPolicy, TaskConfig
 from device_runtime.example_store import ExampleStore, Selection
 from device_runtime.local_state import LocalStateStore
-from device_runtime.model import DeviceModel, EvaluationSums, RowUpdate, Update
-from device_runtime.task_batches import TaskBatches, split_batches
+from model_runtime.task_batches import TaskBatches, split_batches
+from model_runtime.tflite_model import EvaluationSums, RowUpdate, TFLiteModel, Update
 
 
 class Outcome(enum.StrEnum):
@@ -186,7 +186,7 @@ def clip_delta(delta: Params, clip_norm: float) -> tuple[Params, bool]:
     return {name: (np.asarray(t, np.float64) * scale).astype(np.float32) for name, t in delta.items()}, False
 
 
-def reconstruct_locals(model: DeviceModel, support: TaskBatches, config: TaskConfig) -> float:
+def reconstruct_locals(model: TFLiteModel, support: TaskBatches, config: TaskConfig) -> float:
     """Fresh local parameters fitted on the support batches, globals frozen; the mean batch loss."""
     model.reset_local()
     steps = num_steps(support.num_batches, config.reconstruction_max_epochs, config.reconstruction_max_steps)
@@ -194,7 +194,7 @@ def reconstruct_locals(model: DeviceModel, support: TaskBatches, config: TaskCon
 
 
 def _start(
-    model: DeviceModel, store: ExampleStore, global_params: Params, config: TaskConfig, seed: int
+    model: TFLiteModel, store: ExampleStore, global_params: Params, config: TaskConfig, seed: int
 ) -> tuple[SupportQuery, TaskBatches, TaskBatches] | TaskResult:
     """What every task does first: select and split the examples, pack them, install the globals;
     or the INSUFFICIENT_DATA result when the device has too few."""
@@ -223,7 +223,7 @@ def _clipped(delta: Params, config: TaskConfig) -> tuple[Params, dict[str, float
 
 
 def run_training_task(
-    model: DeviceModel,
+    model: TFLiteModel,
     store: ExampleStore,
     global_params: Params,
     config: TaskConfig,
@@ -284,7 +284,7 @@ def run_training_task(
 
 
 def run_evaluation_task(
-    model: DeviceModel,
+    model: TFLiteModel,
     store: ExampleStore,
     global_params: Params,
     config: TaskConfig,
@@ -316,7 +316,7 @@ def run_evaluation_task(
 
 
 def _stateful_start(
-    model: DeviceModel, store: ExampleStore, config: TaskConfig, kept: LocalStateStore | None
+    model: TFLiteModel, store: ExampleStore, config: TaskConfig, kept: LocalStateStore | None
 ) -> tuple[Examples, Examples, int, LocalStateStore] | TaskResult:
     """A stateful task's examples (training, held out, outside the catalog) or why it cannot run."""
     if kept is None:
@@ -335,7 +335,7 @@ def _stateful_start(
 
 
 def _pack(
-    examples: Examples, model: DeviceModel, config: TaskConfig, seed: int, shared: np.ndarray | None = None
+    examples: Examples, model: TFLiteModel, config: TaskConfig, seed: int, shared: np.ndarray | None = None
 ) -> TaskBatches:
     """One call's batches; implicit labels add sampled negatives, never among `shared`."""
     manifest = model.manifest
@@ -347,7 +347,7 @@ def _pack(
 
 
 def _stateful_training(
-    model: DeviceModel,
+    model: TFLiteModel,
     store: ExampleStore,
     global_params: Params,
     config: TaskConfig,
@@ -409,7 +409,7 @@ def _stateful_training(
 
 
 def _stateful_evaluation(
-    model: DeviceModel,
+    model: TFLiteModel,
     store: ExampleStore,
     global_params: Params,
     config: TaskConfig,

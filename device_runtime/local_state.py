@@ -20,7 +20,7 @@ from safetensors import SafetensorError
 
 from contracts.params import Params, ParamsError, check_params, decode_params, encode_params, read_metadata
 from device_runtime.example_store import ExampleStore
-from device_runtime.model import DeviceModel
+from model_runtime.tflite_model import TFLiteModel
 
 _KEY_PREFIX = "kept_locals/"
 _FRESH = ": starting from the model's initial values"
@@ -48,7 +48,7 @@ class LocalStateStore:
         self.population = population
         self._key = _KEY_PREFIX + population
 
-    def _identity(self, model: DeviceModel) -> dict[str, str]:
+    def _identity(self, model: TFLiteModel) -> dict[str, str]:
         manifest = model.manifest
         return {
             "population": self.population,
@@ -56,7 +56,7 @@ class LocalStateStore:
             "local_params": json.dumps([s.to_json() for s in manifest.local_params]),
         }
 
-    def load(self, model: DeviceModel) -> KeptLocals:
+    def load(self, model: TFLiteModel) -> KeptLocals:
         """The kept locals for `model`, or the model's initial values with the reason in `note`.
 
         Leaves the interpreter's local variables at the initial values (callers install what they use).
@@ -96,7 +96,7 @@ class LocalStateStore:
             )
         return ""
 
-    def save(self, model: DeviceModel, params: Params, tasks: int) -> None:
+    def save(self, model: TFLiteModel, params: Params, tasks: int) -> None:
         """Keep `params` (checked against the manifest) as trained by `tasks` tasks; atomic."""
         if tasks < 1:
             raise ValueError(f"kept locals are saved after training, so tasks must be >= 1, got {tasks}")

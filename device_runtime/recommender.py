@@ -23,8 +23,8 @@ from contracts.task_config import TaskConfig
 from device_runtime.client_task import add_negatives, num_steps, select_examples
 from device_runtime.example_store import ExampleStore
 from device_runtime.local_state import LocalStateStore
-from device_runtime.model import DeviceModel
-from device_runtime.task_batches import TaskBatches, split_batches
+from model_runtime.task_batches import TaskBatches, split_batches
+from model_runtime.tflite_model import TFLiteModel
 
 _CACHE_KEY = "recommender.local_params"
 
@@ -51,7 +51,7 @@ class Recommender:
 
     def __init__(
         self,
-        model: DeviceModel,
+        model: TFLiteModel,
         store: ExampleStore,
         global_params: Params,
         config: TaskConfig | None = None,

@@ -2,7 +2,7 @@
 
 A phone runs one task at a time; a simulator runs thousands of phones on a few cores. The
 runner lets many devices' network traffic share one event loop while the interpreter work
-runs on `workers` threads. Each worker thread keeps its own `DeviceModel` per model file (an
+runs on `workers` threads. Each worker thread keeps its own `TFLiteModel` per model file (an
 interpreter is not thread-safe), so a thousand devices on one model hold `workers`
 interpreters, not a thousand. The interpreter releases the GIL while it computes.
 """
@@ -22,7 +22,7 @@ from contracts.task_config import TaskConfig
 from device_runtime.client_task import TaskResult, run_evaluation_task, run_training_task
 from device_runtime.example_store import ExampleStore
 from device_runtime.local_state import LocalStateStore
-from device_runtime.model import DeviceModel
+from model_runtime.tflite_model import TFLiteModel
 
 
 @dataclass(frozen=True)
@@ -49,12 +49,12 @@ class TaskRunner:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _model(self, model_dir: Path) -> DeviceModel:
-        models: dict[Path, DeviceModel] | None = getattr(self._local, "models", None)
+    def _model(self, model_dir: Path) -> TFLiteModel:
+        models: dict[Path, TFLiteModel] | None = getattr(self._local, "models", None)
         if models is None:
             models = self._local.models = {}
         if model_dir not in models:
-            models[model_dir] = DeviceModel(model_dir, backend=self.backend)
+            models[model_dir] = TFLiteModel(model_dir, backend=self.backend)
         return models[model_dir]
 
     def _run(

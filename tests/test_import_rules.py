@@ -1,6 +1,7 @@
 """The architecture's import rules, read from the source with `ast`: every import, function-local
 ones and `importlib.import_module("...")` included. The server never imports device code or the
-exporter, device code never imports the exporter, the server or TensorFlow, the contracts need
+exporter, device code never imports the exporter, the server or TensorFlow, the model runtime
+(which both run) imports neither side nor TensorFlow, the contracts need
 only the standard library, numpy and safetensors, and secure aggregation stands on its own."""
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ TENSORFLOW = ("tensorflow", "keras")
 FORBIDDEN = {
     "orchestrator": ("device_runtime", "android_sim", "model_export", *TENSORFLOW),
     "device_runtime": ("model_export", "orchestrator", "android_sim", *TENSORFLOW),
+    # Both sides run the exported model through it, so it belongs to neither.
+    "model_runtime": ("device_runtime", "orchestrator", "android_sim", "model_export", *TENSORFLOW),
     "secure_aggregation": ("orchestrator", "device_runtime", "model_export"),
 }
 CONTRACTS_MAY_IMPORT = frozenset({"contracts", "numpy", "safetensors", *sys.stdlib_module_names})

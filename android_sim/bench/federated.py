@@ -2,7 +2,7 @@
 
 The transport is a function call (the quality benchmark measures the algorithm, not HTTP);
 everything else is the system's own: each client task runs the `.tflite` signatures through
-`DeviceModel` (`reconstruct`, `update`, `evaluate`), and the server is the orchestrator's
+`TFLiteModel` (`reconstruct`, `update`, `evaluate`), and the server is the orchestrator's
 `WeightedMean` over sparse deltas followed by its server optimizer (`apply_update`).
 
 Speed (500 rounds x 100 clients in about half a minute on 2 cores):
@@ -28,8 +28,8 @@ from contracts.manifest import Manifest
 from contracts.params import Params, SparseTensor, row_shape
 from contracts.task_config import TaskConfig
 from device_runtime.client_task import clip_delta, diverged, num_steps, reconstruct_locals
-from device_runtime.model import DeviceModel, EvaluationSums, RowUpdate
-from device_runtime.task_batches import TaskBatches
+from model_runtime.task_batches import TaskBatches
+from model_runtime.tflite_model import EvaluationSums, RowUpdate, TFLiteModel
 from orchestrator.aggregation import (
     RobustAggregation,
     ServerOptimizerConfig,
@@ -46,8 +46,8 @@ R = TypeVar("R")
 
 # A client's report as the orchestrator stores it (sparse delta, weight); None when it diverged.
 Report = tuple[dict[str, SparseTensor], float] | None
-ClientWork = Callable[[DeviceModel, Params, int], Report]
-EvaluationWork = Callable[[DeviceModel, Params, int], EvaluationSums]
+ClientWork = Callable[[TFLiteModel, Params, int], Report]
+EvaluationWork = Callable[[TFLiteModel, Params, int], EvaluationSums]
 
 
 @dataclass(frozen=True)
@@ -68,7 +68,7 @@ class TimeSplit:
 
 
 class Devices:
-    """Tasks on `workers` threads, one `DeviceModel` (interpreter) per thread.
+    """Tasks on `workers` threads, one `TFLiteModel` (interpreter) per thread.
 
     `map` hands every task its thread's model with the current globals installed; a thread
     re-installs them only when `set_global` has been given new ones since its last task.
@@ -78,7 +78,7 @@ class Devices:
         if workers < 1:
             raise ValueError(f"workers must be >= 1, got {workers}")
         self.model_dir = model_dir
-        self.manifest: Manifest = DeviceModel(model_dir).manifest
+        self.manifest: Manifest = TFLiteModel(model_dir).manifest
         self._model_globals = {s.name for s in self.manifest.global_params}
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="bench-device")
         self._local = threading.local()
@@ -100,18 +100,18 @@ class Devices:
         self._params = params
         self._version += 1
 
-    def _model(self) -> DeviceModel:
+    def _model(self) -> TFLiteModel:
         local = self._local
         if getattr(local, "model", None) is None:
-            local.model = DeviceModel(self.model_dir)
+            local.model = TFLiteModel(self.model_dir)
             local.version = -1
-        model: DeviceModel = local.model
+        model: TFLiteModel = local.model
         if local.version != self._version:
             model.set_global({k: v for k, v in self._params.items() if k in self._model_globals})
             local.version = self._version
         return model
 
-    def map(self, work: Callable[[DeviceModel, Params, int], R], users: Sequence[int]) -> list[R]:
+    def map(self, work: Callable[[TFLiteModel, Params, int], R], users: Sequence[int]) -> list[R]:
         """`work(model, server params, user)` for every user, results in the users' order."""
         # A few tasks per future: a future per task costs more than a short task's Python side.
         chunk = 8
@@ -286,7 +286,7 @@ def train_federated(
 
 
 def fedrecon_task(
-    model: DeviceModel,
+    model: TFLiteModel,
     params: Params,
     support: TaskBatches,
     query: TaskBatches,
@@ -316,7 +316,7 @@ def fedrecon_work(
 ) -> ClientWork:
     """FedRecon on users whose batches were packed once."""
 
-    def work(model: DeviceModel, params: Params, user: int) -> Report:
+    def work(model: TFLiteModel, params: Params, user: int) -> Report:
         client = clients[user]
         return fedrecon_task(model, params, client.support, client.query, config, per_item)
 
@@ -326,7 +326,7 @@ def fedrecon_work(
 def recon_eval_work(clients: Sequence[SupportQuery], config: TaskConfig) -> EvaluationWork:
     """ReconEval: reconstruct on support, measure on query."""
 
-    def work(model: DeviceModel, params: Params, user: int) -> EvaluationSums:
+    def work(model: TFLiteModel, params: Params, user: int) -> EvaluationSums:
         client = clients[user]
         reconstruct_locals(model, client.support, config)
         return model.evaluate(client.query)
@@ -338,7 +338,7 @@ def fedavg_work(examples: Sequence[TaskBatches], config: TaskConfig, per_item: f
     """FedAvg with the user parameters global too: every client starts from the shared user
     vector, trains it jointly with the item parameters on all its examples, and reports both."""
 
-    def work(model: DeviceModel, params: Params, user: int) -> Report:
+    def work(model: TFLiteModel, params: Params, user: int) -> Report:
         batches = examples[user]
         names = [s.name for s in model.manifest.local_params]
         model.set_local({k: params[k] for k in names})
@@ -364,7 +364,7 @@ def fedavg_work(examples: Sequence[TaskBatches], config: TaskConfig, per_item: f
 def shared_locals_eval_work(clients: Sequence[SupportQuery]) -> EvaluationWork:
     """FedAvg's evaluation: the shared user vector, no reconstruction, measured on query."""
 
-    def work(model: DeviceModel, params: Params, user: int) -> EvaluationSums:
+    def work(model: TFLiteModel, params: Params, user: int) -> EvaluationSums:
         model.set_local({s.name: params[s.name] for s in model.manifest.local_params})
         return model.evaluate(clients[user].query)
 
@@ -399,7 +399,7 @@ def furl_work(
     """FURL (a population with `local_state: keep`): the device's own locals, trained jointly with
     the globals at `local_learning_rate` and kept on the device across rounds."""
 
-    def work(model: DeviceModel, params: Params, user: int) -> Report:
+    def work(model: TFLiteModel, params: Params, user: int) -> Report:
         batches = users[user].train
         model.set_local(locals_.get(user))
         steps = num_steps(batches.num_batches, config.update_max_epochs, config.update_max_steps)
@@ -422,7 +422,7 @@ def furl_work(
 def private_locals_eval_work(users: Sequence[TimeSplit], locals_: PrivateLocals, part: str) -> EvaluationWork:
     """Seen users' StandardEval: their kept locals, measured on their `part` ("validation" or "test")."""
 
-    def work(model: DeviceModel, params: Params, user: int) -> EvaluationSums:
+    def work(model: TFLiteModel, params: Params, user: int) -> EvaluationSums:
         model.set_local(locals_.get(user))
         batches: TaskBatches = getattr(users[user], part)
         return model.evaluate(batches)
@@ -433,7 +433,7 @@ def private_locals_eval_work(users: Sequence[TimeSplit], locals_: PrivateLocals,
 def seen_recon_eval_work(users: Sequence[TimeSplit], config: TaskConfig, part: str) -> EvaluationWork:
     """FedRecon on a seen user: reconstruct on its training examples, measure on its `part`."""
 
-    def work(model: DeviceModel, params: Params, user: int) -> EvaluationSums:
+    def work(model: TFLiteModel, params: Params, user: int) -> EvaluationSums:
         reconstruct_locals(model, users[user].train, config)
         batches: TaskBatches = getattr(users[user], part)
         return model.evaluate(batches)
@@ -444,7 +444,7 @@ def seen_recon_eval_work(users: Sequence[TimeSplit], config: TaskConfig, part: s
 def initial_locals_eval_work(clients: Sequence[SupportQuery]) -> EvaluationWork:
     """A stateful model on a user who never trained: the model's initial locals, measured on query."""
 
-    def work(model: DeviceModel, params: Params, user: int) -> EvaluationSums:
+    def work(model: TFLiteModel, params: Params, user: int) -> EvaluationSums:
         model.reset_local()
         return model.evaluate(clients[user].query)
 

@@ -47,10 +47,10 @@ from contracts.params import Params
 from contracts.task_config import TaskConfig
 from device_runtime.client_task import add_negatives, shuffled, split_support_query
 from device_runtime.example_store import ExampleStore
-from device_runtime.model import DeviceModel
 from device_runtime.recommender import Recommender
-from device_runtime.task_batches import TaskBatches
 from model_export.config import ITEM, LABEL, Feedback
+from model_runtime.task_batches import TaskBatches
+from model_runtime.tflite_model import TFLiteModel
 from orchestrator.aggregation import ServerOptimizerConfig
 
 K = 10
@@ -97,7 +97,7 @@ def implicit_work(
     per_item = per_item_names(manifest)
     participations: dict[int, int] = {}  # a user is in at most one task at a time
 
-    def work(model: DeviceModel, params: Params, user: int) -> Report:
+    def work(model: TFLiteModel, params: Params, user: int) -> Report:
         count = participations.get(user, 0)
         participations[user] = count + 1
         rng = np.random.default_rng((seed, user, count))
@@ -168,7 +168,7 @@ def run_implicit(
             return devices.metrics_of(params, evaluation, split.validation)
 
         optimizer = ServerOptimizerConfig.from_json(settings["server_optimizer"])
-        server = Server(DeviceModel(model_dir).get_global(), optimizer)
+        server = Server(TFLiteModel(model_dir).get_global(), optimizer)
         work = implicit_work(histories, config, manifest, rounds.sampling_seed)
         run = train_federated(devices, server, trainers, work, rounds, validate)
     started = time.perf_counter()
@@ -176,7 +176,7 @@ def run_implicit(
         np.concatenate([data.devices[u].item_ids for u in split.train]), minlength=data.num_items
     )
     personalized, popular, targets = [], [], []
-    model = DeviceModel(model_dir)
+    model = TFLiteModel(model_dir)
     with tempfile.TemporaryDirectory(prefix="bench-stores-") as stores:
         for user in split.test:
             device = data.devices[user]

@@ -42,9 +42,9 @@ from contracts.manifest import Manifest
 from contracts.params import Params
 from contracts.task_config import TaskConfig
 from device_runtime.client_task import num_steps, reconstruct_locals
-from device_runtime.model import DeviceModel, EvaluationSums
-from device_runtime.task_batches import TaskBatches, split_batches
 from model_export.in_subprocess import export_spec_in_subprocess
+from model_runtime.task_batches import TaskBatches, split_batches
+from model_runtime.tflite_model import EvaluationSums, TFLiteModel
 from orchestrator.aggregation import ServerOptimizerConfig
 
 BUILDER = "model_export.models.next_word:build"
@@ -137,7 +137,7 @@ def held_out_work(clients: Sequence[SupportQuery], config: TaskConfig, fine_tune
     """Reconstruct the locals on the older half (if any), optionally fine-tune the globals there
     too, and score the newer half."""
 
-    def work(model: DeviceModel, params: Params, user: int) -> EvaluationSums:
+    def work(model: TFLiteModel, params: Params, user: int) -> EvaluationSums:
         client = clients[user]
         if model.manifest.local_params:
             reconstruct_locals(model, client.support, config)
@@ -176,7 +176,7 @@ def run_method(
         per_item = per_item_names(manifest)
         clients = support_query(data.train, manifest)
         held_out = support_query(data.test, manifest)
-        initial_model = DeviceModel(model_dir)
+        initial_model = TFLiteModel(model_dir)
         initial = initial_model.get_global()
         if method.oov_local:
             work = fedrecon_work(clients, task, per_item)

@@ -1,6 +1,6 @@
 """The quality benchmark: FedRecon and the paper's baselines on MovieLens, through the exported model.
 
-Every device-side number comes from the `.tflite` signatures (`DeviceModel`); the server
+Every device-side number comes from the `.tflite` signatures (`TFLiteModel`); the server
 side is the orchestrator's aggregation and server optimizer. `protocol.py` has the splits,
 `federated.py` the rounds.
 """
@@ -51,9 +51,9 @@ from contracts.features import Examples
 from contracts.params import Params
 from contracts.task_config import LocalState, SplitPolicy, TaskConfig
 from device_runtime.client_task import diverged, num_steps
-from device_runtime.model import DeviceModel
-from device_runtime.task_batches import TaskBatches
 from model_export.config import ModelConfig
+from model_runtime.task_batches import TaskBatches
+from model_runtime.tflite_model import TFLiteModel
 from orchestrator.aggregation import RobustAggregation, ServerOptimizerConfig
 from orchestrator.differential_privacy import DPConfig, epsilon, population_size_for
 from secure_aggregation.config import RoundParameters
@@ -210,7 +210,7 @@ SHARED = "held-out test users, the shared user vector (no reconstruction)"
 
 
 def initial_globals(model_dir: Path) -> Params:
-    return DeviceModel(model_dir).get_global()
+    return TFLiteModel(model_dir).get_global()
 
 
 @dataclass(frozen=True)
@@ -357,7 +357,7 @@ def run_fedavg_stateful(
 
 
 def train_centralized(
-    model: DeviceModel,
+    model: TFLiteModel,
     params: Params,
     batches: Sequence[TaskBatches],
     users: Sequence[int],
@@ -417,7 +417,7 @@ def run_centralized_recon_eval(
 ) -> MethodResult:
     """Centralized MF on the training users' ratings, evaluated by ReconEval on held-out users."""
     model_dir = models.get(whole_user_model(data.num_items))
-    model = DeviceModel(model_dir)
+    model = TFLiteModel(model_dir)
     with Devices(model_dir, workers) as devices:
         clients = pack_support_query(data.examples, devices.manifest, FAITHFUL.task)
         evaluation = recon_eval_work(clients, FAITHFUL.task)
@@ -443,7 +443,7 @@ def run_centralized_standard_eval(
     """Centralized MF on the training users' oldest 80%, evaluated on their newest 10%
     (StandardEval; the same users and ratings as FedAvg + StandardEval)."""
     model_dir = models.get(whole_user_model(data.num_items))
-    model = DeviceModel(model_dir)
+    model = TFLiteModel(model_dir)
     with Devices(model_dir, workers) as devices:
         users = [time_split(e, devices.manifest) for e in data.examples]
         everyone = split.train

@@ -40,7 +40,7 @@ from android_sim.bench.protocol import UserSplit, pack_support_query, seen_suppo
 from contracts.features import Examples
 from contracts.params import Params
 from contracts.task_config import TaskConfig
-from device_runtime.model import DeviceModel
+from model_runtime.tflite_model import TFLiteModel
 from orchestrator.aggregation import ServerOptimizerConfig
 
 
@@ -76,7 +76,7 @@ def run_staleness(
     log: Callable[[str], None] = print,
 ) -> dict[str, Any]:
     """One FedRecon and one FURL run per participation level; test metrics on seen and unseen users."""
-    initial = DeviceModel(model_dir).get_global()
+    initial = TFLiteModel(model_dir).get_global()
     rows = []
     with Devices(model_dir, workers) as devices:
         manifest = devices.manifest

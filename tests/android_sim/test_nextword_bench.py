@@ -11,7 +11,7 @@ import pytest
 from android_sim.bench.federated import Rounds
 from android_sim.bench.nextword import Method, run_method
 from android_sim.shakespeare import NextWordData, next_word_data, read_roles
-from device_runtime.model import DeviceModel
+from model_runtime.tflite_model import TFLiteModel
 from tests.conftest import NEXT_WORD_SIZES
 
 VOCAB = int(NEXT_WORD_SIZES["NWP_NUM_GLOBAL_TOKENS"]) - 3  # PAD, BOS, EOS
@@ -27,7 +27,7 @@ def test_fedavg_communicates_the_oov_rows_and_fedrecon_does_not(
     next_word_model: Path, data: NextWordData
 ) -> None:
     # Prepare
-    manifest = DeviceModel(next_word_model).manifest
+    manifest = TFLiteModel(next_word_model).manifest
     rounds = Rounds(rounds=2, clients_per_round=4, evaluate_every=2)
 
     # Execute

@@ -26,8 +26,8 @@ from android_sim.bench.quality import (
 from contracts.features import Examples
 from contracts.params import SparseTensor
 from contracts.task_config import SplitPolicy, TaskConfig
-from device_runtime.model import DeviceModel, EvaluationSums
-from device_runtime.task_batches import TaskBatches
+from model_runtime.task_batches import TaskBatches
+from model_runtime.tflite_model import EvaluationSums, TFLiteModel
 from orchestrator.aggregation import ServerOptimizerConfig
 from orchestrator.differential_privacy import DPConfig
 from secure_aggregation.quantization import Layout
@@ -60,7 +60,7 @@ def test_protocol_split_is_deterministic_disjoint_80_10_10() -> None:
 def test_users_batches_follow_the_protocol(tmp_path: Path) -> None:
     data = load_dataset(MOVIELENS_100K)
     model_dir = ModelCache(tmp_path).get(protocol_model(data.num_items, embedding_dim=4))
-    manifest = DeviceModel(model_dir).manifest
+    manifest = TFLiteModel(model_dir).manifest
     heavy = max(range(len(data.examples)), key=lambda u: data.examples[u].num_examples)
 
     client = pack_support_query([data.examples[heavy]], manifest, TaskConfig())[0]
@@ -78,7 +78,7 @@ def test_users_batches_follow_the_protocol(tmp_path: Path) -> None:
 
 def test_metrics_match_a_hand_computation(tmp_path: Path) -> None:
     model_dir = ModelCache(tmp_path).get(protocol_model(6, embedding_dim=2, top_k=3))
-    model = DeviceModel(model_dir)
+    model = TFLiteModel(model_dir)
     items = np.array([[3.5, 0.0], [1.0, 1.0], [4.2, 0.0], [2.0, 2.0], [0.0, 5.0], [1.0, 0.0]], np.float32)
     model.set_global({"item_embeddings": items})
     model.set_local({"user_embedding": np.array([1.0, 0.5], np.float32)})
@@ -126,7 +126,7 @@ def test_training_on_reused_examples_still_evaluates_reconstruct_on_support_meas
 
     result = run_fedrecon(data, split, settings, Rounds(2, 10, evaluate_every=2), models, 2)
 
-    manifest = DeviceModel(models.get(settings.model_config(data.num_items))).manifest
+    manifest = TFLiteModel(models.get(settings.model_config(data.num_items))).manifest
     alternating = pack_support_query([data.examples[u] for u in split.test], manifest, TaskConfig())
     assert result.test["examples"] == sum(c.query.num_examples for c in alternating)
     assert result.test["examples"] < sum(min(300, data.examples[u].num_examples) for u in split.test)
@@ -139,7 +139,7 @@ def test_threads_give_the_same_metrics_as_one(tmp_path: Path) -> None:
     for workers in (1, 2):
         with Devices(model_dir, workers) as devices:
             clients = pack_support_query(data.examples, devices.manifest, TaskConfig())
-            devices.set_global(DeviceModel(model_dir).get_global())
+            devices.set_global(TFLiteModel(model_dir).get_global())
             sums.append(devices.evaluate(recon_eval_work(clients, TaskConfig()), list(range(40))))
 
     assert sums[0] == sums[1]

@@ -20,8 +20,8 @@ from android_sim.profiles import DeviceClass
 from android_sim.run import RunConfig, RunResult, load_data, model_config, run, run_async
 from device_runtime.example_store import ExampleStore
 from device_runtime.local_state import LocalStateStore
-from device_runtime.model import DeviceModel
 from model_export.config import ModelConfig
+from model_runtime.tflite_model import TFLiteModel
 from orchestrator.differential_privacy import epsilon
 from orchestrator.local import LocalOrchestrator
 from tests.conftest import MOVIELENS_100K
@@ -262,7 +262,7 @@ def test_a_stateful_fleet_keeps_locals_and_evaluates_on_seen_devices(work: Path)
     reconcile(result)
     assert report["recommendations"] and report["recommendations"][0]["local_params"] == "kept"
     # The kept locals are in the devices' own store files, trained by as many tasks as they reported.
-    model = DeviceModel(work / "model")
+    model = TFLiteModel(work / "model")
     name = report["population"]["name"]
     trained = 0
     for store_path in sorted((work / "devices").glob("device-*.sqlite")):

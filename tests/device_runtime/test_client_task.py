@@ -20,10 +20,10 @@ from device_runtime.client_task import (
     run_training_task,
 )
 from device_runtime.example_store import Event, ExampleStore
-from device_runtime.model import DeviceModel
-from device_runtime.task_batches import TaskBatches
 from model_export.config import ModelConfig
 from model_export.reference import ReferenceModel
+from model_runtime.task_batches import TaskBatches
+from model_runtime.tflite_model import TFLiteModel
 from tests.conftest import IMPLICIT, MOVIELENS, perturbed_globals
 
 UserData = list[tuple[np.ndarray, np.ndarray, np.ndarray]]
@@ -42,15 +42,15 @@ def fill(
 @pytest.fixture
 def movielens_device(
     export: Callable[[ModelConfig], Path], backend: str, tmp_path: Path, movielens_users: UserData
-) -> tuple[DeviceModel, ExampleStore]:
-    model = DeviceModel(export(MOVIELENS), backend=backend)
+) -> tuple[TFLiteModel, ExampleStore]:
+    model = TFLiteModel(export(MOVIELENS), backend=backend)
     store = ExampleStore(tmp_path / "device.sqlite", model.manifest.features)
     fill(store, *movielens_users[0])  # 272 ratings
     return model, store
 
 
 def test_completed_task_returns_the_reference_delta_and_discards_locals(
-    movielens_device: tuple[DeviceModel, ExampleStore],
+    movielens_device: tuple[TFLiteModel, ExampleStore],
 ) -> None:
     model, store = movielens_device
     globals_ = perturbed_globals(model.get_global(), seed=1)
@@ -75,7 +75,7 @@ def test_completed_task_returns_the_reference_delta_and_discards_locals(
 
 
 def test_a_dp_task_clips_its_whole_delta_to_the_clip_norm(
-    movielens_device: tuple[DeviceModel, ExampleStore],
+    movielens_device: tuple[TFLiteModel, ExampleStore],
 ) -> None:
     model, store = movielens_device
     globals_ = perturbed_globals(model.get_global(), seed=1)
@@ -99,7 +99,7 @@ def test_a_dp_task_clips_its_whole_delta_to_the_clip_norm(
 
 
 def test_clipping_alone_does_not_hide_the_user_embedding_from_a_curious_server(
-    movielens_device: tuple[DeviceModel, ExampleStore],
+    movielens_device: tuple[TFLiteModel, ExampleStore],
 ) -> None:
     """Issue 11's attack on a clipped report. Clipping scales the whole delta, so a touched row's
     item delta over its bias delta is still the device's (frozen) user embedding; DP's noise goes
@@ -137,7 +137,7 @@ def test_clip_delta_leaves_a_small_delta_alone_and_scales_a_large_one() -> None:
 
 
 def test_repeated_rounds_on_a_device_lower_its_query_loss(
-    movielens_device: tuple[DeviceModel, ExampleStore],
+    movielens_device: tuple[TFLiteModel, ExampleStore],
 ) -> None:
     model, store = movielens_device
     globals_ = model.get_global()
@@ -154,7 +154,7 @@ def test_repeated_rounds_on_a_device_lower_its_query_loss(
 
 
 def test_too_few_examples_is_insufficient_data(
-    movielens_device: tuple[DeviceModel, ExampleStore], tmp_path: Path
+    movielens_device: tuple[TFLiteModel, ExampleStore], tmp_path: Path
 ) -> None:
     model, _ = movielens_device
     store = ExampleStore(tmp_path / "small.sqlite", model.manifest.features)
@@ -175,7 +175,7 @@ def test_too_few_examples_is_insufficient_data(
 
 
 def test_few_examples_are_reused_for_support_and_query(
-    movielens_device: tuple[DeviceModel, ExampleStore], tmp_path: Path
+    movielens_device: tuple[TFLiteModel, ExampleStore], tmp_path: Path
 ) -> None:
     model, _ = movielens_device
     store = ExampleStore(tmp_path / "few.sqlite", model.manifest.features)
@@ -190,7 +190,7 @@ def test_few_examples_are_reused_for_support_and_query(
     assert policy.num_examples == 12
 
 
-def test_interrupted_task_reports_nothing(movielens_device: tuple[DeviceModel, ExampleStore]) -> None:
+def test_interrupted_task_reports_nothing(movielens_device: tuple[TFLiteModel, ExampleStore]) -> None:
     model, store = movielens_device
     calls = iter([True, False])
 
@@ -204,7 +204,7 @@ def test_interrupted_task_reports_nothing(movielens_device: tuple[DeviceModel, E
 
 
 def test_bad_global_parameters_are_an_error_outcome(
-    movielens_device: tuple[DeviceModel, ExampleStore],
+    movielens_device: tuple[TFLiteModel, ExampleStore],
 ) -> None:
     model, store = movielens_device
     globals_ = model.get_global()
@@ -216,7 +216,7 @@ def test_bad_global_parameters_are_an_error_outcome(
     assert "non-finite" in result.message
 
 
-def test_divergence_is_an_error_outcome(movielens_device: tuple[DeviceModel, ExampleStore]) -> None:
+def test_divergence_is_an_error_outcome(movielens_device: tuple[TFLiteModel, ExampleStore]) -> None:
     model, store = movielens_device
 
     result = run_training_task(model, store, model.get_global(), TaskConfig(update_learning_rate=1_000.0))
@@ -226,7 +226,7 @@ def test_divergence_is_an_error_outcome(movielens_device: tuple[DeviceModel, Exa
 
 
 def test_items_outside_the_catalog_are_left_out_and_counted(
-    movielens_device: tuple[DeviceModel, ExampleStore], tmp_path: Path
+    movielens_device: tuple[TFLiteModel, ExampleStore], tmp_path: Path
 ) -> None:
     model, _ = movielens_device
     item, label = model.manifest.features
@@ -242,7 +242,7 @@ def test_items_outside_the_catalog_are_left_out_and_counted(
 
 
 def test_examples_are_capped_at_max_examples(
-    movielens_device: tuple[DeviceModel, ExampleStore], movielens_users: UserData, tmp_path: Path
+    movielens_device: tuple[TFLiteModel, ExampleStore], movielens_users: UserData, tmp_path: Path
 ) -> None:
     model, _ = movielens_device
     heavy = max(movielens_users, key=lambda u: len(u[0]))
@@ -259,7 +259,7 @@ def test_examples_are_capped_at_max_examples(
 def test_implicit_feedback_adds_sampled_negatives(
     export: Callable[[ModelConfig], Path], backend: str, tmp_path: Path
 ) -> None:
-    model = DeviceModel(export(IMPLICIT), backend=backend)
+    model = TFLiteModel(export(IMPLICIT), backend=backend)
     store = ExampleStore(tmp_path / "shares.sqlite", model.manifest.features)
     fill(store, np.arange(10), np.ones(10))
     config = TaskConfig(negatives_per_positive=3, reuse_below=100)
@@ -275,7 +275,7 @@ def test_implicit_feedback_adds_sampled_negatives(
     assert result.num_examples == 40
 
 
-def test_evaluation_task_reports_metrics_only(movielens_device: tuple[DeviceModel, ExampleStore]) -> None:
+def test_evaluation_task_reports_metrics_only(movielens_device: tuple[TFLiteModel, ExampleStore]) -> None:
     model, store = movielens_device
 
     result = run_evaluation_task(model, store, model.get_global(), TaskConfig())

@@ -20,10 +20,10 @@ from device_runtime.client_task import (
 )
 from device_runtime.example_store import Event, ExampleStore
 from device_runtime.local_state import LocalStateStore
-from device_runtime.model import DeviceModel
 from device_runtime.recommender import Recommender
-from device_runtime.task_batches import TaskBatches, split_batches
 from model_export.config import ModelConfig
+from model_runtime.task_batches import TaskBatches, split_batches
+from model_runtime.tflite_model import TFLiteModel
 from tests.conftest import BIASED, IMPLICIT, ROBUST, SMALL, perturbed_globals
 
 KEEP = {"local_state": "keep", "local_learning_rate": 0.1, "shuffle_seed": None}
@@ -40,16 +40,16 @@ def make_store(path: Path, n: int = 40, seed: int = 0) -> ExampleStore:
 
 
 @pytest.fixture
-def device(export: Callable[[ModelConfig], Path], tmp_path: Path) -> tuple[DeviceModel, ExampleStore]:
-    return DeviceModel(export(BIASED)), make_store(tmp_path / "device.sqlite")
+def device(export: Callable[[ModelConfig], Path], tmp_path: Path) -> tuple[TFLiteModel, ExampleStore]:
+    return TFLiteModel(export(BIASED)), make_store(tmp_path / "device.sqlite")
 
 
-def config_for(model: DeviceModel, **changes: object) -> TaskConfig:
+def config_for(model: TFLiteModel, **changes: object) -> TaskConfig:
     return TaskConfig.from_manifest(model.manifest, **{**KEEP, **changes})
 
 
 def test_locals_start_from_the_initial_values_and_persist_across_a_restart(
-    device: tuple[DeviceModel, ExampleStore], export: Callable[[ModelConfig], Path], tmp_path: Path
+    device: tuple[TFLiteModel, ExampleStore], export: Callable[[ModelConfig], Path], tmp_path: Path
 ) -> None:
     model, store = device
     globals_ = perturbed_globals(model.get_global(), seed=1)
@@ -59,7 +59,7 @@ def test_locals_start_from_the_initial_values_and_persist_across_a_restart(
     kept_after_first = LocalStateStore(store, "movies").load(model)
     store.close()
     # An app restart: a new interpreter and a new store handle on the same file.
-    model2, store2 = DeviceModel(export(BIASED)), ExampleStore(tmp_path / "device.sqlite")
+    model2, store2 = TFLiteModel(export(BIASED)), ExampleStore(tmp_path / "device.sqlite")
     reloaded = LocalStateStore(store2, "movies").load(model2)
     second = run_training_task(model2, store2, globals_, config, kept=LocalStateStore(store2, "movies"))
 
@@ -78,7 +78,7 @@ def test_locals_start_from_the_initial_values_and_persist_across_a_restart(
 
 
 def test_training_holds_out_the_newest_tenth_and_evaluation_measures_it_with_the_kept_locals(
-    device: tuple[DeviceModel, ExampleStore],
+    device: tuple[TFLiteModel, ExampleStore],
 ) -> None:
     model, store = device
     globals_ = perturbed_globals(model.get_global(), seed=2)
@@ -103,7 +103,7 @@ def test_training_holds_out_the_newest_tenth_and_evaluation_measures_it_with_the
 
 
 def test_an_interrupted_or_diverged_task_keeps_the_previous_locals(
-    device: tuple[DeviceModel, ExampleStore],
+    device: tuple[TFLiteModel, ExampleStore],
 ) -> None:
     model, store = device
     globals_ = model.get_global()
@@ -130,7 +130,7 @@ def test_an_interrupted_or_diverged_task_keeps_the_previous_locals(
     np.testing.assert_array_equal(after.params["user_embedding"], saved.params["user_embedding"])
 
 
-def test_a_stateful_dp_task_clips_its_delta_too(device: tuple[DeviceModel, ExampleStore]) -> None:
+def test_a_stateful_dp_task_clips_its_delta_too(device: tuple[TFLiteModel, ExampleStore]) -> None:
     model, store = device
     globals_ = perturbed_globals(model.get_global(), seed=1)
     unclipped = run_training_task(
@@ -154,12 +154,12 @@ def test_a_stateful_dp_task_clips_its_delta_too(device: tuple[DeviceModel, Examp
 
 
 def test_stale_locals_are_discarded_with_the_reason(
-    device: tuple[DeviceModel, ExampleStore], export: Callable[[ModelConfig], Path]
+    device: tuple[TFLiteModel, ExampleStore], export: Callable[[ModelConfig], Path]
 ) -> None:
     model, store = device
     run_training_task(model, store, model.get_global(), config_for(model), kept=LocalStateStore(store, "p"))
-    reshaped = DeviceModel(export(SMALL))  # user embedding of 8, no user bias
-    other_export = DeviceModel(export(ROBUST))  # the same local shapes, another model
+    reshaped = TFLiteModel(export(SMALL))  # user embedding of 8, no user bias
+    other_export = TFLiteModel(export(ROBUST))  # the same local shapes, another model
 
     shape_changed = LocalStateStore(store, "p").load(reshaped)
     model_changed = LocalStateStore(store, "p").load(other_export)
@@ -178,7 +178,7 @@ def test_stale_locals_are_discarded_with_the_reason(
     assert not damaged.trained and "unreadable" in damaged.note
 
 
-def test_the_recommender_serves_from_the_kept_locals(device: tuple[DeviceModel, ExampleStore]) -> None:
+def test_the_recommender_serves_from_the_kept_locals(device: tuple[TFLiteModel, ExampleStore]) -> None:
     model, store = device
     globals_ = perturbed_globals(model.get_global(), seed=3)
     kept = LocalStateStore(store, "movies")
@@ -198,7 +198,7 @@ def test_the_recommender_serves_from_the_kept_locals(device: tuple[DeviceModel, 
 
 
 def test_a_stateful_task_needs_its_storage_and_a_local_learning_rate(
-    device: tuple[DeviceModel, ExampleStore],
+    device: tuple[TFLiteModel, ExampleStore],
 ) -> None:
     model, store = device
 
@@ -218,7 +218,7 @@ def test_a_stateful_task_needs_its_storage_and_a_local_learning_rate(
 def test_held_out_negatives_are_never_one_of_the_users_other_shares(
     export: Callable[[ModelConfig], Path],
 ) -> None:
-    manifest = DeviceModel(export(IMPLICIT)).manifest
+    manifest = TFLiteModel(export(IMPLICIT)).manifest
     held_out = Examples({"item": np.array([3, 7], np.int32), "label": np.ones(2, np.float32)})
     trained_shares = np.arange(10, 150)  # all but items 0-9 were shared in the training part
 

@@ -13,9 +13,9 @@ import pytest
 from contracts.features import Examples
 from contracts.manifest import ManifestError, sha256_file
 from contracts.params import ParamsError, decode_params, encode_params
-from device_runtime.model import DeviceModel, ModelLoadError
-from device_runtime.task_batches import TaskBatches, split_batches
 from model_export.config import ModelConfig
+from model_runtime.task_batches import TaskBatches, split_batches
+from model_runtime.tflite_model import ModelLoadError, TFLiteModel
 from tests.conftest import BIASED
 
 
@@ -37,7 +37,7 @@ def test_missing_model_file(model_copy: Path, backend: str) -> None:
     (model_copy / "model.tflite").unlink()
 
     with pytest.raises(ModelLoadError, match="no model file"):
-        DeviceModel(model_copy, backend=backend)
+        TFLiteModel(model_copy, backend=backend)
 
 
 def test_corrupt_model_file_is_caught_by_its_hash(model_copy: Path, backend: str) -> None:
@@ -47,7 +47,7 @@ def test_corrupt_model_file_is_caught_by_its_hash(model_copy: Path, backend: str
     path.write_bytes(bytes(blob))
 
     with pytest.raises(ModelLoadError, match="corrupt"):
-        DeviceModel(model_copy, backend=backend)
+        TFLiteModel(model_copy, backend=backend)
 
 
 def test_garbage_model_file_with_matching_manifest_hash(model_copy: Path, backend: str) -> None:
@@ -56,17 +56,17 @@ def test_garbage_model_file_with_matching_manifest_hash(model_copy: Path, backen
     edit_manifest(model_copy, lambda d: d["model"].update(sha256=sha256_file(path)))
 
     with pytest.raises(ModelLoadError, match="not a loadable TFLite model"):
-        DeviceModel(model_copy, backend=backend)
+        TFLiteModel(model_copy, backend=backend)
 
 
 def test_missing_and_malformed_manifest(model_copy: Path) -> None:
     (model_copy / "manifest.json").write_text("{not json")
     with pytest.raises(ManifestError, match="not valid JSON"):
-        DeviceModel(model_copy)
+        TFLiteModel(model_copy)
 
     (model_copy / "manifest.json").unlink()
     with pytest.raises(ManifestError, match="no manifest"):
-        DeviceModel(model_copy)
+        TFLiteModel(model_copy)
 
 
 def test_manifest_that_disagrees_with_the_model(model_copy: Path, backend: str) -> None:
@@ -78,14 +78,14 @@ def test_manifest_that_disagrees_with_the_model(model_copy: Path, backend: str) 
     edit_manifest(model_copy, widen_slots)
 
     with pytest.raises(ManifestError, match="'update' inputs disagree with the manifest"):
-        DeviceModel(model_copy, backend=backend)
+        TFLiteModel(model_copy, backend=backend)
 
 
 def test_manifest_without_a_required_signature(model_copy: Path) -> None:
     edit_manifest(model_copy, lambda d: d["signatures"].pop("reconstruct"))
 
     with pytest.raises(ManifestError, match="lacks required signatures"):
-        DeviceModel(model_copy)
+        TFLiteModel(model_copy)
 
 
 def test_manifest_parameter_shape_disagreeing_with_its_numbers(model_copy: Path) -> None:
@@ -95,13 +95,13 @@ def test_manifest_parameter_shape_disagreeing_with_its_numbers(model_copy: Path)
         ManifestError,
         match=r"row-sparse global 'item_embeddings' has shape \[200, 16\]; feature 'item' indexes 201 rows",
     ):
-        DeviceModel(model_copy)
+        TFLiteModel(model_copy)
 
 
 def test_wrong_global_tensors_are_refused_and_the_model_keeps_its_state(
     model_copy: Path, backend: str
 ) -> None:
-    model = DeviceModel(model_copy, backend=backend)
+    model = TFLiteModel(model_copy, backend=backend)
     before = model.get_global()
     nan = {k: v.copy() for k, v in before.items()}
     nan["item_bias"][3] = np.nan
@@ -123,7 +123,7 @@ def test_wrong_global_tensors_are_refused_and_the_model_keeps_its_state(
 
 
 def test_params_round_trip_and_garbage_payload(model_copy: Path) -> None:
-    model = DeviceModel(model_copy)
+    model = TFLiteModel(model_copy)
     params = model.get_global()
 
     decoded = decode_params(encode_params(params), model.manifest.global_params, "globals")
@@ -135,14 +135,14 @@ def test_params_round_trip_and_garbage_payload(model_copy: Path) -> None:
 
 
 def test_unknown_interpreter_backend(model_copy: Path) -> None:
-    from device_runtime.interpreter import InterpreterUnavailable
+    from model_runtime.interpreter import InterpreterUnavailable
 
     with pytest.raises(InterpreterUnavailable, match="expected one of"):
-        DeviceModel(model_copy, backend="tensorflow")
+        TFLiteModel(model_copy, backend="tensorflow")
 
 
 def test_numbers_a_signature_input_cannot_hold_are_refused_not_wrapped(model_copy: Path) -> None:
-    model = DeviceModel(model_copy)
+    model = TFLiteModel(model_copy)
     examples = Examples({"item": np.arange(10, dtype=np.int64), "label": np.full(10, 4.0, np.float32)})
     batches = TaskBatches.pack(split_batches(examples, model.manifest.batch_size), model.manifest)
 

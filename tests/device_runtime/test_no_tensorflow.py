@@ -26,10 +26,10 @@ from pathlib import Path
 from device_runtime.client_task import run_training_task
 from contracts.task_config import TaskConfig
 from device_runtime.example_store import Event, ExampleStore
-from device_runtime.model import DeviceModel
+from model_runtime.tflite_model import TFLiteModel
 from device_runtime.recommender import Recommender
 
-model = DeviceModel(Path(sys.argv[1]), backend=sys.argv[3])
+model = TFLiteModel(Path(sys.argv[1]), backend=sys.argv[3])
 store = ExampleStore(Path(sys.argv[2]), model.manifest.features)
 store.add(Event({"item": i, "label": 4.0}, float(i)) for i in range(30))
 result = run_training_task(model, store, model.get_global(), TaskConfig())

@@ -18,9 +18,9 @@ from device_runtime.__main__ import main
 from device_runtime.client_task import run_training_task
 from device_runtime.example_store import Event, ExampleStore
 from device_runtime.local_state import LocalStateStore
-from device_runtime.model import DeviceModel
 from device_runtime.recommender import Recommender
 from model_export.config import ModelConfig
+from model_runtime.tflite_model import TFLiteModel
 from tests.conftest import BIASED, ROOT
 
 
@@ -35,7 +35,7 @@ def device(export: Callable[[ModelConfig], Path], tmp_path: Path) -> tuple[Path,
             Event({"item": int(i), "label": float(rng.integers(1, 6))}, float(t))
             for t, i in enumerate(range(0, 60, 2))
         )
-        model = DeviceModel(model_dir)
+        model = TFLiteModel(model_dir)
         config = TaskConfig(local_state=LocalState.KEEP, local_learning_rate=0.5)
         result = run_training_task(model, store, model.get_global(), config, kept=LocalStateStore(store, "p"))
         assert result.outcome.value == "completed", result.message
@@ -56,7 +56,7 @@ def test_top_k_from_reconstructed_and_from_kept_locals(
     reconstructed = run_json(capsys, *common)
     kept = run_json(capsys, *common, "--locals", "kept", "--population", "p")
 
-    model = DeviceModel(model_dir)
+    model = TFLiteModel(model_dir)
     params = decode_params((model_dir / INITIAL_GLOBAL_FILE).read_bytes(), model.manifest.global_params, "g")
     with ExampleStore(path) as store:
         expected_kept = Recommender(model, store, params, kept=LocalStateStore(store, "p")).recommend(5)

@@ -9,13 +9,13 @@ import numpy as np
 import pytest
 
 from device_runtime.example_store import Event, ExampleStore
-from device_runtime.model import DeviceModel
 from device_runtime.recommender import Recommender
 from model_export.config import ModelConfig
+from model_runtime.tflite_model import TFLiteModel
 from tests.conftest import BIASED, IMPLICIT, SMALL, perturbed_globals
 
 
-class CountingModel(DeviceModel):
+class CountingModel(TFLiteModel):
     """The real model, counting reconstructions (the expensive step the cache avoids) and keeping
     the last support batches it was given."""
 
@@ -108,7 +108,7 @@ def test_cold_start_ranks_by_item_bias(setup, tmp_path: Path) -> None:  # type: 
 
 
 def test_cold_start_without_item_bias_says_so(export: Callable[[ModelConfig], Path], tmp_path: Path) -> None:
-    model = DeviceModel(export(SMALL))
+    model = TFLiteModel(export(SMALL))
 
     store = ExampleStore(tmp_path / "s.sqlite", model.manifest.features)
 

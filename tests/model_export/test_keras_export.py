@@ -20,8 +20,8 @@ import pytest
 
 from contracts.features import Examples
 from contracts.manifest import load_manifest
-from device_runtime.model import DeviceModel
-from device_runtime.task_batches import TaskBatches, split_batches
+from model_runtime.task_batches import TaskBatches, split_batches
+from model_runtime.tflite_model import TFLiteModel
 from tests.conftest import GENRE_RATING, ROOT, perturbed_globals
 
 ATOL, RTOL = 2e-5, 2e-4
@@ -59,7 +59,7 @@ def _subprocess(*args: str) -> subprocess.CompletedProcess[str]:
 @pytest.fixture(scope="session")
 def case(genre_rating_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Case:
     """19 examples packed by the device runtime, and TensorFlow's results on exactly those inputs."""
-    model = DeviceModel(genre_rating_model)
+    model = TFLiteModel(genre_rating_model)
     manifest = model.manifest
     rng = np.random.default_rng(3)
     # Repeated movies and genres inside a batch exercise gradient accumulation on one row.
@@ -130,7 +130,7 @@ def test_the_manifest_describes_features_tables_and_task(genre_rating_model: Pat
 
 
 def test_training_and_evaluation_match_tensorflow(case: Case, backend: str) -> None:
-    model = DeviceModel(case.model_dir, backend=backend)
+    model = TFLiteModel(case.model_dir, backend=backend)
     model.set_global(case.global_params)
     tf = case.tensorflow
     steps, lr, local_lr = int(HYPER["num_steps"]), HYPER["learning_rate"], HYPER["local_learning_rate"]
@@ -192,7 +192,7 @@ def test_specs_that_cannot_be_exported_fail_clearly_and_write_nothing(tmp_path: 
     assert outcomes["slices_convert"][0] == 0, outcomes["slices_convert"][1]
     assert load_manifest(tmp_path / "slices_convert").task.kind == "regression"
     assert outcomes["next_token"][0] == 0, outcomes["next_token"][1]
-    classifier = DeviceModel(tmp_path / "next_token")
+    classifier = TFLiteModel(tmp_path / "next_token")
     contexts = Examples(
         {"tokens": np.array([[1, 2, 3, 4], [5, 6, 7, 8], [0, 0, 0, 1], [9, 10, 11, 2], [3, 3, 3, 3]])}
     )

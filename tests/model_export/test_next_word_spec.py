@@ -13,8 +13,8 @@ import pytest
 
 from android_sim.shakespeare import Vocabulary, read_roles, role_examples
 from contracts.features import Examples
-from device_runtime.model import DeviceModel
-from device_runtime.task_batches import TaskBatches, split_batches
+from model_runtime.task_batches import TaskBatches, split_batches
+from model_runtime.tflite_model import TFLiteModel
 from tests.conftest import NEXT_WORD_SIZES
 
 NUM_GLOBAL_TOKENS = int(NEXT_WORD_SIZES["NWP_NUM_GLOBAL_TOKENS"])
@@ -34,7 +34,7 @@ def windows() -> Examples:
 
 def test_manifest_declares_local_oov_rows_and_classification_over_all_tokens(next_word_model: Path) -> None:
     # Execute
-    manifest = DeviceModel(next_word_model).manifest
+    manifest = TFLiteModel(next_word_model).manifest
 
     # Assert: the OOV rows stay on the device; the vocabulary's rows and the LSTM are global
     assert {p.name for p in manifest.local_params} == {
@@ -51,7 +51,7 @@ def test_reconstruct_update_and_evaluate_lower_the_loss_and_count_tokens(
     next_word_model: Path, windows: Examples
 ) -> None:
     # Prepare
-    model = DeviceModel(next_word_model)
+    model = TFLiteModel(next_word_model)
     batches = TaskBatches.pack(split_batches(windows, model.manifest.batch_size), model.manifest)
     targets = windows["targets"]
     before = model.evaluate(batches).sums

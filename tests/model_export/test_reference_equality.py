@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 
 from contracts.features import Examples
-from device_runtime.model import DeviceModel
-from device_runtime.task_batches import TaskBatches, split_batches
 from model_export.config import ModelConfig
 from model_export.reference import ReferenceModel
+from model_runtime.task_batches import TaskBatches, split_batches
+from model_runtime.tflite_model import TFLiteModel
 from tests.conftest import BIASED, IMPLICIT, ROBUST, SMALL, perturbed_globals
 
 ATOL, RTOL = 2e-5, 2e-4
@@ -37,8 +37,8 @@ def reference_batches(batches: list[Examples]) -> list[tuple[np.ndarray, np.ndar
     return [(b["item"], b["label"].astype(np.float64), np.ones(b.num_examples)) for b in batches]
 
 
-def setup_pair(model_dir: Path, backend: str, seed: int) -> tuple[DeviceModel, ReferenceModel]:
-    model = DeviceModel(model_dir, backend=backend)
+def setup_pair(model_dir: Path, backend: str, seed: int) -> tuple[TFLiteModel, ReferenceModel]:
+    model = TFLiteModel(model_dir, backend=backend)
     rng = np.random.default_rng(seed)
     globals_ = perturbed_globals(model.get_global(), seed)
     locals_ = {k: rng.normal(0, 0.2, v.shape).astype(np.float32) for k, v in model.get_local().items()}

@@ -18,9 +18,9 @@ from contracts.task_config import TaskConfig
 from device_runtime.agent import DeviceAgent, Participation
 from device_runtime.client_task import prepare
 from device_runtime.example_store import Event, ExampleStore
-from device_runtime.model import DeviceModel
 from device_runtime.orchestrator_client import OrchestratorClient, ProtocolError
 from model_export.config import ModelConfig
+from model_runtime.tflite_model import TFLiteModel
 from tests.conftest import MOVIELENS
 from tests.orchestrator.conftest import ADMIN_TOKEN, Server, admin_create_population
 
@@ -174,7 +174,7 @@ def test_dropouts_deadlines_late_reports_and_small_devices(
             late_device = fleet.agents[3]
             late_assignment = dropped[0]
             assert isinstance(late_assignment, Assignment)
-            model = DeviceModel(await late_device.client.model_dir(late_assignment, fleet.cache))
+            model = TFLiteModel(await late_device.client.model_dir(late_assignment, fleet.cache))
             delta = {s.name: np.zeros(s.shape, np.float32) for s in model.manifest.global_params}
             with pytest.raises(ProtocolError) as late:
                 await late_device.client.report_training(late_assignment, delta, 10, {})
@@ -221,7 +221,7 @@ def test_nothing_private_goes_over_the_wire(
     asyncio.run(scenario())
 
     # What each device's reconstructed local parameters were, recomputed the same way.
-    model = DeviceModel(model_dir)
+    model = TFLiteModel(model_dir)
     globals_ = decode_params(
         (model_dir / "global_params.safetensors").read_bytes(), model.manifest.global_params, "g"
     )
@@ -230,7 +230,7 @@ def test_nothing_private_goes_over_the_wire(
         store = fill_store(tmp_path / f"replay-{u}.sqlite", movielens_users[u])
         config = TaskConfig.from_manifest(model.manifest, **TASK)
         data = prepare(store, model.manifest, config, seed=0)
-        from device_runtime.task_batches import TaskBatches
+        from model_runtime.task_batches import TaskBatches
 
         model.set_global(globals_)
         model.reset_local()

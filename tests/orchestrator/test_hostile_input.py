@@ -29,8 +29,8 @@ from contracts.params import decode_params, encode_sparse_delta, read_metadata
 from contracts.task_config import TaskConfig
 from device_runtime.client_task import run_training_task
 from device_runtime.example_store import Event, ExampleStore
-from device_runtime.model import DeviceModel
 from model_export.config import ModelConfig
+from model_runtime.tflite_model import TFLiteModel
 from orchestrator.app import create_app
 from orchestrator.local import PROJECT_ROOT
 from orchestrator.settings import AdminTokenError, Settings
@@ -94,7 +94,7 @@ def real_report(model_dir: Path, tmp: Path, global_params: bytes) -> bytes:
         Event({"item": int(i), "label": float(rng.integers(1, 6))}, float(t))
         for t, i in enumerate(rng.integers(0, 200, 60))
     )
-    model = DeviceModel(model_dir)
+    model = TFLiteModel(model_dir)
     result = run_training_task(
         model, store, decode_params(global_params, model.manifest.global_params, "params"), TaskConfig()
     )

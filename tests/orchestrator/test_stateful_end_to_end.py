@@ -17,9 +17,9 @@ from contracts.params import decode_sparse_delta, read_metadata
 from device_runtime.agent import DeviceAgent, Participation
 from device_runtime.example_store import ExampleStore
 from device_runtime.local_state import LocalStateStore
-from device_runtime.model import DeviceModel
 from device_runtime.orchestrator_client import OrchestratorClient
 from model_export.config import ModelConfig
+from model_runtime.tflite_model import TFLiteModel
 from tests.conftest import MOVIELENS
 from tests.orchestrator.conftest import Server, admin_create_population
 from tests.orchestrator.test_end_to_end import Fleet, UserData, admin, settings
@@ -42,7 +42,7 @@ def test_a_stateful_population_keeps_locals_on_devices_across_rounds_and_restart
         settings(target_reports=4, min_reports=1, evaluation_target_reports=4, task_config=KEEP_TASK),
     )
     assert created.status_code == 201, created.text
-    model = DeviceModel(model_dir)
+    model = TFLiteModel(model_dir)
     sent: list[tuple[str, str, bytes]] = []
     kept_after: list[list[bytes]] = []  # per round, each device's kept locals as bytes
 
@@ -127,7 +127,7 @@ def test_a_curious_server_estimates_kept_locals_from_a_plaintext_report(
         server.url, model_dir, "furl", settings(target_reports=2, min_reports=1, task_config=KEEP_TASK)
     )
     assert created.status_code == 201, created.text
-    model = DeviceModel(model_dir)
+    model = TFLiteModel(model_dir)
     bodies: list[bytes] = []
 
     async def capture(request: httpx.Request) -> None:

@@ -20,9 +20,9 @@ from contracts.params import decode_params, decode_sparse_delta, encode_sparse_d
 from contracts.task_config import TaskConfig
 from device_runtime.client_task import prepare, reconstruct_locals, run_training_task
 from device_runtime.example_store import Event, ExampleStore
-from device_runtime.model import DeviceModel
-from device_runtime.task_batches import TaskBatches
 from model_export.config import ModelConfig
+from model_runtime.task_batches import TaskBatches
+from model_runtime.tflite_model import TFLiteModel
 from secure_aggregation import server
 from secure_aggregation.config import RoundParameters
 from secure_aggregation.device import DeviceSession, round_graph
@@ -48,7 +48,7 @@ def trained(
     export: Callable[[ModelConfig], Path], movielens_users: UserData, tmp_path_factory: pytest.TempPathFactory
 ) -> tuple[Path, list[Trained]]:
     model_dir = export(MOVIELENS)
-    model = DeviceModel(model_dir)
+    model = TFLiteModel(model_dir)
     manifest = model.manifest
     global_params = decode_params(
         (model_dir / "global_params.safetensors").read_bytes(), manifest.global_params, "globals"
@@ -96,7 +96,7 @@ def plaintext_reports(devices: list[Trained]) -> list[dict[str, np.ndarray]]:
 def secure_inputs(model_dir: Path, devices: list[Trained]) -> list[dict[str, np.ndarray]]:
     """What the server holds from each device in a secure round: its masked input, read as the
     signed, dequantized vector the attacker would most like it to be."""
-    layout = Layout.of(DeviceModel(model_dir).manifest.global_params)
+    layout = Layout.of(TFLiteModel(model_dir).manifest.global_params)
     params = RoundParameters("attack/1/x", layout.length, 32, 10.0, len(devices), 0, 0.5, 3)
     sessions = {i + 1: DeviceSession(params) for i in range(len(devices))}
     roster = {i: s.advertise() for i, s in sessions.items()}
@@ -137,7 +137,7 @@ def test_secure_inputs_are_uncorrelated_with_the_delta_and_reveal_no_embedding(
 ) -> None:
     # Prepare
     model_dir, devices = trained
-    layout = Layout.of(DeviceModel(model_dir).manifest.global_params)
+    layout = Layout.of(TFLiteModel(model_dir).manifest.global_params)
 
     # Execute: the same attack on what the server receives under secure aggregation
     received = secure_inputs(model_dir, devices)

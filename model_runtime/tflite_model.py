@@ -14,8 +14,8 @@ import numpy as np
 from contracts.features import Examples
 from contracts.manifest import MODEL_FILE, Manifest, ManifestError, load_manifest
 from contracts.params import Params, check_params
-from device_runtime.interpreter import interpreter_class
-from device_runtime.task_batches import TaskBatches
+from model_runtime.interpreter import interpreter_class
+from model_runtime.task_batches import TaskBatches
 
 
 class ModelLoadError(RuntimeError):
@@ -118,7 +118,7 @@ def _float32(name: str, value: float) -> np.float32:
     return np.float32(value)
 
 
-class DeviceModel:
+class TFLiteModel:
     """One interpreter over one exported model; not thread-safe (use one per thread).
 
     The global parameters live here as numpy arrays (as downloaded); training and
