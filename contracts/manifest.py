@@ -39,6 +39,17 @@ HYPERPARAMETERS = {
     "evaluate": (),
 }
 TASK_KINDS = ("ranking", "classification", "regression")
+# Gradient transfer (Augenstein et al., Algorithm 4): a model exported with the `gradient`
+# signature also takes, in `update`, a central gradient per global (`<name>_central_gradient`,
+# shaped like that global's training input) and its weight. Optional, so that manifests exported
+# before it still load: a model without it trains as before and refuses a central gradient.
+GRADIENT_SIGNATURE = "gradient"
+CENTRAL_GRADIENT_WEIGHT = "central_gradient_weight"
+
+
+def central_gradient_input(name: str) -> str:
+    """The `update` input that takes the central gradient of global `name`."""
+    return f"{name}_central_gradient"
 
 
 class ManifestError(ValueError):
@@ -230,6 +241,11 @@ class Manifest:
         return self.max_examples * per_example
 
     @property
+    def takes_central_gradient(self) -> bool:
+        """Whether the model has the `gradient` signature and `update` takes a central gradient."""
+        return GRADIENT_SIGNATURE in self.signatures
+
+    @property
     def catalog_size(self) -> int:
         """The rows a ranking task ranks."""
         if self.task.catalog_feature is None:
@@ -329,7 +345,16 @@ class Manifest:
         expected[NUM_BATCHES] = ((), "int32")
         for h in HYPERPARAMETERS[signature]:
             expected[h] = ((), "int32" if h == "num_steps" else "float32")
+        if signature == "update" and self.takes_central_gradient:
+            for p in self.global_params:
+                expected[central_gradient_input(p.name)] = expected[p.name][0], "float32"
+            expected[CENTRAL_GRADIENT_WEIGHT] = ((), "float32")
         return expected
+
+    def training_shape(self, name: str) -> tuple[int, ...]:
+        """The shape a training signature takes global `name` in: its task rows if row-sparse."""
+        p = self.global_spec(name)
+        return (self.max_rows(p.row_sparse), *p.shape[1:]) if p.row_sparse else p.shape
 
     def check_consistency(self) -> None:
         """Parameters, features, task and signatures must agree; a ManifestError says where not."""
@@ -366,14 +391,18 @@ class Manifest:
             expected_io[(name, "inputs")] = self.training_inputs(name)
         expected_io[("update", "outputs")] = {
             "loss": ((), "float32"),
-            **{
-                f"{p.name}_delta": (
-                    (self.max_rows(p.row_sparse), *p.shape[1:]) if p.row_sparse else p.shape,
-                    "float32",
-                )
-                for p in self.global_params
-            },
+            **{f"{p.name}_delta": (self.training_shape(p.name), "float32") for p in self.global_params},
         }
+        if self.takes_central_gradient:
+            # The same batches as `evaluate`; the gradient of the data loss per global training input.
+            expected_io[(GRADIENT_SIGNATURE, "inputs")] = self.training_inputs("evaluate")
+            expected_io[(GRADIENT_SIGNATURE, "outputs")] = {
+                "loss": ((), "float32"),
+                "weight_sum": ((), "float32"),
+                **{
+                    f"{p.name}_gradient": (self.training_shape(p.name), "float32") for p in self.global_params
+                },
+            }
         expected_io[("evaluate", "outputs")] = {
             f"{m}_sum": ((), "float32") for m in ("loss", "weight", *(m.name for m in self.metrics))
         }

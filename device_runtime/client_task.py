@@ -23,7 +23,7 @@ from contracts.task_config import LocalState, SplitPolicy, TaskConfig
 from device_runtime.example_store import ExampleStore, Selection
 from device_runtime.local_state import LocalStateStore
 from model_runtime.task_batches import TaskBatches, split_batches
-from model_runtime.tflite_model import EvaluationSums, RowUpdate, TFLiteModel, Update
+from model_runtime.tflite_model import EvaluationSums, RowUpdate, SparseGradient, TFLiteModel, Update
 
 
 class Outcome(enum.StrEnum):
@@ -231,14 +231,21 @@ def run_training_task(
     should_continue: Callable[[], bool] = lambda: True,
     seed: int = 0,
     kept: LocalStateStore | None = None,
+    central_gradient: SparseGradient | None = None,
+    weight: float = 0.0,
 ) -> TaskResult:
     """Reconstruct on support, update on query, and return the delta; locals are discarded.
 
     With `local_state: keep` (FURL) the device's kept locals (`kept`) train jointly with the
-    globals instead, and are kept for its next task."""
+    globals instead, and are kept for its next task. Gradient transfer (Augenstein et al.,
+    Algorithm 4): every update step adds `weight` times the server's `central_gradient` (rows of
+    the globals, public data's gradient) to the gradient of the globals; the delta then covers
+    the central gradient's rows too. The reported weight stays |query|."""
     try:
         if config.local_state is LocalState.KEEP:
-            return _stateful_training(model, store, global_params, config, kept, should_continue, seed)
+            return _stateful_training(
+                model, store, global_params, config, kept, should_continue, seed, central_gradient, weight
+            )
         started = _start(model, store, global_params, config, seed)
         if isinstance(started, TaskResult):
             return started
@@ -257,6 +264,8 @@ def run_training_task(
             local_learning_rate=config.local_learning_rate,  # 0: the locals stay frozen (Algorithm 1)
             l2_global=config.l2_global,
             l2_local=config.l2_local,
+            central_gradient=central_gradient,
+            central_gradient_weight=weight,
         )
         if diverged(update):
             return TaskResult(
@@ -354,6 +363,8 @@ def _stateful_training(
     kept: LocalStateStore | None,
     should_continue: Callable[[], bool],
     seed: int,
+    central_gradient: SparseGradient | None = None,
+    weight: float = 0.0,
 ) -> TaskResult:
     """FURL's client task: the kept locals and the globals train jointly on the training examples
     (all but the held-out newest); the delta of the globals goes back, the locals stay here."""
@@ -380,6 +391,8 @@ def _stateful_training(
         local_learning_rate=config.local_learning_rate,
         l2_global=config.l2_global,
         l2_local=config.l2_local,
+        central_gradient=central_gradient,
+        central_gradient_weight=weight,
     )
     if diverged(update):
         return TaskResult(

@@ -112,23 +112,42 @@ class ReferenceModel:
         local_learning_rate: float = 0.0,
         l2_global: float = 0.0,
         l2_local: float = 0.0,
+        central_gradient: dict[str, np.ndarray] | None = None,
+        central_gradient_weight: float = 0.0,
     ) -> tuple[dict[str, np.ndarray], float]:
         """SGD on the globals (and locals if `local_learning_rate` > 0); returns (delta, mean loss).
 
-        The model's globals are left unchanged, as the signature leaves them.
+        Every step adds `central_gradient_weight` times `central_gradient` (dense, by global) to
+        the globals' gradient. The model's globals are left unchanged, as the signature leaves them.
         """
+        central = central_gradient or {}
         start = {k: v.copy() for k, v in self.global_params.items()}
         losses = []
         for step in range(num_steps if batches else 0):
             grads_g, grads_l, loss = self.batch_gradients(batches[step % len(batches)], l2_global, l2_local)
             for k in self.global_params:
-                self.global_params[k] = self.global_params[k] - learning_rate * grads_g[k]
+                g = grads_g[k] + central_gradient_weight * central.get(k, 0.0)
+                self.global_params[k] = self.global_params[k] - learning_rate * g
             for k in self.local_params:
                 self.local_params[k] = self.local_params[k] - local_learning_rate * grads_l[k]
             losses.append(loss)
         delta = {k: self.global_params[k] - start[k] for k in start}
         self.global_params = start
         return delta, float(np.mean(losses)) if losses else 0.0
+
+    def gradient(self, batches: list[Batch]) -> tuple[dict[str, np.ndarray], float]:
+        """The gradient of the example-weighted mean data loss over all `batches` (dense, by
+        global) and that loss: each batch's mean-loss gradient weighted by its share of examples."""
+        total = sum(float(w.sum()) for _, _, w in batches)
+        grads = {k: np.zeros_like(v) for k, v in self.global_params.items()}
+        loss = 0.0
+        for batch in batches:
+            share = float(batch[2].sum()) / total if total > 0 else 0.0
+            grads_g, _, batch_loss = self.batch_gradients(batch, 0.0, 0.0)
+            for k in grads:
+                grads[k] += share * grads_g[k]
+            loss += share * batch_loss
+        return grads, loss
 
     def evaluate(self, batches: list[Batch]) -> dict[str, float]:
         sums = {"loss_sum": 0.0, "squared_error_sum": 0.0, "correct_sum": 0.0, "weight_sum": 0.0}

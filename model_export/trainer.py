@@ -12,10 +12,17 @@ Every signature that trains or evaluates takes one call's worth of padded, weigh
 `reconstruct` trains the locals with the globals frozen; `update` trains the globals (and, at
 `local_learning_rate` > 0, the locals) and returns each global's change (`<name>_delta`: the
 task rows' change for a row-sparse table) and the mean loss; `evaluate` returns weighted sums
-(`loss_sum`, `weight_sum`, `<metric>_sum`). Whole reconstructions and updates run in one call
-(a `tf.while_loop` over the batches, cycling). Why the task rows: a step costs O(batch), not
-O(table), and a signature that reads a whole variable keeps its own full-size copy of it
-(TFLite's READ_VARIABLE copies into the subgraph's arena), so only `infer` and `get_global` do.
+(`loss_sum`, `weight_sum`, `<metric>_sum`). For gradient transfer (Augenstein et al.,
+Algorithm 4), `gradient` returns the gradient of the example-weighted mean data loss over the
+batches w.r.t. each global's training input (`<name>_gradient`, task rows for a row-sparse
+table) at the given globals and the current locals, and `update` takes a central gradient per
+global (`<name>_central_gradient`, the same shape) that every step adds, times
+`central_gradient_weight`, to that global's gradient (weight 0: exactly the plain update).
+
+Whole reconstructions and updates run in one call (a `tf.while_loop` over the batches,
+cycling). Why the task rows: a step costs O(batch), not O(table), and a signature that reads a
+whole variable keeps its own full-size copy of it (TFLite's READ_VARIABLE copies into the
+subgraph's arena), so only `infer` and `get_global` do.
 
 The Keras model runs through `stateless_call` on the values these signatures hold (so
 GradientTape differentiates with respect to them). Keras checks that each value has its
@@ -40,11 +47,24 @@ import numpy as np
 import tensorflow as tf
 
 from contracts.features import FeatureSpec, FeatureSpecError, check_feature_specs
-from contracts.manifest import HYPERPARAMETERS, NUM_BATCHES, WEIGHTS
+from contracts.manifest import (
+    CENTRAL_GRADIENT_WEIGHT,
+    GRADIENT_SIGNATURE,
+    HYPERPARAMETERS,
+    NUM_BATCHES,
+    WEIGHTS,
+    central_gradient_input,
+)
 from model_export.layers import RowTable
 from model_export.spec import ExportError, ExportSpec
 
-_RESERVED = {WEIGHTS, NUM_BATCHES, "exclude", *(h for names in HYPERPARAMETERS.values() for h in names)}
+_RESERVED = {
+    WEIGHTS,
+    NUM_BATCHES,
+    "exclude",
+    CENTRAL_GRADIENT_WEIGHT,
+    *(h for names in HYPERPARAMETERS.values() for h in names),
+}
 _ROW_SPARSE_LAYERS = (keras.layers.Embedding, RowTable)
 
 
@@ -219,7 +239,12 @@ class Trainer(tf.Module):  # type: ignore[misc]
         return found
 
     def _check_names(self) -> None:
-        taken = [f.name for f in self.features] + list(self.names.values())
+        globals_ = [self.names[p] for p in self.global_paths]
+        taken = (
+            [f.name for f in self.features]
+            + list(self.names.values())
+            + [central_gradient_input(n) for n in globals_]
+        )
         clash = sorted({n for n in taken if taken.count(n) > 1 or n in _RESERVED})
         if clash:
             raise ExportError(
@@ -336,9 +361,12 @@ class Trainer(tf.Module):  # type: ignore[misc]
         start: list[tf.Tensor],
         l2_global: tf.Tensor,
         l2_local: tf.Tensor,
+        added: list[tf.Tensor | None] | None = None,
     ) -> tuple[tf.Tensor, list[tf.Tensor]]:
-        """`num_steps` SGD steps on the `trained` values over the batches, cycling;
-        returns (mean loss, final values)."""
+        """`num_steps` SGD steps on the `trained` values over the batches, cycling; `added[i]`
+        (if given) is added to the gradient of `trained[i]` at every step. Returns (mean loss,
+        final values)."""
+        added = added or [None] * len(trained)
         modulus, num_steps = self._loop_bounds(inputs[NUM_BATCHES], inputs["num_steps"])
         features = [f.name for f in self.features]
 
@@ -351,7 +379,10 @@ class Trainer(tf.Module):  # type: ignore[misc]
                 objective, data_loss = self._batch_objective(
                     values, batch, inputs[WEIGHTS][b], l2_global, l2_local
                 )
-            grads = tape.gradient(objective, list(current))
+            grads = [
+                g if a is None else a if g is None else tf.convert_to_tensor(g) + a
+                for g, a in zip(tape.gradient(objective, list(current)), added, strict=True)
+            ]
             new = [
                 v if g is None else v - r * tf.convert_to_tensor(g)
                 for v, r, g in zip(current, rates, grads, strict=True)
@@ -391,6 +422,8 @@ class Trainer(tf.Module):  # type: ignore[misc]
         rates = [inputs["learning_rate"]] * len(global_names) + [inputs["local_learning_rate"]] * len(
             local_names
         )
+        weight = inputs[CENTRAL_GRADIENT_WEIGHT]
+        central = [weight * inputs[central_gradient_input(n)] for n in global_names]
         loss, final = self._train(
             inputs,
             global_names + local_names,
@@ -399,6 +432,7 @@ class Trainer(tf.Module):  # type: ignore[misc]
             start_global + [self.local_vars[n].read_value() for n in local_names],
             inputs["l2_global"],
             inputs["l2_local"],
+            [*central, *[None] * len(local_names)],
         )
         outputs = {"loss": loss}
         for n, begin, end in zip(global_names, start_global, final, strict=False):
@@ -407,17 +441,21 @@ class Trainer(tf.Module):  # type: ignore[misc]
             self.local_vars[n].assign(v)
         return outputs
 
-    def evaluate(self, **inputs: tf.Tensor) -> dict[str, tf.Tensor]:
-        """Weighted sums over the first `num_batches` batches, so that devices' metrics add up."""
+    def _flat(self, inputs: dict[str, tf.Tensor]) -> tuple[tf.Tensor, dict[str, tf.Tensor]]:
+        """(weights, features) of the first `num_batches` batches as one batch of `max_batches *
+        batch_size` examples (the rest weighted 0): evaluation does not step between batches."""
         s, b = self.spec.max_batches, self.spec.batch_size
         in_range = tf.cast(tf.range(s) < self._clamp_batches(inputs[NUM_BATCHES]), tf.float32)[:, None]
         weights = tf.reshape(inputs[WEIGHTS] * in_range, [s * b])
-        flat = {f.name: tf.reshape(inputs[f.name], [s * b, *f.shape]) for f in self.features}
+        return weights, {f.name: tf.reshape(inputs[f.name], [s * b, *f.shape]) for f in self.features}
+
+    def evaluate(self, **inputs: tf.Tensor) -> dict[str, tf.Tensor]:
+        """Weighted sums over the first `num_batches` batches, so that devices' metrics add up."""
+        weights, flat = self._flat(inputs)
         values = {
             **{n: inputs[n] for n in self.global_vars},
             **{n: v.read_value() for n, v in self.local_vars.items()},
         }
-        # All batches in one call of the model: evaluation does not step between batches.
         outputs = self._forward(self._keras.twin, values, {f.name: flat[f.name] for f in self.inputs})
         label = flat[self.label.name]
         sums = {
@@ -429,6 +467,28 @@ class Trainer(tf.Module):  # type: ignore[misc]
                 weights * self._per_example(metric.per_example, label, outputs)
             )
         return sums
+
+    def gradient(self, **inputs: tf.Tensor) -> dict[str, tf.Tensor]:
+        """The gradient of the example-weighted mean data loss (no L2) over the first
+        `num_batches` batches w.r.t. each global's training input, at the given globals and the
+        current locals; with the mean loss and the weight sum, so that calls' gradients average."""
+        weights, flat = self._flat(inputs)
+        names = list(self.global_vars)
+        given = [inputs[n] for n in names]
+        with tf.GradientTape() as tape:
+            tape.watch(given)
+            values = {
+                **dict(zip(names, given, strict=True)),
+                **{n: v.read_value() for n, v in self.local_vars.items()},
+            }
+            outputs = self._forward(self._keras.twin, values, {f.name: flat[f.name] for f in self.inputs})
+            losses = self._per_example(self.spec.loss, flat[self.label.name], outputs)
+            total = tf.reduce_sum(weights)
+            loss = tf.math.divide_no_nan(tf.reduce_sum(weights * losses), total)
+        out = {"loss": loss, "weight_sum": total}
+        for n, v, g in zip(names, given, tape.gradient(loss, given), strict=True):
+            out[f"{n}_gradient"] = tf.zeros_like(v) if g is None else tf.convert_to_tensor(g)
+        return out
 
     def _infer_scores(self, inputs: dict[str, tf.Tensor], model: Any) -> tf.Tensor:
         values = {
@@ -502,6 +562,11 @@ class Trainer(tf.Module):  # type: ignore[misc]
         specs[NUM_BATCHES] = tf.TensorSpec([], tf.int32, name=NUM_BATCHES)
         for h in HYPERPARAMETERS[signature]:
             specs[h] = tf.TensorSpec([], tf.int32 if h == "num_steps" else tf.float32, name=h)
+        if signature == "update":
+            for name in self.global_vars:
+                key = central_gradient_input(name)
+                specs[key] = tf.TensorSpec(specs[name].shape, tf.float32, name=key)
+            specs[CENTRAL_GRADIENT_WEIGHT] = tf.TensorSpec([], tf.float32, name=CENTRAL_GRADIENT_WEIGHT)
         return specs
 
     def signatures(self) -> dict[str, Any]:
@@ -528,6 +593,7 @@ class Trainer(tf.Module):  # type: ignore[misc]
             "reconstruct": keyword_fn(self.reconstruct, self.training_specs("reconstruct")),
             "update": keyword_fn(self.update, self.training_specs("update")),
             "evaluate": keyword_fn(self.evaluate, self.training_specs("evaluate")),
+            GRADIENT_SIGNATURE: keyword_fn(self.gradient, self.training_specs("evaluate")),
             "infer": infer,
             "get_global": tf.function(self.get_global).get_concrete_function(),
             "set_global": keyword_fn(self.set_global, global_specs),

@@ -40,6 +40,32 @@ class TaskBatches:
         """The distinct values of a row-sparse feature in these batches, increasing."""
         return self.rows[feature][: self.num_rows[feature]]
 
+    def with_rows(self, extra: dict[str, np.ndarray], manifest: Manifest) -> TaskBatches:
+        """These batches with each row-sparse feature's task rows widened to the union of its used
+        rows and `extra[feature]` (e.g. the rows a central gradient touches, so that `update`
+        trains them too); the examples' slots are renumbered, the examples are the same."""
+        rows, num_rows, features = dict(self.rows), dict(self.num_rows), dict(self.features)
+        for feature, wanted in extra.items():
+            if feature not in self.rows:
+                raise ValueError(
+                    f"{feature!r} indexes no row-sparse global; row-sparse features: {sorted(self.rows)}"
+                )
+            used = self.used_rows(feature)
+            union = np.union1d(used, np.asarray(wanted, np.int64)).astype(np.int32)
+            limit = manifest.max_rows(feature)
+            if union.size > limit:
+                raise ValueError(
+                    f"{union.size} task rows of {feature!r} ({used.size} used by the examples, the rest "
+                    f"added); one call of the model takes at most {limit}"
+                )
+            # Each slot's row, then that row's slot in the union (padding slots stay in range).
+            slot_rows = self.rows[feature][self.features[feature]]
+            slots = np.minimum(np.searchsorted(union, slot_rows), limit - 1).astype(np.int32)
+            padded = np.zeros(limit, np.int32)
+            padded[: union.size] = union
+            rows[feature], num_rows[feature], features[feature] = padded, int(union.size), slots
+        return TaskBatches(features, rows, num_rows, self.weights, self.num_batches)
+
     def inputs(self) -> dict[str, np.ndarray]:
         """The batch inputs of a training/evaluation signature (the globals come from the model)."""
         return {**self.features, WEIGHTS: self.weights, NUM_BATCHES: np.array(self.num_batches, np.int32)}

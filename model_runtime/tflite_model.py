@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import math
 import mmap
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -12,8 +13,16 @@ from typing import Any
 import numpy as np
 
 from contracts.features import Examples
-from contracts.manifest import MODEL_FILE, Manifest, ManifestError, load_manifest
-from contracts.params import Params, check_params
+from contracts.manifest import (
+    CENTRAL_GRADIENT_WEIGHT,
+    GRADIENT_SIGNATURE,
+    MODEL_FILE,
+    Manifest,
+    ManifestError,
+    central_gradient_input,
+    load_manifest,
+)
+from contracts.params import Params, ParamsError, SparseTensor, check_params, row_shape
 from model_runtime.interpreter import interpreter_class
 from model_runtime.task_batches import TaskBatches
 
@@ -83,6 +92,27 @@ class RowUpdate:
     delta: Params  # row-sparse globals: one row per entry of `rows[name]`; the other globals whole
     loss: float  # mean batch loss over the steps
     max_abs_change: float  # over every changed value; inf/NaN if any was non-finite
+
+
+# A gradient per global parameter, as the rows it touches (a dense global: all its rows), e.g. the
+# central gradient a server sends for gradient transfer. Missing globals: zero.
+SparseGradient = dict[str, SparseTensor]
+
+
+@dataclass(frozen=True)
+class BatchGradient:
+    """`gradient`'s result: the mean data loss's gradient w.r.t. each global (row-sparse globals:
+    the batches' rows), the mean loss, and the examples' weight sum (to average several calls)."""
+
+    gradient: SparseGradient
+    loss: float
+    weight_sum: float
+
+
+def all_rows(values: np.ndarray) -> SparseTensor:
+    """A tensor as a sparse tensor with every row."""
+    rows = values.reshape(row_shape(values.shape))
+    return SparseTensor(values.shape, np.arange(len(rows), dtype=np.int32), rows)
 
 
 @dataclass(frozen=True)
@@ -242,18 +272,43 @@ class TFLiteModel:
         local_learning_rate: float = 0.0,
         l2_global: float = 0.0,
         l2_local: float = 0.0,
+        central_gradient: Mapping[str, SparseTensor] | None = None,
+        central_gradient_weight: float = 0.0,
     ) -> RowUpdate:
-        """Train the global parameters on `batches`; returns the change of the task's rows."""
+        """Train the global parameters on `batches`; returns the change of the task's rows.
+
+        Gradient transfer: every step adds `central_gradient_weight` times `central_gradient` to
+        the globals' gradient; the task's rows then include the central gradient's rows (returned
+        in the change too). At weight 0 (or without one) this is exactly the plain update."""
+        steps = _int32("num_steps", num_steps)
+        rate = _float32("learning_rate", learning_rate)
+        weight = _float32("central_gradient_weight", central_gradient_weight)
+        central = self._checked_central_gradient(central_gradient, float(weight))
+        outside: dict[str, np.ndarray] = {}
+        mixing: dict[str, np.ndarray] = {}
+        if central:
+            batches, outside = self._widened(batches, central)
+            mixing = self._central_inputs(batches, central)
+            mixing[CENTRAL_GRADIENT_WEIGHT] = np.asarray(weight, np.float32)
+        elif self.manifest.takes_central_gradient:
+            mixing = {
+                central_gradient_input(s.name): np.zeros(self.manifest.training_shape(s.name), np.float32)
+                for s in self.manifest.global_params
+            }
+            mixing[CENTRAL_GRADIENT_WEIGHT] = np.asarray(0.0, np.float32)
         out = self._call(
             "update",
             **batches.inputs(),
             **self._task_globals(batches),
-            num_steps=_int32("num_steps", num_steps),
-            learning_rate=_float32("learning_rate", learning_rate),
+            **mixing,
+            num_steps=steps,
+            learning_rate=rate,
             local_learning_rate=_float32("local_learning_rate", local_learning_rate),
             l2_global=_float32("l2_global", l2_global),
             l2_local=_float32("l2_local", l2_local),
         )
+        # The steps the signature ran (it runs none on no batches).
+        ran = max(int(steps), 0) if batches.num_batches > 0 else 0
         delta: Params = {}
         rows: dict[str, np.ndarray] = {}
         max_abs = 0.0
@@ -262,10 +317,106 @@ class TFLiteModel:
             if spec.row_sparse is not None:
                 compact = compact[: batches.num_rows[spec.row_sparse]]
                 rows[spec.name] = batches.used_rows(spec.row_sparse)
+                extra = outside.get(spec.row_sparse)
+                if extra is not None and extra.size and spec.name in central:
+                    # Rows beyond one call's capacity that no example uses: nothing but the central
+                    # gradient moves them, by exactly -rate * weight * g at each step.
+                    g = central[spec.name]
+                    at = np.searchsorted(g.rows, extra)
+                    found = (at < g.rows.size) & (g.rows[np.minimum(at, g.rows.size - 1)] == extra)
+                    moved = np.zeros((extra.size, *compact.shape[1:]), np.float32)
+                    moved[found] = (-float(ran) * float(rate) * float(weight)) * g.values[at[found]]
+                    order = np.argsort(np.concatenate([rows[spec.name], extra]), kind="stable")
+                    rows[spec.name] = np.concatenate([rows[spec.name], extra])[order]
+                    compact = np.concatenate([compact, moved])[order]
             delta[spec.name] = compact.astype(np.float32, copy=True)
             if compact.size:
                 max_abs = max(max_abs, float(np.max(np.abs(compact))))
         return RowUpdate(rows, delta, float(out["loss"]), max_abs)
+
+    def _checked_central_gradient(
+        self, central_gradient: Mapping[str, SparseTensor] | None, weight: float
+    ) -> SparseGradient:
+        """The central gradient to apply (empty at weight 0 or when none is given); a ValueError
+        (ParamsError) says what does not fit the model."""
+        if central_gradient is None or weight == 0.0:
+            return {}
+        if not self.manifest.takes_central_gradient:
+            raise ValueError(
+                "this model was exported without gradient transfer (no 'gradient' signature); "
+                "export it again with `python -m model_export` to train with a central gradient"
+            )
+        specs = {s.name: s for s in self.manifest.global_params}
+        unknown = sorted(set(central_gradient) - set(specs))
+        if unknown:
+            raise ParamsError(f"central gradient: unknown globals {unknown}; the model's are {sorted(specs)}")
+        for name, tensor in central_gradient.items():
+            if tensor.shape != specs[name].shape:
+                raise ParamsError(
+                    f"central gradient: {name!r} has shape {list(tensor.shape)}, the global is "
+                    f"{list(specs[name].shape)}"
+                )
+            if not np.all(np.isfinite(tensor.values)):
+                raise ParamsError(f"central gradient: {name!r} has non-finite values")
+        return dict(central_gradient)
+
+    def _widened(
+        self, batches: TaskBatches, central: SparseGradient
+    ) -> tuple[TaskBatches, dict[str, np.ndarray]]:
+        """The batches with the central gradient's rows added to the task rows, as many as one call
+        takes; and per feature, the central rows left out (none of the examples uses them)."""
+        wanted: dict[str, np.ndarray] = {}
+        for name, tensor in central.items():
+            feature = self._row_sparse.get(name)
+            if feature is not None:
+                wanted[feature] = np.union1d(wanted.get(feature, np.zeros(0, np.int64)), tensor.rows)
+        inside: dict[str, np.ndarray] = {}
+        outside: dict[str, np.ndarray] = {}
+        for feature, rows in wanted.items():
+            extra = np.setdiff1d(rows, batches.used_rows(feature))
+            room = self.manifest.max_rows(feature) - batches.num_rows[feature]
+            inside[feature], outside[feature] = extra[:room], extra[room:].astype(np.int32)
+        return batches.with_rows(inside, self.manifest), outside
+
+    def _central_inputs(self, batches: TaskBatches, central: SparseGradient) -> dict[str, np.ndarray]:
+        """`update`'s central gradient inputs: per global, its training shape (the task rows' slots
+        for a row-sparse global), zero where the gradient has no row."""
+        inputs: dict[str, np.ndarray] = {}
+        for spec in self.manifest.global_params:
+            value = np.zeros(self.manifest.training_shape(spec.name), np.float32)
+            tensor = central.get(spec.name)
+            if tensor is not None and spec.row_sparse is None:
+                value = tensor.dense()
+            elif tensor is not None and spec.row_sparse is not None:
+                task_rows = batches.used_rows(spec.row_sparse)
+                slots = np.searchsorted(task_rows, tensor.rows)
+                present = (slots < task_rows.size) & (
+                    task_rows[np.minimum(slots, max(task_rows.size - 1, 0))] == tensor.rows
+                )
+                value[slots[present]] = tensor.values[present]
+            inputs[central_gradient_input(spec.name)] = value
+        return inputs
+
+    def gradient(self, batches: TaskBatches) -> BatchGradient:
+        """The gradient of the example-weighted mean data loss over `batches` w.r.t. each global at
+        the current globals and locals (a server computes the central gradient with it)."""
+        if not self.manifest.takes_central_gradient:
+            raise ValueError(
+                "this model was exported without the 'gradient' signature; export it again with "
+                "`python -m model_export`"
+            )
+        out = self._call(GRADIENT_SIGNATURE, **batches.inputs(), **self._task_globals(batches))
+        gradient: SparseGradient = {}
+        for spec in self.manifest.global_params:
+            values = out[f"{spec.name}_gradient"]
+            if spec.row_sparse is None:
+                gradient[spec.name] = all_rows(values.astype(np.float32, copy=True))
+            else:
+                rows = batches.used_rows(spec.row_sparse)
+                gradient[spec.name] = SparseTensor(
+                    spec.shape, rows.copy(), values[: rows.size].astype(np.float32, copy=True)
+                )
+        return BatchGradient(gradient, float(out["loss"]), float(out["weight_sum"]))
 
     def update(
         self,
@@ -276,8 +427,11 @@ class TFLiteModel:
         local_learning_rate: float = 0.0,
         l2_global: float = 0.0,
         l2_local: float = 0.0,
+        central_gradient: Mapping[str, SparseTensor] | None = None,
+        central_gradient_weight: float = 0.0,
     ) -> Update:
-        """Train the global parameters on `batches`; returns the dense delta per global tensor."""
+        """Train the global parameters on `batches`; returns the dense delta per global tensor
+        (gradient transfer as in `update_rows`)."""
         rows = self.update_rows(
             batches,
             num_steps,
@@ -285,6 +439,8 @@ class TFLiteModel:
             local_learning_rate=local_learning_rate,
             l2_global=l2_global,
             l2_local=l2_local,
+            central_gradient=central_gradient,
+            central_gradient_weight=central_gradient_weight,
         )
         delta: Params = {}
         for spec in self.manifest.global_params:
