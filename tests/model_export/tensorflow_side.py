@@ -3,8 +3,8 @@
 
 It builds the spec's `Trainer` and runs its signature methods eagerly, with TensorFlow's own
 gradients (not the builtin rewrites the export traces with), on the inputs the test packed:
-`global/<name>`, `local/<name>`, and `<signature>/<input>` for reconstruct, update, evaluate and
-infer. Outputs: `<signature>/<output>`, and `<signature>/local/<name>` after training.
+`global/<name>`, `local/<name>`, and `<signature>/<input>` for reconstruct, update, evaluate,
+gradient and infer. Outputs: `<signature>/<output>`, and `<signature>/local/<name>` after training.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ def main(target: str, inputs_path: str, outputs_path: str) -> None:
     for name, variable in trainer.global_vars.items():
         variable.assign(data[f"global/{name}"])
     results: dict[str, np.ndarray] = {}
-    for signature in ("reconstruct", "update", "evaluate", "infer"):
+    for signature in ("reconstruct", "update", "evaluate", "gradient", "infer"):
         for name, variable in trainer.local_vars.items():
             variable.assign(data[f"local/{name}"])
         prefix = f"{signature}/"

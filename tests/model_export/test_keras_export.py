@@ -19,7 +19,8 @@ import numpy as np
 import pytest
 
 from contracts.features import Examples
-from contracts.manifest import load_manifest
+from contracts.manifest import CENTRAL_GRADIENT_WEIGHT, central_gradient_input, load_manifest
+from contracts.params import SparseTensor
 from model_runtime.task_batches import TaskBatches, split_batches
 from model_runtime.tflite_model import TFLiteModel
 from tests.conftest import GENRE_RATING, ROOT, perturbed_globals
@@ -32,6 +33,7 @@ HYPER: dict[str, float] = {
     "l2_global": 0.01,
     "l2_local": 0.02,
 }
+CENTRAL_WEIGHT = 0.7
 
 
 @dataclass(frozen=True)
@@ -40,6 +42,7 @@ class Case:
     global_params: dict[str, np.ndarray]
     local_params: dict[str, np.ndarray]
     batches: TaskBatches
+    central_gradient: dict[str, SparseTensor]
     infer_inputs: dict[str, np.ndarray]
     tensorflow: dict[str, np.ndarray]
 
@@ -77,15 +80,34 @@ def case(genre_rating_model: Path, tmp_path_factory: pytest.TempPathFactory) -> 
         s.name: global_params[s.name][batches.rows[s.row_sparse]] if s.row_sparse else global_params[s.name]
         for s in manifest.global_params
     }
+    # A central gradient on the examples' rows of each table (and whole dense globals), so that
+    # TensorFlow is given the same task rows as the runtime packs.
+    central_gradient = {
+        s.name: SparseTensor(
+            s.shape,
+            batches.used_rows(s.row_sparse) if s.row_sparse else np.arange(s.shape[0], dtype=np.int32),
+            rng.normal(
+                0, 0.5, (batches.num_rows[s.row_sparse], *s.shape[1:]) if s.row_sparse else s.shape
+            ).astype(np.float32),
+        )
+        for s in manifest.global_params
+    }
+    central_inputs: dict[str, np.ndarray] = {CENTRAL_GRADIENT_WEIGHT: np.asarray(CENTRAL_WEIGHT, np.float32)}
+    for s in manifest.global_params:
+        padded = np.zeros(manifest.training_shape(s.name), np.float32)
+        padded[: len(central_gradient[s.name].rows)] = central_gradient[s.name].values
+        central_inputs[central_gradient_input(s.name)] = padded
     inputs = {**{f"global/{k}": v for k, v in global_params.items()}}
     inputs |= {f"local/{k}": v for k, v in local_params.items()}
     infer_inputs = {f.name: examples[f.name][: manifest.batch_size] for f in manifest.input_features}
-    for signature in ("reconstruct", "update", "evaluate", "infer"):
+    for signature in ("reconstruct", "update", "evaluate", "gradient", "infer"):
         if signature == "infer":
             given = infer_inputs
         else:
             hyper = {k: v for k, v in HYPER.items() if k in manifest.signatures[signature]["inputs"]}
             given = {**batches.inputs(), **task_globals, **{k: np.asarray(v) for k, v in hyper.items()}}
+            if signature == "update":
+                given |= central_inputs
         given = {
             k: np.asarray(v, manifest.signatures[signature]["inputs"][k].dtype) for k, v in given.items()
         }
@@ -100,6 +122,7 @@ def case(genre_rating_model: Path, tmp_path_factory: pytest.TempPathFactory) -> 
         global_params,
         local_params,
         batches,
+        central_gradient,
         infer_inputs,
         dict(np.load(work / "out.npz")),
     )
@@ -146,10 +169,13 @@ def test_training_and_evaluation_match_tensorflow(case: Case, backend: str) -> N
         local_learning_rate=local_lr,
         l2_global=HYPER["l2_global"],
         l2_local=HYPER["l2_local"],
+        central_gradient=case.central_gradient,
+        central_gradient_weight=CENTRAL_WEIGHT,
     )
     after_update = model.get_local()
     model.set_local(case.local_params)
     sums = model.evaluate(case.batches).as_dict()
+    gradient = model.gradient(case.batches)
     predictions = model.predict(Examples(case.infer_inputs))["predictions"]
 
     assert_close(loss, tf["reconstruct/loss"])
@@ -167,6 +193,12 @@ def test_training_and_evaluation_match_tensorflow(case: Case, backend: str) -> N
     for name, value in sums.items():
         assert_close(value, tf[f"evaluate/{name}"])
     assert_close(predictions, tf["infer/predictions"])
+    assert_close(gradient.loss, tf["gradient/loss"])
+    assert gradient.weight_sum == case.batches.num_examples
+    for name, tensor in gradient.gradient.items():
+        expected = tf[f"gradient/{name}_gradient"][: len(tensor.rows)]
+        assert_close(tensor.values, expected)
+    assert np.any(gradient.gradient["hidden_kernel"].values)
 
 
 EXPECTED_ERRORS = {
