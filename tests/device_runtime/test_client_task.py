@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from contracts.params import SparseTensor
 from contracts.task_config import SplitPolicy, TaskConfig
 from device_runtime.client_task import (
     Outcome,
@@ -310,3 +311,39 @@ def test_task_config_round_trip_and_refusals() -> None:
     with pytest.raises(ValueError, match="clip_norm must be > 0"):
         TaskConfig(clip_norm=0.0)
     assert TaskConfig.from_json({"clip_norm": 2.5}).clip_norm == 2.5
+
+
+def test_a_task_with_a_central_gradient_matches_the_reference_and_reports_its_own_weight(
+    movielens_device: tuple[TFLiteModel, ExampleStore],
+) -> None:
+    model, store = movielens_device
+    globals_ = perturbed_globals(model.get_global(), seed=2)
+    config = TaskConfig.from_manifest(model.manifest)
+    rng = np.random.default_rng(3)
+    # Items 1600+ : rows this user never rated (a held-back movie the server has public data on).
+    rows = np.array([0, 5, 1600, 1650], np.int32)
+    central = {
+        "item_embeddings": SparseTensor((1682, 16), rows, rng.normal(0, 1, (4, 16)).astype(np.float32)),
+        "item_bias": SparseTensor((1682,), rows, rng.normal(0, 1, 4).astype(np.float32)),
+    }
+
+    plain = run_training_task(model, store, globals_, config)
+    mixed = run_training_task(model, store, globals_, config, central_gradient=central, weight=0.4)
+
+    assert mixed.outcome is Outcome.COMPLETED, mixed.message
+    assert mixed.num_examples == plain.num_examples == 135  # central data is not counted in the weight
+    data = prepare(store, model.manifest, config, seed=0)
+    ref = ReferenceModel("explicit", globals_, {k: np.zeros_like(v) for k, v in model.get_local().items()})
+    as_ref = [
+        [(b["item"], b["label"].astype(np.float64), np.ones(b.num_examples)) for b in part]
+        for part in (data.support, data.query)
+    ]
+    ref.reconstruct(as_ref[0], min(50, 5 * len(as_ref[0])), 0.1, 0.0)
+    dense = {k: v.dense().astype(np.float64) for k, v in central.items()}
+    ref_delta, _ = ref.update(
+        as_ref[1], min(50, len(as_ref[1])), 0.5, central_gradient=dense, central_gradient_weight=0.4
+    )
+    for k, v in mixed.delta.items():  # type: ignore[union-attr]
+        np.testing.assert_allclose(v, ref_delta[k], atol=5e-5, rtol=5e-4)
+    assert np.any(mixed.delta["item_embeddings"][1600])  # type: ignore[index]
+    assert not np.any(plain.delta["item_embeddings"][1600])  # type: ignore[index]

@@ -202,3 +202,25 @@ def test_a_manifest_exported_before_gradient_transfer_still_loads(
 
     assert not old.takes_central_gradient
     assert "item_embeddings_central_gradient" not in old.training_inputs("update")
+
+
+def test_a_curious_server_still_finds_the_devices_own_rows_in_a_report_with_a_central_gradient(
+    export: Callable[[ModelConfig], Path],
+) -> None:
+    # Attack: the server knows what it sent (g, weight) and the task (steps, rate). Every report row
+    # the device's examples do not use moved by exactly -steps * rate * weight * g; the others are
+    # the device's items. Gradient transfer hides nothing of the row set (and adds nothing: the
+    # extra rows are the server's own numbers).
+    model, _ = setup_pair(export(BIASED), "ai_edge_litert", seed=16)
+    own = np.array([4, 17, 23, 61, 62])
+    examples = Examples({"item": np.repeat(own, 2), "label": np.full(10, 3.0, np.float32)})
+    packed = TaskBatches.pack(split_batches(examples, BIASED.batch_size), model.manifest)
+    sent = as_sent(central_gradient(BIASED, [4, 23, 90, 120, 121, 180], seed=17))
+    steps, rate, weight = 9, 0.05, 0.5
+
+    report = model.update_rows(packed, steps, rate, central_gradient=sent, central_gradient_weight=weight)
+
+    rows = report.rows["item_embeddings"]
+    server_side = -steps * rate * weight * sent["item_embeddings"].dense()[rows]
+    differs = np.abs(report.delta["item_embeddings"] - server_side).max(axis=1) > 1e-5
+    np.testing.assert_array_equal(rows[differs], own)
