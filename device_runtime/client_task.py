@@ -19,9 +19,16 @@ import numpy as np
 from contracts.features import Examples, per_example
 from contracts.manifest import Manifest
 from contracts.params import Params, ParamsError
-from contracts.task_config import LocalState, SplitPolicy, TaskConfig
+from contracts.task_config import LocalState, TaskConfig
 from device_runtime.example_store import ExampleStore, Selection
 from device_runtime.local_state import LocalStateStore
+from model_runtime.support_query import (
+    add_negatives,
+    num_steps,
+    reconstruct_locals,
+    shares,
+    split_support_query,
+)
 from model_runtime.task_batches import TaskBatches, split_batches
 from model_runtime.tflite_model import EvaluationSums, RowUpdate, TFLiteModel, Update
 
@@ -97,50 +104,6 @@ def shuffled(examples: Examples, seed: int) -> Examples:
     return examples.select(np.random.default_rng(seed).permutation(examples.num_examples))
 
 
-def shares(examples: Examples, manifest: Manifest) -> np.ndarray:
-    """A ranking model with implicit labels: the distinct catalog rows with a positive label."""
-    catalog, label = manifest.task.catalog_feature, manifest.label_features[0].name
-    assert catalog is not None
-    found: np.ndarray = np.unique(examples[catalog][examples[label] > 0])
-    return found
-
-
-def add_negatives(
-    examples: Examples,
-    manifest: Manifest,
-    per_positive: int,
-    rng: np.random.Generator,
-    also_shared: np.ndarray | None = None,
-) -> Examples:
-    """A ranking model with implicit labels: each share gets `per_positive` catalog rows the user
-    never shared, label 0 (never one of `examples`' shares nor of `also_shared`, e.g. shares
-    outside the examples)."""
-    catalog, label = manifest.task.catalog_feature, manifest.label_features[0].name
-    assert catalog is not None
-    positives = shares(examples, manifest)
-    count = len(positives) * per_positive
-    shared = positives if also_shared is None else np.union1d(positives, also_shared)
-    candidates = np.setdiff1d(np.arange(manifest.catalog_size), shared, assume_unique=True)
-    if count == 0 or candidates.size == 0:
-        return examples
-    negatives = rng.choice(candidates, size=min(count, candidates.size), replace=False)
-    sampled = Examples(
-        {catalog: negatives.astype(examples[catalog].dtype), label: np.zeros(len(negatives), np.float32)}
-    )
-    mixed = Examples.concat([examples, sampled], manifest.features)
-    return mixed.select(rng.permutation(mixed.num_examples))
-
-
-def split_support_query(
-    examples: Examples, manifest: Manifest, config: TaskConfig
-) -> tuple[list[Examples], list[Examples]]:
-    batches = split_batches(examples, manifest.batch_size)
-    if config.split is SplitPolicy.REUSE or examples.num_examples < config.reuse_below or len(batches) < 2:
-        # Too few to split: reuse everything for both sets, as the keyboard deployment did.
-        return batches[: manifest.max_batches], batches[: manifest.max_batches]
-    return batches[0::2][: manifest.max_batches], batches[1::2][: manifest.max_batches]
-
-
 def prepare(store: ExampleStore, manifest: Manifest, config: TaskConfig, seed: int) -> SupportQuery:
     examples, outside = select_examples(store, manifest, config)
     num_examples = examples.num_examples
@@ -150,10 +113,6 @@ def prepare(store: ExampleStore, manifest: Manifest, config: TaskConfig, seed: i
         )
     support, query = split_support_query(examples, manifest, config)
     return SupportQuery(support, query, num_examples, outside)
-
-
-def num_steps(num_batches: int, max_epochs: int, max_steps: int) -> int:
-    return min(max_steps, max_epochs * num_batches)
 
 
 # tflite_runtime saturates an overflow at float32's maximum where LiteRT gives inf/NaN;
@@ -184,13 +143,6 @@ def clip_delta(delta: Params, clip_norm: float) -> tuple[Params, bool]:
         return delta, True
     scale = clip_norm * _CLIP_MARGIN / norm
     return {name: (np.asarray(t, np.float64) * scale).astype(np.float32) for name, t in delta.items()}, False
-
-
-def reconstruct_locals(model: TFLiteModel, support: TaskBatches, config: TaskConfig) -> float:
-    """Fresh local parameters fitted on the support batches, globals frozen; the mean batch loss."""
-    model.reset_local()
-    steps = num_steps(support.num_batches, config.reconstruction_max_epochs, config.reconstruction_max_steps)
-    return model.reconstruct(support, steps, config.reconstruction_learning_rate, config.l2_local)
 
 
 def _start(
