@@ -18,7 +18,11 @@ from sqlalchemy.orm import Session
 from contracts.features import Examples, InvalidExamples
 from contracts.manifest import Manifest
 from contracts.mixing import MAX_CENTRAL_BYTES, MixingConfig, MixingError, decode_examples, sample_examples
-from orchestrator.db import CentralizedData, Population
+from contracts.params import Params
+from contracts.task_config import TaskConfig
+from orchestrator import central_training
+from orchestrator.central_training import CentralJob, job_key
+from orchestrator.db import Artifact, CentralizedData, Population
 
 
 def attach(
@@ -112,4 +116,46 @@ def assignment_examples(examples: Examples, config: MixingConfig, assignment_id:
     download of it (seeded by the assignment)."""
     return sample_examples(
         examples, config.examples_per_assignment, hashlib.sha256(assignment_id.encode()).digest()
+    )
+
+
+def parallel_training_job(
+    session: Session,
+    population: Population,
+    manifest: Manifest,
+    version: int,
+    params: Params,
+    task: TaskConfig,
+) -> CentralJob | None:
+    """Parallel training's central delta from model `version` (`params`), if the population mixes
+    by parallel training; None otherwise."""
+    found = session.execute(
+        select(CentralizedData.mixing, CentralizedData.sha256).where(
+            CentralizedData.population_id == population.id
+        )
+    ).first()
+    if found is None:
+        return None
+    config = MixingConfig.from_json(found[0])
+    if config.strategy != "parallel_training":
+        return None
+    sha = population.artifact_sha256
+    examples = central_examples(session, population, manifest)
+
+    # Read only when this process has not loaded the model yet: a 1-10 MB read at most once.
+    tflite = None
+    if not central_training.has_model(sha):
+        artifact = session.get(Artifact, sha)
+        assert artifact is not None  # a population's artifact is never deleted
+        tflite = artifact.content
+    return CentralJob(
+        key=job_key(session.get_bind(), population.id, version, found[1], config),
+        artifact_sha256=sha,
+        manifest=manifest,
+        tflite=tflite,
+        params=params,
+        examples=examples,
+        mixing=config,
+        task=task,
+        seed=version,
     )

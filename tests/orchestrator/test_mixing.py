@@ -9,13 +9,22 @@ from typing import Any
 
 import httpx
 import numpy as np
+from sqlalchemy.orm import Session, sessionmaker
 
 from contracts.features import Examples
 from contracts.manifest import Manifest, load_manifest
 from contracts.mixing import encode_examples
+from contracts.params import Params, decode_sparse_delta
+from contracts.task_config import TaskConfig
 from model_export.config import ModelConfig
+from model_runtime.task_batches import TaskBatches
+from model_runtime.tflite_model import TFLiteModel
+from orchestrator import mixing as mixing_data
+from orchestrator import rounds
+from orchestrator.populations import ExportedModel
 from tests.conftest import BIASED
-from tests.orchestrator.conftest import ADMIN_TOKEN, Server, admin_create_population
+from tests.orchestrator.conftest import ADMIN_TOKEN, Server, admin_create_population, make_population
+from tests.orchestrator.test_rounds import checkin, delta_body, device, report, round_by_id, version_params
 
 ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 
@@ -91,3 +100,92 @@ def test_attaching_bad_mixing_is_a_4xx_that_says_why_and_changes_nothing(
     assert after == before
     unknown = attach(server.url, "nobody", {"strategy": "none"}, None)
     assert unknown.status_code == 404
+
+
+def _attach_in(factory: sessionmaker[Session], mixing: dict[str, Any], examples: Examples) -> None:
+    with factory.begin() as session:
+        population = rounds.lock_population(session, "p")
+        assert population is not None
+        manifest = rounds.population_manifest(population)
+        mixing_data.attach(
+            session, population, manifest, mixing, encode_examples(examples, manifest.features), 0.0
+        )
+
+
+def _independent_central_delta(
+    model_dir: Path, base: Params, examples: Examples, steps: int, learning_rate: float
+) -> Params:
+    """Algorithm 2's server step written out: one pseudo-user (the 20 examples fit one task) whose
+    locals are reconstructed on the even batches, then J update steps on the odd ones."""
+    model = TFLiteModel(model_dir)
+    manifest, task = model.manifest, TaskConfig.from_manifest(model.manifest)
+    b = manifest.batch_size
+    batches = [examples.select(slice(i, i + b)) for i in range(0, examples.num_examples, b)]
+    model.set_global(base)
+    model.reset_local()
+    support = TaskBatches.pack(batches[0::2], manifest)
+    model.reconstruct(
+        support,
+        min(task.reconstruction_max_steps, task.reconstruction_max_epochs * len(batches[0::2])),
+        task.reconstruction_learning_rate,
+    )
+    return model.update(TaskBatches.pack(batches[1::2], manifest), steps, learning_rate).delta
+
+
+def test_parallel_training_merges_alpha_of_the_central_delta_with_the_federated_one(
+    db: sessionmaker[Session], export: Callable[[ModelConfig], Path]
+) -> None:
+    # Prepare: one report a round, SGD at rate 1 (the new model is base + merged delta).
+    model_dir = export(BIASED)
+    model = ExportedModel.from_dir(model_dir)
+    make_population(db, model, target_reports=1)
+    examples = central_examples(Manifest.from_json(model.manifest), 20, seed=3)
+    alpha, steps, rate = 0.25, 2, 0.3
+    _attach_in(
+        db,
+        {
+            "strategy": "parallel_training",
+            "weight": alpha,
+            "central_steps": steps,
+            "central_learning_rate": rate,
+        },
+        examples,
+    )
+    for version in (0, 1):  # the first round computes inline, the second may find it precomputed
+        base = version_params(db, model, version)
+        dev = device(db)
+        answer = checkin(db, dev, now=1.0 + version)
+        body = delta_body(model, 0.01, rows=(3, 7))
+        federated = {k: v.dense() for k, v in decode_sparse_delta(body).items()}
+
+        # Execute
+        report(db, dev, answer.assignment_id, body, now=2.0 + version)
+
+        # Assert
+        central = _independent_central_delta(model_dir, base, examples, steps, rate)
+        assert any(np.abs(v).max() > 1e-4 for v in central.values())  # the central data moved the model
+        merged = version_params(db, model, version + 1)
+        for name in base:
+            expected = base[name] + (1 - alpha) * federated[name] + alpha * central[name]
+            np.testing.assert_allclose(merged[name], expected, atol=2e-6, err_msg=name)
+        committed = round_by_id(db, answer.round_id)
+        assert committed.metrics["central_steps"] == steps
+
+
+def test_without_mixing_the_commit_is_the_federated_mean(
+    db: sessionmaker[Session], export: Callable[[ModelConfig], Path]
+) -> None:
+    model = ExportedModel.from_dir(export(BIASED))
+    make_population(db, model, target_reports=1)
+    _attach_in(db, {"strategy": "none"}, central_examples(Manifest.from_json(model.manifest), 20))
+    base = version_params(db, model, 0)
+    dev = device(db)
+    answer = checkin(db, dev)
+    body = delta_body(model, 0.01)
+
+    report(db, dev, answer.assignment_id, body)
+
+    federated = {k: v.dense() for k, v in decode_sparse_delta(body).items()}
+    merged = version_params(db, model, 1)
+    for name in base:
+        np.testing.assert_allclose(merged[name], base[name] + federated[name], atol=1e-7)
