@@ -165,6 +165,25 @@ def decode_examples(
     return examples
 
 
+def max_transfer_bytes(manifest: Manifest) -> int:
+    """The largest example-transfer payload a device accepts: one update call's examples
+    (max_batches x batch_size) of every feature, 4 bytes a value, and a header."""
+    per_example = sum(4 * int(np.prod(f.shape, dtype=np.int64)) for f in manifest.features)
+    return manifest.max_examples * per_example + 8 + MAX_EXAMPLES_HEADER_BYTES
+
+
+def transferred_examples(blob: bytes, manifest: Manifest) -> Examples:
+    """A device's reading of an assignment's centralized examples: bounded, in the model's
+    feature spec, at most one update call's worth; InvalidExamples otherwise."""
+    what = "the assignment's centralized examples"
+    examples = decode_examples(blob, manifest.features, what, max_transfer_bytes(manifest))
+    if examples.num_examples > manifest.max_examples:
+        raise InvalidExamples(
+            f"{what} are {examples.num_examples}; expected at most {manifest.max_examples} (one update call)"
+        )
+    return examples
+
+
 def sample_examples(examples: Examples, count: int, seed: bytes) -> Examples:
     """`count` examples (all when fewer) drawn without replacement, fixed by `seed` (e.g. an
     assignment id), so that a retried download gets the same ones."""

@@ -13,7 +13,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from contracts.features import Examples, InvalidExamples
 from contracts.manifest import ManifestError, load_manifest
+from contracts.mixing import max_transfer_bytes, transferred_examples
 from contracts.params import ParamsError
 from contracts.protocol import Assignment, Rejection
 from contracts.task_config import TaskConfig
@@ -191,6 +193,7 @@ class DeviceAgent:
         model_dir = await self.client.model_dir(answer, self.cache_dir)
         blob = await self.client.global_params(answer)
         config = TaskConfig.from_json(answer.task_config)
+        central = await self._central_examples(answer, model_dir)
         timed = await self.runner.run(
             answer.kind,
             model_dir,
@@ -200,6 +203,7 @@ class DeviceAgent:
             should_continue=should_continue,
             seed=seed,
             kept=LocalStateStore(self.store, self.population),
+            central=central,
         )
         result, seconds = timed.result, timed.seconds
         if compute_slowdown > 1.0:
@@ -239,6 +243,18 @@ class DeviceAgent:
         return Participation(
             "reported", answer, result, server_answer=dataclasses.asdict(reply), task_seconds=seconds
         )
+
+    async def _central_examples(self, answer: Assignment, model_dir: Path) -> Examples | None:
+        """Example transfer: the centralized examples the assignment carries, checked against the
+        model (size, feature spec, at most one update call's worth); None when it carries none."""
+        if answer.central_examples_url is None or answer.kind != "training":
+            return None
+        manifest = load_manifest(model_dir, verify_model=False)
+        blob = await self.client.central_examples(answer, max_transfer_bytes(manifest))
+        try:
+            return transferred_examples(blob, manifest)
+        except InvalidExamples as e:
+            raise InvalidAnswer(str(e), assignment_id=answer.assignment_id) from None
 
 
 def _secure_participation(

@@ -104,6 +104,26 @@ def shuffled(examples: Examples, seed: int) -> Examples:
     return examples.select(np.random.default_rng(seed).permutation(examples.num_examples))
 
 
+def with_central(
+    query: list[Examples], central: Examples, manifest: Manifest, config: TaskConfig, seed: int
+) -> list[Examples]:
+    """Example transfer (Algorithm 3 of Augenstein et al.): the query batches with the centralized
+    examples mixed in, shuffled, as many as fit one update call next to all of the device's own
+    (which are never displaced). Only the update sees them: they are not in the store, not in the
+    support set, and not in the reported weight. Under FedRecon they train the globals with this
+    device's reconstructed locals, as its own examples do. Implicit labels: they get sampled
+    negatives as the device's shares do, never among the device's own shares."""
+    own = Examples.concat(query, manifest.features)
+    rng = np.random.default_rng(seed + 1)
+    negatives = config.negatives_per_positive if manifest.task.negative_sampling else 0
+    room = max(0, manifest.max_examples - own.num_examples) // (1 + negatives)
+    taken = central.select(rng.permutation(central.num_examples)[:room])
+    if negatives:
+        taken = add_negatives(taken, manifest, negatives, rng, also_shared=shares(own, manifest))
+    mixed = Examples.concat([own, taken.validated(manifest.features)], manifest.features)
+    return split_batches(mixed.select(rng.permutation(mixed.num_examples)), manifest.batch_size)
+
+
 def prepare(store: ExampleStore, manifest: Manifest, config: TaskConfig, seed: int) -> SupportQuery:
     examples, outside = select_examples(store, manifest, config)
     num_examples = examples.num_examples
@@ -183,12 +203,18 @@ def run_training_task(
     should_continue: Callable[[], bool] = lambda: True,
     seed: int = 0,
     kept: LocalStateStore | None = None,
+    central: Examples | None = None,
 ) -> TaskResult:
     """Reconstruct on support, update on query, and return the delta; locals are discarded.
 
     With `local_state: keep` (FURL) the device's kept locals (`kept`) train jointly with the
-    globals instead, and are kept for its next task."""
+    globals instead, and are kept for its next task. `central`: example transfer's centralized
+    examples, mixed into the update steps only (`with_central`)."""
     try:
+        if central is not None and central.num_examples and config.local_state is LocalState.KEEP:
+            return TaskResult(
+                Outcome.ERROR, message="example transfer mixes into FedRecon's update; local_state is 'keep'"
+            )
         if config.local_state is LocalState.KEEP:
             return _stateful_training(model, store, global_params, config, kept, should_continue, seed)
         started = _start(model, store, global_params, config, seed)
@@ -201,9 +227,14 @@ def run_training_task(
         before = model.evaluate(query)
         if not should_continue():
             return TaskResult(Outcome.INTERRUPTED, message="conditions changed before the update")
-        steps = num_steps(query.num_batches, config.update_max_epochs, config.update_max_steps)
+        trained = query
+        if central is not None and central.num_examples:
+            trained = TaskBatches.pack(
+                with_central(data.query, central, model.manifest, config, seed), model.manifest
+            )
+        steps = num_steps(trained.num_batches, config.update_max_epochs, config.update_max_steps)
         update = model.update(
-            query,
+            trained,
             steps,
             config.update_learning_rate,
             local_learning_rate=config.local_learning_rate,  # 0: the locals stay frozen (Algorithm 1)

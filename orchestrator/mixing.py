@@ -19,10 +19,11 @@ from contracts.features import Examples, InvalidExamples
 from contracts.manifest import Manifest
 from contracts.mixing import MAX_CENTRAL_BYTES, MixingConfig, MixingError, decode_examples, sample_examples
 from contracts.params import Params
-from contracts.task_config import TaskConfig
+from contracts.task_config import LocalState, TaskConfig
 from orchestrator import central_training
 from orchestrator.central_training import CentralJob, job_key
 from orchestrator.db import Artifact, CentralizedData, Population
+from orchestrator.population_settings import PopulationSettings
 
 
 def attach(
@@ -51,6 +52,12 @@ def attach(
             raise MixingError(f"the centralized examples do not fit the model's feature spec: {e}") from None
         blob, num_examples = examples_blob, examples.num_examples
     config.check_model(manifest, num_examples)
+    task = PopulationSettings.model_validate(population.settings).task()
+    if config.strategy == "example_transfer" and task.local_state is LocalState.KEEP:
+        raise MixingError(
+            "example_transfer mixes centralized examples into FedRecon's update; this population keeps "
+            "local state across rounds (local_state 'keep'), which it does not support"
+        )
     row = existing or CentralizedData(population_id=population.id)
     row.mixing = config.to_json()
     row.examples = blob
