@@ -9,11 +9,12 @@ from typing import Any
 
 import httpx
 import numpy as np
+import pytest
 from sqlalchemy.orm import Session, sessionmaker
 
 from contracts.features import Examples
 from contracts.manifest import Manifest, load_manifest
-from contracts.mixing import encode_examples
+from contracts.mixing import decode_examples, encode_examples
 from contracts.params import Params, decode_sparse_delta
 from contracts.task_config import TaskConfig
 from model_export.config import ModelConfig
@@ -21,6 +22,8 @@ from model_runtime.task_batches import TaskBatches
 from model_runtime.tflite_model import TFLiteModel
 from orchestrator import mixing as mixing_data
 from orchestrator import rounds
+from orchestrator.__main__ import main as orchestrator_cli
+from orchestrator.db import make_engine
 from orchestrator.populations import ExportedModel
 from tests.conftest import BIASED
 from tests.orchestrator.conftest import ADMIN_TOKEN, Server, admin_create_population, make_population
@@ -189,3 +192,82 @@ def test_without_mixing_the_commit_is_the_federated_mean(
     merged = version_params(db, model, 1)
     for name in base:
         np.testing.assert_allclose(merged[name], base[name] + federated[name], atol=1e-7)
+
+
+def test_the_cli_attaches_mixing_and_refuses_bad_input_without_changing_it(
+    export: Callable[[ModelConfig], Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Prepare
+    url = f"sqlite:///{tmp_path / 'cli.sqlite'}"
+    model_dir = export(BIASED)
+    manifest = load_manifest(model_dir)
+    examples = tmp_path / "central.safetensors"
+    examples.write_bytes(encode_examples(central_examples(manifest, 30), manifest.features))
+    assert (
+        orchestrator_cli(["--database-url", url, "create-population", "p", "--model-dir", str(model_dir)])
+        == 0
+    )
+
+    # Execute
+    attached = orchestrator_cli(
+        [
+            "--database-url",
+            url,
+            "mix",
+            "p",
+            "--mixing",
+            '{"strategy": "example_transfer"}',
+            "--examples",
+            str(examples),
+        ]
+    )
+    capsys.readouterr()
+    refused = orchestrator_cli(
+        ["--database-url", url, "mix", "p", "--mixing", '{"strategy": "parallel_training", "weight": 2}']
+    )
+    error = capsys.readouterr().err
+
+    # Assert
+    assert attached == 0 and refused == 2
+    assert "weight" in error and "[0, 1]" in error
+    engine = make_engine(url)
+    with Session(engine) as session:
+        population = rounds.find_population(session, "p")
+        assert population is not None
+        shown = mixing_data.describe(session, population)
+    engine.dispose()
+    assert shown["mixing"]["strategy"] == "example_transfer" and shown["num_examples"] == 30
+
+
+def test_an_example_transfer_assignment_carries_a_sample_of_the_central_examples_for_its_device_only(
+    server: Server, export: Callable[[ModelConfig], Path]
+) -> None:
+    # Prepare
+    model_dir = export(BIASED)
+    manifest = load_manifest(model_dir)
+    assert admin_create_population(server.url, model_dir, "p", '{"target_reports": 3}').status_code == 201
+    dataset = central_examples(manifest, 50, seed=4)
+    mixing = {"strategy": "example_transfer", "examples_per_assignment": 7}
+    assert attach(server.url, "p", mixing, encode_examples(dataset, manifest.features)).status_code == 200
+    tokens = [httpx.post(f"{server.url}/v1/devices", timeout=10).json()["token"] for _ in range(2)]
+
+    # Execute
+    answer = httpx.post(
+        f"{server.url}/v1/populations/p/checkin",
+        json={"example_count": 20},
+        headers={"Authorization": f"Bearer {tokens[0]}"},
+        timeout=10,
+    ).json()
+    url = f"{server.url}{answer['central_examples_url']}"
+    first, again, other = (
+        httpx.get(url, headers={"Authorization": f"Bearer {t}"}, timeout=10)
+        for t in (tokens[0], tokens[0], tokens[1])
+    )
+
+    # Assert: 7 of the dataset's examples, the same on a retried download, and only for the device.
+    assert first.status_code == 200 and first.content == again.content
+    sample = decode_examples(first.content, manifest.features, "sample", 1 << 20)
+    assert sample.num_examples == 7
+    pairs = {(int(i), float(y)) for i, y in zip(dataset["item"], dataset["label"], strict=True)}
+    assert {(int(i), float(y)) for i, y in zip(sample["item"], sample["label"], strict=True)} <= pairs
+    assert other.status_code == 404
