@@ -12,6 +12,7 @@ from typing import Any
 
 from android_sim.movielens import DataFormatError
 from android_sim.run import DEFAULT_RATINGS, RunConfig, RunError
+from contracts.mixing import STRATEGIES
 
 
 def _run_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -62,6 +63,7 @@ def _run_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     run.add_argument("--workers", type=int, default=d.workers, help="interpreter threads (default: cores)")
     run.add_argument("--seed", type=int, default=d.seed)
     _algorithm_arguments(run)
+    _mixing_arguments(run)
     dp = run.add_argument_group(
         "differential privacy (DP-FedAvg)",
         "devices clip their whole delta to --clip-norm; the server adds Gaussian noise "
@@ -80,6 +82,41 @@ def _run_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
         type=float,
         help="adaptive clipping: the share of devices to leave unclipped (--clip-norm is the first round's)",
     )
+
+
+def _mixing_arguments(run: argparse.ArgumentParser) -> None:
+    group = run.add_argument_group(
+        "mixing centralized data",
+        "a centralized dataset of public shares (android_sim/central_data.py) mixed into training",
+    )
+    group.add_argument(
+        "--mixing",
+        choices=list(STRATEGIES),
+        default="none",
+        help="parallel_training, example_transfer or gradient_transfer (contracts/mixing.py)",
+    )
+    group.add_argument(
+        "--mixing-weight", type=float, help="alpha (parallel training) or the gradient's weight"
+    )
+    group.add_argument("--central-steps", type=int, help="parallel training: J server steps per round")
+    group.add_argument("--central-learning-rate", type=float, help="parallel training: server SGD rate")
+    group.add_argument("--examples-per-assignment", type=int, help="example transfer: examples sent per task")
+    group.add_argument(
+        "--central-examples", type=int, default=2000, help="public shares in the centralized dataset"
+    )
+
+
+def mixing(args: argparse.Namespace) -> dict[str, Any]:
+    """The MixingConfig fields the flags set ({} without --mixing)."""
+    if args.mixing == "none":
+        return {}
+    flags = {
+        "weight": args.mixing_weight,
+        "central_steps": args.central_steps,
+        "central_learning_rate": args.central_learning_rate,
+        "examples_per_assignment": args.examples_per_assignment,
+    }
+    return {"strategy": args.mixing, **{k: v for k, v in flags.items() if v is not None}}
 
 
 # Flags that set a task config field: (flag, field, type, help).
@@ -212,6 +249,8 @@ def main(argv: list[str] | None = None) -> int:
             population_size=args.population_size,
             epsilon_budget=args.epsilon_budget,
             target_unclipped_quantile=args.target_unclipped_quantile,
+            mixing=mixing(args),
+            central_examples=args.central_examples,
         )
         run(config)
         return 0

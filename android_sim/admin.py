@@ -98,3 +98,13 @@ class AdminClient:
     async def schedule_evaluation(self, name: str) -> dict[str, Any]:
         result: dict[str, Any] = await self._request("POST", f"/v1/admin/populations/{name}/evaluations")
         return result
+
+    async def attach_mixing(
+        self, name: str, mixing: dict[str, Any], examples: bytes | None
+    ) -> dict[str, Any]:
+        """Attach a mixing strategy (contracts.mixing) and centralized examples (safetensors)."""
+        files = {"examples": ("examples.safetensors", examples)} if examples is not None else None
+        result: dict[str, Any] = await self._request(
+            "PUT", f"/v1/admin/populations/{name}/mixing", data={"mixing": json.dumps(mixing)}, files=files
+        )
+        return result

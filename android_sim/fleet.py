@@ -70,6 +70,8 @@ class FleetStats:
     in_task: int = 0
     waiting_for_server: int = 0
     task_seconds: list[float] = field(default_factory=list)
+    # Example transfer: bytes of centralized examples per training assignment that downloaded them.
+    central_bytes: list[int] = field(default_factory=list)
     last_error: str = ""
 
     def count(self, role: str, status: str) -> int:
@@ -237,6 +239,8 @@ class Fleet:
                 device.evaluated_round = assignment.round_id if assignment else self.evaluation_round
             if participation.task_seconds:
                 self.stats.task_seconds.append(participation.task_seconds)
+            if participation.central_bytes:
+                self.stats.central_bytes.append(participation.central_bytes)
             if participation.status == "rejected":
                 await self._sleep(device, participation.retry_after_seconds * (0.5 + self._rng.random()))
             else:

@@ -19,7 +19,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import numpy as np
 from rich.console import Console
@@ -27,13 +27,15 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from android_sim import report
 from android_sim.admin import AdminClient, AdminError
+from android_sim.central_data import centralized_examples
 from android_sim.device_data import DeviceData, FleetData, expression_fleet, movielens_fleet
 from android_sim.expressions import SyntheticConfig
 from android_sim.fleet import HELD_OUT, TRAINING, DeviceSpec, Fleet, FleetOptions, write_store
 from android_sim.network import Connector
 from android_sim.profiles import DEFAULT_MIX, DeviceClass, SimClock, draw_profiles
 from android_sim.recommendations import HitRates, held_out_hit_rates, seen_device_examples, top_k_table
-from contracts.manifest import ManifestError, load_manifest
+from contracts.manifest import Manifest, ManifestError, load_manifest
+from contracts.mixing import MixingConfig, MixingError, encode_examples
 from contracts.task_config import LocalState, SplitPolicy, TaskConfig
 from device_runtime.task_runner import TaskRunner
 from model_export.config import Feedback, ModelConfig, TrainingDefaults
@@ -102,9 +104,20 @@ class RunConfig:
     epsilon_budget: float | None = None
     # Adaptive clipping: --clip-norm is then the first round's; the count's noise is reports / 20.
     target_unclipped_quantile: float | None = None
+    # Mixing centralized data (contracts.mixing): MixingConfig fields; {} = none. The centralized
+    # dataset: `central_examples` public shares by popularity, plus the expressions no training
+    # device holds (android_sim/central_data.py).
+    mixing: dict[str, Any] = field(default_factory=dict)
+    central_examples: int = 2000
 
     def __post_init__(self) -> None:
         problems = []
+        try:
+            MixingConfig.from_json(self.mixing)
+        except (TypeError, MixingError) as e:
+            problems.append(f"mixing: {e}")
+        if self.central_examples < 1:
+            problems.append(f"central_examples must be >= 1, got {self.central_examples}")
         try:
             algorithm_task({}, self.task)
         except (TypeError, ValueError) as e:
@@ -480,6 +493,7 @@ async def run_async(config: RunConfig, console: Console) -> RunResult:
         population = await _admin_call(admin.ensure_population(name, model_dir, settings))
         if population["settings"] != PopulationSettings(**settings).model_dump():
             console.print(f"[yellow]population {name!r} exists: reusing it with its own settings[/]")
+        mixing = await _attach_mixing(config, data, devices, manifest, admin, name, console)
         start_committed = int(population["training_rounds_committed"])
         closed_before = {r["id"] for r in await _admin_call(admin.rounds(name)) if r["status"] != "open"}
         console.print(
@@ -539,11 +553,37 @@ async def run_async(config: RunConfig, console: Console) -> RunResult:
                     await asyncio.gather(fleet_task, return_exceptions=True)
                 await fleet.aclose()
                 await admin.aclose()
-    return _write_report(config, data, model, fleet, status, rounds, final, recommendations, started, console)
+    return _write_report(
+        config, mixing, data, model, fleet, status, rounds, final, recommendations, started, console
+    )
+
+
+async def _attach_mixing(
+    config: RunConfig,
+    data: FleetData,
+    devices: Devices,
+    manifest: Manifest,
+    admin: AdminClient,
+    name: str,
+    console: Console,
+) -> dict[str, Any] | None:
+    """Attach the run's mixing strategy and its centralized dataset to the population."""
+    if MixingConfig.from_json(config.mixing).strategy == "none":
+        return None
+    training = [data.devices[i] for i, spec in enumerate(devices.specs) if spec.role == TRAINING]
+    central = centralized_examples(data, training, data.devices, config.central_examples, config.seed)
+    blob = encode_examples(central.examples, manifest.features)
+    attached = await _admin_call(admin.attach_mixing(name, config.mixing, blob))
+    console.print(
+        f"mixing: {attached['mixing']['strategy']} over {central.examples.num_examples} centralized examples "
+        f"({len(blob):,} bytes; {len(central.new_items)} items no training device holds)"
+    )
+    return {**attached, "dataset_bytes": len(blob), "new_items": len(central.new_items)}
 
 
 def _write_report(
     config: RunConfig,
+    mixing: dict[str, Any] | None,
     data: FleetData,
     model: ModelConfig,
     fleet: Fleet,
@@ -592,6 +632,7 @@ def _write_report(
             "task_config": status["settings"]["task_config"],
             "server_optimizer": status["settings"]["server_optimizer"],
         },
+        "mixing": _mixing_summary(mixing, fleet),
         "rounds": rounds,
         "final_evaluation": final,
         "hit_rates": asdict(hit_rates) if hit_rates else None,
@@ -607,7 +648,27 @@ def _write_report(
     privacy = status.get("privacy")
     if privacy:
         console.print(f"differential privacy: {privacy['message']}")
+    mixed = cast(dict[str, Any] | None, body["mixing"])
+    if mixed:
+        extra, count = mixed["central_bytes_per_assignment"], mixed["assignments_with_central_examples"]
+        console.print(
+            f"mixing {mixed['mixing']['strategy']}: {extra:,.0f} extra bytes per training assignment "
+            f"(median over {count})"
+        )
     return result
+
+
+def _mixing_summary(mixing: dict[str, Any] | None, fleet: Fleet) -> dict[str, Any] | None:
+    """The mixing strategy, its dataset, and the extra bytes each training assignment downloaded."""
+    if mixing is None:
+        return None
+    sizes = fleet.stats.central_bytes
+    return {
+        **mixing,
+        "assignments_with_central_examples": len(sizes),
+        "central_bytes_per_assignment": float(np.median(sizes)) if sizes else 0.0,
+        "central_bytes_total": int(sum(sizes)),
+    }
 
 
 def _evaluation_name(config: RunConfig) -> str:

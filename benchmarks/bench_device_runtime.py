@@ -50,10 +50,11 @@ def measure(model_dir: Path, backend: str, repeats: int) -> dict[str, float]:
     from contracts.manifest import INITIAL_GLOBAL_FILE
     from contracts.params import decode_params
     from contracts.task_config import TaskConfig
-    from device_runtime.client_task import num_steps, run_training_task
+    from device_runtime.client_task import run_training_task
     from device_runtime.example_store import Event, ExampleStore
     from device_runtime.recommender import Recommender
     from model_export.config import ITEM, LABEL
+    from model_runtime.support_query import num_steps
     from model_runtime.tflite_model import TFLiteModel
 
     model = TFLiteModel(model_dir, backend=backend)

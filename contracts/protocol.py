@@ -99,6 +99,13 @@ class Assignment:
         Aggregation, Spec("secure: take part through secure_url's phases instead of report_url")
     ] = "plaintext"
     secure_url: str | None = None
+    central_examples_url: Annotated[
+        str | None,
+        Spec(
+            "example transfer (contracts.mixing): centralized examples (safetensors) to mix into the "
+            "update steps; not the device's, not counted in its weight"
+        ),
+    ] = None
     accepted: Literal[True] = True
 
     def __post_init__(self) -> None:

@@ -13,7 +13,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from contracts.features import Examples, InvalidExamples
 from contracts.manifest import ManifestError, load_manifest
+from contracts.mixing import max_transfer_bytes, transferred_examples
 from contracts.params import ParamsError
 from contracts.protocol import Assignment, Rejection
 from contracts.task_config import TaskConfig
@@ -48,6 +50,7 @@ class Participation:
     detail: str = ""
     server_answer: dict[str, Any] = field(default_factory=dict)
     task_seconds: float = 0.0  # compute time, including a slow device's extra time
+    central_bytes: int = 0  # example transfer: the centralized examples downloaded for the task
 
 
 class DeviceAgent:
@@ -67,6 +70,7 @@ class DeviceAgent:
         self.population = population
         self.runner = runner or TaskRunner(1, backend=backend)
         self.assignment: Assignment | None = None  # the one held while participating
+        self.central_bytes = 0  # example transfer: bytes of centralized examples for the current task
 
     async def participate(
         self,
@@ -90,8 +94,9 @@ class DeviceAgent:
         included) or a server that does not answer becomes its status, and an assignment the device
         holds is aborted. The example store is only ever read."""
         self.assignment = None
+        self.central_bytes = 0
         try:
-            return await self._participate(
+            participation = await self._participate(
                 task,
                 conditions,
                 should_continue,
@@ -100,6 +105,8 @@ class DeviceAgent:
                 abort_when_interrupted=abort_when_interrupted,
                 phase_continues=phase_continues,
             )
+            participation.central_bytes = self.central_bytes
+            return participation
         except InvalidAnswer as e:
             return await self._give_up("invalid_answer", e.message, e.assignment_id)
         except (ModelLoadError, ManifestError, ParamsError) as e:  # the model or globals it was sent
@@ -191,6 +198,7 @@ class DeviceAgent:
         model_dir = await self.client.model_dir(answer, self.cache_dir)
         blob = await self.client.global_params(answer)
         config = TaskConfig.from_json(answer.task_config)
+        central, central_bytes = await self._central_examples(answer, model_dir)
         timed = await self.runner.run(
             answer.kind,
             model_dir,
@@ -200,8 +208,10 @@ class DeviceAgent:
             should_continue=should_continue,
             seed=seed,
             kept=LocalStateStore(self.store, self.population),
+            central=central,
         )
         result, seconds = timed.result, timed.seconds
+        self.central_bytes = central_bytes
         if compute_slowdown > 1.0:
             await asyncio.sleep((compute_slowdown - 1.0) * seconds)
             seconds *= compute_slowdown
@@ -239,6 +249,19 @@ class DeviceAgent:
         return Participation(
             "reported", answer, result, server_answer=dataclasses.asdict(reply), task_seconds=seconds
         )
+
+    async def _central_examples(self, answer: Assignment, model_dir: Path) -> tuple[Examples | None, int]:
+        """Example transfer: the centralized examples the assignment carries, checked against the
+        model (size, feature spec, at most one update call's worth), and their size in bytes; None
+        when it carries none."""
+        if answer.central_examples_url is None or answer.kind != "training":
+            return None, 0
+        manifest = load_manifest(model_dir, verify_model=False)
+        blob = await self.client.central_examples(answer, max_transfer_bytes(manifest))
+        try:
+            return transferred_examples(blob, manifest), len(blob)
+        except InvalidExamples as e:
+            raise InvalidAnswer(str(e), assignment_id=answer.assignment_id) from None
 
 
 def _secure_participation(

@@ -19,9 +19,16 @@ import numpy as np
 from contracts.features import Examples, per_example
 from contracts.manifest import Manifest
 from contracts.params import Params, ParamsError
-from contracts.task_config import LocalState, SplitPolicy, TaskConfig
+from contracts.task_config import LocalState, TaskConfig
 from device_runtime.example_store import ExampleStore, Selection
 from device_runtime.local_state import LocalStateStore
+from model_runtime.support_query import (
+    add_negatives,
+    num_steps,
+    reconstruct_locals,
+    shares,
+    split_support_query,
+)
 from model_runtime.task_batches import TaskBatches, split_batches
 from model_runtime.tflite_model import EvaluationSums, RowUpdate, SparseGradient, TFLiteModel, Update
 
@@ -97,48 +104,24 @@ def shuffled(examples: Examples, seed: int) -> Examples:
     return examples.select(np.random.default_rng(seed).permutation(examples.num_examples))
 
 
-def shares(examples: Examples, manifest: Manifest) -> np.ndarray:
-    """A ranking model with implicit labels: the distinct catalog rows with a positive label."""
-    catalog, label = manifest.task.catalog_feature, manifest.label_features[0].name
-    assert catalog is not None
-    found: np.ndarray = np.unique(examples[catalog][examples[label] > 0])
-    return found
-
-
-def add_negatives(
-    examples: Examples,
-    manifest: Manifest,
-    per_positive: int,
-    rng: np.random.Generator,
-    also_shared: np.ndarray | None = None,
-) -> Examples:
-    """A ranking model with implicit labels: each share gets `per_positive` catalog rows the user
-    never shared, label 0 (never one of `examples`' shares nor of `also_shared`, e.g. shares
-    outside the examples)."""
-    catalog, label = manifest.task.catalog_feature, manifest.label_features[0].name
-    assert catalog is not None
-    positives = shares(examples, manifest)
-    count = len(positives) * per_positive
-    shared = positives if also_shared is None else np.union1d(positives, also_shared)
-    candidates = np.setdiff1d(np.arange(manifest.catalog_size), shared, assume_unique=True)
-    if count == 0 or candidates.size == 0:
-        return examples
-    negatives = rng.choice(candidates, size=min(count, candidates.size), replace=False)
-    sampled = Examples(
-        {catalog: negatives.astype(examples[catalog].dtype), label: np.zeros(len(negatives), np.float32)}
-    )
-    mixed = Examples.concat([examples, sampled], manifest.features)
-    return mixed.select(rng.permutation(mixed.num_examples))
-
-
-def split_support_query(
-    examples: Examples, manifest: Manifest, config: TaskConfig
-) -> tuple[list[Examples], list[Examples]]:
-    batches = split_batches(examples, manifest.batch_size)
-    if config.split is SplitPolicy.REUSE or examples.num_examples < config.reuse_below or len(batches) < 2:
-        # Too few to split: reuse everything for both sets, as the keyboard deployment did.
-        return batches[: manifest.max_batches], batches[: manifest.max_batches]
-    return batches[0::2][: manifest.max_batches], batches[1::2][: manifest.max_batches]
+def with_central(
+    query: list[Examples], central: Examples, manifest: Manifest, config: TaskConfig, seed: int
+) -> list[Examples]:
+    """Example transfer (Algorithm 3 of Augenstein et al.): the query batches with the centralized
+    examples mixed in, shuffled, as many as fit one update call next to all of the device's own
+    (which are never displaced). Only the update sees them: they are not in the store, not in the
+    support set, and not in the reported weight. Under FedRecon they train the globals with this
+    device's reconstructed locals, as its own examples do. Implicit labels: they get sampled
+    negatives as the device's shares do, never among the device's own shares."""
+    own = Examples.concat(query, manifest.features)
+    rng = np.random.default_rng(seed + 1)
+    negatives = config.negatives_per_positive if manifest.task.negative_sampling else 0
+    room = max(0, manifest.max_examples - own.num_examples) // (1 + negatives)
+    taken = central.select(rng.permutation(central.num_examples)[:room])
+    if negatives:
+        taken = add_negatives(taken, manifest, negatives, rng, also_shared=shares(own, manifest))
+    mixed = Examples.concat([own, taken.validated(manifest.features)], manifest.features)
+    return split_batches(mixed.select(rng.permutation(mixed.num_examples)), manifest.batch_size)
 
 
 def prepare(store: ExampleStore, manifest: Manifest, config: TaskConfig, seed: int) -> SupportQuery:
@@ -150,10 +133,6 @@ def prepare(store: ExampleStore, manifest: Manifest, config: TaskConfig, seed: i
         )
     support, query = split_support_query(examples, manifest, config)
     return SupportQuery(support, query, num_examples, outside)
-
-
-def num_steps(num_batches: int, max_epochs: int, max_steps: int) -> int:
-    return min(max_steps, max_epochs * num_batches)
 
 
 # tflite_runtime saturates an overflow at float32's maximum where LiteRT gives inf/NaN;
@@ -184,13 +163,6 @@ def clip_delta(delta: Params, clip_norm: float) -> tuple[Params, bool]:
         return delta, True
     scale = clip_norm * _CLIP_MARGIN / norm
     return {name: (np.asarray(t, np.float64) * scale).astype(np.float32) for name, t in delta.items()}, False
-
-
-def reconstruct_locals(model: TFLiteModel, support: TaskBatches, config: TaskConfig) -> float:
-    """Fresh local parameters fitted on the support batches, globals frozen; the mean batch loss."""
-    model.reset_local()
-    steps = num_steps(support.num_batches, config.reconstruction_max_epochs, config.reconstruction_max_steps)
-    return model.reconstruct(support, steps, config.reconstruction_learning_rate, config.l2_local)
 
 
 def _start(
@@ -233,6 +205,7 @@ def run_training_task(
     kept: LocalStateStore | None = None,
     central_gradient: SparseGradient | None = None,
     weight: float = 0.0,
+    central: Examples | None = None,
 ) -> TaskResult:
     """Reconstruct on support, update on query, and return the delta; locals are discarded.
 
@@ -240,8 +213,13 @@ def run_training_task(
     globals instead, and are kept for its next task. Gradient transfer (Augenstein et al.,
     Algorithm 4): every update step adds `weight` times the server's `central_gradient` (rows of
     the globals, public data's gradient) to the gradient of the globals; the delta then covers
-    the central gradient's rows too. The reported weight stays |query|."""
+    the central gradient's rows too. The reported weight stays |query|. `central`: example transfer's
+    centralized examples, mixed into the update steps only (`with_central`)."""
     try:
+        if central is not None and central.num_examples and config.local_state is LocalState.KEEP:
+            return TaskResult(
+                Outcome.ERROR, message="example transfer mixes into FedRecon's update; local_state is 'keep'"
+            )
         if config.local_state is LocalState.KEEP:
             return _stateful_training(
                 model, store, global_params, config, kept, should_continue, seed, central_gradient, weight
@@ -256,9 +234,14 @@ def run_training_task(
         before = model.evaluate(query)
         if not should_continue():
             return TaskResult(Outcome.INTERRUPTED, message="conditions changed before the update")
-        steps = num_steps(query.num_batches, config.update_max_epochs, config.update_max_steps)
+        trained = query
+        if central is not None and central.num_examples:
+            trained = TaskBatches.pack(
+                with_central(data.query, central, model.manifest, config, seed), model.manifest
+            )
+        steps = num_steps(trained.num_batches, config.update_max_epochs, config.update_max_steps)
         update = model.update(
-            query,
+            trained,
             steps,
             config.update_learning_rate,
             local_learning_rate=config.local_learning_rate,  # 0: the locals stay frozen (Algorithm 1)

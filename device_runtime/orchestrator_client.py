@@ -303,6 +303,14 @@ class OrchestratorClient:
         """The safetensors bytes; the task checks them against the manifest before use."""
         return await self._binary(assignment.params_url, "the global parameters")
 
+    async def central_examples(self, assignment: Assignment, max_bytes: int) -> bytes:
+        """Example transfer: the assignment's centralized examples (safetensors), at most `max_bytes`."""
+        if assignment.central_examples_url is None:
+            raise InvalidAnswer("the assignment carries no central_examples_url")
+        return await self._binary(
+            assignment.central_examples_url, "the centralized examples", max_bytes=max_bytes
+        )
+
     async def report_training(
         self, assignment: Assignment, delta: Params, num_examples: int, metrics: Mapping[str, float]
     ) -> ReportAccepted:

@@ -20,9 +20,10 @@ from safetensors import SafetensorError
 
 from contracts.params import Params, ParamsError, decode_params, encode_params
 from contracts.task_config import TaskConfig
-from device_runtime.client_task import add_negatives, num_steps, select_examples
+from device_runtime.client_task import select_examples
 from device_runtime.example_store import ExampleStore
 from device_runtime.local_state import LocalStateStore
+from model_runtime.support_query import add_negatives, num_steps
 from model_runtime.task_batches import TaskBatches, split_batches
 from model_runtime.tflite_model import TFLiteModel
 

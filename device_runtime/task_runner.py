@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from contracts.features import Examples
 from contracts.params import decode_params
 from contracts.task_config import TaskConfig
 from device_runtime.client_task import TaskResult, run_evaluation_task, run_training_task
@@ -67,13 +68,21 @@ class TaskRunner:
         should_continue: Callable[[], bool],
         seed: int,
         kept: LocalStateStore | None,
+        central: Examples | None,
     ) -> TimedResult:
         started = time.perf_counter()
         model = self._model(model_dir)
         params = decode_params(global_blob, model.manifest.global_params, "global parameters")
         if kind == "training":
             result = run_training_task(
-                model, store, params, config, should_continue=should_continue, seed=seed, kept=kept
+                model,
+                store,
+                params,
+                config,
+                should_continue=should_continue,
+                seed=seed,
+                kept=kept,
+                central=central,
             )
         else:
             result = run_evaluation_task(model, store, params, config, seed=seed, kept=kept)
@@ -90,9 +99,11 @@ class TaskRunner:
         should_continue: Callable[[], bool] = lambda: True,
         seed: int = 0,
         kept: LocalStateStore | None = None,
+        central: Examples | None = None,
     ) -> TimedResult:
         """A training or evaluation task; `global_blob` is the downloaded safetensors; `kept` is the
-        device's local state storage, which a population with `local_state: keep` needs.
+        device's local state storage, which a population with `local_state: keep` needs; `central`
+        the centralized examples of example transfer (mixed into the update steps only).
 
         A model that does not load or agree with its manifest raises `ModelLoadError` or
         `ManifestError`, and globals that do not fit it raise `ParamsError`: inputs that came from
@@ -101,5 +112,15 @@ class TaskRunner:
             raise ValueError(f"task kind must be 'training' or 'evaluation', got {kind!r}")
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(
-            self._pool, self._run, kind, model_dir, store, global_blob, config, should_continue, seed, kept
+            self._pool,
+            self._run,
+            kind,
+            model_dir,
+            store,
+            global_blob,
+            config,
+            should_continue,
+            seed,
+            kept,
+            central,
         )

@@ -8,6 +8,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
@@ -34,6 +35,20 @@ def main(argv: list[str] | None = None) -> int:
     create.add_argument("name")
     create.add_argument("--model-dir", type=Path, required=True, help="output of `python -m model_export`")
     create.add_argument("--settings", default="{}", help="PopulationSettings as JSON (or @file.json)")
+    mix = sub.add_parser(
+        "mix", help="attach a mixing strategy and centralized examples to a population (contracts.mixing)"
+    )
+    mix.add_argument("name")
+    mix.add_argument(
+        "--mixing",
+        required=True,
+        help='MixingConfig as JSON (or @file.json), e.g. {"strategy": "parallel_training", "weight": 0.3}',
+    )
+    mix.add_argument(
+        "--examples",
+        type=Path,
+        help="centralized examples (safetensors, one tensor per feature); omit to keep",
+    )
     status = sub.add_parser("status", help="print a population's state and latest rounds as JSON")
     status.add_argument("name")
     args = parser.parse_args(argv)
@@ -76,6 +91,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {e}", file=sys.stderr)
             return 2
         return 0
+    if args.command == "mix":
+        return _mix(engine, args.name, args.mixing, args.examples)
     from orchestrator.api.routes.admin import population_out
 
     with Session(engine) as session:
@@ -84,6 +101,32 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: no population {args.name!r}", file=sys.stderr)
             return 2
         print(json.dumps(dataclasses.asdict(population_out(session, found)), indent=2))
+    return 0
+
+
+def _mix(engine: Any, name: str, raw: str, examples: Path | None) -> int:
+    from contracts.mixing import MAX_CENTRAL_BYTES, MixingError
+    from orchestrator import mixing, rounds
+
+    try:
+        config = json.loads(Path(raw[1:]).read_text() if raw.startswith("@") else raw)
+        blob = None
+        if examples is not None:
+            size = examples.stat().st_size
+            if size > MAX_CENTRAL_BYTES:
+                raise MixingError(f"{examples} is {size} bytes; the limit is {MAX_CENTRAL_BYTES}")
+            blob = examples.read_bytes()
+        with Session(engine) as session, session.begin():
+            population = rounds.lock_population(session, name)
+            if population is None:
+                raise MixingError(f"no population {name!r}")
+            mixing.attach(
+                session, population, rounds.population_manifest(population), config, blob, time.time()
+            )
+            print(json.dumps(mixing.describe(session, population)))
+    except (MixingError, json.JSONDecodeError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -53,6 +53,22 @@ class ModelVersion(Base):
     created_at: Mapped[float]
 
 
+class CentralizedData(Base):
+    """A population's centralized (public, server-side) dataset and the strategy that mixes it
+    into federated training (contracts.mixing); at most one per population, replaced on attach."""
+
+    __tablename__ = "centralized_data"
+    population_id: Mapped[int] = mapped_column(ForeignKey("populations.id"), primary_key=True)
+    mixing: Mapped[dict[str, Any]] = mapped_column(JSON)  # MixingConfig
+    # Deferred: a check-in needs the strategy, not the examples.
+    examples: Mapped[bytes] = mapped_column(
+        LargeBinary, deferred=True
+    )  # safetensors, the manifest's features
+    num_examples: Mapped[int]
+    sha256: Mapped[str] = mapped_column(String(64))  # of `examples`: keys the decoded cache
+    attached_at: Mapped[float]
+
+
 class Device(Base):
     __tablename__ = "devices"
     id: Mapped[str] = mapped_column(String(32), primary_key=True)

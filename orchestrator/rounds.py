@@ -15,6 +15,7 @@ reports; this module opens them, advances them and commits their unmasked mean.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import secrets
@@ -42,7 +43,7 @@ from contracts.params import (
     encode_sparse_delta,
     read_metadata,
 )
-from orchestrator import metrics, secure_rounds
+from orchestrator import central_training, metrics, mixing, secure_rounds
 from orchestrator.aggregation import (
     WeightedMean,
     apply_update,
@@ -57,6 +58,7 @@ from orchestrator.db import Assignment, ModelVersion, Population, Report, Round
 from orchestrator.differential_privacy import DPConfig, adapt_clip_norm, noised_mean, secure_rng
 from orchestrator.limits import MAX_METRIC_MAGNITUDE, MAX_REPORT_HEADER_BYTES, json_document
 from orchestrator.logs import log_on_commit
+from orchestrator.on_commit import on_commit
 from orchestrator.population_settings import PopulationSettings
 from orchestrator.refusals import Refused as Refused  # re-exported: the routes answer with rounds.Refused
 
@@ -969,6 +971,11 @@ def _commit(
         # Secure aggregation unmasked the survivors' mean of clipped deltas: noise goes on their sum.
         total = {name: value * survivors for name, value in mean_delta.items()}
         mean_delta = _private_mean(population, round_, total, survivors, dp)
+    job = mixing.parallel_training_job(
+        session, population, manifest, round_.base_version, params, settings.task()
+    )
+    if job is not None:
+        mean_delta = _merge_central(round_, mean_delta, job)
     new_params, new_state = apply_update(settings.optimizer(), params, mean_delta, state)
     check_params(new_params, manifest.global_params, "aggregated model")
     metrics.observe(session, metrics.AGGREGATION_SECONDS, (population.name,), time.perf_counter() - started)
@@ -985,6 +992,12 @@ def _commit(
     )
     population.current_version = version
     population.training_rounds_committed += 1
+    if job is not None:  # the next round's central delta, computed while its devices train
+        following = mixing.parallel_training_job(
+            session, population, manifest, version, new_params, settings.task()
+        )
+        if following is not None:
+            on_commit(session, functools.partial(central_training.precompute, following))
     round_.result_version = version
     _count_closed(session, population, round_, "committed")
     if not privacy_budget_spent(population):
@@ -998,6 +1011,20 @@ def _commit(
         and EVALUATION not in open_rounds(session, population)
     ):
         open_round(session, population, EVALUATION, now)
+
+
+def _merge_central(round_: Round, federated: Params, job: central_training.CentralJob) -> Params:
+    """Parallel training's MERGEOPT: the federated mean delta (after the secure sum and DP noise,
+    when the population has them) merged with the central one. The centralized data is public, so
+    its part costs no privacy: DP's accounting covers the devices' reports, which are unchanged. A
+    central training that diverges leaves the round federated only, and says so in its metrics."""
+    try:
+        central = central_training.central_update(job)
+    except central_training.CentralTrainingError:
+        round_.metrics = {**round_.metrics, "central_diverged": 1.0}
+        return federated
+    round_.metrics = {**round_.metrics, "central_loss": central.loss, "central_steps": float(central.steps)}
+    return central_training.merge(federated, central.delta, job.mixing.weight)
 
 
 def _robust_mean(

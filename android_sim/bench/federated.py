@@ -27,7 +27,8 @@ import numpy as np
 from contracts.manifest import Manifest
 from contracts.params import Params, SparseTensor, row_shape
 from contracts.task_config import TaskConfig
-from device_runtime.client_task import clip_delta, diverged, num_steps, reconstruct_locals
+from device_runtime.client_task import clip_delta, diverged
+from model_runtime.support_query import num_steps, reconstruct_locals
 from model_runtime.task_batches import TaskBatches
 from model_runtime.tflite_model import EvaluationSums, RowUpdate, TFLiteModel
 from orchestrator.aggregation import (

@@ -45,10 +45,11 @@ from contracts.features import Examples
 from contracts.manifest import Manifest
 from contracts.params import Params
 from contracts.task_config import TaskConfig
-from device_runtime.client_task import add_negatives, shuffled, split_support_query
+from device_runtime.client_task import shuffled
 from device_runtime.example_store import ExampleStore
 from device_runtime.recommender import Recommender
 from model_export.config import ITEM, LABEL, Feedback
+from model_runtime.support_query import add_negatives, split_support_query
 from model_runtime.task_batches import TaskBatches
 from model_runtime.tflite_model import TFLiteModel
 from orchestrator.aggregation import ServerOptimizerConfig

@@ -41,8 +41,8 @@ from contracts.features import Examples
 from contracts.manifest import Manifest
 from contracts.params import Params
 from contracts.task_config import TaskConfig
-from device_runtime.client_task import num_steps, reconstruct_locals
 from model_export.in_subprocess import export_spec_in_subprocess
+from model_runtime.support_query import num_steps, reconstruct_locals
 from model_runtime.task_batches import TaskBatches, split_batches
 from model_runtime.tflite_model import EvaluationSums, TFLiteModel
 from orchestrator.aggregation import ServerOptimizerConfig

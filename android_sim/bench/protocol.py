@@ -22,8 +22,9 @@ from android_sim.movielens import Ratings
 from contracts.features import Examples
 from contracts.manifest import Manifest
 from contracts.task_config import TaskConfig
-from device_runtime.client_task import shuffled, split_support_query
+from device_runtime.client_task import shuffled
 from model_export.config import ITEM, LABEL
+from model_runtime.support_query import split_support_query
 from model_runtime.task_batches import TaskBatches, split_batches
 
 PROTOCOL_SEED = 42

@@ -50,8 +50,9 @@ from android_sim.movielens import load_ratings
 from contracts.features import Examples
 from contracts.params import Params
 from contracts.task_config import LocalState, SplitPolicy, TaskConfig
-from device_runtime.client_task import diverged, num_steps
+from device_runtime.client_task import diverged
 from model_export.config import ModelConfig
+from model_runtime.support_query import num_steps
 from model_runtime.task_batches import TaskBatches
 from model_runtime.tflite_model import TFLiteModel
 from orchestrator.aggregation import RobustAggregation, ServerOptimizerConfig

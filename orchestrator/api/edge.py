@@ -119,7 +119,10 @@ class Edge:
         # String tests, not regular expressions: this runs for every request. A path that
         # merely looks like a device route gets its gate too, which only asks more of it.
         if path.startswith("/v1/admin/"):
-            return self.uploads if method == "POST" and path == "/v1/admin/populations" else self.admin
+            uploads = (method == "POST" and path == "/v1/admin/populations") or (
+                method == "PUT" and path.endswith("/mixing")  # a centralized dataset
+            )
+            return self.uploads if uploads else self.admin
         if method == "POST":
             if path.startswith("/v1/populations/") and path.endswith("/checkin"):
                 return self.checkins

@@ -316,3 +316,26 @@ def test_an_algorithm_settings_file_with_flags_over_it(tmp_path: Path) -> None:
     bad = build_parser().parse_args(["run", "--algorithm-settings", str(tmp_path / "bad.json")])
     with pytest.raises(ValueError, match=r"keys from \['task', 'server_optimizer'\]"):
         algorithm(bad)
+
+
+@pytest.mark.parametrize("strategy", ["parallel_training", "example_transfer"])
+def test_a_fleet_mixes_centralized_data_and_counts_its_bytes(work: Path, strategy: str) -> None:
+    mixing = {"strategy": strategy, "weight": 0.2, "central_steps": 4, "examples_per_assignment": 8}
+    config = small(work, rounds=2, evaluation_every=0, mixing=mixing, central_examples=200)
+
+    result = run(config, Console(width=120, record=True))
+
+    report = json.loads(result.report_path.read_text())
+    mixed = report["mixing"]
+    assert result.rounds_committed >= 2 and mixed["mixing"]["strategy"] == strategy
+    assert mixed["num_examples"] >= 200  # the public shares, and the new expressions' shares
+    training = [r for r in report["rounds"] if r["kind"] == "training" and r["status"] == "committed"]
+    if strategy == "parallel_training":
+        assert all(r["metrics"]["central_steps"] == 4 for r in training)
+        assert mixed["assignments_with_central_examples"] == 0
+    else:
+        reported = report["fleet"]["device_side_outcomes"].get("training/reported", 0)
+        assert mixed["assignments_with_central_examples"] >= reported > 0
+        # 8 examples of two features (int32 item, float32 label) and a safetensors header.
+        assert 8 * 8 < mixed["central_bytes_per_assignment"] < 8 * 8 + 400
+    reconcile(result)

@@ -18,13 +18,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Self
 
+import numpy as np
 import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
+from contracts.features import Examples
 from contracts.manifest import INITIAL_GLOBAL_FILE, MANIFEST_FILE, MODEL_FILE, Manifest
+from contracts.mixing import encode_examples
 from contracts.task_config import TaskConfig
 from orchestrator.local import free_port
 
@@ -81,6 +84,7 @@ class HostileOrchestrator:
             ),
             Route("/v1/assignments/{id}/report", self._handle, methods=["POST"], name="report"),
             Route("/v1/assignments/{id}/abort", self._handle, methods=["POST"], name="abort"),
+            Route("/v1/assignments/{id}/central-examples", self._handle, methods=["GET"], name="central"),
         ]
         config = uvicorn.Config(
             Starlette(routes=routes),
@@ -129,6 +133,16 @@ class HostileOrchestrator:
         answer.update(changes)
         return {k: v for k, v in answer.items() if v is not ...}
 
+    def central_examples(self, count: int = 3) -> bytes:
+        """Example transfer's honest answer: `count` examples of the first items, top label."""
+        manifest = Manifest.from_json(self.manifest)
+        label = manifest.label_features[0]
+        top = label.value_range[1] if label.value_range is not None else 1.0
+        examples = Examples(
+            {"item": np.arange(count, dtype=np.int32), label.name: np.full(count, top, np.float32)}
+        )
+        return encode_examples(examples, manifest.features)
+
     # ---- serving -----------------------------------------------------------------------
 
     def _honest(self, route: str) -> Answer:
@@ -142,6 +156,7 @@ class HostileOrchestrator:
             "global": lambda: Answer(self.global_params, content_type=binary),
             "report": lambda: json_answer(acknowledged),
             "abort": lambda: json_answer(acknowledged),
+            "central": lambda: Answer(self.central_examples(), content_type=binary),
         }
         return honest[route]()
 

@@ -16,13 +16,13 @@ from device_runtime.client_task import (
     clip_delta,
     delta_norm,
     prepare,
-    reconstruct_locals,
     run_evaluation_task,
     run_training_task,
 )
 from device_runtime.example_store import Event, ExampleStore
 from model_export.config import ModelConfig
 from model_export.reference import ReferenceModel
+from model_runtime.support_query import reconstruct_locals
 from model_runtime.task_batches import TaskBatches
 from model_runtime.tflite_model import TFLiteModel
 from tests.conftest import IMPLICIT, MOVIELENS, perturbed_globals

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import save
 
+from contracts.features import Examples
 from contracts.manifest import MANIFEST_FILE, MODEL_FILE, Manifest
 from contracts.params import decode_params, encode_params
 from device_runtime.agent import DeviceAgent, Participation
@@ -739,3 +740,76 @@ def test_a_malformed_enrollment_is_refused_and_no_token_kept(
             await client.aclose()
 
     assert asyncio.run(enroll()).token is None
+
+
+CENTRAL_URL = f"/v1/assignments/{ASSIGNMENT_ID}/central-examples"
+
+
+def _central_with(server: HostileOrchestrator, **columns: np.ndarray) -> Answer:
+    examples = Examples(
+        {"item": np.arange(3, dtype=np.int32), "label": np.full(3, 5.0, np.float32), **columns}
+    )
+    return Answer(
+        save({k: np.ascontiguousarray(v) for k, v in examples.columns.items()}), content_type=BINARY
+    )
+
+
+CENTRAL_CASES: list[tuple[str, Callable[[HostileOrchestrator], Answer], str]] = [
+    ("garbage", lambda s: Answer(b"\x01" * 40, content_type=BINARY), r"not valid safetensors|header"),
+    ("json", lambda s: json_answer({"item": [1]}), r"Content-Type"),
+    ("item outside", lambda s: _central_with(s, item=np.full(3, SMALL.num_items, np.int32)), r"outside"),
+    ("extra feature", lambda s: _central_with(s, user=np.zeros(3, np.int32)), r"unexpected \['user'\]"),
+    ("label NaN", lambda s: _central_with(s, label=np.full(3, np.nan, np.float32)), r"NaN"),
+    (
+        "too many",
+        lambda s: Answer(s.central_examples(SMALL.batch_size * SMALL.max_batches + 1), content_type=BINARY),
+        r"expected at most",
+    ),
+    (
+        "endless",
+        lambda s: Answer(b"\0" * 65536, content_type=BINARY, chunks=100),
+        r"larger than|exceeds|bytes",
+    ),
+]
+
+
+@pytest.mark.parametrize("name,answer,detail", CENTRAL_CASES, ids=[c[0] for c in CENTRAL_CASES])
+def test_malformed_central_examples_are_an_outcome_with_an_abort(
+    name: str,
+    answer: Callable[[HostileOrchestrator], Answer],
+    detail: str,
+    server: HostileOrchestrator,
+    store: ExampleStore,
+    runner: TaskRunner,
+    tmp_path: Path,
+) -> None:
+    server.reset()
+    server.craft("checkin", json_answer(server.assignment(central_examples_url=CENTRAL_URL)))
+    server.craft("central", answer(server))
+    before = list(store.iter_events())
+
+    participation = participate(server, store, runner, tmp_path / "cache")
+
+    assert participation.status == BAD, participation.detail
+    assert re.search(detail, participation.detail), participation.detail
+    assert aborted(server) and not server.seen("report")
+    assert list(store.iter_events()) == before and store.integrity_ok()
+
+
+def test_honest_central_examples_are_trained_on_and_reported_as_usual(
+    server: HostileOrchestrator, store: ExampleStore, runner: TaskRunner, tmp_path: Path
+) -> None:
+    server.reset()
+    server.craft("checkin", json_answer(server.assignment(central_examples_url=CENTRAL_URL)))
+
+    participation = participate(server, store, runner, tmp_path / "cache")
+
+    assert participation.status == "reported", participation.detail
+    assert [r.route for r in server.requests] == [
+        "checkin",
+        "manifest",
+        "artifact",
+        "global",
+        "central",
+        "report",
+    ]

@@ -13,7 +13,6 @@ from contracts.features import Examples
 from contracts.task_config import LocalState, TaskConfig
 from device_runtime.client_task import (
     Outcome,
-    add_negatives,
     delta_norm,
     run_evaluation_task,
     run_training_task,
@@ -22,6 +21,7 @@ from device_runtime.example_store import Event, ExampleStore
 from device_runtime.local_state import LocalStateStore
 from device_runtime.recommender import Recommender
 from model_export.config import ModelConfig
+from model_runtime.support_query import add_negatives
 from model_runtime.task_batches import TaskBatches, split_batches
 from model_runtime.tflite_model import TFLiteModel
 from tests.conftest import BIASED, IMPLICIT, ROBUST, SMALL, perturbed_globals

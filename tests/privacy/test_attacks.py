@@ -18,9 +18,10 @@ import pytest
 
 from contracts.params import decode_params, decode_sparse_delta, encode_sparse_delta
 from contracts.task_config import TaskConfig
-from device_runtime.client_task import prepare, reconstruct_locals, run_training_task
+from device_runtime.client_task import prepare, run_training_task
 from device_runtime.example_store import Event, ExampleStore
 from model_export.config import ModelConfig
+from model_runtime.support_query import reconstruct_locals
 from model_runtime.task_batches import TaskBatches
 from model_runtime.tflite_model import TFLiteModel
 from secure_aggregation import server

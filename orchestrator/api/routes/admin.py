@@ -7,7 +7,9 @@ from fastapi import APIRouter, File, Form, HTTPException, Query, Request, Upload
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
+from contracts.mixing import MAX_CENTRAL_BYTES, MixingError
 from contracts.protocol import PopulationView, PrivacyView, RoundView, TaskKind
+from orchestrator import mixing as mixing_data
 from orchestrator import rounds
 from orchestrator.api import schemas
 from orchestrator.api.deps import AdminDep, ClockDep, SessionFactoryDep, run_db
@@ -175,3 +177,52 @@ def schedule_evaluation(name: str, _: AdminDep, factory: SessionFactoryDep, cloc
         if rounds.EVALUATION in rounds.open_rounds(session, population):
             raise HTTPException(409, "an evaluation round is already open")
         return round_out(rounds.open_round(session, population, rounds.EVALUATION, clock()))
+
+
+def _mixing(factory: sessionmaker[Session], name: str) -> dict[str, Any]:
+    with factory() as session:
+        return mixing_data.describe(session, _population(session, name))
+
+
+@router.get("/populations/{name}/mixing", summary="A population's mixing strategy and centralized data")
+async def get_mixing(name: str, _: AdminDep, factory: SessionFactoryDep, request: Request) -> dict[str, Any]:
+    return await run_db(request.app, _mixing, factory, name)
+
+
+@router.put(
+    "/populations/{name}/mixing", summary="Attach a mixing strategy and centralized examples (safetensors)"
+)
+async def attach_mixing(
+    name: str,
+    _: AdminDep,
+    factory: SessionFactoryDep,
+    clock: ClockDep,
+    mixing: Annotated[str, Form(description="MixingConfig as JSON (contracts.mixing)")],
+    examples: Annotated[
+        UploadFile | None,
+        File(description="centralized examples: safetensors, one tensor per feature; omit to keep"),
+    ] = None,
+) -> dict[str, Any]:
+    try:
+        config = json_document(mixing, "the mixing config")
+    except ValueError as e:
+        raise HTTPException(422, str(e)) from None
+    blob = None
+    if examples is not None:
+        # Bounded before anything parses it.
+        blob = await examples.read(MAX_CENTRAL_BYTES + 1)
+        if len(blob) > MAX_CENTRAL_BYTES:
+            raise HTTPException(
+                413, f"the centralized examples exceed the limit of {MAX_CENTRAL_BYTES} bytes"
+            )
+    with factory.begin() as session:
+        population = rounds.lock_population(session, name)
+        if population is None:
+            raise HTTPException(404, f"no population {name!r}")
+        try:
+            mixing_data.attach(
+                session, population, rounds.population_manifest(population), config, blob, clock()
+            )
+        except MixingError as e:
+            raise HTTPException(422, str(e)) from None
+        return mixing_data.describe(session, population)

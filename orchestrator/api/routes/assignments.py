@@ -3,12 +3,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from fastapi import APIRouter, HTTPException, Request
+from fastapi import APIRouter, HTTPException, Request, Response
 from sqlalchemy.orm import Session, sessionmaker
 from starlette.applications import Starlette
 
+from contracts.mixing import encode_examples
 from contracts.protocol import ReportAccepted
-from orchestrator import rounds
+from orchestrator import mixing, rounds
 from orchestrator.api import schemas
 from orchestrator.api.deps import (
     DATABASE_UNAVAILABLE,
@@ -20,7 +21,7 @@ from orchestrator.api.deps import (
     run_db,
 )
 from orchestrator.api.group_commit import GroupCommit
-from orchestrator.db import Round
+from orchestrator.db import Assignment, Round
 from orchestrator.devices import authenticate_all
 
 router = APIRouter(prefix="/v1/assignments", tags=["devices"])
@@ -120,3 +121,33 @@ async def abort(
     assignment_id: str, request: Request, token: TokenDep, factory: SessionFactoryDep, clock: ClockDep
 ) -> ReportAccepted:
     return _answer(await run_db(request.app, _abort, factory, assignment_id, token, clock()))
+
+
+def _central_examples(factory: sessionmaker[Session], token: str, assignment_id: str) -> bytes:
+    with factory() as session:
+        device_id = require_device(session, token)
+        population = rounds.population_of_assignment(session, assignment_id)
+        assignment = session.get(Assignment, assignment_id)
+        if population is None or assignment is None or assignment.device_id != device_id:
+            raise HTTPException(404, f"no assignment {assignment_id!r} of this device")
+        if assignment.status != "assigned":
+            raise HTTPException(409, f"assignment {assignment_id!r} is {assignment.status}, no longer open")
+        config = mixing.mixing_of(session, population)
+        if config.strategy != "example_transfer":
+            raise HTTPException(
+                404, f"assignment {assignment_id!r}'s population does not mix by example transfer"
+            )
+        manifest = rounds.population_manifest(population)
+        examples = mixing.central_examples(session, population, manifest)
+        return encode_examples(mixing.assignment_examples(examples, config, assignment_id), manifest.features)
+
+
+@router.get(
+    "/{assignment_id}/central-examples",
+    summary="Example transfer: the assignment's centralized examples (safetensors)",
+)
+async def central_examples(
+    assignment_id: str, token: TokenDep, factory: SessionFactoryDep, request: Request
+) -> Response:
+    blob = await run_db(request.app, _central_examples, factory, token, assignment_id)
+    return Response(content=blob, media_type="application/octet-stream")

@@ -14,7 +14,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from starlette.applications import Starlette
 
 from contracts.protocol import Assignment, Rejection, TaskKind
-from orchestrator import rounds
+from orchestrator import mixing, rounds
 from orchestrator.api.deps import (
     DATABASE_UNAVAILABLE,
     UNAUTHENTICATED,
@@ -140,13 +140,14 @@ def _checkin_once(
             if device_id is not None
         ]
         found = rounds.find_population(session, population)
+        transfer = found is not None and mixing.mixing_of(session, found).strategy == "example_transfer"
         answers = iter(
             rounds.checkin(session, found, known, now, lock)
             if found is not None
             else [rounds.Refused(404, f"no population {population!r}")] * len(known)
         )
         return [
-            _assignment_out(found, next(answers), now)
+            _assignment_out(found, next(answers), now, transfer)
             if device_id is not None
             else rounds.Refused(401, UNAUTHENTICATED)
             for device_id in device_ids
@@ -160,7 +161,7 @@ def _task_config(population: Population, clip_norm: float | None) -> dict[str, A
 
 
 def _assignment_out(
-    population: Population | None, answer: rounds.Accepted | rounds.Refused, now: float
+    population: Population | None, answer: rounds.Accepted | rounds.Refused, now: float, transfer: bool
 ) -> Assignment | rounds.Refused:
     if isinstance(answer, rounds.Refused):
         return answer
@@ -185,6 +186,11 @@ def _assignment_out(
         task_config=_task_config(population, answer.clip_norm),
         aggregation="secure" if secure else "plaintext",
         secure_url=f"/v1/assignments/{assignment}/secure" if secure else None,
+        central_examples_url=(
+            f"/v1/assignments/{assignment}/central-examples"
+            if transfer and answer.kind == rounds.TRAINING
+            else None
+        ),
     )
 
 

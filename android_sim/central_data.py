@@ -1,0 +1,50 @@
+"""A centralized (public, server-side) dataset for mixing (contracts.mixing), built from the fleet's data.
+
+What a keyboard's server has: trending usage of public accounts. Here: shares drawn by each
+expression's popularity over the whole population (the held-out devices' futures included, as
+trending data sees everyone), plus the expressions that no training device holds, e.g. new
+releases, each shared by a few public accounts. For MovieLens: movies drawn by popularity, with
+their mean rating (an editorial score).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from android_sim.device_data import DeviceData, FleetData
+from contracts.features import Examples
+from model_export.config import ITEM, LABEL, Feedback
+
+# Each new expression appears this many times in the public data.
+SHARES_PER_NEW_EXPRESSION = 4
+
+
+@dataclass(frozen=True)
+class CentralData:
+    examples: Examples
+    new_items: np.ndarray  # catalog rows no training device holds, present in the examples
+
+
+def centralized_examples(
+    data: FleetData, training: list[DeviceData], everyone: list[DeviceData], count: int, seed: int
+) -> CentralData:
+    """`count` public examples (plus the new items' shares), ordered by item so that consecutive
+    runs (the server's pseudo-users in parallel training) are coherent."""
+    rng = np.random.default_rng(seed + 7)
+    held = np.unique(np.concatenate([d.item_ids for d in training])) if training else np.zeros(0, np.int64)
+    new_items = np.setdiff1d(np.arange(data.num_items), held)
+    shared = np.concatenate([d.item_ids for d in everyone])
+    labels = np.concatenate([d.labels for d in everyone])
+    popularity = np.bincount(shared, minlength=data.num_items).astype(np.float64)
+    trending = rng.choice(data.num_items, size=count, p=popularity / popularity.sum())
+    items = np.concatenate([trending, np.repeat(new_items, SHARES_PER_NEW_EXPRESSION)]).astype(np.int32)
+    if data.feedback is Feedback.IMPLICIT:
+        values = np.ones(len(items), np.float32)
+    else:
+        sums = np.bincount(shared, weights=labels, minlength=data.num_items)
+        mean = np.where(popularity > 0, sums / np.maximum(popularity, 1), data.label_mean)
+        values = np.round(mean[items]).astype(np.float32)
+    order = np.argsort(items, kind="stable")
+    return CentralData(Examples({ITEM: items[order], LABEL: values[order]}), new_items)

@@ -1,0 +1,71 @@
+"""How a task's examples become training: support and query batches, sampled negatives, step counts,
+and reconstruction of the local parameters.
+
+Shared by the device's client task and the server's training on centralized data (parallel
+training), so that both treat examples the same way.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from contracts.features import Examples
+from contracts.manifest import Manifest
+from contracts.task_config import SplitPolicy, TaskConfig
+from model_runtime.task_batches import TaskBatches, split_batches
+from model_runtime.tflite_model import TFLiteModel
+
+
+def shares(examples: Examples, manifest: Manifest) -> np.ndarray:
+    """A ranking model with implicit labels: the distinct catalog rows with a positive label."""
+    catalog, label = manifest.task.catalog_feature, manifest.label_features[0].name
+    assert catalog is not None
+    found: np.ndarray = np.unique(examples[catalog][examples[label] > 0])
+    return found
+
+
+def add_negatives(
+    examples: Examples,
+    manifest: Manifest,
+    per_positive: int,
+    rng: np.random.Generator,
+    also_shared: np.ndarray | None = None,
+) -> Examples:
+    """A ranking model with implicit labels: each share gets `per_positive` catalog rows the user
+    never shared, label 0 (never one of `examples`' shares nor of `also_shared`, e.g. shares
+    outside the examples)."""
+    catalog, label = manifest.task.catalog_feature, manifest.label_features[0].name
+    assert catalog is not None
+    positives = shares(examples, manifest)
+    count = len(positives) * per_positive
+    shared = positives if also_shared is None else np.union1d(positives, also_shared)
+    candidates = np.setdiff1d(np.arange(manifest.catalog_size), shared, assume_unique=True)
+    if count == 0 or candidates.size == 0:
+        return examples
+    negatives = rng.choice(candidates, size=min(count, candidates.size), replace=False)
+    sampled = Examples(
+        {catalog: negatives.astype(examples[catalog].dtype), label: np.zeros(len(negatives), np.float32)}
+    )
+    mixed = Examples.concat([examples, sampled], manifest.features)
+    return mixed.select(rng.permutation(mixed.num_examples))
+
+
+def split_support_query(
+    examples: Examples, manifest: Manifest, config: TaskConfig
+) -> tuple[list[Examples], list[Examples]]:
+    batches = split_batches(examples, manifest.batch_size)
+    if config.split is SplitPolicy.REUSE or examples.num_examples < config.reuse_below or len(batches) < 2:
+        # Too few to split: reuse everything for both sets, as the keyboard deployment did.
+        return batches[: manifest.max_batches], batches[: manifest.max_batches]
+    return batches[0::2][: manifest.max_batches], batches[1::2][: manifest.max_batches]
+
+
+def num_steps(num_batches: int, max_epochs: int, max_steps: int) -> int:
+    return min(max_steps, max_epochs * num_batches)
+
+
+def reconstruct_locals(model: TFLiteModel, support: TaskBatches, config: TaskConfig) -> float:
+    """Fresh local parameters fitted on the support batches, globals frozen; the mean batch loss."""
+    model.reset_local()
+    steps = num_steps(support.num_batches, config.reconstruction_max_epochs, config.reconstruction_max_steps)
+    return model.reconstruct(support, steps, config.reconstruction_learning_rate, config.l2_local)

@@ -1,0 +1,228 @@
+"""Parallel training (Algorithm 2 of Augenstein et al., "Mixing centralized and federated data"):
+the server trains a copy of the global parameters on the centralized data and merges its delta
+with the federated one (MERGEOPT) before the server optimizer.
+
+The server runs the same exported model's signatures as the devices, through the same TFLite
+interpreter (model_runtime): no second implementation of the model's maths, and no TensorFlow.
+
+The central delta depends only on the round's base parameters, not on its reports: it is computed
+in a background thread as soon as a commit has made the next base version, so that the commit of
+the next round (which on SQLite runs on the event loop) only merges it. A commit that finds none
+(the population's first round, a restarted process, another server process) computes it inline;
+both give the same delta (seeded by the base version).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import tempfile
+import threading
+from collections import OrderedDict
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from contracts.features import Examples
+from contracts.manifest import MANIFEST_FILE, MODEL_FILE, Manifest
+from contracts.mixing import MixingConfig
+from contracts.params import Params
+from contracts.task_config import TaskConfig
+from model_runtime.support_query import add_negatives, num_steps, reconstruct_locals, split_support_query
+from model_runtime.task_batches import TaskBatches, split_batches
+from model_runtime.tflite_model import TFLiteModel
+
+
+class CentralTrainingError(RuntimeError):
+    """Training on the centralized data diverged (non-finite loss or delta)."""
+
+
+@dataclass(frozen=True)
+class CentralUpdate:
+    delta: Params  # dense, one tensor per global parameter
+    loss: float  # mean batch loss over the update calls
+    steps: int  # J
+
+
+def groups_of(examples: Examples, manifest: Manifest) -> list[Examples]:
+    """The centralized examples as pseudo-users: consecutive runs of one task's worth
+    (max_batches x batch_size) each.
+
+    A FedRecon model's update needs local parameters fitted to the examples it trains on. The
+    whole dataset as one pseudo-user would fit one user embedding to everyone's examples (and
+    exceed what one call takes); one group per example would reconstruct from nothing. Groups of
+    consecutive examples keep each call full and, when the operator orders the dataset by source
+    (e.g. a public account's shares together), give each group a coherent local embedding.
+    """
+    return split_batches(examples, manifest.max_examples) if examples.num_examples else []
+
+
+def train_on_central(
+    model: TFLiteModel,
+    global_params: Params,
+    examples: Examples,
+    mixing: MixingConfig,
+    task: TaskConfig,
+    seed: int,
+) -> CentralUpdate:
+    """J = `mixing.central_steps` update steps from `global_params` over the centralized examples,
+    group by group (reconstruct the locals on a group's support half, then update the globals on
+    its query half, as a device does), from a group order fixed by `seed`; the delta of the globals.
+    """
+    manifest = model.manifest
+    groups = groups_of(examples, manifest)
+    if not groups:
+        raise ValueError("parallel training needs centralized examples; none are attached")
+    rng = np.random.default_rng(seed)
+    order = rng.permutation(len(groups))
+    params = {k: np.array(v, np.float32, copy=True) for k, v in global_params.items()}
+    steps_left, losses, turn = mixing.central_steps, [], 0
+    try:
+        while steps_left > 0:
+            group = groups[order[turn % len(groups)]]
+            turn += 1
+            if manifest.task.negative_sampling and task.negatives_per_positive:
+                group = add_negatives(group, manifest, task.negatives_per_positive, rng)
+            support, query = split_support_query(group, manifest, task)
+            model.set_global(params)
+            if manifest.local_params:
+                reconstruct_locals(model, TaskBatches.pack(support, manifest), task)
+            batches = TaskBatches.pack(query, manifest)
+            steps = min(
+                steps_left, num_steps(batches.num_batches, task.update_max_epochs, task.update_max_steps)
+            )
+            if steps <= 0:
+                break
+            update = model.update(
+                batches, steps, mixing.central_learning_rate, l2_global=task.l2_global, l2_local=task.l2_local
+            )
+            # tflite_runtime saturates an overflow at float32's maximum where LiteRT gives inf/NaN.
+            if not (np.isfinite(update.loss) and update.max_abs_change < 1e30):
+                raise CentralTrainingError(
+                    "training on the centralized data diverged (non-finite delta); "
+                    "lower central_learning_rate"
+                )
+            params = {k: params[k] + update.delta[k] for k in params}
+            losses.append(update.loss)
+            steps_left -= steps
+    finally:
+        model.reset_local()
+    delta = {k: (params[k] - global_params[k]).astype(np.float32) for k in params}
+    return CentralUpdate(
+        delta, float(np.mean(losses)) if losses else float("nan"), mixing.central_steps - steps_left
+    )
+
+
+def merge(federated: Params, central: Params, alpha: float) -> Params:
+    """MERGEOPT: `(1 - alpha) * federated + alpha * central`, per tensor (float64 sums)."""
+    if federated.keys() != central.keys():
+        raise ValueError(f"deltas of different tensors: {sorted(federated)} and {sorted(central)}")
+    return {
+        k: (
+            (1.0 - alpha) * np.asarray(federated[k], np.float64) + alpha * np.asarray(central[k], np.float64)
+        ).astype(np.float32)
+        for k in federated
+    }
+
+
+# ---- the server's interpreters and the precomputed deltas --------------------------------------
+
+
+class _ServerModels:
+    """One TFLiteModel per exported model in this process, each used under its lock (an
+    interpreter is not thread-safe), loaded from files written once to a private directory."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._models: dict[str, tuple[TFLiteModel, threading.Lock]] = {}
+        self._dir: Path | None = None
+
+    @contextlib.contextmanager
+    def model(self, sha256: str, manifest: Manifest, tflite: bytes | None) -> Iterator[TFLiteModel]:
+        with self._lock:
+            if sha256 not in self._models:
+                if tflite is None:
+                    raise RuntimeError(f"model {sha256[:12]}... is not loaded and its file was not given")
+                if self._dir is None:
+                    self._dir = Path(tempfile.mkdtemp(prefix="orchestrator-models-"))
+                model_dir = self._dir / sha256
+                model_dir.mkdir(exist_ok=True)
+                (model_dir / MODEL_FILE).write_bytes(tflite)
+                (model_dir / MANIFEST_FILE).write_text(json.dumps(manifest.to_json()))
+                self._models[sha256] = (TFLiteModel(model_dir), threading.Lock())
+            model, lock = self._models[sha256]
+        with lock:
+            yield model
+
+    def loaded(self, sha256: str) -> bool:
+        with self._lock:
+            return sha256 in self._models
+
+
+_models = _ServerModels()
+
+
+def has_model(sha256: str) -> bool:
+    """Whether this process has loaded the model (a job then need not carry its file)."""
+    return _models.loaded(sha256)
+
+
+_MAX_READY = 32
+_ready: OrderedDict[tuple[object, ...], CentralUpdate | CentralTrainingError] = OrderedDict()
+_ready_lock = threading.Lock()
+_background = ThreadPoolExecutor(1, thread_name_prefix="central-training")
+
+
+@dataclass(frozen=True)
+class CentralJob:
+    """Everything one central delta needs, gathered inside a transaction."""
+
+    key: tuple[object, ...]
+    artifact_sha256: str
+    manifest: Manifest
+    tflite: bytes | None  # the model file; None when this process has it loaded
+    params: Params
+    examples: Examples
+    mixing: MixingConfig
+    task: TaskConfig
+    seed: int
+
+    def run(self) -> CentralUpdate:
+        with _models.model(self.artifact_sha256, self.manifest, self.tflite) as model:
+            return train_on_central(model, self.params, self.examples, self.mixing, self.task, self.seed)
+
+
+def job_key(
+    database: object, population_id: int, version: int, dataset_sha256: str, mixing: MixingConfig
+) -> tuple[object, ...]:
+    config = hashlib.sha256(json.dumps(mixing.to_json(), sort_keys=True).encode()).hexdigest()
+    return (id(database), population_id, version, dataset_sha256, config)
+
+
+def central_update(job: CentralJob) -> CentralUpdate:
+    """The job's delta: precomputed if its background run finished, else computed here."""
+    with _ready_lock:
+        found = _ready.pop(job.key, None)
+    if isinstance(found, CentralTrainingError):
+        raise found
+    return found if found is not None else job.run()
+
+
+def precompute(job: CentralJob) -> None:
+    """Compute the job's delta in the background, for the commit that will need it."""
+
+    def run() -> None:
+        try:
+            result: CentralUpdate | CentralTrainingError = job.run()
+        except CentralTrainingError as e:
+            result = e
+        with _ready_lock:
+            _ready[job.key] = result
+            while len(_ready) > _MAX_READY:
+                _ready.popitem(last=False)
+
+    _background.submit(run)

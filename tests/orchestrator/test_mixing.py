@@ -1,0 +1,273 @@
+"""Mixing centralized data: attaching a strategy and dataset, and what each strategy changes."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+from sqlalchemy.orm import Session, sessionmaker
+
+from contracts.features import Examples
+from contracts.manifest import Manifest, load_manifest
+from contracts.mixing import decode_examples, encode_examples
+from contracts.params import Params, decode_sparse_delta
+from contracts.task_config import TaskConfig
+from model_export.config import ModelConfig
+from model_runtime.task_batches import TaskBatches
+from model_runtime.tflite_model import TFLiteModel
+from orchestrator import mixing as mixing_data
+from orchestrator import rounds
+from orchestrator.__main__ import main as orchestrator_cli
+from orchestrator.db import make_engine
+from orchestrator.populations import ExportedModel
+from tests.conftest import BIASED
+from tests.orchestrator.conftest import ADMIN_TOKEN, Server, admin_create_population, make_population
+from tests.orchestrator.test_rounds import checkin, delta_body, device, report, round_by_id, version_params
+
+ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+
+
+def central_examples(manifest: Manifest, count: int, seed: int = 0) -> Examples:
+    """`count` examples that fit the manifest's feature spec (values drawn inside each range)."""
+    rng = np.random.default_rng(seed)
+    columns: dict[str, np.ndarray] = {}
+    for f in manifest.features:
+        low, high = f.value_range if f.value_range is not None else (0.0, 1.0)
+        if f.dtype == "int32":
+            columns[f.name] = rng.integers(int(low), int(high) + 1, size=(count, *f.shape)).astype(np.int32)
+        else:
+            values = rng.uniform(low, high, size=(count, *f.shape))
+            columns[f.name] = (np.round(values) if f.discrete else values).astype(np.float32)
+    return Examples(columns)
+
+
+def attach(url: str, name: str, mixing: Any, examples: bytes | None) -> httpx.Response:
+    files = {"examples": ("examples.safetensors", examples)} if examples is not None else None
+    return httpx.put(
+        f"{url}/v1/admin/populations/{name}/mixing",
+        data={"mixing": json.dumps(mixing)},
+        files=files,
+        headers=ADMIN,
+        timeout=30,
+    )
+
+
+def test_attaching_bad_mixing_is_a_4xx_that_says_why_and_changes_nothing(
+    server: Server, export: Callable[[ModelConfig], Path]
+) -> None:
+    # Prepare: a population with a valid dataset attached under parallel training.
+    model_dir = export(BIASED)
+    manifest = load_manifest(model_dir)
+    assert admin_create_population(server.url, model_dir, "p", "{}").status_code == 201
+    good = encode_examples(central_examples(manifest, 40), manifest.features)
+    first = attach(server.url, "p", {"strategy": "parallel_training", "weight": 0.3}, good)
+    assert first.status_code == 200, first.text
+    before = httpx.get(f"{server.url}/v1/admin/populations/p/mixing", headers=ADMIN, timeout=10).json()
+    assert before["num_examples"] == 40 and before["mixing"]["weight"] == 0.3
+
+    item = next(f for f in manifest.features if f.tables)
+    outside = central_examples(manifest, 5)
+    outside = Examples({**outside.columns, item.name: outside[item.name] + int(item.value_range[1]) + 1})  # type: ignore[index]
+    missing = Examples({k: v for k, v in central_examples(manifest, 5).columns.items() if k != item.name})
+    cases = {
+        "outside": ({"strategy": "example_transfer"}, encode_examples(outside, manifest.features), "outside"),
+        "missing": (
+            {"strategy": "example_transfer"},
+            encode_examples(missing, [f for f in manifest.features if f.name != item.name]),
+            "missing",
+        ),
+        "not safetensors": ({"strategy": "example_transfer"}, b"\x00" * 64, "safetensors"),
+        "unknown strategy": ({"strategy": "telepathy"}, good, "strategy must be one of"),
+        "alpha above 1": ({"strategy": "parallel_training", "weight": 1.5}, good, "weight"),
+        "negative alpha": ({"strategy": "parallel_training", "weight": -0.1}, good, "weight"),
+        "unknown setting": ({"strategy": "parallel_training", "alfa": 0.1}, good, "unknown mixing settings"),
+        "too many per assignment": (
+            {"strategy": "example_transfer", "examples_per_assignment": 10_000},
+            good,
+            "examples_per_assignment",
+        ),
+        "no gradient signature": ({"strategy": "gradient_transfer"}, good, "not yet available"),
+    }
+    for case, (mixing, blob, expected) in cases.items():
+        # Execute
+        answer = attach(server.url, "p", mixing, blob)
+        # Assert
+        assert answer.status_code == 422, (case, answer.text)
+        assert expected in answer.json()["detail"], (case, answer.json())
+    after = httpx.get(f"{server.url}/v1/admin/populations/p/mixing", headers=ADMIN, timeout=10).json()
+    assert after == before
+    unknown = attach(server.url, "nobody", {"strategy": "none"}, None)
+    assert unknown.status_code == 404
+
+
+def _attach_in(factory: sessionmaker[Session], mixing: dict[str, Any], examples: Examples) -> None:
+    with factory.begin() as session:
+        population = rounds.lock_population(session, "p")
+        assert population is not None
+        manifest = rounds.population_manifest(population)
+        mixing_data.attach(
+            session, population, manifest, mixing, encode_examples(examples, manifest.features), 0.0
+        )
+
+
+def _independent_central_delta(
+    model_dir: Path, base: Params, examples: Examples, steps: int, learning_rate: float
+) -> Params:
+    """Algorithm 2's server step written out: one pseudo-user (the 20 examples fit one task) whose
+    locals are reconstructed on the even batches, then J update steps on the odd ones."""
+    model = TFLiteModel(model_dir)
+    manifest, task = model.manifest, TaskConfig.from_manifest(model.manifest)
+    b = manifest.batch_size
+    batches = [examples.select(slice(i, i + b)) for i in range(0, examples.num_examples, b)]
+    model.set_global(base)
+    model.reset_local()
+    support = TaskBatches.pack(batches[0::2], manifest)
+    model.reconstruct(
+        support,
+        min(task.reconstruction_max_steps, task.reconstruction_max_epochs * len(batches[0::2])),
+        task.reconstruction_learning_rate,
+    )
+    return model.update(TaskBatches.pack(batches[1::2], manifest), steps, learning_rate).delta
+
+
+def test_parallel_training_merges_alpha_of_the_central_delta_with_the_federated_one(
+    db: sessionmaker[Session], export: Callable[[ModelConfig], Path]
+) -> None:
+    # Prepare: one report a round, SGD at rate 1 (the new model is base + merged delta).
+    model_dir = export(BIASED)
+    model = ExportedModel.from_dir(model_dir)
+    make_population(db, model, target_reports=1)
+    examples = central_examples(Manifest.from_json(model.manifest), 20, seed=3)
+    alpha, steps, rate = 0.25, 2, 0.3
+    _attach_in(
+        db,
+        {
+            "strategy": "parallel_training",
+            "weight": alpha,
+            "central_steps": steps,
+            "central_learning_rate": rate,
+        },
+        examples,
+    )
+    for version in (0, 1):  # the first round computes inline, the second may find it precomputed
+        base = version_params(db, model, version)
+        dev = device(db)
+        answer = checkin(db, dev, now=1.0 + version)
+        body = delta_body(model, 0.01, rows=(3, 7))
+        federated = {k: v.dense() for k, v in decode_sparse_delta(body).items()}
+
+        # Execute
+        report(db, dev, answer.assignment_id, body, now=2.0 + version)
+
+        # Assert
+        central = _independent_central_delta(model_dir, base, examples, steps, rate)
+        assert any(np.abs(v).max() > 1e-4 for v in central.values())  # the central data moved the model
+        merged = version_params(db, model, version + 1)
+        for name in base:
+            expected = base[name] + (1 - alpha) * federated[name] + alpha * central[name]
+            np.testing.assert_allclose(merged[name], expected, atol=2e-6, err_msg=name)
+        committed = round_by_id(db, answer.round_id)
+        assert committed.metrics["central_steps"] == steps
+
+
+def test_without_mixing_the_commit_is_the_federated_mean(
+    db: sessionmaker[Session], export: Callable[[ModelConfig], Path]
+) -> None:
+    model = ExportedModel.from_dir(export(BIASED))
+    make_population(db, model, target_reports=1)
+    _attach_in(db, {"strategy": "none"}, central_examples(Manifest.from_json(model.manifest), 20))
+    base = version_params(db, model, 0)
+    dev = device(db)
+    answer = checkin(db, dev)
+    body = delta_body(model, 0.01)
+
+    report(db, dev, answer.assignment_id, body)
+
+    federated = {k: v.dense() for k, v in decode_sparse_delta(body).items()}
+    merged = version_params(db, model, 1)
+    for name in base:
+        np.testing.assert_allclose(merged[name], base[name] + federated[name], atol=1e-7)
+
+
+def test_the_cli_attaches_mixing_and_refuses_bad_input_without_changing_it(
+    export: Callable[[ModelConfig], Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Prepare
+    url = f"sqlite:///{tmp_path / 'cli.sqlite'}"
+    model_dir = export(BIASED)
+    manifest = load_manifest(model_dir)
+    examples = tmp_path / "central.safetensors"
+    examples.write_bytes(encode_examples(central_examples(manifest, 30), manifest.features))
+    assert (
+        orchestrator_cli(["--database-url", url, "create-population", "p", "--model-dir", str(model_dir)])
+        == 0
+    )
+
+    # Execute
+    attached = orchestrator_cli(
+        [
+            "--database-url",
+            url,
+            "mix",
+            "p",
+            "--mixing",
+            '{"strategy": "example_transfer"}',
+            "--examples",
+            str(examples),
+        ]
+    )
+    capsys.readouterr()
+    refused = orchestrator_cli(
+        ["--database-url", url, "mix", "p", "--mixing", '{"strategy": "parallel_training", "weight": 2}']
+    )
+    error = capsys.readouterr().err
+
+    # Assert
+    assert attached == 0 and refused == 2
+    assert "weight" in error and "[0, 1]" in error
+    engine = make_engine(url)
+    with Session(engine) as session:
+        population = rounds.find_population(session, "p")
+        assert population is not None
+        shown = mixing_data.describe(session, population)
+    engine.dispose()
+    assert shown["mixing"]["strategy"] == "example_transfer" and shown["num_examples"] == 30
+
+
+def test_an_example_transfer_assignment_carries_a_sample_of_the_central_examples_for_its_device_only(
+    server: Server, export: Callable[[ModelConfig], Path]
+) -> None:
+    # Prepare
+    model_dir = export(BIASED)
+    manifest = load_manifest(model_dir)
+    assert admin_create_population(server.url, model_dir, "p", '{"target_reports": 3}').status_code == 201
+    dataset = central_examples(manifest, 50, seed=4)
+    mixing = {"strategy": "example_transfer", "examples_per_assignment": 7}
+    assert attach(server.url, "p", mixing, encode_examples(dataset, manifest.features)).status_code == 200
+    tokens = [httpx.post(f"{server.url}/v1/devices", timeout=10).json()["token"] for _ in range(2)]
+
+    # Execute
+    answer = httpx.post(
+        f"{server.url}/v1/populations/p/checkin",
+        json={"example_count": 20},
+        headers={"Authorization": f"Bearer {tokens[0]}"},
+        timeout=10,
+    ).json()
+    url = f"{server.url}{answer['central_examples_url']}"
+    first, again, other = (
+        httpx.get(url, headers={"Authorization": f"Bearer {t}"}, timeout=10)
+        for t in (tokens[0], tokens[0], tokens[1])
+    )
+
+    # Assert: 7 of the dataset's examples, the same on a retried download, and only for the device.
+    assert first.status_code == 200 and first.content == again.content
+    sample = decode_examples(first.content, manifest.features, "sample", 1 << 20)
+    assert sample.num_examples == 7
+    pairs = {(int(i), float(y)) for i, y in zip(dataset["item"], dataset["label"], strict=True)}
+    assert {(int(i), float(y)) for i, y in zip(sample["item"], sample["label"], strict=True)} <= pairs
+    assert other.status_code == 404
