@@ -46,9 +46,10 @@ from android_sim.run import RunConfig, model_config, population_settings
 from contracts.manifest import Manifest
 from contracts.params import Params, SparseTensor, encode_sparse_delta, sparse_rows
 from contracts.task_config import TaskConfig
-from device_runtime.client_task import diverged, num_steps, reconstruct_locals, split_support_query
+from device_runtime.client_task import diverged
 from device_runtime.example_store import ExampleStore
 from device_runtime.recommender import Recommender
+from model_runtime.support_query import num_steps, reconstruct_locals, split_support_query
 from model_runtime.task_batches import TaskBatches
 from model_runtime.tflite_model import SparseGradient, TFLiteModel
 from orchestrator.aggregation import ServerOptimizerConfig
