@@ -104,17 +104,17 @@ def export(models_dir: Path, vocab_size: int, method: Method, seq_len: int) -> P
     """The method's model, exported once into `models_dir` and reused."""
     out = models_dir / f"nextword-v{vocab_size}-b{method.num_oov_buckets}"
     if not (out / "manifest.json").exists():
-        env = {
-            "NWP_NUM_GLOBAL_TOKENS": str(vocab_size + 3),  # PAD, BOS, EOS
-            "NWP_OOV_BUCKETS": str(method.num_oov_buckets),
+        model_args = {
+            "num_global_tokens": vocab_size + 3,  # PAD, BOS, EOS
+            "num_oov_buckets": method.num_oov_buckets,
             # Local either way: FedAvg shares the OOV rows through the server (as the quality
             # benchmark's FedAvg shares the user vector), so one model serves both.
-            "NWP_OOV_LOCAL": "1",
-            "NWP_SEQ_LEN": str(seq_len),
-            "NWP_BATCH_SIZE": str(BATCH_SIZE),
-            "NWP_MAX_BATCHES": str(MAX_BATCHES),
+            "oov_local": True,
+            "seq_len": seq_len,
+            "batch_size": BATCH_SIZE,
+            "max_batches": MAX_BATCHES,
         }
-        export_spec_in_subprocess(BUILDER, out, env)
+        export_spec_in_subprocess(BUILDER, out, model_args)
     return out
 
 
