@@ -135,6 +135,9 @@ def split_support_query(
     examples: Examples, manifest: Manifest, config: TaskConfig
 ) -> tuple[list[Examples], list[Examples]]:
     batches = split_batches(examples, manifest.batch_size)
+    if not manifest.local_params:
+        # Nothing to reconstruct (plain FedAvg): every example trains, or is measured.
+        return [], batches[: manifest.max_batches]
     if config.split is SplitPolicy.REUSE or examples.num_examples < config.reuse_below or len(batches) < 2:
         # Too few to split: reuse everything for both sets, as the keyboard deployment did.
         return batches[: manifest.max_batches], batches[: manifest.max_batches]
@@ -186,8 +189,11 @@ def clip_delta(delta: Params, clip_norm: float) -> tuple[Params, bool]:
     return {name: (np.asarray(t, np.float64) * scale).astype(np.float32) for name, t in delta.items()}, False
 
 
-def reconstruct_locals(model: TFLiteModel, support: TaskBatches, config: TaskConfig) -> float:
-    """Fresh local parameters fitted on the support batches, globals frozen; the mean batch loss."""
+def reconstruct_locals(model: TFLiteModel, support: TaskBatches, config: TaskConfig) -> float | None:
+    """Fresh local parameters fitted on the support batches, globals frozen; the mean batch loss
+    (None for a model without local parameters: nothing to reconstruct)."""
+    if not model.manifest.local_params:
+        return None
     model.reset_local()
     steps = num_steps(support.num_batches, config.reconstruction_max_epochs, config.reconstruction_max_steps)
     return model.reconstruct(support, steps, config.reconstruction_learning_rate, config.l2_local)
@@ -270,7 +276,7 @@ def run_training_task(
             "num_support": float(support.num_examples),
             "num_query": float(query.num_examples),
             "outside_catalog": float(data.outside_catalog),
-            "reconstruction_loss": reconstruction_loss,
+            **({} if reconstruction_loss is None else {"reconstruction_loss": reconstruction_loss}),
             "update_loss": update.loss,
             **{f"query_{k}": v for k, v in before.as_dict().items()},
             **clip_metrics,

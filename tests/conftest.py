@@ -99,6 +99,16 @@ def next_word_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     )
 
 
+@pytest.fixture(scope="session")
+def next_word_fedavg_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny next-word model with its OOV rows global too: a model without local variables."""
+    return export_spec_in_subprocess(
+        "model_export.models.next_word:build",
+        tmp_path_factory.mktemp("next-word-fedavg"),
+        {**NEXT_WORD_SIZES, "oov_local": False},
+    )
+
+
 @pytest.fixture(params=BACKENDS)
 def backend(request: pytest.FixtureRequest) -> str:
     return str(request.param)
