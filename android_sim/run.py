@@ -135,6 +135,8 @@ class RunConfig:
             problems.append(f"data must be 'expressions', 'movielens' or 'shakespeare', got {self.data!r}")
         if self.data == SHAKESPEARE:
             problems += self._next_word_problems()
+        elif self.model_args:
+            problems.append("--model-arg is for --data shakespeare (the other data export their own model)")
         if not 0 <= self.held_out_fraction < 1:
             problems.append(f"held_out_fraction must be in [0, 1), got {self.held_out_fraction}")
         for name in ("rounds", "target_reports", "min_examples", "workers"):

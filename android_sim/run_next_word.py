@@ -322,7 +322,14 @@ async def run_next_word(config: RunConfig, console: Console) -> RunResult:
     final_sums = (final or {}).get("metrics", {})
     final_without, final_with = accuracies(final_sums)
     body = {
-        **report_header(config, status, fleet, "ReconEval on held-out roles"),
+        **report_header(
+            config,
+            status,
+            fleet,
+            "ReconEval on held-out roles"
+            if manifest.local_params
+            else "evaluation on held-out roles (no local parameters to reconstruct)",
+        ),
         "data": {
             "source": "Tiny Shakespeare (one role, one device)",
             "training_roles": len(data.train),
