@@ -215,13 +215,14 @@ def predictions(
 ) -> list[Prediction]:
     """The device's top-3 next words after the first half of a few of its newest windows, with its
     locals reconstructed from its store, as it would predict while its user types."""
-    data = prepare(store, model.manifest, config, seed=device)
-    if not data.support:
+    windows = store.examples().select(slice(0, EXAMPLE_PREDICTIONS))  # newest first
+    if not windows.num_examples:
         return []
+    data = prepare(store, model.manifest, config, seed=device)
     model.set_global(params)
     try:
-        reconstruct_locals(model, TaskBatches.pack(data.support, model.manifest), config)
-        windows = store.examples().select(slice(0, EXAMPLE_PREDICTIONS))  # newest first
+        if data.support:  # none for a model without locals: nothing to reconstruct
+            reconstruct_locals(model, TaskBatches.pack(data.support, model.manifest), config)
         tokens = windows["tokens"].copy()
         actual = []
         for row, targets in zip(tokens, windows["targets"], strict=True):

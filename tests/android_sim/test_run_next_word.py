@@ -112,6 +112,7 @@ def test_fedavg_in_the_fleet_shares_the_oov_rows(tmp_path: Path) -> None:
         math.prod(p.shape) for p in manifest.global_params
     )
     assert nwp["held_out_on_device"]["devices"] >= 1
+    assert nwp["predictions"]  # served with the globals alone
 
 
 @pytest.mark.parametrize(
