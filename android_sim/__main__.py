@@ -12,6 +12,7 @@ from typing import Any
 
 from android_sim.movielens import DataFormatError
 from android_sim.run import DEFAULT_RATINGS, RunConfig, RunError
+from android_sim.run_next_word import TARGET_REPORTS as NEXT_WORD_TARGET_REPORTS
 from contracts.mixing import STRATEGIES
 
 
@@ -25,7 +26,10 @@ def _run_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     run.add_argument(
-        "--data", choices=("expressions", "movielens"), default=d.data, help="default: %(default)s"
+        "--data",
+        choices=("expressions", "movielens", "shakespeare"),
+        default=d.data,
+        help="default: %(default)s; shakespeare: next-word prediction, each speaking role a device",
     )
     run.add_argument(
         "--ratings", type=Path, default=DEFAULT_RATINGS, help="MovieLens file for --data movielens"
@@ -36,7 +40,11 @@ def _run_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     run.add_argument("--expressions", type=int, default=d.expressions, help="synthetic catalog size")
     run.add_argument("--held-out-fraction", type=float, default=d.held_out_fraction)
     run.add_argument("--rounds", type=int, default=d.rounds, help="training rounds to commit")
-    run.add_argument("--target-reports", type=int, default=d.target_reports, help="reports per round")
+    run.add_argument(
+        "--target-reports",
+        type=int,
+        help=f"reports per round (default: {d.target_reports}; shakespeare: {NEXT_WORD_TARGET_REPORTS})",
+    )
     run.add_argument("--oversampling", type=float, default=d.oversampling)
     run.add_argument("--min-examples", type=int, default=d.min_examples)
     run.add_argument("--round-seconds", type=float, default=d.round_seconds, help="round deadline")
@@ -64,6 +72,7 @@ def _run_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     run.add_argument("--seed", type=int, default=d.seed)
     _algorithm_arguments(run)
     _mixing_arguments(run)
+    _next_word_arguments(run, d)
     dp = run.add_argument_group(
         "differential privacy (DP-FedAvg)",
         "devices clip their whole delta to --clip-norm; the server adds Gaussian noise "
@@ -117,6 +126,48 @@ def mixing(args: argparse.Namespace) -> dict[str, Any]:
         "examples_per_assignment": args.examples_per_assignment,
     }
     return {"strategy": args.mixing, **{k: v for k, v in flags.items() if v is not None}}
+
+
+def _next_word_arguments(run: argparse.ArgumentParser, d: RunConfig) -> None:
+    group = run.add_argument_group(
+        "next-word prediction (--data shakespeare)",
+        "the model is model_export.models.next_word:build; its OOV rows are local unless "
+        "--model-arg oov_local=false",
+    )
+    group.add_argument("--shakespeare", type=Path, default=d.shakespeare, help="Tiny Shakespeare's folder")
+    group.add_argument("--vocab-size", type=int, default=d.vocab_size, help="words in the global vocabulary")
+    group.add_argument("--oov-buckets", type=int, default=d.oov_buckets, help="OOV hash buckets")
+    group.add_argument("--seq-len", type=int, default=d.seq_len, help="tokens per example window")
+    group.add_argument(
+        "--model-arg",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="another keyword argument of the model's builder, e.g. lstm_units=128 (repeat for several)",
+    )
+
+
+def next_word_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The RunConfig fields of the next-word options; `--model-arg`s are checked by the builder."""
+    model_args: dict[str, str] = {}
+    for pair in args.model_arg:
+        key, sep, value = pair.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"--model-arg takes KEY=VALUE, e.g. lstm_units=128; got {pair!r}")
+        model_args[key.strip()] = value
+    return {
+        "shakespeare": args.shakespeare,
+        "vocab_size": args.vocab_size,
+        "oov_buckets": args.oov_buckets,
+        "seq_len": args.seq_len,
+        "model_args": model_args,
+    }
+
+
+def target_reports(args: argparse.Namespace) -> int:
+    if args.target_reports is not None:
+        return int(args.target_reports)
+    return NEXT_WORD_TARGET_REPORTS if args.data == "shakespeare" else RunConfig.target_reports
 
 
 # Flags that set a task config field: (flag, field, type, help).
@@ -228,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
             expressions=args.expressions,
             held_out_fraction=args.held_out_fraction,
             rounds=args.rounds,
-            target_reports=args.target_reports,
+            target_reports=target_reports(args),
             oversampling=args.oversampling,
             min_examples=args.min_examples,
             round_seconds=args.round_seconds,
@@ -251,6 +302,7 @@ def main(argv: list[str] | None = None) -> int:
             target_unclipped_quantile=args.target_unclipped_quantile,
             mixing=mixing(args),
             central_examples=args.central_examples,
+            **next_word_options(args),
         )
         run(config)
         return 0

@@ -20,12 +20,11 @@ from pathlib import Path
 
 import httpx
 
-from android_sim.device_data import DeviceData
 from android_sim.network import Connector, SimulatedLink
 from android_sim.profiles import DeviceProfile, SimClock
 from contracts.features import FeatureSpec
 from device_runtime.agent import DeviceAgent, Participation
-from device_runtime.example_store import ExampleStore
+from device_runtime.example_store import Event, ExampleStore
 from device_runtime.orchestrator_client import OrchestratorClient
 from device_runtime.task_runner import TaskRunner
 
@@ -92,12 +91,13 @@ class FleetOptions:
     seen_devices_evaluate: bool = False
 
 
-def write_store(path: Path, data: DeviceData, features: Sequence[FeatureSpec]) -> None:
+def write_store(path: Path, events: Sequence[Event], features: Sequence[FeatureSpec]) -> None:
+    """A new example store at `path` (replacing any) holding `events`."""
     path.unlink(missing_ok=True)
     for suffix in ("-wal", "-shm"):
         path.with_name(path.name + suffix).unlink(missing_ok=True)
     with ExampleStore(path, features) as store:
-        store.add(data.events())
+        store.add(events)
 
 
 class Fleet:

@@ -104,3 +104,35 @@ def plot_funnel(path: Path, rounds: list[dict[str, Any]]) -> None:
     ax.legend(fontsize=8, ncol=2)
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def plot_next_word(path: Path, rounds: list[dict[str, Any]], accuracy: list[dict[str, Any]]) -> None:
+    """Next-word prediction: the training devices' query loss per round, and next-word accuracy
+    without and with OOV per round (`accuracy`: training devices' query sets before their update,
+    held-out devices' ReconEval in evaluation rounds)."""
+    training = [r for r in _closed(rounds, "training") if "query_loss" in r["metrics"]]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4), constrained_layout=True)
+    left, right = axes
+    left.plot(
+        range(1, len(training) + 1),
+        [r["metrics"]["query_loss"] for r in training],
+        marker=".",
+        label="training devices: query loss (after reconstruction, before the update)",
+    )
+    left.set_xlabel("training round")
+    left.set_ylabel("cross-entropy")
+    left.set_title("training rounds")
+    left.legend(fontsize=8, loc="upper right")
+    by_id = {r["id"]: r for r in rounds}
+    for kind, style in (("training", "-"), ("evaluation", "o-")):
+        points = [a for a in accuracy if a["kind"] == kind]
+        xs = [_trained_rounds_before(rounds, by_id[a["round"]]) + (kind == "training") for a in points]
+        who = "training devices' query" if kind == "training" else "held-out ReconEval"
+        for key, label in (("accuracy_without_oov", "without OOV"), ("accuracy_with_oov", "with OOV")):
+            right.plot(xs, [a[key] for a in points], style, markersize=4, label=f"{who}, {label}")
+    right.set_xlabel("training rounds committed")
+    right.set_ylabel("next-word accuracy")
+    right.set_title("next-word accuracy")
+    right.legend(fontsize=8)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

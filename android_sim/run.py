@@ -16,10 +16,10 @@ import json
 import os
 import secrets
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar, cast
+from typing import Any, Generic, TypeVar, cast
 
 import numpy as np
 from rich.console import Console
@@ -34,6 +34,7 @@ from android_sim.fleet import HELD_OUT, TRAINING, DeviceSpec, Fleet, FleetOption
 from android_sim.network import Connector
 from android_sim.profiles import DEFAULT_MIX, DeviceClass, SimClock, draw_profiles
 from android_sim.recommendations import HitRates, held_out_hit_rates, seen_device_examples, top_k_table
+from android_sim.shakespeare import DEFAULT_FOLDER as DEFAULT_SHAKESPEARE
 from contracts.manifest import Manifest, ManifestError, load_manifest
 from contracts.mixing import MixingConfig, MixingError, encode_examples
 from contracts.task_config import LocalState, SplitPolicy, TaskConfig
@@ -48,6 +49,13 @@ T = TypeVar("T")
 DEFAULT_RATINGS = (
     Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "movielens-100k" / "u.data"
 )
+SHAKESPEARE = "shakespeare"
+# Builder arguments of the next-word model that follow from the run's own options.
+RUN_SETS_MODEL_ARGS = {
+    "num_global_tokens": "--vocab-size",
+    "num_oov_buckets": "--oov-buckets",
+    "seq_len": "--seq-len",
+}
 # Settings of the orchestrator a run starts: every simulated phone enrolls from this machine's
 # one address, where a real fleet's phones have addresses of their own.
 SIMULATED_FLEET_LIMITS: dict[str, int] = {"enrollment_burst": 1_000_000}
@@ -60,8 +68,17 @@ class RunError(RuntimeError):
 @dataclass(frozen=True)
 class RunConfig:
     work_dir: Path
-    data: str = "expressions"  # "expressions" (synthetic, implicit) or "movielens" (ratings, explicit)
+    # "expressions" (synthetic, implicit), "movielens" (ratings, explicit) or "shakespeare"
+    # (next-word prediction, `android_sim.run_next_word`)
+    data: str = "expressions"
     ratings: Path = DEFAULT_RATINGS
+    # --data shakespeare: the text's folder, the vocabulary's words, the local OOV buckets, the
+    # window length, and further keyword arguments of the model's builder (as text, checked by it).
+    shakespeare: Path = DEFAULT_SHAKESPEARE
+    vocab_size: int = 1000
+    oov_buckets: int = 100
+    seq_len: int = 20
+    model_args: dict[str, str] = field(default_factory=dict)
     devices: int = 1000  # expressions: users; movielens: at most this many users (0 = all)
     expressions: int = 1000
     held_out_fraction: float = 0.15
@@ -116,6 +133,8 @@ class RunConfig:
             MixingConfig.from_json(self.mixing)
         except (TypeError, MixingError) as e:
             problems.append(f"mixing: {e}")
+        if self.data == SHAKESPEARE and self.mixing.get("strategy", "none") != "none":
+            problems.append("mixing runs with the expression and MovieLens data, not with --data shakespeare")
         if self.central_examples < 1:
             problems.append(f"central_examples must be >= 1, got {self.central_examples}")
         try:
@@ -127,8 +146,12 @@ class RunConfig:
                 ServerOptimizerConfig.from_json({"name": "sgd", **self.server_optimizer})
             except (TypeError, ValueError) as e:
                 problems.append(f"algorithm: {e}")
-        if self.data not in ("expressions", "movielens"):
-            problems.append(f"data must be 'expressions' or 'movielens', got {self.data!r}")
+        if self.data not in ("expressions", "movielens", SHAKESPEARE):
+            problems.append(f"data must be 'expressions', 'movielens' or 'shakespeare', got {self.data!r}")
+        if self.data == SHAKESPEARE:
+            problems += self._next_word_problems()
+        elif self.model_args:
+            problems.append("--model-arg is for --data shakespeare (the other data export their own model)")
         if not 0 <= self.held_out_fraction < 1:
             problems.append(f"held_out_fraction must be in [0, 1), got {self.held_out_fraction}")
         for name in ("rounds", "target_reports", "min_examples", "workers"):
@@ -152,6 +175,21 @@ class RunConfig:
             problems.append("an orchestrator URL needs its admin token (--admin-token)")
         if problems:
             raise RunError("; ".join(problems))
+
+    def _next_word_problems(self) -> list[str]:
+        problems = [
+            f"{name} must be >= 1, got {getattr(self, name)}"
+            for name in ("vocab_size", "oov_buckets", "seq_len")
+            if getattr(self, name) < 1
+        ]
+        for key in sorted(set(self.model_args) & set(RUN_SETS_MODEL_ARGS)):
+            problems.append(f"--model-arg {key} is set by the run: use {RUN_SETS_MODEL_ARGS[key]}")
+        if self.stateful:
+            problems.append(
+                "--local-state keep is not available with --data shakespeare: its evaluation is on "
+                "held-out roles, which a stateful population does not have"
+            )
+        return problems
 
 
 @dataclass
@@ -219,7 +257,11 @@ def server_optimizer(config: RunConfig, data: FleetData) -> dict[str, Any]:
     # Each item row's delta is averaged over every client, most of which never touched it;
     # a server step larger than 1 makes up for that dilution of sparse rows (implicit data).
     default = {"name": "sgd", "learning_rate": 10.0 if data.feedback is Feedback.IMPLICIT else 1.0}
-    chosen = config.server_optimizer
+    return optimizer_over(default, config.server_optimizer)
+
+
+def optimizer_over(default: dict[str, Any], chosen: dict[str, Any]) -> dict[str, Any]:
+    """The run's server optimizer choices over the data's default."""
     if chosen.get("name", default["name"]) != default["name"]:
         return dict(chosen)  # another optimizer: none of the default's hyperparameters carry over
     return {**default, **chosen}
@@ -256,6 +298,14 @@ def population_settings(
         },
         config.task,
     )
+    return round_settings(config, task, server_optimizer(config, data), training_devices)
+
+
+def round_settings(
+    config: RunConfig, task: TaskConfig, optimizer: dict[str, Any], training_devices: int
+) -> dict[str, Any]:
+    """A population's settings from the run's round options, whatever the model: `task` is what
+    the devices do, `optimizer` the server optimizer."""
     return {
         "target_reports": config.target_reports,
         "oversampling": config.oversampling,
@@ -263,7 +313,7 @@ def population_settings(
         "round_duration_seconds": config.round_seconds,
         "min_examples": config.min_examples,
         "retry_after_seconds": 2.0,
-        "server_optimizer": server_optimizer(config, data),
+        "server_optimizer": optimizer,
         "task_config": task.to_json(),
         "evaluation_every": config.evaluation_every,
         "evaluation_target_reports": config.target_reports,
@@ -310,7 +360,7 @@ def prepare_devices(config: RunConfig, data: FleetData, model: ModelConfig, stor
         if i in held_out and data.feedback is Feedback.IMPLICIT and len(device) >= 2:
             stored, future[i] = device.split_future(1)
         path = store_dir / f"device-{i:05d}.sqlite"
-        write_store(path, stored, model.features())
+        write_store(path, stored.events(), model.features())
         specs.append(DeviceSpec(HELD_OUT if i in held_out else TRAINING, profiles[i], path, len(stored)))
     return Devices(specs, future)
 
@@ -468,32 +518,42 @@ async def _latest_training_round(admin: AdminClient, population: str) -> dict[st
     return committed[-1] if committed else None
 
 
-async def run_async(config: RunConfig, console: Console) -> RunResult:
-    started = time.monotonic()
+@dataclass
+class FleetRun(Generic[T]):
+    """What a fleet run left: the fleet (its devices, their counters), the population's status and
+    this run's rounds, the final evaluation round, and what the devices served after it (`serve`)."""
+
+    fleet: Fleet
+    status: dict[str, Any]
+    rounds: list[dict[str, Any]]
+    final: dict[str, Any] | None
+    served: T
+    attached: dict[str, Any] | None  # what `attach` returned (e.g. the mixing strategy attached)
+
+
+async def run_fleet(
+    config: RunConfig,
+    name: str,
+    model_dir: Path,
+    specs: list[DeviceSpec],
+    settings: dict[str, Any],
+    serve: Callable[[Fleet, dict[str, Any]], Awaitable[T]],
+    console: Console,
+    attach: Callable[[AdminClient], Awaitable[dict[str, Any] | None]] | None = None,
+) -> FleetRun[T]:
+    """Whatever the model: start (or reach) the orchestrator, create the population `name` of the
+    export in `model_dir` with `settings`, run the devices of `specs` until `config.rounds` training
+    rounds have committed, run the final evaluation, then `serve(fleet, status)` while the devices
+    can still reach the server (e.g. held-out devices' top-10 with the final model). `attach` adds
+    to the population before the devices start (e.g. a centralized dataset to mix in)."""
     work = config.work_dir
-    work.mkdir(parents=True, exist_ok=True)
-    data = load_data(config)
-    console.print(f"data: {data.source}: {len(data.devices)} devices, {data.num_events:,} examples")
-    model = model_config(data)
-    t0 = time.monotonic()
-    model_dir = await asyncio.to_thread(export, model, work / "model")
-    manifest = load_manifest(model_dir)
-    console.print(
-        f"model: {model.num_items} x {model.embedding_dim}, {model.feedback.value} feedback, "
-        f"sha256 {manifest.model_sha256[:12]}... ({time.monotonic() - t0:.1f} s)"
-    )
-    devices = await asyncio.to_thread(prepare_devices, config, data, model, work / "devices")
-    held_out = sum(1 for spec in devices.specs if spec.role == HELD_OUT)
-    console.print(f"fleet: {len(devices.specs) - held_out} training devices, {held_out} held-out devices")
-    name = config.population or f"{config.data}-{manifest.model_sha256[:8]}"
     async with orchestrator(config, work, console) as (url, token, connector):
         admin = AdminClient(url, token, transport=connector.transport()[0])
         await _admin_call(admin.ping())
-        settings = population_settings(config, data, model, len(devices.specs) - held_out)
         population = await _admin_call(admin.ensure_population(name, model_dir, settings))
         if population["settings"] != PopulationSettings(**settings).model_dump():
             console.print(f"[yellow]population {name!r} exists: reusing it with its own settings[/]")
-        mixing = await _attach_mixing(config, data, devices, manifest, admin, name, console)
+        attached = await attach(admin) if attach is not None else None
         start_committed = int(population["training_rounds_committed"])
         closed_before = {r["id"] for r in await _admin_call(admin.rounds(name)) if r["status"] != "open"}
         console.print(
@@ -504,7 +564,7 @@ async def run_async(config: RunConfig, console: Console) -> RunResult:
             fleet = Fleet(
                 url,
                 connector,
-                devices.specs,
+                specs,
                 work / "model-cache",
                 runner,
                 SimClock(
@@ -539,13 +599,7 @@ async def run_async(config: RunConfig, console: Console) -> RunResult:
                 await fleet_task
                 status = await _admin_call(admin.status(name))
                 rounds = [r for r in await _admin_call(admin.rounds(name)) if r["id"] not in closed_before]
-                recommendations: tuple[HitRates | None, list[dict[str, Any]]]
-                if config.stateful:
-                    recommendations = await seen_device_examples(fleet, name, status, config.show_devices)
-                else:
-                    recommendations = await held_out_hit_rates(
-                        fleet, devices.future, name, status, data, config.show_devices
-                    )
+                served = await serve(fleet, status)
             finally:
                 fleet.stop()
                 if fleet_task is not None:
@@ -553,32 +607,55 @@ async def run_async(config: RunConfig, console: Console) -> RunResult:
                     await asyncio.gather(fleet_task, return_exceptions=True)
                 await fleet.aclose()
                 await admin.aclose()
-    return _write_report(
-        config, mixing, data, model, fleet, status, rounds, final, recommendations, started, console
-    )
+    return FleetRun(fleet, status, rounds, final, served, attached)
 
 
-async def _attach_mixing(
-    config: RunConfig,
-    data: FleetData,
-    devices: Devices,
-    manifest: Manifest,
-    admin: AdminClient,
-    name: str,
-    console: Console,
-) -> dict[str, Any] | None:
-    """Attach the run's mixing strategy and its centralized dataset to the population."""
-    if MixingConfig.from_json(config.mixing).strategy == "none":
-        return None
-    training = [data.devices[i] for i, spec in enumerate(devices.specs) if spec.role == TRAINING]
-    central = centralized_examples(data, training, data.devices, config.central_examples, config.seed)
-    blob = encode_examples(central.examples, manifest.features)
-    attached = await _admin_call(admin.attach_mixing(name, config.mixing, blob))
+async def run_async(config: RunConfig, console: Console) -> RunResult:
+    if config.data == SHAKESPEARE:
+        from android_sim.run_next_word import run_next_word
+
+        return await run_next_word(config, console)
+    started = time.monotonic()
+    work = config.work_dir
+    work.mkdir(parents=True, exist_ok=True)
+    data = load_data(config)
+    console.print(f"data: {data.source}: {len(data.devices)} devices, {data.num_events:,} examples")
+    model = model_config(data)
+    t0 = time.monotonic()
+    model_dir = await asyncio.to_thread(export, model, work / "model")
+    manifest = load_manifest(model_dir)
     console.print(
-        f"mixing: {attached['mixing']['strategy']} over {central.examples.num_examples} centralized examples "
-        f"({len(blob):,} bytes; {len(central.new_items)} items no training device holds)"
+        f"model: {model.num_items} x {model.embedding_dim}, {model.feedback.value} feedback, "
+        f"sha256 {manifest.model_sha256[:12]}... ({time.monotonic() - t0:.1f} s)"
     )
-    return {**attached, "dataset_bytes": len(blob), "new_items": len(central.new_items)}
+    devices = await asyncio.to_thread(prepare_devices, config, data, model, work / "devices")
+    held_out = sum(1 for spec in devices.specs if spec.role == HELD_OUT)
+    console.print(f"fleet: {len(devices.specs) - held_out} training devices, {held_out} held-out devices")
+    name = config.population or f"{config.data}-{manifest.model_sha256[:8]}"
+    settings = population_settings(config, data, model, len(devices.specs) - held_out)
+
+    async def recommend(fleet: Fleet, status: dict[str, Any]) -> tuple[HitRates | None, list[dict[str, Any]]]:
+        if config.stateful:
+            return await seen_device_examples(fleet, name, status, config.show_devices)
+        return await held_out_hit_rates(fleet, devices.future, name, status, data, config.show_devices)
+
+    async def attach(admin: AdminClient) -> dict[str, Any] | None:
+        return await _attach_mixing(config, data, devices, manifest, admin, name, console)
+
+    session = await run_fleet(config, name, model_dir, devices.specs, settings, recommend, console, attach)
+    return _write_report(
+        config,
+        session.attached,
+        data,
+        model,
+        session.fleet,
+        session.status,
+        session.rounds,
+        session.final,
+        session.served,
+        started,
+        console,
+    )
 
 
 def _write_report(
@@ -601,37 +678,13 @@ def _write_report(
     report.plot_metrics(plots[0], rounds, explicit)
     report.plot_funnel(plots[1], rounds)
     training = [r for r in rounds if r["kind"] == "training" and r["status"] == "committed"]
-    classes: dict[str, int] = {}
-    for device in fleet.devices:
-        classes[device.profile.device_class.name] = classes.get(device.profile.device_class.name, 0) + 1
     seconds = time.monotonic() - started
+    header = report_header(config, status, fleet, _evaluation_name(config))
     body = {
-        "config": {
-            k: (str(v) if isinstance(v, Path) else v)
-            for k, v in asdict(config).items()
-            if k != "admin_token"  # a secret; never in a report
-        },
+        "config": header.pop("config"),
         "data": {"source": data.source, "devices": len(data.devices), "examples": data.num_events},
         "model": model.to_json(),
-        "population": {
-            k: status[k] for k in ("name", "current_version", "training_rounds_committed", "artifact_sha256")
-        },
-        "privacy": status.get("privacy"),
-        "fleet": {
-            "device_classes": classes,
-            "device_side_outcomes": {
-                f"{role}/{s}": n for (role, s), n in sorted(fleet.stats.outcomes.items())
-            },
-            "median_task_seconds": float(np.median(fleet.stats.task_seconds))
-            if fleet.stats.task_seconds
-            else None,
-        },
-        "algorithm": {
-            "local_state": status["settings"]["task_config"]["local_state"],
-            "evaluation": _evaluation_name(config),
-            "task_config": status["settings"]["task_config"],
-            "server_optimizer": status["settings"]["server_optimizer"],
-        },
+        **header,
         "mixing": _mixing_summary(mixing, fleet),
         "rounds": rounds,
         "final_evaluation": final,
@@ -658,6 +711,29 @@ def _write_report(
     return result
 
 
+async def _attach_mixing(
+    config: RunConfig,
+    data: FleetData,
+    devices: Devices,
+    manifest: Manifest,
+    admin: AdminClient,
+    name: str,
+    console: Console,
+) -> dict[str, Any] | None:
+    """Attach the run's mixing strategy and its centralized dataset to the population."""
+    if MixingConfig.from_json(config.mixing).strategy == "none":
+        return None
+    training = [data.devices[i] for i, spec in enumerate(devices.specs) if spec.role == TRAINING]
+    central = centralized_examples(data, training, data.devices, config.central_examples, config.seed)
+    blob = encode_examples(central.examples, manifest.features)
+    attached = await _admin_call(admin.attach_mixing(name, config.mixing, blob))
+    console.print(
+        f"mixing: {attached['mixing']['strategy']} over {central.examples.num_examples} centralized examples "
+        f"({len(blob):,} bytes; {len(central.new_items)} items no training device holds)"
+    )
+    return {**attached, "dataset_bytes": len(blob), "new_items": len(central.new_items)}
+
+
 def _mixing_summary(mixing: dict[str, Any] | None, fleet: Fleet) -> dict[str, Any] | None:
     """The mixing strategy, its dataset, and the extra bytes each training assignment downloaded."""
     if mixing is None:
@@ -668,6 +744,40 @@ def _mixing_summary(mixing: dict[str, Any] | None, fleet: Fleet) -> dict[str, An
         "assignments_with_central_examples": len(sizes),
         "central_bytes_per_assignment": float(np.median(sizes)) if sizes else 0.0,
         "central_bytes_total": int(sum(sizes)),
+    }
+
+
+def report_header(config: RunConfig, status: dict[str, Any], fleet: Fleet, evaluation: str) -> dict[str, Any]:
+    """What every run's report starts with, whatever the model: the configuration, the population,
+    the fleet's counters and the algorithm (`evaluation` names how the model was evaluated)."""
+    classes: dict[str, int] = {}
+    for device in fleet.devices:
+        classes[device.profile.device_class.name] = classes.get(device.profile.device_class.name, 0) + 1
+    return {
+        "config": {
+            k: (str(v) if isinstance(v, Path) else v)
+            for k, v in asdict(config).items()
+            if k != "admin_token"  # a secret; never in a report
+        },
+        "population": {
+            k: status[k] for k in ("name", "current_version", "training_rounds_committed", "artifact_sha256")
+        },
+        "privacy": status.get("privacy"),
+        "fleet": {
+            "device_classes": classes,
+            "device_side_outcomes": {
+                f"{role}/{s}": n for (role, s), n in sorted(fleet.stats.outcomes.items())
+            },
+            "median_task_seconds": float(np.median(fleet.stats.task_seconds))
+            if fleet.stats.task_seconds
+            else None,
+        },
+        "algorithm": {
+            "local_state": status["settings"]["task_config"]["local_state"],
+            "evaluation": evaluation,
+            "task_config": status["settings"]["task_config"],
+            "server_optimizer": status["settings"]["server_optimizer"],
+        },
     }
 
 

@@ -130,7 +130,7 @@ async def scale(work: Path, enrolled: int, concurrent: int, waves: int) -> dict[
     stores.mkdir()
     t0 = time.perf_counter()
     for i, device in enumerate(data.devices):
-        write_store(stores / f"{i}.sqlite", device, model.features())
+        write_store(stores / f"{i}.sqlite", device.events(), model.features())
     store_seconds = time.perf_counter() - t0
     settings = population_settings(
         RunConfig(work_dir=work, target_reports=100, oversampling=1.3, min_examples=1, round_seconds=60.0),

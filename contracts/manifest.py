@@ -29,6 +29,9 @@ REQUIRED_SIGNATURES = (
     "set_local",
     "reset_local",
 )
+# What only a model with local parameters has: a model with none (plain FedAvg on the user's
+# model) is exported without them, and its tasks skip the reconstruction.
+LOCAL_SIGNATURES = ("reconstruct", "get_local", "set_local", "reset_local")
 DTYPES = ("float32", "int32")
 TRAINING_SIGNATURES = ("reconstruct", "update", "evaluate")  # the signatures that take packed batches
 # The batch inputs every training signature takes besides features, task rows and dense globals.
@@ -50,6 +53,11 @@ CENTRAL_GRADIENT_WEIGHT = "central_gradient_weight"
 def central_gradient_input(name: str) -> str:
     """The `update` input that takes the central gradient of global `name`."""
     return f"{name}_central_gradient"
+
+
+def required_signatures(has_locals: bool) -> tuple[str, ...]:
+    """The signatures a model must have: without local parameters, none of `LOCAL_SIGNATURES`."""
+    return tuple(s for s in REQUIRED_SIGNATURES if has_locals or s not in LOCAL_SIGNATURES)
 
 
 class ManifestError(ValueError):
@@ -303,9 +311,13 @@ class Manifest:
                     raise ManifestError(f"signature {name!r}: '{side}' must be a list")
                 parsed = [TensorSpec.from_json(s, f"signature {name!r} {side}") for s in specs]
                 signatures[name][side] = {s.name: s for s in parsed}
-        missing = [s for s in REQUIRED_SIGNATURES if s not in signatures]
+        has_locals = bool(data.get("local_params"))
+        missing = [s for s in required_signatures(has_locals) if s not in signatures]
         if missing:
-            raise ManifestError(f"manifest lacks required signatures {missing}")
+            raise ManifestError(
+                f"manifest lacks required signatures {missing}"
+                + ("" if has_locals else " (a model without local parameters needs no local signatures)")
+            )
         manifest = cls(
             format_version=version,
             model_sha256=_require(model, "sha256", str),
@@ -387,8 +399,10 @@ class Manifest:
             ):
                 raise ManifestError(f"ranking task: popularity {self.task.popularity!r} must be [catalog]")
         expected_io: dict[tuple[str, str], dict[str, tuple[tuple[int, ...], str]]] = {}
+        present = set(required_signatures(bool(self.local_params)))
         for name in TRAINING_SIGNATURES:
-            expected_io[(name, "inputs")] = self.training_inputs(name)
+            if name in present:
+                expected_io[(name, "inputs")] = self.training_inputs(name)
         expected_io[("update", "outputs")] = {
             "loss": ((), "float32"),
             **{f"{p.name}_delta": (self.training_shape(p.name), "float32") for p in self.global_params},
@@ -407,7 +421,8 @@ class Manifest:
             f"{m}_sum": ((), "float32") for m in ("loss", "weight", *(m.name for m in self.metrics))
         }
         for setter, params in (("set_global", self.global_params), ("set_local", self.local_params)):
-            expected_io[(setter, "inputs")] = {p.name: (p.shape, p.dtype) for p in params}
+            if setter in present:
+                expected_io[(setter, "inputs")] = {p.name: (p.shape, p.dtype) for p in params}
         b = self.batch_size
         if self.task.kind == "ranking":
             n, k = self.catalog_size, self.task.top_k

@@ -11,10 +11,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 
+from contracts.features import FeatureSpec
 from contracts.manifest import INITIAL_GLOBAL_FILE, ManifestError
 from contracts.params import ParamsError, decode_params
 from device_runtime.example_store import ExampleStore, ExampleStoreError
@@ -62,12 +64,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _open_store(path: Path) -> ExampleStore:
+def _open_store(path: Path, features: Sequence[FeatureSpec]) -> ExampleStore:
+    """The device's store, opened with the model's features: one of another layout is refused, and
+    one of the first schema (item, label) is migrated to them, as the device's trainer does."""
     # ExampleStore creates a missing file; a typo must not become an empty device.
     if not path.is_file():
         raise CommandError(f"no example store at {path}: expected a device's SQLite example store file")
     try:
-        return ExampleStore(path)
+        return ExampleStore(path, features)
     except ExampleStoreError as e:
         raise CommandError(str(e)) from None
 
@@ -97,7 +101,12 @@ def recommend(args: argparse.Namespace) -> dict[str, object]:
         raise CommandError(f"cannot read global parameters {globals_path}: {e}") from None
     except ParamsError as e:
         raise CommandError(str(e)) from None
-    store = _open_store(args.store)
+    store = _open_store(args.store, model.manifest.features)
+    migrated = (
+        f"{args.store} was migrated from example store schema {store.migrated_from} to the model's features"
+        if store.migrated_from is not None
+        else ""
+    )
     try:
         kept = None
         if args.locals == KEPT:
@@ -127,7 +136,7 @@ def recommend(args: argparse.Namespace) -> dict[str, object]:
         "globals": str(globals_path),
         "source": found.source,
         "local_params": found.local_params,
-        "message": found.message,
+        "message": "; ".join(m for m in (migrated, found.message) if m),
         "items": [int(i) for i in found.items],
         "scores": [float(s) for s in np.asarray(found.scores, np.float64)],
     }

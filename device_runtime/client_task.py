@@ -262,7 +262,7 @@ def run_training_task(
             "num_support": float(support.num_examples),
             "num_query": float(query.num_examples),
             "outside_catalog": float(data.outside_catalog),
-            "reconstruction_loss": reconstruction_loss,
+            **({} if reconstruction_loss is None else {"reconstruction_loss": reconstruction_loss}),
             "update_loss": update.loss,
             **{f"query_{k}": v for k, v in before.as_dict().items()},
             **clip_metrics,

@@ -130,11 +130,13 @@ class ExampleStore:
         self._local = threading.local()
         self._connections: list[sqlite3.Connection] = []
         self._lock = threading.Lock()
+        self.migrated_from: int | None = None  # the schema this open migrated the store from, if any
         try:
             conn = self._connection()
             version = conn.execute("PRAGMA user_version").fetchone()[0]
             if version == 1:
                 self._migrate_from_v1(conn, features)
+                self.migrated_from = 1
             elif version != _SCHEMA_VERSION:
                 if features is None:
                     raise ExampleStoreError(f"{self.path} is a new example store: give the model's features")

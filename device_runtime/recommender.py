@@ -36,7 +36,7 @@ class Recommendation:
     scores: np.ndarray
     source: str  # "personalized" | "popularity" | "unavailable"
     message: str = ""
-    local_params: str = ""  # personalized from "kept" (FURL) or "reconstructed" local parameters
+    local_params: str = ""  # personalized from "kept" (FURL), "reconstructed" or "no" local parameters
 
 
 def params_fingerprint(params: Params) -> str:
@@ -89,6 +89,8 @@ class Recommender:
     def _ensure_local(self, revision: int) -> str:
         """Make the interpreter hold this device's local parameters: the kept ones when there are
         trained ones, else reconstructed for this store revision and these globals; says which."""
+        if not self.model.manifest.local_params:
+            return "no"  # plain FedAvg: every device ranks with the globals alone
         if self.kept is not None:
             kept = self.kept.load(self.model)
             if kept.trained:

@@ -36,6 +36,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="a function returning a model_export.spec.ExportSpec, e.g. my_pkg.my_model:build",
     )
     p.add_argument(
+        "--model-arg",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="with --model: a keyword argument of the function (repeat for several), converted to "
+        "the type its parameter declares, e.g. --model-arg num_oov_buckets=100",
+    )
+    p.add_argument(
         "--output-dir",
         "--out",
         type=Path,
@@ -151,7 +159,10 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     if args.model is not None:
-        return _export_user_model(args.model, args.output_dir)
+        return _export_user_model(args.model, args.model_arg, args.output_dir)
+    if args.model_arg:
+        print("error: --model-arg needs --model (the function that takes the arguments)", file=sys.stderr)
+        return 2
     try:
         if args.config is not None:
             config = ModelConfig.from_json(json.loads(args.config.read_text()))
@@ -168,8 +179,9 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _export_user_model(target: str, output_dir: Path) -> int:
+def _export_user_model(target: str, model_args: list[str], output_dir: Path) -> int:
     from model_export.export import export_spec
+    from model_export.model_args import ModelArgError, parse_model_args
     from model_export.spec import ExportError, ExportSpec
 
     module_name, _, function_name = target.partition(":")
@@ -184,7 +196,12 @@ def _export_user_model(target: str, output_dir: Path) -> int:
     except (ImportError, AttributeError) as e:
         print(f"error: cannot load {target!r}: {e}", file=sys.stderr)
         return 2
-    spec = build()
+    try:
+        spec = build(**parse_model_args(build, model_args))
+    except (ModelArgError, ValueError) as e:
+        # The builder's own checks (e.g. a size below 1) are the user's arguments being wrong too.
+        print(f"error: {target}: {e}", file=sys.stderr)
+        return 2
     if not isinstance(spec, ExportSpec):
         print(
             f"error: {target} returned {type(spec).__name__}, expected a model_export.spec.ExportSpec",

@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from model_export.config import ModelConfig
+from model_export.model_args import format_model_args
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -26,20 +27,22 @@ def export_in_subprocess(config: ModelConfig, out: Path) -> Path:
     return _run(["--config", str(config_file)], out)
 
 
-def export_spec_in_subprocess(target: str, out: Path, env: Mapping[str, str] | None = None) -> Path:
+def export_spec_in_subprocess(
+    target: str, out: Path, model_args: Mapping[str, int | float | bool | str] | None = None
+) -> Path:
     """`python -m model_export --model MODULE:FUNCTION` into `out` (the function returns an
-    `ExportSpec`; `env` adds to the environment it runs in, e.g. the function's parameters);
-    returns `out`. Raises with the exporter's stderr."""
-    return _run(["--model", target], out, env or {})
+    `ExportSpec`; `model_args` are its keyword arguments, as `--model-arg`s); returns `out`.
+    Raises with the exporter's stderr."""
+    return _run(["--model", target, *format_model_args(model_args or {})], out)
 
 
-def _run(args: list[str], out: Path, env: Mapping[str, str] | None = None) -> Path:
+def _run(args: list[str], out: Path) -> Path:
     result = subprocess.run(
         [sys.executable, "-m", "model_export", *args, "--output-dir", str(out)],
         capture_output=True,
         text=True,
         cwd=ROOT,
-        env={**os.environ, **(env or {}), "TF_CPP_MIN_LOG_LEVEL": "3"},
+        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"},
     )
     if result.returncode != 0:
         raise RuntimeError(f"model export failed: {result.stderr.strip()[-2000:]}")

@@ -589,15 +589,21 @@ class Trainer(tf.Module):  # type: ignore[misc]
                 self.infer_batch,
                 {f.name: tf.TensorSpec([b, *f.shape], f.dtype, name=f.name) for f in self.inputs},
             )
-        return {
-            "reconstruct": keyword_fn(self.reconstruct, self.training_specs("reconstruct")),
+        signatures = {
             "update": keyword_fn(self.update, self.training_specs("update")),
             "evaluate": keyword_fn(self.evaluate, self.training_specs("evaluate")),
             GRADIENT_SIGNATURE: keyword_fn(self.gradient, self.training_specs("evaluate")),
             "infer": infer,
             "get_global": tf.function(self.get_global).get_concrete_function(),
             "set_global": keyword_fn(self.set_global, global_specs),
-            "get_local": tf.function(self.get_local).get_concrete_function(),
-            "set_local": keyword_fn(self.set_local, local_specs),
-            "reset_local": tf.function(self.reset_local).get_concrete_function(),
         }
+        if self.local_vars:
+            # Without local variables there is nothing to reconstruct, read or reset (and a
+            # signature without outputs would not even convert): plain FedAvg on the model.
+            signatures |= {
+                "reconstruct": keyword_fn(self.reconstruct, self.training_specs("reconstruct")),
+                "get_local": tf.function(self.get_local).get_concrete_function(),
+                "set_local": keyword_fn(self.set_local, local_specs),
+                "reset_local": tf.function(self.reset_local).get_concrete_function(),
+            }
+        return signatures

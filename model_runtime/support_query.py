@@ -54,6 +54,9 @@ def split_support_query(
     examples: Examples, manifest: Manifest, config: TaskConfig
 ) -> tuple[list[Examples], list[Examples]]:
     batches = split_batches(examples, manifest.batch_size)
+    if not manifest.local_params:
+        # Nothing to reconstruct (plain FedAvg): every example trains, or is measured.
+        return [], batches[: manifest.max_batches]
     if config.split is SplitPolicy.REUSE or examples.num_examples < config.reuse_below or len(batches) < 2:
         # Too few to split: reuse everything for both sets, as the keyboard deployment did.
         return batches[: manifest.max_batches], batches[: manifest.max_batches]
@@ -64,8 +67,11 @@ def num_steps(num_batches: int, max_epochs: int, max_steps: int) -> int:
     return min(max_steps, max_epochs * num_batches)
 
 
-def reconstruct_locals(model: TFLiteModel, support: TaskBatches, config: TaskConfig) -> float:
-    """Fresh local parameters fitted on the support batches, globals frozen; the mean batch loss."""
+def reconstruct_locals(model: TFLiteModel, support: TaskBatches, config: TaskConfig) -> float | None:
+    """Fresh local parameters fitted on the support batches, globals frozen; the mean batch loss
+    (None for a model without local parameters: nothing to reconstruct)."""
+    if not model.manifest.local_params:
+        return None
     model.reset_local()
     steps = num_steps(support.num_batches, config.reconstruction_max_epochs, config.reconstruction_max_steps)
     return model.reconstruct(support, steps, config.reconstruction_learning_rate, config.l2_local)

@@ -237,15 +237,22 @@ class TFLiteModel:
         rows = self._row_sparse
         return {k: v[batches.rows[rows[k]]] if k in rows else v for k, v in self._globals().items()}
 
+    # A model without local parameters (plain FedAvg) has no local signatures: its locals are the
+    # empty set, which these read, write and reset as such.
+
     def set_local(self, params: Params) -> None:
         checked = check_params(params, self.manifest.local_params, "local parameters")
-        self._call("set_local", **checked)
+        if self.manifest.local_params:
+            self._call("set_local", **checked)
 
     def get_local(self) -> Params:
+        if not self.manifest.local_params:
+            return {}
         return {k: v.copy() for k, v in self._call("get_local").items()}
 
     def reset_local(self) -> None:
-        self._call("reset_local")
+        if self.manifest.local_params:
+            self._call("reset_local")
 
     # ---- training and evaluation -------------------------------------------------------
 
@@ -253,6 +260,8 @@ class TFLiteModel:
         self, batches: TaskBatches, num_steps: int, learning_rate: float, l2_local: float = 0.0
     ) -> float:
         """Fit the local parameters on `batches` (globals frozen); returns the mean batch loss."""
+        if not self.manifest.local_params:
+            raise ValueError("this model has no local parameters to reconstruct")
         out = self._call(
             "reconstruct",
             **batches.inputs(),

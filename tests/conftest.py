@@ -79,15 +79,15 @@ def genre_rating_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 # The next-word LSTM (`model_export.models.next_word:build`) at tiny sizes: 50 global tokens, 4
 # local OOV buckets, windows of 8 tokens.
-NEXT_WORD_SIZES = {
-    "NWP_NUM_GLOBAL_TOKENS": "50",
-    "NWP_OOV_BUCKETS": "4",
-    "NWP_OOV_LOCAL": "1",
-    "NWP_SEQ_LEN": "8",
-    "NWP_EMBEDDING_DIM": "8",
-    "NWP_LSTM_UNITS": "8",
-    "NWP_BATCH_SIZE": "4",
-    "NWP_MAX_BATCHES": "3",
+NEXT_WORD_SIZES: dict[str, int | bool] = {
+    "num_global_tokens": 50,
+    "num_oov_buckets": 4,
+    "oov_local": True,
+    "seq_len": 8,
+    "embedding_dim": 8,
+    "lstm_units": 8,
+    "batch_size": 4,
+    "max_batches": 3,
 }
 
 
@@ -96,6 +96,16 @@ def next_word_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny next-word model (`NEXT_WORD_SIZES`), exported once per session."""
     return export_spec_in_subprocess(
         "model_export.models.next_word:build", tmp_path_factory.mktemp("next-word"), NEXT_WORD_SIZES
+    )
+
+
+@pytest.fixture(scope="session")
+def next_word_fedavg_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny next-word model with its OOV rows global too: a model without local variables."""
+    return export_spec_in_subprocess(
+        "model_export.models.next_word:build",
+        tmp_path_factory.mktemp("next-word-fedavg"),
+        {**NEXT_WORD_SIZES, "oov_local": False},
     )
 
 

@@ -16,7 +16,6 @@ from android_sim.run import DEFAULT_RATINGS
 
 def _parser() -> argparse.ArgumentParser:
     from android_sim.bench.federated import Rounds
-    from android_sim.bench.nextword import SERVER as NEXTWORD_SERVER
     from android_sim.bench.quality import (
         DP_CLIP_NORM,
         DP_NOISE_MULTIPLIERS,
@@ -25,6 +24,7 @@ def _parser() -> argparse.ArgumentParser:
         SPLIT_SEEDS,
     )
     from android_sim.bench.staleness import StalenessOptions
+    from android_sim.next_word import SERVER as NEXTWORD_SERVER
 
     d = Rounds()
     parser = argparse.ArgumentParser(prog="python -m android_sim.bench", description=__doc__)
@@ -172,7 +172,8 @@ def _mixing(args: argparse.Namespace) -> int:
 
 def _nextword(args: argparse.Namespace) -> int:
     from android_sim.bench.federated import Rounds
-    from android_sim.bench.nextword import TASK, run, table
+    from android_sim.bench.nextword import run, table
+    from android_sim.next_word import TASK
     from orchestrator.aggregation import ServerOptimizerConfig
 
     vocab_sizes = [int(v) for v in args.vocab_sizes.split(",") if v.strip()]

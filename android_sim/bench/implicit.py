@@ -185,7 +185,7 @@ def run_implicit(
                 continue
             past, future = device.split_future(1)
             path = Path(stores) / f"device-{user}.sqlite"
-            write_store(path, past, manifest.features)
+            write_store(path, past.events(), manifest.features)
             with ExampleStore(path) as store:
                 recommender = Recommender(model, store, run.params, config)
                 top = recommender.recommend(K, exclude_used=exclude_used)

@@ -307,7 +307,7 @@ def evaluate(harness: Harness, params: Params) -> tuple[TopK, TopK]:
             ranked, targets = [], []
             for i, (store_data, target) in enumerate(cases):
                 path = Path(stores) / f"{part}-{i}.sqlite"
-                write_store(path, store_data, model.manifest.features)
+                write_store(path, store_data.events(), model.manifest.features)
                 with ExampleStore(path) as store:
                     top = Recommender(model, store, params, harness.config).recommend(
                         K, exclude_used=exclude_used

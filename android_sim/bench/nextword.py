@@ -16,7 +16,6 @@ Bytes per round per device: the global parameters downloaded and their delta upl
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -36,19 +35,25 @@ from android_sim.bench.federated import (
     shared_locals_eval_work,
     train_federated,
 )
+from android_sim.next_word import (
+    MIN_ROLE_EXAMPLES,
+    SEQ_LEN,
+    SERVER,
+    TASK,
+    accuracies,
+    model_args,
+    parameter_bytes_per_round,
+)
+from android_sim.next_word import export as export_model
 from android_sim.shakespeare import NextWordData, next_word_data, read_roles, time_split
 from contracts.features import Examples
 from contracts.manifest import Manifest
 from contracts.params import Params
 from contracts.task_config import TaskConfig
-from model_export.in_subprocess import export_spec_in_subprocess
 from model_runtime.support_query import num_steps, reconstruct_locals
 from model_runtime.task_batches import TaskBatches, split_batches
 from model_runtime.tflite_model import EvaluationSums, TFLiteModel
 from orchestrator.aggregation import ServerOptimizerConfig
-
-BUILDER = "model_export.models.next_word:build"
-SEQ_LEN, BATCH_SIZE, MAX_BATCHES = 20, 8, 8
 
 
 @dataclass(frozen=True)
@@ -78,44 +83,14 @@ class Row:
     seconds: float
 
 
-SERVER = ServerOptimizerConfig("adam", 0.01)  # as the paper's adaptive server optimizers
-TASK = TaskConfig(
-    reconstruction_learning_rate=0.5,
-    reconstruction_max_epochs=2,
-    update_learning_rate=0.3,
-    update_max_epochs=1,
-)
-
-
-def accuracies(sums: EvaluationSums) -> tuple[float, float]:
-    """(without OOV, with OOV): correct tokens over tokens of the kind, summed over roles."""
-    s = sums.sums
-
-    def ratio(correct: str, total: str) -> float:
-        return s.get(correct, 0.0) / s[total] if s.get(total, 0.0) > 0 else math.nan
-
-    return (
-        ratio("correct_in_vocab_tokens_sum", "in_vocab_tokens_sum"),
-        ratio("correct_tokens_sum", "tokens_sum"),
-    )
-
-
-def export(models_dir: Path, vocab_size: int, method: Method, seq_len: int) -> Path:
+def export(models_dir: Path, data: NextWordData, method: Method) -> Path:
     """The method's model, exported once into `models_dir` and reused."""
-    out = models_dir / f"nextword-v{vocab_size}-b{method.num_oov_buckets}"
-    if not (out / "manifest.json").exists():
-        env = {
-            "NWP_NUM_GLOBAL_TOKENS": str(vocab_size + 3),  # PAD, BOS, EOS
-            "NWP_OOV_BUCKETS": str(method.num_oov_buckets),
-            # Local either way: FedAvg shares the OOV rows through the server (as the quality
-            # benchmark's FedAvg shares the user vector), so one model serves both.
-            "NWP_OOV_LOCAL": "1",
-            "NWP_SEQ_LEN": str(seq_len),
-            "NWP_BATCH_SIZE": str(BATCH_SIZE),
-            "NWP_MAX_BATCHES": str(MAX_BATCHES),
-        }
-        export_spec_in_subprocess(BUILDER, out, env)
-    return out
+    # Local either way: FedAvg shares the OOV rows through the server (as the quality benchmark's
+    # FedAvg shares the user vector), so one model serves both.
+    args = model_args(data.vocabulary, data.seq_len, oov_local=True)
+    return export_model(
+        models_dir / f"nextword-v{len(data.vocabulary.words)}-b{method.num_oov_buckets}", args
+    )
 
 
 def pack(columns: Mapping[str, np.ndarray], manifest: Manifest) -> TaskBatches:
@@ -190,15 +165,13 @@ def run_method(
         server = Server(initial, server_optimizer)
         run = train_federated(devices, server, list(range(len(clients))), work, rounds, lambda params: {})
         devices.set_global(run.params)
-        without_oov, with_oov = accuracies(devices.evaluate(evaluate, list(range(len(held_out)))))
-    shared = manifest.global_params if method.oov_local else (*manifest.global_params, *manifest.local_params)
-    global_bytes = sum(4 * math.prod(s.shape) for s in shared)
+        without_oov, with_oov = accuracies(devices.evaluate(evaluate, list(range(len(held_out)))).sums)
     return Row(
         vocab_size,
         method.name,
         without_oov,
         with_oov,
-        2 * global_bytes,
+        parameter_bytes_per_round(manifest, shared_locals=not method.oov_local),
         time.perf_counter() - started,
     )
 
@@ -220,8 +193,8 @@ def run(
         for method in methods(many_buckets):
             if method.fine_tune and not fine_tune:
                 continue
-            data = next_word_data(roles, vocab_size, method.num_oov_buckets, SEQ_LEN)
-            model_dir = export(models_dir, vocab_size, method, SEQ_LEN)
+            data = next_word_data(roles, vocab_size, method.num_oov_buckets, SEQ_LEN, MIN_ROLE_EXAMPLES)
+            model_dir = export(models_dir, data, method)
             row = run_method(data, model_dir, method, rounds, workers, vocab_size, task, server_optimizer)
             print(
                 f"  {vocab_size:>6,}  {row.method:<50}  {row.accuracy_without_oov:6.2%}  "

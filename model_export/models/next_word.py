@@ -18,15 +18,14 @@ local. Only TFLite builtin ops: tanh/sigmoid (no ReLU, whose gradient is Flex), 
 RELU6 that TFLite lacks), and the LSTM unrolled (`tf.unstack`, no while loop).
 
 Exported for federated training by `build_spec(config)`, or from the command line with the sizes
-in `NWP_*` environment variables (`ENVIRONMENT`)::
+as `build`'s keyword arguments::
 
-    NWP_NUM_GLOBAL_TOKENS=1003 NWP_OOV_BUCKETS=100 NWP_OOV_LOCAL=1 \
-        python -m model_export --model model_export.models.next_word:build --out DIR
+    python -m model_export --model model_export.models.next_word:build \
+        --model-arg num_global_tokens=1003 --model-arg num_oov_buckets=100 --out DIR
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -215,18 +214,6 @@ def next_word_metrics(targets: tf.Tensor, logits: tf.Tensor, num_global_tokens: 
 
 # ---- the model as an ExportSpec: what the device runtime and the federation train ----------
 
-# Environment variables `build()` reads (`python -m model_export --model
-# model_export.models.next_word:build`), with `NextWordConfig`'s defaults otherwise.
-ENVIRONMENT = {
-    "NWP_NUM_GLOBAL_TOKENS": "num_global_tokens",
-    "NWP_OOV_BUCKETS": "num_oov_buckets",
-    "NWP_OOV_LOCAL": "oov_local",
-    "NWP_SEQ_LEN": "seq_len",
-    "NWP_EMBEDDING_DIM": "embedding_dim",
-    "NWP_LSTM_UNITS": "lstm_units",
-    "NWP_BATCH_SIZE": "batch_size",
-    "NWP_MAX_BATCHES": "max_batches",
-}
 DEFAULT_NUM_GLOBAL_TOKENS = 1003  # 1,000 words plus PAD, BOS, EOS (`android_sim.shakespeare`)
 DEFAULT_BATCH_SIZE, DEFAULT_MAX_BATCHES = 8, 8
 
@@ -302,23 +289,32 @@ def build_spec(
     )
 
 
-def build() -> ExportSpec:
-    """`build_spec` with the sizes from the environment (`ENVIRONMENT`), for `--model`."""
-    values: dict[str, Any] = {}
-    for variable, name in ENVIRONMENT.items():
-        raw = os.environ.get(variable)
-        if raw is None:
-            continue
-        if name == "oov_local":
-            if raw not in ("0", "1"):
-                raise ValueError(f"{variable} is {raw!r}; expected 1 (local OOV rows) or 0 (global)")
-            values[name] = raw == "1"
-        else:
-            try:
-                values[name] = int(raw)
-            except ValueError:
-                raise ValueError(f"{variable} is {raw!r}; expected an integer") from None
-    batch_size = values.pop("batch_size", DEFAULT_BATCH_SIZE)
-    max_batches = values.pop("max_batches", DEFAULT_MAX_BATCHES)
-    values.setdefault("num_global_tokens", DEFAULT_NUM_GLOBAL_TOKENS)
-    return build_spec(NextWordConfig(**values), batch_size, max_batches)
+def build(
+    num_global_tokens: int = DEFAULT_NUM_GLOBAL_TOKENS,
+    num_oov_buckets: int = NextWordConfig.num_oov_buckets,
+    oov_local: bool = NextWordConfig.oov_local,
+    seq_len: int = NextWordConfig.seq_len,
+    embedding_dim: int = NextWordConfig.embedding_dim,
+    lstm_units: int = NextWordConfig.lstm_units,
+    seed: int = NextWordConfig.seed,
+    batch_size: int = DEFAULT_BATCH_SIZE,
+    max_batches: int = DEFAULT_MAX_BATCHES,
+    top_k: int = 3,
+) -> ExportSpec:
+    """`build_spec` from keyword arguments, for `python -m model_export --model
+    model_export.models.next_word:build --model-arg num_oov_buckets=100 ...`; the sizes are
+    `NextWordConfig`'s, checked there."""
+    if batch_size < 1 or max_batches < 1 or top_k < 1:
+        raise ValueError(
+            f"batch_size, max_batches and top_k must be at least 1, got {batch_size}, {max_batches}, {top_k}"
+        )
+    config = NextWordConfig(
+        num_global_tokens=num_global_tokens,
+        num_oov_buckets=num_oov_buckets,
+        oov_local=oov_local,
+        seq_len=seq_len,
+        embedding_dim=embedding_dim,
+        lstm_units=lstm_units,
+        seed=seed,
+    )
+    return build_spec(config, batch_size, max_batches, top_k)

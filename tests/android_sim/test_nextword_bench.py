@@ -14,13 +14,13 @@ from android_sim.shakespeare import NextWordData, next_word_data, read_roles
 from model_runtime.tflite_model import TFLiteModel
 from tests.conftest import NEXT_WORD_SIZES
 
-VOCAB = int(NEXT_WORD_SIZES["NWP_NUM_GLOBAL_TOKENS"]) - 3  # PAD, BOS, EOS
-BUCKETS = int(NEXT_WORD_SIZES["NWP_OOV_BUCKETS"])
+VOCAB = int(NEXT_WORD_SIZES["num_global_tokens"]) - 3  # PAD, BOS, EOS
+BUCKETS = int(NEXT_WORD_SIZES["num_oov_buckets"])
 
 
 @pytest.fixture(scope="module")
 def data() -> NextWordData:
-    return next_word_data(read_roles(), VOCAB, BUCKETS, seq_len=int(NEXT_WORD_SIZES["NWP_SEQ_LEN"]))
+    return next_word_data(read_roles(), VOCAB, BUCKETS, seq_len=int(NEXT_WORD_SIZES["seq_len"]))
 
 
 def test_fedavg_communicates_the_oov_rows_and_fedrecon_does_not(

@@ -65,8 +65,8 @@ def test_a_store_refuses_a_model_with_other_features(tmp_path: Path) -> None:
     assert [f.name for f in reopened.features] == ["item", "label"]
 
 
-def test_a_store_of_the_first_schema_is_migrated(tmp_path: Path) -> None:
-    path = tmp_path / "old.sqlite"
+def first_schema_store(path: Path) -> Path:
+    """A store as schema 1 wrote it: (item 4, 5.0, 'chat') and (item 9, 2.0) columns, revision 7."""
     conn = sqlite3.connect(path)
     conn.executescript(
         "CREATE TABLE examples (id INTEGER PRIMARY KEY, item_id INTEGER NOT NULL, label REAL NOT NULL, "
@@ -79,6 +79,11 @@ def test_a_store_of_the_first_schema_is_migrated(tmp_path: Path) -> None:
         "PRAGMA user_version = 1;"
     )
     conn.close()
+    return path
+
+
+def test_a_store_of_the_first_schema_is_migrated(tmp_path: Path) -> None:
+    path = first_schema_store(tmp_path / "old.sqlite")
 
     with pytest.raises(
         ExampleStoreError, match="can be migrated only to a model with one scalar int32 input"

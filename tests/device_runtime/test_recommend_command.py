@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sqlite3
 import subprocess
 import sys
 from collections.abc import Callable
@@ -22,6 +23,7 @@ from device_runtime.recommender import Recommender
 from model_export.config import ModelConfig
 from model_runtime.tflite_model import TFLiteModel
 from tests.conftest import BIASED, ROOT
+from tests.device_runtime.test_example_store import first_schema_store
 
 
 @pytest.fixture
@@ -121,3 +123,36 @@ def test_bad_input_is_one_clear_line(
     assert code == 2
     assert message in err and "Traceback" not in err
     assert not (tmp_path / "missing.sqlite").exists()  # a typo never becomes an empty store
+
+
+def test_a_first_schema_store_is_migrated_to_the_model_and_then_recommended_from(
+    export: Callable[[ModelConfig], Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Prepare: a store written before feature specs (schema 1: item and label columns)
+    path = first_schema_store(tmp_path / "old.sqlite")
+    common = ["--store", str(path), "--model-dir", str(export(BIASED)), "-k", "5"]
+
+    # Execute
+    first = run_json(capsys, *common)
+    again = run_json(capsys, *common)
+
+    # Assert: migrated once (and said so), its two examples kept and used
+    assert "migrated from example store schema 1" in first["message"]
+    assert "migrated" not in again["message"]
+    assert first["examples"] == again["examples"] == 2
+    assert first["source"] == "personalized" and first["items"] == again["items"]
+    assert not {4, 9} & set(first["items"])  # the items it has examples for are left out
+
+
+def test_a_first_schema_store_that_does_not_fit_the_model_is_refused_and_left_as_it_is(
+    next_word_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = first_schema_store(tmp_path / "old.sqlite")
+
+    code = main(["recommend", "--store", str(path), "--model-dir", str(next_word_model)])
+
+    assert code == 2
+    assert "can be migrated only to a model with one scalar int32 input" in capsys.readouterr().err
+    with sqlite3.connect(path) as conn:
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == 1
+        assert conn.execute("SELECT count(*) FROM examples").fetchone()[0] == 2

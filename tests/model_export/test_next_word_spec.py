@@ -17,9 +17,9 @@ from model_runtime.task_batches import TaskBatches, split_batches
 from model_runtime.tflite_model import TFLiteModel
 from tests.conftest import NEXT_WORD_SIZES
 
-NUM_GLOBAL_TOKENS = int(NEXT_WORD_SIZES["NWP_NUM_GLOBAL_TOKENS"])
-OOV_BUCKETS = int(NEXT_WORD_SIZES["NWP_OOV_BUCKETS"])
-SEQ_LEN = int(NEXT_WORD_SIZES["NWP_SEQ_LEN"])
+NUM_GLOBAL_TOKENS = int(NEXT_WORD_SIZES["num_global_tokens"])
+OOV_BUCKETS = int(NEXT_WORD_SIZES["num_oov_buckets"])
+SEQ_LEN = int(NEXT_WORD_SIZES["seq_len"])
 
 
 @pytest.fixture(scope="module")

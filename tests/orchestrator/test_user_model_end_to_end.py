@@ -81,3 +81,48 @@ def test_one_round_trains_only_the_rows_devices_used_and_evaluation_adds_up(
     metrics = evaluation["metrics"]
     assert metrics["weight_sum"] == sum(p.task.num_examples for p in evaluated if p.task)
     assert metrics["rmse"] == pytest.approx(np.sqrt(metrics["squared_error_sum"] / metrics["weight_sum"]))
+
+
+def test_a_model_without_local_variables_trains_with_plain_fedavg_over_http(
+    server: Server, next_word_fedavg_model: Path, tmp_path: Path
+) -> None:
+    # Prepare: a population of the next-word model whose OOV rows are global; four devices
+    created = admin_create_population(server.url, next_word_fedavg_model, "fedavg", json.dumps(SETTINGS))
+    assert created.status_code == 201, created.text
+    manifest = load_manifest(next_word_fedavg_model)
+    tokens = manifest.task.num_classes
+    assert tokens is not None
+    rng = np.random.default_rng(1)
+    stores = []
+    for d in range(4):
+        store = ExampleStore(tmp_path / f"device-{d}.sqlite", manifest.features)
+        store.add(
+            Event({"tokens": rng.integers(1, tokens, 8), "targets": rng.integers(1, tokens, 8)}, float(t))
+            for t in range(6)
+        )
+        stores.append(store)
+
+    async def scenario() -> tuple[list[Participation], bytes, bytes]:
+        async with httpx.AsyncClient(timeout=60) as http:
+            agents = []
+            for store in stores:
+                client = OrchestratorClient(server.url, http=http)
+                await client.enroll()
+                agents.append(DeviceAgent(client, store, tmp_path / "cache", "fedavg"))
+            trained = list(await asyncio.gather(*(a.participate("training") for a in agents)))
+            return (
+                trained,
+                await agents[0].client.global_params_at("fedavg", 0),
+                await agents[0].client.global_params_at("fedavg", 1),
+            )
+
+    # Execute
+    trained, before_blob, after_blob = asyncio.run(scenario())
+
+    # Assert: the round committed from every device's whole data, and the OOV rows moved with the rest
+    assert [p.status for p in trained] == ["reported"] * 4, [p.detail for p in trained]
+    assert all(p.task is not None and p.task.num_examples == 6 for p in trained)
+    before = decode_params(before_blob, manifest.global_params, "v0")
+    after = decode_params(after_blob, manifest.global_params, "v1")
+    assert np.any(after["embedding_oov_embeddings"] != before["embedding_oov_embeddings"])
+    assert np.any(after["lstm_lstm_cell_kernel"] != before["lstm_lstm_cell_kernel"])

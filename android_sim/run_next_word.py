@@ -1,0 +1,404 @@
+"""`python -m android_sim run --data shakespeare`: the fleet on next-word prediction (NWP).
+
+The same pipeline as the expression recommender's (`android_sim.run`), with a model that is
+not matrix factorization: each speaking role of Tiny Shakespeare is a phone whose example
+store holds its windows of tokens (`android_sim.shakespeare`); the roles of the protocol's
+training split train, those of its test split are held out (they never train; the validation
+roles take no part). The model is the benchmark's (`android_sim.next_word`): an LSTM whose
+`--oov-buckets` OOV rows are local, so a device's rare words never leave it.
+
+The report gives next-word accuracy on the held-out roles without OOV (OOV targets do not
+count, predicting a bucket is wrong) and with OOV (predicting the target's bucket is right),
+as the Federated Reconstruction paper's Table 2: from the evaluation rounds (the devices that
+reported in time, aggregated by the server), and, after the last round, from every held-out
+device evaluating the final model on itself (ReconEval by the same client task). Bytes per
+round per device: the parameters a task downloads and uploads, and what the devices' links
+carried per reported task (check-ins, parameters, reports, retries).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from rich.console import Console
+
+from android_sim import report
+from android_sim.fleet import HELD_OUT, TRAINING, DeviceSpec, Fleet, write_store
+from android_sim.next_word import (
+    MIN_ROLE_EXAMPLES,
+    SERVER,
+    TASK,
+    accuracies,
+    model_args,
+    parameter_bytes_per_round,
+)
+from android_sim.next_word import export as export_model
+from android_sim.profiles import draw_profiles
+from android_sim.run import (
+    SHAKESPEARE,
+    RunConfig,
+    RunError,
+    RunResult,
+    algorithm_task,
+    optimizer_over,
+    report_header,
+    round_settings,
+    run_fleet,
+)
+from android_sim.shakespeare import PAD, NextWordData, Vocabulary, next_word_data, read_roles
+from contracts.features import Examples
+from contracts.manifest import Manifest, load_manifest
+from contracts.params import decode_params
+from contracts.task_config import SplitPolicy, TaskConfig
+from device_runtime.client_task import Outcome, prepare, run_evaluation_task
+from device_runtime.example_store import Event, ExampleStore
+from model_runtime.support_query import reconstruct_locals
+from model_runtime.task_batches import TaskBatches
+from model_runtime.tflite_model import TFLiteModel
+
+# Reports per round when the run's options do not say (`--target-reports`): the 142 training roles
+# are far fewer phones than the recommender's 1,000, and about a third are eligible at a time.
+TARGET_REPORTS = 10
+EXAMPLE_PREDICTIONS = 3  # predictions shown per held-out device in the summary
+
+
+def load_data(config: RunConfig) -> NextWordData:
+    """The roles, the protocol's split and the training roles' vocabulary."""
+    try:
+        return next_word_data(
+            read_roles(config.shakespeare),
+            config.vocab_size,
+            config.oov_buckets,
+            config.seq_len,
+            MIN_ROLE_EXAMPLES,
+        )
+    except ValueError as e:
+        raise RunError(f"shakespeare: {e}") from None
+
+
+def export(config: RunConfig, data: NextWordData) -> Path:
+    """The benchmark's model for this vocabulary and window, with the run's further builder arguments."""
+    args = model_args(data.vocabulary, data.seq_len, **config.model_args)
+    try:
+        return export_model(config.work_dir / "model", args)
+    except RuntimeError as e:
+        raise RunError(str(e)) from None
+
+
+def check_model(manifest: Manifest, data: NextWordData) -> None:
+    """The export takes the data's windows: `tokens` and `targets` of the vocabulary's ids."""
+    for name in ("tokens", "targets"):
+        feature = manifest.feature(name)
+        if feature.shape != (data.seq_len,) or feature.value_range != (0, data.vocabulary.num_tokens - 1):
+            raise RunError(
+                f"the exported model's {name!r} is {feature.to_json()}; the data has windows of "
+                f"{data.seq_len} ids in [0, {data.vocabulary.num_tokens - 1}]"
+            )
+
+
+def role_events(examples: Mapping[str, np.ndarray]) -> list[Event]:
+    """A role's windows as events, in the order they are spoken (the time is the window's index)."""
+    return [
+        Event({"tokens": tokens, "targets": targets}, float(t))
+        for t, (tokens, targets) in enumerate(zip(examples["tokens"], examples["targets"], strict=True))
+    ]
+
+
+def prepare_devices(
+    config: RunConfig, data: NextWordData, manifest: Manifest, store_dir: Path
+) -> list[DeviceSpec]:
+    """One phone per training role and per test role, each with its windows in its own store."""
+    store_dir.mkdir(parents=True, exist_ok=True)
+    roles = [(TRAINING, e) for e in data.train] + [(HELD_OUT, e) for e in data.test]
+    profiles = draw_profiles(len(roles), config.device_mix, np.random.default_rng(config.seed))
+    specs = []
+    for i, (role, examples) in enumerate(roles):
+        path = store_dir / f"device-{i:05d}.sqlite"
+        write_store(path, role_events(examples), manifest.features)
+        specs.append(DeviceSpec(role, profiles[i], path, len(examples["tokens"])))
+    return specs
+
+
+def population_settings(config: RunConfig, training_devices: int) -> dict[str, Any]:
+    task = algorithm_task(
+        {
+            **TASK.to_json(),
+            "split": SplitPolicy.ALTERNATE.value,
+            "reuse_below": 0,
+            "min_examples": config.min_examples,
+        },
+        config.task,
+    )
+    return round_settings(
+        config, task, optimizer_over(SERVER.to_json(), config.server_optimizer), training_devices
+    )
+
+
+@dataclass(frozen=True)
+class HeldOutAccuracy:
+    """Every held-out device's ReconEval of the final model, on the device, summed."""
+
+    devices: int  # that evaluated (the others had too few examples)
+    tokens: float
+    in_vocab_tokens: float
+    accuracy_without_oov: float
+    accuracy_with_oov: float
+    loss: float  # the mean over windows of a window's mean cross-entropy
+
+
+@dataclass(frozen=True)
+class Prediction:
+    device: int
+    context: list[str]
+    predicted: list[str]  # best first
+    actual: str
+
+
+async def evaluate_held_out(
+    fleet: Fleet, population: str, status: dict[str, Any], vocabulary: Vocabulary, show: int
+) -> tuple[HeldOutAccuracy | None, list[Prediction]]:
+    """Each held-out device downloads the final globals and evaluates them on its own store with
+    the population's task config; a few show their next-word predictions."""
+    held_out = [d for d in fleet.devices if d.role == HELD_OUT and d.device_id]
+    if not held_out:
+        return None, []
+    client = held_out[0].client
+    model_dir = await client.population_model(population, status["artifact_sha256"], fleet.cache_dir)
+    blob = await client.global_params_at(population, int(status["current_version"]))
+    config = TaskConfig.from_json(status["settings"]["task_config"])
+
+    def evaluate() -> tuple[HeldOutAccuracy | None, list[Prediction]]:
+        model = TFLiteModel(model_dir)
+        params = decode_params(blob, model.manifest.global_params, "global parameters")
+        sums: dict[str, float] = {}
+        evaluated = 0
+        shown: list[Prediction] = []
+        for device in held_out:
+            with ExampleStore(device.store_path) as store:
+                result = run_evaluation_task(model, store, params, config, seed=device.index)
+                if result.outcome is Outcome.COMPLETED:
+                    evaluated += 1
+                    for k, v in result.metrics.items():
+                        sums[k] = sums.get(k, 0.0) + v
+                if len(shown) < show * EXAMPLE_PREDICTIONS:
+                    shown += predictions(model, store, params, config, vocabulary, device.index)
+        if not evaluated:
+            return None, shown
+        without_oov, with_oov = accuracies(sums)
+        weight = sums.get("weight_sum", 0.0)
+        accuracy = HeldOutAccuracy(
+            evaluated,
+            sums.get("tokens_sum", 0.0),
+            sums.get("in_vocab_tokens_sum", 0.0),
+            without_oov,
+            with_oov,
+            sums.get("loss_sum", math.nan) / weight if weight else math.nan,
+        )
+        return accuracy, shown
+
+    return await asyncio.to_thread(evaluate)
+
+
+def predictions(
+    model: TFLiteModel,
+    store: ExampleStore,
+    params: dict[str, np.ndarray],
+    config: TaskConfig,
+    vocabulary: Vocabulary,
+    device: int,
+) -> list[Prediction]:
+    """The device's top-3 next words after the first half of a few of its newest windows, with its
+    locals reconstructed from its store, as it would predict while its user types."""
+    windows = store.examples().select(slice(0, EXAMPLE_PREDICTIONS))  # newest first
+    if not windows.num_examples:
+        return []
+    data = prepare(store, model.manifest, config, seed=device)
+    model.set_global(params)
+    try:
+        if data.support:  # none for a model without locals: nothing to reconstruct
+            reconstruct_locals(model, TaskBatches.pack(data.support, model.manifest), config)
+        tokens = windows["tokens"].copy()
+        actual = []
+        for row, targets in zip(tokens, windows["targets"], strict=True):
+            cut = max(1, int((row != PAD).sum()) // 2)
+            row[cut:] = PAD  # `infer` predicts after the last token that is not padding
+            actual.append(int(targets[cut - 1]))
+        top = model.predict(Examples({"tokens": tokens, "targets": windows["targets"]}))["top_classes"]
+    finally:
+        model.reset_local()
+    return [
+        Prediction(
+            device, words(vocabulary, row[row != PAD]), words(vocabulary, best), words(vocabulary, [a])[0]
+        )
+        for row, best, a in zip(tokens, top, actual, strict=True)
+    ]
+
+
+def words(vocabulary: Vocabulary, ids: Any) -> list[str]:
+    """Ids as words; an OOV bucket is shown as `<oov n>` (the bucket, not the word, is predicted)."""
+    names = ["<pad>", "<s>", "</s>", *vocabulary.words]
+    return [names[i] if i < len(names) else f"<oov {i - len(names)}>" for i in np.asarray(ids).tolist()]
+
+
+def round_accuracies(rounds: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each committed round's next-word accuracies, from the token counts the server summed: the
+    held-out devices' ReconEval in evaluation rounds, the training devices' query sets before
+    their update in training rounds."""
+    out = []
+    for r in rounds:
+        if r["status"] != "committed":
+            continue
+        prefix = "" if r["kind"] == "evaluation" else "query_"
+        sums = {k.removeprefix(prefix): v for k, v in r["metrics"].items() if k.startswith(prefix)}
+        if "tokens_sum" not in sums:
+            continue  # e.g. a secure round: no per-device metrics
+        without_oov, with_oov = accuracies(sums)
+        out.append(
+            {
+                "round": r["id"],
+                "kind": r["kind"],
+                "reported": r["counters"]["reported"],
+                "accuracy_without_oov": without_oov,
+                "accuracy_with_oov": with_oov,
+            }
+        )
+    return out
+
+
+def link_bytes(fleet: Fleet) -> dict[str, float | int]:
+    """What the training devices' links carried, per training task they reported."""
+    training = [d for d in fleet.devices if d.role == TRAINING]
+    reported = sum(d.outcomes["reported"] for d in training)
+    down, up = sum(d.link.bytes_down for d in training), sum(d.link.bytes_up for d in training)
+    return {
+        "training_reports": reported,
+        "downloaded": down,
+        "uploaded": up,
+        "per_report": (down + up) / reported if reported else math.nan,
+    }
+
+
+async def run_next_word(config: RunConfig, console: Console) -> RunResult:
+    started = time.monotonic()
+    work = config.work_dir
+    work.mkdir(parents=True, exist_ok=True)
+    data = await asyncio.to_thread(load_data, config)
+    vocabulary = data.vocabulary
+    console.print(
+        f"data: Tiny Shakespeare: {len(data.train)} training roles, {len(data.test)} held-out (test) roles; "
+        f"vocabulary {len(vocabulary.words):,} words + {vocabulary.num_oov_buckets} OOV buckets, "
+        f"windows of {data.seq_len}"
+    )
+    t0 = time.monotonic()
+    model_dir = await asyncio.to_thread(export, config, data)
+    manifest = load_manifest(model_dir)
+    check_model(manifest, data)
+    console.print(
+        f"model: next-word LSTM, {len(manifest.global_params)} global and {len(manifest.local_params)} local "
+        f"tensors, sha256 {manifest.model_sha256[:12]}... ({time.monotonic() - t0:.1f} s)"
+    )
+    specs = await asyncio.to_thread(prepare_devices, config, data, manifest, work / "devices")
+    training_devices = sum(1 for s in specs if s.role == TRAINING)
+    name = config.population or f"{SHAKESPEARE}-{manifest.model_sha256[:8]}"
+    settings = population_settings(config, training_devices)
+
+    async def evaluate(
+        fleet: Fleet, status: dict[str, Any]
+    ) -> tuple[HeldOutAccuracy | None, list[Prediction]]:
+        return await evaluate_held_out(fleet, name, status, vocabulary, config.show_devices)
+
+    session = await run_fleet(config, name, model_dir, specs, settings, evaluate, console)
+    held_out, shown = session.served
+    fleet, status, rounds, final = session.fleet, session.status, session.rounds, session.final
+    plots = [work / "metrics.png", work / "funnel.png"]
+    curve = round_accuracies(rounds)
+    report.plot_next_word(plots[0], rounds, curve)
+    report.plot_funnel(plots[1], rounds)
+    final_sums = (final or {}).get("metrics", {})
+    final_without, final_with = accuracies(final_sums)
+    body = {
+        **report_header(
+            config,
+            status,
+            fleet,
+            "ReconEval on held-out roles"
+            if manifest.local_params
+            else "evaluation on held-out roles (no local parameters to reconstruct)",
+        ),
+        "data": {
+            "source": "Tiny Shakespeare (one role, one device)",
+            "training_roles": len(data.train),
+            "held_out_roles": len(data.test),
+            "vocabulary_words": len(vocabulary.words),
+            "oov_buckets": vocabulary.num_oov_buckets,
+            "seq_len": data.seq_len,
+        },
+        "model": {"config": manifest.config, "local_params": [s.name for s in manifest.local_params]},
+        "rounds": rounds,
+        "final_evaluation": final,
+        "next_word": {
+            "final_evaluation_round": {
+                "reported": (final or {}).get("counters", {}).get("reported", 0),
+                "accuracy_without_oov": final_without,
+                "accuracy_with_oov": final_with,
+            },
+            "held_out_on_device": asdict(held_out) if held_out else None,
+            "accuracy_by_round": curve,
+            "bytes_per_round_per_device": {
+                "parameters": parameter_bytes_per_round(manifest),
+                "link": link_bytes(fleet),
+            },
+            "predictions": [asdict(p) for p in shown],
+        },
+        "seconds": time.monotonic() - started,
+    }
+    report.write_json(work / "report.json", body)
+    training = [r for r in rounds if r["kind"] == "training" and r["status"] == "committed"]
+    result = RunResult(work / "report.json", plots, len(training), final_sums, None, body["seconds"], body)
+    print_summary(result, console)
+    return result
+
+
+def print_summary(result: RunResult, console: Console) -> None:
+    body = result.summary
+    nwp = body["next_word"]
+    console.print(f"\n[bold]{result.rounds_committed} training rounds committed in {result.seconds:.0f} s[/]")
+    optimizer = body["algorithm"]["server_optimizer"]
+    console.print(
+        f"OOV rows: {', '.join(body['model']['local_params']) or 'none'} local; "
+        f"server optimizer {optimizer['name']} {optimizer['learning_rate']}"
+    )
+    last = nwp["final_evaluation_round"]
+    if last["reported"]:
+        console.print(
+            f"final evaluation round ({last['reported']} held-out devices reported): next-word accuracy "
+            f"{last['accuracy_without_oov']:.2%} without OOV, {last['accuracy_with_oov']:.2%} with OOV"
+        )
+    else:
+        console.print("final evaluation round: no device reported in time")
+    held_out = nwp["held_out_on_device"]
+    if held_out:
+        console.print(
+            f"all held-out roles on their devices ({held_out['devices']} devices, {held_out['tokens']:,.0f} "
+            f"target tokens): next-word accuracy {held_out['accuracy_without_oov']:.2%} without OOV, "
+            f"{held_out['accuracy_with_oov']:.2%} with OOV"
+        )
+    sizes = nwp["bytes_per_round_per_device"]
+    console.print(
+        f"bytes per round per device: {sizes['parameters']:,} of parameters (download + upload); "
+        f"{sizes['link']['per_report']:,.0f} over the links per reported training task"
+    )
+    for p in nwp["predictions"]:
+        console.print(
+            f"  device {p['device']}: ... {' '.join(p['context'][-6:])} -> {' | '.join(p['predicted'])} "
+            f"(said: {p['actual']})"
+        )
+    console.print(f"report: {result.report_path}")
+    console.print("plots: " + ", ".join(str(p) for p in result.plots))
