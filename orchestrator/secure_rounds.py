@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from sqlalchemy import select, update
+from sqlalchemy import bindparam, select, update
 from sqlalchemy.orm import Session
 
 from contracts.manifest import Manifest
@@ -136,9 +136,36 @@ def _parameters(secure_round: SecureRound) -> RoundParameters:
     return RoundParameters.from_json(secure_round.parameters)
 
 
-def _participants(session: Session, round_id: int) -> dict[int, SecureParticipant]:
-    rows = session.scalars(select(SecureParticipant).where(SecureParticipant.round_id == round_id))
-    return {p.device_index: p for p in rows}
+@dataclass(frozen=True)
+class _Member:
+    """One participant as the phases see it: which messages it sent, not what they hold."""
+
+    assignment_id: str
+    status: str  # its assignment's: assigned while it takes part
+    sent_shares: bool
+    sent_masked_input: bool
+    sent_unmasking: bool
+
+
+_MEMBERS = (
+    select(
+        SecureParticipant.device_index,
+        SecureParticipant.assignment_id,
+        Assignment.status,
+        SecureParticipant.sent_shares,
+        SecureParticipant.sent_masked_input,
+        SecureParticipant.sent_unmasking,
+    )
+    .join(Assignment, Assignment.id == SecureParticipant.assignment_id)
+    .where(SecureParticipant.round_id == bindparam("round_id"))
+)
+
+
+def _participants(session: Session, round_id: int) -> dict[int, _Member]:
+    """The round's participants by roster index, read as plain columns: every request of a round
+    reads them, and loading each row's keys (JSON) as an ORM object cost most of the server's time."""
+    rows = session.execute(_MEMBERS, {"round_id": round_id})
+    return {index: _Member(*rest) for index, *rest in rows}
 
 
 def _status(session: Session, round_id: int) -> dict[str, str]:
@@ -146,8 +173,18 @@ def _status(session: Session, round_id: int) -> dict[str, str]:
     return {assignment_id: status for assignment_id, status in rows}
 
 
-def _roster(participants: Mapping[int, SecureParticipant]) -> dict[int, AdvertisedKeys]:
-    return {i: AdvertisedKeys.from_json(p.keys) for i, p in participants.items()}
+def _keys(session: Session, round_id: int) -> dict[int, dict[str, str]]:
+    """Every participant's advertised keys (JSON), by roster index."""
+    rows = session.execute(
+        select(SecureParticipant.device_index, SecureParticipant.keys).where(
+            SecureParticipant.round_id == round_id
+        )
+    )
+    return {index: keys for index, keys in rows}
+
+
+def _roster(session: Session, round_id: int) -> dict[int, AdvertisedKeys]:
+    return {i: AdvertisedKeys.from_json(keys) for i, keys in _keys(session, round_id).items()}
 
 
 def _drop_outstanding(session: Session, round_: Round, keep: set[str], now: float) -> None:
@@ -170,12 +207,12 @@ def advance(
     assert secure_round is not None
     while secure_round.phase != DONE:
         participants = _participants(session, round_.id)
-        status = _status(session, round_.id)
-        active = {i for i, p in participants.items() if status[p.assignment_id] == "assigned"}
+        active = {i for i, p in participants.items() if p.status == "assigned"}
         phase = secure_round.phase
         timed_out = now >= secure_round.phase_deadline
         if phase == ADVERTISE:
             advertised = {p.assignment_id for p in participants.values()}
+            status = _status(session, round_.id)
             waiting = any(status[a] == "assigned" and a not in advertised for a in status)
             # Devices advertise as they check in: the roster closes with the round's check-ins.
             full = round_.accepted >= round_.capacity
@@ -266,7 +303,7 @@ def _too_few(secure_round: SecureRound, count: int, what: str) -> str | None:
 
 
 def _unreachable(
-    secure_round: SecureRound, participants: Mapping[int, SecureParticipant], sharers: set[int]
+    secure_round: SecureRound, participants: Mapping[int, _Member], sharers: set[int]
 ) -> str | None:
     """A sharer whose secrets reached fewer neighbours than the threshold could never be unmasked."""
     parameters = _parameters(secure_round)
@@ -293,7 +330,7 @@ def _finish(
     session: Session,
     round_: Round,
     secure_round: SecureRound,
-    participants: Mapping[int, SecureParticipant],
+    participants: Mapping[int, _Member],
     flat: Layout,
     timed_out: bool,
     now: float,
@@ -327,7 +364,7 @@ def _finish(
         total.add(decode_vector(blob, parameters))
     try:
         unmasked = server.unmask(
-            parameters, total.total, _roster(participants), graph, sharers, survivors, responses
+            parameters, total.total, _roster(session, round_.id), graph, sharers, survivors, responses
         )
     except server.CannotUnmask as e:
         return _abandon(session, round_, secure_round, str(e), now)
@@ -403,11 +440,10 @@ def state(session: Session, round_: Round, assignment_id: str, now: float) -> di
     }
     if participant is None or secure_round.phase in (ADVERTISE, DONE):
         return out
-    participants = _participants(session, round_.id)
     if secure_round.phase == SHARE_KEYS and not participant.sent_shares:
-        out["roster"] = {str(i): p.keys for i, p in sorted(participants.items())}
+        out["roster"] = {str(i): keys for i, keys in sorted(_keys(session, round_.id).items())}
     elif secure_round.phase == MASKED_INPUT and participant.sent_shares:
-        graph = round_graph(_parameters(secure_round), sorted(participants))
+        graph = round_graph(_parameters(secure_round), sorted(_participants(session, round_.id)))
         index = participant.device_index
         out["ciphertexts"] = ciphertexts_to_json(
             {
@@ -416,6 +452,7 @@ def state(session: Session, round_: Round, assignment_id: str, now: float) -> di
             }
         )
     elif secure_round.phase == UNMASKING and participant.sent_masked_input:
+        participants = _participants(session, round_.id)
         out["survivors"] = sorted(i for i, p in participants.items() if p.sent_masked_input)
     return out
 
@@ -447,11 +484,11 @@ def advertise(
         return Refused(409, "this assignment has already advertised its keys")
     try:
         keys = AdvertisedKeys.from_json(body)
-        participants = _participants(session, round_.id)
-        server.check_advertisement(keys, _roster(participants).values())
+        roster = _roster(session, round_.id)
+        server.check_advertisement(keys, roster.values())
     except ProtocolError as e:
         return Refused(422, str(e))
-    index = max(participants, default=0) + 1
+    index = max(roster, default=0) + 1
     session.add(
         SecureParticipant(
             assignment_id=assignment_id,
