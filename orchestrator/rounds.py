@@ -563,13 +563,19 @@ class _Found:
 
 
 def _find_assignment(
-    session: Session, population: Population, assignment_id: str, device_id: str, now: float
+    session: Session,
+    population: Population,
+    assignment_id: str,
+    device_id: str,
+    now: float,
+    advance_rounds: bool = True,
 ) -> _Found | Refused:
-    """The caller's assignment in this (locked) population, after closing rounds past their deadline."""
+    """The caller's assignment in this (locked) population, after closing rounds past their deadline
+    (unless `advance_rounds` is False: the caller advances what it needs itself)."""
     # Once per transaction and population: with `now` fixed, a second advance finds nothing to
     # close, and a transaction may carry many reports (group commit).
     advanced: set[tuple[int, float]] = session.info.setdefault("advanced", set())
-    if (population.id, now) not in advanced:
+    if advance_rounds and (population.id, now) not in advanced:
         advance(session, population, now)
         advanced.add((population.id, now))
     found = session.connection().execute(_ASSIGNMENT, {"assignment_id": assignment_id}).first()
@@ -591,10 +597,18 @@ def _find_assignment(
 
 
 def secure_round_of(
-    session: Session, population: Population, assignment_id: str, device_id: str, now: float
+    session: Session,
+    population: Population,
+    assignment_id: str,
+    device_id: str,
+    now: float,
+    advance_rounds: bool = True,
 ) -> tuple[str, Round] | Refused:
-    """The status of the caller's assignment and its round, when that round is a secure one."""
-    assignment = _find_assignment(session, population, assignment_id, device_id, now)
+    """The status of the caller's assignment and its round, when that round is a secure one.
+    A caller that only reads (the state of the round) passes `advance_rounds=False` and advances
+    the secure round only when a phase deadline has passed: every other phase change comes with
+    a device's message, which advances it, or with the ticker."""
+    assignment = _find_assignment(session, population, assignment_id, device_id, now, advance_rounds)
     if isinstance(assignment, Refused):
         return assignment
     if assignment.round.kind != TRAINING or not population_settings(population).secure_training:

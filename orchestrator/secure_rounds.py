@@ -596,6 +596,12 @@ def json_body(body: bytes) -> Any | Refused:
         return Refused(422, "the body must be JSON")
 
 
+def deadline_passed(session: Session, round_: Round, now: float) -> bool:
+    """Whether the round's current phase has run out of time (and `advance` would close it)."""
+    secure_round = _secure_round(session, round_)
+    return secure_round.phase != DONE and now >= secure_round.phase_deadline
+
+
 def accepting(session: Session, round_: Round) -> bool:
     """Whether the round still takes check-ins: only until its roster closes."""
     return _secure_round(session, round_).phase == ADVERTISE

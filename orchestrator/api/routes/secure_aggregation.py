@@ -39,7 +39,7 @@ def _raise(refused: rounds.Refused) -> HTTPException:
 
 
 def _callers_round(
-    session: Session, assignment_id: str, token: str, now: float
+    session: Session, assignment_id: str, token: str, now: float, advance_rounds: bool = True
 ) -> tuple[Population, str, Round]:
     """The caller's (locked) population, assignment status and secure round; 401/403/404/409
     otherwise."""
@@ -47,7 +47,7 @@ def _callers_round(
     population = rounds.population_of_assignment(session, assignment_id)
     if population is None:
         raise HTTPException(404, f"no assignment {assignment_id!r}")
-    found = rounds.secure_round_of(session, population, assignment_id, device_id, now)
+    found = rounds.secure_round_of(session, population, assignment_id, device_id, now, advance_rounds)
     if isinstance(found, rounds.Refused):
         raise _raise(found)
     return (population, *found)
@@ -55,7 +55,11 @@ def _callers_round(
 
 def _state(factory: sessionmaker[Session], assignment_id: str, token: str, now: float) -> dict[str, Any]:
     with factory.begin() as session:
-        _, status, round_ = _callers_round(session, assignment_id, token, now)
+        # Most requests of a round are these reads, a whole round's devices at each phase change:
+        # they advance the round only when its phase deadline has passed.
+        population, status, round_ = _callers_round(session, assignment_id, token, now, advance_rounds=False)
+        if round_.status == "open" and secure_rounds.deadline_passed(session, round_, now):
+            rounds.advance_secure(session, population, round_, now)
         return {"assignment_status": status, **secure_rounds.state(session, round_, assignment_id, now)}
 
 
