@@ -423,6 +423,7 @@ def checkin(
     too_few: Counter[int] = Counter()  # round id -> check-ins refused for too few examples
     pending: dict[tuple[int, str], int] = {}  # (round id, device) -> index of its candidate request
     repeats: list[tuple[int, int]] = []  # (index, index of the same device's candidate request)
+    steered: dict[int, float] = {}  # secure round id -> when a refused device should come back
     for request in requests:
         round_ = current.get(request.kind)
         if round_ is None and request.kind == TRAINING and privacy_budget_spent(population):
@@ -458,10 +459,12 @@ def checkin(
             and not secure_rounds.accepting(session, round_)
         ):
             # Its deadline adds up every phase's bound, but a secure round whose roster is full
-            # usually ends within seconds, and the next one opens then: come back soon.
-            answers.append(
-                Refused(409, "the secure round has closed its check-ins", settings.retry_after_seconds)
-            )
+            # usually ends within seconds, and the next one opens then: come back about then.
+            if round_.id not in steered:
+                steered[round_.id] = secure_rounds.next_round_in(
+                    session, round_, now, settings.retry_after_seconds
+                )
+            answers.append(Refused(409, "the secure round has closed its check-ins", steered[round_.id]))
             continue
         if request.example_count < settings.min_examples:
             too_few[round_.id] += 1

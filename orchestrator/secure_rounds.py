@@ -602,6 +602,36 @@ def deadline_passed(session: Session, round_: Round, now: float) -> bool:
     return secure_round.phase != DONE and now >= secure_round.phase_deadline
 
 
+# The soonest a device refused by a closed roster is asked to come back (before its own jitter).
+MIN_RETRY_SECONDS = 0.5
+
+
+def next_round_in(session: Session, round_: Round, now: float, longest: float) -> float:
+    """About how long until this round ends and the next one takes check-ins: the time its open
+    phases took in the population's last committed secure round, less what the current phase has
+    used (pace steering: a device refused now comes back as the next roster fills, not seconds
+    after it closed). At least MIN_RETRY_SECONDS, at most `longest`; `longest` before any commit."""
+    last = session.scalars(
+        select(Round.metrics)
+        .where(
+            Round.population_id == round_.population_id,
+            Round.kind == round_.kind,
+            Round.status == "committed",
+            Round.id < round_.id,
+        )
+        .order_by(Round.id.desc())
+        .limit(1)
+    ).first()
+    secure_round = _secure_round(session, round_)
+    if last is None or secure_round.phase not in PHASES:
+        return longest
+    took: list[float] = [float(last.get(phase_seconds_metric(p), longest)) for p in PHASES]
+    current = PHASES.index(secure_round.phase)
+    used = now - _phase_started(round_)
+    left = max(0.0, took[current] - used) + sum(took[current + 1 :])
+    return float(min(longest, max(MIN_RETRY_SECONDS, left)))
+
+
 def accepting(session: Session, round_: Round) -> bool:
     """Whether the round still takes check-ins: only until its roster closes."""
     return _secure_round(session, round_).phase == ADVERTISE
