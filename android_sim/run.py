@@ -262,6 +262,9 @@ def population_settings(
         "secure": {
             "clip_norm": config.secure_clip_norm,
             "advertise_seconds": config.round_seconds / 2,
+            # A roster still short of min_reports then waits as long again: a round's check-in
+            # time, like a plaintext round's, before it is abandoned.
+            "advertise_patience_seconds": config.round_seconds,
             "share_keys_seconds": config.secure_phase_seconds,
             "masked_input_seconds": config.round_seconds,
             "unmasking_seconds": config.secure_phase_seconds,

@@ -218,6 +218,8 @@ def advance(
             full = round_.accepted >= round_.capacity
             # A device that vanished between its check-in and its keys holds a full roster open.
             enough = full and len(participants) >= _enough(secure_round)
+            if timed_out and len(participants) < _enough(secure_round):
+                timed_out = not _be_patient(round_, secure_round, settings)
             if not (
                 timed_out
                 or (full and not waiting)
@@ -264,6 +266,18 @@ def advance(
         if problem is not None:
             return _abandon(session, round_, secure_round, problem, now)
     return None
+
+
+def _be_patient(round_: Round, secure_round: SecureRound, settings: PopulationSettings) -> bool:
+    """At the advertise deadline with too few devices: whether the roster stays open longer
+    (`advertise_patience_seconds` past the deadline, once), so that the check-ins of a slow
+    hour add up to one round instead of several abandoned ones."""
+    secure = settings.secure
+    patient_until = round_.opened_at + secure.advertise_seconds + secure.advertise_patience_seconds
+    if secure_round.phase_deadline >= patient_until:
+        return False
+    secure_round.phase_deadline = patient_until
+    return True
 
 
 def _stragglers_left(

@@ -237,3 +237,56 @@ def test_a_device_refused_by_a_closed_roster_is_told_to_come_back_when_the_round
     assert isinstance(soon, rounds.Refused) and "closed its check-ins" in soon.message
     assert soon.retry_after == pytest.approx(0.5 + 1.0 + 4.0)
     assert isinstance(later, rounds.Refused) and later.retry_after == pytest.approx(1.0 + 4.0)
+
+
+def test_a_roster_short_of_min_reports_waits_its_patience_and_then_is_abandoned_or_goes_on(
+    db: sessionmaker[Session], biased_model: ExportedModel
+) -> None:
+    # Prepare: min_reports 3, target and capacity 4; the roster has 10 s, then 5 s of patience
+    patient = {**SECURE, "secure": {**SECURE["secure"], "advertise_patience_seconds": 5}}
+    make_population(db, biased_model, **patient)
+    first = current_round(db)
+    devices = [device(db) for _ in range(6)]
+    answers = [checkin(db, d, now=1.0) for d in devices[:2]]
+    params = RoundParameters.from_json(state(db, devices[0], answers[0].assignment_id, 1.0)["parameters"])
+    for d, a in zip(devices[:2], answers, strict=True):
+        message(db, d, a.assignment_id, "advertise", DeviceSession(params).advertise().to_json(), 2.0)
+
+    # Execute: two devices at the deadline (10 s); two more check in at 12 s and advertise
+    at_deadline = state(db, devices[0], answers[0].assignment_id, 11.0)
+    more = [checkin(db, d, now=12.0) for d in devices[2:4]]
+    for d, a in zip(devices[2:4], more, strict=True):
+        message(db, d, a.assignment_id, "advertise", DeviceSession(params).advertise().to_json(), 12.5)
+    closed = state(db, devices[0], answers[0].assignment_id, 12.5)
+
+    # Assert: past its deadline with too few the roster stayed open for check-ins, and closed
+    # when it filled; no abandoned round sent the first two away
+    assert at_deadline["phase"] == "advertise"
+    assert all(isinstance(a, rounds.Accepted) for a in more)
+    assert closed["phase"] == "share_keys" and len(closed["roster"]) == 4
+    assert current_round(db).id == first.id
+
+
+def test_a_roster_still_short_after_its_patience_is_abandoned(
+    db: sessionmaker[Session], biased_model: ExportedModel
+) -> None:
+    # Prepare: as above; only two devices ever come
+    patient = {**SECURE, "secure": {**SECURE["secure"], "advertise_patience_seconds": 5}}
+    make_population(db, biased_model, **patient)
+    first = current_round(db)
+    devices = [device(db) for _ in range(2)]
+    answers = [checkin(db, d, now=1.0) for d in devices]
+    params = RoundParameters.from_json(state(db, devices[0], answers[0].assignment_id, 1.0)["parameters"])
+    for d, a in zip(devices, answers, strict=True):
+        message(db, d, a.assignment_id, "advertise", DeviceSession(params).advertise().to_json(), 2.0)
+
+    # Execute
+    patient_still = state(db, devices[0], answers[0].assignment_id, 14.9)
+    after = state(db, devices[0], answers[0].assignment_id, 15.0)
+
+    # Assert: abandoned at the deadline plus the patience, with nothing sent on; a new round opens
+    assert patient_still["phase"] == "advertise"
+    assert after["phase"] == "done" and after["round_status"] == "abandoned"
+    assert "only 2 devices advertised keys" in after["outcome"]
+    assert round_by_id(db, first.id).metrics["secure_advertise_seconds"] == 15.0
+    assert current_round(db).id != first.id
