@@ -619,6 +619,13 @@ def secure_round_of(
     return assignment.status, assignment.round
 
 
+def assignment_status(session: Session, assignment_id: str) -> str:
+    """An assignment's status as it is now in this transaction."""
+    found = session.connection().execute(_ASSIGNMENT, {"assignment_id": assignment_id}).first()
+    assert found is not None
+    return str(found[1])
+
+
 def _finish(session: Session, assignment: _Found, status: str, now: float) -> None:
     session.connection().execute(
         _FINISH_ASSIGNMENT, {"assignment_id": assignment.id, "new_status": status, "now": now}
