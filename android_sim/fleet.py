@@ -72,6 +72,7 @@ class FleetStats:
     # Example transfer: bytes of centralized examples per training assignment that downloaded them.
     central_bytes: list[int] = field(default_factory=list)
     last_error: str = ""
+    switched_off: int = 0  # devices still busy at the end of the run, cut off mid-request
 
     def count(self, role: str, status: str) -> int:
         return self.outcomes[(role, status)]
@@ -124,6 +125,7 @@ class Fleet:
         # The open evaluation round, as the run's monitor sees it through the admin API.
         self.evaluation_round: int | None = None
         self.training_paused = False  # seen devices only evaluate (the final evaluation)
+        self._tasks: list[asyncio.Task[None]] = []
 
     def _device(self, index: int, spec: DeviceSpec) -> SimDevice:
         device_class = spec.profile.device_class
@@ -160,10 +162,29 @@ class Fleet:
                 await asyncio.wait_for(self._stop[device.role].wait(), timeout=seconds)
 
     async def run(self) -> None:
-        """Run every device until `stop()`."""
+        """Run every device until `stop()` (or `switch_off`)."""
         for event in self._stop.values():
             event.clear()
-        await asyncio.gather(*(self._loop(d) for d in self.devices))
+        self._tasks = [asyncio.create_task(self._loop(d)) for d in self.devices]
+        outcomes = await asyncio.gather(*self._tasks, return_exceptions=True)
+        for outcome in outcomes:
+            if isinstance(outcome, BaseException) and not isinstance(outcome, asyncio.CancelledError):
+                raise outcome
+
+    async def switch_off(self, grace_seconds: float) -> int:
+        """Stop every device; those still busy after `grace_seconds` (e.g. waiting out a request's
+        timeout and retries) are switched off mid-request, as phones are at the end of a run.
+        Returns how many were."""
+        self.stop()
+        busy = [t for t in self._tasks if not t.done()]
+        if busy:
+            _, busy_set = await asyncio.wait(busy, timeout=grace_seconds)
+            busy = list(busy_set)
+        for task in busy:
+            task.cancel()
+        await asyncio.gather(*busy, return_exceptions=True)
+        self.stats.switched_off += len(busy)
+        return len(busy)
 
     def _should_continue(self, device: SimDevice, drops: bool) -> Callable[[], bool]:
         calls = 0

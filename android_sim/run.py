@@ -59,6 +59,9 @@ RUN_SETS_MODEL_ARGS = {
 # Settings of the orchestrator a run starts: every simulated phone enrolls from this machine's
 # one address, where a real fleet's phones have addresses of their own.
 SIMULATED_FLEET_LIMITS: dict[str, int] = {"enrollment_burst": 1_000_000}
+# Once the rounds are done, devices get this long to finish what they are doing before they are
+# switched off: the run does not wait out a request's timeout and retries.
+STOP_GRACE_SECONDS = 5.0
 
 
 class RunError(RuntimeError):
@@ -322,6 +325,9 @@ def round_settings(
         "secure": {
             "clip_norm": config.secure_clip_norm,
             "advertise_seconds": config.round_seconds / 2,
+            # A roster still short of min_reports then waits as long again: a round's check-in
+            # time, like a plaintext round's, before it is abandoned.
+            "advertise_patience_seconds": config.round_seconds,
             "share_keys_seconds": config.secure_phase_seconds,
             "masked_input_seconds": config.round_seconds,
             "unmasking_seconds": config.secure_phase_seconds,
@@ -595,7 +601,11 @@ async def run_fleet(
                     else:
                         fleet.stop([TRAINING])
                     final = await monitor.final_evaluation(timeout=config.round_seconds * 2 + 5)
-                fleet.stop()
+                if await fleet.switch_off(STOP_GRACE_SECONDS):
+                    console.print(
+                        f"[yellow]{fleet.stats.switched_off} devices were still busy "
+                        f"{STOP_GRACE_SECONDS:.0f} s after the run ended and were switched off[/]"
+                    )
                 await fleet_task
                 status = await _admin_call(admin.status(name))
                 rounds = [r for r in await _admin_call(admin.rounds(name)) if r["id"] not in closed_before]
@@ -771,6 +781,7 @@ def report_header(config: RunConfig, status: dict[str, Any], fleet: Fleet, evalu
             "median_task_seconds": float(np.median(fleet.stats.task_seconds))
             if fleet.stats.task_seconds
             else None,
+            "switched_off": fleet.stats.switched_off,
         },
         "algorithm": {
             "local_state": status["settings"]["task_config"]["local_state"],

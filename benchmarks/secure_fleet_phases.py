@@ -38,6 +38,11 @@ def summarize(work_dir: Path) -> dict[str, Any]:
     training = [r for r in report["rounds"] if r["kind"] == "training" and r["status"] != "open"]
     with sqlite3.connect(work_dir / "orchestrator.sqlite") as db:
         outcomes = dict(db.execute("SELECT round_id, outcome FROM secure_rounds").fetchall())
+        # When each round's last check-in came: the advertise phase is the roster filling (check-ins
+        # arriving), then waiting for the last devices' keys.
+        last_checkin = dict(
+            db.execute("SELECT round_id, MAX(created_at) FROM assignments GROUP BY round_id").fetchall()
+        )
     out: dict[str, Any] = {"wall_seconds": report["seconds"]}
     for status in ("committed", "abandoned"):
         chosen = [r for r in training if r["status"] == status]
@@ -50,6 +55,14 @@ def summarize(work_dir: Path) -> dict[str, Any]:
             "phase_seconds_median": {p: statistics.median(v) for p, v in by_phase.items() if v},
             "phase_seconds_total": {p: sum(v) for p, v in by_phase.items() if v},
         }
+        fills = [last_checkin[r["id"]] - r["opened_at"] for r in chosen if r["id"] in last_checkin]
+        keys = [
+            _phases(r)["advertise"] - (last_checkin[r["id"]] - r["opened_at"])
+            for r in chosen
+            if r["id"] in last_checkin and "advertise" in _phases(r)
+        ]
+        out[status]["roster_fill_seconds_median"] = statistics.median(fills) if fills else None
+        out[status]["advertise_after_last_checkin_seconds_median"] = statistics.median(keys) if keys else None
         if status == "committed":
             out[status]["survivors_median"] = (
                 statistics.median(r["metrics"].get("secure_survivors", 0) for r in chosen) if chosen else None

@@ -177,6 +177,10 @@ class SecureRoundDriver:
         roster = {int(i): AdvertisedKeys.from_json(k) for i, k in state["roster"].items()}
         shares = await asyncio.to_thread(session.share_keys, index, roster)
         await self._post("shares", shares_to_json(shares))
+        # The masks do not depend on the update: summed now, while the device trains and the
+        # others share, the masked input after training has only the neighbours who did not share
+        # to take out.
+        await asyncio.to_thread(session.prepare_masks)
 
         state = await self._state("masked_input", "ciphertexts")
         self._ciphertexts = ciphertexts_from_json(state["ciphertexts"], len(roster))

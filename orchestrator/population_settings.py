@@ -55,6 +55,13 @@ class SecureAggregationSettings(BaseModel):
     share_keys_seconds: float = Field(10.0, gt=0, description="sending shares (devices are training)")
     masked_input_seconds: float = Field(60.0, gt=0, description="training and sending the masked input")
     unmasking_seconds: float = Field(10.0, gt=0)
+    advertise_patience_seconds: float = Field(
+        0.0,
+        ge=0,
+        description="how much longer than advertise_seconds a roster with fewer than min_reports "
+        "devices stays open for check-ins before the round is abandoned: in a trough of the day "
+        "the round gathers its devices instead of sending away the few it has",
+    )
     straggler_wait: float | None = Field(
         1.0,
         gt=0,
@@ -75,6 +82,7 @@ class SecureAggregationSettings(BaseModel):
     def duration_seconds(self) -> float:
         return (
             self.advertise_seconds
+            + self.advertise_patience_seconds
             + self.share_keys_seconds
             + self.masked_input_seconds
             + self.unmasking_seconds

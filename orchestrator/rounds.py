@@ -425,6 +425,7 @@ def checkin(
     too_few: Counter[int] = Counter()  # round id -> check-ins refused for too few examples
     pending: dict[tuple[int, str], int] = {}  # (round id, device) -> index of its candidate request
     repeats: list[tuple[int, int]] = []  # (index, index of the same device's candidate request)
+    steered: dict[int, float] = {}  # secure round id -> when a refused device should come back
     for request in requests:
         round_ = current.get(request.kind)
         if round_ is None and request.kind == TRAINING and privacy_budget_spent(population):
@@ -460,10 +461,12 @@ def checkin(
             and not secure_rounds.accepting(session, round_)
         ):
             # Its deadline adds up every phase's bound, but a secure round whose roster is full
-            # usually ends within seconds, and the next one opens then: come back soon.
-            answers.append(
-                Refused(409, "the secure round has closed its check-ins", settings.retry_after_seconds)
-            )
+            # usually ends within seconds, and the next one opens then: come back about then.
+            if round_.id not in steered:
+                steered[round_.id] = secure_rounds.next_round_in(
+                    session, round_, now, settings.retry_after_seconds
+                )
+            answers.append(Refused(409, "the secure round has closed its check-ins", steered[round_.id]))
             continue
         if request.example_count < settings.min_examples:
             too_few[round_.id] += 1
@@ -565,13 +568,19 @@ class _Found:
 
 
 def _find_assignment(
-    session: Session, population: Population, assignment_id: str, device_id: str, now: float
+    session: Session,
+    population: Population,
+    assignment_id: str,
+    device_id: str,
+    now: float,
+    advance_rounds: bool = True,
 ) -> _Found | Refused:
-    """The caller's assignment in this (locked) population, after closing rounds past their deadline."""
+    """The caller's assignment in this (locked) population, after closing rounds past their deadline
+    (unless `advance_rounds` is False: the caller advances what it needs itself)."""
     # Once per transaction and population: with `now` fixed, a second advance finds nothing to
     # close, and a transaction may carry many reports (group commit).
     advanced: set[tuple[int, float]] = session.info.setdefault("advanced", set())
-    if (population.id, now) not in advanced:
+    if advance_rounds and (population.id, now) not in advanced:
         advance(session, population, now)
         advanced.add((population.id, now))
     found = session.connection().execute(_ASSIGNMENT, {"assignment_id": assignment_id}).first()
@@ -593,15 +602,30 @@ def _find_assignment(
 
 
 def secure_round_of(
-    session: Session, population: Population, assignment_id: str, device_id: str, now: float
+    session: Session,
+    population: Population,
+    assignment_id: str,
+    device_id: str,
+    now: float,
+    advance_rounds: bool = True,
 ) -> tuple[str, Round] | Refused:
-    """The status of the caller's assignment and its round, when that round is a secure one."""
-    assignment = _find_assignment(session, population, assignment_id, device_id, now)
+    """The status of the caller's assignment and its round, when that round is a secure one.
+    A caller that only reads (the state of the round) passes `advance_rounds=False` and advances
+    the secure round only when a phase deadline has passed: every other phase change comes with
+    a device's message, which advances it, or with the ticker."""
+    assignment = _find_assignment(session, population, assignment_id, device_id, now, advance_rounds)
     if isinstance(assignment, Refused):
         return assignment
     if assignment.round.kind != TRAINING or not population_settings(population).secure_training:
         return Refused(409, f"round {assignment.round.id} does not use secure aggregation; report instead")
     return assignment.status, assignment.round
+
+
+def assignment_status(session: Session, assignment_id: str) -> str:
+    """An assignment's status as it is now in this transaction."""
+    found = session.connection().execute(_ASSIGNMENT, {"assignment_id": assignment_id}).first()
+    assert found is not None
+    return str(found[1])
 
 
 def _finish(session: Session, assignment: _Found, status: str, now: float) -> None:

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from sqlalchemy import select, update
+from sqlalchemy import bindparam, select, update
 from sqlalchemy.orm import Session
 
 from contracts.manifest import Manifest
@@ -136,9 +136,36 @@ def _parameters(secure_round: SecureRound) -> RoundParameters:
     return RoundParameters.from_json(secure_round.parameters)
 
 
-def _participants(session: Session, round_id: int) -> dict[int, SecureParticipant]:
-    rows = session.scalars(select(SecureParticipant).where(SecureParticipant.round_id == round_id))
-    return {p.device_index: p for p in rows}
+@dataclass(frozen=True)
+class _Member:
+    """One participant as the phases see it: which messages it sent, not what they hold."""
+
+    assignment_id: str
+    status: str  # its assignment's: assigned while it takes part
+    sent_shares: bool
+    sent_masked_input: bool
+    sent_unmasking: bool
+
+
+_MEMBERS = (
+    select(
+        SecureParticipant.device_index,
+        SecureParticipant.assignment_id,
+        Assignment.status,
+        SecureParticipant.sent_shares,
+        SecureParticipant.sent_masked_input,
+        SecureParticipant.sent_unmasking,
+    )
+    .join(Assignment, Assignment.id == SecureParticipant.assignment_id)
+    .where(SecureParticipant.round_id == bindparam("round_id"))
+)
+
+
+def _participants(session: Session, round_id: int) -> dict[int, _Member]:
+    """The round's participants by roster index, read as plain columns: every request of a round
+    reads them, and loading each row's keys (JSON) as an ORM object cost most of the server's time."""
+    rows = session.execute(_MEMBERS, {"round_id": round_id})
+    return {index: _Member(*rest) for index, *rest in rows}
 
 
 def _status(session: Session, round_id: int) -> dict[str, str]:
@@ -146,8 +173,18 @@ def _status(session: Session, round_id: int) -> dict[str, str]:
     return {assignment_id: status for assignment_id, status in rows}
 
 
-def _roster(participants: Mapping[int, SecureParticipant]) -> dict[int, AdvertisedKeys]:
-    return {i: AdvertisedKeys.from_json(p.keys) for i, p in participants.items()}
+def _keys(session: Session, round_id: int) -> dict[int, dict[str, str]]:
+    """Every participant's advertised keys (JSON), by roster index."""
+    rows = session.execute(
+        select(SecureParticipant.device_index, SecureParticipant.keys).where(
+            SecureParticipant.round_id == round_id
+        )
+    )
+    return {index: keys for index, keys in rows}
+
+
+def _roster(session: Session, round_id: int) -> dict[int, AdvertisedKeys]:
+    return {i: AdvertisedKeys.from_json(keys) for i, keys in _keys(session, round_id).items()}
 
 
 def _drop_outstanding(session: Session, round_: Round, keep: set[str], now: float) -> None:
@@ -170,17 +207,19 @@ def advance(
     assert secure_round is not None
     while secure_round.phase != DONE:
         participants = _participants(session, round_.id)
-        status = _status(session, round_.id)
-        active = {i for i, p in participants.items() if status[p.assignment_id] == "assigned"}
+        active = {i for i, p in participants.items() if p.status == "assigned"}
         phase = secure_round.phase
         timed_out = now >= secure_round.phase_deadline
         if phase == ADVERTISE:
             advertised = {p.assignment_id for p in participants.values()}
+            status = _status(session, round_.id)
             waiting = any(status[a] == "assigned" and a not in advertised for a in status)
             # Devices advertise as they check in: the roster closes with the round's check-ins.
             full = round_.accepted >= round_.capacity
             # A device that vanished between its check-in and its keys holds a full roster open.
             enough = full and len(participants) >= _enough(secure_round)
+            if timed_out and len(participants) < _enough(secure_round):
+                timed_out = not _be_patient(round_, secure_round, settings)
             if not (
                 timed_out
                 or (full and not waiting)
@@ -229,6 +268,18 @@ def advance(
     return None
 
 
+def _be_patient(round_: Round, secure_round: SecureRound, settings: PopulationSettings) -> bool:
+    """At the advertise deadline with too few devices: whether the roster stays open longer
+    (`advertise_patience_seconds` past the deadline, once), so that the check-ins of a slow
+    hour add up to one round instead of several abandoned ones."""
+    secure = settings.secure
+    patient_until = round_.opened_at + secure.advertise_seconds + secure.advertise_patience_seconds
+    if secure_round.phase_deadline >= patient_until:
+        return False
+    secure_round.phase_deadline = patient_until
+    return True
+
+
 def _stragglers_left(
     round_: Round, secure_round: SecureRound, settings: PopulationSettings, enough: bool, now: float
 ) -> bool:
@@ -266,7 +317,7 @@ def _too_few(secure_round: SecureRound, count: int, what: str) -> str | None:
 
 
 def _unreachable(
-    secure_round: SecureRound, participants: Mapping[int, SecureParticipant], sharers: set[int]
+    secure_round: SecureRound, participants: Mapping[int, _Member], sharers: set[int]
 ) -> str | None:
     """A sharer whose secrets reached fewer neighbours than the threshold could never be unmasked."""
     parameters = _parameters(secure_round)
@@ -293,7 +344,7 @@ def _finish(
     session: Session,
     round_: Round,
     secure_round: SecureRound,
-    participants: Mapping[int, SecureParticipant],
+    participants: Mapping[int, _Member],
     flat: Layout,
     timed_out: bool,
     now: float,
@@ -327,7 +378,7 @@ def _finish(
         total.add(decode_vector(blob, parameters))
     try:
         unmasked = server.unmask(
-            parameters, total.total, _roster(participants), graph, sharers, survivors, responses
+            parameters, total.total, _roster(session, round_.id), graph, sharers, survivors, responses
         )
     except server.CannotUnmask as e:
         return _abandon(session, round_, secure_round, str(e), now)
@@ -403,11 +454,10 @@ def state(session: Session, round_: Round, assignment_id: str, now: float) -> di
     }
     if participant is None or secure_round.phase in (ADVERTISE, DONE):
         return out
-    participants = _participants(session, round_.id)
     if secure_round.phase == SHARE_KEYS and not participant.sent_shares:
-        out["roster"] = {str(i): p.keys for i, p in sorted(participants.items())}
+        out["roster"] = {str(i): keys for i, keys in sorted(_keys(session, round_.id).items())}
     elif secure_round.phase == MASKED_INPUT and participant.sent_shares:
-        graph = round_graph(_parameters(secure_round), sorted(participants))
+        graph = round_graph(_parameters(secure_round), sorted(_participants(session, round_.id)))
         index = participant.device_index
         out["ciphertexts"] = ciphertexts_to_json(
             {
@@ -416,6 +466,7 @@ def state(session: Session, round_: Round, assignment_id: str, now: float) -> di
             }
         )
     elif secure_round.phase == UNMASKING and participant.sent_masked_input:
+        participants = _participants(session, round_.id)
         out["survivors"] = sorted(i for i, p in participants.items() if p.sent_masked_input)
     return out
 
@@ -447,11 +498,11 @@ def advertise(
         return Refused(409, "this assignment has already advertised its keys")
     try:
         keys = AdvertisedKeys.from_json(body)
-        participants = _participants(session, round_.id)
-        server.check_advertisement(keys, _roster(participants).values())
+        roster = _roster(session, round_.id)
+        server.check_advertisement(keys, roster.values())
     except ProtocolError as e:
         return Refused(422, str(e))
-    index = max(participants, default=0) + 1
+    index = max(roster, default=0) + 1
     session.add(
         SecureParticipant(
             assignment_id=assignment_id,
@@ -557,6 +608,42 @@ def json_body(body: bytes) -> Any | Refused:
         return json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
         return Refused(422, "the body must be JSON")
+
+
+def deadline_passed(session: Session, round_: Round, now: float) -> bool:
+    """Whether the round's current phase has run out of time (and `advance` would close it)."""
+    secure_round = _secure_round(session, round_)
+    return secure_round.phase != DONE and now >= secure_round.phase_deadline
+
+
+# The soonest a device refused by a closed roster is asked to come back (before its own jitter).
+MIN_RETRY_SECONDS = 0.5
+
+
+def next_round_in(session: Session, round_: Round, now: float, longest: float) -> float:
+    """About how long until this round ends and the next one takes check-ins: the time its open
+    phases took in the population's last committed secure round, less what the current phase has
+    used (pace steering: a device refused now comes back as the next roster fills, not seconds
+    after it closed). At least MIN_RETRY_SECONDS, at most `longest`; `longest` before any commit."""
+    last = session.scalars(
+        select(Round.metrics)
+        .where(
+            Round.population_id == round_.population_id,
+            Round.kind == round_.kind,
+            Round.status == "committed",
+            Round.id < round_.id,
+        )
+        .order_by(Round.id.desc())
+        .limit(1)
+    ).first()
+    secure_round = _secure_round(session, round_)
+    if last is None or secure_round.phase not in PHASES:
+        return longest
+    took: list[float] = [float(last.get(phase_seconds_metric(p), longest)) for p in PHASES]
+    current = PHASES.index(secure_round.phase)
+    used = now - _phase_started(round_)
+    left = max(0.0, took[current] - used) + sum(took[current + 1 :])
+    return float(min(longest, max(MIN_RETRY_SECONDS, left)))
 
 
 def accepting(session: Session, round_: Round) -> bool:

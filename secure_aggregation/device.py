@@ -68,6 +68,10 @@ class DeviceSession:
         self._roster: dict[int, AdvertisedKeys] = {}
         self._neighbours: list[int] = []
         self._received: dict[int, tuple[int, int]] = {}  # owner -> (self-mask share, mask key share)
+        # The share-encryption key of each neighbour (X25519 is symmetric: the same key decrypts
+        # what that neighbour sent), and the masks prepared while the device trains.
+        self._share_keys: dict[int, bytes] = {}
+        self._prepared: np.ndarray | None = None
 
     def _enter(self, phase: str, next_phase: str) -> None:
         if self._phase != phase:
@@ -110,12 +114,35 @@ class DeviceSession:
                 + key_share
             )
             key = crypto.agree(self._encryption_key, roster[holder].encryption_key, SHARE_ENCRYPTION, context)
+            self._share_keys[holder] = key
             out[holder] = EncryptedShares(
                 crypto.encrypt(key, plaintext, share_aad(context, index, holder)),
                 share_commitment(b"self-mask", context, index, holder, seed_share),
                 share_commitment(b"mask-key", context, index, holder, key_share),
             )
         return out
+
+    def _pairwise_mask(self, v: int) -> np.ndarray:
+        seed = crypto.agree(
+            self._mask_key, self._roster[v].mask_key, pairwise_purpose(self.index, v), self.params.context
+        )
+        return masks.expand(seed, self.params)
+
+    def prepare_masks(self) -> None:
+        """Sum the self mask and the pairwise masks of every neighbour ahead of the masked input (they
+        do not depend on the update; a device computes them while it trains). `masked_input` then
+        only takes out the masks of the neighbours that did not share keys. Optional."""
+        if self._phase != "masked_input":
+            raise ProtocolError(f"masks are prepared after sharing keys; this device is at {self._phase!r}")
+        if self._prepared is not None:
+            return
+        total = np.zeros(self.params.vector_length, dtype=np.uint64)
+        masks.add_into(
+            total, masks.expand(crypto.derive_key(self._seed, SELF_MASK, self.params.context), self.params), 1
+        )
+        for v in self._neighbours:
+            masks.add_into(total, self._pairwise_mask(v), pairwise_sign(self.index, v))
+        self._prepared = total
 
     def masked_input(self, quantized: np.ndarray, ciphertexts: Mapping[int, bytes]) -> np.ndarray:
         """The quantized update plus the self mask and a pairwise mask per neighbour that shared
@@ -130,9 +157,7 @@ class DeviceSession:
         self._enter("masked_input", "unmasking")
         context = self.params.context
         for owner, ciphertext in ciphertexts.items():
-            key = crypto.agree(
-                self._encryption_key, self._roster[owner].encryption_key, SHARE_ENCRYPTION, context
-            )
+            key = self._share_keys[owner]
             plaintext = crypto.decrypt(key, ciphertext, share_aad(context, owner, self.index))
             claimed_owner = int.from_bytes(plaintext[:INDEX_BYTES], "big")
             claimed_holder = int.from_bytes(plaintext[INDEX_BYTES : 2 * INDEX_BYTES], "big")
@@ -144,12 +169,18 @@ class DeviceSession:
                 shamir.share_from_bytes(body[shamir.SHARE_BYTES :]),
             )
         total = quantized.copy()
-        masks.add_into(total, masks.expand(crypto.derive_key(self._seed, SELF_MASK, context), self.params), 1)
-        for v in sorted(ciphertexts):
-            seed = crypto.agree(
-                self._mask_key, self._roster[v].mask_key, pairwise_purpose(self.index, v), context
+        if self._prepared is not None:
+            # Every neighbour's mask is in the prepared sum: take out those that did not share.
+            masks.add_into(total, self._prepared, 1)
+            for v in sorted(set(self._neighbours) - set(ciphertexts)):
+                masks.add_into(total, self._pairwise_mask(v), -pairwise_sign(self.index, v))
+            self._prepared = None
+        else:
+            masks.add_into(
+                total, masks.expand(crypto.derive_key(self._seed, SELF_MASK, context), self.params), 1
             )
-            masks.add_into(total, masks.expand(seed, self.params), pairwise_sign(self.index, v))
+            for v in sorted(ciphertexts):
+                masks.add_into(total, self._pairwise_mask(v), pairwise_sign(self.index, v))
         return total & np.uint64(self.params.modulus_mask)
 
     def unmask(self, survivors: Sequence[int]) -> UnmaskingShares:

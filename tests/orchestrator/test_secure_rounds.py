@@ -178,3 +178,115 @@ def test_once_enough_inputs_are_in_a_straggler_is_waited_for_as_long_again_and_c
     assert closed.status == "committed" and closed.metrics["secure_survivors"] == 3
     phases = {p: closed.metrics[f"secure_{p}_seconds"] for p in secure_rounds.PHASES}
     assert phases == {"advertise": 1.0, "share_keys": 1.0, "masked_input": 4.0, "unmasking": 0.5}
+
+
+def _one_round(db: sessionmaker[Session], start: float) -> list[str]:
+    """Four new devices take a whole secure round from `start`: the phases take 1, 1, 1 and 4 s."""
+    devices = [device(db) for _ in range(4)]
+    answers = [checkin(db, d, now=start) for d in devices]
+    params = RoundParameters.from_json(state(db, devices[0], answers[0].assignment_id, start)["parameters"])
+    sessions = [DeviceSession(params) for _ in devices]
+    indices = [
+        message(db, d, a.assignment_id, "advertise", s.advertise().to_json(), start + 1)["index"]
+        for d, a, s in zip(devices, answers, sessions, strict=True)
+    ]
+    roster_json = state(db, devices[0], answers[0].assignment_id, start + 1)["roster"]
+    roster = {int(i): AdvertisedKeys.from_json(k) for i, k in roster_json.items()}
+    for d, a, s, index in zip(devices, answers, sessions, indices, strict=True):
+        message(db, d, a.assignment_id, "share_keys", shares_to_json(s.share_keys(index, roster)), start + 2)
+    zero = np.zeros(params.vector_length, np.uint64)
+    for d, a, s in zip(devices, answers, sessions, strict=True):
+        ciphertexts = ciphertexts_from_json(state(db, d, a.assignment_id, start + 3)["ciphertexts"], 4)
+        message(
+            db,
+            d,
+            a.assignment_id,
+            "masked_input",
+            encode_vector(s.masked_input(zero, ciphertexts), params),
+            start + 3,
+        )
+    survivors = state(db, devices[0], answers[0].assignment_id, start + 3)["survivors"]
+    for d, a, s in zip(devices, answers, sessions, strict=True):
+        # Once enough shares are in, the round commits and the last answers are refused: no matter.
+        message(db, d, a.assignment_id, "unmasking", s.unmask(survivors).to_json(), start + 7)
+    return devices
+
+
+def test_a_device_refused_by_a_closed_roster_is_told_to_come_back_when_the_round_should_end(
+    db: sessionmaker[Session], biased_model: ExportedModel
+) -> None:
+    # Prepare: a first round commits after phases of 1, 1, 1 and 4 s
+    make_population(db, biased_model, **SECURE)
+    _one_round(db, 0.0)
+    first = round_by_id(db, 1)
+    second = current_round(db)
+    devices = [device(db) for _ in range(4)]
+    answers = [checkin(db, d, now=20.0) for d in devices]
+    params = RoundParameters.from_json(state(db, devices[0], answers[0].assignment_id, 20.0)["parameters"])
+    for d, a in zip(devices, answers, strict=True):
+        message(db, d, a.assignment_id, "advertise", DeviceSession(params).advertise().to_json(), 21.0)
+
+    # Execute: the second round's roster closed at 21 s; devices check in at 21.5 s and at 22.5 s
+    soon = checkin(db, device(db), now=21.5)
+    later = checkin(db, device(db), now=22.5)
+
+    # Assert: come back when the share keys (0.5 s left of the last round's 1 s), masked input
+    # (1 s) and unmasking (4 s) phases should be over, going by the last round; a phase that
+    # outlasts it counts as ending now. Before any commit: the population's retry window (above)
+    assert first.status == "committed" and second.id != first.id
+    assert isinstance(soon, rounds.Refused) and "closed its check-ins" in soon.message
+    assert soon.retry_after == pytest.approx(0.5 + 1.0 + 4.0)
+    assert isinstance(later, rounds.Refused) and later.retry_after == pytest.approx(1.0 + 4.0)
+
+
+def test_a_roster_short_of_min_reports_waits_its_patience_and_then_is_abandoned_or_goes_on(
+    db: sessionmaker[Session], biased_model: ExportedModel
+) -> None:
+    # Prepare: min_reports 3, target and capacity 4; the roster has 10 s, then 5 s of patience
+    patient = {**SECURE, "secure": {**SECURE["secure"], "advertise_patience_seconds": 5}}
+    make_population(db, biased_model, **patient)
+    first = current_round(db)
+    devices = [device(db) for _ in range(6)]
+    answers = [checkin(db, d, now=1.0) for d in devices[:2]]
+    params = RoundParameters.from_json(state(db, devices[0], answers[0].assignment_id, 1.0)["parameters"])
+    for d, a in zip(devices[:2], answers, strict=True):
+        message(db, d, a.assignment_id, "advertise", DeviceSession(params).advertise().to_json(), 2.0)
+
+    # Execute: two devices at the deadline (10 s); two more check in at 12 s and advertise
+    at_deadline = state(db, devices[0], answers[0].assignment_id, 11.0)
+    more = [checkin(db, d, now=12.0) for d in devices[2:4]]
+    for d, a in zip(devices[2:4], more, strict=True):
+        message(db, d, a.assignment_id, "advertise", DeviceSession(params).advertise().to_json(), 12.5)
+    closed = state(db, devices[0], answers[0].assignment_id, 12.5)
+
+    # Assert: past its deadline with too few the roster stayed open for check-ins, and closed
+    # when it filled; no abandoned round sent the first two away
+    assert at_deadline["phase"] == "advertise"
+    assert all(isinstance(a, rounds.Accepted) for a in more)
+    assert closed["phase"] == "share_keys" and len(closed["roster"]) == 4
+    assert current_round(db).id == first.id
+
+
+def test_a_roster_still_short_after_its_patience_is_abandoned(
+    db: sessionmaker[Session], biased_model: ExportedModel
+) -> None:
+    # Prepare: as above; only two devices ever come
+    patient = {**SECURE, "secure": {**SECURE["secure"], "advertise_patience_seconds": 5}}
+    make_population(db, biased_model, **patient)
+    first = current_round(db)
+    devices = [device(db) for _ in range(2)]
+    answers = [checkin(db, d, now=1.0) for d in devices]
+    params = RoundParameters.from_json(state(db, devices[0], answers[0].assignment_id, 1.0)["parameters"])
+    for d, a in zip(devices, answers, strict=True):
+        message(db, d, a.assignment_id, "advertise", DeviceSession(params).advertise().to_json(), 2.0)
+
+    # Execute
+    patient_still = state(db, devices[0], answers[0].assignment_id, 14.9)
+    after = state(db, devices[0], answers[0].assignment_id, 15.0)
+
+    # Assert: abandoned at the deadline plus the patience, with nothing sent on; a new round opens
+    assert patient_still["phase"] == "advertise"
+    assert after["phase"] == "done" and after["round_status"] == "abandoned"
+    assert "only 2 devices advertised keys" in after["outcome"]
+    assert round_by_id(db, first.id).metrics["secure_advertise_seconds"] == 15.0
+    assert current_round(db).id != first.id

@@ -36,8 +36,11 @@ class Round:
     responses: dict[int, UnmaskingShares]
 
 
-def _run(params: RoundParameters, n: int, drop: dict[str, set[int]], seed: int = 0) -> Round:
-    """Devices 1..n; `drop[phase]` are the devices that vanish before sending that phase's message."""
+def _run(
+    params: RoundParameters, n: int, drop: dict[str, set[int]], seed: int = 0, prepare: bool = False
+) -> Round:
+    """Devices 1..n; `drop[phase]` are the devices that vanish before sending that phase's message;
+    with `prepare` each sharer sums its masks before it learns which neighbours shared."""
     rng = np.random.default_rng(seed)
     devices = {i: DeviceSession(params) for i in range(1, n + 1)}
     inputs = {i: quantize(rng.normal(0, 0.05, LENGTH), params, rng) for i in devices}
@@ -48,6 +51,9 @@ def _run(params: RoundParameters, n: int, drop: dict[str, set[int]], seed: int =
         if i not in drop.get("share_keys", set()):
             shares[i] = devices[i].share_keys(i, roster)
             server.check_shares(i, graph, shares[i])
+    if prepare:
+        for i in shares:
+            devices[i].prepare_masks()
     masked = {}
     for i in shares:
         if i not in drop.get("masked_input", set()):
@@ -73,16 +79,20 @@ def _plain_sum(r: Round) -> np.ndarray:
     )
 
 
+@pytest.mark.parametrize("prepare", [False, True], ids=["masks at input", "masks prepared"])
 @pytest.mark.parametrize(("neighbours", "threshold"), [(0, 0.25), (16, 0.125)], ids=["full graph", "k=16"])
-def test_with_30_percent_dropping_at_each_phase_the_sum_of_the_survivors_is_exact(neighbours, threshold):
-    # Prepare: 40 devices; about 30% of those left vanish before each phase's message
+def test_with_30_percent_dropping_at_each_phase_the_sum_of_the_survivors_is_exact(
+    neighbours, threshold, prepare
+):
+    # Prepare: 40 devices; about 30% of those left vanish before each phase's message; with
+    # `prepare`, each sharer's masks include the 12 neighbours that never shared, taken out later
     n = 40
     params = _params(n, neighbours=neighbours, threshold=threshold)
     ids = np.random.default_rng(3).permutation(np.arange(1, n + 1)).tolist()
     drop = {"share_keys": set(ids[:12]), "masked_input": set(ids[12:20]), "unmasking": set(ids[20:26])}
 
     # Execute
-    r = _run(params, n, drop)
+    r = _run(params, n, drop, prepare=prepare)
     unmasked = _unmask(r)
 
     # Assert: dropouts at every phase while every neighbourhood kept its threshold, and the unmasked
@@ -185,3 +195,20 @@ def test_shares_to_the_wrong_devices_are_refused():
     shares.pop(2)
     with pytest.raises(ProtocolError, match="missing \\[2\\]"):
         server.check_shares(1, graph, shares)
+
+
+def test_prepared_masks_hide_the_input_and_come_only_after_sharing_keys():
+    # Prepare: 6 devices; device 6 never shares, so the others' prepared sums hold a mask for it
+    params = _params(6)
+    r = _run(params, 6, {"share_keys": {6}}, prepare=True)
+
+    # Assert: the input is masked as without preparing (uniform over the modulus), and the sum exact
+    masked = r.masked[1].astype(np.float64) / 2**32
+    assert masked.std() > 0.2 and not np.array_equal(r.masked[1], r.inputs[1])
+    assert np.array_equal(_unmask(r), _plain_sum(r))
+    # A device cannot prepare masks before it knows its neighbours, nor after its masked input
+    fresh = DeviceSession(params)
+    with pytest.raises(ProtocolError, match="after sharing keys"):
+        fresh.prepare_masks()
+    with pytest.raises(ProtocolError, match="after sharing keys"):
+        r.devices[1].prepare_masks()

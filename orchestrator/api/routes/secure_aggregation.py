@@ -39,7 +39,7 @@ def _raise(refused: rounds.Refused) -> HTTPException:
 
 
 def _callers_round(
-    session: Session, assignment_id: str, token: str, now: float
+    session: Session, assignment_id: str, token: str, now: float, advance_rounds: bool = True
 ) -> tuple[Population, str, Round]:
     """The caller's (locked) population, assignment status and secure round; 401/403/404/409
     otherwise."""
@@ -47,7 +47,7 @@ def _callers_round(
     population = rounds.population_of_assignment(session, assignment_id)
     if population is None:
         raise HTTPException(404, f"no assignment {assignment_id!r}")
-    found = rounds.secure_round_of(session, population, assignment_id, device_id, now)
+    found = rounds.secure_round_of(session, population, assignment_id, device_id, now, advance_rounds)
     if isinstance(found, rounds.Refused):
         raise _raise(found)
     return (population, *found)
@@ -55,7 +55,13 @@ def _callers_round(
 
 def _state(factory: sessionmaker[Session], assignment_id: str, token: str, now: float) -> dict[str, Any]:
     with factory.begin() as session:
-        _, status, round_ = _callers_round(session, assignment_id, token, now)
+        # A round's devices read its state at every phase change and send a message in each phase:
+        # these requests advance the round before their own work only when its phase deadline has
+        # passed (every other change of phase comes after a message, which advances the round, or
+        # with the ticker).
+        population, status, round_ = _callers_round(session, assignment_id, token, now, advance_rounds=False)
+        if round_.status == "open" and secure_rounds.deadline_passed(session, round_, now):
+            rounds.advance_secure(session, population, round_, now)
         return {"assignment_status": status, **secure_rounds.state(session, round_, assignment_id, now)}
 
 
@@ -63,7 +69,12 @@ def _message(
     factory: sessionmaker[Session], handler: Handler, assignment_id: str, token: str, body: Any, now: float
 ) -> dict[str, Any]:
     with factory.begin() as session:
-        population, status, round_ = _callers_round(session, assignment_id, token, now)
+        population, status, round_ = _callers_round(session, assignment_id, token, now, advance_rounds=False)
+        if round_.status == "open" and secure_rounds.deadline_passed(session, round_, now):
+            # The phase ran out before this message: close it first (the message is then out of
+            # phase, or its device was dropped with it).
+            rounds.advance_secure(session, population, round_, now)
+            status = rounds.assignment_status(session, assignment_id)
         if status != "assigned" or round_.status != "open":
             raise HTTPException(409, f"this assignment is {status} and its round {round_.status}")
         answer = handler(session, round_, assignment_id, body, now)

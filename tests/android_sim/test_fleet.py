@@ -1,0 +1,71 @@
+"""The fleet's end of a run: devices stuck in a request do not hold the run up."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+from android_sim.fleet import TRAINING, DeviceSpec, Fleet, FleetOptions
+from android_sim.network import Connector
+from android_sim.profiles import DeviceClass, DeviceProfile, SimClock
+from contracts.features import FeatureSpec
+from device_runtime.example_store import ExampleStore
+from device_runtime.task_runner import TaskRunner
+
+FEATURES = [FeatureSpec("item", "int32", (), value_range=(0, 9))]
+ALWAYS_ON = DeviceClass("test phone", 1.0, 1.0, 200.0, 2.0, 0.0, 0.5, 24.0, 1.0, 0.0)
+
+
+class _Unanswering:
+    """An ASGI server that takes every request and never answers (a server gone silent)."""
+
+    def __init__(self) -> None:
+        self.requests = 0
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            self.requests += 1
+            await asyncio.Event().wait()
+
+
+def test_devices_stuck_in_a_request_are_switched_off_after_the_grace_period(tmp_path: Path) -> None:
+    # Prepare: two enrolled, always eligible devices whose check-ins never get an answer
+    server = _Unanswering()
+    profile = DeviceProfile(ALWAYS_ON, timezone_hours=0.0, bedtime_hours=0.0, has_wifi=True, salt=1)
+    specs = [DeviceSpec(TRAINING, profile, tmp_path / f"d{i}.sqlite", 10) for i in range(2)]
+    for spec in specs:
+        with ExampleStore(spec.store_path, FEATURES):
+            pass
+
+    async def scenario() -> tuple[int, float, int]:
+        with TaskRunner(1) as runner:
+            fleet = Fleet(
+                "http://orchestrator.local",
+                Connector(server),
+                specs,
+                tmp_path / "cache",
+                runner,
+                SimClock(60.0),
+                FleetOptions(population="p"),
+            )
+            for i, device in enumerate(fleet.devices):
+                device.device_id = f"device-{i}"  # enrolled before: only the check-in hangs
+            running = asyncio.create_task(fleet.run())
+            while server.requests < 2:
+                assert not running.done(), running
+                await asyncio.sleep(0.05)
+
+            # Execute: the run ends; the devices get 0.2 s to finish
+            loop = asyncio.get_running_loop()
+            started = loop.time()
+            switched_off = await fleet.switch_off(0.2)
+            await running
+            return switched_off, loop.time() - started, fleet.stats.in_task
+
+    switched_off, seconds, in_task = asyncio.run(scenario())
+
+    # Assert: both were cut off mid-request at the grace period, not after the request's timeout
+    assert switched_off == 2
+    assert seconds < 5.0
+    assert in_task == 0
