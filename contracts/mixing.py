@@ -115,7 +115,7 @@ class MixingConfig:
             )
         if self.strategy == "gradient_transfer" and "gradient" not in manifest.signatures:
             raise MixingError(
-                "gradient_transfer is not yet available for this model: it needs the export's `gradient` "
+                "gradient_transfer is not available for this model: it needs the export's `gradient` "
                 f"signature (the model has {sorted(manifest.signatures)}); re-export the model with it"
             )
 
