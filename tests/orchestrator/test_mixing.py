@@ -20,8 +20,8 @@ from contracts.task_config import TaskConfig
 from model_export.config import ModelConfig
 from model_runtime.task_batches import TaskBatches
 from model_runtime.tflite_model import TFLiteModel
+from orchestrator import central_training, rounds
 from orchestrator import mixing as mixing_data
-from orchestrator import rounds
 from orchestrator.__main__ import main as orchestrator_cli
 from orchestrator.db import make_engine
 from orchestrator.populations import ExportedModel
@@ -344,3 +344,41 @@ def test_a_gradient_transfer_assignment_carries_the_central_gradient_at_its_glob
     # Rows only: the item rows the centralized data's query half uses, not the whole table.
     items = next(s for s in manifest.global_params if s.row_sparse is not None)
     assert 0 < len(sent[items.name].rows) <= 10 < items.shape[0]
+
+
+def test_the_next_versions_central_gradient_is_taken_at_the_committed_globals(
+    db: sessionmaker[Session], export: Callable[[ModelConfig], Path]
+) -> None:
+    # Prepare: one report a round; the commit precomputes version 1's gradient in the background.
+    model_dir = export(BIASED)
+    model = ExportedModel.from_dir(model_dir)
+    make_population(db, model, target_reports=1)
+    examples = central_examples(Manifest.from_json(model.manifest), 20, seed=6)
+    _attach_in(db, {"strategy": "gradient_transfer", "weight": 0.5}, examples)
+    dev = device(db)
+    answer = checkin(db, dev)
+    report(db, dev, answer.assignment_id, delta_body(model, 0.05, rows=(3, 7)))
+
+    # Execute: what an assignment of the next round is served.
+    committed = version_params(db, model, 1)
+    with db() as session:
+        population = rounds.find_population(session, "p")
+        assert population is not None and population.current_version == 1
+        manifest = rounds.population_manifest(population)
+        job = mixing_data.gradient_transfer_job(
+            session,
+            population,
+            manifest,
+            1,
+            committed,
+            rounds.population_settings(population).task(),
+        )
+    assert job is not None
+    served = central_training.central_gradient(job).gradient
+
+    # Assert: version 1's globals, not version 0's.
+    expected = _independent_central_gradient(model_dir, committed, examples)
+    stale = _independent_central_gradient(model_dir, version_params(db, model, 0), examples)
+    for name, value in expected.items():
+        np.testing.assert_allclose(served[name].dense(), value, rtol=1e-5, atol=1e-7, err_msg=name)
+    assert any(not np.allclose(expected[k], stale[k], atol=1e-6) for k in expected)
