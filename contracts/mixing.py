@@ -14,7 +14,8 @@ Strategies (the paper's algorithms):
 - `example_transfer` (Algorithm 3): each assignment carries `examples_per_assignment` centralized
   examples that the device mixes into its update steps only;
 - `gradient_transfer` (Algorithm 4): each assignment carries the gradient of the centralized loss
-  at the round's globals, which the device adds, times `weight`, to each update step.
+  at the round's globals, which the device adds, times `weight`, to each update step; on the wire,
+  a sparse delta (contracts.params) of the rows the centralized data touches.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from safetensors.numpy import load, save
 
 from contracts.features import Examples, FeatureSpec, InvalidExamples
 from contracts.manifest import Manifest
+from contracts.params import ParamsError, SparseTensor, check_sparse_delta, decode_sparse_delta, row_shape
 
 Strategy = Literal["none", "parallel_training", "example_transfer", "gradient_transfer"]
 STRATEGIES: tuple[Strategy, ...] = ("none", "parallel_training", "example_transfer", "gradient_transfer")
@@ -113,7 +115,7 @@ class MixingConfig:
             )
         if self.strategy == "gradient_transfer" and "gradient" not in manifest.signatures:
             raise MixingError(
-                "gradient_transfer is not yet available for this model: it needs the export's `gradient` "
+                "gradient_transfer is not available for this model: it needs the export's `gradient` "
                 f"signature (the model has {sorted(manifest.signatures)}); re-export the model with it"
             )
 
@@ -182,6 +184,27 @@ def transferred_examples(blob: bytes, manifest: Manifest) -> Examples:
             f"{what} are {examples.num_examples}; expected at most {manifest.max_examples} (one update call)"
         )
     return examples
+
+
+def max_gradient_bytes(manifest: Manifest) -> int:
+    """The largest central gradient a device accepts: every row of every global (a 4-byte row index
+    and 4 bytes a value), and a header."""
+    total = 0
+    for spec in manifest.global_params:
+        shape = row_shape(spec.shape)
+        total += 4 * shape[0] + 4 * int(np.prod(shape, dtype=np.int64)) + 8 * len(spec.shape)
+    return total + 8 + MAX_EXAMPLES_HEADER_BYTES
+
+
+def transferred_gradient(blob: bytes, manifest: Manifest) -> dict[str, SparseTensor]:
+    """A device's reading of an assignment's central gradient: bounded, one sparse tensor per
+    global of the model with its shape (rows in range, strictly increasing), float32, finite;
+    ParamsError otherwise."""
+    what = "the assignment's central gradient"
+    limit = max_gradient_bytes(manifest)
+    if len(blob) > limit:
+        raise ParamsError(f"{what} is {len(blob)} bytes; the limit for this model is {limit}")
+    return check_sparse_delta(decode_sparse_delta(blob), manifest.global_params, what)
 
 
 def sample_examples(examples: Examples, count: int, seed: bytes) -> Examples:

@@ -106,12 +106,28 @@ class Assignment:
             "update steps; not the device's, not counted in its weight"
         ),
     ] = None
+    central_gradient_url: Annotated[
+        str | None,
+        Spec(
+            "gradient transfer (contracts.mixing): the centralized loss's gradient at this round's "
+            "globals (sparse safetensors), added times central_gradient_weight to each update step"
+        ),
+    ] = None
+    central_gradient_weight: Annotated[
+        float | None,
+        Spec("gradient transfer: the central gradient's weight (contracts.mixing)", ge=0.0, le=100.0),
+    ] = None
     accepted: Literal[True] = True
 
     def __post_init__(self) -> None:
         if self.aggregation == "secure" and self.secure_url is None:
             raise InvalidMessage(
                 "secure_url is None; expected a URL on the orchestrator's origin when aggregation is 'secure'"
+            )
+        if (self.central_gradient_url is None) != (self.central_gradient_weight is None):
+            raise InvalidMessage(
+                "central_gradient_url and central_gradient_weight come together (gradient transfer); "
+                f"got {self.central_gradient_url!r} and {self.central_gradient_weight!r}"
             )
 
 

@@ -15,8 +15,13 @@ from typing import Any
 
 from contracts.features import Examples, InvalidExamples
 from contracts.manifest import ManifestError, load_manifest
-from contracts.mixing import max_transfer_bytes, transferred_examples
-from contracts.params import ParamsError
+from contracts.mixing import (
+    max_gradient_bytes,
+    max_transfer_bytes,
+    transferred_examples,
+    transferred_gradient,
+)
+from contracts.params import ParamsError, SparseTensor
 from contracts.protocol import Assignment, Rejection
 from contracts.task_config import TaskConfig
 from device_runtime.client_task import Outcome, TaskResult
@@ -50,7 +55,7 @@ class Participation:
     detail: str = ""
     server_answer: dict[str, Any] = field(default_factory=dict)
     task_seconds: float = 0.0  # compute time, including a slow device's extra time
-    central_bytes: int = 0  # example transfer: the centralized examples downloaded for the task
+    central_bytes: int = 0  # mixing: the centralized examples or central gradient downloaded for the task
 
 
 class DeviceAgent:
@@ -70,7 +75,7 @@ class DeviceAgent:
         self.population = population
         self.runner = runner or TaskRunner(1, backend=backend)
         self.assignment: Assignment | None = None  # the one held while participating
-        self.central_bytes = 0  # example transfer: bytes of centralized examples for the current task
+        self.central_bytes = 0  # mixing: bytes of centralized examples or gradient for the current task
 
     async def participate(
         self,
@@ -199,6 +204,7 @@ class DeviceAgent:
         blob = await self.client.global_params(answer)
         config = TaskConfig.from_json(answer.task_config)
         central, central_bytes = await self._central_examples(answer, model_dir)
+        gradient, gradient_bytes = await self._central_gradient(answer, model_dir)
         timed = await self.runner.run(
             answer.kind,
             model_dir,
@@ -209,9 +215,11 @@ class DeviceAgent:
             seed=seed,
             kept=LocalStateStore(self.store, self.population),
             central=central,
+            central_gradient=gradient,
+            central_gradient_weight=answer.central_gradient_weight or 0.0,
         )
         result, seconds = timed.result, timed.seconds
-        self.central_bytes = central_bytes
+        self.central_bytes = central_bytes + gradient_bytes
         if compute_slowdown > 1.0:
             await asyncio.sleep((compute_slowdown - 1.0) * seconds)
             seconds *= compute_slowdown
@@ -261,6 +269,21 @@ class DeviceAgent:
         try:
             return transferred_examples(blob, manifest), len(blob)
         except InvalidExamples as e:
+            raise InvalidAnswer(str(e), assignment_id=answer.assignment_id) from None
+
+    async def _central_gradient(
+        self, answer: Assignment, model_dir: Path
+    ) -> tuple[dict[str, SparseTensor] | None, int]:
+        """Gradient transfer: the central gradient the assignment carries, checked against the model
+        (size, one tensor per global with its shape, rows in range, finite float32), and its size in
+        bytes; None when it carries none."""
+        if answer.central_gradient_url is None or answer.kind != "training":
+            return None, 0
+        manifest = load_manifest(model_dir, verify_model=False)
+        blob = await self.client.central_gradient(answer, max_gradient_bytes(manifest))
+        try:
+            return transferred_gradient(blob, manifest), len(blob)
+        except ParamsError as e:
             raise InvalidAnswer(str(e), assignment_id=answer.assignment_id) from None
 
 

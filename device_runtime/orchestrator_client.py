@@ -311,6 +311,14 @@ class OrchestratorClient:
             assignment.central_examples_url, "the centralized examples", max_bytes=max_bytes
         )
 
+    async def central_gradient(self, assignment: Assignment, max_bytes: int) -> bytes:
+        """Gradient transfer: the assignment's central gradient (sparse safetensors), at most `max_bytes`."""
+        if assignment.central_gradient_url is None:
+            raise InvalidAnswer("the assignment carries no central_gradient_url")
+        return await self._binary(
+            assignment.central_gradient_url, "the central gradient", max_bytes=max_bytes
+        )
+
     async def report_training(
         self, assignment: Assignment, delta: Params, num_examples: int, metrics: Mapping[str, float]
     ) -> ReportAccepted:

@@ -23,7 +23,7 @@ from contracts.task_config import TaskConfig
 from device_runtime.client_task import TaskResult, run_evaluation_task, run_training_task
 from device_runtime.example_store import ExampleStore
 from device_runtime.local_state import LocalStateStore
-from model_runtime.tflite_model import TFLiteModel
+from model_runtime.tflite_model import SparseGradient, TFLiteModel
 
 
 @dataclass(frozen=True)
@@ -69,6 +69,8 @@ class TaskRunner:
         seed: int,
         kept: LocalStateStore | None,
         central: Examples | None,
+        central_gradient: SparseGradient | None,
+        central_gradient_weight: float,
     ) -> TimedResult:
         started = time.perf_counter()
         model = self._model(model_dir)
@@ -83,6 +85,8 @@ class TaskRunner:
                 seed=seed,
                 kept=kept,
                 central=central,
+                central_gradient=central_gradient,
+                weight=central_gradient_weight,
             )
         else:
             result = run_evaluation_task(model, store, params, config, seed=seed, kept=kept)
@@ -100,10 +104,13 @@ class TaskRunner:
         seed: int = 0,
         kept: LocalStateStore | None = None,
         central: Examples | None = None,
+        central_gradient: SparseGradient | None = None,
+        central_gradient_weight: float = 0.0,
     ) -> TimedResult:
         """A training or evaluation task; `global_blob` is the downloaded safetensors; `kept` is the
         device's local state storage, which a population with `local_state: keep` needs; `central`
-        the centralized examples of example transfer (mixed into the update steps only).
+        the centralized examples of example transfer (mixed into the update steps only);
+        `central_gradient` gradient transfer's, added times `central_gradient_weight` to each step.
 
         A model that does not load or agree with its manifest raises `ModelLoadError` or
         `ManifestError`, and globals that do not fit it raise `ParamsError`: inputs that came from
@@ -123,4 +130,6 @@ class TaskRunner:
             seed,
             kept,
             central,
+            central_gradient,
+            central_gradient_weight,
         )

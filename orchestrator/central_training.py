@@ -10,6 +10,10 @@ in a background thread as soon as a commit has made the next base version, so th
 the next round (which on SQLite runs on the event loop) only merges it. A commit that finds none
 (the population's first round, a restarted process, another server process) computes it inline;
 both give the same delta (seeded by the base version).
+
+Gradient transfer (Algorithm 4) uses the same pseudo-users and interpreters: the gradient of the
+centralized loss at a version's globals, computed once per version (in the background after the
+commit that made it, or by the first assignment that asks) and served to every assignment of it.
 """
 
 from __future__ import annotations
@@ -30,11 +34,11 @@ import numpy as np
 from contracts.features import Examples
 from contracts.manifest import MANIFEST_FILE, MODEL_FILE, Manifest
 from contracts.mixing import MixingConfig
-from contracts.params import Params
+from contracts.params import Params, SparseTensor, row_shape
 from contracts.task_config import TaskConfig
 from model_runtime.support_query import add_negatives, num_steps, reconstruct_locals, split_support_query
 from model_runtime.task_batches import TaskBatches, split_batches
-from model_runtime.tflite_model import TFLiteModel
+from model_runtime.tflite_model import SparseGradient, TFLiteModel
 
 
 class CentralTrainingError(RuntimeError):
@@ -85,13 +89,7 @@ def train_on_central(
         while steps_left > 0:
             group = groups[order[turn % len(groups)]]
             turn += 1
-            if manifest.task.negative_sampling and task.negatives_per_positive:
-                group = add_negatives(group, manifest, task.negatives_per_positive, rng)
-            support, query = split_support_query(group, manifest, task)
-            model.set_global(params)
-            if manifest.local_params:
-                reconstruct_locals(model, TaskBatches.pack(support, manifest), task)
-            batches = TaskBatches.pack(query, manifest)
+            batches = _as_pseudo_user(model, params, group, task, rng)
             steps = min(
                 steps_left, num_steps(batches.num_batches, task.update_max_epochs, task.update_max_steps)
             )
@@ -115,6 +113,64 @@ def train_on_central(
     return CentralUpdate(
         delta, float(np.mean(losses)) if losses else float("nan"), mixing.central_steps - steps_left
     )
+
+
+def _as_pseudo_user(
+    model: TFLiteModel, params: Params, group: Examples, task: TaskConfig, rng: np.random.Generator
+) -> TaskBatches:
+    """A group as a device would take it: negatives added (implicit labels), the globals set to
+    `params`, the locals reconstructed on its support half; its query half's batches."""
+    manifest = model.manifest
+    if manifest.task.negative_sampling and task.negatives_per_positive:
+        group = add_negatives(group, manifest, task.negatives_per_positive, rng)
+    support, query = split_support_query(group, manifest, task)
+    model.set_global(params)
+    if manifest.local_params:
+        reconstruct_locals(model, TaskBatches.pack(support, manifest), task)
+    return TaskBatches.pack(query, manifest)
+
+
+@dataclass(frozen=True)
+class CentralGradient:
+    gradient: SparseGradient  # every global; a row-sparse one: the rows the centralized data touches
+    loss: float  # the example-weighted mean data loss
+
+
+def gradient_on_central(
+    model: TFLiteModel, global_params: Params, examples: Examples, task: TaskConfig, seed: int
+) -> CentralGradient:
+    """Gradient transfer (Algorithm 4): the gradient of the centralized data's loss at
+    `global_params`, through the model's `gradient` signature: each group (pseudo-user, as in
+    `train_on_central`) with its locals reconstructed, the groups' gradients weighted by their
+    examples' weight. Negatives (implicit labels) are drawn from `seed`."""
+    manifest = model.manifest
+    groups = groups_of(examples, manifest)
+    if not groups:
+        raise ValueError("gradient transfer needs centralized examples; none are attached")
+    rng = np.random.default_rng(seed)
+    sums = {s.name: np.zeros(row_shape(s.shape), np.float64) for s in manifest.global_params}
+    touched = {s.name: np.zeros(row_shape(s.shape)[0], bool) for s in manifest.global_params}
+    total, loss = 0.0, 0.0
+    try:
+        for group in groups:
+            result = model.gradient(_as_pseudo_user(model, global_params, group, task, rng))
+            for name, tensor in result.gradient.items():
+                sums[name][tensor.rows] += np.asarray(tensor.values, np.float64) * result.weight_sum
+                touched[name][tensor.rows] = True
+            total += result.weight_sum
+            loss += result.loss * result.weight_sum
+    finally:
+        model.reset_local()
+    if total <= 0:
+        raise ValueError("the centralized examples carry no weight; gradient transfer has nothing to send")
+    gradient: SparseGradient = {}
+    for spec in manifest.global_params:
+        rows = np.flatnonzero(touched[spec.name]).astype(np.int32)
+        values = (sums[spec.name][rows] / total).astype(np.float32)
+        if not np.all(np.isfinite(values)):
+            raise CentralTrainingError("the centralized data's gradient is not finite at this model version")
+        gradient[spec.name] = SparseTensor(spec.shape, rows, values)
+    return CentralGradient(gradient, loss / total)
 
 
 def merge(federated: Params, central: Params, alpha: float) -> Params:
@@ -195,6 +251,10 @@ class CentralJob:
         with _models.model(self.artifact_sha256, self.manifest, self.tflite) as model:
             return train_on_central(model, self.params, self.examples, self.mixing, self.task, self.seed)
 
+    def gradient(self) -> CentralGradient:
+        with _models.model(self.artifact_sha256, self.manifest, self.tflite) as model:
+            return gradient_on_central(model, self.params, self.examples, self.task, self.seed)
+
 
 def job_key(
     database: object, population_id: int, version: int, dataset_sha256: str, mixing: MixingConfig
@@ -226,3 +286,33 @@ def precompute(job: CentralJob) -> None:
                 _ready.popitem(last=False)
 
     _background.submit(run)
+
+
+# ---- gradient transfer's central gradient, one per model version -------------------------------
+
+# Every assignment of a round downloads its version's gradient: kept (not popped) per job key.
+_gradients: OrderedDict[tuple[object, ...], CentralGradient | CentralTrainingError] = OrderedDict()
+# One computation at a time: the assignments that ask while it runs wait for it, not redo it.
+_gradient_lock = threading.Lock()
+
+
+def central_gradient(job: CentralJob) -> CentralGradient:
+    """The central gradient at the job's version: cached, else computed here (once per version)."""
+    with _gradient_lock:
+        found = _gradients.get(job.key)
+        if found is None:
+            try:
+                found = job.gradient()
+            except CentralTrainingError as e:
+                found = e
+            _gradients[job.key] = found
+            while len(_gradients) > _MAX_READY:
+                _gradients.popitem(last=False)
+    if isinstance(found, CentralTrainingError):
+        raise found
+    return found
+
+
+def precompute_gradient(job: CentralJob) -> None:
+    """Compute the next version's central gradient in the background, before its devices ask."""
+    _background.submit(central_gradient, job)

@@ -17,7 +17,14 @@ from sqlalchemy.orm import Session
 
 from contracts.features import Examples, InvalidExamples
 from contracts.manifest import Manifest
-from contracts.mixing import MAX_CENTRAL_BYTES, MixingConfig, MixingError, decode_examples, sample_examples
+from contracts.mixing import (
+    MAX_CENTRAL_BYTES,
+    MixingConfig,
+    MixingError,
+    Strategy,
+    decode_examples,
+    sample_examples,
+)
 from contracts.params import Params
 from contracts.task_config import LocalState, TaskConfig
 from orchestrator import central_training
@@ -136,6 +143,33 @@ def parallel_training_job(
 ) -> CentralJob | None:
     """Parallel training's central delta from model `version` (`params`), if the population mixes
     by parallel training; None otherwise."""
+    return central_job(session, population, manifest, version, params, task, "parallel_training")
+
+
+def gradient_transfer_job(
+    session: Session,
+    population: Population,
+    manifest: Manifest,
+    version: int,
+    params: Params,
+    task: TaskConfig,
+) -> CentralJob | None:
+    """Gradient transfer's central gradient at model `version` (`params`), if the population mixes
+    by gradient transfer; None otherwise."""
+    return central_job(session, population, manifest, version, params, task, "gradient_transfer")
+
+
+def central_job(
+    session: Session,
+    population: Population,
+    manifest: Manifest,
+    version: int,
+    params: Params,
+    task: TaskConfig,
+    strategy: Strategy,
+) -> CentralJob | None:
+    """The server's work on the centralized data at model `version`, if the population mixes by
+    `strategy`; None otherwise."""
     found = session.execute(
         select(CentralizedData.mixing, CentralizedData.sha256).where(
             CentralizedData.population_id == population.id
@@ -144,7 +178,7 @@ def parallel_training_job(
     if found is None:
         return None
     config = MixingConfig.from_json(found[0])
-    if config.strategy != "parallel_training":
+    if config.strategy != strategy:
         return None
     sha = population.artifact_sha256
     examples = central_examples(session, population, manifest)

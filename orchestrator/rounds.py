@@ -1022,6 +1022,12 @@ def _commit(
         )
         if following is not None:
             on_commit(session, functools.partial(central_training.precompute, following))
+    # Gradient transfer: the new version's central gradient, ready before its devices ask for it.
+    gradient = mixing.gradient_transfer_job(
+        session, population, manifest, version, new_params, settings.task()
+    )
+    if gradient is not None:
+        on_commit(session, functools.partial(central_training.precompute_gradient, gradient))
     round_.result_version = version
     _count_closed(session, population, round_, "committed")
     if not privacy_budget_spent(population):

@@ -18,6 +18,8 @@ from rich.console import Console
 from android_sim.__main__ import algorithm, build_parser, main
 from android_sim.profiles import DeviceClass
 from android_sim.run import RunConfig, RunResult, load_data, model_config, run, run_async
+from contracts.manifest import load_manifest
+from contracts.mixing import max_gradient_bytes
 from device_runtime.example_store import ExampleStore
 from device_runtime.local_state import LocalStateStore
 from model_export.config import ModelConfig
@@ -318,7 +320,7 @@ def test_an_algorithm_settings_file_with_flags_over_it(tmp_path: Path) -> None:
         algorithm(bad)
 
 
-@pytest.mark.parametrize("strategy", ["parallel_training", "example_transfer"])
+@pytest.mark.parametrize("strategy", ["parallel_training", "example_transfer", "gradient_transfer"])
 def test_a_fleet_mixes_centralized_data_and_counts_its_bytes(work: Path, strategy: str) -> None:
     mixing = {"strategy": strategy, "weight": 0.2, "central_steps": 4, "examples_per_assignment": 8}
     config = small(work, rounds=2, evaluation_every=0, mixing=mixing, central_examples=200)
@@ -333,6 +335,13 @@ def test_a_fleet_mixes_centralized_data_and_counts_its_bytes(work: Path, strateg
     if strategy == "parallel_training":
         assert all(r["metrics"]["central_steps"] == 4 for r in training)
         assert mixed["assignments_with_central_examples"] == 0
+    elif strategy == "gradient_transfer":
+        reported = report["fleet"]["device_side_outcomes"].get("training/reported", 0)
+        assert mixed["assignments_with_central_examples"] >= reported > 0
+        # The gradient's rows: at most every row of every global (max_gradient_bytes), and more
+        # than a few hundred bytes (the centralized data touches many item rows).
+        manifest = load_manifest(work / "model")
+        assert 1000 < mixed["central_bytes_per_assignment"] <= max_gradient_bytes(manifest)
     else:
         reported = report["fleet"]["device_side_outcomes"].get("training/reported", 0)
         assert mixed["assignments_with_central_examples"] >= reported > 0

@@ -28,6 +28,7 @@ from starlette.routing import Route
 from contracts.features import Examples
 from contracts.manifest import INITIAL_GLOBAL_FILE, MANIFEST_FILE, MODEL_FILE, Manifest
 from contracts.mixing import encode_examples
+from contracts.params import SparseTensor, encode_sparse_delta, row_shape
 from contracts.task_config import TaskConfig
 from orchestrator.local import free_port
 
@@ -85,6 +86,7 @@ class HostileOrchestrator:
             Route("/v1/assignments/{id}/report", self._handle, methods=["POST"], name="report"),
             Route("/v1/assignments/{id}/abort", self._handle, methods=["POST"], name="abort"),
             Route("/v1/assignments/{id}/central-examples", self._handle, methods=["GET"], name="central"),
+            Route("/v1/assignments/{id}/central-gradient", self._handle, methods=["GET"], name="gradient"),
         ]
         config = uvicorn.Config(
             Starlette(routes=routes),
@@ -143,6 +145,18 @@ class HostileOrchestrator:
         )
         return encode_examples(examples, manifest.features)
 
+    def central_gradient(self, rows: int = 2, value: float = 0.01) -> dict[str, SparseTensor]:
+        """Gradient transfer's honest answer: every global, its first `rows` rows at `value`."""
+        manifest = Manifest.from_json(self.manifest)
+        gradient = {}
+        for spec in manifest.global_params:
+            by_row = row_shape(spec.shape)
+            taken = np.arange(min(rows, by_row[0]), dtype=np.int32)
+            gradient[spec.name] = SparseTensor(
+                spec.shape, taken, np.full((len(taken), *by_row[1:]), value, np.float32)
+            )
+        return gradient
+
     # ---- serving -----------------------------------------------------------------------
 
     def _honest(self, route: str) -> Answer:
@@ -157,6 +171,7 @@ class HostileOrchestrator:
             "report": lambda: json_answer(acknowledged),
             "abort": lambda: json_answer(acknowledged),
             "central": lambda: Answer(self.central_examples(), content_type=binary),
+            "gradient": lambda: Answer(encode_sparse_delta(self.central_gradient()), content_type=binary),
         }
         return honest[route]()
 

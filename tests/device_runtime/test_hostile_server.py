@@ -16,11 +16,11 @@ from typing import Any
 
 import numpy as np
 import pytest
-from safetensors.numpy import save
+from safetensors.numpy import load, save
 
 from contracts.features import Examples
 from contracts.manifest import MANIFEST_FILE, MODEL_FILE, Manifest
-from contracts.params import decode_params, encode_params
+from contracts.params import SparseTensor, decode_params, encode_params, encode_sparse_delta
 from device_runtime.agent import DeviceAgent, Participation
 from device_runtime.example_store import Event, ExampleStore
 from device_runtime.orchestrator_client import InvalidAnswer, OrchestratorClient
@@ -813,3 +813,134 @@ def test_honest_central_examples_are_trained_on_and_reported_as_usual(
         "central",
         "report",
     ]
+
+
+GRADIENT_URL = f"/v1/assignments/{ASSIGNMENT_ID}/central-gradient"
+
+
+def _gradient_with(server: HostileOrchestrator, **changes: SparseTensor | None) -> Answer:
+    """The honest central gradient with some tensors replaced (None: left out)."""
+    gradient = {**server.central_gradient(), **changes}
+    return Answer(
+        encode_sparse_delta({k: v for k, v in gradient.items() if v is not None}), content_type=BINARY
+    )
+
+
+def _item_rows(server: HostileOrchestrator, rows: list[int], value: float = 0.01) -> SparseTensor:
+    spec = next(s for s in Manifest.from_json(server.manifest).global_params if s.row_sparse is not None)
+    return SparseTensor(
+        spec.shape, np.asarray(rows, np.int32), np.full((len(rows), *spec.shape[1:]), value, np.float32)
+    )
+
+
+def _item_name(server: HostileOrchestrator) -> str:
+    return next(s.name for s in Manifest.from_json(server.manifest).global_params if s.row_sparse is not None)
+
+
+def _raw_rows(server: HostileOrchestrator, rows: list[int], dtype: type = np.float32) -> Answer:
+    """The item embeddings' gradient written by hand, past SparseTensor's own checks."""
+    name = _item_name(server)
+    shape = next(s.shape for s in Manifest.from_json(server.manifest).global_params if s.name == name)
+    blob = encode_sparse_delta({k: v for k, v in server.central_gradient().items() if k != name})
+    tensors = {
+        **load(blob),
+        f"{name}/rows": np.asarray(rows, np.int32),
+        f"{name}/values": np.zeros((len(rows), *shape[1:]), dtype),
+        f"{name}/shape": np.asarray(shape, np.int64),
+    }
+    return Answer(save(tensors), content_type=BINARY)
+
+
+GRADIENT_CASES: list[tuple[str, Callable[[HostileOrchestrator], Answer], str]] = [
+    ("garbage", lambda s: Answer(b"\x01" * 40, content_type=BINARY), r"not a valid safetensors"),
+    ("json", lambda s: json_answer({"item_embeddings": [1]}), r"Content-Type"),
+    (
+        "row outside",
+        lambda s: _raw_rows(s, [0, SMALL.num_items]),
+        r"rows must lie in",
+    ),
+    (
+        "rows repeated",
+        lambda s: _raw_rows(s, [3, 3]),
+        r"strictly increasing",
+    ),
+    (
+        "float64 values",
+        lambda s: _raw_rows(s, [0, 1], np.float64),
+        r"must be float32",
+    ),
+    ("NaN", lambda s: _gradient_with(s, **{_item_name(s): _item_rows(s, [1, 2], np.nan)}), r"non-finite"),
+    ("a global missing", lambda s: _gradient_with(s, **{_item_name(s): None}), r"missing|lacks|expected"),
+    (
+        "an unknown tensor",
+        lambda s: _gradient_with(s, bogus=SparseTensor((3,), np.zeros(0, np.int32), np.zeros(0, np.float32))),
+        r"bogus",
+    ),
+    (
+        "endless",
+        lambda s: Answer(b"\0" * 65536, content_type=BINARY, chunks=200),
+        r"larger than|exceeds|bytes",
+    ),
+]
+
+
+@pytest.mark.parametrize("name,answer,detail", GRADIENT_CASES, ids=[c[0] for c in GRADIENT_CASES])
+def test_a_malformed_central_gradient_is_an_outcome_with_an_abort(
+    name: str,
+    answer: Callable[[HostileOrchestrator], Answer],
+    detail: str,
+    server: HostileOrchestrator,
+    store: ExampleStore,
+    runner: TaskRunner,
+    tmp_path: Path,
+) -> None:
+    server.reset()
+    server.craft(
+        "checkin",
+        json_answer(server.assignment(central_gradient_url=GRADIENT_URL, central_gradient_weight=0.5)),
+    )
+    server.craft("gradient", answer(server))
+    before = list(store.iter_events())
+
+    participation = participate(server, store, runner, tmp_path / "cache")
+
+    assert participation.status == BAD, participation.detail
+    assert re.search(detail, participation.detail), participation.detail
+    assert aborted(server) and not server.seen("report")
+    assert list(store.iter_events()) == before and store.integrity_ok()
+
+
+def test_a_gradient_url_without_its_weight_is_an_invalid_answer(
+    server: HostileOrchestrator, store: ExampleStore, runner: TaskRunner, tmp_path: Path
+) -> None:
+    server.reset()
+    server.craft("checkin", json_answer(server.assignment(central_gradient_url=GRADIENT_URL)))
+
+    participation = participate(server, store, runner, tmp_path / "cache")
+
+    assert participation.status == BAD, participation.detail
+    assert "central_gradient_weight" in participation.detail
+    assert not server.seen("gradient") and not server.seen("report")
+
+
+def test_an_honest_central_gradient_is_trained_with_and_reported_as_usual(
+    server: HostileOrchestrator, store: ExampleStore, runner: TaskRunner, tmp_path: Path
+) -> None:
+    server.reset()
+    server.craft(
+        "checkin",
+        json_answer(server.assignment(central_gradient_url=GRADIENT_URL, central_gradient_weight=0.5)),
+    )
+
+    participation = participate(server, store, runner, tmp_path / "cache")
+
+    assert participation.status == "reported", participation.detail
+    assert [r.route for r in server.requests] == [
+        "checkin",
+        "manifest",
+        "artifact",
+        "global",
+        "gradient",
+        "report",
+    ]
+    assert participation.central_bytes == len(encode_sparse_delta(server.central_gradient()))

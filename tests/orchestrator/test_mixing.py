@@ -14,14 +14,14 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from contracts.features import Examples
 from contracts.manifest import Manifest, load_manifest
-from contracts.mixing import decode_examples, encode_examples
-from contracts.params import Params, decode_sparse_delta
+from contracts.mixing import MixingConfig, MixingError, decode_examples, encode_examples, transferred_gradient
+from contracts.params import Params, decode_params, decode_sparse_delta
 from contracts.task_config import TaskConfig
 from model_export.config import ModelConfig
 from model_runtime.task_batches import TaskBatches
 from model_runtime.tflite_model import TFLiteModel
+from orchestrator import central_training, rounds
 from orchestrator import mixing as mixing_data
-from orchestrator import rounds
 from orchestrator.__main__ import main as orchestrator_cli
 from orchestrator.db import make_engine
 from orchestrator.populations import ExportedModel
@@ -91,7 +91,7 @@ def test_attaching_bad_mixing_is_a_4xx_that_says_why_and_changes_nothing(
             good,
             "examples_per_assignment",
         ),
-        "no gradient signature": ({"strategy": "gradient_transfer"}, good, "not yet available"),
+        "gradient weight above its bound": ({"strategy": "gradient_transfer", "weight": 101}, good, "weight"),
     }
     for case, (mixing, blob, expected) in cases.items():
         # Execute
@@ -271,3 +271,114 @@ def test_an_example_transfer_assignment_carries_a_sample_of_the_central_examples
     pairs = {(int(i), float(y)) for i, y in zip(dataset["item"], dataset["label"], strict=True)}
     assert {(int(i), float(y)) for i, y in zip(sample["item"], sample["label"], strict=True)} <= pairs
     assert other.status_code == 404
+
+
+def test_gradient_transfer_is_refused_for_a_model_exported_without_the_gradient_signature(
+    export: Callable[[ModelConfig], Path],
+) -> None:
+    data = json.loads((export(BIASED) / "manifest.json").read_text())
+    config = MixingConfig(strategy="gradient_transfer", weight=0.5)
+    config.check_model(Manifest.from_json(data), 10)  # the current export has it: accepted
+    del data["signatures"]["gradient"]
+    data["signatures"]["update"]["inputs"] = [
+        s
+        for s in data["signatures"]["update"]["inputs"]
+        if not s["name"].endswith("_central_gradient") and s["name"] != "central_gradient_weight"
+    ]
+
+    with pytest.raises(MixingError, match="needs the export's `gradient` signature"):
+        config.check_model(Manifest.from_json(data), 10)
+
+
+def _independent_central_gradient(model_dir: Path, base: Params, examples: Examples) -> dict[str, np.ndarray]:
+    """Algorithm 4's server step written out: one pseudo-user (the 20 examples fit one task) whose
+    locals are reconstructed on the even batches; the `gradient` signature on the odd ones."""
+    model = TFLiteModel(model_dir)
+    manifest, task = model.manifest, TaskConfig.from_manifest(model.manifest)
+    b = manifest.batch_size
+    batches = [examples.select(slice(i, i + b)) for i in range(0, examples.num_examples, b)]
+    model.set_global(base)
+    model.reset_local()
+    model.reconstruct(
+        TaskBatches.pack(batches[0::2], manifest),
+        min(task.reconstruction_max_steps, task.reconstruction_max_epochs * len(batches[0::2])),
+        task.reconstruction_learning_rate,
+    )
+    return {
+        k: v.dense() for k, v in model.gradient(TaskBatches.pack(batches[1::2], manifest)).gradient.items()
+    }
+
+
+def test_a_gradient_transfer_assignment_carries_the_central_gradient_at_its_globals_for_its_device_only(
+    server: Server, export: Callable[[ModelConfig], Path]
+) -> None:
+    # Prepare
+    model_dir = export(BIASED)
+    manifest = load_manifest(model_dir)
+    assert admin_create_population(server.url, model_dir, "p", '{"target_reports": 3}').status_code == 201
+    dataset = central_examples(manifest, 20, seed=5)
+    mixing = {"strategy": "gradient_transfer", "weight": 0.7}
+    assert attach(server.url, "p", mixing, encode_examples(dataset, manifest.features)).status_code == 200
+    tokens = [httpx.post(f"{server.url}/v1/devices", timeout=10).json()["token"] for _ in range(2)]
+    auth = [{"Authorization": f"Bearer {t}"} for t in tokens]
+
+    # Execute
+    answer = httpx.post(
+        f"{server.url}/v1/populations/p/checkin", json={"example_count": 20}, headers=auth[0], timeout=10
+    ).json()
+    url = f"{server.url}{answer['central_gradient_url']}"
+    first, again = (httpx.get(url, headers=auth[0], timeout=60) for _ in range(2))
+    other = httpx.get(url, headers=auth[1], timeout=10)
+    base = httpx.get(f"{server.url}{answer['params_url']}", headers=auth[0], timeout=10)
+
+    # Assert: the weight, and the gradient of the central loss at the assignment's globals.
+    assert answer["central_gradient_weight"] == 0.7 and answer["central_examples_url"] is None
+    assert first.status_code == 200, first.text
+    assert first.content == again.content and other.status_code == 404
+    sent = transferred_gradient(first.content, manifest)
+    expected = _independent_central_gradient(
+        model_dir, decode_params(base.content, manifest.global_params, "base"), dataset
+    )
+    for name, value in expected.items():
+        np.testing.assert_allclose(sent[name].dense(), value, rtol=1e-5, atol=1e-7, err_msg=name)
+    # Rows only: the item rows the centralized data's query half uses, not the whole table.
+    items = next(s for s in manifest.global_params if s.row_sparse is not None)
+    assert 0 < len(sent[items.name].rows) <= 10 < items.shape[0]
+
+
+def test_the_next_versions_central_gradient_is_taken_at_the_committed_globals(
+    db: sessionmaker[Session], export: Callable[[ModelConfig], Path]
+) -> None:
+    # Prepare: one report a round; the commit precomputes version 1's gradient in the background.
+    model_dir = export(BIASED)
+    model = ExportedModel.from_dir(model_dir)
+    make_population(db, model, target_reports=1)
+    examples = central_examples(Manifest.from_json(model.manifest), 20, seed=6)
+    _attach_in(db, {"strategy": "gradient_transfer", "weight": 0.5}, examples)
+    dev = device(db)
+    answer = checkin(db, dev)
+    report(db, dev, answer.assignment_id, delta_body(model, 0.05, rows=(3, 7)))
+
+    # Execute: what an assignment of the next round is served.
+    committed = version_params(db, model, 1)
+    with db() as session:
+        population = rounds.find_population(session, "p")
+        assert population is not None and population.current_version == 1
+        manifest = rounds.population_manifest(population)
+        job = mixing_data.gradient_transfer_job(
+            session,
+            population,
+            manifest,
+            1,
+            committed,
+            rounds.population_settings(population).task(),
+        )
+    assert job is not None
+    served = central_training.central_gradient(job).gradient
+
+    # Assert: version 1's globals, not version 0's.
+    expected = _independent_central_gradient(model_dir, committed, examples)
+    stale = _independent_central_gradient(model_dir, version_params(db, model, 0), examples)
+    for name, value in expected.items():
+        np.testing.assert_allclose(served[name].dense(), value, rtol=1e-5, atol=1e-7, err_msg=name)
+    assert any(not np.allclose(expected[k], stale[k], atol=1e-6) for k in expected)

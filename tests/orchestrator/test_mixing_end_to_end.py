@@ -61,7 +61,7 @@ def _reports(sent: list[tuple[str, str, bytes]]) -> list[tuple[frozenset[str], d
     return sorted(found, key=lambda r: r[1]["num_examples"])  # type: ignore[no-any-return]
 
 
-@pytest.mark.parametrize("strategy", ["parallel_training", "example_transfer"])
+@pytest.mark.parametrize("strategy", ["parallel_training", "example_transfer", "gradient_transfer"])
 def test_a_mixing_strategy_runs_end_to_end_and_the_reports_carry_nothing_new(
     strategy: str,
     server: Server,
@@ -104,14 +104,24 @@ def test_a_mixing_strategy_runs_end_to_end_and_the_reports_carry_nothing_new(
     rounds_ = admin(server.url, "/v1/admin/populations/mixed/rounds?kind=training")
     committed_round = next(r for r in rounds_ if r["status"] == "committed")
     transfers = [a["central_examples_url"] for a in mixed_assignments]
+    gradients = [a["central_gradient_url"] for a in mixed_assignments]
     downloads = [p for m, p, _ in mixed_sent if m == "GET" and p.endswith("/central-examples")]
+    gradient_downloads = [p for m, p, _ in mixed_sent if m == "GET" and p.endswith("/central-gradient")]
     if strategy == "parallel_training":
         assert committed_round["metrics"]["central_steps"] == 8
         assert transfers == [None] * DEVICES and not downloads
-    else:
+    elif strategy == "example_transfer":
         assert "central_steps" not in committed_round["metrics"]
         assert all(t is not None for t in transfers) and len(downloads) == DEVICES
+    else:
+        assert "central_steps" not in committed_round["metrics"]
+        assert transfers == [None] * DEVICES and not downloads
+        assert all(g is not None for g in gradients) and len(gradient_downloads) == DEVICES
+        assert {a["central_gradient_weight"] for a in mixed_assignments} == {0.3}
+    if strategy != "gradient_transfer":
+        assert gradients == [None] * DEVICES and not gradient_downloads
     assert all(a["central_examples_url"] is None for a in plain_assignments)
+    assert all(a["central_gradient_url"] is None for a in plain_assignments)
 
     # Assert, as a curious server: the reports read the same, down to each device's weight.
     assert _reports(mixed_sent) == _reports(plain_sent)

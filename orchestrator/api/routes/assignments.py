@@ -6,10 +6,12 @@ from dataclasses import dataclass
 from fastapi import APIRouter, HTTPException, Request, Response
 from sqlalchemy.orm import Session, sessionmaker
 from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
 
 from contracts.mixing import encode_examples
+from contracts.params import decode_params, encode_sparse_delta
 from contracts.protocol import ReportAccepted
-from orchestrator import mixing, rounds
+from orchestrator import central_training, mixing, rounds
 from orchestrator.api import schemas
 from orchestrator.api.deps import (
     DATABASE_UNAVAILABLE,
@@ -21,7 +23,8 @@ from orchestrator.api.deps import (
     run_db,
 )
 from orchestrator.api.group_commit import GroupCommit
-from orchestrator.db import Assignment, Round
+from orchestrator.central_training import CentralJob
+from orchestrator.db import Assignment, ModelVersion, Population, Round
 from orchestrator.devices import authenticate_all
 
 router = APIRouter(prefix="/v1/assignments", tags=["devices"])
@@ -123,15 +126,21 @@ async def abort(
     return _answer(await run_db(request.app, _abort, factory, assignment_id, token, clock()))
 
 
+def _open_assignment(session: Session, token: str, assignment_id: str) -> tuple[Population, Assignment]:
+    """The device's own open assignment and its population; 404/409 otherwise."""
+    device_id = require_device(session, token)
+    population = rounds.population_of_assignment(session, assignment_id)
+    assignment = session.get(Assignment, assignment_id)
+    if population is None or assignment is None or assignment.device_id != device_id:
+        raise HTTPException(404, f"no assignment {assignment_id!r} of this device")
+    if assignment.status != "assigned":
+        raise HTTPException(409, f"assignment {assignment_id!r} is {assignment.status}, no longer open")
+    return population, assignment
+
+
 def _central_examples(factory: sessionmaker[Session], token: str, assignment_id: str) -> bytes:
     with factory() as session:
-        device_id = require_device(session, token)
-        population = rounds.population_of_assignment(session, assignment_id)
-        assignment = session.get(Assignment, assignment_id)
-        if population is None or assignment is None or assignment.device_id != device_id:
-            raise HTTPException(404, f"no assignment {assignment_id!r} of this device")
-        if assignment.status != "assigned":
-            raise HTTPException(409, f"assignment {assignment_id!r} is {assignment.status}, no longer open")
+        population, _ = _open_assignment(session, token, assignment_id)
         config = mixing.mixing_of(session, population)
         if config.strategy != "example_transfer":
             raise HTTPException(
@@ -150,4 +159,47 @@ async def central_examples(
     assignment_id: str, token: TokenDep, factory: SessionFactoryDep, request: Request
 ) -> Response:
     blob = await run_db(request.app, _central_examples, factory, token, assignment_id)
+    return Response(content=blob, media_type="application/octet-stream")
+
+
+def _gradient_job(factory: sessionmaker[Session], token: str, assignment_id: str) -> CentralJob:
+    with factory() as session:
+        population, assignment = _open_assignment(session, token, assignment_id)
+        round_ = session.get(Round, assignment.round_id)
+        assert round_ is not None  # an assignment's round is never deleted
+        if round_.kind != rounds.TRAINING:
+            raise HTTPException(404, f"assignment {assignment_id!r} is an evaluation; it trains nothing")
+        version = session.get(ModelVersion, (population.id, round_.base_version))
+        if version is None:
+            raise HTTPException(409, f"model version {round_.base_version} of the assignment was pruned")
+        manifest = rounds.population_manifest(population)
+        params = decode_params(version.params, manifest.global_params, "model version")
+        task = rounds.population_settings(population).task()
+        job = mixing.gradient_transfer_job(session, population, manifest, round_.base_version, params, task)
+        if job is None:
+            raise HTTPException(
+                404, f"assignment {assignment_id!r}'s population does not mix by gradient transfer"
+            )
+        return job
+
+
+def _central_gradient(job: CentralJob) -> bytes:
+    try:
+        found = central_training.central_gradient(job)
+    except central_training.CentralTrainingError as e:
+        raise HTTPException(503, f"{e}; the round's devices train without it") from None
+    # Rows only: a row-sparse global's rows that the centralized data touches.
+    return encode_sparse_delta(found.gradient)
+
+
+@router.get(
+    "/{assignment_id}/central-gradient",
+    summary="Gradient transfer: the centralized loss's gradient at the round's globals (sparse safetensors)",
+)
+async def central_gradient(
+    assignment_id: str, token: TokenDep, factory: SessionFactoryDep, request: Request
+) -> Response:
+    job = await run_db(request.app, _gradient_job, factory, token, assignment_id)
+    # Computed outside the database session (once per model version, then cached).
+    blob = await run_in_threadpool(_central_gradient, job)
     return Response(content=blob, media_type="application/octet-stream")

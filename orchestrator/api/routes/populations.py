@@ -13,6 +13,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 from starlette.applications import Starlette
 
+from contracts.mixing import MixingConfig
 from contracts.protocol import Assignment, Rejection, TaskKind
 from orchestrator import mixing, rounds
 from orchestrator.api.deps import (
@@ -140,14 +141,14 @@ def _checkin_once(
             if device_id is not None
         ]
         found = rounds.find_population(session, population)
-        transfer = found is not None and mixing.mixing_of(session, found).strategy == "example_transfer"
+        mixed = mixing.mixing_of(session, found) if found is not None else MixingConfig()
         answers = iter(
             rounds.checkin(session, found, known, now, lock)
             if found is not None
             else [rounds.Refused(404, f"no population {population!r}")] * len(known)
         )
         return [
-            _assignment_out(found, next(answers), now, transfer)
+            _assignment_out(found, next(answers), now, mixed)
             if device_id is not None
             else rounds.Refused(401, UNAUTHENTICATED)
             for device_id in device_ids
@@ -161,7 +162,7 @@ def _task_config(population: Population, clip_norm: float | None) -> dict[str, A
 
 
 def _assignment_out(
-    population: Population | None, answer: rounds.Accepted | rounds.Refused, now: float, transfer: bool
+    population: Population | None, answer: rounds.Accepted | rounds.Refused, now: float, mixed: MixingConfig
 ) -> Assignment | rounds.Refused:
     if isinstance(answer, rounds.Refused):
         return answer
@@ -170,6 +171,8 @@ def _assignment_out(
     settings = rounds.population_settings(population)
     secure = answer.kind == rounds.TRAINING and settings.secure_training
     version, assignment = answer.model_version, answer.assignment_id
+    training = answer.kind == rounds.TRAINING
+    gradient = training and mixed.strategy == "gradient_transfer"
     return Assignment(
         assignment_id=assignment,
         round_id=answer.round_id,
@@ -188,9 +191,11 @@ def _assignment_out(
         secure_url=f"/v1/assignments/{assignment}/secure" if secure else None,
         central_examples_url=(
             f"/v1/assignments/{assignment}/central-examples"
-            if transfer and answer.kind == rounds.TRAINING
+            if training and mixed.strategy == "example_transfer"
             else None
         ),
+        central_gradient_url=f"/v1/assignments/{assignment}/central-gradient" if gradient else None,
+        central_gradient_weight=mixed.weight if gradient else None,
     )
 
 
