@@ -133,32 +133,6 @@ def assignment_examples(examples: Examples, config: MixingConfig, assignment_id:
     )
 
 
-def parallel_training_job(
-    session: Session,
-    population: Population,
-    manifest: Manifest,
-    version: int,
-    params: Params,
-    task: TaskConfig,
-) -> CentralJob | None:
-    """Parallel training's central delta from model `version` (`params`), if the population mixes
-    by parallel training; None otherwise."""
-    return central_job(session, population, manifest, version, params, task, "parallel_training")
-
-
-def gradient_transfer_job(
-    session: Session,
-    population: Population,
-    manifest: Manifest,
-    version: int,
-    params: Params,
-    task: TaskConfig,
-) -> CentralJob | None:
-    """Gradient transfer's central gradient at model `version` (`params`), if the population mixes
-    by gradient transfer; None otherwise."""
-    return central_job(session, population, manifest, version, params, task, "gradient_transfer")
-
-
 def central_job(
     session: Session,
     population: Population,

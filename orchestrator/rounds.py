@@ -995,8 +995,8 @@ def _commit(
         # Secure aggregation unmasked the survivors' mean of clipped deltas: noise goes on their sum.
         total = {name: value * survivors for name, value in mean_delta.items()}
         mean_delta = _private_mean(population, round_, total, survivors, dp)
-    job = mixing.parallel_training_job(
-        session, population, manifest, round_.base_version, params, settings.task()
+    job = mixing.central_job(
+        session, population, manifest, round_.base_version, params, settings.task(), "parallel_training"
     )
     if job is not None:
         mean_delta = _merge_central(round_, mean_delta, job)
@@ -1017,14 +1017,14 @@ def _commit(
     population.current_version = version
     population.training_rounds_committed += 1
     if job is not None:  # the next round's central delta, computed while its devices train
-        following = mixing.parallel_training_job(
-            session, population, manifest, version, new_params, settings.task()
+        following = mixing.central_job(
+            session, population, manifest, version, new_params, settings.task(), "parallel_training"
         )
         if following is not None:
             on_commit(session, functools.partial(central_training.precompute, following))
     # Gradient transfer: the new version's central gradient, ready before its devices ask for it.
-    gradient = mixing.gradient_transfer_job(
-        session, population, manifest, version, new_params, settings.task()
+    gradient = mixing.central_job(
+        session, population, manifest, version, new_params, settings.task(), "gradient_transfer"
     )
     if gradient is not None:
         on_commit(session, functools.partial(central_training.precompute_gradient, gradient))

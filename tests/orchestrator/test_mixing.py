@@ -365,13 +365,14 @@ def test_the_next_versions_central_gradient_is_taken_at_the_committed_globals(
         population = rounds.find_population(session, "p")
         assert population is not None and population.current_version == 1
         manifest = rounds.population_manifest(population)
-        job = mixing_data.gradient_transfer_job(
+        job = mixing_data.central_job(
             session,
             population,
             manifest,
             1,
             committed,
             rounds.population_settings(population).task(),
+            "gradient_transfer",
         )
     assert job is not None
     served = central_training.central_gradient(job).gradient

@@ -175,7 +175,9 @@ def _gradient_job(factory: sessionmaker[Session], token: str, assignment_id: str
         manifest = rounds.population_manifest(population)
         params = decode_params(version.params, manifest.global_params, "model version")
         task = rounds.population_settings(population).task()
-        job = mixing.gradient_transfer_job(session, population, manifest, round_.base_version, params, task)
+        job = mixing.central_job(
+            session, population, manifest, round_.base_version, params, task, "gradient_transfer"
+        )
         if job is None:
             raise HTTPException(
                 404, f"assignment {assignment_id!r}'s population does not mix by gradient transfer"
