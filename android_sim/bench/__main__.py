@@ -7,7 +7,6 @@ import argparse
 import os
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 
 from android_sim.movielens import DataFormatError
@@ -102,6 +101,24 @@ def _parser() -> argparse.ArgumentParser:
     )
     nextword.add_argument("--reconstruction-learning-rate", type=float, default=0.5)
     nextword.add_argument(
+        "--update-epochs", type=int, default=1, help="client passes over its windows per task (FedAvg's too)"
+    )
+    nextword.add_argument(
+        "--reconstruction-epochs",
+        type=int,
+        default=2,
+        help="passes over the support to fit the locals",
+    )
+    nextword.add_argument(
+        "--embedding-dim", type=int, help="embedding and projection width (default: the builder's, 32)"
+    )
+    nextword.add_argument("--lstm-units", type=int, help="LSTM width (default: the builder's, 64)")
+    nextword.add_argument("--batch-size", type=int, help="windows per batch (default: 8)")
+    nextword.add_argument(
+        "--max-batches", type=int, help="batches per task, support and query each (default: 8)"
+    )
+    nextword.add_argument("--sampling-seed", type=int, default=0, help="which clients each round samples")
+    nextword.add_argument(
         "--server-optimizer", default=NEXTWORD_SERVER.name, help="sgd, adam, yogi, ... (orchestrator's)"
     )
     nextword.add_argument("--server-learning-rate", type=float, default=NEXTWORD_SERVER.learning_rate)
@@ -172,25 +189,32 @@ def _mixing(args: argparse.Namespace) -> int:
 
 def _nextword(args: argparse.Namespace) -> int:
     from android_sim.bench.federated import Rounds
-    from android_sim.bench.nextword import run, table
-    from android_sim.next_word import TASK
+    from android_sim.bench.nextword import ModelShape, run, table, task_config
+    from android_sim.next_word import MAX_BATCHES
     from orchestrator.aggregation import ServerOptimizerConfig
 
     vocab_sizes = [int(v) for v in args.vocab_sizes.split(",") if v.strip()]
-    rounds = Rounds(args.rounds, args.clients_per_round, evaluate_every=args.rounds)
+    rounds = Rounds(
+        args.rounds, args.clients_per_round, evaluate_every=args.rounds, sampling_seed=args.sampling_seed
+    )
+    shape = ModelShape(args.embedding_dim, args.lstm_units, args.batch_size, args.max_batches)
     print(
         f"next-word prediction, Shakespeare roles as devices: {rounds.rounds} rounds of "
         f"{rounds.clients_per_round} clients; held-out roles: reconstruct on the older half, score the newer"
     )
-    task = replace(
-        TASK,
-        update_learning_rate=args.learning_rate,
-        reconstruction_learning_rate=args.reconstruction_learning_rate,
+    task = task_config(
+        args.learning_rate,
+        args.reconstruction_learning_rate,
+        args.update_epochs,
+        args.reconstruction_epochs,
+        args.max_batches or MAX_BATCHES,
     )
     server = ServerOptimizerConfig(args.server_optimizer, args.server_learning_rate)
     print(
         f"client learning rates: update {task.update_learning_rate}, reconstruction "
-        f"{task.reconstruction_learning_rate}; server: {server.name} {server.learning_rate}"
+        f"{task.reconstruction_learning_rate}; epochs: update {task.update_max_epochs}, reconstruction "
+        f"{task.reconstruction_max_epochs}; server: {server.name} {server.learning_rate}; model: "
+        + (", ".join(f"{k} {v}" for k, v in shape.builder_args().items()) or "default sizes")
     )
     rows = run(
         args.models_dir,
@@ -201,6 +225,7 @@ def _nextword(args: argparse.Namespace) -> int:
         not args.no_fine_tuning,
         task,
         server,
+        shape=shape,
     )
     print(table(rows))
     return 0

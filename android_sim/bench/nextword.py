@@ -16,9 +16,10 @@ Bytes per round per device: the global parameters downloaded and their delta upl
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -45,7 +46,7 @@ from android_sim.next_word import (
     parameter_bytes_per_round,
 )
 from android_sim.next_word import export as export_model
-from android_sim.shakespeare import NextWordData, next_word_data, read_roles, time_split
+from android_sim.shakespeare import PAD, NextWordData, next_word_data, read_roles, time_split
 from contracts.features import Examples
 from contracts.manifest import Manifest
 from contracts.params import Params
@@ -74,6 +75,25 @@ def methods(many_buckets: int) -> tuple[Method, ...]:
 
 
 @dataclass(frozen=True)
+class ModelShape:
+    """The exported model's sizes; None leaves a size at its default (the builder's
+    `NextWordConfig` for the layers, `android_sim.next_word`'s 8 x 8 windows per task)."""
+
+    embedding_dim: int | None = None
+    lstm_units: int | None = None
+    batch_size: int | None = None  # windows per batch
+    max_batches: int | None = None  # batches per task: a task reads at most batch_size x max_batches windows
+
+    def __post_init__(self) -> None:
+        for name, value in self.builder_args().items():
+            if value < 1:
+                raise ValueError(f"{name} is {value}; expected at least 1 (or unset for the default)")
+
+    def builder_args(self) -> dict[str, int]:
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+
+@dataclass(frozen=True)
 class Row:
     vocab_size: int
     method: str
@@ -81,16 +101,56 @@ class Row:
     accuracy_with_oov: float
     bytes_per_round: int
     seconds: float
+    baseline: tuple[float, float]  # (without, with OOV) of `most_frequent_baseline`
 
 
-def export(models_dir: Path, data: NextWordData, method: Method) -> Path:
-    """The method's model, exported once into `models_dir` and reused."""
+def task_config(
+    update_learning_rate: float,
+    reconstruction_learning_rate: float,
+    update_epochs: int,
+    reconstruction_epochs: int,
+    max_batches: int,
+) -> TaskConfig:
+    """`TASK` with these rates and epochs. Steps are bounded by the epochs alone: every pass over
+    a task's (at most `max_batches`) batches runs, none is cut by `TaskConfig`'s step caps."""
+    return replace(
+        TASK,
+        update_learning_rate=update_learning_rate,
+        reconstruction_learning_rate=reconstruction_learning_rate,
+        update_max_epochs=update_epochs,
+        update_max_steps=update_epochs * max_batches,
+        reconstruction_max_epochs=reconstruction_epochs,
+        reconstruction_max_steps=reconstruction_epochs * max_batches,
+    )
+
+
+def export(models_dir: Path, data: NextWordData, method: Method, shape: ModelShape = ModelShape()) -> Path:
+    """The method's model, exported once into `models_dir` (a folder per vocabulary, buckets
+    and shape) and reused."""
     # Local either way: FedAvg shares the OOV rows through the server (as the quality benchmark's
     # FedAvg shares the user vector), so one model serves both.
-    args = model_args(data.vocabulary, data.seq_len, oov_local=True)
-    return export_model(
-        models_dir / f"nextword-v{len(data.vocabulary.words)}-b{method.num_oov_buckets}", args
-    )
+    sizes = shape.builder_args()
+    args = model_args(data.vocabulary, data.seq_len, oov_local=True, **sizes)
+    name = f"nextword-v{len(data.vocabulary.words)}-b{method.num_oov_buckets}"
+    name += "".join(f"-{k}{v}" for k, v in sorted(sizes.items()))
+    return export_model(models_dir / name, args)
+
+
+def most_frequent_baseline(data: NextWordData, windows_per_task: int) -> tuple[float, float]:
+    """The floor a trained model must clear: accuracy on the held-out roles' scored windows (the
+    newer half, its first `windows_per_task`) of always predicting one token, the training roles'
+    most frequent target. Without OOV, the most frequent target among the vocabulary's tokens
+    (predicting a bucket would always be wrong there); with OOV, the most frequent of all, which
+    can be an OOV bucket."""
+    train_targets = np.concatenate([role["targets"].ravel() for role in data.train])
+    counts = np.bincount(train_targets[train_targets != PAD], minlength=data.vocabulary.num_tokens)
+    num_global = data.vocabulary.num_global_tokens
+    scored = np.concatenate([time_split(role)[1]["targets"][:windows_per_task].ravel() for role in data.test])
+    scored = scored[scored != PAD]
+    in_vocab = scored[scored < num_global]
+    without = float(np.mean(in_vocab == np.argmax(counts[:num_global]))) if in_vocab.size else math.nan
+    with_oov = float(np.mean(scored == np.argmax(counts))) if scored.size else math.nan
+    return without, with_oov
 
 
 def pack(columns: Mapping[str, np.ndarray], manifest: Manifest) -> TaskBatches:
@@ -173,6 +233,7 @@ def run_method(
         with_oov,
         parameter_bytes_per_round(manifest, shared_locals=not method.oov_local),
         time.perf_counter() - started,
+        most_frequent_baseline(data, manifest.batch_size * manifest.max_batches),
     )
 
 
@@ -186,6 +247,7 @@ def run(
     task: TaskConfig = TASK,
     server_optimizer: ServerOptimizerConfig = SERVER,
     folder: Path | None = None,
+    shape: ModelShape = ModelShape(),
 ) -> list[Row]:
     roles = read_roles() if folder is None else read_roles(folder)
     rows = []
@@ -194,11 +256,12 @@ def run(
             if method.fine_tune and not fine_tune:
                 continue
             data = next_word_data(roles, vocab_size, method.num_oov_buckets, SEQ_LEN, MIN_ROLE_EXAMPLES)
-            model_dir = export(models_dir, data, method)
+            model_dir = export(models_dir, data, method, shape)
             row = run_method(data, model_dir, method, rounds, workers, vocab_size, task, server_optimizer)
             print(
                 f"  {vocab_size:>6,}  {row.method:<50}  {row.accuracy_without_oov:6.2%}  "
-                f"{row.accuracy_with_oov:6.2%}  {row.bytes_per_round:>11,}  ({row.seconds:.0f} s)",
+                f"{row.accuracy_with_oov:6.2%}  {row.bytes_per_round:>11,}  ({row.seconds:.0f} s; most "
+                f"frequent token {row.baseline[0]:.2%} / {row.baseline[1]:.2%})",
                 flush=True,
             )
             rows.append(row)
@@ -207,12 +270,13 @@ def run(
 
 def table(rows: Sequence[Row]) -> str:
     lines = [
-        "| vocabulary | method | accuracy without OOV | accuracy with OOV | bytes per round per device |",
-        "|---:|---|---:|---:|---:|",
+        "| vocabulary | method | accuracy without OOV | accuracy with OOV | "
+        "most frequent token (without / with OOV) | bytes per round per device |",
+        "|---:|---|---:|---:|---:|---:|",
     ]
     for r in rows:
         lines.append(
             f"| {r.vocab_size:,} | {r.method} | {r.accuracy_without_oov:.2%} | "
-            f"{r.accuracy_with_oov:.2%} | {r.bytes_per_round:,} |"
+            f"{r.accuracy_with_oov:.2%} | {r.baseline[0]:.2%} / {r.baseline[1]:.2%} | {r.bytes_per_round:,} |"
         )
     return "\n".join(lines)

@@ -6,11 +6,12 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from android_sim.bench.federated import Rounds
-from android_sim.bench.nextword import Method, run_method
-from android_sim.shakespeare import NextWordData, next_word_data, read_roles
+from android_sim.bench.nextword import Method, ModelShape, most_frequent_baseline, run_method, task_config
+from android_sim.shakespeare import NextWordData, RoleSplit, Vocabulary, next_word_data, read_roles
 from model_runtime.tflite_model import TFLiteModel
 from tests.conftest import NEXT_WORD_SIZES
 
@@ -42,3 +43,76 @@ def test_fedavg_communicates_the_oov_rows_and_fedrecon_does_not(
     for row in (fedavg, fedrecon):
         assert 0.0 <= row.accuracy_without_oov <= 1.0
         assert 0.0 <= row.accuracy_with_oov <= 1.0
+
+
+def test_rows_carry_the_most_frequent_token_baseline_of_their_data(
+    next_word_model: Path, data: NextWordData
+) -> None:
+    # Prepare
+    manifest = TFLiteModel(next_word_model).manifest
+    rounds = Rounds(rounds=1, clients_per_round=2, evaluate_every=1)
+
+    # Execute
+    row = run_method(data, next_word_model, Method("FedRecon", BUCKETS, True), rounds, 1, VOCAB)
+
+    # Assert
+    assert row.baseline == most_frequent_baseline(data, manifest.batch_size * manifest.max_batches)
+
+
+def _data(train_targets: list[list[int]], test_targets: list[list[int]]) -> NextWordData:
+    """Two words `a` (id 3) and `b` (id 4), one OOV bucket (id 5); targets are what counts."""
+
+    def role(targets: list[list[int]]) -> dict[str, np.ndarray]:
+        array = np.asarray(targets, np.int32)
+        return {"tokens": np.zeros_like(array), "targets": array}
+
+    return NextWordData(
+        Vocabulary(("a", "b"), 1), 3, RoleSplit([], [], []), [role(train_targets)], [], [role(test_targets)]
+    )
+
+
+def test_baseline_predicts_the_training_roles_most_frequent_token_on_the_scored_newer_half() -> None:
+    # Prepare: training targets mostly `a`; the held-out role's older half (2 windows) is not scored
+    data = _data([[3, 3, 3], [4, 2, 0]], [[3, 3, 3], [3, 3, 3], [3, 5, 0], [4, 3, 2]])
+
+    # Execute
+    all_scored = most_frequent_baseline(data, windows_per_task=8)
+    first_scored = most_frequent_baseline(data, windows_per_task=1)
+
+    # Assert: newer half's targets 3 5 | 4 3 2 (padding left out); `a` is right 2 of 4 in-vocabulary
+    # targets and 2 of 5 with the OOV one; only the first window [3 5] when a task reads one
+    assert all_scored == (0.5, 0.4)
+    assert first_scored == (1.0, 0.5)
+
+
+def test_baseline_with_oov_predicts_a_bucket_when_it_is_the_most_frequent_target() -> None:
+    # Prepare: the bucket (5) is the most frequent training target, `b` (4) the most frequent word
+    data = _data([[5, 5, 5], [5, 4, 4]], [[3, 3, 3], [5, 4, 3]])
+
+    # Execute
+    without, with_oov = most_frequent_baseline(data, windows_per_task=8)
+
+    # Assert: without OOV the floor predicts `b` (a bucket would never be right there)
+    assert without == 0.5
+    assert with_oov == pytest.approx(1 / 3)
+
+
+def test_task_epochs_become_steps_over_every_batch_uncapped() -> None:
+    # Execute: 12 x 8 steps would exceed TaskConfig's default cap of 50
+    task = task_config(0.7, 0.2, update_epochs=12, reconstruction_epochs=3, max_batches=8)
+
+    # Assert
+    assert (task.update_learning_rate, task.reconstruction_learning_rate) == (0.7, 0.2)
+    assert (task.update_max_epochs, task.update_max_steps) == (12, 96)
+    assert (task.reconstruction_max_epochs, task.reconstruction_max_steps) == (3, 24)
+
+
+def test_model_shape_passes_only_the_sizes_given_and_refuses_non_positive_ones() -> None:
+    # Execute
+    shape = ModelShape(embedding_dim=16, max_batches=4)
+
+    # Assert
+    assert shape.builder_args() == {"embedding_dim": 16, "max_batches": 4}
+    assert ModelShape().builder_args() == {}
+    with pytest.raises(ValueError, match="lstm_units is 0; expected at least 1"):
+        ModelShape(lstm_units=0)
