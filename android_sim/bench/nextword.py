@@ -195,17 +195,28 @@ def held_out_work(clients: Sequence[SupportQuery], config: TaskConfig, fine_tune
     return work
 
 
-def run_method(
+def run_methods(
     data: NextWordData,
     model_dir: Path,
-    method: Method,
+    methods: Sequence[Method],
     rounds: Rounds,
     workers: int,
     vocab_size: int,
     task: TaskConfig = TASK,
     server_optimizer: ServerOptimizerConfig = SERVER,
-) -> Row:
+) -> list[Row]:
+    """Train once, then a row per method: `methods` must train alike (same buckets, OOV rows
+    local or not) and differ only in the held-out evaluation (fine-tuning or not). A row's
+    seconds are the training's plus its own evaluation's."""
+    trainings = {(m.num_oov_buckets, m.oov_local) for m in methods}
+    if len(trainings) != 1:
+        raise ValueError(
+            f"methods {[m.name for m in methods]} train differently; expected the same OOV buckets and "
+            "locality, differing only in fine-tuning"
+        )
+    oov_local = methods[0].oov_local
     started = time.perf_counter()
+    rows = []
     with Devices(model_dir, workers) as devices:
         manifest = devices.manifest
         per_item = per_item_names(manifest)
@@ -213,28 +224,38 @@ def run_method(
         held_out = support_query(data.test, manifest)
         initial_model = TFLiteModel(model_dir)
         initial = initial_model.get_global()
-        if method.oov_local:
+        if oov_local:
             work = fedrecon_work(clients, task, per_item)
-            evaluate = held_out_work(held_out, task, method.fine_tune)
         else:
             # The OOV rows are server parameters too: downloaded, trained and averaged.
             initial_model.reset_local()
             initial.update(initial_model.get_local())
             work = fedavg_work([pack(role, manifest) for role in data.train], task, per_item)
-            evaluate = shared_locals_eval_work(held_out)
         server = Server(initial, server_optimizer)
         run = train_federated(devices, server, list(range(len(clients))), work, rounds, lambda params: {})
+        trained = time.perf_counter() - started
         devices.set_global(run.params)
-        without_oov, with_oov = accuracies(devices.evaluate(evaluate, list(range(len(held_out)))).sums)
-    return Row(
-        vocab_size,
-        method.name,
-        without_oov,
-        with_oov,
-        parameter_bytes_per_round(manifest, shared_locals=not method.oov_local),
-        time.perf_counter() - started,
-        most_frequent_baseline(data, manifest.batch_size * manifest.max_batches),
-    )
+        baseline = most_frequent_baseline(data, manifest.batch_size * manifest.max_batches)
+        for method in methods:
+            evaluating = time.perf_counter()
+            evaluate = (
+                held_out_work(held_out, task, method.fine_tune)
+                if oov_local
+                else shared_locals_eval_work(held_out)
+            )
+            without_oov, with_oov = accuracies(devices.evaluate(evaluate, list(range(len(held_out)))).sums)
+            rows.append(
+                Row(
+                    vocab_size,
+                    method.name,
+                    without_oov,
+                    with_oov,
+                    parameter_bytes_per_round(manifest, shared_locals=not oov_local),
+                    trained + time.perf_counter() - evaluating,
+                    baseline,
+                )
+            )
+    return rows
 
 
 def run(
@@ -249,22 +270,27 @@ def run(
     folder: Path | None = None,
     shape: ModelShape = ModelShape(),
 ) -> list[Row]:
+    """Every method at every vocabulary size; a method and its fine-tuned variant share one training."""
     roles = read_roles() if folder is None else read_roles(folder)
+    wanted = [m for m in methods(many_buckets) if fine_tune or not m.fine_tune]
+    groups: dict[tuple[int, bool], list[Method]] = {}
+    for method in wanted:
+        groups.setdefault((method.num_oov_buckets, method.oov_local), []).append(method)
     rows = []
     for vocab_size in vocab_sizes:
-        for method in methods(many_buckets):
-            if method.fine_tune and not fine_tune:
-                continue
-            data = next_word_data(roles, vocab_size, method.num_oov_buckets, SEQ_LEN, MIN_ROLE_EXAMPLES)
-            model_dir = export(models_dir, data, method, shape)
-            row = run_method(data, model_dir, method, rounds, workers, vocab_size, task, server_optimizer)
-            print(
-                f"  {vocab_size:>6,}  {row.method:<50}  {row.accuracy_without_oov:6.2%}  "
-                f"{row.accuracy_with_oov:6.2%}  {row.bytes_per_round:>11,}  ({row.seconds:.0f} s; most "
-                f"frequent token {row.baseline[0]:.2%} / {row.baseline[1]:.2%})",
-                flush=True,
-            )
-            rows.append(row)
+        for group in groups.values():
+            data = next_word_data(roles, vocab_size, group[0].num_oov_buckets, SEQ_LEN, MIN_ROLE_EXAMPLES)
+            model_dir = export(models_dir, data, group[0], shape)
+            for row in run_methods(
+                data, model_dir, group, rounds, workers, vocab_size, task, server_optimizer
+            ):
+                print(
+                    f"  {vocab_size:>6,}  {row.method:<50}  {row.accuracy_without_oov:6.2%}  "
+                    f"{row.accuracy_with_oov:6.2%}  {row.bytes_per_round:>11,}  ({row.seconds:.0f} s; most "
+                    f"frequent token {row.baseline[0]:.2%} / {row.baseline[1]:.2%})",
+                    flush=True,
+                )
+                rows.append(row)
     return rows
 
 

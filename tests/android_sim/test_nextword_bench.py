@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from android_sim.bench.federated import Rounds
-from android_sim.bench.nextword import Method, ModelShape, most_frequent_baseline, run_method, task_config
+from android_sim.bench.nextword import Method, ModelShape, most_frequent_baseline, run_methods, task_config
 from android_sim.shakespeare import NextWordData, RoleSplit, Vocabulary, next_word_data, read_roles
 from model_runtime.tflite_model import TFLiteModel
 from tests.conftest import NEXT_WORD_SIZES
@@ -32,8 +32,10 @@ def test_fedavg_communicates_the_oov_rows_and_fedrecon_does_not(
     rounds = Rounds(rounds=2, clients_per_round=4, evaluate_every=2)
 
     # Execute
-    fedavg = run_method(data, next_word_model, Method("FedAvg", BUCKETS, False), rounds, 1, VOCAB)
-    fedrecon = run_method(data, next_word_model, Method("FedRecon", BUCKETS, True, True), rounds, 1, VOCAB)
+    (fedavg,) = run_methods(data, next_word_model, [Method("FedAvg", BUCKETS, False)], rounds, 1, VOCAB)
+    (fedrecon,) = run_methods(
+        data, next_word_model, [Method("FedRecon", BUCKETS, True, True)], rounds, 1, VOCAB
+    )
 
     # Assert: download + upload of float32 parameters; the OOV rows only in FedAvg's
     global_bytes = 4 * sum(math.prod(p.shape) for p in manifest.global_params)
@@ -53,10 +55,37 @@ def test_rows_carry_the_most_frequent_token_baseline_of_their_data(
     rounds = Rounds(rounds=1, clients_per_round=2, evaluate_every=1)
 
     # Execute
-    row = run_method(data, next_word_model, Method("FedRecon", BUCKETS, True), rounds, 1, VOCAB)
+    rows = run_methods(data, next_word_model, [Method("FedRecon", BUCKETS, True)], rounds, 1, VOCAB)
 
     # Assert
-    assert row.baseline == most_frequent_baseline(data, manifest.batch_size * manifest.max_batches)
+    assert rows[0].baseline == most_frequent_baseline(data, manifest.batch_size * manifest.max_batches)
+
+
+def test_a_method_and_its_fine_tuned_variant_share_one_training(
+    next_word_model: Path, data: NextWordData
+) -> None:
+    # Prepare
+    rounds = Rounds(rounds=2, clients_per_round=4, evaluate_every=2)
+    plain, tuned = Method("FedRecon", BUCKETS, True), Method("FedRecon + fine-tuning", BUCKETS, True, True)
+
+    # Execute
+    together = run_methods(data, next_word_model, [plain, tuned], rounds, 1, VOCAB)
+    alone = run_methods(data, next_word_model, [plain], rounds, 1, VOCAB)
+
+    # Assert: the same rounds train the same globals, so the plain row does not depend on its company
+    assert [r.method for r in together] == ["FedRecon", "FedRecon + fine-tuning"]
+    assert together[0].accuracy_without_oov == alone[0].accuracy_without_oov
+    assert together[0].accuracy_with_oov == alone[0].accuracy_with_oov
+
+
+def test_methods_that_train_differently_are_refused(next_word_model: Path, data: NextWordData) -> None:
+    # Prepare
+    rounds = Rounds(rounds=1, clients_per_round=1, evaluate_every=1)
+    mixed = [Method("FedRecon", BUCKETS, True), Method("FedAvg", BUCKETS, False)]
+
+    # Execute / Assert
+    with pytest.raises(ValueError, match="train differently"):
+        run_methods(data, next_word_model, mixed, rounds, 1, VOCAB)
 
 
 def _data(train_targets: list[list[int]], test_targets: list[list[int]]) -> NextWordData:
