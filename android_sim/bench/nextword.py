@@ -113,6 +113,8 @@ def task_config(
 ) -> TaskConfig:
     """`TASK` with these rates and epochs. Steps are bounded by the epochs alone: every pass over
     a task's (at most `max_batches`) batches runs, none is cut by `TaskConfig`'s step caps."""
+    if update_epochs < 1:
+        raise ValueError(f"update epochs is {update_epochs}; expected at least 1 (0 would train nothing)")
     return replace(
         TASK,
         update_learning_rate=update_learning_rate,

@@ -134,6 +134,8 @@ def test_task_epochs_become_steps_over_every_batch_uncapped() -> None:
     assert (task.update_learning_rate, task.reconstruction_learning_rate) == (0.7, 0.2)
     assert (task.update_max_epochs, task.update_max_steps) == (12, 96)
     assert (task.reconstruction_max_epochs, task.reconstruction_max_steps) == (3, 24)
+    with pytest.raises(ValueError, match="update epochs is 0; expected at least 1"):
+        task_config(0.7, 0.2, update_epochs=0, reconstruction_epochs=1, max_batches=8)
 
 
 def test_model_shape_passes_only_the_sizes_given_and_refuses_non_positive_ones() -> None:
