@@ -85,9 +85,7 @@ class Server(LocalOrchestrator):
         log_path: Path | None = None,
     ) -> None:
         url = database if isinstance(database, str) else f"sqlite:///{database}"
-        super().__init__(
-            url, ADMIN_TOKEN, port=port, tick_seconds=0.2, settings=settings, log_path=log_path
-        )
+        super().__init__(url, ADMIN_TOKEN, port=port, tick_seconds=0.2, settings=settings, log_path=log_path)
 
 
 @pytest.fixture(params=BACKENDS)

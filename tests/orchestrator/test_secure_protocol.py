@@ -275,9 +275,7 @@ def test_a_device_that_goes_away_while_uploading_its_shares_leaves_nothing_behin
             assert device.send("keys", mine).status_code == 200
         roster = {int(i): AdvertisedKeys.from_json(k) for i, k in devices[0].state()["roster"].items()}
         index = [next(i for i, k in roster.items() if k.to_json() == mine) for mine in keys]
-        shares = [
-            shares_to_json(s.share_keys(i, roster)) for s, i in zip(sessions, index, strict=True)
-        ]
+        shares = [shares_to_json(s.share_keys(i, roster)) for s, i in zip(sessions, index, strict=True)]
 
         # Execute: the first device's upload of its shares breaks off half-way, then it sends them
         # again; the others send theirs
