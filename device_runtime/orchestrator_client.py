@@ -154,14 +154,10 @@ class OrchestratorClient:
         for attempt in range(attempts):
             wait_at_least = 0.0  # a 503's Retry-After
             try:
-                async with self._http.stream(method, url, headers=headers, **kwargs) as streamed:
-                    status = streamed.status_code
-                    if 200 <= status < 300:
-                        content = await _read_bounded(streamed, max_bytes, f"{method} {url}")
-                        # Decoded already: the copy must not claim an encoding or the wire length.
-                        kept = [(k, v) for k, v in streamed.headers.multi_items() if k.lower() not in _WIRE]
-                        return httpx.Response(status, headers=kept, content=content, request=streamed.request)
-                    detail = _detail(streamed.headers, await _read_prefix(streamed, 2_000))
+                streamed, detail = await self._cancellable_exchange(method, url, headers, max_bytes, kwargs)
+                status = streamed.status_code
+                if 200 <= status < 300:
+                    return streamed
             except httpx.TransportError as e:  # connection refused or reset, timeouts, broken framing
                 last = f"{type(e).__name__}: {e}"
             except httpx.HTTPError as e:  # e.g. a body that does not decode as its Content-Encoding says
@@ -189,6 +185,60 @@ class OrchestratorClient:
             backoff = self.backoff_seconds * (2 ** min(attempt, 6)) * (0.5 + random.random())
             await _wait_before_retry(max(backoff, wait_at_least), last)
         raise ServerUnavailable(f"{method} {url} failed after {attempts} attempts ({last})")
+
+    async def _cancellable_exchange(
+        self, method: str, url: str, headers: dict[str, str], max_bytes: int, kwargs: dict[str, Any]
+    ) -> tuple[httpx.Response, str]:
+        """`_exchange`; a cancel stops the caller at once but reaches the request only where
+        httpcore can let go of it. httpcore 1.0.9 loses a connection for good when a request is
+        cancelled after its pool gave it a new connection and before the request used it, e.g.
+        while the pool closes the connection whose keep-alive expired (encode/httpcore#1093), or
+        when a cancel lands in the clean-up of a connection: each such cancel takes a slot, and a
+        device with one connection then waits out every request's pool timeout (a simulated
+        phone's secure-round messages are cancelled when it leaves the round). So the request is
+        cancelled once, while it connects or while it is sent and waits for its answer's headers
+        (a long-poll: httpcore then closes the connection), else at its next such stretch, or
+        left to finish on its own, as an answer being read does within moments."""
+        safe, wanted = False, False
+
+        async def trace(event: str, info: dict[str, Any]) -> None:
+            nonlocal safe, wanted
+            if event in _SAFE_FROM:
+                safe = True
+            elif event in _SAFE_UNTIL:
+                safe = False
+            if safe and wanted:
+                wanted = False
+                exchange.cancel()
+
+        extensions = {**kwargs.pop("extensions", {}), "trace": trace}
+        exchange = asyncio.ensure_future(
+            self._exchange(method, url, headers, max_bytes, {**kwargs, "extensions": extensions})
+        )
+        try:
+            return await asyncio.shield(exchange)
+        except asyncio.CancelledError:
+            if safe:
+                exchange.cancel()
+            else:
+                wanted = True
+            _CANCELLED.add(exchange)
+            exchange.add_done_callback(_forget)
+            raise
+
+    async def _exchange(
+        self, method: str, url: str, headers: dict[str, str], max_bytes: int, kwargs: dict[str, Any]
+    ) -> tuple[httpx.Response, str]:
+        """One request and its answer, closed: a 2xx read whole (at most `max_bytes`), else the
+        answer's headers and the reason it gives."""
+        async with self._http.stream(method, url, headers=headers, **kwargs) as streamed:
+            status = streamed.status_code
+            if 200 <= status < 300:
+                content = await _read_bounded(streamed, max_bytes, f"{method} {url}")
+                # Decoded already: the copy must not claim an encoding or the wire length.
+                kept = [(k, v) for k, v in streamed.headers.multi_items() if k.lower() not in _WIRE]
+                return httpx.Response(status, headers=kept, content=content, request=streamed.request), ""
+            return streamed, _detail(streamed.headers, await _read_prefix(streamed, 2_000))
 
     async def _json(self, method: str, path: str, what: str, **kwargs: Any) -> dict[str, Any]:
         """A JSON object answer (at most `MAX_JSON_BYTES`)."""
@@ -427,6 +477,30 @@ async def _read_prefix(response: httpx.Response, max_bytes: int) -> bytes:
         if size >= max_bytes:
             break
     return b"".join(chunks)[:max_bytes]
+
+
+# httpcore's trace events that open and close the stretches where a cancel is safe (see
+# `_cancellable_exchange`): connecting, and sending the request until its answer's headers are in.
+# In between (the new connection made, the request not yet started on it) a cancel loses the
+# connection too.
+_SAFE_FROM = frozenset({"connection.connect_tcp.started", "http11.send_request_headers.started"})
+_SAFE_UNTIL = frozenset(
+    {
+        "connection.connect_tcp.complete",
+        "connection.connect_tcp.failed",
+        "http11.receive_response_headers.complete",
+        "http11.receive_response_headers.failed",
+    }
+)
+# Exchanges whose callers were cancelled, until they end (see `_cancellable_exchange`): the event
+# loop keeps only weak references to tasks.
+_CANCELLED: set[asyncio.Future[Any]] = set()
+
+
+def _forget(exchange: asyncio.Future[Any]) -> None:
+    _CANCELLED.discard(exchange)
+    if not exchange.cancelled():
+        exchange.exception()  # its answer (or failure) is not wanted: retrieved so it is not reported
 
 
 async def _wait_before_retry(seconds: float, reason: str) -> None:

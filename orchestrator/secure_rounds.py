@@ -13,13 +13,15 @@ checks in and sends its shares while it trains: the advertise phase is the round
 the masked-input phase its training time, and after training only the masked input and the
 unmasking answer remain. Like a plaintext round at its target reports, the masked-input phase
 closes at `target` inputs: the slowest of the oversampled devices count as dropped, and their
-masks are removed with their shares; and once enough devices have answered a phase, it waits
-for stragglers (a device that vanished silently looks like one) only a while sized from the
-phase's own pace, not to its deadline. A phase that closes with too few devices, or with a device
-whose secrets too few neighbours hold, abandons the round: no shares are asked for and nothing is
-unmasked. At the end the server holds the sum of the survivors' inputs and never any single one
-unmasked; the masked inputs are deleted. Each phase change is announced (`phase_changes`) to the
-devices waiting for it, and each phase's duration is kept in the round's metrics.
+masks are removed with their shares; and once enough devices have answered a phase, it waits for
+stragglers (a device that vanished silently looks like one) only a while sized from the phase's
+own pace, not to its deadline (masked inputs are enough once they could be unmasked: every secret
+has its threshold of holders among their senders). A phase that closes with too few devices, or
+with a device whose secrets too few neighbours hold, abandons the round: no shares are asked for
+and nothing is unmasked. At the end the server holds the sum of the survivors' inputs and never
+any single one unmasked; the masked inputs are deleted. Each phase change is announced
+(`phase_changes`) to the devices waiting for it, and each phase's duration is kept in the
+round's metrics.
 
 Like `rounds`, every function runs in the caller's transaction with an explicit `now`, and
 refusals are returned as `Refused` values. The cryptography and the checks of each message are the
@@ -249,13 +251,18 @@ def advance(
         elif phase == MASKED_INPUT:
             sharers = {i for i, p in participants.items() if p.sent_shares}
             senders = {i for i, p in participants.items() if p.sent_masked_input}
+            # Enough to stop waiting for stragglers only if these inputs could be unmasked: were
+            # every secret's holders among them to answer, each would have its threshold of shares.
+            # Else the round would end abandoned at the unmasking however it went, while the
+            # slower phones still training might have made it.
+            enough = len(senders) >= _enough(secure_round) and _unmaskable(
+                secure_round, participants, sharers, senders
+            )
             if not (
                 timed_out
                 or len(senders) >= round_.target
                 or (active & sharers) <= senders
-                or _stragglers_left(
-                    round_, secure_round, settings, len(senders) >= _enough(secure_round), now
-                )
+                or _stragglers_left(round_, secure_round, settings, enough, now)
             ):
                 return None
             _drop_outstanding(session, round_, {participants[i].assignment_id for i in senders}, now)
@@ -328,6 +335,16 @@ def _unreachable(
         if holders < t:
             return f"device {owner}'s shares reached {holders} neighbours; its secrets need {t}"
     return None
+
+
+def _unmaskable(
+    secure_round: SecureRound, participants: Mapping[int, _Member], sharers: set[int], senders: set[int]
+) -> bool:
+    """Whether a round whose survivors are `senders` could be unmasked, at best (every survivor
+    answers the unmasking)."""
+    parameters = _parameters(secure_round)
+    graph = round_graph(parameters, sorted(participants))
+    return server.unmask_problem(parameters, graph, sharers, senders, senders) is None
 
 
 def _abandon(session: Session, round_: Round, secure_round: SecureRound, reason: str, now: float) -> Abandon:

@@ -9,6 +9,9 @@
 4. A failure that escapes a route: 503 with Retry-After when the database is unavailable (locked,
    down, out of connections), else 500. Answered here rather than by uvicorn, which closes the
    connection when an exception reaches it: a keep-alive connection stays usable after a 5xx.
+   A client that went away while its body was being read is not a failure of the server: routes
+   read the whole body before they touch the database, so nothing of it was stored; it is
+   logged at INFO and counted as 499 (nginx's "client closed request"), an answer nobody reads.
 
 Routes still check their own credentials; this is the cheap gate in front of them.
 """
@@ -24,6 +27,7 @@ from dataclasses import dataclass
 
 from fastapi import HTTPException
 from sqlalchemy.orm import Session, sessionmaker
+from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -41,6 +45,7 @@ from orchestrator.settings import Settings
 log = logging.getLogger("orchestrator")
 
 NONE, DEVICE, ADMIN = "none", "device", "admin"
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for a request whose client went away
 
 
 class BodyTooLarge(HTTPException):
@@ -165,6 +170,13 @@ class Edge:
             # only a chunked body needs counting as it streams.
             framed = declared is not None and not chunked
             await self.app(scope, receive if framed else _limited(receive, gate.max_body_bytes), tracked_send)
+        except ClientDisconnect:
+            log.info(
+                "client went away before its request was read",
+                extra={"method": scope["method"], "path": scope["path"]},
+            )
+            if not started:  # uvicorn drops it (the connection is gone); the metrics count a 499
+                await _error(CLIENT_CLOSED_REQUEST, "client closed the request")(scope, receive, send)
         except Exception as error:
             if started:  # too late for an answer of our own; uvicorn closes the connection
                 raise

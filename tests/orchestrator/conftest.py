@@ -78,10 +78,14 @@ class Server(LocalOrchestrator):
     an SQLite file or a database URL."""
 
     def __init__(
-        self, database: Path | str, port: int | None = None, settings: Mapping[str, object] | None = None
+        self,
+        database: Path | str,
+        port: int | None = None,
+        settings: Mapping[str, object] | None = None,
+        log_path: Path | None = None,
     ) -> None:
         url = database if isinstance(database, str) else f"sqlite:///{database}"
-        super().__init__(url, ADMIN_TOKEN, port=port, tick_seconds=0.2, settings=settings)
+        super().__init__(url, ADMIN_TOKEN, port=port, tick_seconds=0.2, settings=settings, log_path=log_path)
 
 
 @pytest.fixture(params=BACKENDS)

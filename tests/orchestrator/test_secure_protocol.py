@@ -4,6 +4,7 @@ other devices finish it as if nothing happened."""
 from __future__ import annotations
 
 import json
+import socket
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -236,3 +237,73 @@ def test_a_device_waiting_for_the_next_phase_is_answered_when_it_opens(
     assert answer.status_code == 200 and answer.json()["phase"] == "share_keys", answer.text
     assert len(answer.json()["roster"]) == 3
     _refused(unknown, 422, "until must be one of the phases")
+
+
+def _upload_half_and_hang_up(url: str, path: str, token: str, body: bytes) -> None:
+    """A phone that loses its network mid-upload: the headers and half the body, then the
+    connection closes."""
+    address = httpx.URL(url)
+    assert address.host and address.port
+    head = (
+        f"POST {path} HTTP/1.1\r\nHost: {address.host}:{address.port}\r\n"
+        f"Authorization: Bearer {token}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    ).encode()
+    with socket.create_connection((address.host, address.port), timeout=10) as connection:
+        connection.sendall(head + body[: len(body) // 2])
+        time.sleep(0.3)  # the server has started reading the body
+
+
+def test_a_device_that_goes_away_while_uploading_its_shares_leaves_nothing_behind(
+    tmp_path: Path, export: Callable[[ModelConfig], Path]
+) -> None:
+    # Prepare: a round of three devices in the share-keys phase; the server logs at DEBUG
+    model_dir = export(BIASED)
+    log_path = tmp_path / "orchestrator.log"
+    server = Server(tmp_path / "orchestrator.sqlite", settings={"log_level": "debug"}, log_path=log_path)
+    server.start()
+    try:
+        created = admin_create_population(
+            server.url, model_dir, "p", json.dumps({**SETTINGS, "target_reports": 3})
+        )
+        assert created.status_code == 201, created.text
+        devices = [Device(server.url) for _ in range(3)]
+        params = RoundParameters.from_json(devices[0].state()["parameters"])
+        sessions = [DeviceSession(params) for _ in devices]
+        keys = [s.advertise().to_json() for s in sessions]
+        for device, mine in zip(devices, keys, strict=True):
+            assert device.send("keys", mine).status_code == 200
+        roster = {int(i): AdvertisedKeys.from_json(k) for i, k in devices[0].state()["roster"].items()}
+        index = [next(i for i, k in roster.items() if k.to_json() == mine) for mine in keys]
+        shares = [shares_to_json(s.share_keys(i, roster)) for s, i in zip(sessions, index, strict=True)]
+
+        # Execute: the first device's upload of its shares breaks off half-way, then it sends them
+        # again; the others send theirs
+        body = json.dumps(shares[0]).encode()
+        _upload_half_and_hang_up(server.url, f"{devices[0].secure}/shares", devices[0].token, body)
+        time.sleep(0.5)
+        between = devices[0].state()
+        again = devices[0].send("shares", shares[0])
+        others = [d.send("shares", s) for d, s in zip(devices[1:], shares[1:], strict=True)]
+        after = devices[0].state()
+        metrics = httpx.get(
+            f"{server.url}/metrics", headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}, timeout=10
+        ).text
+    finally:
+        server.stop()
+
+    # Assert: nothing of the broken upload was stored (the round still waits for the device's
+    # shares, which it then takes), the round went on, and the server neither answered nor
+    # logged a server error: a client that went away is a 499 in the metrics and an INFO line
+    assert between["phase"] == "share_keys"
+    assert again.status_code == 200, again.text
+    assert all(r.status_code == 200 for r in others), [r.text for r in others]
+    assert after["phase"] == "masked_input"
+    route = 'route="/v1/assignments/{assignment_id}/secure/shares"'
+    counted = [line for line in metrics.splitlines() if line.startswith("orchestrator_http_requests_total{")]
+    assert any(route in line and 'status="499"' in line for line in counted), counted
+    assert not any('status="500"' in line for line in counted), counted
+    lines = [json.loads(line) for line in log_path.read_text().splitlines() if line.startswith("{")]
+    assert not [line for line in lines if line["level"] in ("error", "critical")], lines
+    went_away = [line for line in lines if line["message"] == "client went away before its request was read"]
+    assert [line["path"] for line in went_away] == [f"{devices[0].secure}/shares"]

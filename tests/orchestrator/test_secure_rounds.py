@@ -290,3 +290,55 @@ def test_a_roster_still_short_after_its_patience_is_abandoned(
     assert "only 2 devices advertised keys" in after["outcome"]
     assert round_by_id(db, first.id).metrics["secure_advertise_seconds"] == 15.0
     assert current_round(db).id != first.id
+
+
+def test_the_masked_inputs_wait_for_stragglers_only_once_they_could_be_unmasked(
+    db: sessionmaker[Session], biased_model: ExportedModel
+) -> None:
+    # Prepare: six devices share keys with a threshold of 0.8 (4 of a device's 5 neighbours);
+    # min_reports 3 inputs would leave each survivor 2 shareholders among the survivors
+    secure = {**SECURE["secure"], "masked_input_seconds": 60, "threshold": 0.8}
+    make_population(db, biased_model, **{**SECURE, "target_reports": 6, "secure": secure})
+    devices = [device(db) for _ in range(6)]
+    answers = [checkin(db, d) for d in devices]
+    first = current_round(db)
+    params = RoundParameters.from_json(state(db, devices[0], answers[0].assignment_id, 1.0)["parameters"])
+    sessions = [DeviceSession(params) for _ in devices]
+    indices = [
+        message(db, d, a.assignment_id, "advertise", s.advertise().to_json(), 1.0)["index"]
+        for d, a, s in zip(devices, answers, sessions, strict=True)
+    ]
+    roster_json = state(db, devices[0], answers[0].assignment_id, 1.5)["roster"]
+    roster = {int(i): AdvertisedKeys.from_json(k) for i, k in roster_json.items()}
+    for d, a, s, index in zip(devices, answers, sessions, indices, strict=True):
+        message(db, d, a.assignment_id, "share_keys", shares_to_json(s.share_keys(index, roster)), 2.0)
+    zero = np.zeros(params.vector_length, np.uint64)
+    inputs = [
+        encode_vector(
+            s.masked_input(zero, ciphertexts_from_json(state(db, d, a.assignment_id, 3.0)["ciphertexts"], 6)),
+            params,
+        )
+        for d, a, s in zip(devices, answers, sessions, strict=True)
+    ]
+
+    # Execute: three inputs at t=4 (2 s into the phase), two more from slower phones at t=7; the
+    # sixth never comes
+    for k in range(3):
+        message(db, devices[k], answers[k].assignment_id, "masked_input", inputs[k], 4.0)
+    after_three = state(db, devices[0], answers[0].assignment_id, 6.5)
+    for k in range(3, 5):
+        message(db, devices[k], answers[k].assignment_id, "masked_input", inputs[k], 7.0)
+    waiting = state(db, devices[0], answers[0].assignment_id, 11.9)
+    moved_on = state(db, devices[0], answers[0].assignment_id, 12.0)
+    for k in range(5):
+        unmasking = sessions[k].unmask(moved_on["survivors"]).to_json()
+        message(db, devices[k], answers[k].assignment_id, "unmasking", unmasking, 12.5)
+
+    # Assert: three inputs (which no unmasking could have opened) did not close the phase at
+    # 4 + 2 s; five did, after waiting for the sixth as long as they took (t = 7 + 5), and the
+    # round committed with them
+    assert after_three["phase"] == "masked_input"
+    assert waiting["phase"] == "masked_input"
+    assert moved_on["phase"] == "unmasking" and moved_on["survivors"] == sorted(indices[:5])
+    closed = round_by_id(db, first.id)
+    assert closed.status == "committed" and closed.metrics["secure_survivors"] == 5
