@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -15,7 +16,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from contracts.features import Examples
 from contracts.manifest import Manifest, load_manifest
 from contracts.mixing import MixingConfig, MixingError, decode_examples, encode_examples, transferred_gradient
-from contracts.params import Params, decode_params, decode_sparse_delta
+from contracts.params import Params, decode_params, decode_sparse_delta, encode_params
 from contracts.task_config import TaskConfig
 from model_export.config import ModelConfig
 from model_runtime.task_batches import TaskBatches
@@ -383,3 +384,30 @@ def test_the_next_versions_central_gradient_is_taken_at_the_committed_globals(
     for name, value in expected.items():
         np.testing.assert_allclose(served[name].dense(), value, rtol=1e-5, atol=1e-7, err_msg=name)
     assert any(not np.allclose(expected[k], stale[k], atol=1e-6) for k in expected)
+
+
+def test_a_central_gradient_that_is_not_finite_is_a_503_that_says_why(
+    server: Server, export: Callable[[ModelConfig], Path], tmp_path: Path
+) -> None:
+    # Prepare: version 0's globals so large that the centralized loss's gradient overflows.
+    model_dir = tmp_path / "huge"
+    shutil.copytree(export(BIASED), model_dir)
+    manifest = load_manifest(model_dir)
+    huge = {s.name: np.full(s.shape, 3e38, np.float32) for s in manifest.global_params}
+    (model_dir / "global_params.safetensors").write_bytes(encode_params(huge))
+    assert admin_create_population(server.url, model_dir, "p", '{"target_reports": 3}').status_code == 201
+    mixing = {"strategy": "gradient_transfer", "weight": 0.5}
+    examples = encode_examples(central_examples(manifest, 20, seed=7), manifest.features)
+    assert attach(server.url, "p", mixing, examples).status_code == 200
+    token = httpx.post(f"{server.url}/v1/devices", timeout=10).json()["token"]
+    auth = {"Authorization": f"Bearer {token}"}
+    answer = httpx.post(
+        f"{server.url}/v1/populations/p/checkin", json={"example_count": 20}, headers=auth, timeout=10
+    ).json()
+
+    # Execute
+    served = httpx.get(f"{server.url}{answer['central_gradient_url']}", headers=auth, timeout=60)
+
+    # Assert: no gradient bytes, a status a device retries, and the reason.
+    assert served.status_code == 503, served.text
+    assert "not finite" in served.json()["detail"]

@@ -189,7 +189,7 @@ def _central_gradient(job: CentralJob) -> bytes:
     try:
         found = central_training.central_gradient(job)
     except central_training.CentralTrainingError as e:
-        raise HTTPException(503, f"{e}; the round's devices train without it") from None
+        raise HTTPException(503, f"{e}; this model version has no central gradient to send") from None
     # Rows only: a row-sparse global's rows that the centralized data touches.
     return encode_sparse_delta(found.gradient)
 
