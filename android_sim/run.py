@@ -713,7 +713,7 @@ def _write_report(
         console.print(f"differential privacy: {privacy['message']}")
     mixed = cast(dict[str, Any] | None, body["mixing"])
     if mixed:
-        extra, count = mixed["central_bytes_per_assignment"], mixed["assignments_with_central_examples"]
+        extra, count = mixed["central_bytes_per_assignment"], mixed["assignments_with_central_download"]
         console.print(
             f"mixing {mixed['mixing']['strategy']}: {extra:,.0f} extra bytes per training assignment "
             f"(median over {count})"
@@ -751,7 +751,7 @@ def _mixing_summary(mixing: dict[str, Any] | None, fleet: Fleet) -> dict[str, An
     sizes = fleet.stats.central_bytes
     return {
         **mixing,
-        "assignments_with_central_examples": len(sizes),
+        "assignments_with_central_download": len(sizes),
         "central_bytes_per_assignment": float(np.median(sizes)) if sizes else 0.0,
         "central_bytes_total": int(sum(sizes)),
     }
