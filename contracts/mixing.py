@@ -62,6 +62,10 @@ class MixingConfig:
     central_steps: int = 10  # parallel_training: J
     central_learning_rate: float = 0.1  # parallel_training: the server's SGD rate on central data
     examples_per_assignment: int = 16  # example_transfer: sampled per assignment
+    # parallel_training, gradient_transfer: the server's pseudo-users are runs of this many
+    # consecutive examples (one account's worth when the dataset is ordered by account; each gets
+    # its own reconstructed locals); None: one update call's worth (max_batches x batch_size).
+    examples_per_pseudo_user: int | None = None
 
     def __post_init__(self) -> None:
         problems = []
@@ -83,6 +87,13 @@ class MixingConfig:
         if not _integer(self.examples_per_assignment) or self.examples_per_assignment < 1:
             problems.append(
                 f"examples_per_assignment must be an integer >= 1, got {self.examples_per_assignment!r}"
+            )
+        if self.examples_per_pseudo_user is not None and (
+            not _integer(self.examples_per_pseudo_user) or self.examples_per_pseudo_user < 1
+        ):
+            problems.append(
+                "examples_per_pseudo_user must be an integer >= 1 or null (one update call's worth), "
+                f"got {self.examples_per_pseudo_user!r}"
             )
         if problems:
             raise MixingError("; ".join(problems))
@@ -112,6 +123,16 @@ class MixingConfig:
             raise MixingError(
                 f"examples_per_assignment ({self.examples_per_assignment}) must be at most the examples one "
                 f"update call takes ({manifest.max_examples} = max_batches x batch_size)"
+            )
+        size = self.examples_per_pseudo_user
+        if (
+            self.strategy in ("parallel_training", "gradient_transfer")
+            and size
+            and size > manifest.max_examples
+        ):
+            raise MixingError(
+                f"examples_per_pseudo_user ({size}) must be at most the examples one update call takes "
+                f"({manifest.max_examples} = max_batches x batch_size)"
             )
         if self.strategy == "gradient_transfer" and "gradient" not in manifest.signatures:
             raise MixingError(

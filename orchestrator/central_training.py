@@ -52,17 +52,21 @@ class CentralUpdate:
     steps: int  # J
 
 
-def groups_of(examples: Examples, manifest: Manifest) -> list[Examples]:
-    """The centralized examples as pseudo-users: consecutive runs of one task's worth
-    (max_batches x batch_size) each.
+def groups_of(examples: Examples, manifest: Manifest, size: int | None = None) -> list[Examples]:
+    """The centralized examples as pseudo-users: consecutive runs of `size` examples each (default:
+    one update call's worth, max_batches x batch_size).
 
     A FedRecon model's update needs local parameters fitted to the examples it trains on. The
     whole dataset as one pseudo-user would fit one user embedding to everyone's examples (and
-    exceed what one call takes); one group per example would reconstruct from nothing. Groups of
-    consecutive examples keep each call full and, when the operator orders the dataset by source
-    (e.g. a public account's shares together), give each group a coherent local embedding.
+    exceed what one call takes); one group per example would reconstruct from nothing. When the
+    operator orders the dataset by source (a public account's shares together) and sets `size` to
+    about one source's worth, each group's locals fit one account: the skewed-setup benchmark
+    measures what a group spanning dozens of accounts loses (README, "Mixing centralized data:
+    the skewed setup").
     """
-    return split_batches(examples, manifest.max_examples) if examples.num_examples else []
+    if size is not None and not 1 <= size <= manifest.max_examples:
+        raise ValueError(f"a pseudo-user holds 1 to {manifest.max_examples} examples, got {size}")
+    return split_batches(examples, size or manifest.max_examples) if examples.num_examples else []
 
 
 def train_on_central(
@@ -78,7 +82,7 @@ def train_on_central(
     its query half, as a device does), from a group order fixed by `seed`; the delta of the globals.
     """
     manifest = model.manifest
-    groups = groups_of(examples, manifest)
+    groups = groups_of(examples, manifest, mixing.examples_per_pseudo_user)
     if not groups:
         raise ValueError("parallel training needs centralized examples; none are attached")
     rng = np.random.default_rng(seed)
@@ -137,14 +141,19 @@ class CentralGradient:
 
 
 def gradient_on_central(
-    model: TFLiteModel, global_params: Params, examples: Examples, task: TaskConfig, seed: int
+    model: TFLiteModel,
+    global_params: Params,
+    examples: Examples,
+    task: TaskConfig,
+    seed: int,
+    examples_per_pseudo_user: int | None = None,
 ) -> CentralGradient:
     """Gradient transfer (Algorithm 4): the gradient of the centralized data's loss at
     `global_params`, through the model's `gradient` signature: each group (pseudo-user, as in
     `train_on_central`) with its locals reconstructed, the groups' gradients weighted by their
     examples' weight. Negatives (implicit labels) are drawn from `seed`."""
     manifest = model.manifest
-    groups = groups_of(examples, manifest)
+    groups = groups_of(examples, manifest, examples_per_pseudo_user)
     if not groups:
         raise ValueError("gradient transfer needs centralized examples; none are attached")
     rng = np.random.default_rng(seed)
@@ -253,7 +262,9 @@ class CentralJob:
 
     def gradient(self) -> CentralGradient:
         with _models.model(self.artifact_sha256, self.manifest, self.tflite) as model:
-            return gradient_on_central(model, self.params, self.examples, self.task, self.seed)
+            return gradient_on_central(
+                model, self.params, self.examples, self.task, self.seed, self.mixing.examples_per_pseudo_user
+            )
 
 
 def job_key(

@@ -149,6 +149,11 @@ def _parser() -> argparse.ArgumentParser:
         help="parallel training's SGD rate",
     )
     mixing.add_argument(
+        "--examples-per-pseudo-user",
+        type=int,
+        help="parallel and gradient transfer: the server's pseudo-users' size (default: one update call's)",
+    )
+    mixing.add_argument(
         "--examples-per-assignment",
         default=_listed(EXAMPLES_PER_ASSIGNMENT),
         help="example transfer: centralized examples sent",
@@ -203,7 +208,8 @@ def _mixing(args: argparse.Namespace) -> int:
     print(
         f"{rounds.rounds} rounds of {rounds.clients_per_round} clients; "
         "the fleet main job's implicit model and task; parallel training: "
-        f"J = {args.central_steps} steps at rate {args.central_learning_rate:g} per round"
+        f"J = {args.central_steps} steps at rate {args.central_learning_rate:g} per round; pseudo-users of "
+        f"{args.examples_per_pseudo_user or 'one update call of'} examples"
     )
     print(TABLE_HEADER, flush=True)
     rows = run_mixing(
@@ -214,6 +220,7 @@ def _mixing(args: argparse.Namespace) -> int:
         runs,
         central_steps=args.central_steps,
         central_learning_rate=args.central_learning_rate,
+        examples_per_pseudo_user=args.examples_per_pseudo_user,
     )
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)

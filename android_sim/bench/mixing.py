@@ -175,6 +175,7 @@ class Harness:
     central: Examples  # the centralized dataset (`central_examples`)
     central_steps: int = CENTRAL_STEPS  # parallel training's J
     central_learning_rate: float = CENTRAL_LEARNING_RATE
+    examples_per_pseudo_user: int | None = None  # parallel and gradient transfer; None: the default
 
     @classmethod
     def build(
@@ -185,6 +186,7 @@ class Harness:
         workers: int,
         central_steps: int = CENTRAL_STEPS,
         central_learning_rate: float = CENTRAL_LEARNING_RATE,
+        examples_per_pseudo_user: int | None = None,
     ) -> Harness:
         model = model_config(setup.data)
         settings = population_settings(RunConfig(work_dir=Path(".")), setup.data, model)
@@ -199,6 +201,7 @@ class Harness:
             central_examples(setup, TFLiteModel(model_dir).manifest),
             central_steps,
             central_learning_rate,
+            examples_per_pseudo_user,
         )
 
     def trainers(self, keep_new: bool) -> tuple[list[int], list[DeviceData]]:
@@ -240,8 +243,11 @@ def mixing_config(harness: Harness, strategy: str, weight: float | None) -> Mixi
             weight=weight,
             central_steps=harness.central_steps,
             central_learning_rate=harness.central_learning_rate,
+            examples_per_pseudo_user=harness.examples_per_pseudo_user,
         )
-    return MixingConfig("gradient_transfer", weight=weight)
+    return MixingConfig(
+        "gradient_transfer", weight=weight, examples_per_pseudo_user=harness.examples_per_pseudo_user
+    )
 
 
 def run_strategy(harness: Harness, strategy: str, weight: float | None = None) -> StrategyResult:
@@ -298,7 +304,12 @@ def train(harness: Harness, mixing: MixingConfig, keep_new: bool = False) -> Tra
             if mixing.strategy == "gradient_transfer":
                 try:
                     gradient = gradient_on_central(
-                        server_model, server.params, harness.central, harness.config, seed=r
+                        server_model,
+                        server.params,
+                        harness.central,
+                        harness.config,
+                        r,
+                        mixing.examples_per_pseudo_user,
                     ).gradient
                     sent_bytes += len(encode_sparse_delta(gradient)) * len(clients)
                 except CentralTrainingError:  # the route answers 503; the devices train without it
@@ -417,11 +428,14 @@ def run_mixing(
     runs: Sequence[tuple[str, float | None]],
     central_steps: int = CENTRAL_STEPS,
     central_learning_rate: float = CENTRAL_LEARNING_RATE,
+    examples_per_pseudo_user: int | None = None,
 ) -> list[dict[str, Any]]:
     """Every (strategy, weight) of `runs` on every setup; prints each row as it comes."""
     rows = []
     for setup in setups:
-        harness = Harness.build(setup, models, rounds, workers, central_steps, central_learning_rate)
+        harness = Harness.build(
+            setup, models, rounds, workers, central_steps, central_learning_rate, examples_per_pseudo_user
+        )
         for strategy, weight in runs:
             result = run_strategy(harness, strategy, weight)
             rows.append({"data": setup.name, **result.to_json()})

@@ -93,6 +93,16 @@ def test_attaching_bad_mixing_is_a_4xx_that_says_why_and_changes_nothing(
             "examples_per_assignment",
         ),
         "gradient weight above its bound": ({"strategy": "gradient_transfer", "weight": 101}, good, "weight"),
+        "empty pseudo-users": (
+            {"strategy": "parallel_training", "examples_per_pseudo_user": 0},
+            good,
+            "examples_per_pseudo_user",
+        ),
+        "pseudo-users beyond one call": (
+            {"strategy": "gradient_transfer", "examples_per_pseudo_user": manifest.max_examples + 1},
+            good,
+            "examples_per_pseudo_user",
+        ),
     }
     for case, (mixing, blob, expected) in cases.items():
         # Execute
@@ -411,3 +421,32 @@ def test_a_central_gradient_that_is_not_finite_is_a_503_that_says_why(
     # Assert: no gradient bytes, a status a device retries, and the reason.
     assert served.status_code == 503, served.text
     assert "not finite" in served.json()["detail"]
+
+
+def test_pseudo_users_of_a_set_size_each_get_their_own_locals(export: Callable[[ModelConfig], Path]) -> None:
+    # Prepare: 20 examples as two pseudo-users of 10 (e.g. two accounts' shares, in account order).
+    model_dir = export(BIASED)
+    model = TFLiteModel(model_dir)
+    base = model.get_global()
+    examples = central_examples(model.manifest, 20, seed=8)
+    task = TaskConfig.from_manifest(model.manifest)
+
+    # Execute
+    two = central_training.gradient_on_central(model, base, examples, task, 0, examples_per_pseudo_user=10)
+    one = central_training.gradient_on_central(model, base, examples, task, 0)
+
+    # Assert: the mean of each half's gradient with its own reconstructed locals (equal weights);
+    # not the gradient of one pseudo-user holding all 20.
+    halves = [
+        _independent_central_gradient(model_dir, base, examples.select(slice(i, i + 10))) for i in (0, 10)
+    ]
+    for name, tensor in two.gradient.items():
+        np.testing.assert_allclose(
+            tensor.dense(), (halves[0][name] + halves[1][name]) / 2, rtol=1e-5, atol=1e-7, err_msg=name
+        )
+    assert any(
+        not np.allclose(one.gradient[k].dense(), two.gradient[k].dense(), atol=1e-6) for k in two.gradient
+    )
+    assert len(central_training.groups_of(examples, model.manifest, 10)) == 2
+    with pytest.raises(ValueError, match="a pseudo-user holds 1 to"):
+        central_training.groups_of(examples, model.manifest, model.manifest.max_examples + 1)
