@@ -3,6 +3,8 @@ adds through the system's own functions, and a short run of each at a tiny size.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -135,3 +137,14 @@ def test_each_strategy_is_one_call_with_scores_in_range(harness: Harness) -> Non
         run_strategy(harness, "gradient_transfer")
     with pytest.raises(ValueError, match="a number of examples"):
         run_strategy(harness, "example_transfer", 2.5)
+
+
+def test_the_pseudo_user_size_reaches_the_servers_functions(harness: Harness) -> None:
+    sized = replace(harness, examples_per_pseudo_user=8)
+
+    plain = train(harness, mixing_config(harness, "gradient_transfer", 1.0))
+    mixed = train(sized, mixing_config(sized, "gradient_transfer", 1.0))
+
+    assert mixing_config(sized, "parallel_training", 0.3).examples_per_pseudo_user == 8
+    # Other pseudo-users, another central gradient: other globals.
+    assert not np.allclose(plain.params["item_bias"], mixed.params["item_bias"])
