@@ -213,14 +213,19 @@ class DeviceAgent:
             max_transfer_bytes,
             transferred_examples,
         )
-        gradient, gradient_bytes = await self._mixing_download(
-            answer,
-            model_dir,
-            answer.central_gradient_url,
-            self.client.central_gradient,
-            max_gradient_bytes,
-            transferred_gradient,
-        )
+        try:
+            gradient, gradient_bytes = await self._mixing_download(
+                answer,
+                model_dir,
+                answer.central_gradient_url,
+                self.client.central_gradient,
+                max_gradient_bytes,
+                transferred_gradient,
+            )
+        except ServerUnavailable:
+            # The server has no gradient for this version (503 after every retry, e.g. not finite):
+            # a plain FedRecon update instead, so that the round can still commit.
+            gradient, gradient_bytes = None, 0
         timed = await self.runner.run(
             answer.kind,
             model_dir,
