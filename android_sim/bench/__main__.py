@@ -151,7 +151,13 @@ def _parser() -> argparse.ArgumentParser:
     mixing.add_argument(
         "--examples-per-pseudo-user",
         type=int,
-        help="parallel and gradient transfer: the server's pseudo-users' size (default: one update call's)",
+        help="parallel and gradient transfer, with --without-account-ids: the server's pseudo-users' size "
+        "(default: as many as fit one call with their negatives)",
+    )
+    mixing.add_argument(
+        "--without-account-ids",
+        action="store_true",
+        help="attach the public accounts' shares without their account ids (pseudo-users: consecutive runs)",
     )
     mixing.add_argument(
         "--examples-per-assignment",
@@ -208,8 +214,12 @@ def _mixing(args: argparse.Namespace) -> int:
     print(
         f"{rounds.rounds} rounds of {rounds.clients_per_round} clients; "
         "the fleet main job's implicit model and task; parallel training: "
-        f"J = {args.central_steps} steps at rate {args.central_learning_rate:g} per round; pseudo-users of "
-        f"{args.examples_per_pseudo_user or 'one update call of'} examples"
+        f"J = {args.central_steps} steps at rate {args.central_learning_rate:g} per round; pseudo-users: "
+        + (
+            f"runs of {args.examples_per_pseudo_user or 'as many as fit one call of the'} examples"
+            if args.without_account_ids
+            else "the public accounts (split to fit one call)"
+        )
     )
     print(TABLE_HEADER, flush=True)
     rows = run_mixing(
@@ -221,6 +231,7 @@ def _mixing(args: argparse.Namespace) -> int:
         central_steps=args.central_steps,
         central_learning_rate=args.central_learning_rate,
         examples_per_pseudo_user=args.examples_per_pseudo_user,
+        account_ids=not args.without_account_ids,
     )
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)

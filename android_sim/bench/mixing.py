@@ -52,7 +52,7 @@ from android_sim.fleet import write_store
 from android_sim.run import RunConfig, model_config, population_settings
 from contracts.features import Examples
 from contracts.manifest import Manifest
-from contracts.mixing import MixingConfig, encode_examples
+from contracts.mixing import CentralDataset, MixingConfig, encode_examples
 from contracts.params import Params, encode_sparse_delta
 from contracts.task_config import TaskConfig
 from device_runtime.client_task import diverged, with_central
@@ -124,10 +124,10 @@ def movielens_setup(path: Path, new_fraction: float = 0.03) -> SkewedSetup:
     return skewed_setup("movielens", movielens_shares(path), new_fraction)
 
 
-def central_examples(setup: SkewedSetup, manifest: Manifest) -> Examples:
+def central_examples(setup: SkewedSetup, manifest: Manifest, account_ids: bool = True) -> CentralDataset:
     """The centralized dataset as an operator would attach it: the public accounts' shares,
-    account by account and oldest first, so that the server's pseudo-users (runs of consecutive
-    examples, `groups_of`) hold few accounts each."""
+    account by account and oldest first, with each share's account as its group id (unless not
+    `account_ids`), so that the server's pseudo-users (`groups_of`) are the accounts."""
     devices = [setup.data.devices[u] for u in setup.public_users]
     examples = Examples(
         {
@@ -135,7 +135,8 @@ def central_examples(setup: SkewedSetup, manifest: Manifest) -> Examples:
             LABEL: np.concatenate([d.labels for d in devices]),
         }
     )
-    return examples.validated(manifest.features)
+    accounts = np.repeat(np.arange(len(devices), dtype=np.int64), [len(d) for d in devices])
+    return CentralDataset(examples.validated(manifest.features), accounts if account_ids else None)
 
 
 @dataclass
@@ -172,10 +173,11 @@ class Harness:
     optimizer: ServerOptimizerConfig
     rounds: Rounds
     workers: int
-    central: Examples  # the centralized dataset (`central_examples`)
+    central: CentralDataset  # the centralized dataset (`central_examples`)
     central_steps: int = CENTRAL_STEPS  # parallel training's J
     central_learning_rate: float = CENTRAL_LEARNING_RATE
-    examples_per_pseudo_user: int | None = None  # parallel and gradient transfer; None: the default
+    # Parallel and gradient transfer, for a dataset without account ids; None: the default.
+    examples_per_pseudo_user: int | None = None
 
     @classmethod
     def build(
@@ -187,6 +189,7 @@ class Harness:
         central_steps: int = CENTRAL_STEPS,
         central_learning_rate: float = CENTRAL_LEARNING_RATE,
         examples_per_pseudo_user: int | None = None,
+        account_ids: bool = True,
     ) -> Harness:
         model = model_config(setup.data)
         settings = population_settings(RunConfig(work_dir=Path(".")), setup.data, model)
@@ -198,7 +201,7 @@ class Harness:
             ServerOptimizerConfig.from_json(settings["server_optimizer"]),
             rounds,
             workers,
-            central_examples(setup, TFLiteModel(model_dir).manifest),
+            central_examples(setup, TFLiteModel(model_dir).manifest, account_ids),
             central_steps,
             central_learning_rate,
             examples_per_pseudo_user,
@@ -316,7 +319,9 @@ def train(harness: Harness, mixing: MixingConfig, keep_new: bool = False) -> Tra
                     failed += 1
             elif mixing.strategy == "example_transfer":
                 for user in clients:
-                    examples[user] = assignment_examples(harness.central, mixing, f"round-{r}-device-{user}")
+                    examples[user] = assignment_examples(
+                        harness.central.examples, mixing, f"round-{r}-device-{user}"
+                    )
                     sent_bytes += len(encode_examples(examples[user], manifest.features))
             work = _client_work(harness, histories, per_item, r, gradient, mixing.weight, examples)
             reports = devices.map(work, clients)
@@ -429,12 +434,20 @@ def run_mixing(
     central_steps: int = CENTRAL_STEPS,
     central_learning_rate: float = CENTRAL_LEARNING_RATE,
     examples_per_pseudo_user: int | None = None,
+    account_ids: bool = True,
 ) -> list[dict[str, Any]]:
     """Every (strategy, weight) of `runs` on every setup; prints each row as it comes."""
     rows = []
     for setup in setups:
         harness = Harness.build(
-            setup, models, rounds, workers, central_steps, central_learning_rate, examples_per_pseudo_user
+            setup,
+            models,
+            rounds,
+            workers,
+            central_steps,
+            central_learning_rate,
+            examples_per_pseudo_user,
+            account_ids,
         )
         for strategy, weight in runs:
             result = run_strategy(harness, strategy, weight)

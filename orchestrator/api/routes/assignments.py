@@ -147,7 +147,8 @@ def _central_examples(factory: sessionmaker[Session], token: str, assignment_id:
                 404, f"assignment {assignment_id!r}'s population does not mix by example transfer"
             )
         manifest = rounds.population_manifest(population)
-        examples = mixing.central_examples(session, population, manifest)
+        # The examples only: a device never receives the dataset's group ids.
+        examples = mixing.central_examples(session, population, manifest).examples
         return encode_examples(mixing.assignment_examples(examples, config, assignment_id), manifest.features)
 
 
