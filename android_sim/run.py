@@ -735,11 +735,12 @@ async def _attach_mixing(
         return None
     training = [data.devices[i] for i, spec in enumerate(devices.specs) if spec.role == TRAINING]
     central = centralized_examples(data, training, data.devices, config.central_examples, config.seed)
-    blob = encode_examples(central.examples, manifest.features)
+    blob = encode_examples(central.examples, manifest.features, central.accounts)
     attached = await _admin_call(admin.attach_mixing(name, config.mixing, blob))
     console.print(
         f"mixing: {attached['mixing']['strategy']} over {central.examples.num_examples} centralized examples "
-        f"({len(blob):,} bytes; {len(central.new_items)} items no training device holds)"
+        f"of {len(np.unique(central.accounts))} public accounts ({len(blob):,} bytes; "
+        f"{len(central.new_items)} items no training device holds)"
     )
     return {**attached, "dataset_bytes": len(blob), "new_items": len(central.new_items)}
 

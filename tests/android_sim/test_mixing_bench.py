@@ -21,7 +21,7 @@ from android_sim.bench.mixing import (
 )
 from android_sim.bench.models import ModelCache
 from android_sim.expressions import SyntheticConfig
-from contracts.mixing import MixingConfig, encode_examples
+from contracts.mixing import CentralDataset, MixingConfig, encode_examples
 from model_runtime.tflite_model import TFLiteModel
 from orchestrator.mixing import assignment_examples
 
@@ -62,8 +62,13 @@ def test_the_centralized_data_is_the_public_accounts_shares_account_by_account(h
     setup = harness.setup
     expected = np.concatenate([setup.data.devices[u].item_ids for u in setup.public_users])
 
-    np.testing.assert_array_equal(harness.central["item"], expected)
-    assert np.isin(setup.new_items, harness.central["item"]).any()
+    accounts = [i for i, u in enumerate(setup.public_users) for _ in range(len(setup.data.devices[u]))]
+
+    np.testing.assert_array_equal(harness.central.examples["item"], expected)
+    assert np.isin(setup.new_items, harness.central.examples["item"]).any()
+    # Each share's account is its group id: the server's pseudo-users are the accounts.
+    assert harness.central.groups is not None
+    np.testing.assert_array_equal(harness.central.groups, accounts)
 
 
 def test_gradient_transfer_moves_the_new_items_and_costs_bytes(harness: Harness) -> None:
@@ -74,7 +79,10 @@ def test_gradient_transfer_moves_the_new_items_and_costs_bytes(harness: Harness)
 
     assert mixed.refused == 0 and plain.bytes_per_assignment == 0 and mixed.bytes_per_assignment > 0
     # Public shares of the new items raise their biases; without mixing they are only negatives.
-    assert mixed.params["item_bias"][new].mean() > plain.params["item_bias"][new].mean()
+    # The public accounts share the new items: their biases rise relative to the catalog's
+    # (every item's moves: the accounts' sampled negatives push the others down).
+    moved = mixed.params["item_bias"] - plain.params["item_bias"]
+    assert moved[new].mean() > moved.mean()
 
 
 def test_parallel_training_merges_the_central_delta_by_alpha_and_sends_nothing(harness: Harness) -> None:
@@ -88,7 +96,10 @@ def test_parallel_training_merges_the_central_delta_by_alpha_and_sends_nothing(h
     for name, value in plain.params.items():
         np.testing.assert_array_equal(nothing.params[name], value, err_msg=name)
     assert mixed.bytes_per_assignment == 0 and mixed.central_failed == 0
-    assert mixed.params["item_bias"][new].mean() > plain.params["item_bias"][new].mean()
+    # The public accounts share the new items: their biases rise relative to the catalog's
+    # (every item's moves: the accounts' sampled negatives push the others down).
+    moved = mixed.params["item_bias"] - plain.params["item_bias"]
+    assert moved[new].mean() > moved.mean()
 
 
 def test_example_transfer_sends_the_routes_bytes_and_moves_the_new_items(harness: Harness) -> None:
@@ -98,8 +109,13 @@ def test_example_transfer_sends_the_routes_bytes_and_moves_the_new_items(harness
     mixed = train(harness, mixing_config(harness, "example_transfer", 8))
 
     # Every assignment carries 8 examples, encoded as the route encodes them (the same size whichever 8).
-    assert mixed.bytes_per_assignment == len(encode_examples(harness.central.select(slice(0, 8)), features))
-    assert mixed.params["item_bias"][new].mean() > plain.params["item_bias"][new].mean()
+    assert mixed.bytes_per_assignment == len(
+        encode_examples(harness.central.examples.select(slice(0, 8)), features)
+    )
+    # The public accounts share the new items: their biases rise relative to the catalog's
+    # (every item's moves: the accounts' sampled negatives push the others down).
+    moved = mixed.params["item_bias"] - plain.params["item_bias"]
+    assert moved[new].mean() > moved.mean()
 
 
 def test_transferred_examples_train_but_do_not_count_in_the_reported_weight(harness: Harness) -> None:
@@ -110,7 +126,7 @@ def test_transferred_examples_train_but_do_not_count_in_the_reported_weight(harn
     params = model.get_global()
     per_item = per_item_names(model.manifest)
     sample = assignment_examples(
-        harness.central, MixingConfig("example_transfer", examples_per_assignment=16), "a"
+        harness.central.examples, MixingConfig("example_transfer", examples_per_assignment=16), "a"
     )
 
     # Execute
@@ -139,12 +155,15 @@ def test_each_strategy_is_one_call_with_scores_in_range(harness: Harness) -> Non
         run_strategy(harness, "example_transfer", 2.5)
 
 
-def test_the_pseudo_user_size_reaches_the_servers_functions(harness: Harness) -> None:
-    sized = replace(harness, examples_per_pseudo_user=8)
+def test_account_ids_or_else_the_pseudo_user_size_reach_the_servers_functions(harness: Harness) -> None:
+    without_ids = replace(harness, central=CentralDataset(harness.central.examples))
+    sized = replace(without_ids, examples_per_pseudo_user=8)
 
-    plain = train(harness, mixing_config(harness, "gradient_transfer", 1.0))
-    mixed = train(sized, mixing_config(sized, "gradient_transfer", 1.0))
+    by_account = train(harness, mixing_config(harness, "gradient_transfer", 1.0))
+    by_default = train(without_ids, mixing_config(without_ids, "gradient_transfer", 1.0))
+    by_size = train(sized, mixing_config(sized, "gradient_transfer", 1.0))
 
     assert mixing_config(sized, "parallel_training", 0.3).examples_per_pseudo_user == 8
     # Other pseudo-users, another central gradient: other globals.
-    assert not np.allclose(plain.params["item_bias"], mixed.params["item_bias"])
+    bias = [t.params["item_bias"] for t in (by_account, by_default, by_size)]
+    assert not np.allclose(bias[0], bias[1]) and not np.allclose(bias[1], bias[2])
