@@ -189,6 +189,11 @@ def _mixing(args: argparse.Namespace) -> int:
     unknown = sorted(set(wanted) - {"expressions", "movielens"})
     if unknown:
         raise ValueError(f"unknown data {unknown}; expected expressions, movielens")
+    if args.examples_per_pseudo_user is not None and not args.without_account_ids:
+        raise ValueError(
+            "--examples-per-pseudo-user sizes pseudo-users of a dataset without group ids; with the "
+            "accounts' ids the pseudo-users are the accounts: add --without-account-ids"
+        )
     strategies = _names(args.strategies)
     unknown = sorted(set(strategies) - set(STRATEGIES))
     if unknown:

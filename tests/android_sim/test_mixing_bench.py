@@ -8,6 +8,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
+from android_sim.bench.__main__ import main as bench_main
 from android_sim.bench.federated import Rounds, per_item_names
 from android_sim.bench.mixing import (
     Harness,
@@ -167,3 +168,10 @@ def test_account_ids_or_else_the_pseudo_user_size_reach_the_servers_functions(ha
     # Other pseudo-users, another central gradient: other globals.
     bias = [t.params["item_bias"] for t in (by_account, by_default, by_size)]
     assert not np.allclose(bias[0], bias[1]) and not np.allclose(bias[1], bias[2])
+
+
+def test_the_bench_refuses_a_pseudo_user_size_it_would_ignore(capsys: pytest.CaptureFixture[str]) -> None:
+    code = bench_main(["mixing", "--examples-per-pseudo-user", "8"])
+
+    assert code == 2
+    assert "add --without-account-ids" in capsys.readouterr().err
