@@ -3,8 +3,8 @@
 What a keyboard's server has: trending usage of public accounts. Here: shares drawn by each
 expression's popularity over the whole population (the held-out devices' futures included, as
 trending data sees everyone), plus the expressions that no training device holds, e.g. new
-releases, each shared by a few public accounts. For MovieLens: movies drawn by popularity, with
-their mean rating (an editorial score).
+releases, each shared by a few public accounts; every share carries its account's id. For
+MovieLens: movies drawn by popularity, with their mean rating (an editorial score).
 """
 
 from __future__ import annotations
@@ -25,13 +25,17 @@ SHARES_PER_NEW_EXPRESSION = 4
 class CentralData:
     examples: Examples
     new_items: np.ndarray  # catalog rows no training device holds, present in the examples
+    # int64, one per example: the public account that shared it (the dataset's group ids,
+    # contracts.mixing.GROUP_TENSOR), so that the server's pseudo-users are accounts.
+    accounts: np.ndarray
 
 
 def centralized_examples(
     data: FleetData, training: list[DeviceData], everyone: list[DeviceData], count: int, seed: int
 ) -> CentralData:
-    """`count` public examples (plus the new items' shares), ordered by item so that consecutive
-    runs (the server's pseudo-users in parallel training) are coherent."""
+    """`count` public examples (plus the new items' shares), account by account: public accounts
+    of a device's mean history length, each a sample of the trending shares; each new item is
+    shared by SHARES_PER_NEW_EXPRESSION distinct accounts (as many as there are, at most)."""
     rng = np.random.default_rng(seed + 7)
     held = np.unique(np.concatenate([d.item_ids for d in training])) if training else np.zeros(0, np.int64)
     new_items = np.setdiff1d(np.arange(data.num_items), held)
@@ -39,12 +43,20 @@ def centralized_examples(
     labels = np.concatenate([d.labels for d in everyone])
     popularity = np.bincount(shared, minlength=data.num_items).astype(np.float64)
     trending = rng.choice(data.num_items, size=count, p=popularity / popularity.sum())
-    items = np.concatenate([trending, np.repeat(new_items, SHARES_PER_NEW_EXPRESSION)]).astype(np.int32)
+    num_accounts = max(1, -(-count * len(everyone) // max(len(shared), 1)))
+    per_new = min(SHARES_PER_NEW_EXPRESSION, num_accounts)
+    accounts = np.concatenate(
+        [
+            rng.integers(num_accounts, size=count),
+            *(rng.choice(num_accounts, size=per_new, replace=False) for _ in new_items),
+        ]
+    ).astype(np.int64)
+    items = np.concatenate([trending, np.repeat(new_items, per_new)]).astype(np.int32)
     if data.feedback is Feedback.IMPLICIT:
         values = np.ones(len(items), np.float32)
     else:
         sums = np.bincount(shared, weights=labels, minlength=data.num_items)
         mean = np.where(popularity > 0, sums / np.maximum(popularity, 1), data.label_mean)
         values = np.round(mean[items]).astype(np.float32)
-    order = np.argsort(items, kind="stable")
-    return CentralData(Examples({ITEM: items[order], LABEL: values[order]}), new_items)
+    order = np.lexsort((items, accounts))
+    return CentralData(Examples({ITEM: items[order], LABEL: values[order]}), new_items, accounts[order])

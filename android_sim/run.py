@@ -713,7 +713,7 @@ def _write_report(
         console.print(f"differential privacy: {privacy['message']}")
     mixed = cast(dict[str, Any] | None, body["mixing"])
     if mixed:
-        extra, count = mixed["central_bytes_per_assignment"], mixed["assignments_with_central_examples"]
+        extra, count = mixed["central_bytes_per_assignment"], mixed["assignments_with_central_download"]
         console.print(
             f"mixing {mixed['mixing']['strategy']}: {extra:,.0f} extra bytes per training assignment "
             f"(median over {count})"
@@ -735,11 +735,12 @@ async def _attach_mixing(
         return None
     training = [data.devices[i] for i, spec in enumerate(devices.specs) if spec.role == TRAINING]
     central = centralized_examples(data, training, data.devices, config.central_examples, config.seed)
-    blob = encode_examples(central.examples, manifest.features)
+    blob = encode_examples(central.examples, manifest.features, central.accounts)
     attached = await _admin_call(admin.attach_mixing(name, config.mixing, blob))
     console.print(
         f"mixing: {attached['mixing']['strategy']} over {central.examples.num_examples} centralized examples "
-        f"({len(blob):,} bytes; {len(central.new_items)} items no training device holds)"
+        f"of {len(np.unique(central.accounts))} public accounts ({len(blob):,} bytes; "
+        f"{len(central.new_items)} items no training device holds)"
     )
     return {**attached, "dataset_bytes": len(blob), "new_items": len(central.new_items)}
 
@@ -751,7 +752,7 @@ def _mixing_summary(mixing: dict[str, Any] | None, fleet: Fleet) -> dict[str, An
     sizes = fleet.stats.central_bytes
     return {
         **mixing,
-        "assignments_with_central_examples": len(sizes),
+        "assignments_with_central_download": len(sizes),
         "central_bytes_per_assignment": float(np.median(sizes)) if sizes else 0.0,
         "central_bytes_total": int(sum(sizes)),
     }

@@ -62,6 +62,12 @@ class MixingConfig:
     central_steps: int = 10  # parallel_training: J
     central_learning_rate: float = 0.1  # parallel_training: the server's SGD rate on central data
     examples_per_assignment: int = 16  # example_transfer: sampled per assignment
+    # parallel_training, gradient_transfer, for a dataset without group ids (GROUP_TENSOR): the
+    # server's pseudo-users are runs of this many consecutive examples (each gets its own
+    # reconstructed locals); None: as many as fit one call with their negatives
+    # (orchestrator.central_training.pseudo_user_capacity). Ignored when the dataset has group ids:
+    # the groups are the pseudo-users.
+    examples_per_pseudo_user: int | None = None
 
     def __post_init__(self) -> None:
         problems = []
@@ -83,6 +89,13 @@ class MixingConfig:
         if not _integer(self.examples_per_assignment) or self.examples_per_assignment < 1:
             problems.append(
                 f"examples_per_assignment must be an integer >= 1, got {self.examples_per_assignment!r}"
+            )
+        if self.examples_per_pseudo_user is not None and (
+            not _integer(self.examples_per_pseudo_user) or self.examples_per_pseudo_user < 1
+        ):
+            problems.append(
+                "examples_per_pseudo_user must be an integer >= 1 or null (as many as fit one call), "
+                f"got {self.examples_per_pseudo_user!r}"
             )
         if problems:
             raise MixingError("; ".join(problems))
@@ -123,11 +136,40 @@ class MixingConfig:
 # ---- centralized examples on the wire and at rest ----------------------------------------
 
 
-def encode_examples(examples: Examples, features: tuple[FeatureSpec, ...] | list[FeatureSpec]) -> bytes:
-    """Examples as safetensors: one tensor per feature, named after it, first axis the example."""
+# The optional tensor of a centralized dataset that says which examples belong together (e.g. the
+# public account that shared them), so that the server's pseudo-users are those groups
+# (orchestrator.central_training.groups_of). Not an identifier, so never a feature's name.
+GROUP_TENSOR = "@group"
+_GROUP_DTYPES = (np.dtype(np.int32), np.dtype(np.int64))
+
+
+@dataclass(frozen=True)
+class CentralDataset:
+    """A population's centralized examples and, when the operator gave them, their group ids."""
+
+    examples: Examples
+    groups: np.ndarray | None = None  # int64 [num_examples], >= 0: the source of each example
+
+    def __post_init__(self) -> None:
+        if self.groups is not None and self.groups.shape != (self.examples.num_examples,):
+            raise ValueError(
+                f"one group id per example expected ({self.examples.num_examples}), "
+                f"got shape {list(self.groups.shape)}"
+            )
+
+
+def encode_examples(
+    examples: Examples,
+    features: tuple[FeatureSpec, ...] | list[FeatureSpec],
+    groups: np.ndarray | None = None,
+) -> bytes:
+    """Examples as safetensors: one tensor per feature, named after it, first axis the example;
+    with `groups`, also their group ids (GROUP_TENSOR, int64)."""
     # safetensors cannot write a tensor with a zero-sized axis (0.8); the metadata carries the count.
     count = {"num_examples": str(examples.num_examples)}
     tensors = {f.name: np.ascontiguousarray(examples[f.name], f.dtype) for f in features}
+    if groups is not None:
+        tensors[GROUP_TENSOR] = np.ascontiguousarray(groups, np.int64)
     if not examples.num_examples:
         return save({}, metadata=count)
     return save(tensors, metadata=count)
@@ -138,6 +180,38 @@ def decode_examples(
 ) -> Examples:
     """Safetensors examples checked against the feature spec (sizes before parsing); an
     InvalidExamples says what was wrong and what was expected."""
+    tensors, meta = _load(blob, what, max_bytes)
+    return _checked_examples(tensors, meta, features, what)
+
+
+def decode_central(
+    blob: bytes, features: tuple[FeatureSpec, ...] | list[FeatureSpec], what: str, max_bytes: int
+) -> CentralDataset:
+    """A centralized dataset: `decode_examples`'s examples, and the optional group ids
+    (GROUP_TENSOR: int32 or int64, one per example, >= 0); an InvalidExamples says what was wrong."""
+    tensors, meta = _load(blob, what, max_bytes)
+    groups = tensors.pop(GROUP_TENSOR, None)
+    examples = _checked_examples(tensors, meta, features, what)
+    if groups is None:
+        return CentralDataset(examples)
+    expected = f"int32 or int64 of shape [{examples.num_examples}] (one id per example), each >= 0"
+    if groups.dtype not in _GROUP_DTYPES:
+        raise InvalidExamples(
+            f"{what}: the group ids {GROUP_TENSOR!r} are {groups.dtype}; expected {expected}"
+        )
+    if groups.shape != (examples.num_examples,):
+        raise InvalidExamples(
+            f"{what}: the group ids {GROUP_TENSOR!r} have shape {list(groups.shape)}; expected {expected}"
+        )
+    if groups.size and int(groups.min()) < 0:
+        raise InvalidExamples(
+            f"{what}: the group ids {GROUP_TENSOR!r} include {int(groups.min())}; expected {expected}"
+        )
+    return CentralDataset(examples, groups.astype(np.int64))
+
+
+def _load(blob: bytes, what: str, max_bytes: int) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """A safetensors blob's tensors and metadata, its sizes checked before it is parsed."""
     if len(blob) > max_bytes:
         raise InvalidExamples(f"{what} is {len(blob)} bytes; the limit is {max_bytes}")
     if len(blob) < 8:
@@ -153,6 +227,15 @@ def decode_examples(
         tensors = load(blob)
     except (SafetensorError, ValueError, TypeError, AttributeError) as e:
         raise InvalidExamples(f"{what} is not valid safetensors ({e})") from None
+    return tensors, meta
+
+
+def _checked_examples(
+    tensors: dict[str, np.ndarray],
+    meta: dict[str, Any],
+    features: tuple[FeatureSpec, ...] | list[FeatureSpec],
+    what: str,
+) -> Examples:
     if not tensors:
         if meta.get("num_examples") != "0":
             raise InvalidExamples(

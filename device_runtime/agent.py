@@ -8,20 +8,20 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
-from contracts.features import Examples, InvalidExamples
-from contracts.manifest import ManifestError, load_manifest
+from contracts.features import InvalidExamples
+from contracts.manifest import Manifest, ManifestError, load_manifest
 from contracts.mixing import (
     max_gradient_bytes,
     max_transfer_bytes,
     transferred_examples,
     transferred_gradient,
 )
-from contracts.params import ParamsError, SparseTensor
+from contracts.params import ParamsError
 from contracts.protocol import Assignment, Rejection
 from contracts.task_config import TaskConfig
 from device_runtime.client_task import Outcome, TaskResult
@@ -37,6 +37,8 @@ from device_runtime.orchestrator_client import (
 from device_runtime.secure_round import SecureParticipation, SecureRoundDriver
 from device_runtime.task_runner import TaskRunner
 from model_runtime.tflite_model import ModelLoadError
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -203,8 +205,27 @@ class DeviceAgent:
         model_dir = await self.client.model_dir(answer, self.cache_dir)
         blob = await self.client.global_params(answer)
         config = TaskConfig.from_json(answer.task_config)
-        central, central_bytes = await self._central_examples(answer, model_dir)
-        gradient, gradient_bytes = await self._central_gradient(answer, model_dir)
+        central, central_bytes = await self._mixing_download(
+            answer,
+            model_dir,
+            answer.central_examples_url,
+            self.client.central_examples,
+            max_transfer_bytes,
+            transferred_examples,
+        )
+        try:
+            gradient, gradient_bytes = await self._mixing_download(
+                answer,
+                model_dir,
+                answer.central_gradient_url,
+                self.client.central_gradient,
+                max_gradient_bytes,
+                transferred_gradient,
+            )
+        except ServerUnavailable:
+            # The server has no gradient for this version (503 after every retry, e.g. not finite):
+            # a plain FedRecon update instead, so that the round can still commit.
+            gradient, gradient_bytes = None, 0
         timed = await self.runner.run(
             answer.kind,
             model_dir,
@@ -258,32 +279,26 @@ class DeviceAgent:
             "reported", answer, result, server_answer=dataclasses.asdict(reply), task_seconds=seconds
         )
 
-    async def _central_examples(self, answer: Assignment, model_dir: Path) -> tuple[Examples | None, int]:
-        """Example transfer: the centralized examples the assignment carries, checked against the
-        model (size, feature spec, at most one update call's worth), and their size in bytes; None
-        when it carries none."""
-        if answer.central_examples_url is None or answer.kind != "training":
+    async def _mixing_download(
+        self,
+        answer: Assignment,
+        model_dir: Path,
+        url: str | None,
+        fetch: Callable[[Assignment, int], Awaitable[bytes]],
+        limit: Callable[[Manifest], int],
+        check: Callable[[bytes, Manifest], T],
+    ) -> tuple[T | None, int]:
+        """What a training assignment carries for mixing at `url` (example transfer's examples,
+        gradient transfer's gradient): fetched within the model's `limit`, checked against the
+        model by `check`, and its size in bytes; None when the assignment carries none. A payload
+        that does not fit the model is an InvalidAnswer."""
+        if url is None or answer.kind != "training":
             return None, 0
         manifest = load_manifest(model_dir, verify_model=False)
-        blob = await self.client.central_examples(answer, max_transfer_bytes(manifest))
+        blob = await fetch(answer, limit(manifest))
         try:
-            return transferred_examples(blob, manifest), len(blob)
-        except InvalidExamples as e:
-            raise InvalidAnswer(str(e), assignment_id=answer.assignment_id) from None
-
-    async def _central_gradient(
-        self, answer: Assignment, model_dir: Path
-    ) -> tuple[dict[str, SparseTensor] | None, int]:
-        """Gradient transfer: the central gradient the assignment carries, checked against the model
-        (size, one tensor per global with its shape, rows in range, finite float32), and its size in
-        bytes; None when it carries none."""
-        if answer.central_gradient_url is None or answer.kind != "training":
-            return None, 0
-        manifest = load_manifest(model_dir, verify_model=False)
-        blob = await self.client.central_gradient(answer, max_gradient_bytes(manifest))
-        try:
-            return transferred_gradient(blob, manifest), len(blob)
-        except ParamsError as e:
+            return check(blob, manifest), len(blob)
+        except (InvalidExamples, ParamsError) as e:
             raise InvalidAnswer(str(e), assignment_id=answer.assignment_id) from None
 
 

@@ -294,17 +294,13 @@ class TFLiteModel:
         weight = _float32("central_gradient_weight", central_gradient_weight)
         central = self._checked_central_gradient(central_gradient, float(weight))
         outside: dict[str, np.ndarray] = {}
-        mixing: dict[str, np.ndarray] = {}
         if central:
             batches, outside = self._widened(batches, central)
+        mixing: dict[str, np.ndarray] = {}
+        if self.manifest.takes_central_gradient:
+            # Without a central gradient: zeros at weight 0, exactly the plain update.
             mixing = self._central_inputs(batches, central)
-            mixing[CENTRAL_GRADIENT_WEIGHT] = np.asarray(weight, np.float32)
-        elif self.manifest.takes_central_gradient:
-            mixing = {
-                central_gradient_input(s.name): np.zeros(self.manifest.training_shape(s.name), np.float32)
-                for s in self.manifest.global_params
-            }
-            mixing[CENTRAL_GRADIENT_WEIGHT] = np.asarray(0.0, np.float32)
+            mixing[CENTRAL_GRADIENT_WEIGHT] = np.asarray(weight if central else 0.0, np.float32)
         out = self._call(
             "update",
             **batches.inputs(),

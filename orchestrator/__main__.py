@@ -47,7 +47,10 @@ def main(argv: list[str] | None = None) -> int:
     mix.add_argument(
         "--examples",
         type=Path,
-        help="centralized examples (safetensors, one tensor per feature); omit to keep",
+        help=(
+            'centralized examples (safetensors, one tensor per feature; optionally "@group": int64 ids '
+            "saying which examples belong together, e.g. each one's public account); omit to keep"
+        ),
     )
     status = sub.add_parser("status", help="print a population's state and latest rounds as JSON")
     status.add_argument("name")

@@ -33,9 +33,9 @@ import numpy as np
 
 from contracts.features import Examples
 from contracts.manifest import MANIFEST_FILE, MODEL_FILE, Manifest
-from contracts.mixing import MixingConfig
+from contracts.mixing import CentralDataset, MixingConfig
 from contracts.params import Params, SparseTensor, row_shape
-from contracts.task_config import TaskConfig
+from contracts.task_config import SplitPolicy, TaskConfig
 from model_runtime.support_query import add_negatives, num_steps, reconstruct_locals, split_support_query
 from model_runtime.task_batches import TaskBatches, split_batches
 from model_runtime.tflite_model import SparseGradient, TFLiteModel
@@ -52,23 +52,83 @@ class CentralUpdate:
     steps: int  # J
 
 
-def groups_of(examples: Examples, manifest: Manifest) -> list[Examples]:
-    """The centralized examples as pseudo-users: consecutive runs of one task's worth
-    (max_batches x batch_size) each.
+def pseudo_user_capacity(manifest: Manifest, task: TaskConfig) -> int:
+    """The most examples a pseudo-user holds with every one of them used: with its sampled
+    negatives (implicit labels), its support batches fit one `reconstruct` call and are all
+    stepped through, and so are its query batches in `update` (and `gradient`).
+
+    Measured for the fleet's implicit model (batch 8, max_batches 64, 4 negatives a share, at most
+    50 reconstruction and 50 update steps): 160 shares -> 800 examples -> 100 batches, 50 support
+    and 50 query, each visited. The former default, one update call's worth (512 shares), made
+    2,560 examples, of which one call took 64 + 64 batches (1,024, 40%) and the 50 + 50 steps
+    visited 800 (31%) (tests/orchestrator/test_mixing.py measures both).
+    """
+    per_example = 1 + task.negatives_per_positive if manifest.task.negative_sampling else 1
+    # A half's batches are all visited when they fit a call and the steps (epochs >= 1).
+    steps = (
+        task.update_max_steps
+        if not manifest.local_params
+        else min(task.reconstruction_max_steps, task.update_max_steps)
+    )
+    half = min(manifest.max_batches, steps) * manifest.batch_size
+    split = manifest.local_params and task.split is SplitPolicy.ALTERNATE
+    # A group below `reuse_below` is used whole for both halves: it must fit one half then.
+    if split and task.reuse_below <= half:
+        return max(1, 2 * half // per_example)
+    return max(1, half // per_example)
+
+
+def groups_of(
+    examples: Examples,
+    manifest: Manifest,
+    task: TaskConfig,
+    size: int | None = None,
+    groups: np.ndarray | None = None,
+) -> list[Examples]:
+    """The centralized examples as pseudo-users. With `groups` (the dataset's group ids, e.g. the
+    public account of each example): one pseudo-user per group in id order, its examples in
+    dataset order, a group larger than `pseudo_user_capacity` split into near-equal parts. Without:
+    consecutive runs of `size` examples (default: the capacity).
 
     A FedRecon model's update needs local parameters fitted to the examples it trains on. The
-    whole dataset as one pseudo-user would fit one user embedding to everyone's examples (and
-    exceed what one call takes); one group per example would reconstruct from nothing. Groups of
-    consecutive examples keep each call full and, when the operator orders the dataset by source
-    (e.g. a public account's shares together), give each group a coherent local embedding.
+    whole dataset as one pseudo-user would fit one user embedding to everyone's examples; one
+    group per example would reconstruct from nothing. A group spanning dozens of accounts loses
+    most of what the centralized data could teach (README, "Mixing centralized data: the skewed
+    setup"): group ids make each pseudo-user one account.
     """
-    return split_batches(examples, manifest.max_examples) if examples.num_examples else []
+    capacity = pseudo_user_capacity(manifest, task)
+    if not examples.num_examples:
+        return []
+    if groups is None:
+        if size is not None and size < 1:
+            raise ValueError(f"a pseudo-user holds at least 1 example, got {size}")
+        # Checked against the task when attached; the population's task may have changed since.
+        return split_batches(examples, min(size or capacity, capacity))
+    if groups.shape != (examples.num_examples,):
+        raise ValueError(f"one group id per example expected, got shape {list(groups.shape)}")
+    order = np.argsort(groups, kind="stable")
+    starts = np.flatnonzero(np.diff(groups[order], prepend=-1))
+    pseudo_users = []
+    for members in np.split(order, starts[1:]):
+        for part in np.array_split(members, -(-len(members) // capacity)):
+            pseudo_users.append(examples.select(part))
+    return pseudo_users
+
+
+def pseudo_user_batches(
+    manifest: Manifest, group: Examples, task: TaskConfig, rng: np.random.Generator
+) -> tuple[list[Examples], list[Examples]]:
+    """A group as a device would take it: negatives added (implicit labels), then split into
+    support and query batches."""
+    if manifest.task.negative_sampling and task.negatives_per_positive:
+        group = add_negatives(group, manifest, task.negatives_per_positive, rng)
+    return split_support_query(group, manifest, task)
 
 
 def train_on_central(
     model: TFLiteModel,
     global_params: Params,
-    examples: Examples,
+    dataset: CentralDataset,
     mixing: MixingConfig,
     task: TaskConfig,
     seed: int,
@@ -78,7 +138,7 @@ def train_on_central(
     its query half, as a device does), from a group order fixed by `seed`; the delta of the globals.
     """
     manifest = model.manifest
-    groups = groups_of(examples, manifest)
+    groups = groups_of(dataset.examples, manifest, task, mixing.examples_per_pseudo_user, dataset.groups)
     if not groups:
         raise ValueError("parallel training needs centralized examples; none are attached")
     rng = np.random.default_rng(seed)
@@ -121,9 +181,7 @@ def _as_pseudo_user(
     """A group as a device would take it: negatives added (implicit labels), the globals set to
     `params`, the locals reconstructed on its support half; its query half's batches."""
     manifest = model.manifest
-    if manifest.task.negative_sampling and task.negatives_per_positive:
-        group = add_negatives(group, manifest, task.negatives_per_positive, rng)
-    support, query = split_support_query(group, manifest, task)
+    support, query = pseudo_user_batches(manifest, group, task, rng)
     model.set_global(params)
     if manifest.local_params:
         reconstruct_locals(model, TaskBatches.pack(support, manifest), task)
@@ -137,14 +195,19 @@ class CentralGradient:
 
 
 def gradient_on_central(
-    model: TFLiteModel, global_params: Params, examples: Examples, task: TaskConfig, seed: int
+    model: TFLiteModel,
+    global_params: Params,
+    dataset: CentralDataset,
+    task: TaskConfig,
+    seed: int,
+    examples_per_pseudo_user: int | None = None,
 ) -> CentralGradient:
     """Gradient transfer (Algorithm 4): the gradient of the centralized data's loss at
     `global_params`, through the model's `gradient` signature: each group (pseudo-user, as in
     `train_on_central`) with its locals reconstructed, the groups' gradients weighted by their
     examples' weight. Negatives (implicit labels) are drawn from `seed`."""
     manifest = model.manifest
-    groups = groups_of(examples, manifest)
+    groups = groups_of(dataset.examples, manifest, task, examples_per_pseudo_user, dataset.groups)
     if not groups:
         raise ValueError("gradient transfer needs centralized examples; none are attached")
     rng = np.random.default_rng(seed)
@@ -242,18 +305,20 @@ class CentralJob:
     manifest: Manifest
     tflite: bytes | None  # the model file; None when this process has it loaded
     params: Params
-    examples: Examples
+    dataset: CentralDataset
     mixing: MixingConfig
     task: TaskConfig
     seed: int
 
     def run(self) -> CentralUpdate:
         with _models.model(self.artifact_sha256, self.manifest, self.tflite) as model:
-            return train_on_central(model, self.params, self.examples, self.mixing, self.task, self.seed)
+            return train_on_central(model, self.params, self.dataset, self.mixing, self.task, self.seed)
 
     def gradient(self) -> CentralGradient:
         with _models.model(self.artifact_sha256, self.manifest, self.tflite) as model:
-            return gradient_on_central(model, self.params, self.examples, self.task, self.seed)
+            return gradient_on_central(
+                model, self.params, self.dataset, self.task, self.seed, self.mixing.examples_per_pseudo_user
+            )
 
 
 def job_key(

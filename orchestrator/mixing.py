@@ -19,10 +19,11 @@ from contracts.features import Examples, InvalidExamples
 from contracts.manifest import Manifest
 from contracts.mixing import (
     MAX_CENTRAL_BYTES,
+    CentralDataset,
     MixingConfig,
     MixingError,
     Strategy,
-    decode_examples,
+    decode_central,
     sample_examples,
 )
 from contracts.params import Params
@@ -52,14 +53,22 @@ def attach(
         num_examples = existing.num_examples if existing is not None else 0
     else:
         try:
-            examples = decode_examples(
+            dataset = decode_central(
                 examples_blob, manifest.features, "the centralized examples", MAX_CENTRAL_BYTES
             )
         except InvalidExamples as e:
             raise MixingError(f"the centralized examples do not fit the model's feature spec: {e}") from None
-        blob, num_examples = examples_blob, examples.num_examples
+        blob, num_examples = examples_blob, dataset.examples.num_examples
     config.check_model(manifest, num_examples)
     task = PopulationSettings.model_validate(population.settings).task()
+    capacity = central_training.pseudo_user_capacity(manifest, task)
+    size = config.examples_per_pseudo_user
+    if config.strategy in ("parallel_training", "gradient_transfer") and size is not None and size > capacity:
+        raise MixingError(
+            f"examples_per_pseudo_user ({size}) must be at most {capacity}: the examples whose support and "
+            f"query batches, with {task.negatives_per_positive} sampled negatives each for implicit labels, "
+            "one call takes and its steps all visit"
+        )
     if config.strategy == "example_transfer" and task.local_state is LocalState.KEEP:
         raise MixingError(
             "example_transfer mixes centralized examples into FedRecon's update; this population keeps "
@@ -98,18 +107,18 @@ def describe(session: Session, population: Population) -> dict[str, Any]:
 
 # Decoded datasets by content: a check-in or commit that needs the examples parses them once per
 # process. Small: a population has one dataset, and a replaced one is dropped when the bound is hit.
-_decoded: dict[str, Examples] = {}
+_decoded: dict[str, CentralDataset] = {}
 _decoded_lock = threading.Lock()
 _MAX_DECODED = 8
 
 
-def central_examples(session: Session, population: Population, manifest: Manifest) -> Examples:
-    """The population's centralized examples (empty when none are attached)."""
+def central_examples(session: Session, population: Population, manifest: Manifest) -> CentralDataset:
+    """The population's centralized examples and their group ids (empty when none are attached)."""
     sha = session.scalars(
         select(CentralizedData.sha256).where(CentralizedData.population_id == population.id)
     ).first()
     if sha is None:
-        return Examples.empty(manifest.features)
+        return CentralDataset(Examples.empty(manifest.features))
     with _decoded_lock:
         if sha in _decoded:
             return _decoded[sha]
@@ -117,12 +126,12 @@ def central_examples(session: Session, population: Population, manifest: Manifes
         select(CentralizedData.examples).where(CentralizedData.population_id == population.id)
     ).one()
     # Validated when attached; decoded again only to rebuild the arrays.
-    examples = decode_examples(blob, manifest.features, "the stored centralized examples", MAX_CENTRAL_BYTES)
+    dataset = decode_central(blob, manifest.features, "the stored centralized examples", MAX_CENTRAL_BYTES)
     with _decoded_lock:
         if len(_decoded) >= _MAX_DECODED:
             _decoded.clear()
-        _decoded[sha] = examples
-    return examples
+        _decoded[sha] = dataset
+    return dataset
 
 
 def assignment_examples(examples: Examples, config: MixingConfig, assignment_id: str) -> Examples:
@@ -155,7 +164,7 @@ def central_job(
     if config.strategy != strategy:
         return None
     sha = population.artifact_sha256
-    examples = central_examples(session, population, manifest)
+    dataset = central_examples(session, population, manifest)
 
     # Read only when this process has not loaded the model yet: a 1-10 MB read at most once.
     tflite = None
@@ -169,7 +178,7 @@ def central_job(
         manifest=manifest,
         tflite=tflite,
         params=params,
-        examples=examples,
+        dataset=dataset,
         mixing=config,
         task=task,
         seed=version,

@@ -15,6 +15,14 @@ from android_sim.run import DEFAULT_RATINGS
 
 def _parser() -> argparse.ArgumentParser:
     from android_sim.bench.federated import Rounds
+    from android_sim.bench.mixing import (
+        CENTRAL_LEARNING_RATE,
+        CENTRAL_STEPS,
+        EXAMPLES_PER_ASSIGNMENT,
+        GRADIENT_WEIGHTS,
+        PARALLEL_WEIGHTS,
+        STRATEGIES,
+    )
     from android_sim.bench.quality import (
         DP_CLIP_NORM,
         DP_NOISE_MULTIPLIERS,
@@ -140,7 +148,40 @@ def _parser() -> argparse.ArgumentParser:
     mixing.add_argument("--users", type=int, default=2000, help="synthetic users")
     mixing.add_argument("--rounds", type=int, default=150)
     mixing.add_argument("--clients-per-round", type=int, default=40)
-    mixing.add_argument("--weights", default="0.1,0.3,1", help="gradient transfer weights")
+    mixing.add_argument(
+        "--strategies",
+        default=",".join(STRATEGIES),
+        help="which rows to run",
+    )
+    mixing.add_argument(
+        "--alphas", default=_listed(PARALLEL_WEIGHTS), help="parallel training's alpha (MERGEOPT)"
+    )
+    mixing.add_argument(
+        "--central-steps", type=int, default=CENTRAL_STEPS, help="parallel training's J per round"
+    )
+    mixing.add_argument(
+        "--central-learning-rate",
+        type=float,
+        default=CENTRAL_LEARNING_RATE,
+        help="parallel training's SGD rate",
+    )
+    mixing.add_argument(
+        "--examples-per-pseudo-user",
+        type=int,
+        help="parallel and gradient transfer, with --without-account-ids: the server's pseudo-users' size "
+        "(default: as many as fit one call with their negatives)",
+    )
+    mixing.add_argument(
+        "--without-account-ids",
+        action="store_true",
+        help="attach the public accounts' shares without their account ids (pseudo-users: consecutive runs)",
+    )
+    mixing.add_argument(
+        "--examples-per-assignment",
+        default=_listed(EXAMPLES_PER_ASSIGNMENT),
+        help="example transfer: centralized examples sent",
+    )
+    mixing.add_argument("--weights", default=_listed(GRADIENT_WEIGHTS), help="gradient transfer weights")
     mixing.add_argument("--out", type=Path, help="write the rows as JSON here")
     mixing.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="interpreter threads")
     return parser
@@ -151,6 +192,7 @@ def _mixing(args: argparse.Namespace) -> int:
 
     from android_sim.bench.federated import Rounds
     from android_sim.bench.mixing import (
+        STRATEGIES,
         TABLE_HEADER,
         describe,
         expressions_setup,
@@ -160,10 +202,27 @@ def _mixing(args: argparse.Namespace) -> int:
     from android_sim.bench.models import ModelCache
     from android_sim.expressions import SyntheticConfig
 
-    wanted = [d.strip() for d in args.data.split(",") if d.strip()]
+    wanted = _names(args.data)
     unknown = sorted(set(wanted) - {"expressions", "movielens"})
     if unknown:
         raise ValueError(f"unknown data {unknown}; expected expressions, movielens")
+    if args.examples_per_pseudo_user is not None and not args.without_account_ids:
+        raise ValueError(
+            "--examples-per-pseudo-user sizes pseudo-users of a dataset without group ids; with the "
+            "accounts' ids the pseudo-users are the accounts: add --without-account-ids"
+        )
+    strategies = _names(args.strategies)
+    unknown = sorted(set(strategies) - set(STRATEGIES))
+    if unknown:
+        raise ValueError(f"unknown strategies {unknown}; expected some of {list(STRATEGIES)}")
+    weights = {
+        "parallel_training": _numbers(args.alphas),
+        "example_transfer": _numbers(args.examples_per_assignment),
+        "gradient_transfer": _numbers(args.weights),
+    }
+    runs: list[tuple[str, float | None]] = []
+    for strategy in strategies:
+        runs.extend([(strategy, w) for w in weights[strategy]] if strategy in weights else [(strategy, None)])
     setups = []
     if "expressions" in wanted:
         setups.append(
@@ -176,15 +235,42 @@ def _mixing(args: argparse.Namespace) -> int:
     rounds = Rounds(args.rounds, args.clients_per_round, evaluate_every=args.rounds)
     print(
         f"{rounds.rounds} rounds of {rounds.clients_per_round} clients; "
-        "the fleet main job's implicit model and task"
+        "the fleet main job's implicit model and task; parallel training: "
+        f"J = {args.central_steps} steps at rate {args.central_learning_rate:g} per round; pseudo-users: "
+        + (
+            f"runs of {args.examples_per_pseudo_user or 'as many as fit one call of the'} examples"
+            if args.without_account_ids
+            else "the public accounts (split to fit one call)"
+        )
     )
     print(TABLE_HEADER, flush=True)
-    weights = tuple(float(w) for w in args.weights.split(",") if w.strip())
-    rows = run_mixing(setups, ModelCache(args.models_dir), rounds, args.workers, weights)
+    rows = run_mixing(
+        setups,
+        ModelCache(args.models_dir),
+        rounds,
+        args.workers,
+        runs,
+        central_steps=args.central_steps,
+        central_learning_rate=args.central_learning_rate,
+        examples_per_pseudo_user=args.examples_per_pseudo_user,
+        account_ids=not args.without_account_ids,
+    )
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(rows, indent=2) + "\n")
     return 0
+
+
+def _listed(values: tuple[float, ...]) -> str:
+    return ",".join(f"{v:g}" for v in values)
+
+
+def _names(text: str) -> list[str]:
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
+def _numbers(text: str) -> list[float]:
+    return [float(part) for part in _names(text)]
 
 
 def _nextword(args: argparse.Namespace) -> int:

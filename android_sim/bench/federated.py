@@ -195,8 +195,9 @@ class Server:
         self.rng = rng or np.random.default_rng(0)
         self.secure = secure
 
-    def commit(self, reports: Sequence[Report]) -> int:
-        """Apply one round; returns how many reports were refused (diverged)."""
+    def commit(self, reports: Sequence[Report], merge: Callable[[Params], Params] | None = None) -> int:
+        """Apply one round; returns how many reports were refused (diverged). `merge` takes the
+        round's mean delta before the server optimizer (parallel training's MERGEOPT)."""
         taken = [report for report in reports if report is not None]
         if not taken:
             return len(reports)
@@ -217,6 +218,8 @@ class Server:
             mean_delta, self.norm_reference = aggregate(
                 deltas, weights, self.shapes, self.aggregation, self.norm_reference
             )
+        if merge is not None:
+            mean_delta = merge(mean_delta)
         self.params, self.state = apply_update(self.optimizer, self.params, mean_delta, self.state)
         return len(reports) - len(taken)
 

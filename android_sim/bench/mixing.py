@@ -11,24 +11,31 @@ does (`Recommender` over the device's own store): on the new items (a device's n
 new item is the target, its shares of other items its store) and overall (its newest share is the
 target, its older shares without new items its store). Hit rate@10 and NDCG@10.
 
-Strategies, one function call each (`run_strategy`):
+Strategies, one function call each (`run_strategy`), the system's own functions on both sides:
 - `none`: federated training on the skewed devices only;
 - `all_data`: the upper bound, devices keep their shares of the new items;
-- `gradient_transfer`: each round the server computes the gradient of the centralized loss at the
-  round's globals through the exported model's `gradient` signature (each public account's
-  locals reconstructed first, as a device would), and every device adds `weight` times it to its
+- `parallel_training` (Algorithm 2): each round the server trains a copy of the globals on the
+  centralized data for J steps (`orchestrator.central_training.train_on_central`, through the
+  exported model) and merges `(1 - alpha) * federated + alpha * central` (`merge`) before the
+  server optimizer; nothing is added to an assignment;
+- `example_transfer` (Algorithm 3): each assignment carries a sample of the centralized examples
+  (`orchestrator.mixing.assignment_examples`, seeded by the assignment) that the device mixes into
+  its update batches (`device_runtime.client_task.with_central`), not counted in its weight; the
+  bytes it adds are the route's encoding (`encode_examples`);
+- `gradient_transfer` (Algorithm 4): each round the server computes the gradient of the
+  centralized loss at the round's globals (`gradient_on_central`: each pseudo-user's locals
+  reconstructed, the model's `gradient` signature), and every device adds `weight` times it to its
   update steps (`TFLiteModel.update_rows(central_gradient=...)`); the bytes it adds to an
   assignment are its wire encoding (`encode_sparse_delta`).
-Parallel training and example transfer belong to the server (`orchestrator.mixing`); they join the
-table once that is on main, through the server's own functions.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,21 +50,32 @@ from android_sim.device_data import DeviceData, FleetData, expression_fleet
 from android_sim.expressions import SyntheticConfig
 from android_sim.fleet import write_store
 from android_sim.run import RunConfig, model_config, population_settings
+from contracts.features import Examples
 from contracts.manifest import Manifest
-from contracts.params import Params, SparseTensor, encode_sparse_delta, sparse_rows
+from contracts.mixing import CentralDataset, MixingConfig, encode_examples
+from contracts.params import Params, encode_sparse_delta
 from contracts.task_config import TaskConfig
-from device_runtime.client_task import diverged
+from device_runtime.client_task import diverged, with_central
 from device_runtime.example_store import ExampleStore
 from device_runtime.recommender import Recommender
+from model_export.config import ITEM, LABEL
 from model_runtime.support_query import num_steps, reconstruct_locals, split_support_query
 from model_runtime.task_batches import TaskBatches
 from model_runtime.tflite_model import SparseGradient, TFLiteModel
 from orchestrator.aggregation import ServerOptimizerConfig
+from orchestrator.central_training import CentralTrainingError, gradient_on_central, merge, train_on_central
+from orchestrator.mixing import assignment_examples
 
-# Public accounts draw their negatives from streams of their own, apart from the devices'.
-_PUBLIC_STREAM = 1_000_000
-STRATEGIES = ("none", "all_data", "gradient_transfer")
+STRATEGIES = ("none", "all_data", "parallel_training", "example_transfer", "gradient_transfer")
+WEIGHTED = ("parallel_training", "example_transfer", "gradient_transfer")
+PARALLEL_WEIGHTS = (0.1, 0.3, 0.5)  # alpha
+EXAMPLES_PER_ASSIGNMENT = (8, 16, 64)
 GRADIENT_WEIGHTS = (0.1, 0.3, 1.0)
+# Parallel training's J and rate: as many steps as one device's update at most, at its rate.
+CENTRAL_STEPS = 50
+CENTRAL_LEARNING_RATE = 1.0
+# Keeps (round, device) seeds of example transfer's negatives apart.
+_SEED_STRIDE = 1_000_003
 
 
 @dataclass(frozen=True)
@@ -106,6 +124,21 @@ def movielens_setup(path: Path, new_fraction: float = 0.03) -> SkewedSetup:
     return skewed_setup("movielens", movielens_shares(path), new_fraction)
 
 
+def central_examples(setup: SkewedSetup, manifest: Manifest, account_ids: bool = True) -> CentralDataset:
+    """The centralized dataset as an operator would attach it: the public accounts' shares,
+    account by account and oldest first, with each share's account as its group id (unless not
+    `account_ids`), so that the server's pseudo-users (`groups_of`) are the accounts."""
+    devices = [setup.data.devices[u] for u in setup.public_users]
+    examples = Examples(
+        {
+            ITEM: np.concatenate([d.item_ids for d in devices]),
+            LABEL: np.concatenate([d.labels for d in devices]),
+        }
+    )
+    accounts = np.repeat(np.arange(len(devices), dtype=np.int64), [len(d) for d in devices])
+    return CentralDataset(examples.validated(manifest.features), accounts if account_ids else None)
+
+
 @dataclass
 class StrategyResult:
     strategy: str
@@ -140,18 +173,38 @@ class Harness:
     optimizer: ServerOptimizerConfig
     rounds: Rounds
     workers: int
+    central: CentralDataset  # the centralized dataset (`central_examples`)
+    central_steps: int = CENTRAL_STEPS  # parallel training's J
+    central_learning_rate: float = CENTRAL_LEARNING_RATE
+    # Parallel and gradient transfer, for a dataset without account ids; None: the default.
+    examples_per_pseudo_user: int | None = None
 
     @classmethod
-    def build(cls, setup: SkewedSetup, models: ModelCache, rounds: Rounds, workers: int) -> Harness:
+    def build(
+        cls,
+        setup: SkewedSetup,
+        models: ModelCache,
+        rounds: Rounds,
+        workers: int,
+        central_steps: int = CENTRAL_STEPS,
+        central_learning_rate: float = CENTRAL_LEARNING_RATE,
+        examples_per_pseudo_user: int | None = None,
+        account_ids: bool = True,
+    ) -> Harness:
         model = model_config(setup.data)
         settings = population_settings(RunConfig(work_dir=Path(".")), setup.data, model)
+        model_dir = models.get(model)
         return cls(
             setup,
-            models.get(model),
+            model_dir,
             TaskConfig.from_json(settings["task_config"]),
             ServerOptimizerConfig.from_json(settings["server_optimizer"]),
             rounds,
             workers,
+            central_examples(setup, TFLiteModel(model_dir).manifest, account_ids),
+            central_steps,
+            central_learning_rate,
+            examples_per_pseudo_user,
         )
 
     def trainers(self, keep_new: bool) -> tuple[list[int], list[DeviceData]]:
@@ -162,54 +215,127 @@ class Harness:
 
     def client_batches(
         self, manifest: Manifest, history: DeviceData, user: int, round_: int
-    ) -> tuple[TaskBatches, TaskBatches]:
-        """A device's support and query for one participation: its shares plus fresh negatives."""
+    ) -> tuple[list[Examples], list[Examples]]:
+        """A device's support and query batches for one participation: its shares plus fresh negatives."""
         rng = np.random.default_rng((self.rounds.sampling_seed, user, round_))
         examples = _with_negatives(_newest_first(history), manifest, self.config, rng)
-        support, query = split_support_query(examples, manifest, self.config)
-        return TaskBatches.pack(support, manifest), TaskBatches.pack(query, manifest)
+        return split_support_query(examples, manifest, self.config)
 
 
 # ---- the strategies ------------------------------------------------------------------------
 
 
-def run_strategy(harness: Harness, strategy: str, weight: float | None = None) -> StrategyResult:
-    """Train with one strategy and score the held-out devices."""
+def mixing_config(harness: Harness, strategy: str, weight: float | None) -> MixingConfig:
+    """The population's mixing config for a strategy of the table (`all_data` trains as `none`):
+    `weight` is alpha for parallel training, the number of examples per assignment for example
+    transfer, the gradient's weight for gradient transfer; the production config checks its range."""
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}; expected one of {STRATEGIES}")
-    if (strategy == "gradient_transfer") != (weight is not None):
-        raise ValueError("gradient_transfer takes a weight, the other strategies none")
-    started = time.perf_counter()
-    params, refused, extra_bytes = train(harness, strategy, weight or 0.0)
-    new_items, overall = evaluate(harness, params)
-    return StrategyResult(
-        strategy, weight, new_items, overall, extra_bytes, time.perf_counter() - started, refused
+    if (strategy in WEIGHTED) != (weight is not None):
+        raise ValueError(f"{', '.join(WEIGHTED)} take a weight, the other strategies none")
+    if strategy in ("none", "all_data"):
+        return MixingConfig()
+    assert weight is not None
+    if strategy == "example_transfer":
+        if weight != int(weight):
+            raise ValueError(f"example_transfer's weight is a number of examples, got {weight}")
+        return MixingConfig("example_transfer", examples_per_assignment=int(weight))
+    if strategy == "parallel_training":
+        return MixingConfig(
+            "parallel_training",
+            weight=weight,
+            central_steps=harness.central_steps,
+            central_learning_rate=harness.central_learning_rate,
+            examples_per_pseudo_user=harness.examples_per_pseudo_user,
+        )
+    return MixingConfig(
+        "gradient_transfer", weight=weight, examples_per_pseudo_user=harness.examples_per_pseudo_user
     )
 
 
-def train(harness: Harness, strategy: str, weight: float = 0.0) -> tuple[Params, int, float]:
-    """(final globals, refused reports, mean bytes mixing added per assignment)."""
+def run_strategy(harness: Harness, strategy: str, weight: float | None = None) -> StrategyResult:
+    """Train with one strategy and score the held-out devices."""
+    mixing = mixing_config(harness, strategy, weight)
+    started = time.perf_counter()
+    trained = train(harness, mixing, keep_new=strategy == "all_data")
+    new_items, overall = evaluate(harness, trained.params)
+    extra = {"central_failed_rounds": trained.central_failed} if mixing.strategy != "none" else {}
+    return StrategyResult(
+        strategy,
+        weight,
+        new_items,
+        overall,
+        trained.bytes_per_assignment,
+        time.perf_counter() - started,
+        trained.refused,
+        extra,
+    )
+
+
+@dataclass(frozen=True)
+class Trained:
+    params: Params  # the final globals
+    refused: int  # diverged device updates the server left out
+    bytes_per_assignment: float  # what mixing added to a training assignment, mean over assignments
+    central_failed: int  # rounds whose central delta or gradient diverged (the round stayed federated)
+
+
+def train(harness: Harness, mixing: MixingConfig, keep_new: bool = False) -> Trained:
+    """150 rounds (or the harness's) of FedRecon with `mixing`; the devices keep the new items
+    only with `keep_new` (the upper bound). The server's side of each strategy is the
+    orchestrator's own functions: `train_on_central` and `merge` (parallel training),
+    `assignment_examples` and `encode_examples` (example transfer), `gradient_on_central` and
+    `encode_sparse_delta` (gradient transfer); the device's side is `with_central` and
+    `TFLiteModel.update_rows(central_gradient=...)`."""
     rounds = harness.rounds
-    users, histories = harness.trainers(keep_new=strategy == "all_data")
-    public = [u for u in harness.setup.public_users if len(harness.setup.data.devices[u]) >= 1]
+    users, histories = harness.trainers(keep_new)
     rng = np.random.default_rng(rounds.sampling_seed)
     population = np.asarray(users)
     per_round = min(rounds.clients_per_round, len(population))
-    refused, sent_bytes = 0, 0.0
+    refused, failed, sent_bytes, assignments = 0, 0, 0, 0
     with Devices(harness.model_dir, harness.workers) as devices:
         manifest = devices.manifest
         per_item = per_item_names(manifest)
-        server = Server(TFLiteModel(harness.model_dir).get_global(), harness.optimizer)
+        server_model = TFLiteModel(harness.model_dir)  # the server's own interpreter
+        server = Server(server_model.get_global(), harness.optimizer)
         for r in range(1, rounds.rounds + 1):
             devices.set_global(server.params)
-            central: SparseGradient | None = None
-            if strategy == "gradient_transfer":
-                central = central_gradient(devices, harness, public, r)
-                sent_bytes += len(encode_sparse_delta(central))
             clients = rng.choice(population, size=per_round, replace=False).tolist()
-            work = _client_work(harness, histories, per_item, r, central, weight)
-            refused += server.commit(devices.map(work, clients))
-    return server.params, refused, sent_bytes / rounds.rounds
+            assignments += len(clients)
+            gradient: SparseGradient | None = None
+            examples: dict[int, Examples] = {}
+            if mixing.strategy == "gradient_transfer":
+                try:
+                    gradient = gradient_on_central(
+                        server_model,
+                        server.params,
+                        harness.central,
+                        harness.config,
+                        r,
+                        mixing.examples_per_pseudo_user,
+                    ).gradient
+                    sent_bytes += len(encode_sparse_delta(gradient)) * len(clients)
+                except CentralTrainingError:  # the route answers 503; the devices train without it
+                    failed += 1
+            elif mixing.strategy == "example_transfer":
+                for user in clients:
+                    examples[user] = assignment_examples(
+                        harness.central.examples, mixing, f"round-{r}-device-{user}"
+                    )
+                    sent_bytes += len(encode_examples(examples[user], manifest.features))
+            work = _client_work(harness, histories, per_item, r, gradient, mixing.weight, examples)
+            reports = devices.map(work, clients)
+            merge_central = None
+            if mixing.strategy == "parallel_training":
+                try:
+                    central = train_on_central(
+                        server_model, server.params, harness.central, mixing, harness.config, seed=r
+                    )
+                    merge_central = functools.partial(merge, central=central.delta, alpha=mixing.weight)
+                except CentralTrainingError:  # as the orchestrator does: the round stays federated
+                    failed += 1
+            refused += server.commit(reports, merge_central)
+    return Trained(server.params, refused, sent_bytes / max(assignments, 1), failed)
 
 
 def _client_work(
@@ -217,62 +343,40 @@ def _client_work(
     histories: Sequence[DeviceData],
     per_item: frozenset[str],
     round_: int,
-    central: SparseGradient | None,
-    weight: float,
+    gradient: SparseGradient | None,
+    gradient_weight: float,
+    central: Mapping[int, Examples],
 ) -> Callable[[TFLiteModel, Params, int], Report]:
-    """FedRecon's client task (Algorithm 1), with the central gradient added to each update step."""
+    """FedRecon's client task (Algorithm 1) as `run_training_task` does it: the assignment's
+    centralized examples (example transfer) mixed into the update's batches, the central gradient
+    (gradient transfer) added to each update step; the reported weight is the device's own query."""
     config = harness.config
 
     def work(model: TFLiteModel, params: Params, user: int) -> Report:
         support, query = harness.client_batches(model.manifest, histories[user], user, round_)
-        reconstruct_locals(model, support, config)
+        manifest = model.manifest
+        reconstruct_locals(model, TaskBatches.pack(support, manifest), config)
+        own = TaskBatches.pack(query, manifest)
+        trained = own
+        if user in central:
+            seed = round_ * _SEED_STRIDE + user
+            trained = TaskBatches.pack(with_central(query, central[user], manifest, config, seed), manifest)
         update = model.update_rows(
-            query,
-            num_steps(query.num_batches, config.update_max_epochs, config.update_max_steps),
+            trained,
+            num_steps(trained.num_batches, config.update_max_epochs, config.update_max_steps),
             config.update_learning_rate,
             local_learning_rate=config.local_learning_rate,
             l2_global=config.l2_global,
             l2_local=config.l2_local,
-            central_gradient=central,
-            central_gradient_weight=weight,
+            central_gradient=gradient,
+            central_gradient_weight=gradient_weight if gradient is not None else 0.0,
         )
         if diverged(update):
             return None
         shapes = {k: tuple(v.shape) for k, v in params.items()}
-        return sparse_delta(update, shapes, per_item), float(query.num_examples)
+        return sparse_delta(update, shapes, per_item), float(own.num_examples)
 
     return work
-
-
-def central_gradient(
-    devices: Devices, harness: Harness, public: Sequence[int], round_: int
-) -> SparseGradient:
-    """The gradient of the centralized loss at the installed globals: each public account's locals
-    reconstructed on its support set, its gradient taken on its query set through the model's
-    `gradient` signature, the mean weighted by examples. Negatives are drawn anew each round."""
-
-    def work(model: TFLiteModel, params: Params, user: int) -> tuple[dict[str, np.ndarray], float]:
-        support, query = harness.client_batches(
-            model.manifest, harness.setup.data.devices[user], _PUBLIC_STREAM + user, round_
-        )
-        reconstruct_locals(model, support, harness.config)
-        result = model.gradient(query)
-        model.reset_local()
-        return {k: _scaled_dense(g, result.weight_sum) for k, g in result.gradient.items()}, result.weight_sum
-
-    parts = devices.map(work, list(public))
-    total = sum(w for _, w in parts)
-    summed: dict[str, np.ndarray] = {}
-    for dense, _ in parts:
-        for k, v in dense.items():
-            summed[k] = summed[k] + v if k in summed else v
-    return {k: sparse_rows(v / max(total, 1.0)) for k, v in summed.items()}
-
-
-def _scaled_dense(tensor: SparseTensor, scale: float) -> np.ndarray:
-    out = np.zeros(tensor.shape if tensor.shape else (1,), np.float64)
-    out[tensor.rows] = tensor.values * scale
-    return out.reshape(tensor.shape)
 
 
 # ---- evaluation ----------------------------------------------------------------------------
@@ -326,12 +430,25 @@ def run_mixing(
     models: ModelCache,
     rounds: Rounds,
     workers: int,
-    weights: Sequence[float] = GRADIENT_WEIGHTS,
+    runs: Sequence[tuple[str, float | None]],
+    central_steps: int = CENTRAL_STEPS,
+    central_learning_rate: float = CENTRAL_LEARNING_RATE,
+    examples_per_pseudo_user: int | None = None,
+    account_ids: bool = True,
 ) -> list[dict[str, Any]]:
+    """Every (strategy, weight) of `runs` on every setup; prints each row as it comes."""
     rows = []
     for setup in setups:
-        harness = Harness.build(setup, models, rounds, workers)
-        runs = [("none", None), ("all_data", None), *(("gradient_transfer", w) for w in weights)]
+        harness = Harness.build(
+            setup,
+            models,
+            rounds,
+            workers,
+            central_steps,
+            central_learning_rate,
+            examples_per_pseudo_user,
+            account_ids,
+        )
         for strategy, weight in runs:
             result = run_strategy(harness, strategy, weight)
             rows.append({"data": setup.name, **result.to_json()})
@@ -357,12 +474,23 @@ TABLE_HEADER = (
 
 
 def table_line(row: dict[str, Any]) -> str:
-    weight = "" if row["weight"] is None else f"{row['weight']:g}"
     return (
-        f"| {row['data']} | {row['strategy']} | {weight} | {row['new_items'][f'hit_rate@{K}']:.3f} | "
-        f"{row['new_items'][f'ndcg@{K}']:.3f} | {row['overall'][f'hit_rate@{K}']:.3f} | "
-        f"{_bytes(row['bytes_per_assignment'])} | {row['seconds']:.0f} |"
+        f"| {row['data']} | {row['strategy']} | {setting(row['strategy'], row['weight'])} | "
+        f"{row['new_items'][f'hit_rate@{K}']:.3f} | {row['new_items'][f'ndcg@{K}']:.3f} | "
+        f"{row['overall'][f'hit_rate@{K}']:.3f} | {_bytes(row['bytes_per_assignment'])} | "
+        f"{row['seconds']:.0f} |"
     )
+
+
+def setting(strategy: str, weight: float | None) -> str:
+    """The weight column: alpha, examples per assignment, or the gradient's weight."""
+    if weight is None:
+        return ""
+    if strategy == "parallel_training":
+        return f"alpha {weight:g}"
+    if strategy == "example_transfer":
+        return f"{weight:g} examples"
+    return f"{weight:g}"
 
 
 def _bytes(n: float) -> str:

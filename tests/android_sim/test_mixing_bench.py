@@ -1,22 +1,30 @@
-"""The skewed-setup benchmark (mixing centralized data): who holds the new items, and a short run
-of each strategy at a tiny size."""
+"""The skewed-setup benchmark (mixing centralized data): who holds the new items, what each strategy
+adds through the system's own functions, and a short run of each at a tiny size."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import numpy as np
 import pytest
 
-from android_sim.bench.federated import Rounds
+from android_sim.bench.__main__ import main as bench_main
+from android_sim.bench.federated import Rounds, per_item_names
 from android_sim.bench.mixing import (
     Harness,
     SkewedSetup,
+    _client_work,
     evaluation_cases,
     expressions_setup,
+    mixing_config,
     run_strategy,
     train,
 )
 from android_sim.bench.models import ModelCache
 from android_sim.expressions import SyntheticConfig
+from contracts.mixing import CentralDataset, MixingConfig, encode_examples
+from model_runtime.tflite_model import TFLiteModel
+from orchestrator.mixing import assignment_examples
 
 TINY = SyntheticConfig(num_expressions=120, num_users=200)
 
@@ -51,15 +59,87 @@ def test_no_training_device_holds_a_new_item_but_public_data_and_test_futures_do
     ).any()
 
 
+def test_the_centralized_data_is_the_public_accounts_shares_account_by_account(harness: Harness) -> None:
+    setup = harness.setup
+    expected = np.concatenate([setup.data.devices[u].item_ids for u in setup.public_users])
+
+    accounts = [i for i, u in enumerate(setup.public_users) for _ in range(len(setup.data.devices[u]))]
+
+    np.testing.assert_array_equal(harness.central.examples["item"], expected)
+    assert np.isin(setup.new_items, harness.central.examples["item"]).any()
+    # Each share's account is its group id: the server's pseudo-users are the accounts.
+    assert harness.central.groups is not None
+    np.testing.assert_array_equal(harness.central.groups, accounts)
+
+
 def test_gradient_transfer_moves_the_new_items_and_costs_bytes(harness: Harness) -> None:
     new = harness.setup.new_items
 
-    plain, _, plain_bytes = train(harness, "none")
-    mixed, refused, mixed_bytes = train(harness, "gradient_transfer", 1.0)
+    plain = train(harness, MixingConfig())
+    mixed = train(harness, mixing_config(harness, "gradient_transfer", 1.0))
 
-    assert refused == 0 and plain_bytes == 0 and mixed_bytes > 0
+    assert mixed.refused == 0 and plain.bytes_per_assignment == 0 and mixed.bytes_per_assignment > 0
     # Public shares of the new items raise their biases; without mixing they are only negatives.
-    assert mixed["item_bias"][new].mean() > plain["item_bias"][new].mean()
+    # The public accounts share the new items: their biases rise relative to the catalog's
+    # (every item's moves: the accounts' sampled negatives push the others down).
+    moved = mixed.params["item_bias"] - plain.params["item_bias"]
+    assert moved[new].mean() > moved.mean()
+
+
+def test_parallel_training_merges_the_central_delta_by_alpha_and_sends_nothing(harness: Harness) -> None:
+    new = harness.setup.new_items
+
+    plain = train(harness, MixingConfig())
+    nothing = train(harness, mixing_config(harness, "parallel_training", 0.0))
+    mixed = train(harness, mixing_config(harness, "parallel_training", 0.5))
+
+    # alpha 0 merges none of the central delta: the federated rounds exactly.
+    for name, value in plain.params.items():
+        np.testing.assert_array_equal(nothing.params[name], value, err_msg=name)
+    assert mixed.bytes_per_assignment == 0 and mixed.central_failed == 0
+    # The public accounts share the new items: their biases rise relative to the catalog's
+    # (every item's moves: the accounts' sampled negatives push the others down).
+    moved = mixed.params["item_bias"] - plain.params["item_bias"]
+    assert moved[new].mean() > moved.mean()
+
+
+def test_example_transfer_sends_the_routes_bytes_and_moves_the_new_items(harness: Harness) -> None:
+    new, features = harness.setup.new_items, TFLiteModel(harness.model_dir).manifest.features
+
+    plain = train(harness, MixingConfig())
+    mixed = train(harness, mixing_config(harness, "example_transfer", 8))
+
+    # Every assignment carries 8 examples, encoded as the route encodes them (the same size whichever 8).
+    assert mixed.bytes_per_assignment == len(
+        encode_examples(harness.central.examples.select(slice(0, 8)), features)
+    )
+    # The public accounts share the new items: their biases rise relative to the catalog's
+    # (every item's moves: the accounts' sampled negatives push the others down).
+    moved = mixed.params["item_bias"] - plain.params["item_bias"]
+    assert moved[new].mean() > moved.mean()
+
+
+def test_transferred_examples_train_but_do_not_count_in_the_reported_weight(harness: Harness) -> None:
+    # Prepare: one device's task with and without an assignment's centralized examples.
+    users, histories = harness.trainers(keep_new=False)
+    user = users[0]
+    model = TFLiteModel(harness.model_dir)
+    params = model.get_global()
+    per_item = per_item_names(model.manifest)
+    sample = assignment_examples(
+        harness.central.examples, MixingConfig("example_transfer", examples_per_assignment=16), "a"
+    )
+
+    # Execute
+    own = _client_work(harness, histories, per_item, 1, None, 0.0, {})(model, params, user)
+    model.set_global(params)
+    mixed = _client_work(harness, histories, per_item, 1, None, 0.0, {user: sample})(model, params, user)
+
+    # Assert: the same weight; the update covers the central examples' items too.
+    assert own is not None and mixed is not None
+    assert mixed[1] == own[1]
+    own_rows, mixed_rows = own[0]["item_bias"].rows, mixed[0]["item_bias"].rows
+    assert set(own_rows) < set(mixed_rows) and set(sample["item"]) <= set(mixed_rows)
 
 
 def test_each_strategy_is_one_call_with_scores_in_range(harness: Harness) -> None:
@@ -70,5 +150,28 @@ def test_each_strategy_is_one_call_with_scores_in_range(harness: Harness) -> Non
     assert result.bytes_per_assignment == 0
     with pytest.raises(ValueError, match="unknown strategy 'parallel'"):
         run_strategy(harness, "parallel")
-    with pytest.raises(ValueError, match="gradient_transfer takes a weight"):
+    with pytest.raises(ValueError, match="take a weight"):
         run_strategy(harness, "gradient_transfer")
+    with pytest.raises(ValueError, match="a number of examples"):
+        run_strategy(harness, "example_transfer", 2.5)
+
+
+def test_account_ids_or_else_the_pseudo_user_size_reach_the_servers_functions(harness: Harness) -> None:
+    without_ids = replace(harness, central=CentralDataset(harness.central.examples))
+    sized = replace(without_ids, examples_per_pseudo_user=8)
+
+    by_account = train(harness, mixing_config(harness, "gradient_transfer", 1.0))
+    by_default = train(without_ids, mixing_config(without_ids, "gradient_transfer", 1.0))
+    by_size = train(sized, mixing_config(sized, "gradient_transfer", 1.0))
+
+    assert mixing_config(sized, "parallel_training", 0.3).examples_per_pseudo_user == 8
+    # Other pseudo-users, another central gradient: other globals.
+    bias = [t.params["item_bias"] for t in (by_account, by_default, by_size)]
+    assert not np.allclose(bias[0], bias[1]) and not np.allclose(bias[1], bias[2])
+
+
+def test_the_bench_refuses_a_pseudo_user_size_it_would_ignore(capsys: pytest.CaptureFixture[str]) -> None:
+    code = bench_main(["mixing", "--examples-per-pseudo-user", "8"])
+
+    assert code == 2
+    assert "add --without-account-ids" in capsys.readouterr().err

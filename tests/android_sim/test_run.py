@@ -334,17 +334,17 @@ def test_a_fleet_mixes_centralized_data_and_counts_its_bytes(work: Path, strateg
     training = [r for r in report["rounds"] if r["kind"] == "training" and r["status"] == "committed"]
     if strategy == "parallel_training":
         assert all(r["metrics"]["central_steps"] == 4 for r in training)
-        assert mixed["assignments_with_central_examples"] == 0
+        assert mixed["assignments_with_central_download"] == 0
     elif strategy == "gradient_transfer":
         reported = report["fleet"]["device_side_outcomes"].get("training/reported", 0)
-        assert mixed["assignments_with_central_examples"] >= reported > 0
+        assert mixed["assignments_with_central_download"] >= reported > 0
         # The gradient's rows: at most every row of every global (max_gradient_bytes), and more
         # than a few hundred bytes (the centralized data touches many item rows).
         manifest = load_manifest(work / "model")
         assert 1000 < mixed["central_bytes_per_assignment"] <= max_gradient_bytes(manifest)
     else:
         reported = report["fleet"]["device_side_outcomes"].get("training/reported", 0)
-        assert mixed["assignments_with_central_examples"] >= reported > 0
+        assert mixed["assignments_with_central_download"] >= reported > 0
         # 8 examples of two features (int32 item, float32 label) and a safetensors header.
         assert 8 * 8 < mixed["central_bytes_per_assignment"] < 8 * 8 + 400
     reconcile(result)

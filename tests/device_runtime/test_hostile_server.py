@@ -944,3 +944,24 @@ def test_an_honest_central_gradient_is_trained_with_and_reported_as_usual(
         "report",
     ]
     assert participation.central_bytes == len(encode_sparse_delta(server.central_gradient()))
+
+
+def test_a_central_gradient_the_server_cannot_give_leaves_a_plain_update(
+    server: HostileOrchestrator, store: ExampleStore, runner: TaskRunner, tmp_path: Path
+) -> None:
+    # Prepare: the orchestrator's answer for a version whose central gradient is not finite.
+    server.reset()
+    server.craft(
+        "checkin",
+        json_answer(server.assignment(central_gradient_url=GRADIENT_URL, central_gradient_weight=0.5)),
+    )
+    detail = "the centralized data's gradient is not finite at this model version"
+    server.craft("gradient", json_answer({"detail": detail}, status=503))
+
+    # Execute
+    participation = participate(server, store, runner, tmp_path / "cache")
+
+    # Assert: retried, then trained without it and reported; nothing counted as downloaded.
+    assert participation.status == "reported", participation.detail
+    assert len(server.seen("gradient")) == 2 and server.seen("report")
+    assert participation.central_bytes == 0

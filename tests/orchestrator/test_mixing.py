@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -10,12 +11,22 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
+from safetensors.numpy import save
 from sqlalchemy.orm import Session, sessionmaker
 
 from contracts.features import Examples
 from contracts.manifest import Manifest, load_manifest
-from contracts.mixing import MixingConfig, MixingError, decode_examples, encode_examples, transferred_gradient
-from contracts.params import Params, decode_params, decode_sparse_delta
+from contracts.mixing import (
+    GROUP_TENSOR,
+    CentralDataset,
+    MixingConfig,
+    MixingError,
+    decode_central,
+    decode_examples,
+    encode_examples,
+    transferred_gradient,
+)
+from contracts.params import Params, decode_params, decode_sparse_delta, encode_params
 from contracts.task_config import TaskConfig
 from model_export.config import ModelConfig
 from model_runtime.task_batches import TaskBatches
@@ -25,7 +36,7 @@ from orchestrator import mixing as mixing_data
 from orchestrator.__main__ import main as orchestrator_cli
 from orchestrator.db import make_engine
 from orchestrator.populations import ExportedModel
-from tests.conftest import BIASED
+from tests.conftest import BIASED, IMPLICIT
 from tests.orchestrator.conftest import ADMIN_TOKEN, Server, admin_create_population, make_population
 from tests.orchestrator.test_rounds import checkin, delta_body, device, report, round_by_id, version_params
 
@@ -44,6 +55,12 @@ def central_examples(manifest: Manifest, count: int, seed: int = 0) -> Examples:
             values = rng.uniform(low, high, size=(count, *f.shape))
             columns[f.name] = (np.round(values) if f.discrete else values).astype(np.float32)
     return Examples(columns)
+
+
+def with_groups(manifest: Manifest, count: int, groups: np.ndarray) -> bytes:
+    """`count` examples and a GROUP_TENSOR of any dtype and shape, as an operator could upload."""
+    examples = central_examples(manifest, count)
+    return save({**{f.name: examples[f.name] for f in manifest.features}, GROUP_TENSOR: groups})
 
 
 def attach(url: str, name: str, mixing: Any, examples: bytes | None) -> httpx.Response:
@@ -92,6 +109,36 @@ def test_attaching_bad_mixing_is_a_4xx_that_says_why_and_changes_nothing(
             "examples_per_assignment",
         ),
         "gradient weight above its bound": ({"strategy": "gradient_transfer", "weight": 101}, good, "weight"),
+        "empty pseudo-users": (
+            {"strategy": "parallel_training", "examples_per_pseudo_user": 0},
+            good,
+            "examples_per_pseudo_user",
+        ),
+        "pseudo-users beyond one call": (
+            {"strategy": "gradient_transfer", "examples_per_pseudo_user": 10 * manifest.max_examples},
+            good,
+            "examples_per_pseudo_user",
+        ),
+        "float group ids": (
+            {"strategy": "parallel_training"},
+            with_groups(manifest, 40, np.zeros(40, np.float32)),
+            "expected int32 or int64 of shape [40]",
+        ),
+        "a group id short": (
+            {"strategy": "parallel_training"},
+            with_groups(manifest, 40, np.zeros(39, np.int64)),
+            "have shape [39]; expected int32 or int64 of shape [40]",
+        ),
+        "group ids as a matrix": (
+            {"strategy": "parallel_training"},
+            with_groups(manifest, 40, np.zeros((40, 1), np.int64)),
+            "have shape [40, 1]",
+        ),
+        "a negative group id": (
+            {"strategy": "gradient_transfer"},
+            with_groups(manifest, 40, np.arange(40, dtype=np.int64) - 1),
+            "include -1",
+        ),
     }
     for case, (mixing, blob, expected) in cases.items():
         # Execute
@@ -226,10 +273,26 @@ def test_the_cli_attaches_mixing_and_refuses_bad_input_without_changing_it(
         ["--database-url", url, "mix", "p", "--mixing", '{"strategy": "parallel_training", "weight": 2}']
     )
     error = capsys.readouterr().err
+    negative = tmp_path / "negative-ids.safetensors"
+    negative.write_bytes(with_groups(manifest, 30, np.full(30, -2, np.int64)))
+    refused_ids = orchestrator_cli(
+        [
+            "--database-url",
+            url,
+            "mix",
+            "p",
+            "--mixing",
+            '{"strategy": "parallel_training"}',
+            "--examples",
+            str(negative),
+        ]
+    )
+    ids_error = capsys.readouterr().err
 
     # Assert
-    assert attached == 0 and refused == 2
+    assert attached == 0 and refused == 2 and refused_ids == 2
     assert "weight" in error and "[0, 1]" in error
+    assert "group ids '@group' include -2" in ids_error
     engine = make_engine(url)
     with Session(engine) as session:
         population = rounds.find_population(session, "p")
@@ -248,7 +311,11 @@ def test_an_example_transfer_assignment_carries_a_sample_of_the_central_examples
     assert admin_create_population(server.url, model_dir, "p", '{"target_reports": 3}').status_code == 201
     dataset = central_examples(manifest, 50, seed=4)
     mixing = {"strategy": "example_transfer", "examples_per_assignment": 7}
-    assert attach(server.url, "p", mixing, encode_examples(dataset, manifest.features)).status_code == 200
+    accounts = np.arange(50, dtype=np.int64) // 5
+    assert (
+        attach(server.url, "p", mixing, encode_examples(dataset, manifest.features, accounts)).status_code
+        == 200
+    )
     tokens = [httpx.post(f"{server.url}/v1/devices", timeout=10).json()["token"] for _ in range(2)]
 
     # Execute
@@ -264,7 +331,8 @@ def test_an_example_transfer_assignment_carries_a_sample_of_the_central_examples
         for t in (tokens[0], tokens[0], tokens[1])
     )
 
-    # Assert: 7 of the dataset's examples, the same on a retried download, and only for the device.
+    # Assert: 7 of the dataset's examples, the same on a retried download, and only for the device;
+    # the examples only (decode_examples refuses any other tensor): no group ids go to a device.
     assert first.status_code == 200 and first.content == again.content
     sample = decode_examples(first.content, manifest.features, "sample", 1 << 20)
     assert sample.num_examples == 7
@@ -383,3 +451,174 @@ def test_the_next_versions_central_gradient_is_taken_at_the_committed_globals(
     for name, value in expected.items():
         np.testing.assert_allclose(served[name].dense(), value, rtol=1e-5, atol=1e-7, err_msg=name)
     assert any(not np.allclose(expected[k], stale[k], atol=1e-6) for k in expected)
+
+
+def test_a_central_gradient_that_is_not_finite_is_a_503_that_says_why(
+    server: Server, export: Callable[[ModelConfig], Path], tmp_path: Path
+) -> None:
+    # Prepare: version 0's globals so large that the centralized loss's gradient overflows.
+    model_dir = tmp_path / "huge"
+    shutil.copytree(export(BIASED), model_dir)
+    manifest = load_manifest(model_dir)
+    huge = {s.name: np.full(s.shape, 3e38, np.float32) for s in manifest.global_params}
+    (model_dir / "global_params.safetensors").write_bytes(encode_params(huge))
+    assert admin_create_population(server.url, model_dir, "p", '{"target_reports": 3}').status_code == 201
+    mixing = {"strategy": "gradient_transfer", "weight": 0.5}
+    examples = encode_examples(central_examples(manifest, 20, seed=7), manifest.features)
+    assert attach(server.url, "p", mixing, examples).status_code == 200
+    token = httpx.post(f"{server.url}/v1/devices", timeout=10).json()["token"]
+    auth = {"Authorization": f"Bearer {token}"}
+    answer = httpx.post(
+        f"{server.url}/v1/populations/p/checkin", json={"example_count": 20}, headers=auth, timeout=10
+    ).json()
+
+    # Execute
+    served = httpx.get(f"{server.url}{answer['central_gradient_url']}", headers=auth, timeout=60)
+
+    # Assert: no gradient bytes, a status a device retries, and the reason.
+    assert served.status_code == 503, served.text
+    assert "not finite" in served.json()["detail"]
+
+
+def test_pseudo_users_of_a_set_size_each_get_their_own_locals(export: Callable[[ModelConfig], Path]) -> None:
+    # Prepare: 20 examples as two pseudo-users of 10 (e.g. two accounts' shares, in account order).
+    model_dir = export(BIASED)
+    model = TFLiteModel(model_dir)
+    base = model.get_global()
+    examples = central_examples(model.manifest, 20, seed=8)
+    task = TaskConfig.from_manifest(model.manifest)
+    dataset = CentralDataset(examples)
+
+    # Execute
+    two = central_training.gradient_on_central(model, base, dataset, task, 0, examples_per_pseudo_user=10)
+    one = central_training.gradient_on_central(model, base, dataset, task, 0)
+
+    # Assert: the mean of each half's gradient with its own reconstructed locals (equal weights);
+    # not the gradient of one pseudo-user holding all 20.
+    halves = [
+        _independent_central_gradient(model_dir, base, examples.select(slice(i, i + 10))) for i in (0, 10)
+    ]
+    for name, tensor in two.gradient.items():
+        np.testing.assert_allclose(
+            tensor.dense(), (halves[0][name] + halves[1][name]) / 2, rtol=1e-5, atol=1e-7, err_msg=name
+        )
+    assert any(
+        not np.allclose(one.gradient[k].dense(), two.gradient[k].dense(), atol=1e-6) for k in two.gradient
+    )
+    assert len(central_training.groups_of(examples, model.manifest, task, 10)) == 2
+    with pytest.raises(ValueError, match="at least 1 example"):
+        central_training.groups_of(examples, model.manifest, task, 0)
+
+
+def test_a_datasets_group_ids_are_its_pseudo_users(export: Callable[[ModelConfig], Path]) -> None:
+    # Prepare: the same two accounts of 10 examples, their examples interleaved, told apart by
+    # group ids (3 and 7); examples_per_pseudo_user is then ignored.
+    model_dir = export(BIASED)
+    model = TFLiteModel(model_dir)
+    base = model.get_global()
+    examples = central_examples(model.manifest, 20, seed=8)
+    task = TaskConfig.from_manifest(model.manifest)
+    interleave = np.ravel(np.column_stack([np.arange(10), np.arange(10, 20)]))
+    ids = np.where(interleave < 10, 3, 7).astype(np.int64)
+
+    # Execute
+    by_ids = central_training.gradient_on_central(
+        model, base, CentralDataset(examples.select(interleave), ids), task, 0, examples_per_pseudo_user=4
+    )
+
+    # Assert: each account's gradient with its own locals, as if the dataset were in account order.
+    halves = [
+        _independent_central_gradient(model_dir, base, examples.select(slice(i, i + 10))) for i in (0, 10)
+    ]
+    for name, tensor in by_ids.gradient.items():
+        np.testing.assert_allclose(
+            tensor.dense(), (halves[0][name] + halves[1][name]) / 2, rtol=1e-5, atol=1e-7, err_msg=name
+        )
+
+
+def test_a_group_larger_than_one_call_is_split_into_near_equal_pseudo_users(
+    export: Callable[[ModelConfig], Path],
+) -> None:
+    # Prepare: one account of 2 x capacity + 1 examples and one of 3.
+    manifest = load_manifest(export(BIASED))
+    task = TaskConfig.from_manifest(manifest)
+    capacity = central_training.pseudo_user_capacity(manifest, task)
+    big = 2 * capacity + 1
+    examples = central_examples(manifest, big + 3, seed=9)
+    ids = np.array([1] * 2 + [0] * big + [1], np.int64)
+
+    # Execute
+    groups = central_training.groups_of(examples, manifest, task, None, ids)
+
+    # Assert: in id order; account 0 as three parts of at most the capacity; account 1 whole, in
+    # dataset order; every example once.
+    assert [g.num_examples for g in groups] == [len(p) for p in np.array_split(np.arange(big), 3)] + [3]
+    assert all(g.num_examples <= capacity for g in groups)
+    np.testing.assert_array_equal(groups[3]["item"], examples["item"][[0, 1, big + 2]])
+    np.testing.assert_array_equal(
+        np.concatenate([g["item"] for g in groups[:3]]), examples["item"][2 : big + 2]
+    )
+
+
+@pytest.mark.parametrize("model_config", [BIASED, IMPLICIT], ids=["ratings", "implicit"])
+def test_every_example_of_a_default_pseudo_user_is_used(
+    export: Callable[[ModelConfig], Path], model_config: ModelConfig
+) -> None:
+    # Prepare: a dataset of many default pseudo-users; implicit labels get 4 negatives per share
+    # (a pseudo-user of one update call's worth of shares, the former default, used 40% at most).
+    manifest = load_manifest(export(model_config))
+    task = TaskConfig.from_manifest(manifest, negatives_per_positive=4, reuse_below=10)
+    examples = central_examples(manifest, 5 * manifest.max_examples, seed=10)
+    if manifest.task.negative_sampling:
+        label = manifest.label_features[0].name
+        examples = Examples({**examples.columns, label: np.ones(examples.num_examples, np.float32)})
+    rng = np.random.default_rng(0)
+
+    # Execute
+    groups = central_training.groups_of(examples, manifest, task)
+    batches = [central_training.pseudo_user_batches(manifest, g, task, rng) for g in groups]
+
+    # Assert: every example and negative is in a batch that one call takes and its steps visit.
+    for group, (support, query) in zip(groups, batches, strict=True):
+        negatives = 0
+        if manifest.task.negative_sampling:  # as many as the catalog has beside the group's shares
+            shares = len(np.unique(group["item"]))
+            negatives = min(shares * task.negatives_per_positive, manifest.catalog_size - shares)
+        expected = group.num_examples + negatives
+        assert sum(b.num_examples for b in support + query) == expected
+        assert len(support) <= min(manifest.max_batches, task.reconstruction_max_steps)
+        assert len(query) <= min(manifest.max_batches, task.update_max_steps)
+    assert sum(g.num_examples for g in groups) == examples.num_examples
+
+
+def test_group_ids_are_kept_with_the_dataset_and_reach_the_central_job(
+    db: sessionmaker[Session], export: Callable[[ModelConfig], Path]
+) -> None:
+    # Prepare
+    model_dir = export(BIASED)
+    model = ExportedModel.from_dir(model_dir)
+    make_population(db, model, target_reports=1)
+    manifest = Manifest.from_json(model.manifest)
+    examples = central_examples(manifest, 12, seed=11)
+    accounts = np.array([5, 5, 0, 0, 0, 9, 9, 9, 9, 0, 5, 2], np.int32)
+    with db.begin() as session:
+        population = rounds.lock_population(session, "p")
+        assert population is not None
+        blob = encode_examples(examples, manifest.features, accounts)
+        mixing_data.attach(session, population, manifest, {"strategy": "gradient_transfer"}, blob, 0.0)
+
+    # Execute: a later transaction, as a commit or an assignment would read it.
+    with db.begin() as session:
+        population = rounds.lock_population(session, "p")
+        assert population is not None
+        params = TFLiteModel(model_dir).get_global()
+        task = TaskConfig.from_manifest(manifest)
+        job = mixing_data.central_job(session, population, manifest, 0, params, task, "gradient_transfer")
+        shown = mixing_data.describe(session, population)
+
+    # Assert
+    assert job is not None and job.dataset.groups is not None
+    np.testing.assert_array_equal(job.dataset.groups, accounts)
+    np.testing.assert_array_equal(job.dataset.examples["item"], examples["item"])
+    assert shown["num_examples"] == 12
+    assert decode_central(blob, manifest.features, "blob", 1 << 20).groups is not None

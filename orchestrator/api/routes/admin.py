@@ -200,7 +200,10 @@ async def attach_mixing(
     mixing: Annotated[str, Form(description="MixingConfig as JSON (contracts.mixing)")],
     examples: Annotated[
         UploadFile | None,
-        File(description="centralized examples: safetensors, one tensor per feature; omit to keep"),
+        File(
+            description="centralized examples: safetensors, one tensor per feature, optionally '@group' "
+            "(int64 ids saying which examples belong together, e.g. each one's public account); omit to keep"
+        ),
     ] = None,
 ) -> dict[str, Any]:
     try:

@@ -147,7 +147,8 @@ def _central_examples(factory: sessionmaker[Session], token: str, assignment_id:
                 404, f"assignment {assignment_id!r}'s population does not mix by example transfer"
             )
         manifest = rounds.population_manifest(population)
-        examples = mixing.central_examples(session, population, manifest)
+        # The examples only: a device never receives the dataset's group ids.
+        examples = mixing.central_examples(session, population, manifest).examples
         return encode_examples(mixing.assignment_examples(examples, config, assignment_id), manifest.features)
 
 
@@ -189,7 +190,7 @@ def _central_gradient(job: CentralJob) -> bytes:
     try:
         found = central_training.central_gradient(job)
     except central_training.CentralTrainingError as e:
-        raise HTTPException(503, f"{e}; the round's devices train without it") from None
+        raise HTTPException(503, f"{e}; this model version has no central gradient to send") from None
     # Rows only: a row-sparse global's rows that the centralized data touches.
     return encode_sparse_delta(found.gradient)
 
