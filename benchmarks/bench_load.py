@@ -57,13 +57,17 @@ SETTINGS = {
 DROPOUT, ABORT = 0.30, 0.15  # of accepted devices: 15% abort, 15% vanish
 
 
+CONNECTION_LOST = 0  # the status noted for a request whose connection failed: no answer
+
+
 @dataclass
 class Measured:
-    latencies: dict[str, list[float]] = field(default_factory=dict)  # kind -> seconds
+    latencies: dict[str, list[float]] = field(default_factory=dict)  # kind -> seconds, answered only
     statuses: dict[int, int] = field(default_factory=dict)
 
     def note(self, kind: str, seconds: float, status: int) -> None:
-        self.latencies.setdefault(kind, []).append(seconds)
+        if status != CONNECTION_LOST:
+            self.latencies.setdefault(kind, []).append(seconds)
         self.statuses[status] = self.statuses.get(status, 0) + 1
 
 
@@ -77,16 +81,30 @@ class Connections:
     async def send(
         self, method: str, path: str, body: bytes | None, headers: dict[str, str]
     ) -> tuple[int, bytes]:
-        reader, writer = self.idle.pop() if self.idle else await asyncio.open_connection(self.host, self.port)
+        """(status, body); (CONNECTION_LOST, b"") when the connection failed mid-request (reset
+        under load): the connection is dropped, not reused, and the request is not sent again,
+        since the server may have acted on it (a report counted)."""
         request = http_request(self.host, method, path, body, headers)
-        writer.write(request)
-        status_line = await reader.readline()
-        if not status_line:  # the server closed the idle connection (keep-alive timeout): reopen
-            writer.close()
-            reader, writer = await asyncio.open_connection(self.host, self.port)
+        writer: asyncio.StreamWriter | None = None
+        try:
+            if self.idle:
+                reader, writer = self.idle.pop()
+            else:
+                reader, writer = await asyncio.open_connection(self.host, self.port)
             writer.write(request)
             status_line = await reader.readline()
-        answer = await read_answer(reader, status_line)
+            if not status_line:  # the server closed the idle connection (keep-alive timeout): reopen
+                writer.close()
+                reader, writer = await asyncio.open_connection(self.host, self.port)
+                writer.write(request)
+                status_line = await reader.readline()
+            answer = await read_answer(reader, status_line)
+        except (OSError, asyncio.IncompleteReadError, IndexError, ValueError):
+            # OSError covers ConnectionResetError and refused connections; the others, an answer
+            # cut short. Either way this connection's state is unknown: a new one replaces it.
+            if writer is not None:
+                writer.close()
+            return CONNECTION_LOST, b""
         self.idle.append((reader, writer))
         return answer
 
@@ -191,6 +209,7 @@ class BackendStates:
     def __init__(self, database_url: str) -> None:
         self.engine = create_engine(database_url, poolclass=NullPool)
         self.counts: dict[str, int] = {}
+        self.samples = 0  # each is a transaction of its own in the database's statistics
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample, daemon=True)
 
@@ -211,6 +230,7 @@ class BackendStates:
                         else "running"
                     )
                     self.counts[kind] = self.counts.get(kind, 0) + 1
+                self.samples += 1
                 conn.rollback()  # a fresh snapshot of pg_stat_activity next time
 
     def __enter__(self) -> BackendStates:
@@ -227,6 +247,24 @@ class BackendStates:
         return {kind: n / total for kind, n in sorted(self.counts.items())}
 
 
+def transaction_counts(database_url: str) -> tuple[int, int, int]:
+    """(commits, rollbacks, deadlocks) of the database so far, from pg_stat_database. A backend
+    reports its counts at most once a second while busy, and all of them when it exits: read
+    after the server's connections have closed, they are exact."""
+    engine = create_engine(database_url, poolclass=NullPool)
+    try:
+        with engine.connect() as conn:
+            row = conn.execute(
+                text(
+                    "SELECT xact_commit, xact_rollback, deadlocks FROM pg_stat_database "
+                    "WHERE datname = current_database()"
+                )
+            ).one()
+    finally:
+        engine.dispose()
+    return int(row[0]), int(row[1]), int(row[2])
+
+
 @dataclass
 class Phase:
     """A phase's figures."""
@@ -237,6 +275,7 @@ class Phase:
     server_cpu: float
     busy_share: float
     backend_states: dict[str, float] = field(default_factory=dict)
+    sampler_transactions: int = 0  # BackendStates' own, to leave out of the database's counts
 
     def rate(self, kind: str) -> float:
         return len(self.measured.latencies.get(kind, [])) / self.seconds
@@ -280,6 +319,7 @@ async def drive(
         with BackendStates(database_url) as states:
             closed = await measure(pids, closed_loop(conns, tokens, body, args.concurrency, args.seconds))
         closed.backend_states = states.shares()
+        closed.sampler_transactions = states.samples
     else:
         closed = await measure(pids, closed_loop(conns, tokens, body, args.concurrency, args.seconds))
     opened = await measure(pids, open_loop(conns, tokens, body, args.rate, args.seconds))
@@ -307,7 +347,9 @@ def database(kind: str, postgres_url: str | None, tmp: Path) -> Iterator[str]:
 
 def run_deployment(
     kind: str, workers: int, model_dir: Path, args: argparse.Namespace, tmp: Path
-) -> tuple[Phase, Phase]:
+) -> tuple[Phase, Phase, dict[str, float]]:
+    """The closed and open loops' figures, and on PostgreSQL the database's transactions over the
+    whole run (enrollment, both loops)."""
     body = encode_sparse_delta(
         client_delta(np.random.default_rng(0)), {"num_examples": "150", "metrics": "{}"}
     )
@@ -327,7 +369,22 @@ def run_deployment(
             created = admin_create_population(server.url, model_dir, "load", json.dumps(SETTINGS))
             assert created.status_code == 201, created.text
             time.sleep(1.0)  # every worker is up (the first answer may come from the first one started)
-            return asyncio.run(drive(server.port, server_pids(server.process.pid), body, args, url))
+            closed, opened = asyncio.run(drive(server.port, server_pids(server.process.pid), body, args, url))
+        if kind == "sqlite":
+            return closed, opened, {}
+        time.sleep(0.5)  # the server's backends have exited (and reported their counts)
+        commits, rollbacks, deadlocks = transaction_counts(url)
+        rollbacks -= closed.sampler_transactions
+        requests = args.devices + closed.requests() + opened.requests()  # enrollments, then visits
+        return (
+            closed,
+            opened,
+            {
+                "pg_transactions_per_request": (commits + rollbacks) / requests,
+                "pg_rollbacks_per_1000_requests": 1000 * rollbacks / requests,
+                "pg_deadlocks": float(deadlocks),
+            },
+        )
 
 
 def main() -> int:
@@ -355,7 +412,7 @@ def main() -> int:
         model_dir.mkdir()
         export(model_dir)
         for kind, workers in deployments:
-            closed, opened = run_deployment(kind, workers, model_dir, args, tmp)
+            closed, opened, database_counts = run_deployment(kind, workers, model_dir, args, tmp)
             c, o = closed.measured.latencies, opened.measured.latencies
             errors = sum(
                 n
@@ -379,6 +436,11 @@ def main() -> int:
                 "rate_limited_429": float(
                     closed.measured.statuses.get(429, 0) + opened.measured.statuses.get(429, 0)
                 ),
+                "connection_errors": float(
+                    closed.measured.statuses.get(CONNECTION_LOST, 0)
+                    + opened.measured.statuses.get(CONNECTION_LOST, 0)
+                ),
+                **database_counts,
                 **{f"pg_in_transaction_{k.replace(' ', '_')}": v for k, v in closed.backend_states.items()},
             }
     print(
@@ -401,6 +463,7 @@ def main() -> int:
         "busy",
         "5xx",
         "429",
+        "conn errors",
     )
     print(" | ".join(header))
     for name, r in results.items():
@@ -421,6 +484,7 @@ def main() -> int:
                     f"{r['machine_busy_share']:.0%}",
                     f"{r['errors_5xx']:.0f}",
                     f"{r['rate_limited_429']:.0f}",
+                    f"{r['connection_errors']:.0f}",
                 ]
             )
         )
@@ -428,12 +492,15 @@ def main() -> int:
         states = {
             k.removeprefix("pg_in_transaction_").replace("_", " "): v
             for k, v in r.items()
-            if k.startswith("pg_")
+            if k.startswith("pg_in_transaction_")
         }
         if states:
             print(
                 f"{name}, PostgreSQL connections inside a transaction (closed loop): "
                 + ", ".join(f"{v:.0%} {k}" for k, v in states.items())
+                + f"; whole run: {r['pg_transactions_per_request']:.2f} transactions per request, "
+                f"{r['pg_rollbacks_per_1000_requests']:.1f} rolled back per 1000 requests, "
+                f"{r['pg_deadlocks']:.0f} deadlocks"
             )
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
