@@ -178,6 +178,31 @@ def cpu_seconds(pids: list[int]) -> float:
     return total
 
 
+def postgres_cpu_seconds(postmaster: int | None) -> float:
+    """CPU of a local PostgreSQL server: its backends, and those that exited (the postmaster
+    reaps them, so their time is in its children's)."""
+    if postmaster is None:
+        return float("nan")
+    fields = Path(f"/proc/{postmaster}/stat").read_text().rsplit(")", 1)[1].split()
+    reaped = (int(fields[13]) + int(fields[14])) / os.sysconf("SC_CLK_TCK")
+    return reaped + cpu_seconds(server_pids(postmaster))
+
+
+def local_postmaster(database_url: str) -> int | None:
+    """The pid of the PostgreSQL server's postmaster if it runs on this machine (the parent of a
+    backend that /proc shows as postgres), else None."""
+    engine = create_engine(database_url, poolclass=NullPool)
+    try:
+        with engine.connect() as conn:
+            backend = int(conn.execute(text("SELECT pg_backend_pid()")).scalar_one())
+            with contextlib.suppress(OSError):
+                if Path(f"/proc/{backend}/comm").read_text().strip().startswith("postgres"):
+                    return int(Path(f"/proc/{backend}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    finally:
+        engine.dispose()
+    return None
+
+
 def server_pids(parent: int) -> list[int]:
     """The server's parent process and its workers."""
     pids = [parent]
@@ -209,19 +234,23 @@ class BackendStates:
     def __init__(self, database_url: str) -> None:
         self.engine = create_engine(database_url, poolclass=NullPool)
         self.counts: dict[str, int] = {}
+        self.lock_waits: dict[str, int] = {}  # the statement that waits, e.g. "UPDATE rounds"
         self.samples = 0  # each is a transaction of its own in the database's statistics
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample, daemon=True)
 
     def _sample(self) -> None:
         query = text(
-            "SELECT state, wait_event_type FROM pg_stat_activity "
+            "SELECT state, wait_event_type, query FROM pg_stat_activity "
             "WHERE datname = current_database() AND pid <> pg_backend_pid() "
             "AND (state = 'active' OR state LIKE 'idle in transaction%')"
         )
         with self.engine.connect() as conn:
             while not self._stop.wait(0.02):
-                for state, wait in conn.execute(query):
+                for state, wait, statement in conn.execute(query):
+                    if wait == "Lock":
+                        waiter = statement_kind(statement)
+                        self.lock_waits[waiter] = self.lock_waits.get(waiter, 0) + 1
                     kind = (
                         "waiting for a lock"
                         if wait == "Lock"
@@ -245,6 +274,22 @@ class BackendStates:
     def shares(self) -> dict[str, float]:
         total = sum(self.counts.values()) or 1
         return {kind: n / total for kind, n in sorted(self.counts.items())}
+
+    def lock_wait_shares(self) -> dict[str, float]:
+        """Of the samples waiting for a lock, the share of each statement kind."""
+        total = sum(self.lock_waits.values()) or 1
+        return {kind: n / total for kind, n in sorted(self.lock_waits.items(), key=lambda kv: -kv[1])}
+
+
+def statement_kind(statement: str) -> str:
+    """ "SELECT rounds FOR UPDATE", "UPDATE rounds", ...: a statement's verb, first table, lock."""
+    words = statement.replace(",", " ").replace("(", " ").split()
+    verb = words[0].upper() if words else "?"
+    after = {"SELECT": "FROM", "UPDATE": "UPDATE", "INSERT": "INTO", "DELETE": "FROM"}.get(verb)
+    upper = [w.upper() for w in words]
+    table = words[upper.index(after) + 1] if after in upper[: len(upper) - 1] else ""
+    locked = " FOR UPDATE" if verb == "SELECT" and "FOR" in upper and "UPDATE" in upper else ""
+    return f"{verb} {table}{locked}".strip()
 
 
 def transaction_counts(database_url: str) -> tuple[int, int, int]:
@@ -274,7 +319,9 @@ class Phase:
     generator_cpu: float
     server_cpu: float
     busy_share: float
+    postgres_cpu: float = float("nan")  # a local PostgreSQL server's, else NaN
     backend_states: dict[str, float] = field(default_factory=dict)
+    lock_waits: dict[str, float] = field(default_factory=dict)
     sampler_transactions: int = 0  # BackendStates' own, to leave out of the database's counts
 
     def rate(self, kind: str) -> float:
@@ -284,8 +331,11 @@ class Phase:
         return sum(len(v) for v in self.measured.latencies.values())
 
 
-async def measure(pids: list[int], phase: Coroutine[Any, Any, Measured]) -> Phase:
+async def measure(
+    pids: list[int], phase: Coroutine[Any, Any, Measured], postmaster: int | None = None
+) -> Phase:
     cpu0, server0, busy0 = time.process_time(), cpu_seconds(pids), machine_busy()
+    postgres0 = postgres_cpu_seconds(postmaster)
     start = time.perf_counter()
     measured = await phase
     seconds = time.perf_counter() - start
@@ -296,6 +346,7 @@ async def measure(pids: list[int], phase: Coroutine[Any, Any, Measured]) -> Phas
         time.process_time() - cpu0,
         cpu_seconds(pids) - server0,
         (busy1[0] - busy0[0]) / max(1, busy1[1] - busy0[1]),
+        postgres_cpu_seconds(postmaster) - postgres0,
     )
 
 
@@ -316,9 +367,13 @@ async def drive(
         *(enroll(max(0, min(share, args.devices - i * share))) for i in range(args.concurrency))
     )
     if database_url.startswith("postgresql"):
+        postmaster = local_postmaster(database_url)
         with BackendStates(database_url) as states:
-            closed = await measure(pids, closed_loop(conns, tokens, body, args.concurrency, args.seconds))
+            closed = await measure(
+                pids, closed_loop(conns, tokens, body, args.concurrency, args.seconds), postmaster
+            )
         closed.backend_states = states.shares()
+        closed.lock_waits = states.lock_wait_shares()
         closed.sampler_transactions = states.samples
     else:
         closed = await measure(pids, closed_loop(conns, tokens, body, args.concurrency, args.seconds))
@@ -431,6 +486,7 @@ def main() -> int:
                 "open_checkin_p99_ms": percentile(o["checkin"], 99),
                 "generator_cpu_ms_per_request": 1000 * closed.generator_cpu / closed.requests(),
                 "server_cpu_ms_per_request": 1000 * closed.server_cpu / closed.requests(),
+                "postgres_cpu_ms_per_request": 1000 * closed.postgres_cpu / closed.requests(),
                 "machine_busy_share": closed.busy_share,
                 "errors_5xx": float(errors),
                 "rate_limited_429": float(
@@ -442,6 +498,7 @@ def main() -> int:
                 ),
                 **database_counts,
                 **{f"pg_in_transaction_{k.replace(' ', '_')}": v for k, v in closed.backend_states.items()},
+                **{f"pg_lock_wait_{k}": v for k, v in closed.lock_waits.items()},
             }
     print(
         f"load benchmark: {args.devices} devices ({DROPOUT:.0%} of the accepted drop out), 3706 x 50 model, "
@@ -501,6 +558,14 @@ def main() -> int:
                 + f"; whole run: {r['pg_transactions_per_request']:.2f} transactions per request, "
                 f"{r['pg_rollbacks_per_1000_requests']:.1f} rolled back per 1000 requests, "
                 f"{r['pg_deadlocks']:.0f} deadlocks"
+            )
+            waits = {
+                k.removeprefix("pg_lock_wait_"): v for k, v in r.items() if k.startswith("pg_lock_wait_")
+            }
+            print(
+                f"{name}, what waits for a lock: "
+                + ", ".join(f"{v:.0%} {k}" for k, v in waits.items())
+                + f"; PostgreSQL CPU {r['postgres_cpu_ms_per_request']:.3f} ms per request"
             )
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
