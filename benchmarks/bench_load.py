@@ -57,13 +57,17 @@ SETTINGS = {
 DROPOUT, ABORT = 0.30, 0.15  # of accepted devices: 15% abort, 15% vanish
 
 
+CONNECTION_LOST = 0  # the status noted for a request whose connection failed: no answer
+
+
 @dataclass
 class Measured:
-    latencies: dict[str, list[float]] = field(default_factory=dict)  # kind -> seconds
+    latencies: dict[str, list[float]] = field(default_factory=dict)  # kind -> seconds, answered only
     statuses: dict[int, int] = field(default_factory=dict)
 
     def note(self, kind: str, seconds: float, status: int) -> None:
-        self.latencies.setdefault(kind, []).append(seconds)
+        if status != CONNECTION_LOST:
+            self.latencies.setdefault(kind, []).append(seconds)
         self.statuses[status] = self.statuses.get(status, 0) + 1
 
 
@@ -77,16 +81,30 @@ class Connections:
     async def send(
         self, method: str, path: str, body: bytes | None, headers: dict[str, str]
     ) -> tuple[int, bytes]:
-        reader, writer = self.idle.pop() if self.idle else await asyncio.open_connection(self.host, self.port)
+        """(status, body); (CONNECTION_LOST, b"") when the connection failed mid-request (reset
+        under load): the connection is dropped, not reused, and the request is not sent again,
+        since the server may have acted on it (a report counted)."""
         request = http_request(self.host, method, path, body, headers)
-        writer.write(request)
-        status_line = await reader.readline()
-        if not status_line:  # the server closed the idle connection (keep-alive timeout): reopen
-            writer.close()
-            reader, writer = await asyncio.open_connection(self.host, self.port)
+        writer: asyncio.StreamWriter | None = None
+        try:
+            if self.idle:
+                reader, writer = self.idle.pop()
+            else:
+                reader, writer = await asyncio.open_connection(self.host, self.port)
             writer.write(request)
             status_line = await reader.readline()
-        answer = await read_answer(reader, status_line)
+            if not status_line:  # the server closed the idle connection (keep-alive timeout): reopen
+                writer.close()
+                reader, writer = await asyncio.open_connection(self.host, self.port)
+                writer.write(request)
+                status_line = await reader.readline()
+            answer = await read_answer(reader, status_line)
+        except (OSError, asyncio.IncompleteReadError, IndexError, ValueError):
+            # OSError covers ConnectionResetError and refused connections; the others, an answer
+            # cut short. Either way this connection's state is unknown: a new one replaces it.
+            if writer is not None:
+                writer.close()
+            return CONNECTION_LOST, b""
         self.idle.append((reader, writer))
         return answer
 
@@ -160,6 +178,31 @@ def cpu_seconds(pids: list[int]) -> float:
     return total
 
 
+def postgres_cpu_seconds(postmaster: int | None) -> float:
+    """CPU of a local PostgreSQL server: its backends, and those that exited (the postmaster
+    reaps them, so their time is in its children's)."""
+    if postmaster is None:
+        return float("nan")
+    fields = Path(f"/proc/{postmaster}/stat").read_text().rsplit(")", 1)[1].split()
+    reaped = (int(fields[13]) + int(fields[14])) / os.sysconf("SC_CLK_TCK")
+    return reaped + cpu_seconds(server_pids(postmaster))
+
+
+def local_postmaster(database_url: str) -> int | None:
+    """The pid of the PostgreSQL server's postmaster if it runs on this machine (the parent of a
+    backend that /proc shows as postgres), else None."""
+    engine = create_engine(database_url, poolclass=NullPool)
+    try:
+        with engine.connect() as conn:
+            backend = int(conn.execute(text("SELECT pg_backend_pid()")).scalar_one())
+            with contextlib.suppress(OSError):
+                if Path(f"/proc/{backend}/comm").read_text().strip().startswith("postgres"):
+                    return int(Path(f"/proc/{backend}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    finally:
+        engine.dispose()
+    return None
+
+
 def server_pids(parent: int) -> list[int]:
     """The server's parent process and its workers."""
     pids = [parent]
@@ -191,18 +234,23 @@ class BackendStates:
     def __init__(self, database_url: str) -> None:
         self.engine = create_engine(database_url, poolclass=NullPool)
         self.counts: dict[str, int] = {}
+        self.lock_waits: dict[str, int] = {}  # the statement that waits, e.g. "UPDATE rounds"
+        self.samples = 0  # each is a transaction of its own in the database's statistics
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample, daemon=True)
 
     def _sample(self) -> None:
         query = text(
-            "SELECT state, wait_event_type FROM pg_stat_activity "
+            "SELECT state, wait_event_type, query FROM pg_stat_activity "
             "WHERE datname = current_database() AND pid <> pg_backend_pid() "
             "AND (state = 'active' OR state LIKE 'idle in transaction%')"
         )
         with self.engine.connect() as conn:
             while not self._stop.wait(0.02):
-                for state, wait in conn.execute(query):
+                for state, wait, statement in conn.execute(query):
+                    if wait == "Lock":
+                        waiter = statement_kind(statement)
+                        self.lock_waits[waiter] = self.lock_waits.get(waiter, 0) + 1
                     kind = (
                         "waiting for a lock"
                         if wait == "Lock"
@@ -211,6 +259,7 @@ class BackendStates:
                         else "running"
                     )
                     self.counts[kind] = self.counts.get(kind, 0) + 1
+                self.samples += 1
                 conn.rollback()  # a fresh snapshot of pg_stat_activity next time
 
     def __enter__(self) -> BackendStates:
@@ -226,6 +275,40 @@ class BackendStates:
         total = sum(self.counts.values()) or 1
         return {kind: n / total for kind, n in sorted(self.counts.items())}
 
+    def lock_wait_shares(self) -> dict[str, float]:
+        """Of the samples waiting for a lock, the share of each statement kind."""
+        total = sum(self.lock_waits.values()) or 1
+        return {kind: n / total for kind, n in sorted(self.lock_waits.items(), key=lambda kv: -kv[1])}
+
+
+def statement_kind(statement: str) -> str:
+    """ "SELECT rounds FOR UPDATE", "UPDATE rounds", ...: a statement's verb, first table, lock."""
+    words = statement.replace(",", " ").replace("(", " ").split()
+    verb = words[0].upper() if words else "?"
+    after = {"SELECT": "FROM", "UPDATE": "UPDATE", "INSERT": "INTO", "DELETE": "FROM"}.get(verb)
+    upper = [w.upper() for w in words]
+    table = words[upper.index(after) + 1] if after in upper[: len(upper) - 1] else ""
+    locked = " FOR UPDATE" if verb == "SELECT" and "FOR" in upper and "UPDATE" in upper else ""
+    return f"{verb} {table}{locked}".strip()
+
+
+def transaction_counts(database_url: str) -> tuple[int, int, int]:
+    """(commits, rollbacks, deadlocks) of the database so far, from pg_stat_database. A backend
+    reports its counts at most once a second while busy, and all of them when it exits: read
+    after the server's connections have closed, they are exact."""
+    engine = create_engine(database_url, poolclass=NullPool)
+    try:
+        with engine.connect() as conn:
+            row = conn.execute(
+                text(
+                    "SELECT xact_commit, xact_rollback, deadlocks FROM pg_stat_database "
+                    "WHERE datname = current_database()"
+                )
+            ).one()
+    finally:
+        engine.dispose()
+    return int(row[0]), int(row[1]), int(row[2])
+
 
 @dataclass
 class Phase:
@@ -236,7 +319,10 @@ class Phase:
     generator_cpu: float
     server_cpu: float
     busy_share: float
+    postgres_cpu: float = float("nan")  # a local PostgreSQL server's, else NaN
     backend_states: dict[str, float] = field(default_factory=dict)
+    lock_waits: dict[str, float] = field(default_factory=dict)
+    sampler_transactions: int = 0  # BackendStates' own, to leave out of the database's counts
 
     def rate(self, kind: str) -> float:
         return len(self.measured.latencies.get(kind, [])) / self.seconds
@@ -245,8 +331,11 @@ class Phase:
         return sum(len(v) for v in self.measured.latencies.values())
 
 
-async def measure(pids: list[int], phase: Coroutine[Any, Any, Measured]) -> Phase:
+async def measure(
+    pids: list[int], phase: Coroutine[Any, Any, Measured], postmaster: int | None = None
+) -> Phase:
     cpu0, server0, busy0 = time.process_time(), cpu_seconds(pids), machine_busy()
+    postgres0 = postgres_cpu_seconds(postmaster)
     start = time.perf_counter()
     measured = await phase
     seconds = time.perf_counter() - start
@@ -257,6 +346,7 @@ async def measure(pids: list[int], phase: Coroutine[Any, Any, Measured]) -> Phas
         time.process_time() - cpu0,
         cpu_seconds(pids) - server0,
         (busy1[0] - busy0[0]) / max(1, busy1[1] - busy0[1]),
+        postgres_cpu_seconds(postmaster) - postgres0,
     )
 
 
@@ -277,9 +367,14 @@ async def drive(
         *(enroll(max(0, min(share, args.devices - i * share))) for i in range(args.concurrency))
     )
     if database_url.startswith("postgresql"):
+        postmaster = local_postmaster(database_url)
         with BackendStates(database_url) as states:
-            closed = await measure(pids, closed_loop(conns, tokens, body, args.concurrency, args.seconds))
+            closed = await measure(
+                pids, closed_loop(conns, tokens, body, args.concurrency, args.seconds), postmaster
+            )
         closed.backend_states = states.shares()
+        closed.lock_waits = states.lock_wait_shares()
+        closed.sampler_transactions = states.samples
     else:
         closed = await measure(pids, closed_loop(conns, tokens, body, args.concurrency, args.seconds))
     opened = await measure(pids, open_loop(conns, tokens, body, args.rate, args.seconds))
@@ -307,7 +402,9 @@ def database(kind: str, postgres_url: str | None, tmp: Path) -> Iterator[str]:
 
 def run_deployment(
     kind: str, workers: int, model_dir: Path, args: argparse.Namespace, tmp: Path
-) -> tuple[Phase, Phase]:
+) -> tuple[Phase, Phase, dict[str, float]]:
+    """The closed and open loops' figures, and on PostgreSQL the database's transactions over the
+    whole run (enrollment, both loops)."""
     body = encode_sparse_delta(
         client_delta(np.random.default_rng(0)), {"num_examples": "150", "metrics": "{}"}
     )
@@ -327,7 +424,22 @@ def run_deployment(
             created = admin_create_population(server.url, model_dir, "load", json.dumps(SETTINGS))
             assert created.status_code == 201, created.text
             time.sleep(1.0)  # every worker is up (the first answer may come from the first one started)
-            return asyncio.run(drive(server.port, server_pids(server.process.pid), body, args, url))
+            closed, opened = asyncio.run(drive(server.port, server_pids(server.process.pid), body, args, url))
+        if kind == "sqlite":
+            return closed, opened, {}
+        time.sleep(0.5)  # the server's backends have exited (and reported their counts)
+        commits, rollbacks, deadlocks = transaction_counts(url)
+        rollbacks -= closed.sampler_transactions
+        requests = args.devices + closed.requests() + opened.requests()  # enrollments, then visits
+        return (
+            closed,
+            opened,
+            {
+                "pg_transactions_per_request": (commits + rollbacks) / requests,
+                "pg_rollbacks_per_1000_requests": 1000 * rollbacks / requests,
+                "pg_deadlocks": float(deadlocks),
+            },
+        )
 
 
 def main() -> int:
@@ -355,7 +467,7 @@ def main() -> int:
         model_dir.mkdir()
         export(model_dir)
         for kind, workers in deployments:
-            closed, opened = run_deployment(kind, workers, model_dir, args, tmp)
+            closed, opened, database_counts = run_deployment(kind, workers, model_dir, args, tmp)
             c, o = closed.measured.latencies, opened.measured.latencies
             errors = sum(
                 n
@@ -374,12 +486,19 @@ def main() -> int:
                 "open_checkin_p99_ms": percentile(o["checkin"], 99),
                 "generator_cpu_ms_per_request": 1000 * closed.generator_cpu / closed.requests(),
                 "server_cpu_ms_per_request": 1000 * closed.server_cpu / closed.requests(),
+                "postgres_cpu_ms_per_request": 1000 * closed.postgres_cpu / closed.requests(),
                 "machine_busy_share": closed.busy_share,
                 "errors_5xx": float(errors),
                 "rate_limited_429": float(
                     closed.measured.statuses.get(429, 0) + opened.measured.statuses.get(429, 0)
                 ),
+                "connection_errors": float(
+                    closed.measured.statuses.get(CONNECTION_LOST, 0)
+                    + opened.measured.statuses.get(CONNECTION_LOST, 0)
+                ),
+                **database_counts,
                 **{f"pg_in_transaction_{k.replace(' ', '_')}": v for k, v in closed.backend_states.items()},
+                **{f"pg_lock_wait_{k}": v for k, v in closed.lock_waits.items()},
             }
     print(
         f"load benchmark: {args.devices} devices ({DROPOUT:.0%} of the accepted drop out), 3706 x 50 model, "
@@ -401,6 +520,7 @@ def main() -> int:
         "busy",
         "5xx",
         "429",
+        "conn errors",
     )
     print(" | ".join(header))
     for name, r in results.items():
@@ -421,6 +541,7 @@ def main() -> int:
                     f"{r['machine_busy_share']:.0%}",
                     f"{r['errors_5xx']:.0f}",
                     f"{r['rate_limited_429']:.0f}",
+                    f"{r['connection_errors']:.0f}",
                 ]
             )
         )
@@ -428,12 +549,23 @@ def main() -> int:
         states = {
             k.removeprefix("pg_in_transaction_").replace("_", " "): v
             for k, v in r.items()
-            if k.startswith("pg_")
+            if k.startswith("pg_in_transaction_")
         }
         if states:
             print(
                 f"{name}, PostgreSQL connections inside a transaction (closed loop): "
                 + ", ".join(f"{v:.0%} {k}" for k, v in states.items())
+                + f"; whole run: {r['pg_transactions_per_request']:.2f} transactions per request, "
+                f"{r['pg_rollbacks_per_1000_requests']:.1f} rolled back per 1000 requests, "
+                f"{r['pg_deadlocks']:.0f} deadlocks"
+            )
+            waits = {
+                k.removeprefix("pg_lock_wait_"): v for k, v in r.items() if k.startswith("pg_lock_wait_")
+            }
+            print(
+                f"{name}, what waits for a lock: "
+                + ", ".join(f"{v:.0%} {k}" for k, v in waits.items())
+                + f"; PostgreSQL CPU {r['postgres_cpu_ms_per_request']:.3f} ms per request"
             )
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
