@@ -7,8 +7,11 @@ neighbours encrypted to it once every device has shared. `finish` runs after tra
 and quantizes the dense delta, sends the masked input, and then the shares that let the server
 unmask the survivors' sum. Between phases the device asks for the round's state with `until`, and
 the server answers as soon as the phase opens (long-polling). Its secrets live in one
-`DeviceSession` and go with it. The cryptography runs on a worker thread, so many simulated
-devices share one event loop.
+`DeviceSession` and go with it. The cryptography runs on the event loop: it takes a few
+milliseconds a phase (shares ~2.4 ms, masks ~2.6 ms for 36 neighbours and 33,000 coordinates), and
+with many simulated devices in one process a worker thread made each such call wait for the GIL
+after every call into OpenSSL or numpy that released it (a cProfile of the fleet: 13 and 26 ms a
+call on a worker thread).
 """
 
 from __future__ import annotations
@@ -175,12 +178,12 @@ class SecureRoundDriver:
         state = await self._state("share_keys", "roster")
         self._enter("share_keys")
         roster = {int(i): AdvertisedKeys.from_json(k) for i, k in state["roster"].items()}
-        shares = await asyncio.to_thread(session.share_keys, index, roster)
+        shares = session.share_keys(index, roster)
         await self._post("shares", shares_to_json(shares))
         # The masks do not depend on the update: summed now, while the device trains and the
         # others share, the masked input after training has only the neighbours who did not share
         # to take out.
-        await asyncio.to_thread(session.prepare_masks)
+        session.prepare_masks()
 
         state = await self._state("masked_input", "ciphertexts")
         self._ciphertexts = ciphertexts_from_json(state["ciphertexts"], len(roster))
@@ -191,12 +194,8 @@ class SecureRoundDriver:
             raise RuntimeError("finish() before share() had the device ready for its masked input")
         self._enter("masked_input")
         params = session.params
-
-        def masked() -> np.ndarray:
-            quantized = quantized_update(manifest, delta, params)
-            return session.masked_input(quantized, self._ciphertexts)
-
-        body = encode_vector(await asyncio.to_thread(masked), params)
+        masked = session.masked_input(quantized_update(manifest, delta, params), self._ciphertexts)
+        body = encode_vector(masked, params)
         self.bytes_up += len(body)
         await self.client.secure_masked_input(self.assignment, body)
 
