@@ -477,31 +477,6 @@ def test_report_metadata_must_carry_num_examples(
     assert isinstance(refused, rounds.Refused) and "num_examples" in refused.message
 
 
-def test_without_the_population_lock_a_round_past_its_deadline_is_left_to_a_locked_retry(
-    db: sessionmaker[Session], biased_model: ExportedModel
-) -> None:
-    make_population(db, biased_model, target_reports=3, min_reports=1, round_duration_seconds=10)
-    a, b = device(db), device(db)
-    first, second = checkin(db, a), checkin(db, b)
-    report(db, a, first.assignment_id, delta_body(biased_model, 1.0))
-
-    def abort_at_11(lock: bool) -> Round | rounds.Refused:
-        with db.begin() as session:
-            population = rounds.population_of_assignment(session, second.assignment_id, lock)
-            assert population is not None
-            return rounds.abort(session, population, second.assignment_id, b, 11.0, lock)
-
-    with pytest.raises(rounds.NeedsPopulationLock):
-        abort_at_11(lock=False)
-    untouched = round_by_id(db, first.round_id)
-    retried = abort_at_11(lock=True)
-
-    assert (untouched.status, untouched.aborted, untouched.dropped) == ("open", 0, 0)
-    assert isinstance(retried, rounds.Refused) and "deadline" in retried.message
-    closed = round_by_id(db, first.round_id)
-    assert (closed.status, closed.reported, closed.aborted, closed.dropped) == ("committed", 1, 0, 1)
-
-
 def test_a_late_abort_is_refused_but_not_counted_as_a_late_report(
     db: sessionmaker[Session], biased_model: ExportedModel
 ) -> None:
