@@ -21,8 +21,8 @@ import math
 import secrets
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 
 import numpy as np
@@ -83,12 +83,12 @@ _POPULATIONS_OF_ASSIGNMENTS = (
     .join(Round, Assignment.round_id == Round.id)
     .where(Assignment.id.in_(bindparam("assignment_ids", expanding=True)))
 )
-_POPULATIONS_BY_ID_UNLOCKED = (
+_POPULATIONS_BY_ID = (
     select(Population)
     .where(Population.id.in_(bindparam("ids", expanding=True)))
     .order_by(Population.id)  # always in the same order, so two servers never deadlock
+    .with_for_update(key_share=True)
 )
-_POPULATIONS_BY_ID = _POPULATIONS_BY_ID_UNLOCKED.with_for_update(key_share=True)
 # Fresh values even for rounds already in the session: a check-in reads them before it takes the
 # population's lock, and another server process may have reported into them meanwhile.
 _OPEN_ROUNDS = (
@@ -126,9 +126,6 @@ _GIVE_BACK = (  # the part of `wanted` beyond the round's capacity, refused as f
     .returning(Round.rejected_capacity, Round.accepted)
 )
 _ROUND_COUNTERS = ("checked_in", "rejected_min_examples", "rejected_capacity", "accepted")
-_STATUSES = select(Assignment.id, Assignment.status).where(
-    Assignment.id.in_(bindparam("assignment_ids", expanding=True))
-)
 _ASSIGNMENT = select(
     Assignment.device_id, Assignment.status, Assignment.example_count, Assignment.round_id
 ).where(Assignment.id == bindparam("assignment_id"))
@@ -232,11 +229,8 @@ def _relock(session: Session, population: Population) -> None:
     session.refresh(population, ["current_version", "training_rounds_committed"], with_for_update=_LOCK)
 
 
-def populations_of_assignments(
-    session: Session, assignment_ids: Sequence[str], lock: bool = True
-) -> dict[str, Population]:
-    """The population of each known assignment, locked unless `lock` is False (reports and aborts
-    first try without the lock: see `report_all`)."""
+def populations_of_assignments(session: Session, assignment_ids: Sequence[str]) -> dict[str, Population]:
+    """The (locked) population of each known assignment."""
     # Only the population ids before the lock: they never change, while an assignment and its
     # round must be read after the lock (another server process may have just changed them).
     population_ids: dict[str, int] = {}
@@ -246,14 +240,13 @@ def populations_of_assignments(
         ):
             population_ids[assignment_id] = population_id
     ids = sorted(set(population_ids.values()))
-    query = _POPULATIONS_BY_ID if lock else _POPULATIONS_BY_ID_UNLOCKED
-    found = {p.id: p for p in session.scalars(query, {"ids": ids})} if ids else {}
-    return {assignment_id: found[population_id] for assignment_id, population_id in population_ids.items()}
+    locked = {p.id: p for p in session.scalars(_POPULATIONS_BY_ID, {"ids": ids})} if ids else {}
+    return {assignment_id: locked[population_id] for assignment_id, population_id in population_ids.items()}
 
 
-def population_of_assignment(session: Session, assignment_id: str, lock: bool = True) -> Population | None:
-    """The population an assignment belongs to, locked unless `lock` is False."""
-    return populations_of_assignments(session, [assignment_id], lock).get(assignment_id)
+def population_of_assignment(session: Session, assignment_id: str) -> Population | None:
+    """The (locked) population an assignment belongs to."""
+    return populations_of_assignments(session, [assignment_id]).get(assignment_id)
 
 
 def open_round(session: Session, population: Population, kind: str, now: float) -> Round:
@@ -340,17 +333,15 @@ def advance(session: Session, population: Population, now: float) -> dict[str, R
     if _up_to_date(population, current, now):
         return current  # the common case: nothing to close, one query
     secure = population_settings(population).secure_training
-    # In id order, as reports lock rounds (`_lock_rounds`): two transactions never wait on each other.
-    for round_ in sorted(current.values(), key=lambda r: r.id):
+    for round_ in current.values():
         if round_.kind == TRAINING and secure:
             advance_secure(session, population, round_, now)
             continue
         if now < round_.deadline:
             continue
-        # The round's row lock: a check-in admitted into it or a report or abort counted into it
-        # (which take no population lock) has committed before its assignments are dropped, and
-        # none comes after; every column is read again, since those may have changed them.
-        session.refresh(round_, with_for_update=_LOCK)
+        # The round's row lock: a check-in admitted into it (which takes no population lock) has
+        # committed before its assignments are dropped, and none is admitted after.
+        session.refresh(round_, list(_ROUND_COUNTERS), with_for_update=_LOCK)
         dropped: CursorResult[Any] = session.execute(  # type: ignore[assignment]
             update(Assignment)
             .where(Assignment.round_id == round_.id, Assignment.status == "assigned")
@@ -566,42 +557,6 @@ def _admit(session: Session, round_: Round, wanted: int, too_few: int) -> int:
     return granted
 
 
-def _advance_once(session: Session, population: Population, now: float) -> None:
-    """`advance` a locked population, once per transaction: with `now` fixed, a second advance
-    finds nothing to close, and a transaction may carry many reports (group commit)."""
-    advanced: set[tuple[int, float]] = session.info.setdefault("advanced", set())
-    if (population.id, now) not in advanced:
-        advance(session, population, now)
-        advanced.add((population.id, now))
-
-
-class NeedsPopulationLock(Exception):
-    """A report or abort taken without its population's lock met a round that must close, open or
-    commit, which takes that lock. The transaction must be rolled back and retried with
-    `lock=True`: taking the population's lock while holding a round's would invert the order
-    every transaction takes them in (population, rounds by id, assignments) and could deadlock."""
-
-
-def _rounds_ready(session: Session, populations: Iterable[Population], now: float, lock: bool) -> None:
-    """Locked populations: close and open their rounds as due. Unlocked ones: there must be
-    nothing to close or open (else NeedsPopulationLock)."""
-    for population in sorted({p.id: p for p in populations}.values(), key=lambda p: p.id):
-        if lock:
-            _advance_once(session, population, now)
-        elif not _up_to_date(population, open_rounds(session, population), now):
-            raise NeedsPopulationLock(f"population {population.name!r} has a round to close or open")
-
-
-def _lock_rounds(session: Session, rounds_: Iterable[Round]) -> None:
-    """Lock the rounds' rows, in id order, and read them again. A report or abort counts into its
-    round under this lock alone (unless it commits the round), so it serializes the counters of
-    one round, and what was read before it may be stale. Taken after any population lock and
-    before any assignment's row: the order in which `advance` takes them too."""
-    session.flush()  # a refresh would overwrite changes not yet written (a round `advance` closed)
-    for round_ in sorted({r.id: r for r in rounds_}.values(), key=lambda r: r.id):
-        session.refresh(round_, with_for_update=_LOCK)
-
-
 @dataclass(frozen=True)
 class _Found:
     """An assignment as read after the population lock: the parts a report or abort needs."""
@@ -622,8 +577,12 @@ def _find_assignment(
 ) -> _Found | Refused:
     """The caller's assignment in this (locked) population, after closing rounds past their deadline
     (unless `advance_rounds` is False: the caller advances what it needs itself)."""
-    if advance_rounds:
-        _advance_once(session, population, now)
+    # Once per transaction and population: with `now` fixed, a second advance finds nothing to
+    # close, and a transaction may carry many reports (group commit).
+    advanced: set[tuple[int, float]] = session.info.setdefault("advanced", set())
+    if advance_rounds and (population.id, now) not in advanced:
+        advance(session, population, now)
+        advanced.add((population.id, now))
     found = session.connection().execute(_ASSIGNMENT, {"assignment_id": assignment_id}).first()
     if found is None:
         return Refused(404, f"no assignment {assignment_id!r}", reason="unknown_assignment")
@@ -693,17 +652,6 @@ def _closed(assignment: _Found, report: bool = True) -> Refused | None:
     return None
 
 
-@dataclass(frozen=True)
-class ReportCall:
-    """An authenticated device's report for one of its assignments in `population`."""
-
-    population: Population
-    assignment_id: str
-    device_id: str
-    body: bytes
-    content_type: str
-
-
 def report(
     session: Session,
     population: Population,
@@ -713,130 +661,32 @@ def report(
     content_type: str,
     now: float,
 ) -> Round | Refused:
-    """Validate and store one report into a locked population; commit the round when it reaches
-    its target."""
-    (answer,) = report_all(
-        session, [ReportCall(population, assignment_id, device_id, body, content_type)], now
-    )
-    return answer
-
-
-def report_all(
-    session: Session, calls: Sequence[ReportCall], now: float, lock: bool = True
-) -> Iterator[Round | Refused]:
-    """Validate and store reports, in order, in the caller's transaction; commit a round when it
-    reaches its target. Yields each answer as soon as its report is stored: a later report may
-    commit the round.
-
-    Without `lock` the populations are not locked (`populations_of_assignments(..., lock=False)`):
-    reports of one population from several server processes then do not queue on its lock, only
-    on their round's row (`_lock_rounds`) for as long as they take to count into it. Only closing,
-    opening or committing a round takes the population's lock; a report that would do one raises
-    NeedsPopulationLock first (the caller retries with `lock=True`), so the round's reports still
-    commit it exactly once, with every report counted before the commit and none after.
-    """
-    _rounds_ready(session, (call.population for call in calls), now, lock)
-    found = [
-        _find_assignment(
-            session, call.population, call.assignment_id, call.device_id, now, advance_rounds=False
-        )
-        for call in calls
-    ]
-    # Parsed and checked before the rounds are locked (it is most of a report's CPU): the checks
-    # read only what does not change while a round is open (its kind, clip norm, the assignment's
-    # example count). An assignment not open now is never open later, so needs no parse.
-    parsed = [
-        _parse_report(call, assignment)
-        if isinstance(assignment, _Found)
-        and assignment.status == "assigned"
-        and assignment.round.status == "open"
-        else None
-        for call, assignment in zip(calls, found, strict=True)
-    ]
-    _lock_rounds(session, (a.round for a in found if isinstance(a, _Found)))
-    # Under the rounds' locks an assignment's status is final for this transaction: it changes
-    # only in a transaction that holds its round's lock (a report, an abort, a drop at the deadline).
-    ids = [a.id for a in found if isinstance(a, _Found)]
-    statuses = {
-        assignment_id: status
-        for assignment_id, status in (
-            session.connection().execute(_STATUSES, {"assignment_ids": ids}) if ids else []
-        )
-    }
-    if not lock:
-        _check_no_commit(found, parsed, statuses)
-    for call, assignment, checked in zip(calls, found, parsed, strict=True):
-        if isinstance(assignment, Refused):
-            _count_report(session, call.population, "unknown", call.assignment_id, assignment)
-            yield assignment
-            continue
-        assignment = replace(assignment, status=statuses[assignment.id])
-        answer, statuses[assignment.id] = _store_report(
-            session, call.population, assignment, checked, now, lock
-        )
-        yield answer
-
-
-def _parse_report(
-    call: ReportCall, assignment: _Found
-) -> tuple[float, bytes | None, dict[str, float]] | Refused | None:
-    """The checked report (weight, delta, metrics), its refusal, or None for a secure round (no reports)."""
-    population, round_ = call.population, assignment.round
-    settings = population_settings(population)
-    if round_.kind == TRAINING and settings.secure_training:
-        return None
-    if round_.kind == TRAINING:
-        return _parse_training_report(population, settings, round_, assignment.example_count, call.body)
-    return _parse_evaluation_report(population, assignment.example_count, call.body, call.content_type)
-
-
-def _check_no_commit(
-    found: Sequence[_Found | Refused],
-    parsed: Sequence[tuple[float, bytes | None, dict[str, float]] | Refused | None],
-    statuses: Mapping[str, str],
-) -> None:
-    """Without the population lock: raise NeedsPopulationLock if these reports may take a round
-    (read under its lock) to its target, before anything is written."""
-    valid: Counter[int] = Counter()
-    rounds_: dict[int, Round] = {}
-    for assignment, checked in zip(found, parsed, strict=True):
-        if (
-            isinstance(assignment, _Found)
-            and isinstance(checked, tuple)
-            and statuses[assignment.id] == "assigned"
-        ):
-            valid[assignment.round.id] += 1
-            rounds_[assignment.round.id] = assignment.round
-    for round_id, count in valid.items():
-        round_ = rounds_[round_id]
-        if round_.status == "open" and round_.reported + count >= round_.target:
-            raise NeedsPopulationLock(f"round {round_id} may reach its target")
-
-
-def _store_report(
-    session: Session,
-    population: Population,
-    assignment: _Found,
-    checked: tuple[float, bytes | None, dict[str, float]] | Refused | None,
-    now: float,
-    lock: bool,
-) -> tuple[Round | Refused, str]:
-    """Count one report (its round locked, its assignment's status current) into its round; the
-    answer and the assignment's status after it (a group may hold the same assignment twice)."""
+    """Validate and store a report; commit the round when it reaches its target."""
+    assignment = _find_assignment(session, population, assignment_id, device_id, now)
+    if isinstance(assignment, Refused):
+        _count_report(session, population, "unknown", assignment_id, assignment)
+        return assignment
     closed = _closed(assignment)
     if closed is not None:
-        _count_report(session, population, assignment.round, assignment.id, closed)
-        return closed, assignment.status
+        _count_report(session, population, assignment.round, assignment_id, closed)
+        return closed
     round_ = assignment.round
-    if checked is None:
-        secure = f"round {round_.id} uses secure aggregation: take part through /v1/assignments/{{id}}/secure"
-        return Refused(409, secure), assignment.status
-    if isinstance(checked, Refused):
+    settings = population_settings(population)
+    if round_.kind == TRAINING and settings.secure_training:
+        return Refused(
+            409, f"round {round_.id} uses secure aggregation: take part through /v1/assignments/{{id}}/secure"
+        )
+    parsed = (
+        _parse_training_report(population, settings, round_, assignment.example_count, body)
+        if round_.kind == TRAINING
+        else _parse_evaluation_report(population, assignment.example_count, body, content_type)
+    )
+    if isinstance(parsed, Refused):
         round_.invalid += 1
         _finish(session, assignment, "invalid", now)
-        _count_report(session, population, round_, assignment.id, checked)
-        return checked, "invalid"
-    weight, delta, metrics = checked
+        _count_report(session, population, round_, assignment_id, parsed)
+        return parsed
+    weight, delta, metrics = parsed
     session.connection().execute(
         _INSERT_REPORT,
         {
@@ -854,11 +704,10 @@ def _store_report(
     for k, v in metrics.items():
         sums[k] = sums.get(k, 0.0) + v
     round_.metrics = sums
-    _count_report(session, population, round_, assignment.id, None)
+    _count_report(session, population, round_, assignment_id, None)
     if round_.reported >= round_.target:
-        assert lock, "_check_no_commit lets no unlocked report reach the target"
         _commit(session, population, round_, now)
-    return round_, "reported"
+    return round_
 
 
 # Report outcomes for metrics, by the class of refusal; any other refusal is an invalid report.
@@ -889,21 +738,11 @@ def _count_report(
 
 
 def abort(
-    session: Session,
-    population: Population,
-    assignment_id: str,
-    device_id: str,
-    now: float,
-    lock: bool = True,
+    session: Session, population: Population, assignment_id: str, device_id: str, now: float
 ) -> Round | Refused:
-    """Give up an assignment. Without `lock` the population is not locked, as for reports
-    (`report_all`): an abort only counts into its round, under the round's lock."""
-    _rounds_ready(session, [population], now, lock)
-    assignment = _find_assignment(session, population, assignment_id, device_id, now, advance_rounds=False)
+    assignment = _find_assignment(session, population, assignment_id, device_id, now)
     if isinstance(assignment, Refused):
         return assignment
-    _lock_rounds(session, [assignment.round])
-    assignment = replace(assignment, status=assignment_status(session, assignment.id))
     closed = _closed(assignment, report=False)
     if closed is not None:
         return closed

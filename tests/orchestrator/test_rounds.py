@@ -246,54 +246,6 @@ def test_concurrent_checkins_never_exceed_capacity_nor_give_a_device_two_assignm
     assert sorted(assigned) == sorted(accepted)
 
 
-def test_concurrent_reports_count_once_and_commit_their_round_once(
-    db: sessionmaker[Session], biased_model: ExportedModel
-) -> None:
-    # Eight transactions at once (on PostgreSQL, without the population lock until one would
-    # commit the round), each with a group of reports; every assignment reports in two groups, as
-    # when a client retries through another process.
-    make_population(db, biased_model, target_reports=10, oversampling=2.0)
-    devices = [device(db) for _ in range(16)]
-    assignments = {d: checkin(db, d).assignment_id for d in devices}
-    groups = [
-        [*devices[i * 2 : i * 2 + 2], devices[(i * 2 + 5) % 16], devices[(i * 2 + 8) % 16]] for i in range(8)
-    ]
-    body = delta_body(biased_model, 0.5)
-    start = threading.Barrier(len(groups))
-
-    def report_group(group: list[str]) -> list[tuple[str, Round | rounds.Refused]]:
-        start.wait()
-        for lock in (False, True):  # as the report route retries
-            try:
-                with db.begin() as session:
-                    populations = rounds.populations_of_assignments(
-                        session, [assignments[d] for d in group], lock
-                    )
-                    calls = [
-                        rounds.ReportCall(populations[assignments[d]], assignments[d], d, body, "")
-                        for d in group
-                    ]
-                    return list(zip(group, rounds.report_all(session, calls, 2.0, lock), strict=True))
-            except rounds.NeedsPopulationLock:
-                assert not lock
-        raise AssertionError("unreachable")
-
-    with ThreadPoolExecutor(len(groups)) as pool:
-        answers = [a for group_answers in pool.map(report_group, groups) for a in group_answers]
-
-    counted = [d for d, answer in answers if isinstance(answer, Round)]
-    refusals = [answer.reason for _, answer in answers if isinstance(answer, rounds.Refused)]
-    assert len(counted) == len(set(counted)) == 10
-    assert set(refusals) <= {"late", "repeated"}
-    with db() as session:
-        (committed,) = session.scalars(select(Round).where(Round.status == "committed")).all()
-        stored = session.scalars(select(Report.assignment_id).where(Report.round_id == committed.id)).all()
-        versions = session.scalars(select(ModelVersion.version).order_by(ModelVersion.version)).all()
-    assert (committed.reported, committed.late) == (10, refusals.count("late"))
-    assert sorted(stored) == sorted(assignments[d] for d in counted)
-    assert versions == [0, 1]
-
-
 def test_target_reports_commit_the_weighted_mean(
     db: sessionmaker[Session], biased_model: ExportedModel
 ) -> None:

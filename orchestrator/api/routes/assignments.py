@@ -65,42 +65,25 @@ def report_groups(app: Starlette, window_seconds: float) -> ReportGroups:
 def _report(
     factory: sessionmaker[Session], calls: Sequence[_ReportCall], now: float
 ) -> list[ReportAccepted | rounds.Refused]:
-    """The reports in one transaction, first without their populations' locks; retried with them
-    when a round must close, open or commit (rounds.report_all)."""
-    try:
-        return _report_once(factory, calls, now, lock=False)
-    except rounds.NeedsPopulationLock:
-        return _report_once(factory, calls, now, lock=True)
-
-
-def _report_once(
-    factory: sessionmaker[Session], calls: Sequence[_ReportCall], now: float, lock: bool
-) -> list[ReportAccepted | rounds.Refused]:
+    """Each report in turn, in one transaction; an answer is built as soon as its report is in,
+    since a later report in the same transaction may commit the round."""
     with factory.begin() as session:
         device_ids = authenticate_all(session, [call.token for call in calls])
         populations = rounds.populations_of_assignments(
             session,
             [call.assignment_id for call, device_id in zip(calls, device_ids, strict=True) if device_id],
-            lock,
         )
-        known = [
-            rounds.ReportCall(
-                populations[call.assignment_id], call.assignment_id, device_id, call.body, call.content_type
-            )
-            for call, device_id in zip(calls, device_ids, strict=True)
-            if device_id is not None and call.assignment_id in populations
-        ]
-        # Each answer is built as soon as its report is in, since a later report in the same
-        # transaction may commit the round.
-        results = rounds.report_all(session, known, now, lock)
         answers: list[ReportAccepted | rounds.Refused] = []
         for call, device_id in zip(calls, device_ids, strict=True):
+            population = populations.get(call.assignment_id)
             if device_id is None:
                 answers.append(rounds.Refused(401, UNAUTHENTICATED))
-            elif call.assignment_id not in populations:
+            elif population is None:
                 answers.append(rounds.Refused(404, f"no assignment {call.assignment_id!r}"))
             else:
-                result = next(results)
+                result = rounds.report(
+                    session, population, call.assignment_id, device_id, call.body, call.content_type, now
+                )
                 answers.append(result if isinstance(result, rounds.Refused) else _accepted(result))
         return answers
 
@@ -128,22 +111,12 @@ async def report(assignment_id: str, request: Request, token: TokenDep) -> Repor
 def _abort(
     factory: sessionmaker[Session], assignment_id: str, token: str, now: float
 ) -> Round | rounds.Refused:
-    """First without the population's lock, as a report (rounds.abort)."""
-    try:
-        return _abort_once(factory, assignment_id, token, now, lock=False)
-    except rounds.NeedsPopulationLock:
-        return _abort_once(factory, assignment_id, token, now, lock=True)
-
-
-def _abort_once(
-    factory: sessionmaker[Session], assignment_id: str, token: str, now: float, lock: bool
-) -> Round | rounds.Refused:
     with factory.begin() as session:
         device_id = require_device(session, token)
-        population = rounds.population_of_assignment(session, assignment_id, lock)
+        population = rounds.population_of_assignment(session, assignment_id)
         if population is None:
             return rounds.Refused(404, f"no assignment {assignment_id!r}")
-        return rounds.abort(session, population, assignment_id, device_id, now, lock)
+        return rounds.abort(session, population, assignment_id, device_id, now)
 
 
 @router.post("/{assignment_id}/abort", response_model=schemas.ReportAccepted, summary="Give up an assignment")
