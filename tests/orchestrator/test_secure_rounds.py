@@ -51,6 +51,29 @@ def state(factory: sessionmaker[Session], dev: str, assignment_id: str, now: flo
         return secure_rounds.state(session, found[1], assignment_id, now)
 
 
+def _keys_shared(
+    db: sessionmaker[Session], n: int, checkin_at: float, advertise_at: float, share_at: float
+) -> tuple[list[str], list[Any], list[DeviceSession], RoundParameters, list[int]]:
+    """`n` new devices check in, advertise their keys and share them with the whole roster, as
+    devices do before they train; their ids, check-in answers, sessions, the round's parameters and
+    their roster indices."""
+    devices = [device(db) for _ in range(n)]
+    answers = [checkin(db, d, now=checkin_at) for d in devices]
+    params = RoundParameters.from_json(
+        state(db, devices[0], answers[0].assignment_id, checkin_at)["parameters"]
+    )
+    sessions = [DeviceSession(params) for _ in devices]
+    indices = [
+        message(db, d, a.assignment_id, "advertise", s.advertise().to_json(), advertise_at)["index"]
+        for d, a, s in zip(devices, answers, sessions, strict=True)
+    ]
+    roster_json = state(db, devices[0], answers[0].assignment_id, share_at)["roster"]
+    roster = {int(i): AdvertisedKeys.from_json(k) for i, k in roster_json.items()}
+    for d, a, s, index in zip(devices, answers, sessions, indices, strict=True):
+        message(db, d, a.assignment_id, "share_keys", shares_to_json(s.share_keys(index, roster)), share_at)
+    return devices, answers, sessions, params, indices
+
+
 def test_secure_settings_refuse_rounds_too_small_to_hide_an_input() -> None:
     with pytest.raises(ValidationError, match="min_reports >= 3"):
         PopulationSettings.model_validate({**SECURE, "min_reports": 2})
@@ -130,19 +153,8 @@ def test_once_enough_inputs_are_in_a_straggler_is_waited_for_as_long_again_and_c
     make_population(
         db, biased_model, **{**SECURE, "secure": {**SECURE["secure"], "masked_input_seconds": 60}}
     )
-    devices = [device(db) for _ in range(4)]
-    answers = [checkin(db, d) for d in devices]
+    devices, answers, sessions, params, indices = _keys_shared(db, 4, 1.0, 1.0, 2.0)
     first = current_round(db)
-    params = RoundParameters.from_json(state(db, devices[0], answers[0].assignment_id, 1.0)["parameters"])
-    sessions = [DeviceSession(params) for _ in devices]
-    indices = [
-        message(db, d, a.assignment_id, "advertise", s.advertise().to_json(), 1.0)["index"]
-        for d, a, s in zip(devices, answers, sessions, strict=True)
-    ]
-    roster_json = state(db, devices[0], answers[0].assignment_id, 1.5)["roster"]
-    roster = {int(i): AdvertisedKeys.from_json(k) for i, k in roster_json.items()}
-    for d, a, s, index in zip(devices, answers, sessions, indices, strict=True):
-        message(db, d, a.assignment_id, "share_keys", shares_to_json(s.share_keys(index, roster)), 2.0)
     zero = np.zeros(params.vector_length, np.uint64)
 
     def masked(k: int, now: float) -> bytes:
@@ -182,18 +194,7 @@ def test_once_enough_inputs_are_in_a_straggler_is_waited_for_as_long_again_and_c
 
 def _one_round(db: sessionmaker[Session], start: float) -> list[str]:
     """Four new devices take a whole secure round from `start`: the phases take 1, 1, 1 and 4 s."""
-    devices = [device(db) for _ in range(4)]
-    answers = [checkin(db, d, now=start) for d in devices]
-    params = RoundParameters.from_json(state(db, devices[0], answers[0].assignment_id, start)["parameters"])
-    sessions = [DeviceSession(params) for _ in devices]
-    indices = [
-        message(db, d, a.assignment_id, "advertise", s.advertise().to_json(), start + 1)["index"]
-        for d, a, s in zip(devices, answers, sessions, strict=True)
-    ]
-    roster_json = state(db, devices[0], answers[0].assignment_id, start + 1)["roster"]
-    roster = {int(i): AdvertisedKeys.from_json(k) for i, k in roster_json.items()}
-    for d, a, s, index in zip(devices, answers, sessions, indices, strict=True):
-        message(db, d, a.assignment_id, "share_keys", shares_to_json(s.share_keys(index, roster)), start + 2)
+    devices, answers, sessions, params, _ = _keys_shared(db, 4, start, start + 1, start + 2)
     zero = np.zeros(params.vector_length, np.uint64)
     for d, a, s in zip(devices, answers, sessions, strict=True):
         ciphertexts = ciphertexts_from_json(state(db, d, a.assignment_id, start + 3)["ciphertexts"], 4)
@@ -299,19 +300,8 @@ def test_the_masked_inputs_wait_for_stragglers_only_once_they_could_be_unmasked(
     # min_reports 3 inputs would leave each survivor 2 shareholders among the survivors
     secure = {**SECURE["secure"], "masked_input_seconds": 60, "threshold": 0.8}
     make_population(db, biased_model, **{**SECURE, "target_reports": 6, "secure": secure})
-    devices = [device(db) for _ in range(6)]
-    answers = [checkin(db, d) for d in devices]
+    devices, answers, sessions, params, indices = _keys_shared(db, 6, 1.0, 1.0, 2.0)
     first = current_round(db)
-    params = RoundParameters.from_json(state(db, devices[0], answers[0].assignment_id, 1.0)["parameters"])
-    sessions = [DeviceSession(params) for _ in devices]
-    indices = [
-        message(db, d, a.assignment_id, "advertise", s.advertise().to_json(), 1.0)["index"]
-        for d, a, s in zip(devices, answers, sessions, strict=True)
-    ]
-    roster_json = state(db, devices[0], answers[0].assignment_id, 1.5)["roster"]
-    roster = {int(i): AdvertisedKeys.from_json(k) for i, k in roster_json.items()}
-    for d, a, s, index in zip(devices, answers, sessions, indices, strict=True):
-        message(db, d, a.assignment_id, "share_keys", shares_to_json(s.share_keys(index, roster)), 2.0)
     zero = np.zeros(params.vector_length, np.uint64)
     inputs = [
         encode_vector(
