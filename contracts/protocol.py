@@ -99,6 +99,13 @@ class Assignment:
         Aggregation, Spec("secure: take part through secure_url's phases instead of report_url")
     ] = "plaintext"
     secure_url: str | None = None
+    secure_parameters: Annotated[
+        dict[str, Any] | None,
+        Spec(
+            "secure: the round's parameters (secure_aggregation.config.RoundParameters), so that the "
+            "device advertises its keys without first asking for the round's state"
+        ),
+    ] = None
     central_examples_url: Annotated[
         str | None,
         Spec(
@@ -124,6 +131,8 @@ class Assignment:
             raise InvalidMessage(
                 "secure_url is None; expected a URL on the orchestrator's origin when aggregation is 'secure'"
             )
+        if self.aggregation != "secure" and self.secure_parameters is not None:
+            raise InvalidMessage("secure_parameters come only with aggregation 'secure'")
         if (self.central_gradient_url is None) != (self.central_gradient_weight is None):
             raise InvalidMessage(
                 "central_gradient_url and central_gradient_weight come together (gradient transfer); "

@@ -169,8 +169,14 @@ class SecureRoundDriver:
                 await asyncio.sleep(MIN_POLL_SECONDS * (0.5 + random.random()))
 
     async def _share(self) -> None:
-        state = await self._state("advertise", None)
-        params = RoundParameters.from_json(state["parameters"])
+        sent = self.assignment.secure_parameters
+        # A server that does not send the round's parameters with the assignment has them in its state.
+        if sent is None:
+            sent = (await self._state("advertise", None))["parameters"]
+        try:
+            params = RoundParameters.from_json(sent)
+        except SecureProtocolError as e:  # the server's answer, not this device's message: abort
+            raise ValueError(str(e)) from None
         self._enter("advertise")
         session = self._session = DeviceSession(params)
         index = int((await self._post("keys", session.advertise().to_json()))["index"])

@@ -663,6 +663,13 @@ def next_round_in(session: Session, round_: Round, now: float, longest: float) -
     return float(min(longest, max(MIN_RETRY_SECONDS, left)))
 
 
+def parameters(session: Session, round_id: int) -> dict[str, Any]:
+    """The round's parameters (JSON), as a device needs them to advertise its keys."""
+    secure_round = session.get(SecureRound, round_id)
+    assert secure_round is not None, f"round {round_id} is not a secure round"
+    return dict(secure_round.parameters)
+
+
 def accepting(session: Session, round_: Round) -> bool:
     """Whether the round still takes check-ins: only until its roster closes."""
     return _secure_round(session, round_).phase == ADVERTISE

@@ -120,6 +120,12 @@ def test_fields_with_a_default_may_be_left_out() -> None:
             {**SENT, "secure_url": None},
             r"secure_url is None; expected a URL on the orchestrator's origin when aggregation is 'secure'",
         ),
+        (
+            Assignment,
+            {**SENT, "aggregation": "plaintext", "secure_url": None, "secure_parameters": {}},
+            r"secure_parameters come only with aggregation 'secure'",
+        ),
+        (Assignment, {**SENT, "secure_parameters": [1]}, r"secure_parameters is \[1\]; expected"),
         (Assignment, {**SENT, "seconds_left": 1e300}, r"seconds_left is 1e\+300; expected a finite"),
         (Assignment, {**SENT, "report_url": "x" * 2001}, r"report_url is 'x+\.\.\.; expected a string"),
     ],

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import httpx
 import numpy as np
@@ -33,6 +35,33 @@ SECURE = {
 }
 
 
+class CheckInsRewritten(httpx.AsyncBaseTransport):
+    """A real connection whose accepted check-ins' answers pass through `rewrite(n, answer)` (n
+    counts them from 0): an orchestrator that answers differently, or one that answers wrongly."""
+
+    def __init__(self, rewrite: Callable[[int, dict[str, Any]], dict[str, Any]]) -> None:
+        self.inner = httpx.AsyncHTTPTransport()
+        self.rewrite = rewrite
+        self.checkins = 0
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        response = await self.inner.handle_async_request(request)
+        if not request.url.path.endswith("/checkin") or response.status_code != 200:
+            return response
+        answer = self.rewrite(self.checkins, json.loads(await response.aread()))
+        self.checkins += 1
+        return httpx.Response(200, json=answer)
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+def without_parameters_every_other(n: int, answer: dict[str, Any]) -> dict[str, Any]:
+    """As an orchestrator of before the round's parameters were part of the answer: the device
+    asks for the round's state instead."""
+    return {k: v for k, v in answer.items() if k != "secure_parameters"} if n % 2 else answer
+
+
 def leaving_at(phase: str | None) -> Callable[[str], bool]:
     """A device that stays until `phase` (None: to the end)."""
     return lambda current: current != phase
@@ -41,7 +70,8 @@ def leaving_at(phase: str | None) -> Callable[[str], bool]:
 def test_a_secure_round_with_dropouts_at_every_phase_commits_the_survivors_mean(
     server: Server, export: Callable[[ModelConfig], Path], movielens_users: UserData, tmp_path: Path
 ) -> None:
-    # Prepare: 12 devices; one leaves before sharing keys, two before masking, one before unmasking
+    # Prepare: 12 devices; one leaves before sharing keys, two before masking, one before unmasking;
+    # every other one gets its round's parameters from the round's state, not with its assignment
     model_dir = export(MOVIELENS)
     population = settings(
         target_reports=12, oversampling=1.0, min_reports=6, aggregation="secure", secure=SECURE
@@ -49,9 +79,10 @@ def test_a_secure_round_with_dropouts_at_every_phase_commits_the_survivors_mean(
     created = admin_create_population(server.url, model_dir, "movies", population)
     assert created.status_code == 201, created.text
     leaves = {0: "share_keys", 1: "masked_input", 2: "masked_input", 3: "unmasking"}
+    transport = CheckInsRewritten(without_parameters_every_other)
 
     async def scenario() -> tuple[list[Participation], bytes]:
-        async with httpx.AsyncClient(timeout=60) as http:
+        async with httpx.AsyncClient(timeout=60, transport=transport) as http:
             fleet = await Fleet(server.url, tmp_path, movielens_users, list(range(12)), http).enroll()
             runs = [
                 agent.participate(phase_continues=leaving_at(leaves.get(i)))
@@ -69,6 +100,7 @@ def test_a_secure_round_with_dropouts_at_every_phase_commits_the_survivors_mean(
 
     # Assert: the round committed with the 9 devices that sent a masked input ...
     # (the last one to leave may find the round committed before it could: its input is in it)
+    assert transport.checkins == 12
     statuses = [p.status for p in participations]
     assert statuses[:3] == ["aborted"] * 3 and statuses[3] in ("aborted", "reported"), statuses
     assert statuses[4:] == ["reported"] * 8, [p.detail for p in participations]
@@ -164,3 +196,35 @@ def test_devices_share_keys_while_they_train_and_one_that_stops_after_sharing_is
     first = admin(server.url, "/v1/admin/populations/movies/rounds?kind=training&limit=10")[-1]
     assert first["status"] == "committed" and first["counters"]["reported"] == 4
     assert_base_plus_mean_of_clipped_deltas(model_dir, blob, participations[1:], 4)
+
+
+def test_round_parameters_the_device_cannot_use_are_an_invalid_answer_and_it_aborts(
+    server: Server, export: Callable[[ModelConfig], Path], movielens_users: UserData, tmp_path: Path
+) -> None:
+    # Prepare: a secure round of 4 whose first check-in answer carries parameters without a context
+    population = settings(
+        target_reports=4, oversampling=1.0, min_reports=3, aggregation="secure", secure=SECURE
+    )
+    created = admin_create_population(server.url, export(MOVIELENS), "movies", population)
+    assert created.status_code == 201, created.text
+
+    def broken_first(n: int, answer: dict[str, Any]) -> dict[str, Any]:
+        if n == 0:
+            answer["secure_parameters"] = {
+                k: v for k, v in answer["secure_parameters"].items() if k != "context"
+            }
+        return answer
+
+    async def scenario() -> Participation:
+        async with httpx.AsyncClient(timeout=60, transport=CheckInsRewritten(broken_first)) as http:
+            fleet = await Fleet(server.url, tmp_path, movielens_users, [0], http).enroll()
+            return await fleet.agents[0].participate(phase_continues=leaving_at(None))
+
+    # Execute
+    participation = asyncio.run(scenario())
+
+    # Assert: the device says what was wrong and what it expected, and told the server it left
+    assert participation.status == "invalid_answer", participation.detail
+    assert "secure round parameters must have exactly" in participation.detail
+    rounds = admin(server.url, "/v1/admin/populations/movies/rounds?kind=training&limit=10")
+    assert rounds[-1]["counters"]["aborted"] == 1, rounds[-1]

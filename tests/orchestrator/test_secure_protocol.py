@@ -57,6 +57,7 @@ class Device:
         self.token = httpx.post(f"{url}/v1/devices", timeout=10).json()["token"]
         checkin = self.call("POST", "/v1/populations/p/checkin", json={"example_count": 50})
         assert checkin.status_code == 200 and checkin.json()["aggregation"] == "secure", checkin.text
+        self.checkin = checkin.json()
         self.assignment = checkin.json()["assignment_id"]
         self.secure = checkin.json()["secure_url"]
         self.session: DeviceSession | None = None
@@ -230,6 +231,7 @@ def test_a_device_waiting_for_the_next_phase_is_answered_when_it_opens(
         assert devices[2].send("keys", DeviceSession(params).advertise().to_json()).status_code == 200
         answer = waiting.result(timeout=30)
     unknown = devices[0].call("GET", devices[0].secure, params={"until": "tomorrow"})
+    round_parameters = answer.json()["parameters"]
 
     # Assert: the answer waited for the phase and then brought the roster; a phase that does not
     # exist is refused
@@ -237,6 +239,8 @@ def test_a_device_waiting_for_the_next_phase_is_answered_when_it_opens(
     assert answer.status_code == 200 and answer.json()["phase"] == "share_keys", answer.text
     assert len(answer.json()["roster"]) == 3
     _refused(unknown, 422, "until must be one of the phases")
+    # Each check-in's answer carried the round's parameters (the device needs no state before its keys)
+    assert [d.checkin["secure_parameters"] for d in devices] == [round_parameters] * 3
 
 
 def _upload_half_and_hang_up(url: str, path: str, token: str, body: bytes) -> None:

@@ -15,7 +15,7 @@ from starlette.applications import Starlette
 
 from contracts.mixing import MixingConfig
 from contracts.protocol import Assignment, Rejection, TaskKind
-from orchestrator import mixing, rounds
+from orchestrator import mixing, rounds, secure_rounds
 from orchestrator.api.deps import (
     DATABASE_UNAVAILABLE,
     UNAUTHENTICATED,
@@ -148,7 +148,7 @@ def _checkin_once(
             else [rounds.Refused(404, f"no population {population!r}")] * len(known)
         )
         return [
-            _assignment_out(found, next(answers), now, mixed)
+            _assignment_out(found, next(answers), now, mixed, lambda r: secure_rounds.parameters(session, r))
             if device_id is not None
             else rounds.Refused(401, UNAUTHENTICATED)
             for device_id in device_ids
@@ -162,7 +162,11 @@ def _task_config(population: Population, clip_norm: float | None) -> dict[str, A
 
 
 def _assignment_out(
-    population: Population | None, answer: rounds.Accepted | rounds.Refused, now: float, mixed: MixingConfig
+    population: Population | None,
+    answer: rounds.Accepted | rounds.Refused,
+    now: float,
+    mixed: MixingConfig,
+    secure_parameters: Callable[[int], dict[str, Any]],
 ) -> Assignment | rounds.Refused:
     if isinstance(answer, rounds.Refused):
         return answer
@@ -189,6 +193,8 @@ def _assignment_out(
         task_config=_task_config(population, answer.clip_norm),
         aggregation="secure" if secure else "plaintext",
         secure_url=f"/v1/assignments/{assignment}/secure" if secure else None,
+        # Saves the device a round trip before its keys: the advertise phase is the round's longest.
+        secure_parameters=secure_parameters(answer.round_id) if secure else None,
         central_examples_url=(
             f"/v1/assignments/{assignment}/central-examples"
             if training and mixed.strategy == "example_transfer"
