@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import json
 import os
 import secrets
@@ -586,6 +587,10 @@ async def run_fleet(
             fleet_task: asyncio.Task[None] | None = None
             try:
                 await fleet.enroll()
+                # What exists now (TensorFlow's modules from the export, the devices and their
+                # clients) lives for the whole run: frozen out of the collector, a full collection
+                # no longer walks it with the event loop stopped (GC pauses measured, README).
+                gc.freeze()
                 fleet_task = asyncio.create_task(fleet.run())
                 columns = (
                     TextColumn("{task.description}"),
@@ -617,6 +622,7 @@ async def run_fleet(
                     await asyncio.gather(fleet_task, return_exceptions=True)
                 await fleet.aclose()
                 await admin.aclose()
+                gc.unfreeze()  # the run's objects may go once it is over (runs in one process, tests)
     return FleetRun(fleet, status, rounds, final, served, attached)
 
 
