@@ -19,8 +19,11 @@ import numpy as np
 
 def suggested_neighbours(roster_size: int) -> int:
     """An even k of about 6 log2(n) (40 for 100 devices, 60 for 1,000): with 30% of a round
-    leaving across the phases and a threshold of 0.4 k, a neighbourhood falls below its threshold
-    with probability ~1e-5 (binomial tail), while a device's cost stays logarithmic in n."""
+    leaving across the phases independently and a threshold of 0.4 k, a neighbourhood falls below
+    its threshold with probability ~1e-5 (binomial tail), while a device's cost stays logarithmic
+    in n. Dropouts that come together break that bound: in the fleet's secure main job, whose
+    phones leave with the hour of the day, 1-6 of ~70 rounds a run end at the unmasking with a
+    seed one or two shares short (README, "Privacy")."""
     if roster_size <= 2:
         return 0
     k = 2 * math.ceil(3 * math.log2(roster_size))
