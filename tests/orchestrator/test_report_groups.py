@@ -42,15 +42,15 @@ def test_reports_and_aborts_that_arrive_together_share_one_transaction_and_get_t
     ]
     commits: list[object] = []
 
-    def committed(connection: object) -> None:
+    def count(connection: object) -> None:
         commits.append(connection)
 
     engine = db.kw["bind"]
-    event.listen(engine, "commit", committed)
+    event.listen(engine, "commit", count)
     try:
         answers = _report(db, calls, 2.0)
     finally:
-        event.remove(engine, "commit", committed)
+        event.remove(engine, "commit", count)
 
     assert len(commits) == 1
     reported, aborted, committed = answers[:3]
