@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import math
 import time
@@ -49,6 +50,22 @@ def tick(factory: sessionmaker[Session], now: float) -> None:
             population = rounds.lock_population(session, name)
             if population is not None:
                 rounds.advance(session, population, now)
+
+
+_frozen = False
+
+
+def _freeze_start_up_objects() -> None:
+    """Take what start-up made (modules, mappers, validators: about 165,000 objects that live as
+    long as the process) out of the cyclic garbage collector's sight, once per process. Each full
+    collection traversed them all, about 100-140 ms during which the event loop, and every
+    request with it, stood still; at 500 check-ins/s that came every 1-2 s and set the check-ins'
+    p99. Garbage made later is collected as before."""
+    global _frozen
+    if not _frozen:
+        gc.collect()  # start-up's own garbage goes first rather than staying for good
+        gc.freeze()
+        _frozen = True
 
 
 def _json_safe(value: Any) -> Any:
@@ -98,6 +115,7 @@ def create_app(settings: Settings | None = None, clock: Callable[[], float] = ti
                     log.exception("deadline tick failed")
 
         task = asyncio.create_task(ticker())
+        _freeze_start_up_objects()
         try:
             yield
         finally:

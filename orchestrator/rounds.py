@@ -967,10 +967,7 @@ def _commit(
         return
     started = time.perf_counter()
     manifest = population_manifest(population)
-    base = session.get(ModelVersion, (population.id, round_.base_version))
-    assert base is not None
-    params = decode_params(base.params, manifest.global_params, "model version")
-    state = dict(load(base.optimizer_state))
+    params, state = _base_version(session, population, manifest, round_.base_version)
     settings = population_settings(population)
     dp = settings.dp()
     if mean_delta is None:
@@ -1016,6 +1013,8 @@ def _commit(
     )
     population.current_version = version
     population.training_rounds_committed += 1
+    latest = (session.get_bind(), population.id)
+    on_commit(session, functools.partial(_keep_latest, latest, version, new_params, new_state))
     if job is not None:  # the next round's central delta, computed while its devices train
         following = mixing.central_job(
             session, population, manifest, version, new_params, settings.task(), "parallel_training"
@@ -1041,6 +1040,34 @@ def _commit(
         and EVALUATION not in open_rounds(session, population)
     ):
         open_round(session, population, EVALUATION, now)
+
+
+# The model version this process committed last, per population: the next round's commit starts
+# from it. Reading it back and decoding it (parameters and optimizer state, 1.5 MB each for
+# 3,706 x 50) took 8-10 ms of a 50-70 ms commit under load, while check-ins into the round
+# waited for its row. Versions never change once written, and a copy is kept only once its
+# transaction committed, so it is never wrong, only sometimes not the version asked for.
+_latest: dict[tuple[object, int], tuple[int, Params, Params]] = {}
+
+
+def _keep_latest(key: tuple[object, int], version: int, params: Params, state: Params) -> None:
+    for array in (*params.values(), *state.values()):
+        array.flags.writeable = False  # shared by the commits that start from it
+    _latest[key] = (version, params, state)
+
+
+def _base_version(
+    session: Session, population: Population, manifest: Manifest, version: int
+) -> tuple[Params, Params]:
+    """Model `version`'s (parameters, optimizer state): this process's copy if it committed that
+    version, else read from the database (another process committed it, or this one restarted)."""
+    kept = _latest.get((session.get_bind(), population.id))
+    if kept is not None and kept[0] == version:
+        return kept[1], kept[2]
+    base = session.get(ModelVersion, (population.id, version))
+    assert base is not None
+    params = decode_params(base.params, manifest.global_params, "model version")
+    return params, dict(load(base.optimizer_state))
 
 
 def _merge_central(round_: Round, federated: Params, job: central_training.CentralJob) -> Params:

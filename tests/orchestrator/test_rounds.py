@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 from safetensors.numpy import load, save
-from sqlalchemy import select
+from sqlalchemy import event, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -22,9 +22,10 @@ from model_export.config import ModelConfig
 from orchestrator import rounds
 from orchestrator.aggregation import aggregate, known_bounds
 from orchestrator.api.routes.admin import population_out
-from orchestrator.db import Assignment, ModelVersion, Population, Report, Round
+from orchestrator.db import Assignment, ModelVersion, Population, Report, Round, make_engine
 from orchestrator.devices import authenticate, enroll
 from orchestrator.differential_privacy import epsilon
+from orchestrator.migrate import migrate
 from orchestrator.populations import ExportedModel, PopulationError, create_population
 from tests.conftest import IMPLICIT
 from tests.orchestrator.conftest import make_population
@@ -833,3 +834,42 @@ def test_adaptive_clipping_refuses_a_missing_or_forged_count(
     assert isinstance(refused, rounds.Refused) and refused.status == 422
     assert __import__("re").search(message, refused.message), refused.message
     assert current_round(db).metrics == {"dp_clip_norm": 10.0}
+
+
+def test_a_commit_starts_from_the_version_this_process_committed_as_if_it_read_it_back(
+    db: sessionmaker[Session], biased_model: ExportedModel, tmp_path: Path
+) -> None:
+    other = make_engine(f"sqlite:///{tmp_path / 'other.sqlite'}")
+    migrate(str(other.url))
+    elsewhere = sessionmaker(other, expire_on_commit=False)
+    reads: list[str] = []
+
+    def read(conn: object, cursor: object, statement: str, *args: object) -> None:
+        if "FROM model_versions" in statement and "params" in statement:
+            reads.append(statement)
+
+    def two_rounds(factory: sessionmaker[Session], read_back: bool) -> dict[str, np.ndarray]:
+        make_population(factory, biased_model, target_reports=1, server_optimizer={"name": "adam"})
+        for value in (1.0, 0.5):
+            if read_back:
+                rounds._latest.clear()  # as another process, or this one restarted, would
+            dev = device(factory)
+            answer = checkin(factory, dev)
+            reads.clear()
+            event.listen(factory.kw["bind"], "before_cursor_execute", read)
+            try:
+                committed = report(factory, dev, answer.assignment_id, delta_body(biased_model, value))
+            finally:
+                event.remove(factory.kw["bind"], "before_cursor_execute", read)
+            assert committed.status == "committed"
+        return version_params(factory, biased_model, 2)
+
+    kept = two_rounds(db, read_back=False)
+    reads_kept = len(reads)
+    read_back = two_rounds(elsewhere, read_back=True)
+    other.dispose()
+
+    assert reads_kept == 0 and len(reads) == 1  # the second commit read version 1 only when asked to
+    assert kept.keys() == read_back.keys()
+    for name in kept:
+        np.testing.assert_array_equal(kept[name], read_back[name])
