@@ -587,9 +587,9 @@ async def run_fleet(
             fleet_task: asyncio.Task[None] | None = None
             try:
                 await fleet.enroll()
-                # What exists now (TensorFlow's modules from the export, the devices and their
-                # clients) lives for the whole run: frozen out of the collector, a full collection
-                # no longer walks it with the event loop stopped (GC pauses measured, README).
+                # What exists now (the modules, the devices and their clients) lives for the whole
+                # run: frozen out of the collector, a full collection no longer walks it with the
+                # event loop stopped (pauses of 183-207 ms before, 84-88 ms after; README).
                 gc.freeze()
                 fleet_task = asyncio.create_task(fleet.run())
                 columns = (
