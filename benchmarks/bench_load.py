@@ -442,6 +442,19 @@ def run_deployment(
         )
 
 
+def process_counts(text: str) -> list[int]:
+    """--workers: server process counts separated by commas, each 1-64."""
+    try:
+        counts = [int(n) for n in text.split(",")]
+    except ValueError:
+        counts = []
+    if not counts or not all(1 <= n <= 64 for n in counts):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}; expected process counts from 1 to 64 separated by commas, e.g. 1,2,4"
+        )
+    return counts
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -451,13 +464,15 @@ def main() -> int:
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--rate", type=float, default=500.0, help="open loop: visits started per second")
     parser.add_argument("--seconds", type=float, default=10.0)
-    parser.add_argument("--workers", default="1,2,4", help="PostgreSQL server processes to try")
+    parser.add_argument(
+        "--workers", type=process_counts, default=[1, 2, 4], help="PostgreSQL server processes to try"
+    )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
 
     deployments = [("sqlite", 1)]
     if args.postgres_url:
-        deployments += [("postgresql", int(n)) for n in args.workers.split(",")]
+        deployments += [("postgresql", n) for n in args.workers]
     else:
         print("no --postgres-url (or TEST_POSTGRES_URL): SQLite only", file=sys.stderr)
     results: dict[str, dict[str, float]] = {}
