@@ -12,6 +12,7 @@ import hashlib
 import threading
 from typing import Any
 
+import numpy as np
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
@@ -94,15 +95,19 @@ def mixing_of(session: Session, population: Population) -> MixingConfig:
 
 
 def describe(session: Session, population: Population) -> dict[str, Any]:
-    """The attached strategy and dataset as the admin API shows them."""
+    """The attached strategy and dataset as the admin API shows them; `groups` is how many
+    distinct `@group` ids the examples carry (the pseudo-users of parallel training and gradient
+    transfer), None when they carry none."""
     found = session.execute(
         select(CentralizedData.mixing, CentralizedData.num_examples, CentralizedData.sha256).where(
             CentralizedData.population_id == population.id
         )
     ).first()
     if found is None:
-        return {"mixing": MixingConfig().to_json(), "num_examples": 0, "sha256": None}
-    return {"mixing": found[0], "num_examples": found[1], "sha256": found[2]}
+        return {"mixing": MixingConfig().to_json(), "num_examples": 0, "sha256": None, "groups": None}
+    dataset = central_examples(session, population, Manifest.from_json(population.manifest))
+    groups = None if dataset.groups is None else int(np.unique(dataset.groups).size)
+    return {"mixing": found[0], "num_examples": found[1], "sha256": found[2], "groups": groups}
 
 
 # Decoded datasets by content: a check-in or commit that needs the examples parses them once per

@@ -86,6 +86,7 @@ def test_attaching_bad_mixing_is_a_4xx_that_says_why_and_changes_nothing(
     assert first.status_code == 200, first.text
     before = httpx.get(f"{server.url}/v1/admin/populations/p/mixing", headers=ADMIN, timeout=10).json()
     assert before["num_examples"] == 40 and before["mixing"]["weight"] == 0.3
+    assert before["groups"] is None  # no '@group' ids: pseudo-users are runs of examples
 
     item = next(f for f in manifest.features if f.tables)
     outside = central_examples(manifest, 5)
@@ -620,5 +621,5 @@ def test_group_ids_are_kept_with_the_dataset_and_reach_the_central_job(
     assert job is not None and job.dataset.groups is not None
     np.testing.assert_array_equal(job.dataset.groups, accounts)
     np.testing.assert_array_equal(job.dataset.examples["item"], examples["item"])
-    assert shown["num_examples"] == 12
+    assert shown["num_examples"] == 12 and shown["groups"] == 4  # accounts 0, 2, 5 and 9
     assert decode_central(blob, manifest.features, "blob", 1 << 20).groups is not None
