@@ -56,7 +56,7 @@ class DPConfig:
     clip_norm: float  # L2 bound on a device's whole delta
     noise_multiplier: float  # z: noise stddev on the sum is z * clip_norm; 0 = clipping only, no guarantee
     population_size: int  # devices that could take part (the operator's statement); sets the sampling rate
-    target_delta: float = 1e-5
+    target_delta: float = 1e-5  # from_json: target_delta_for(population_size) when not given
     epsilon_budget: float | None = None  # stop committing training rounds before epsilon would exceed it
     # Adaptive clipping (None: the clip norm stays fixed); clip_norm is then the first round's.
     target_unclipped_quantile: float | None = None  # gamma: the share of devices left unclipped
@@ -166,7 +166,21 @@ class DPConfig:
                 f"differential_privacy settings need {missing} (e.g. clip_norm 1.0, "
                 "noise_multiplier 1.0, population_size 100000)"
             )
+        if "target_delta" not in data and _is_count(data["population_size"]):
+            data = {**data, "target_delta": target_delta_for(data["population_size"])}
         return cls(**data)
+
+
+def target_delta_for(population_size: int) -> float:
+    """The default delta of a population of N devices: min(1e-5, N^-1.1). Delta is the chance
+    that the guarantee fails outright, so it must stay well below 1/N (at 1/N, one device's
+    data may leak); N^-1.1 is the usual "o(1/N)" choice, and 1e-5 the usual ceiling for the
+    small populations where N^-1.1 would be larger. 100,000 devices: 3.2e-6."""
+    return min(1e-5, math.pow(population_size, -1.1))
+
+
+def _is_count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
 # ---- the server's step -------------------------------------------------------------------

@@ -151,7 +151,8 @@ class PopulationSettings(BaseModel):
     secure: SecureAggregationSettings = SecureAggregationSettings.model_validate({})
     differential_privacy: dict[str, Any] | None = Field(
         None,
-        description="DP-FedAvg: {clip_norm, noise_multiplier, population_size, target_delta (1e-5), "
+        description="DP-FedAvg: {clip_norm, noise_multiplier, population_size, target_delta (default "
+        "min(1e-5, population_size^-1.1), always < 1 / population_size), "
         "epsilon_budget (optional)}; devices clip to clip_norm, the server adds Gaussian noise to the "
         "sum and weighs every report equally; null: no DP",
     )
