@@ -21,11 +21,12 @@ import math
 import numbers
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, fields
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
 from contracts.params import Params, SparseTensor, row_shape
+from orchestrator.setting_ranges import Range, check
 
 
 def _describe_mismatch(
@@ -337,26 +338,24 @@ class ServerOptimizerConfig:
     beta2: float = 0.99  # adam, yogi: decay of the second moment
     tau: float = 1e-3  # adam, yogi: adaptivity (epsilon); the second moment starts at tau**2
 
+    # Every number's range (orchestrator.setting_ranges): a step or tau beyond 1e6 is no
+    # optimizer anyone means, and tau**2 must stay a finite float32.
+    RANGES: ClassVar[dict[str, Range]] = {
+        "learning_rate": Range(0, 1e6, low_open=True),
+        "momentum": Range(0, 1, high_open=True),
+        "beta1": Range(0, 1, high_open=True),
+        "beta2": Range(0, 1, high_open=True),
+        "tau": Range(0, 1e6, low_open=True),
+    }
+
     def __post_init__(self) -> None:
         if self.name not in SERVER_OPTIMIZERS:
             raise ValueError(f"unknown server optimizer {self.name!r}; known: {list(SERVER_OPTIMIZERS)}")
-        bounds = {
-            "learning_rate": "> 0",
-            "momentum": "in [0, 1)",
-            "beta1": "in [0, 1)",
-            "beta2": "in [0, 1)",
-            "tau": "> 0",
-        }
-        for field_name, allowed in bounds.items():
-            value = getattr(self, field_name)
-            # bool is an int in Python; `true` in a JSON config is a mistake, not 1.0.
-            if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-                raise ValueError(
-                    f"server optimizer {field_name} must be a finite number {allowed}, got {value!r}"
-                )
-            in_range = value > 0 if allowed == "> 0" else 0 <= value < 1
-            if not in_range:
-                raise ValueError(f"server optimizer {field_name} must be {allowed}, got {value!r}")
+        for field_name, allowed in self.RANGES.items():
+            # bool is an int in Python; `true` in a JSON config is a mistake, not 1.0 (Range refuses it).
+            problem = check("", field_name, getattr(self, field_name), allowed)
+            if problem:
+                raise ValueError(f"server optimizer {problem}")
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

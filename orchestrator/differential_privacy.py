@@ -28,13 +28,14 @@ import math
 import secrets
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, fields
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 from dp_accounting import dp_event
 from dp_accounting.rdp import rdp_privacy_accountant
 
 from contracts.params import Params
+from orchestrator.setting_ranges import Range, check
 
 
 class _FractionalOrderNoise(logging.Filter):
@@ -62,6 +63,19 @@ class DPConfig:
     target_unclipped_quantile: float | None = None  # gamma: the share of devices left unclipped
     clip_learning_rate: float = 0.2  # eta_C of the geometric update
     clipped_count_stddev: float | None = None  # sigma_b; the paper suggests reports per round / 20
+
+    # Every number's range (setting_ranges): wide enough for any deployment, and finite so that
+    # the noise, the sampling rate and the accountant's epsilon stay finite.
+    RANGES: ClassVar[dict[str, Range]] = {
+        "clip_norm": Range(0, 1e6, low_open=True),
+        "noise_multiplier": Range(0, 1e3),
+        "population_size": Range(1, 1e10, integer=True),
+        "target_delta": Range(0, 1, low_open=True, high_open=True),
+        "epsilon_budget": Range(0, 1e6, low_open=True),
+        "target_unclipped_quantile": Range(0, 1, low_open=True, high_open=True),
+        "clip_learning_rate": Range(0, 10, low_open=True),
+        "clipped_count_stddev": Range(0, 1e6),
+    }
 
     def __post_init__(self) -> None:
         problems = []
@@ -97,6 +111,12 @@ class DPConfig:
                 )
         if self.target_unclipped_quantile is not None and not problems:
             self._check_adaptive(problems, number)
+        if not problems:
+            for name, allowed in self.RANGES.items():
+                value = getattr(self, name)
+                problem = None if value is None else check("", name, value, allowed)
+                if problem:
+                    problems.append(problem)
         if problems:
             raise ValueError("invalid differential_privacy settings: " + "; ".join(problems))
 
