@@ -58,7 +58,9 @@ class DPConfig:
     noise_multiplier: float  # z: noise stddev on the sum is z * clip_norm; 0 = clipping only, no guarantee
     population_size: int  # devices that could take part (the operator's statement); sets the sampling rate
     target_delta: float = 1e-5  # from_json: target_delta_for(population_size) when not given
-    epsilon_budget: float | None = None  # stop committing training rounds before epsilon would exceed it
+    # Stop committing training rounds before epsilon would exceed it; training check-ins are then
+    # answered 200 with the budget's message and Retry-After 86400 (rounds.checkin).
+    epsilon_budget: float | None = None
     # Adaptive clipping (None: the clip norm stays fixed); clip_norm is then the first round's.
     target_unclipped_quantile: float | None = None  # gamma: the share of devices left unclipped
     clip_learning_rate: float = 0.2  # eta_C of the geometric update

@@ -170,7 +170,8 @@ class PopulationSettings(BaseModel):
         None,
         description="DP-FedAvg: {clip_norm, noise_multiplier, population_size, target_delta (default "
         "min(1e-5, population_size^-1.1), always < 1 / population_size), "
-        "epsilon_budget (optional)}; devices clip to clip_norm, the server adds Gaussian noise to the "
+        "epsilon_budget (optional: once spent, training check-ins are answered 200 with the budget's "
+        "message and Retry-After 86400)}; devices clip to clip_norm, the server adds Gaussian noise to the "
         "sum and weighs every report equally; null: no DP",
     )
 

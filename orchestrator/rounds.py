@@ -431,6 +431,7 @@ def checkin(
         if round_ is None and request.kind == TRAINING and privacy_budget_spent(population):
             spent = settings.privacy_spent(population.training_rounds_committed)
             # The budget never comes back: a day's retry window keeps devices from asking often.
+            # (On the wire a 200 rejection with Retry-After, like every "no task now" answer.)
             retry_after = max(settings.retry_after_seconds, 86400.0)
             answers.append(Refused(409, spent.message(), retry_after))
             continue

@@ -113,6 +113,11 @@ router.add_api_route(
     methods=["POST"],
     response_model=AssignmentOut | RejectionOut,
     summary="Check in for a task",
+    description="200 with an assignment, or 200 with a rejection (`accepted: false`, a reason, "
+    "`retry_after_seconds` and a `Retry-After` header) when there is no task now: no round open, "
+    "the round full, already taken part, too few examples, or the population's DP privacy budget "
+    "spent (then `Retry-After: 86400`). 401 without a valid device token, 404 for an unknown "
+    "population, 422 for a malformed body.",
     route_class_override=_CheckInRoute,
 )
 
