@@ -27,13 +27,17 @@ def flipped(data: bytes, bit: int) -> bytes:
     return bytes(changed)
 
 
-# Each damage, and what the refusal must name. The flipped bits: one in the schema version
-# field, one inside the `update` signature's tensor table (the file still parses).
+# Each damage, and what the refusal must name. The flipped bits: one in the file identifier
+# ("TFL3"), one in the first tensor name that says "global_mean" (the file still parses, but a
+# signature's tensors are no longer the manifest's).
 DAMAGES: dict[str, tuple[Callable[[bytes], bytes], str]] = {
     "random bytes": (lambda data: hashlib.shake_256(data).digest(len(data)), "not a loadable TFLite model"),
     "truncated": (lambda data: data[: len(data) // 2], "not a loadable TFLite model"),
-    "a flipped bit (header)": (lambda data: flipped(data, 100), "schema version"),
-    "a flipped bit (signature)": (lambda data: flipped(data, 5000), "signature 'update' inputs disagree"),
+    "a flipped bit (identifier)": (lambda data: flipped(data, 4 * 8), "not a loadable TFLite model"),
+    "a flipped bit (tensor name)": (
+        lambda data: flipped(data, data.index(b"global_mean") * 8),
+        "disagree with the manifest",
+    ),
     "100 MB of zeros": (lambda data: bytes(100 * 1024 * 1024), "not a loadable TFLite model"),
 }
 
