@@ -35,7 +35,7 @@ def check_model(tflite: bytes, manifest: Manifest) -> None:
         (model_dir / MODEL_FILE).write_bytes(tflite)
         (model_dir / MANIFEST_FILE).write_text(json.dumps(manifest.to_json()))
         try:
-            model = TFLiteModel(model_dir)
+            model = TFLiteModel(model_dir, default_delegates=False)
             problems = _disagreements("global", model.get_global(), manifest.global_params)
             problems += _disagreements("local", model.get_local(), manifest.local_params)
         except (ModelLoadError, ManifestError) as e:

@@ -281,7 +281,7 @@ def test_a_stateful_fleet_keeps_locals_and_evaluates_on_seen_devices(work: Path)
         (["--local-state", "keep", "--local-learning-rate", "0"], "needs local_learning_rate > 0"),
         (["--reconstruction-steps", "-1"], "reconstruction_max_steps must be in [0, 10000], got -1"),
         (["--server-optimizer", "adagrad"], "unknown server optimizer 'adagrad'"),
-        (["--server-learning-rate", "0"], "learning_rate must be > 0"),
+        (["--server-learning-rate", "0"], "learning_rate must be a finite number in (0, 1e+06]"),
         (["--algorithm-settings", "/nonexistent.json"], "cannot read algorithm settings"),
     ],
 )
