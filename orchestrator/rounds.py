@@ -676,6 +676,19 @@ def report(
         return Refused(
             409, f"round {round_.id} uses secure aggregation: take part through /v1/assignments/{{id}}/secure"
         )
+    # Before parsing, and without closing the assignment: the device may send it again, right.
+    expected = "application/octet-stream" if round_.kind == TRAINING else "application/json"
+    sent = content_type.split(";")[0].strip().lower()
+    if sent != expected:
+        refused = Refused(
+            415,
+            f"a {round_.kind} report is Content-Type {expected} "
+            f"({'safetensors' if round_.kind == TRAINING else '{num_examples, metrics}'}), "
+            f"got {sent or 'none'!r}; nothing was stored",
+            reason="content_type",
+        )
+        _count_report(session, population, round_, assignment_id, refused)
+        return refused
     parsed = (
         _parse_training_report(population, settings, round_, assignment.example_count, body)
         if round_.kind == TRAINING
@@ -711,7 +724,13 @@ def report(
 
 
 # Report outcomes for metrics, by the class of refusal; any other refusal is an invalid report.
-_OUTCOMES = {"late": "late", "repeated": "repeated", "unknown_assignment": "refused", "not_yours": "refused"}
+_OUTCOMES = {
+    "late": "late",
+    "repeated": "repeated",
+    "unknown_assignment": "refused",
+    "not_yours": "refused",
+    "content_type": "refused",
+}
 
 
 def _count_report(

@@ -12,7 +12,8 @@ import dataclasses
 import functools
 import types
 import typing
-from typing import Annotated, Any
+from collections.abc import Mapping
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -101,3 +102,171 @@ PopulationOut = model_of(protocol.PopulationView)
 # As values, so that a type checker does not take them for annotations.
 RoundsOut = types.GenericAlias(list, (RoundOut,))
 PopulationsOut = types.GenericAlias(list, (PopulationOut,))
+
+
+# ---- what the OpenAPI document says beyond the JSON messages ----------------------------------
+
+
+class ValidationIssue(BaseModel):
+    """One part of a request that failed validation, as pydantic names it."""
+
+    loc: list[str | int] = Field(description="where: 'body', 'path', 'query' or 'header', then the field")
+    msg: str
+    type: str
+    input: Any = Field(None, description="the value sent (NaN and infinities as strings)")
+
+
+class Error(BaseModel):
+    """The body of every refusal (4xx, 5xx): one line in `detail`; a request that failed
+    validation also lists each failing field in `errors`."""
+
+    detail: str = Field(description="one line: what was wrong and what was expected")
+    errors: list[ValidationIssue] | None = Field(
+        None, description="request validation (422) only: each part of the request that failed"
+    )
+
+
+class EvaluationReport(BaseModel):
+    """An evaluation task's report (`Content-Type: application/json`): metric sums over the
+    device's examples, exactly the names the manifest's evaluation asks for, with
+    `weight_sum` equal to `num_examples`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    num_examples: int = Field(ge=1, description="examples evaluated (at most what the check-in said)")
+    metrics: dict[str, float] = Field(
+        description="'loss_sum', 'weight_sum' and '<metric>_sum' for each of the manifest's metrics"
+    )
+
+
+# Why each status is answered, when a route says no more. Bodies are `Error`.
+REFUSALS: dict[int, str] = {
+    400: "a malformed request line or header (e.g. a Content-Length that is not a number)",
+    401: "no 'Authorization: Bearer <token>' header, or a token no device holds (WWW-Authenticate: Bearer)",
+    403: "the token is valid but not allowed here",
+    404: "no such resource",
+    409: "the request conflicts with the state of the round or the assignment",
+    413: "the body exceeds this route's size limit (checked before the body is read)",
+    415: "the body's Content-Type is not one this route takes",
+    422: "the request is well-formed HTTP but its content is invalid",
+    429: "too many requests from this caller; Retry-After says when to come back",
+    503: "the database is busy or unavailable, or a resource cannot be served now; retry after Retry-After",
+}
+
+
+def refusals(described: Mapping[int, str | None]) -> dict[int | str, dict[str, Any]]:
+    """FastAPI `responses` for a route's own refusals: each status with the `Error` body and the
+    route's reason (None: the usual one). The refusals every route of its kind can answer (401,
+    413, 429, 503...) are added from the edge's gates (api/openapi.py)."""
+    return {
+        status: {"model": Error, "description": reason or REFUSALS[status]}
+        for status, reason in described.items()
+    }
+
+
+def binary(description: str) -> dict[int | str, dict[str, Any]]:
+    """FastAPI `responses` for a 200 whose body is bytes (`application/octet-stream`)."""
+    return {
+        200: {
+            "description": description,
+            "content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}},
+        }
+    }
+
+
+def binary_body(description: str) -> dict[str, Any]:
+    """`openapi_extra` for a route whose request body is bytes (`application/octet-stream`)."""
+    return {
+        "requestBody": {
+            "required": True,
+            "description": description,
+            "content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}},
+        }
+    }
+
+
+def json_body(description: str, schema: dict[str, Any] | None = None) -> dict[str, Any]:
+    """`openapi_extra` for a route that reads its JSON body itself (FastAPI does not see it)."""
+    return {
+        "requestBody": {
+            "required": True,
+            "description": description,
+            "content": {"application/json": {"schema": schema or {"type": "object"}}},
+        }
+    }
+
+
+# ---- the manifest (contracts/manifest.py), as `GET .../manifest` answers it ----------------------
+# Documentation of the JSON the exporter wrote (the route returns it as stored); the device reads
+# it with contracts.manifest.Manifest.from_json, which is the authority on what is valid.
+
+
+class ManifestTensor(BaseModel):
+    """A named tensor."""
+
+    name: str
+    shape: list[int] = Field(description="dense shape; [] is a scalar (0-D)")
+    dtype: Literal["float32", "int32"]
+    row_sparse: str | None = Field(
+        None, description="the feature that indexes its rows: reports carry only the rows a task touched"
+    )
+
+
+class ManifestFeature(BaseModel):
+    """One feature of an example."""
+
+    name: str
+    dtype: Literal["float32", "int32"]
+    shape: list[int] = Field(description="per example; [] is a scalar")
+    role: str = Field(description="'input' or 'label'")
+    range: list[float] | None = Field(None, description="[low, high], inclusive", min_length=2, max_length=2)
+    discrete: bool = False
+    tables: list[str] = Field(default_factory=list, description="global tensors whose rows it indexes")
+
+
+class ManifestMetric(BaseModel):
+    """A metric `evaluate` sums over examples, reported as `<name>_sum`."""
+
+    name: str
+    range: list[float] | None = Field(
+        None, description="bounds one example's value", min_length=2, max_length=2
+    )
+
+
+class ManifestModel(BaseModel):
+    file: str = Field(description="always 'model.tflite'")
+    sha256: str = Field(pattern=protocol.SHA256_PATTERN, description="the artifact's content address")
+    bytes: int = Field(ge=0)
+
+
+class ManifestTask(BaseModel):
+    """What `infer` does; the other fields depend on `kind`."""
+
+    kind: Literal["ranking", "classification", "regression"]
+    top_k: int | None = None
+    catalog_feature: str | None = None
+    negative_sampling: bool | None = None
+    popularity: str | None = None
+    num_classes: int | None = None
+
+
+class ManifestOut(BaseModel):
+    """`manifest.json`, format 2: the contract between the exported model, the server and devices."""
+
+    format_version: Literal[2]
+    model: ManifestModel
+    features: list[ManifestFeature]
+    batch_size: int = Field(ge=1)
+    max_batches: int = Field(ge=1)
+    global_params: list[ManifestTensor] = Field(
+        description="what the server aggregates: `/global` sends them, a report's delta covers them"
+    )
+    local_params: list[ManifestTensor] = Field(description="the device's own; never leave it")
+    metrics: list[ManifestMetric]
+    task: ManifestTask
+    signatures: dict[str, dict[str, list[ManifestTensor]]] = Field(
+        description="the TFLite signatures: name -> {'inputs': [...], 'outputs': [...]}"
+    )
+    training_defaults: dict[str, float] = Field(description="hyperparameters a task_config may override")
+    config: dict[str, Any] = Field(default_factory=dict, description="the model's configuration, as exported")
+    exported_with: dict[str, str] = Field(default_factory=dict, description="library versions")
