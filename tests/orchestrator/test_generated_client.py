@@ -19,15 +19,16 @@ import httpx
 import numpy as np
 import pytest
 
-from contracts.manifest import MANIFEST_FILE, MODEL_FILE
+from contracts.manifest import MANIFEST_FILE, MODEL_FILE, load_manifest
 from contracts.params import decode_params, encode_sparse_delta
 from contracts.task_config import TaskConfig
 from device_runtime.client_task import Outcome, run_training_task
 from device_runtime.example_store import Event, ExampleStore
 from model_export.config import ModelConfig
 from model_runtime.tflite_model import TFLiteModel
+from orchestrator.differential_privacy import epsilon
 from tests.conftest import BIASED
-from tests.orchestrator.conftest import Server, admin_create_population
+from tests.orchestrator.conftest import OCTETS, Server, admin_create_population
 
 PACKAGE = "generated_orchestrator_client"
 
@@ -48,9 +49,9 @@ def generate(url: str, where: Path) -> ModuleType:
     config = where / "config.json"
     config.write_text(json.dumps({"package_name_override": PACKAGE, "post_hooks": []}))
     generator = Path(sys.executable).parent / "openapi-python-client"
+    arguments = ["--path", str(spec), "--config", str(config), "--meta", "none"]
     done = subprocess.run(
-        [str(generator), "generate", "--path", str(spec), "--config", str(config)]
-        + ["--meta", "none", "--output-path", str(where / PACKAGE)],
+        [str(generator), "generate", *arguments, "--output-path", str(where / PACKAGE)],
         capture_output=True,
         text=True,
         timeout=300,
@@ -197,3 +198,31 @@ def test_a_report_with_the_wrong_content_type_is_a_415_that_keeps_the_assignment
         "nothing was stored"
     )
     assert aborted.status_code == 200  # the 415 left the assignment open
+
+
+def test_a_check_in_after_the_privacy_budget_is_spent_is_a_200_rejection_for_a_day(
+    server: Server, export: Callable[[ModelConfig], Path]
+) -> None:
+    # Arrange: a DP population whose budget allows exactly one training round, and that round
+    dp = {"clip_norm": 1.0, "noise_multiplier": 1.0, "population_size": 100}
+    dp["epsilon_budget"] = epsilon(1.0, 1 / 100, 1, 1e-5)
+    settings = {"target_reports": 1, "evaluation_every": 0, "differential_privacy": dp}
+    created = admin_create_population(server.url, export(BIASED), "dp", json.dumps(settings))
+    assert created.status_code == 201, created.text
+    manifest = load_manifest(export(BIASED))
+    zero = {s.name: np.zeros(s.shape, np.float32) for s in manifest.global_params}
+    body = encode_sparse_delta(zero, {"num_examples": "5", "metrics": "{}"})
+    headers = {
+        "Authorization": f"Bearer {httpx.post(f'{server.url}/v1/devices', timeout=10).json()['token']}"
+    }
+    url = f"{server.url}/v1/populations/dp/checkin"
+    assignment = httpx.post(url, json={"example_count": 10}, headers=headers, timeout=10).json()
+    sent = httpx.post(f"{server.url}{assignment['report_url']}", content=body, headers={**headers, **OCTETS})
+    assert sent.status_code == 200 and sent.json()["round_status"] == "committed", sent.text
+
+    # Act
+    after = httpx.post(url, json={"example_count": 10}, headers=headers, timeout=10)
+
+    # Assert: as /openapi.json and docs/reference/http-protocol.md say
+    assert after.status_code == 200 and after.headers["Retry-After"] == "86400"
+    assert after.json()["accepted"] is False and "privacy budget spent" in after.json()["reason"]
