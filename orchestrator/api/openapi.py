@@ -19,6 +19,7 @@ from fastapi import FastAPI
 from fastapi.dependencies.models import Dependant
 from fastapi.openapi.utils import get_openapi
 from fastapi.routing import APIRoute, iter_route_contexts
+from pydantic import BaseModel
 
 from orchestrator.api import schemas
 from orchestrator.api.deps import bearer_token
@@ -70,7 +71,8 @@ def document(app: FastAPI, settings: Settings) -> dict[str, Any]:
 def _complete(app: FastAPI, schema: dict[str, Any], settings: Settings) -> None:
     components = schema.setdefault("components", {})
     found = components.setdefault("schemas", {})
-    for model in (schemas.Error, schemas.EvaluationReport):
+    models: tuple[type[BaseModel], ...] = (schemas.Error, *schemas.REQUEST_BODIES)
+    for model in models:
         definition = model.model_json_schema(ref_template="#/components/schemas/{model}")
         found.update(definition.pop("$defs", {}))
         found[model.__name__] = definition

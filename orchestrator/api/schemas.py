@@ -270,3 +270,86 @@ class ManifestOut(BaseModel):
     training_defaults: dict[str, float] = Field(description="hyperparameters a task_config may override")
     config: dict[str, Any] = Field(default_factory=dict, description="the model's configuration, as exported")
     exported_with: dict[str, str] = Field(default_factory=dict, description="library versions")
+
+
+# ---- secure aggregation's messages (secure_aggregation/messages.py), as documentation ----------
+# The routes parse these bodies with secure_aggregation's own decoders, which say what is wrong;
+# base64 is standard base64 with padding; device indices are decimal strings as JSON keys.
+
+Base64 = Annotated[str, Field(description="standard base64")]
+
+
+class AdvertisedKeys(BaseModel):
+    """Phase 1 (`POST .../secure/keys`): two X25519 public keys and a commitment to the self-mask seed."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    encryption_key: Base64 = Field(description="X25519 public key (32 bytes) neighbours encrypt shares to")
+    mask_key: Base64 = Field(description="X25519 public key (32 bytes) pairwise masks are agreed from")
+    self_mask_commitment: Base64 = Field(description="32 bytes")
+
+
+class EncryptedShares(BaseModel):
+    """Phase 2: one neighbour's shares, encrypted to it (AES-GCM: nonce, ciphertext, tag), and
+    commitments the server keeps to check the shares it is later given in the clear."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    ciphertext: Base64
+    self_mask_share_commitment: Base64 = Field(description="32 bytes")
+    mask_key_share_commitment: Base64 = Field(description="32 bytes")
+
+
+class UnmaskingShares(BaseModel):
+    """Phase 4 (`POST .../secure/unmasking`): a survivor's shares of its surviving neighbours'
+    self-mask seeds and of its dropped neighbours' mask keys, by owner index."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    self_mask_shares: dict[str, Base64]
+    mask_key_shares: dict[str, Base64]
+
+
+class SecureState(BaseModel):
+    """`GET .../secure`: the round's phase and what this device needs in it."""
+
+    assignment_status: str
+    phase: Literal["advertise", "share_keys", "masked_input", "unmasking", "done"]
+    phase_deadline: float = Field(description="server time (unix seconds)")
+    seconds_left: float
+    round_status: str
+    outcome: str | None
+    parameters: dict[str, Any] = Field(description="secure_aggregation.config.RoundParameters")
+    index: int | None = Field(description="this device's index once it advertised its keys")
+    roster: dict[str, AdvertisedKeys] | None = Field(
+        None, description="share_keys, until this device sent its shares: index -> advertised keys"
+    )
+    ciphertexts: dict[str, Base64] | None = Field(
+        None, description="masked_input, once this device sent its shares: sender index -> ciphertext"
+    )
+    survivors: list[int] | None = Field(None, description="unmasking: the indices that sent a masked input")
+
+
+class Advertised(BaseModel):
+    index: int = Field(description="this device's index in the round")
+
+
+class Shared(BaseModel):
+    shared_with: list[int]
+
+
+class MaskedInputReceived(BaseModel):
+    received_bytes: int
+
+
+class UnmaskingAccepted(BaseModel):
+    accepted: Literal[True]
+
+
+# Bodies the routes read themselves, added to the document's components (api/openapi.py).
+REQUEST_BODIES: tuple[type[BaseModel], ...] = (
+    EvaluationReport,
+    AdvertisedKeys,
+    EncryptedShares,
+    UnmaskingShares,
+)

@@ -118,7 +118,10 @@ async def _post_json(request: Request, handler: Handler, assignment_id: str, tok
 @router.get(
     "/{assignment_id}/secure",
     summary="The secure round's phase and what this device needs for it",
-    responses=schemas.refusals({**SECURE_REFUSALS, 422: "`until` is not a phase"}),
+    responses={
+        200: {"model": schemas.SecureState},
+        **schemas.refusals({**SECURE_REFUSALS, 422: "`until` is not a phase"}),
+    },
 )
 async def state(
     assignment_id: str,
@@ -147,8 +150,11 @@ async def state(
 @router.post(
     "/{assignment_id}/secure/keys",
     summary="Phase 1: advertise two X25519 public keys",
-    openapi_extra=schemas.json_body("AdvertisedKeys (docs/reference/wire-formats.md)"),
-    responses=schemas.refusals({**SECURE_REFUSALS, 413: "the body exceeds 4096 bytes"}),
+    openapi_extra=schemas.json_body("the device's keys", {"$ref": "#/components/schemas/AdvertisedKeys"}),
+    responses={
+        200: {"model": schemas.Advertised},
+        **schemas.refusals({**SECURE_REFUSALS, 413: "the body exceeds 4096 bytes"}),
+    },
 )
 async def keys(assignment_id: str, request: Request, token: TokenDep, settings: SettingsDep) -> Any:
     return await _post_json(request, secure_rounds.advertise, assignment_id, token, 4096)
@@ -157,8 +163,11 @@ async def keys(assignment_id: str, request: Request, token: TokenDep, settings: 
 @router.post(
     "/{assignment_id}/secure/shares",
     summary="Phase 2: Shamir shares encrypted to each neighbour",
-    openapi_extra=schemas.json_body("EncryptedShares per neighbour (docs/reference/wire-formats.md)"),
-    responses=schemas.refusals(SECURE_REFUSALS),
+    openapi_extra=schemas.json_body(
+        "neighbour index -> its shares",
+        {"type": "object", "additionalProperties": {"$ref": "#/components/schemas/EncryptedShares"}},
+    ),
+    responses={200: {"model": schemas.Shared}, **schemas.refusals(SECURE_REFUSALS)},
 )
 async def shares(assignment_id: str, request: Request, token: TokenDep, settings: SettingsDep) -> Any:
     return await _post_json(
@@ -169,8 +178,10 @@ async def shares(assignment_id: str, request: Request, token: TokenDep, settings
 @router.post(
     "/{assignment_id}/secure/masked-input",
     summary="Phase 3: the masked, quantized update (little-endian unsigned integers)",
-    openapi_extra=schemas.binary_body("the masked vector (docs/reference/wire-formats.md)"),
-    responses=schemas.refusals(SECURE_REFUSALS),
+    openapi_extra=schemas.binary_body(
+        "vector_length little-endian unsigned integers (4 bytes each when bits <= 32, else 8)"
+    ),
+    responses={200: {"model": schemas.MaskedInputReceived}, **schemas.refusals(SECURE_REFUSALS)},
 )
 async def masked_input(
     assignment_id: str, request: Request, token: TokenDep, settings: SettingsDep, factory: SessionFactoryDep
@@ -185,8 +196,10 @@ async def masked_input(
 @router.post(
     "/{assignment_id}/secure/unmasking",
     summary="Phase 4: shares that unmask the survivors' sum",
-    openapi_extra=schemas.json_body("UnmaskingShares (docs/reference/wire-formats.md)"),
-    responses=schemas.refusals(SECURE_REFUSALS),
+    openapi_extra=schemas.json_body(
+        "the survivor's shares", {"$ref": "#/components/schemas/UnmaskingShares"}
+    ),
+    responses={200: {"model": schemas.UnmaskingAccepted}, **schemas.refusals(SECURE_REFUSALS)},
 )
 async def unmasking(assignment_id: str, request: Request, token: TokenDep, settings: SettingsDep) -> Any:
     return await _post_json(request, secure_rounds.unmasking, assignment_id, token, settings.max_report_bytes)
