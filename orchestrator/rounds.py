@@ -676,7 +676,8 @@ def report(
         return Refused(
             409, f"round {round_.id} uses secure aggregation: take part through /v1/assignments/{{id}}/secure"
         )
-    # Before parsing, and without closing the assignment: the device may send it again, right.
+    # Checked before parsing, and the assignment stays open: the device may send its report again
+    # with the right type.
     expected = "application/octet-stream" if round_.kind == TRAINING else "application/json"
     sent = content_type.split(";")[0].strip().lower()
     if sent != expected:
@@ -692,7 +693,7 @@ def report(
     parsed = (
         _parse_training_report(population, settings, round_, assignment.example_count, body)
         if round_.kind == TRAINING
-        else _parse_evaluation_report(population, assignment.example_count, body, content_type)
+        else _parse_evaluation_report(population, assignment.example_count, body)
     )
     if isinstance(parsed, Refused):
         round_.invalid += 1
@@ -922,12 +923,8 @@ def _parse_training_report(
 
 
 def _parse_evaluation_report(
-    population: Population, example_count: int, body: bytes, content_type: str
+    population: Population, example_count: int, body: bytes
 ) -> tuple[float, None, dict[str, float]] | Refused:
-    if not content_type.startswith("application/json"):
-        return Refused(
-            422, "an evaluation report is JSON: {num_examples, metrics}; no tensors", reason="format"
-        )
     try:
         data = json_document(body, "evaluation report")
     except ValueError as e:
