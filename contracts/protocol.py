@@ -56,11 +56,9 @@ TaskKind = Literal["training", "evaluation"]
 Aggregation = Literal["plaintext", "secure"]
 Id = Annotated[str, Spec(pattern=ID_PATTERN)]
 NonNegative = Annotated[int, Spec(ge=0)]
-# Every URL an assignment carries is an absolute path on the orchestrator ("/v1/..."), resolved
-# against the base URL the device checked in at (RFC 3986): the server need not know its public name.
-SERVER_PATH = (
-    "a path on this orchestrator ('/v1/...'), resolved against the base URL the device checked in at"
-)
+# Every URL an assignment carries is a path on the orchestrator ("/v1/..."), appended to the base URL
+# the device checked in at (with any path prefix a proxy adds): the server need not know its public name.
+SERVER_PATH = "a path on this orchestrator ('/v1/...'), appended to the base URL the device checked in at"
 ServerPath = Annotated[str, Spec(SERVER_PATH)]
 
 

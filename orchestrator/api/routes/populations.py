@@ -125,8 +125,8 @@ router.add_api_route(
     "and `Retry-After` when there is no task for this device now: no round of that kind is open, the "
     "round is full, the device holds too few examples, a secure round has closed its check-ins, or the "
     "population's privacy budget is spent (`Retry-After: 86400`, for good: no training round opens "
-    "again). The assignment's URLs are paths on this server (`/v1/...`), resolved against the base "
-    "URL the device checked in at.",
+    "again). The assignment's URLs are paths on this server (`/v1/...`), appended to the base URL "
+    "the device checked in at.",
     responses={
         200: {
             "headers": {
