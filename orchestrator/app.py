@@ -137,7 +137,9 @@ def create_app(settings: Settings | None = None, clock: Callable[[], float] = ti
         title="FedRecon orchestrator",
         description="Runs Federated Reconstruction rounds for on-device personalization. Devices enroll, "
         "check in, download the model and global parameters, and report deltas; local parameters "
-        "and examples never reach this server.",
+        "and examples never reach this server. Every refusal answers the `Error` body; bodies that are "
+        "tensors are safetensors (`application/octet-stream`), laid out as docs/reference/wire-formats.md "
+        "says; docs/reference/http-protocol.md walks through a round.",
         version="0.1.0",
         lifespan=lifespan,
     )
