@@ -46,9 +46,6 @@ SECURITY_SCHEMES = {
 }
 # Routes that never touch the database: no 503.
 WITHOUT_DATABASE = frozenset({"/health", "/metrics"})
-RETRY_AFTER = {
-    "Retry-After": {"description": "seconds to wait before trying again", "schema": {"type": "integer"}}
-}
 WWW_AUTHENTICATE = {"WWW-Authenticate": {"description": "Bearer", "schema": {"type": "string"}}}
 _ERROR_REF = {"$ref": "#/components/schemas/Error"}
 
@@ -117,14 +114,14 @@ def _complete_operation(
         if operation["security"][-1] == {ADMIN_TOKEN: []}:
             _add(responses, 403, description="the bearer token is not the admin token")
     if gate.rate_limit is not None:
-        _add(responses, 429, RETRY_AFTER)
+        _add(responses, 429, schemas.RETRY_AFTER)
     if method in ("POST", "PUT", "PATCH"):
         _add(responses, 400)
         _add(
             responses, 413, description=f"the body exceeds this route's limit of {gate.max_body_bytes} bytes"
         )
     if path not in WITHOUT_DATABASE:
-        _add(responses, 503, RETRY_AFTER)
+        _add(responses, 503, schemas.RETRY_AFTER)
     if (
         _cannot_fail_validation(operation)
         and responses.get("422", {}).get("description") == "Validation Error"

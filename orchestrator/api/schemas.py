@@ -12,7 +12,7 @@ import dataclasses
 import functools
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -154,12 +154,24 @@ REFUSALS: dict[int, str] = {
 }
 
 
-def refusals(described: Mapping[int, str | None]) -> dict[int | str, dict[str, Any]]:
+RETRY_AFTER = {
+    "Retry-After": {"description": "seconds to wait before trying again", "schema": {"type": "integer"}}
+}
+
+
+def refusals(
+    described: Mapping[int, str | None], retry_after: Collection[int] = ()
+) -> dict[int | str, dict[str, Any]]:
     """FastAPI `responses` for a route's own refusals: each status with the `Error` body and the
-    route's reason (None: the usual one). The refusals every route of its kind can answer (401,
-    413, 429, 503...) are added from the edge's gates (api/openapi.py)."""
+    route's reason (None: the usual one), and a `Retry-After` header on the statuses in
+    `retry_after`. The refusals every route of its kind can answer (401, 413, 429, 503...) are
+    added from the edge's gates (api/openapi.py)."""
     return {
-        status: {"model": Error, "description": reason or REFUSALS[status]}
+        status: {
+            "model": Error,
+            "description": reason or REFUSALS[status],
+            **({"headers": dict(RETRY_AFTER)} if status in retry_after else {}),
+        }
         for status, reason in described.items()
     }
 

@@ -120,7 +120,7 @@ async def _post_json(request: Request, handler: Handler, assignment_id: str, tok
     summary="The secure round's phase and what this device needs for it",
     responses={
         200: {"model": schemas.SecureState},
-        **schemas.refusals({**SECURE_REFUSALS, 422: "`until` is not a phase"}),
+        **schemas.refusals({**SECURE_REFUSALS, 422: "`until` is not a phase"}, retry_after=(409,)),
     },
 )
 async def state(
@@ -153,7 +153,7 @@ async def state(
     openapi_extra=schemas.json_body("the device's keys", {"$ref": "#/components/schemas/AdvertisedKeys"}),
     responses={
         200: {"model": schemas.Advertised},
-        **schemas.refusals({**SECURE_REFUSALS, 413: "the body exceeds 4096 bytes"}),
+        **schemas.refusals({**SECURE_REFUSALS, 413: "the body exceeds 4096 bytes"}, retry_after=(409,)),
     },
 )
 async def keys(assignment_id: str, request: Request, token: TokenDep, settings: SettingsDep) -> Any:
@@ -167,7 +167,7 @@ async def keys(assignment_id: str, request: Request, token: TokenDep, settings: 
         "neighbour index -> its shares",
         {"type": "object", "additionalProperties": {"$ref": "#/components/schemas/EncryptedShares"}},
     ),
-    responses={200: {"model": schemas.Shared}, **schemas.refusals(SECURE_REFUSALS)},
+    responses={200: {"model": schemas.Shared}, **schemas.refusals(SECURE_REFUSALS, retry_after=(409,))},
 )
 async def shares(assignment_id: str, request: Request, token: TokenDep, settings: SettingsDep) -> Any:
     return await _post_json(
@@ -181,7 +181,10 @@ async def shares(assignment_id: str, request: Request, token: TokenDep, settings
     openapi_extra=schemas.binary_body(
         "vector_length little-endian unsigned integers (4 bytes each when bits <= 32, else 8)"
     ),
-    responses={200: {"model": schemas.MaskedInputReceived}, **schemas.refusals(SECURE_REFUSALS)},
+    responses={
+        200: {"model": schemas.MaskedInputReceived},
+        **schemas.refusals(SECURE_REFUSALS, retry_after=(409,)),
+    },
 )
 async def masked_input(
     assignment_id: str, request: Request, token: TokenDep, settings: SettingsDep, factory: SessionFactoryDep
@@ -199,7 +202,10 @@ async def masked_input(
     openapi_extra=schemas.json_body(
         "the survivor's shares", {"$ref": "#/components/schemas/UnmaskingShares"}
     ),
-    responses={200: {"model": schemas.UnmaskingAccepted}, **schemas.refusals(SECURE_REFUSALS)},
+    responses={
+        200: {"model": schemas.UnmaskingAccepted},
+        **schemas.refusals(SECURE_REFUSALS, retry_after=(409,)),
+    },
 )
 async def unmasking(assignment_id: str, request: Request, token: TokenDep, settings: SettingsDep) -> Any:
     return await _post_json(request, secure_rounds.unmasking, assignment_id, token, settings.max_report_bytes)
