@@ -6,8 +6,10 @@ around it, derived from the same code that answers it:
 - the bearer token each route takes, as a security scheme (device, admin, metrics) rather than an
   optional `authorization` header, and `security: []` on the routes that take none;
 - the edge's refusals (api/edge.py), from each route's `Gate`: 401 (and 403 on admin routes) for a
-  missing or wrong token, 429 where a rate limit applies, 400/413 on routes that take a body,
-  503 on every route that reads the database;
+  missing or wrong token, 429 where a rate limit applies, 413 on routes that take a body, 503 on
+  every route that reads the database; and 400 where FastAPI parses a multipart form. (A request
+  the HTTP server cannot parse at all is answered 400 `text/plain` by uvicorn on any route before
+  the application sees it: not a route's answer, so not in its responses.)
 - one error body (`schemas.Error`) for every refusal, FastAPI's own 422 included.
 """
 
@@ -115,8 +117,9 @@ def _complete_operation(
             _add(responses, 403, description="the bearer token is not the admin token")
     if gate.rate_limit is not None:
         _add(responses, 429, schemas.RETRY_AFTER)
+    if "multipart/form-data" in operation.get("requestBody", {}).get("content", {}):
+        _add(responses, 400)  # FastAPI's answer to a form it cannot parse
     if method in ("POST", "PUT", "PATCH"):
-        _add(responses, 400)
         _add(
             responses, 413, description=f"the body exceeds this route's limit of {gate.max_body_bytes} bytes"
         )

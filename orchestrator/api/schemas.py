@@ -141,7 +141,7 @@ class EvaluationReport(BaseModel):
 
 # Why each status is answered, when a route says no more. Bodies are `Error`.
 REFUSALS: dict[int, str] = {
-    400: "a malformed request line or header (e.g. a Content-Length that is not a number)",
+    400: "the multipart form cannot be parsed",
     401: "no 'Authorization: Bearer <token>' header, or a token no device holds (WWW-Authenticate: Bearer)",
     403: "the token is valid but not allowed here",
     404: "no such resource",
