@@ -45,13 +45,18 @@ class Dataset:
     # Unpacked files and their pinned sha256; None when no pin is published: those are recorded in
     # SHA256SUMS when the (pinned) archive is unpacked and checked against that record afterwards.
     files: Mapping[str, str | None]
+    download_name: str  # a download saved by hand in the cache folder under this name is used
     zip_folder: str | None = None  # the archive's top folder; None: the download is `main_file`
 
-    def hint(self, folder: Path) -> str:
+    def by_hand(self, root: Path) -> str:
+        """What to do without internet on this machine: one sentence."""
         return (
-            f"fetch it with `{FETCH_COMMAND} {self.name}`, or download {self.url} by hand"
-            f"{' and unzip it' if self.zip_folder else ''} so that {folder / self.main_file} exists"
+            f"download {self.url} by hand, save it as {root / self.download_name} and run "
+            f"`{FETCH_COMMAND} {self.name}` (it checks and unpacks it)"
         )
+
+    def hint(self, folder: Path) -> str:
+        return f"fetch it with `{FETCH_COMMAND} {self.name}`, or {self.by_hand(folder.parent)}"
 
 
 DATASETS: dict[str, Dataset] = {
@@ -64,6 +69,7 @@ DATASETS: dict[str, Dataset] = {
             sha256="50d2a982c66986937beb9ffb3aa76efe955bf3d5c6b761f4e3a7cd717c6a3229",
             size=4_924_029,
             main_file="u.data",
+            download_name="ml-100k.zip",
             files={
                 "README": "4883b8cf340ed0059971b33f56ad3adc88a40792108ebca3d24aafc4c82e8b52",
                 "u.data": "06416e597f82b7342361e41163890c81036900f418ad91315590814211dca490",
@@ -82,6 +88,7 @@ DATASETS: dict[str, Dataset] = {
             sha256="a6898adb50b9ca05aa231689da44c217cb524e7ebd39d264c56e2832f2c54e20",
             size=5_917_549,
             main_file="ratings.dat",
+            download_name="ml-1m.zip",
             files={"README": None, "movies.dat": None, "ratings.dat": None, "users.dat": None},
             zip_folder="ml-1m",
         ),
@@ -92,6 +99,7 @@ DATASETS: dict[str, Dataset] = {
             sha256="86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed",
             size=1_115_394,
             main_file="input.txt",
+            download_name="tinyshakespeare.txt",
             files={"input.txt": "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"},
         ),
     )
@@ -177,6 +185,17 @@ def verify(name: str, root: Path | None = None) -> Path:
     return folder
 
 
+def _saved_by_hand(ds: Dataset, path: Path) -> Path:
+    """A download someone saved in the cache folder, checked like one."""
+    size, actual = path.stat().st_size, sha256_of(path)
+    if size != ds.size or actual != ds.sha256:
+        raise DatasetError(
+            f"{path} is not the expected download ({size:,} bytes, sha256 {actual[:12]}...; expected "
+            f"{ds.size:,} bytes, {ds.sha256[:12]}...): remove it and download {ds.url} again"
+        )
+    return path
+
+
 def _download(ds: Dataset, url: str, into: Path, timeout: float) -> Path:
     """The download, streamed to a file in `into` with its sha256 and size checked."""
     import httpx  # only the fetch needs it
@@ -232,6 +251,7 @@ def _unpack(ds: Dataset, download: Path, staging: Path) -> None:
 def fetch(name: str, root: Path | None = None, *, url: str | None = None, timeout: float = 30.0) -> Path:
     """The data set's verified folder, downloaded and unpacked first if it is not there.
 
+    A download saved by hand in the cache folder (`download_name`) is used instead of the network;
     `url` replaces the public address (a mirror). Nothing is left behind on failure: the files
     are unpacked into a staging folder beside the target and moved into place once checked."""
     ds, folder = dataset(name), folder_of(name, root)
@@ -240,20 +260,24 @@ def fetch(name: str, root: Path | None = None, *, url: str | None = None, timeou
     except DatasetError:
         if folder.exists() and any(folder.iterdir()):
             raise  # files that do not match: say so rather than overwrite someone's copy
-    source = url or ds.url
+    saved = folder.parent / ds.download_name
+    source = str(saved) if saved.is_file() else url or ds.url
     try:
         folder.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(prefix=f".{ds.name}-", dir=folder.parent) as work:
             staging = Path(work) / ds.name
             staging.mkdir()
-            _unpack(ds, _download(ds, source, Path(work), timeout), staging)
+            if saved.is_file():
+                download = _saved_by_hand(ds, saved)
+            else:
+                download = _download(ds, source, Path(work), timeout)
+            _unpack(ds, download, staging)
             if folder.exists():
                 folder.rmdir()  # empty, checked above
             staging.rename(folder)
     except (DatasetError, OSError) as error:
         raise DatasetError(
-            f"could not fetch {ds.title} from {source}: {error}; download {ds.url} by hand"
-            f"{' and unzip it' if ds.zip_folder else ''} so that {folder / ds.main_file} exists"
+            f"could not fetch {ds.title} from {source}: {error}; {ds.by_hand(folder.parent)}"
         ) from None
     return verify(name, root)
 

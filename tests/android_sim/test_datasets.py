@@ -101,7 +101,7 @@ def test_a_bad_download_is_one_line_that_says_what_to_fetch_by_hand_and_leaves_n
     message = str(caught.value)
     assert "\n" not in message and said in message
     assert DATASETS["tinyshakespeare"].url in message
-    assert str(tmp_path / "tinyshakespeare" / "input.txt") in message
+    assert f"save it as {tmp_path / 'tinyshakespeare.txt'}" in message
     assert list(tmp_path.iterdir()) == []  # no partial download, no half-filled folder
 
 
@@ -156,6 +156,20 @@ def test_an_archive_is_unpacked_and_every_file_checked_against_its_pin(
     files.bodies["/bad.zip"] = bad
     with pytest.raises(DatasetError, match=r"unpacked u\.data has sha256"):
         fetch("movielens-100k", tmp_path / "other", url=f"{url}/bad.zip")
+
+
+def test_a_download_saved_by_hand_is_checked_and_unpacked_without_the_network(
+    tiny_shakespeare: Path, tmp_path: Path
+) -> None:
+    saved = tmp_path / "tinyshakespeare.txt"
+    saved.write_bytes((tiny_shakespeare / "input.txt").read_bytes()[:-1])
+    with pytest.raises(DatasetError, match=r"tinyshakespeare\.txt is not the expected download"):
+        fetch("tinyshakespeare", tmp_path, url="http://127.0.0.1:9/unused")
+    assert not (tmp_path / "tinyshakespeare").exists()
+
+    shutil.copy(tiny_shakespeare / "input.txt", saved)
+    folder = fetch("tinyshakespeare", tmp_path, url="http://127.0.0.1:9/unused")
+    assert (folder / "input.txt").read_bytes() == saved.read_bytes()
 
 
 def test_a_copy_in_place_is_used_when_it_matches_and_refused_when_altered(
