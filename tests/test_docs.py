@@ -9,9 +9,12 @@ import os
 import re
 import shlex
 import subprocess
+import sys
+from collections.abc import Callable
 from pathlib import Path
 
-from tests.conftest import ROOT, dataset_folder
+from model_export.config import ModelConfig
+from tests.conftest import ROOT, SMALL, dataset_folder
 
 README = ROOT / "README.md"
 QUICKSTART = ROOT / "docs" / "tutorials" / "quickstart.md"
@@ -102,3 +105,17 @@ def test_nothing_but_ci_names_the_folder_beside_the_clone() -> None:
     )
     assert found.returncode in (0, 1), found.stderr  # 1: no match
     assert found.stdout == "", found.stdout
+
+
+def test_the_serving_example_runs_as_written(export: Callable[[ModelConfig], Path], tmp_path: Path) -> None:
+    page = (ROOT / "docs" / "how-to" / "serve-on-a-device.md").read_text()
+    (code,) = re.findall(r"^```python\n(.*?)^```", page, re.MULTILINE | re.DOTALL)
+    model_dir = export(SMALL)
+    assert 'Path("runs/quickstart/model")' in code and 'Path("my-device.sqlite")' in code
+    code = code.replace('Path("runs/quickstart/model")', f"Path({str(model_dir)!r})")
+    code = code.replace('Path("my-device.sqlite")', f"Path({str(tmp_path / 'store.sqlite')!r})")
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("personalized [")
