@@ -12,6 +12,9 @@ import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
+
+import pytest
 
 from model_export.config import ModelConfig
 from tests.conftest import ROOT, SMALL, dataset_folder
@@ -119,3 +122,49 @@ def test_the_serving_example_runs_as_written(export: Callable[[ModelConfig], Pat
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("personalized [")
+
+
+# A stated range -> (values it accepts, values it refuses), for the forms the hand-written tables use.
+_PROBES: dict[str, tuple[tuple[float, ...], tuple[float, ...]]] = {
+    "> 0": ((1e-6, 0.5, 3.0), (0.0, -1.0)),
+    ">= 0": ((0.0, 0.5), (-1e-6, -1.0)),
+    "[0, 1)": ((0.0, 0.5, 0.999), (1.0, -0.1)),
+    "(0, 1)": ((0.001, 0.5, 0.999), (0.0, 1.0)),
+}
+
+
+def _stated_ranges(table: str) -> list[tuple[str, str]]:
+    """(field, range form) for each row of the settings page whose range starts with a probe form."""
+    page = (ROOT / "docs" / "reference" / "settings.md").read_text()
+    rows = re.findall(rf"^\| `{table}\.(\w+)` \| ([^|]+) \|", page, re.MULTILINE)
+    return [(name, form) for name, cell in rows for form in _PROBES if cell.strip().startswith(form)]
+
+
+def test_the_hand_written_ranges_of_the_settings_page_are_the_validators() -> None:
+    from orchestrator.aggregation import ServerOptimizerConfig
+    from orchestrator.differential_privacy import DPConfig
+
+    checked: dict[str, tuple[Callable[[dict[str, Any]], object], dict[str, Any]]] = {
+        "server_optimizer": (ServerOptimizerConfig.from_json, {"name": "adam"}),
+        "differential_privacy": (
+            DPConfig.from_json,
+            {
+                "clip_norm": 1.0,
+                "noise_multiplier": 1.0,
+                "population_size": 1000,
+                "target_unclipped_quantile": 0.5,
+                "clipped_count_stddev": 5.0,
+            },
+        ),
+    }
+    probed = 0
+    for table, (parse, base) in checked.items():
+        for name, form in _stated_ranges(table):
+            accepted, refused = _PROBES[form]
+            for value in accepted:
+                parse({**base, name: value})
+            for value in refused:
+                with pytest.raises(ValueError):
+                    parse({**base, name: value})
+            probed += 1
+    assert probed >= 9  # the rows with a probeable range: 5 of the optimizer's, 4 of DP's
