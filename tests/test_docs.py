@@ -49,7 +49,7 @@ def quickstart() -> tuple[list[list[str]], tuple[str, str]]:
 def test_the_readme_fits_on_a_few_screens_and_names_nothing_outside_the_clone() -> None:
     text = README.read_text()
     assert len(text.splitlines()) < 300
-    assert "../shared" not in text
+    assert "/".join(("..", "shared")) not in text
     for link in re.findall(r"\]\((docs/[^)#]+)", text):
         assert (ROOT / link).is_file(), f"README links to {link}, which does not exist"
 
@@ -100,8 +100,9 @@ def test_the_quickstart_with_movielens_runs_as_written(tmp_path: Path) -> None:
 
 
 def test_nothing_but_ci_names_the_folder_beside_the_clone() -> None:
+    beside = "/".join(("..", "shared"))  # spelt so that this file does not name it either
     found = subprocess.run(
-        ["git", "grep", "-n", "-F", "../shared", "--", ".", ":!.ci/run", ":!tests/test_docs.py"],
+        ["git", "grep", "-n", "-F", beside, "--", ".", ":!.ci/run"],
         cwd=ROOT,
         capture_output=True,
         text=True,
