@@ -38,7 +38,7 @@ class SecureAggregationSettings(BaseModel):
         None,
         ge=0,
         description="SecAgg+ neighbourhood size k (even; 0 = every device of the round); "
-        "None: about 3 log2(n) for n devices",
+        "None: about 6 log2(n) for n devices (2 ceil(3 log2 n))",
     )
     threshold: float = Field(
         0.4,
