@@ -50,6 +50,15 @@ class CommandError(RuntimeError):
     """Input the user can fix; printed as one line."""
 
 
+class _Help(argparse.ArgumentDefaultsHelpFormatter):
+    """Defaults shown where there is one worth showing (not None, off, empty)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if action.default in (None, False, [], "") or action.default is argparse.SUPPRESS:
+            return action.help or ""
+        return super()._get_help_string(action) or ""
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=PROG,
@@ -59,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=f"`{PROG} COMMAND --help` for each command's options.",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="{import,recommend,predict}")
-    formatter = argparse.ArgumentDefaultsHelpFormatter
+    formatter = _Help
     imports = sub.add_parser(
         "import",
         help="write a per-device examples table into one example store per device",
@@ -70,10 +79,18 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=formatter,
     )
     imports.add_argument(
-        "--model-dir", type=Path, required=True, help="an export: its manifest.json declares the features"
+        "--model-dir",
+        type=Path,
+        required=True,
+        metavar="DIR",
+        help="an export: its manifest.json declares the features",
     )
-    imports.add_argument("--examples", type=Path, required=True, help="the table: .csv, .tsv or .parquet")
-    imports.add_argument("--out", type=Path, required=True, help="the directory of the example stores")
+    imports.add_argument(
+        "--examples", type=Path, required=True, metavar="TABLE", help="the table: .csv, .tsv or .parquet"
+    )
+    imports.add_argument(
+        "--out", type=Path, required=True, metavar="DIR", help="the directory of the example stores"
+    )
     imports.add_argument("--device-column", default=DEVICE_COLUMN, help="the column of device ids")
     imports.add_argument(
         "--time-column", default=TIME_COLUMN, help="the column of times (epoch seconds or ISO 8601)"
@@ -101,8 +118,10 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="NAME=VALUE",
         help="a context feature's value for this ranking (e.g. hour=21); one per context feature",
     )
-    recommend.add_argument("-k", "--top-k", type=int, default=10)
-    recommend.add_argument("--exclude", default="", help="comma-separated item ids to leave out")
+    recommend.add_argument("-k", "--top-k", type=int, default=10, metavar="K", help="how many items")
+    recommend.add_argument(
+        "--exclude", default="", metavar="IDS", help="comma-separated item ids to leave out"
+    )
     recommend.add_argument(
         "--include-used", action="store_true", help="also recommend items the user already has examples for"
     )
@@ -130,13 +149,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _personal_arguments(parser: argparse.ArgumentParser) -> None:
     """What `recommend` and `predict` share: the device's store, the model, whose locals."""
-    parser.add_argument("--store", type=Path, required=True, help="the device's example store (SQLite)")
     parser.add_argument(
-        "--model-dir", type=Path, required=True, help="an export: model.tflite and manifest.json"
+        "--store", type=Path, required=True, metavar="FILE", help="the device's example store (SQLite)"
+    )
+    parser.add_argument(
+        "--model-dir",
+        type=Path,
+        required=True,
+        metavar="DIR",
+        help="an export: model.tflite and manifest.json",
     )
     parser.add_argument(
         "--globals",
         type=Path,
+        metavar="FILE",
         help=f"global parameters (safetensors); default: the export's {INITIAL_GLOBAL_FILE}",
     )
     parser.add_argument(
@@ -145,7 +171,7 @@ def _personal_arguments(parser: argparse.ArgumentParser) -> None:
         default=RECONSTRUCTED,
         help="reconstruct the user's parameters from the store, or use those kept by training (FURL)",
     )
-    parser.add_argument("--population", help="whose kept parameters (needed with --locals kept)")
+    parser.add_argument("--population", metavar="NAME", help="whose kept parameters (with --locals kept)")
 
 
 # ---- import -------------------------------------------------------------------------------
