@@ -157,6 +157,10 @@ def config_from_args(args: argparse.Namespace) -> ModelConfig:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    unwritable = _unwritable(args.output_dir)
+    if unwritable:
+        print(f"error: --output-dir {args.output_dir}: {unwritable}", file=sys.stderr)
+        return 2
     if args.model is not None:
         return _export_user_model(args.model, args.model_arg, args.output_dir)
     if args.model_arg:
@@ -167,7 +171,10 @@ def main(argv: list[str] | None = None) -> int:
             config = ModelConfig.from_json(json.loads(args.config.read_text()))
         else:
             config = config_from_args(args)
-    except (ValueError, TypeError, OSError) as e:
+    except OSError as e:
+        print(f"error: cannot read --config {args.config}: {e.strerror}", file=sys.stderr)
+        return 2
+    except (ValueError, TypeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     # TensorFlow loads only when exporting.
@@ -190,6 +197,10 @@ def _export_user_model(target: str, model_args: list[str], output_dir: Path) -> 
             file=sys.stderr,
         )
         return 2
+    # As `python -m` does: the user's modules in the current directory import (the console script
+    # `model-export` does not put it on the path by itself).
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
     try:
         build = getattr(importlib.import_module(module_name), function_name)
     except (ImportError, AttributeError) as e:
@@ -214,6 +225,19 @@ def _export_user_model(target: str, model_args: list[str], output_dir: Path) -> 
         return 2
     _report(result)
     return 0
+
+
+def _unwritable(output_dir: Path) -> str:
+    """Why the export could not be written to `output_dir` (checked before a minute of exporting),
+    or ''."""
+    if output_dir.exists() and not output_dir.is_dir():
+        return "exists and is not a directory"
+    existing = output_dir
+    while not existing.exists():
+        existing = existing.parent
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"cannot write in {existing}"
+    return ""
 
 
 def _report(result: ExportResult) -> None:

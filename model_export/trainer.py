@@ -254,6 +254,11 @@ class Trainer(tf.Module):  # type: ignore[misc]
 
     def _check_task(self) -> None:
         task = self.spec.task
+        if task.kind == "classification" and not 1 <= task.top_k <= task.num_classes:
+            raise ExportError(
+                f"a classification task's top_k must be in [1, num_classes = {task.num_classes}], "
+                f"got {task.top_k}"
+            )
         if task.kind == "ranking":
             catalog = task.catalog_feature
             if catalog not in self.row_sparse.values():
@@ -261,6 +266,12 @@ class Trainer(tf.Module):  # type: ignore[misc]
                     f"a ranking task scores every row of its catalog feature's table, so the catalog feature "
                     f"({catalog!r}) must be an input that indexes a row-sparse table; the model's other "
                     "inputs are its context (e.g. the hour), one value per ranking"
+                )
+            rows = next(f for f in self.features if f.name == catalog).num_values
+            if not 1 <= task.top_k <= rows:
+                raise ExportError(
+                    f"a ranking task's top_k must be in [1, {rows}] (the rows of its catalog feature "
+                    f"{catalog!r}), got {task.top_k}"
                 )
             if task.popularity is not None and task.popularity not in self.global_vars:
                 raise ExportError(f"ranking popularity {task.popularity!r} is not a global parameter")
