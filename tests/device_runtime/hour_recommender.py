@@ -22,7 +22,7 @@ HOURS = 24
 
 
 def build(
-    num_expressions: int = 30, dim: int = 6, batch_size: int = 8, max_batches: int = 4, top_k: int = 10
+    num_expressions: int = 30, dim: int = 6, batch_size: int = 16, max_batches: int = 8, top_k: int = 10
 ) -> ExportSpec:
     keras.utils.set_random_seed(3)
     expression = keras.Input(shape=(), dtype="int32", name="expression")
