@@ -265,3 +265,24 @@ def test_a_store_of_another_model_ends_the_task_with_a_named_reason(
         assert "holds examples of (item int32, label float32 (label)); the model takes (expression int32" in (
             result.message
         )
+
+
+def test_the_catalog_is_scored_in_the_context_given(hour_recommender_model: Path, backend: str) -> None:
+    """`infer` against the model's maths by hand: <e, u + h[hour]> + b for every expression."""
+    model = TFLiteModel(hour_recommender_model, backend=backend)
+    rng = np.random.default_rng(1)
+    globals_ = {k: rng.normal(0, 0.5, v.shape).astype(np.float32) for k, v in model.get_global().items()}
+    locals_ = {s.name: rng.normal(0, 0.5, s.shape).astype(np.float32) for s in model.manifest.local_params}
+    model.set_global(globals_)
+    model.set_local(locals_)
+    exclude = np.zeros(30, bool)
+    exclude[[1, 2]] = True
+
+    for hour in (0, 7, 23):
+        ranking = model.infer(exclude, {"hour": hour})
+
+        user = locals_["user_embedding"] + locals_["hour_preference"][hour]
+        expected = globals_["expression_embeddings"] @ user + globals_["expression_bias"]
+        np.testing.assert_allclose(ranking.scores, expected, rtol=1e-5, atol=1e-5)
+        best = [i for i in np.argsort(-expected, kind="stable") if i not in (1, 2)][:10]
+        assert ranking.top_items.tolist() == best
