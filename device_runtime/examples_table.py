@@ -242,6 +242,21 @@ class _Where:
         return TableError(f"{self.path}, row {row + 1}, column {column!r}: got {shown}; expected {expected}")
 
 
+def _text(column: Any, name: str, where: _Where) -> Any:
+    """The column with bytes that are not UTF-8 (CSV cells pyarrow could not decode) named at their
+    row, rather than misread as the feature's values; text columns as text."""
+    pa = _pyarrow()
+    column = column.combine_chunks()
+    if not (pa.types.is_binary(column.type) or pa.types.is_large_binary(column.type)):
+        return column
+    for row, value in enumerate(column.to_pylist()):
+        try:
+            None if value is None else value.decode("utf-8")
+        except UnicodeDecodeError:
+            raise where.error(row, name, value, "UTF-8 text (save the table as UTF-8)") from None
+    return column.cast(pa.string())
+
+
 def _first_null(column: Any) -> int | None:
     if column.null_count == 0:
         return None
@@ -254,7 +269,7 @@ def _device_ids(column: Any, name: str, where: _Where) -> Any:
     import pyarrow.compute as pc
 
     expected = "a device id: 1 to 128 letters, digits, '.', '_' or '-', not starting with '.'"
-    column = column.combine_chunks()
+    column = _text(column, name, where)
     null = _first_null(column)
     if null is not None:
         raise where.error(null, name, None, expected)
@@ -277,7 +292,7 @@ def _timestamps(column: Any, name: str, where: _Where) -> np.ndarray:
     import pyarrow.compute as pc
 
     expected = "seconds since the epoch or an ISO 8601 time such as 2026-11-25T21:00:00Z"
-    column = column.combine_chunks()
+    column = _text(column, name, where)
     null = _first_null(column)
     if null is not None:
         raise where.error(null, name, None, expected)
@@ -371,7 +386,7 @@ def _parse_vector(feature: FeatureSpec) -> Callable[[Any], list[float]]:
 def _feature_column(column: Any, feature: FeatureSpec, where: _Where) -> np.ndarray:
     """A table column as the feature's values, [rows, *shape]; the first bad value is a TableError."""
     pa = _pyarrow()
-    column = column.combine_chunks()
+    column = _text(column, feature.name, where)
     name, expected = feature.name, _expected(feature)
     null = _first_null(column)
     if null is not None:

@@ -313,3 +313,18 @@ def test_unreadable_tables_are_one_line(export: Callable[[ModelConfig], Path], t
         with pytest.raises(TableError, match=message) as raised:
             read_examples_table(path, manifest)
         assert "\n" not in str(raised.value)
+
+
+def test_text_that_is_not_utf8_is_named_at_its_row_and_a_bom_is_read_past(tmp_path: Path) -> None:
+    features = (
+        FeatureSpec("item", "int32", value_range=(0, 9), tables=("items",)),
+        FeatureSpec("label", "float32", role="label", value_range=(1, 5)),
+    )
+    latin = tmp_path / "latin.csv"
+    latin.write_bytes(b"device_id,timestamp,item,label\na,1,3,4\nb,2,\xff,4\n")
+    excel = tmp_path / "excel.csv"
+    excel.write_bytes(b"\xef\xbb\xbfdevice_id,timestamp,item,label\na,1,3,4\n")
+
+    with pytest.raises(TableError, match=r"row 2, column 'item': got b'\\xff'; expected UTF-8 text"):
+        read_table(latin, features)
+    assert list(read_table(excel, features).devices) == ["a"]
