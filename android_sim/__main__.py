@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from android_sim.movielens import DataFormatError
+from android_sim.movielens import DataFormatError, require_file
 from android_sim.run import DEFAULT_RATINGS, RunConfig, RunError
 from android_sim.run_next_word import TARGET_REPORTS as NEXT_WORD_TARGET_REPORTS
 from contracts.mixing import STRATEGIES
@@ -270,6 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     try:
         if args.command == "demo":
+            require_file(args.ratings)  # before TensorFlow loads (and logs)
             from android_sim.demo import run_demo
 
             return run_demo(args.ratings, args.work_dir, args.user)

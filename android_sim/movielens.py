@@ -8,6 +8,8 @@ from pathlib import Path
 
 import numpy as np
 
+from android_sim.datasets import missing_hint
+
 
 class DataFormatError(ValueError):
     """A ratings file that is missing or in no format this reader knows."""
@@ -39,9 +41,14 @@ class Ratings:
         return [order[bounds[u] : bounds[u + 1]] for u in range(self.num_users)]
 
 
-def _read_text(path: Path) -> str:
+def require_file(path: Path) -> None:
+    """Refuse a ratings file that is not there, saying how to fetch it if it is a data set's."""
     if not path.is_file():
-        raise DataFormatError(f"ratings file not found: {path}")
+        raise DataFormatError(f"ratings file not found: {path}{missing_hint(path)}")
+
+
+def _read_text(path: Path) -> str:
+    require_file(path)
     raw = path.read_bytes()
     if raw[:2] == b"\x1f\x8b":
         raw = gzip.decompress(raw)

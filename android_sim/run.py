@@ -30,6 +30,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from android_sim import report
 from android_sim.admin import AdminClient, AdminError
 from android_sim.central_data import centralized_examples
+from android_sim.datasets import default_file
 from android_sim.device_data import DeviceData, FleetData, expression_fleet, movielens_fleet
 from android_sim.expressions import SyntheticConfig
 from android_sim.fleet import HELD_OUT, TRAINING, DeviceSpec, Fleet, FleetOptions, write_store
@@ -48,9 +49,7 @@ from orchestrator.local import LocalOrchestrator
 from orchestrator.population_settings import PopulationSettings
 
 T = TypeVar("T")
-DEFAULT_RATINGS = (
-    Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "movielens-100k" / "u.data"
-)
+DEFAULT_RATINGS = default_file("movielens-100k")
 SHAKESPEARE = "shakespeare"
 # Builder arguments of the next-word model that follow from the run's own options.
 RUN_SETS_MODEL_ARGS = {

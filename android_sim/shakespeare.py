@@ -38,9 +38,10 @@ from pathlib import Path
 
 import numpy as np
 
+from android_sim.datasets import folder_of, missing_hint
 from android_sim.movielens import DataFormatError
 
-DEFAULT_FOLDER = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "tinyshakespeare"
+DEFAULT_FOLDER = folder_of("tinyshakespeare")
 TEXT_FILE = "input.txt"
 CHECKSUM_FILE = "SHA256SUMS"
 
@@ -88,6 +89,7 @@ def verify_checksum(folder: Path) -> None:
         if not path.is_file():
             raise ShakespeareDataError(
                 f"{path} not found; expected Tiny Shakespeare ({TEXT_FILE} and {CHECKSUM_FILE}) in {folder}"
+                + missing_hint(text_path)
             )
     expected = None
     for line in sums_path.read_text(encoding="ascii", errors="replace").splitlines():

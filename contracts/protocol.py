@@ -56,6 +56,10 @@ TaskKind = Literal["training", "evaluation"]
 Aggregation = Literal["plaintext", "secure"]
 Id = Annotated[str, Spec(pattern=ID_PATTERN)]
 NonNegative = Annotated[int, Spec(ge=0)]
+# Every URL an assignment carries is a path on the orchestrator ("/v1/..."), appended to the base URL
+# the device checked in at (with any path prefix a proxy adds): the server need not know its public name.
+SERVER_PATH = "a path on this orchestrator ('/v1/...'), appended to the base URL the device checked in at"
+ServerPath = Annotated[str, Spec(SERVER_PATH)]
 
 
 @dataclass(frozen=True)
@@ -89,16 +93,18 @@ class Assignment:
     seconds_left: float
     model_version: NonNegative
     artifact_sha256: Annotated[str, Spec("the model's content address", pattern=SHA256_PATTERN)]
-    artifact_url: str
-    params_url: str
-    manifest_url: str
-    report_url: str
-    abort_url: str
+    artifact_url: Annotated[str, Spec(f"the model file (no token needed); {SERVER_PATH}")]
+    params_url: Annotated[str, Spec(f"the round's global parameters (safetensors); {SERVER_PATH}")]
+    manifest_url: ServerPath
+    report_url: Annotated[str, Spec(f"where the result goes (plaintext rounds); {SERVER_PATH}")]
+    abort_url: ServerPath
     task_config: dict[str, Any]
     aggregation: Annotated[
         Aggregation, Spec("secure: take part through secure_url's phases instead of report_url")
     ] = "plaintext"
-    secure_url: str | None = None
+    secure_url: Annotated[str | None, Spec(f"secure: the root of the round's four phases; {SERVER_PATH}")] = (
+        None
+    )
     secure_parameters: Annotated[
         dict[str, Any] | None,
         Spec(
@@ -110,14 +116,15 @@ class Assignment:
         str | None,
         Spec(
             "example transfer (contracts.mixing): centralized examples (safetensors) to mix into the "
-            "update steps; not the device's, not counted in its weight"
+            "update steps; not the device's, not counted in its weight; a path on this orchestrator"
         ),
     ] = None
     central_gradient_url: Annotated[
         str | None,
         Spec(
             "gradient transfer (contracts.mixing): the centralized loss's gradient at this round's "
-            "globals (sparse safetensors), added times central_gradient_weight to each update step"
+            "globals (sparse safetensors), added times central_gradient_weight to each update step; a path "
+            "on this orchestrator"
         ),
     ] = None
     central_gradient_weight: Annotated[

@@ -132,6 +132,13 @@ class ExampleStore:
         self._lock = threading.Lock()
         self.migrated_from: int | None = None  # the schema this open migrated the store from, if any
         try:
+            self._open(features)
+        except BaseException:
+            self.close()  # a store that cannot be opened leaves no connection (nor WAL files) behind
+            raise
+
+    def _open(self, features: Sequence[FeatureSpec] | None) -> None:
+        try:
             conn = self._connection()
             version = conn.execute("PRAGMA user_version").fetchone()[0]
             if version == 1:
@@ -158,6 +165,16 @@ class ExampleStore:
             )
         self.features: tuple[FeatureSpec, ...] = tuple(features if features is not None else stored)
         self._record = record_dtype(self.features)
+
+    def mismatch(self, features: Sequence[FeatureSpec]) -> str | None:
+        """Why this store's examples cannot feed a model of `features` (another layout: names,
+        dtypes, shapes, roles), in one line; None when they can."""
+        if _layout(features) == _layout(self.features):
+            return None
+        return (
+            f"the example store {self.path} holds examples of ({_describe(self.features)}); the model "
+            f"takes ({_describe(features)}): this device's data is not for this model"
+        )
 
     @staticmethod
     def _stored_spec(conn: sqlite3.Connection) -> str:
@@ -291,6 +308,28 @@ class ExampleStore:
             )
         return len(records)
 
+    def add_examples(self, examples: Examples, timestamps: np.ndarray, *, replace: bool = False) -> int:
+        """Append column-wise examples with their timestamps in one transaction (validated first:
+        all or none); `replace`: the store's examples become these, in that same transaction."""
+        checked = examples.validated(self.features)
+        times = np.asarray(timestamps, np.float64)
+        if times.shape != (checked.num_examples,) or not np.all(np.isfinite(times)):
+            raise InvalidExamples(
+                f"timestamps must be {checked.num_examples} finite numbers, one per example; "
+                f"got shape {list(times.shape)}"
+            )
+        records = _pack_records(checked, self._record)
+        conn = self._connection()
+        with conn:
+            conn.execute("BEGIN IMMEDIATE")
+            if replace:
+                conn.execute("DELETE FROM examples")
+            conn.executemany(
+                "INSERT INTO examples (features, timestamp, context) VALUES (?, ?, NULL)",
+                zip(records, times.tolist(), strict=True),
+            )
+        return len(records)
+
     def delete_before(self, timestamp: float) -> int:
         """Retention: drop examples older than `timestamp`; returns how many."""
         conn = self._connection()
@@ -354,6 +393,14 @@ class ExampleStore:
 
     def integrity_ok(self) -> bool:
         return bool(self._connection().execute("PRAGMA integrity_check").fetchone()[0] == "ok")
+
+
+def _describe(features: Sequence[FeatureSpec]) -> str:
+    """`item int32, label float32 (label)`: a layout in a few words."""
+    return ", ".join(
+        f"{f.name} {f.dtype}{list(f.shape) if f.shape else ''}" + (" (label)" if f.role == "label" else "")
+        for f in features
+    )
 
 
 def _pack_records(examples: Examples, record: np.dtype) -> list[bytes]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import gc
 import logging
 import math
@@ -21,6 +22,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from starlette.concurrency import run_in_threadpool
 
 from orchestrator import metrics, rounds
+from orchestrator.api import openapi
 from orchestrator.api.deps import DATABASE_UNAVAILABLE
 from orchestrator.api.edge import Edge, VerifiedTokens
 from orchestrator.api.routes import (
@@ -80,10 +82,19 @@ def _json_safe(value: Any) -> Any:
 
 
 async def request_validation_error(request: Request, exc: Exception) -> JSONResponse:
-    """FastAPI's 422, except that a NaN or infinity the client sent is echoed as a string: FastAPI's
+    """FastAPI's 422 in the body every refusal has (`schemas.Error`): one line in `detail`, each
+    failing part in `errors`. A NaN or infinity the client sent is echoed as a string: FastAPI's
     own handler echoes it as a float, cannot encode that as JSON and answers 500."""
     assert isinstance(exc, RequestValidationError)
-    return JSONResponse(status_code=422, content={"detail": _json_safe(jsonable_encoder(exc.errors()))})
+    errors = [
+        {k: error.get(k) for k in ("loc", "msg", "type", "input")}
+        for error in _json_safe(jsonable_encoder(exc.errors()))
+    ]
+    shown = "; ".join(f"{'.'.join(str(part) for part in e['loc'])}: {e['msg']}" for e in errors[:3])
+    more = f" (and {len(errors) - 3} more)" if len(errors) > 3 else ""
+    return JSONResponse(
+        status_code=422, content={"detail": f"invalid request: {shown}{more}", "errors": errors}
+    )
 
 
 def create_app(settings: Settings | None = None, clock: Callable[[], float] = time.time) -> FastAPI:
@@ -126,7 +137,9 @@ def create_app(settings: Settings | None = None, clock: Callable[[], float] = ti
         title="FedRecon orchestrator",
         description="Runs Federated Reconstruction rounds for on-device personalization. Devices enroll, "
         "check in, download the model and global parameters, and report deltas; local parameters "
-        "and examples never reach this server.",
+        "and examples never reach this server. Every refusal answers the `Error` body; bodies that are "
+        "tensors are safetensors (`application/octet-stream`), laid out as docs/reference/wire-formats.md "
+        "says; docs/reference/http-protocol.md walks through a round.",
         version="0.1.0",
         lifespan=lifespan,
     )
@@ -149,4 +162,5 @@ def create_app(settings: Settings | None = None, clock: Callable[[], float] = ti
         app.include_router(module.router)
     static_paths = frozenset(path for route in app.routes if "{" not in (path := getattr(route, "path", "{")))
     app.add_middleware(metrics.RequestMetrics, static_paths=static_paths, on_request=log_request)
+    setattr(app, "openapi", functools.partial(openapi.document, app, settings))  # noqa: B010 (a method)
     return app

@@ -47,7 +47,7 @@ class SecureAggregationSettings(BaseModel):
         ge=0,
         le=MAX_ROUND_REPORTS,
         description="SecAgg+ neighbourhood size k (even; 0 = every device of the round); "
-        "None: about 3 log2(n) for n devices",
+        "None: about 6 log2(n) for n devices (2 ceil(3 log2 n))",
     )
     threshold: float = Field(
         0.4,

@@ -678,10 +678,24 @@ def report(
         return Refused(
             409, f"round {round_.id} uses secure aggregation: take part through /v1/assignments/{{id}}/secure"
         )
+    # Checked before parsing, and the assignment stays open: the device may send its report again
+    # with the right type.
+    expected = "application/octet-stream" if round_.kind == TRAINING else "application/json"
+    sent = content_type.split(";")[0].strip().lower()
+    if sent != expected:
+        refused = Refused(
+            415,
+            f"a {round_.kind} report is Content-Type {expected} "
+            f"({'safetensors' if round_.kind == TRAINING else '{num_examples, metrics}'}), "
+            f"got {sent or 'none'!r}; nothing was stored",
+            reason="content_type",
+        )
+        _count_report(session, population, round_, assignment_id, refused)
+        return refused
     parsed = (
         _parse_training_report(population, settings, round_, assignment.example_count, body)
         if round_.kind == TRAINING
-        else _parse_evaluation_report(population, assignment.example_count, body, content_type)
+        else _parse_evaluation_report(population, assignment.example_count, body)
     )
     if isinstance(parsed, Refused):
         round_.invalid += 1
@@ -713,7 +727,13 @@ def report(
 
 
 # Report outcomes for metrics, by the class of refusal; any other refusal is an invalid report.
-_OUTCOMES = {"late": "late", "repeated": "repeated", "unknown_assignment": "refused", "not_yours": "refused"}
+_OUTCOMES = {
+    "late": "late",
+    "repeated": "repeated",
+    "unknown_assignment": "refused",
+    "not_yours": "refused",
+    "content_type": "refused",
+}
 
 
 def _count_report(
@@ -905,12 +925,8 @@ def _parse_training_report(
 
 
 def _parse_evaluation_report(
-    population: Population, example_count: int, body: bytes, content_type: str
+    population: Population, example_count: int, body: bytes
 ) -> tuple[float, None, dict[str, float]] | Refused:
-    if not content_type.startswith("application/json"):
-        return Refused(
-            422, "an evaluation report is JSON: {num_examples, metrics}; no tensors", reason="format"
-        )
     try:
         data = json_document(body, "evaluation report")
     except ValueError as e:

@@ -1,7 +1,13 @@
-"""Shared fixtures: exported models (cached per session) and MovieLens 100K from ../shared."""
+"""Shared fixtures: exported models (cached per session) and the public data sets.
+
+The data sets come through the project's fetcher (`python -m android_sim.datasets fetch NAME`):
+a test that needs one skips with a line naming it and that command when it is missing and cannot
+be fetched (offline), unless FEDRECON_REQUIRE_DATA is set (CI, which has the data): then it fails."""
 
 from __future__ import annotations
 
+import functools
+import os
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -9,11 +15,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from android_sim.datasets import DATASETS, FETCH_COMMAND, DatasetError, fetch
 from model_export.config import Feedback, ModelConfig
 from model_export.in_subprocess import export_in_subprocess, export_spec_in_subprocess
 
 ROOT = Path(__file__).resolve().parent.parent
-MOVIELENS_100K = ROOT.parent / "shared" / "data" / "movielens-100k" / "u.data"
+REQUIRE_DATA = "FEDRECON_REQUIRE_DATA"
 BACKENDS = ("ai_edge_litert", "tflite_runtime")
 
 # Small models of different shapes, feedback and parameter sets.
@@ -114,12 +121,44 @@ def backend(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 
 
+@functools.cache
+def _fetched(name: str) -> Path | str:
+    """The data set's folder, fetched once per session if it is missing; else why not."""
+    try:
+        return fetch(name, timeout=20.0)
+    except DatasetError as error:
+        return str(error)
+
+
+def dataset_folder(name: str) -> Path:
+    """The verified folder of data set `name`; skips the test (fails it under CI) without it."""
+    got = _fetched(name)
+    if isinstance(got, Path):
+        return got
+    message = f"{DATASETS[name].title} is not available; fetch it with `{FETCH_COMMAND} {name}`"
+    if os.environ.get(REQUIRE_DATA):
+        pytest.fail(f"{message} ({REQUIRE_DATA} is set: {got})", pytrace=False)
+    pytest.skip(message)
+
+
 @pytest.fixture(scope="session")
-def movielens_users() -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+def movielens_100k() -> Path:
+    """MovieLens 100K's ratings file (u.data)."""
+    return dataset_folder("movielens-100k") / "u.data"
+
+
+@pytest.fixture(scope="session")
+def tiny_shakespeare() -> Path:
+    """Tiny Shakespeare's folder (input.txt and SHA256SUMS)."""
+    return dataset_folder("tinyshakespeare")
+
+
+@pytest.fixture(scope="session")
+def movielens_users(movielens_100k: Path) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
     """(items 0-based, ratings, timestamps) per MovieLens 100K user."""
     from android_sim.movielens import load_ratings
 
-    ratings = load_ratings(MOVIELENS_100K)
+    ratings = load_ratings(movielens_100k)
     return [(ratings.item[r], ratings.rating[r], ratings.timestamp[r]) for r in ratings.by_user()]
 
 
@@ -127,3 +166,14 @@ def perturbed_globals(params: dict[str, np.ndarray], seed: int) -> dict[str, np.
     """Globals with every tensor nonzero, so each term of the maths is exercised."""
     rng = np.random.default_rng(seed)
     return {k: (v + rng.normal(0, 0.3, v.shape)).astype(np.float32) for k, v in params.items()}
+
+
+# A user's own ranking model with a context feature (the hour) and two local tensors, exported
+# through `--model` (`tests/device_runtime/hour_recommender.py`).
+HOUR_RECOMMENDER = "tests.device_runtime.hour_recommender:build"
+
+
+@pytest.fixture(scope="session")
+def hour_recommender_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The exported hour-aware expression recommender, once per session."""
+    return export_spec_in_subprocess(HOUR_RECOMMENDER, tmp_path_factory.mktemp("hour-recommender"))

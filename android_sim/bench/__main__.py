@@ -1,5 +1,5 @@
-"""`python -m android_sim.bench quality|nextword|mixing`: the benchmarks (README, "Quality benchmark",
-"Mixing centralized data: the skewed setup")."""
+"""`python -m android_sim.bench quality|nextword|mixing`: the quality, next-word and mixing
+benchmarks (docs/benchmarks.md)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The quality benchmark protocol (`../shared/DESIGN.md`): who trains, who is held out, which examples.
+"""The quality benchmark protocol (see docs/benchmarks.md): who trains, who is held out, which examples.
 
 - Users are shuffled with seed 42 and split 80/10/10 into train/validation/test users, the
   same way as TensorFlow Federated's MovieLens tutorial (`np.random.seed(42)` and a shuffle

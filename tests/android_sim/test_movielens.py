@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gzip
+import os
 import re
 import subprocess
 import sys
@@ -11,12 +12,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from android_sim.datasets import ENV_DATA_DIR
 from android_sim.movielens import DataFormatError, load_ratings
-from tests.conftest import MOVIELENS_100K, ROOT
+from tests.conftest import ROOT
 
 
-def test_movielens_100k() -> None:
-    ratings = load_ratings(MOVIELENS_100K)
+def test_movielens_100k(movielens_100k: Path) -> None:
+    ratings = load_ratings(movielens_100k)
 
     assert len(ratings.rating) == 100_000
     assert (ratings.num_users, ratings.num_items) == (943, 1682)
@@ -71,13 +73,15 @@ def test_demo_command_reports_a_user_error_without_a_traceback(tmp_path: Path) -
     assert "Traceback" not in result.stderr
 
 
-def test_demo_runs_a_client_task_and_recommends(tmp_path: Path) -> None:
+def test_demo_runs_a_client_task_and_recommends(tmp_path: Path, movielens_100k: Path) -> None:
+    # No --ratings: the demo reads MovieLens 100K from the data-set cache the variable names.
     result = subprocess.run(
         [sys.executable, "-m", "android_sim", "demo", "--work-dir", str(tmp_path), "--user", "5"],
         capture_output=True,
         text=True,
         cwd=ROOT,
         timeout=300,
+        env={**os.environ, ENV_DATA_DIR: str(movielens_100k.parent.parent)},
     )
 
     assert result.returncode == 0, result.stderr

@@ -20,8 +20,10 @@ BUCKETS = int(NEXT_WORD_SIZES["num_oov_buckets"])
 
 
 @pytest.fixture(scope="module")
-def data() -> NextWordData:
-    return next_word_data(read_roles(), VOCAB, BUCKETS, seq_len=int(NEXT_WORD_SIZES["seq_len"]))
+def data(tiny_shakespeare: Path) -> NextWordData:
+    return next_word_data(
+        read_roles(tiny_shakespeare), VOCAB, BUCKETS, seq_len=int(NEXT_WORD_SIZES["seq_len"])
+    )
 
 
 def test_fedavg_communicates_the_oov_rows_and_fedrecon_does_not(

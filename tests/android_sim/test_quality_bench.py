@@ -31,7 +31,7 @@ from model_runtime.tflite_model import EvaluationSums, TFLiteModel
 from orchestrator.aggregation import ServerOptimizerConfig
 from orchestrator.differential_privacy import DPConfig
 from secure_aggregation.quantization import Layout
-from tests.conftest import MOVIELENS_100K, ROOT
+from tests.conftest import ROOT
 
 
 def _write_ratings(path: Path, users: int = 40, items: int = 30, per_user: int = 24) -> Path:
@@ -57,8 +57,8 @@ def test_protocol_split_is_deterministic_disjoint_80_10_10() -> None:
     assert first.train != other.train
 
 
-def test_users_batches_follow_the_protocol(tmp_path: Path) -> None:
-    data = load_dataset(MOVIELENS_100K)
+def test_users_batches_follow_the_protocol(tmp_path: Path, movielens_100k: Path) -> None:
+    data = load_dataset(movielens_100k)
     model_dir = ModelCache(tmp_path).get(protocol_model(data.num_items, embedding_dim=4))
     manifest = TFLiteModel(model_dir).manifest
     heavy = max(range(len(data.examples)), key=lambda u: data.examples[u].num_examples)
@@ -101,8 +101,8 @@ def test_metrics_match_a_hand_computation(tmp_path: Path) -> None:
     assert math.isnan(EvaluationSums.zero().metrics()["loss"])
 
 
-def test_a_short_run_improves_validation_rmse(tmp_path: Path) -> None:
-    full = load_dataset(MOVIELENS_100K)
+def test_a_short_run_improves_validation_rmse(tmp_path: Path, movielens_100k: Path) -> None:
+    full = load_dataset(movielens_100k)
     data = Dataset("100 users", full.num_items, full.examples[:100])
     split = split_users(len(data.examples))
     settings = FedReconSettings(model={"embedding_dim": 8, "item_bias": True, "global_mean": True})
@@ -116,9 +116,9 @@ def test_a_short_run_improves_validation_rmse(tmp_path: Path) -> None:
 
 
 def test_training_on_reused_examples_still_evaluates_reconstruct_on_support_measure_on_query(
-    tmp_path: Path,
+    tmp_path: Path, movielens_100k: Path
 ) -> None:
-    full = load_dataset(MOVIELENS_100K)
+    full = load_dataset(movielens_100k)
     data = Dataset("60 users", full.num_items, full.examples[:60])
     split = split_users(len(data.examples))
     settings = FedReconSettings(model={"embedding_dim": 4}, task=TaskConfig(split=SplitPolicy.REUSE))

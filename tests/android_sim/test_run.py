@@ -26,7 +26,6 @@ from model_export.config import ModelConfig
 from model_runtime.tflite_model import TFLiteModel
 from orchestrator.differential_privacy import DPConfig, epsilon, target_delta_for
 from orchestrator.local import LocalOrchestrator
-from tests.conftest import MOVIELENS_100K
 
 # Always charging on wifi, never picked up: every device is eligible, so small tests run fast.
 # One in five tasks drops out mid-task (half of those vanish, half abort).
@@ -229,9 +228,9 @@ def test_an_unknown_ratings_format_is_named(tmp_path: Path, capsys: pytest.Captu
 
 
 def test_movielens_users_are_devices_with_explicit_ratings(
-    tmp_path: Path, export: Callable[[ModelConfig], Path]
+    tmp_path: Path, export: Callable[[ModelConfig], Path], movielens_100k: Path
 ) -> None:
-    config = small(tmp_path, data="movielens", ratings=MOVIELENS_100K, devices=80, min_examples=5)
+    config = small(tmp_path, data="movielens", ratings=movielens_100k, devices=80, min_examples=5)
     shutil.copytree(export(model_config(load_data(config))), tmp_path / "model")
 
     result = run(config, Console(width=120))

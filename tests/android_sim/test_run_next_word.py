@@ -15,16 +15,18 @@ from android_sim.run import RunConfig, run
 from android_sim.shakespeare import PAD, next_word_data, read_roles
 from contracts.manifest import load_manifest
 from tests.android_sim.test_run import ALWAYS_ON, reconcile
+from tests.conftest import dataset_folder
 
 # The tiny sizes of `tests.conftest.NEXT_WORD_SIZES`: 47 words + PAD, BOS, EOS, 4 OOV buckets.
 VOCAB, BUCKETS, SEQ_LEN = 47, 4, 8
 TINY = {"embedding_dim": "8", "lstm_units": "8", "batch_size": "4", "max_batches": "3"}
 
 
-def tiny(work: Path, **overrides: object) -> RunConfig:
+def tiny(work: Path, shakespeare: Path, **overrides: object) -> RunConfig:
     values: dict[str, object] = dict(
         work_dir=work,
         data="shakespeare",
+        shakespeare=shakespeare,
         vocab_size=VOCAB,
         oov_buckets=BUCKETS,
         seq_len=SEQ_LEN,
@@ -44,13 +46,15 @@ def tiny(work: Path, **overrides: object) -> RunConfig:
     return RunConfig(**values)  # type: ignore[arg-type]
 
 
-def test_a_fleet_of_roles_learns_next_words_and_reports_table_two(tmp_path: Path) -> None:
+def test_a_fleet_of_roles_learns_next_words_and_reports_table_two(
+    tmp_path: Path, tiny_shakespeare: Path
+) -> None:
     # Prepare: the roles as the run splits them
-    data = next_word_data(read_roles(), VOCAB, BUCKETS, SEQ_LEN)
+    data = next_word_data(read_roles(tiny_shakespeare), VOCAB, BUCKETS, SEQ_LEN)
     held_out_targets = sum(int((role["targets"] != PAD).sum()) for role in data.test)
 
     # Execute
-    result = run(tiny(tmp_path), Console(width=120, record=True))
+    result = run(tiny(tmp_path, tiny_shakespeare), Console(width=120, record=True))
 
     # Assert: rounds committed from training roles only; held-out roles evaluated, never trained
     report = json.loads(result.report_path.read_text())
@@ -98,9 +102,12 @@ def test_a_fleet_of_roles_learns_next_words_and_reports_table_two(tmp_path: Path
         assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_fedavg_in_the_fleet_shares_the_oov_rows(tmp_path: Path) -> None:
+def test_fedavg_in_the_fleet_shares_the_oov_rows(tmp_path: Path, tiny_shakespeare: Path) -> None:
     # Execute: the same model with its OOV rows global (no local variables at all)
-    result = run(tiny(tmp_path, rounds=2, model_args={**TINY, "oov_local": "false"}), Console(width=120))
+    result = run(
+        tiny(tmp_path, tiny_shakespeare, rounds=2, model_args={**TINY, "oov_local": "false"}),
+        Console(width=120),
+    )
 
     # Assert: trained and evaluated; every row is shared, so each round moves the OOV rows too
     manifest = load_manifest(tmp_path / "model")
@@ -125,13 +132,15 @@ def test_fedavg_in_the_fleet_shares_the_oov_rows(tmp_path: Path) -> None:
         (["--local-state", "keep"], "--local-state keep is not available with --data shakespeare"),
         (["--vocab-size", "0"], "vocab_size must be >= 1, got 0"),
         (["--data", "expressions", "--model-arg", "seed=1"], "--model-arg is for --data shakespeare"),
+        # Found once the data is read (the builder's arguments follow from its vocabulary).
         (["--model-arg", "lstm_unit=8"], "takes no argument 'lstm_unit'; it takes: num_global_tokens"),
     ],
 )
 def test_next_word_user_errors_are_one_clear_line(
     args: list[str], message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    code = main(["run", "--data", "shakespeare", "--work-dir", str(tmp_path), *args])
+    data = ["--shakespeare", str(dataset_folder("tinyshakespeare"))] if "lstm_unit=8" in args else []
+    code = main(["run", "--data", "shakespeare", "--work-dir", str(tmp_path), *data, *args])
 
     err = capsys.readouterr().err
     assert code == 2

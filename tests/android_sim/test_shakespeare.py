@@ -24,9 +24,6 @@ from android_sim.shakespeare import (
     split_roles,
     time_split,
 )
-from tests.conftest import ROOT
-
-TINY_SHAKESPEARE = ROOT.parent / "shared" / "data" / "tinyshakespeare"
 
 PLAY = """First Citizen:
 Before we proceed any further, hear me speak.
@@ -75,8 +72,8 @@ def test_roles_gather_their_speeches_in_order_of_first_appearance(tmp_path: Path
     assert roles[1].sentences == (("speak", "speak"),)
 
 
-def test_the_real_file_passes_its_checksum_and_has_its_speakers() -> None:
-    roles = read_roles(TINY_SHAKESPEARE)
+def test_the_real_file_passes_its_checksum_and_has_its_speakers(tiny_shakespeare: Path) -> None:
+    roles = read_roles(tiny_shakespeare)
 
     assert len(roles) == 309
     assert roles[0].name == "First Citizen"

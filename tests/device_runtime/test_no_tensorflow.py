@@ -28,6 +28,7 @@ from contracts.task_config import TaskConfig
 from device_runtime.example_store import Event, ExampleStore
 from model_runtime.tflite_model import TFLiteModel
 from device_runtime.recommender import Recommender
+import device_runtime.agent, device_runtime.__main__  # the agent and the command line load no table reader
 
 model = TFLiteModel(Path(sys.argv[1]), backend=sys.argv[3])
 store = ExampleStore(Path(sys.argv[2]), model.manifest.features)
@@ -38,6 +39,8 @@ print(json.dumps({
     "outcome": result.outcome.value,
     "top": len(top.items),
     "tensorflow_loaded": any(m == "tensorflow" or m.startswith("tensorflow.") for m in sys.modules),
+    # Tables are read off the device (the `tables` extra): the device's own code never needs pyarrow.
+    "pyarrow_loaded": any(m == "pyarrow" or m.startswith("pyarrow.") for m in sys.modules),
 }))
 """
 
@@ -55,7 +58,7 @@ def test_client_task_and_recommender_without_tensorflow(
 
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout.strip().splitlines()[-1])
-    assert report == {"outcome": "completed", "top": 5, "tensorflow_loaded": False}
+    assert report == {"outcome": "completed", "top": 5, "tensorflow_loaded": False, "pyarrow_loaded": False}
 
 
 def test_the_blocker_really_blocks_tensorflow() -> None:

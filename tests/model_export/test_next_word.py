@@ -14,6 +14,7 @@ import sys
 from itertools import pairwise
 from pathlib import Path
 
+from android_sim.datasets import ENV_DATA_DIR
 from tests.conftest import ROOT
 
 BUILDER = """
@@ -78,7 +79,7 @@ def test_oov_rows_are_separate_variables_local_only_for_fedrecon_and_metrics_cou
 
 
 def test_training_converts_to_builtins_lowers_the_loss_on_both_interpreters_and_equals_tensorflow(
-    tmp_path: Path,
+    tmp_path: Path, tiny_shakespeare: Path
 ) -> None:
     small = "--vocab-sizes 50 --variants fedrecon_many --many-buckets 4 --calls 3 --steps 3 --seq-len 5 "
     small += "--embedding-dim 8 --lstm-units 8 --batch-size 4 --num-batches 2"
@@ -94,6 +95,7 @@ def test_training_converts_to_builtins_lowers_the_loss_on_both_interpreters_and_
         capture_output=True,
         text=True,
         cwd=ROOT,
+        env={**os.environ, ENV_DATA_DIR: str(tiny_shakespeare.parent)},  # the benchmark reads its default
     )
 
     assert result.returncode == 0, result.stderr[-3000:]

@@ -23,9 +23,9 @@ SEQ_LEN = int(NEXT_WORD_SIZES["seq_len"])
 
 
 @pytest.fixture(scope="module")
-def windows() -> Examples:
+def windows(tiny_shakespeare: Path) -> Examples:
     """Twelve windows of the most talkative role, 47 words (+ PAD, BOS, EOS) global."""
-    roles = read_roles()
+    roles = read_roles(tiny_shakespeare)
     vocabulary = Vocabulary.build(roles, NUM_GLOBAL_TOKENS - 3, OOV_BUCKETS)
     role = max(roles, key=lambda r: r.num_examples(SEQ_LEN))
     columns = role_examples(role, vocabulary, SEQ_LEN)

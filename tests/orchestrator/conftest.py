@@ -23,6 +23,8 @@ from tests.conftest import BIASED
 
 # A fresh secret per test session, as every server needs one (orchestrator/settings.py).
 ADMIN_TOKEN = secrets.token_urlsafe(32)
+# A training report's Content-Type (an evaluation report's is application/json).
+OCTETS = {"Content-Type": "application/octet-stream"}
 
 
 # Set (as .ci/run does) to also run the database tests on a real PostgreSQL server, e.g.

@@ -21,7 +21,7 @@ from device_runtime.orchestrator_client import OrchestratorClient, ProtocolError
 from model_export.config import ModelConfig
 from orchestrator.local import free_port
 from tests.conftest import BIASED, ROOT
-from tests.orchestrator.conftest import ADMIN_TOKEN, Server, admin_create_population
+from tests.orchestrator.conftest import ADMIN_TOKEN, OCTETS, Server, admin_create_population
 
 
 def enroll(url: str) -> str:
@@ -80,7 +80,9 @@ def test_malformed_checkins_say_what_was_expected(server: Server, population: st
 
     assert negative.status_code == 422 and "greater than or equal to 0" in negative.text
     assert not_a_number.status_code == 422, not_a_number.text  # was a 500: NaN cannot be echoed as JSON
-    (problem,) = not_a_number.json()["detail"]
+    # One body for every refusal: a line in `detail`, and for a validation failure each part in `errors`.
+    assert not_a_number.json()["detail"].startswith("invalid request: body.example_count: ")
+    (problem,) = not_a_number.json()["errors"]
     assert problem["loc"] == ["body", "example_count"] and problem["input"] == "nan"
     assert extra.status_code == 422 and "items" in extra.text  # examples are never accepted
     assert unknown.status_code == 404
@@ -127,7 +129,7 @@ def test_report_errors_over_http(server: Server, population: str) -> None:
     ).json()
 
     unknown = httpx.post(
-        f"{server.url}/v1/assignments/nope/report", content=b"x", headers=headers, timeout=10
+        f"{server.url}/v1/assignments/nope/report", content=b"x", headers={**headers, **OCTETS}, timeout=10
     )
     other = httpx.post(
         f"{server.url}{assignment['report_url']}",
@@ -136,10 +138,16 @@ def test_report_errors_over_http(server: Server, population: str) -> None:
         timeout=10,
     )
     garbage = httpx.post(
-        f"{server.url}{assignment['report_url']}", content=b"\x00" * 100, headers=headers, timeout=10
+        f"{server.url}{assignment['report_url']}",
+        content=b"\x00" * 100,
+        headers={**headers, **OCTETS},
+        timeout=10,
     )
     after = httpx.post(
-        f"{server.url}{assignment['report_url']}", content=b"\x00" * 100, headers=headers, timeout=10
+        f"{server.url}{assignment['report_url']}",
+        content=b"\x00" * 100,
+        headers={**headers, **OCTETS},
+        timeout=10,
     )
 
     assert (unknown.status_code, other.status_code, garbage.status_code, after.status_code) == (
@@ -196,7 +204,7 @@ def test_a_pruned_model_version_is_a_404_that_says_so(
             f"{server.url}/v1/populations/q/checkin", json={"example_count": 10}, headers=headers, timeout=10
         ).json()
         sent = httpx.post(
-            f"{server.url}{assignment['report_url']}", content=body, headers=headers, timeout=10
+            f"{server.url}{assignment['report_url']}", content=body, headers={**headers, **OCTETS}, timeout=10
         )
         assert sent.status_code == 200, sent.text
 
@@ -333,7 +341,9 @@ def test_an_adaptive_dp_population_sends_each_round_its_clip_norm_and_shows_its_
         return httpx.post(url, json={"example_count": 10}, headers=headers, timeout=10).json(), headers
 
     first, headers = checkin()
-    reported = httpx.post(f"{server.url}{first['report_url']}", content=body, headers=headers, timeout=10)
+    reported = httpx.post(
+        f"{server.url}{first['report_url']}", content=body, headers={**headers, **OCTETS}, timeout=10
+    )
     second, _ = checkin()
     admin = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
     status = httpx.get(f"{server.url}/v1/admin/populations/dp", headers=admin, timeout=10).json()

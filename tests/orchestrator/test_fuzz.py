@@ -1,5 +1,6 @@
 """Property-based fuzz of the whole HTTP API from its own OpenAPI description (schemathesis): whatever
-a client sends, the server answers without a 5xx, and keeps answering.
+a client sends, the server answers without a 5xx, and keeps answering, with a status the description
+documents for that operation (and for a refusal, its one error body).
 
 Requests go to a real server process on loopback. So that they get past authentication and the
 look-ups, most carry a real device token (the admin token on admin routes), and most path
@@ -118,5 +119,12 @@ def test_no_request_makes_the_server_fail(method: str, path: str, target: Target
         assert response.status_code < 500, (
             f"{case.method} {case.formatted_path} answered {response.status_code}: {response.text[:500]}"
         )
+        documented = operation.definition.raw["responses"]
+        assert str(response.status_code) in documented, (
+            f"{case.method} {case.formatted_path} answered {response.status_code}, which /openapi.json "
+            f"does not document for it ({sorted(documented)}): {response.text[:300]}"
+        )
+        if response.status_code >= 400:
+            assert isinstance(response.json()["detail"], str), response.text[:300]
 
     fuzz()

@@ -35,7 +35,7 @@ from orchestrator.app import create_app
 from orchestrator.local import PROJECT_ROOT
 from orchestrator.settings import AdminTokenError, Settings
 from tests.conftest import BIASED
-from tests.orchestrator.conftest import ADMIN_TOKEN, Server, admin_create_population
+from tests.orchestrator.conftest import ADMIN_TOKEN, OCTETS, Server, admin_create_population
 
 ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 EXAMPLES = 40  # what each test device checks in with
@@ -125,7 +125,7 @@ def test_the_unmutated_report_is_accepted(live: Live) -> None:
     assignment = live.checkin(device)
     before = live.state()
 
-    response = live.http.post(assignment["report_url"], content=live.report, headers=device)
+    response = live.http.post(assignment["report_url"], content=live.report, headers={**device, **OCTETS})
 
     assert response.status_code == 200, response.text
     assert (
@@ -239,7 +239,9 @@ def test_a_mutated_report_is_refused_and_changes_nothing(live: Live, name: str) 
     assignment = live.checkin(device)
     before = live.state()
 
-    response = live.http.post(assignment["report_url"], content=mutate(live.report, mutation), headers=device)
+    response = live.http.post(
+        assignment["report_url"], content=mutate(live.report, mutation), headers={**device, **OCTETS}
+    )
 
     assert response.status_code == 422, response.text
     assert re.search(expected, response.json()["detail"]), response.json()["detail"]
@@ -263,7 +265,7 @@ def test_a_report_that_is_not_safetensors_is_refused(
     before = live.state()
 
     content = live.report[: len(live.report) - 100] if body is None else body
-    response = live.http.post(assignment["report_url"], content=content, headers=device)
+    response = live.http.post(assignment["report_url"], content=content, headers={**device, **OCTETS})
 
     assert response.status_code == 422, response.text
     assert re.search(expected, response.json()["detail"]), response.json()["detail"]
@@ -278,9 +280,11 @@ def test_another_devices_assignment_cannot_be_reported_or_aborted(live: Live) ->
     assignment = live.checkin(owner)
     before = live.state()
 
-    report = live.http.post(assignment["report_url"], content=live.report, headers=thief)
+    report = live.http.post(assignment["report_url"], content=live.report, headers={**thief, **OCTETS})
     abort = live.http.post(assignment["abort_url"], headers=thief)
-    unknown = live.http.post("/v1/assignments/0123456789abcdef/report", content=live.report, headers=thief)
+    unknown = live.http.post(
+        "/v1/assignments/0123456789abcdef/report", content=live.report, headers={**thief, **OCTETS}
+    )
 
     assert (report.status_code, abort.status_code, unknown.status_code) == (403, 403, 404)
     assert "belongs to another device" in report.json()["detail"]
@@ -290,10 +294,10 @@ def test_another_devices_assignment_cannot_be_reported_or_aborted(live: Live) ->
 def test_a_replayed_report_is_refused(live: Live) -> None:
     device = live.enroll()
     assignment = live.checkin(device)
-    first = live.http.post(assignment["report_url"], content=live.report, headers=device)
+    first = live.http.post(assignment["report_url"], content=live.report, headers={**device, **OCTETS})
     after_first = live.state()
 
-    replay = live.http.post(assignment["report_url"], content=live.report, headers=device)
+    replay = live.http.post(assignment["report_url"], content=live.report, headers={**device, **OCTETS})
     abort = live.http.post(assignment["abort_url"], headers=device)
 
     assert first.status_code == 200, first.text
@@ -310,12 +314,14 @@ def test_a_report_after_the_round_committed_is_late_and_moves_nothing(
     first, second = live.enroll(), live.enroll()
     a, b = live.checkin(first, "once"), live.checkin(second, "once")
     assert (
-        live.http.post(a["report_url"], content=live.report, headers=first).json()["round_status"]
+        live.http.post(a["report_url"], content=live.report, headers={**first, **OCTETS}).json()[
+            "round_status"
+        ]
         == "committed"
     )
     before = live.state("once")
 
-    late = live.http.post(b["report_url"], content=live.report, headers=second)
+    late = live.http.post(b["report_url"], content=live.report, headers={**second, **OCTETS})
 
     assert late.status_code == 409 and "late" in late.json()["detail"]
     assert before["status"]["current_version"] == 1
@@ -338,8 +344,9 @@ def test_an_evaluation_report_must_be_json_of_bounded_depth(live: Live) -> None:
         headers={**device, "Content-Type": "application/json"},
     )
 
-    assert as_tensors.status_code == 422 and "an evaluation report is JSON" in as_tensors.json()["detail"]
-    assert deep.status_code == 409  # the first refusal used up the assignment: one report each
+    # The wrong content type is refused before anything is read, and leaves the assignment open.
+    assert as_tensors.status_code == 415 and "Content-Type application/json" in as_tensors.json()["detail"]
+    assert deep.status_code == 422 and "nests deeper" in deep.json()["detail"]
 
 
 def test_an_oversized_report_is_refused_declared_or_streamed(live: Live) -> None:
@@ -348,16 +355,21 @@ def test_an_oversized_report_is_refused_declared_or_streamed(live: Live) -> None
     before = live.state()
     big = live.report + b"\0" * MAX_REPORT_BYTES
 
-    declared = live.http.post(assignment["report_url"], content=big, headers=device)
+    declared = live.http.post(assignment["report_url"], content=big, headers={**device, **OCTETS})
     streamed = live.http.post(
-        assignment["report_url"], content=iter([big[:100_000], big[100_000:]]), headers=device
+        assignment["report_url"], content=iter([big[:100_000], big[100_000:]]), headers={**device, **OCTETS}
     )
 
     assert declared.status_code == streamed.status_code == 413
     assert f"limit of {MAX_REPORT_BYTES}" in declared.json()["detail"]
     assert f"limit of {MAX_REPORT_BYTES}" in streamed.json()["detail"]
     assert live.state() == before  # the assignment can still report
-    assert live.http.post(assignment["report_url"], content=live.report, headers=device).status_code == 200
+    assert (
+        live.http.post(
+            assignment["report_url"], content=live.report, headers={**device, **OCTETS}
+        ).status_code
+        == 200
+    )
 
 
 # ---- authentication misuse -----------------------------------------------------------------------
@@ -382,7 +394,9 @@ def test_device_routes_refuse_missing_forged_and_admin_tokens(live: Live) -> Non
             live.http.post(
                 "/v1/populations/p/checkin", json={"example_count": 5}, headers=headers
             ).status_code,
-            live.http.post(assignment["report_url"], content=live.report, headers=headers).status_code,
+            live.http.post(
+                assignment["report_url"], content=live.report, headers={**headers, **OCTETS}
+            ).status_code,
             live.http.post(assignment["abort_url"], headers=headers).status_code,
             live.http.get("/v1/populations/p/manifest", headers=headers).status_code,
         )
@@ -533,7 +547,7 @@ def test_checkins_out_of_range_are_refused_with_the_limit(live: Live) -> None:
     )
 
     assert huge.status_code == 422 and "less than or equal to 2147483647" in huge.text
-    assert overflow.status_code == 422 and overflow.json()["detail"][0]["input"] == "inf"
+    assert overflow.status_code == 422 and overflow.json()["errors"][0]["input"] == "inf"
     assert many.status_code == 422 and "at most 32" in many.text
     assert deep.status_code == deep_charset.status_code == 422
     assert "nests deeper than 16" in deep.text and "nests deeper than 16" in deep_charset.text

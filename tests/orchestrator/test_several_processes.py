@@ -30,6 +30,7 @@ from orchestrator.local import LocalOrchestrator
 from tests.conftest import BIASED
 from tests.orchestrator.conftest import (
     ADMIN_TOKEN,
+    OCTETS,
     POSTGRES_URL,
     admin_create_population,
     fresh_postgres_database,
@@ -110,7 +111,7 @@ async def device(url: str, body: bytes, seen: Seen, rng: random.Random, until: f
                 copies = 2 if rng.random() < 0.3 else 1
                 answers = await asyncio.gather(
                     *[
-                        http.post(assignment["report_url"], content=body, headers=headers)
+                        http.post(assignment["report_url"], content=body, headers={**headers, **OCTETS})
                         for _ in range(copies)
                     ]
                 )

@@ -88,7 +88,16 @@ def _population(session: Any, name: str) -> Population:
 
 
 @router.post(
-    "/populations", response_model=schemas.PopulationOut, status_code=201, summary="Create a population"
+    "/populations",
+    response_model=schemas.PopulationOut,
+    status_code=201,
+    summary="Create a population",
+    responses=schemas.refusals(
+        {
+            409: "a population of that name already exists",
+            422: "the model, manifest, global parameters or settings are invalid (the detail says which)",
+        }
+    ),
 )
 async def create(
     _: AdminDep,
@@ -133,7 +142,12 @@ def _status(factory: sessionmaker[Session], name: str) -> PopulationView:
         return population_out(session, _population(session, name))
 
 
-@router.get("/populations/{name}", response_model=schemas.PopulationOut, summary="A population's status")
+@router.get(
+    "/populations/{name}",
+    response_model=schemas.PopulationOut,
+    summary="A population's status",
+    responses=schemas.refusals({404: "no population of that name"}),
+)
 async def status(name: str, _: AdminDep, factory: SessionFactoryDep, request: Request) -> PopulationView:
     return await run_db(request.app, _status, factory, name)
 
@@ -150,7 +164,12 @@ def _list_rounds(
         return [round_out(r) for r in session.scalars(query)]
 
 
-@router.get("/populations/{name}/rounds", response_model=schemas.RoundsOut, summary="Rounds, newest first")
+@router.get(
+    "/populations/{name}/rounds",
+    response_model=schemas.RoundsOut,
+    summary="Rounds, newest first",
+    responses=schemas.refusals({404: "no population of that name"}),
+)
 async def list_rounds(
     name: str,
     _: AdminDep,
@@ -168,6 +187,9 @@ async def list_rounds(
     response_model=schemas.RoundOut,
     status_code=201,
     summary="Open an evaluation round",
+    responses=schemas.refusals(
+        {404: "no population of that name", 409: "an evaluation round is already open"}
+    ),
 )
 def schedule_evaluation(name: str, _: AdminDep, factory: SessionFactoryDep, clock: ClockDep) -> RoundView:
     with factory.begin() as session:
@@ -184,13 +206,25 @@ def _mixing(factory: sessionmaker[Session], name: str) -> dict[str, Any]:
         return mixing_data.describe(session, _population(session, name))
 
 
-@router.get("/populations/{name}/mixing", summary="A population's mixing strategy and centralized data")
+@router.get(
+    "/populations/{name}/mixing",
+    summary="A population's mixing strategy and centralized data",
+    responses=schemas.refusals({404: "no population of that name"}),
+)
 async def get_mixing(name: str, _: AdminDep, factory: SessionFactoryDep, request: Request) -> dict[str, Any]:
     return await run_db(request.app, _mixing, factory, name)
 
 
 @router.put(
-    "/populations/{name}/mixing", summary="Attach a mixing strategy and centralized examples (safetensors)"
+    "/populations/{name}/mixing",
+    summary="Attach a mixing strategy and centralized examples (safetensors)",
+    responses=schemas.refusals(
+        {
+            404: "no population of that name",
+            413: "the centralized examples exceed their limit",
+            422: "the mixing config or the examples are invalid (the detail says which)",
+        }
+    ),
 )
 async def attach_mixing(
     name: str,

@@ -103,10 +103,32 @@ def _report(
     "/{assignment_id}/report",
     response_model=schemas.ReportAccepted,
     summary="Report a task's result",
-    description="Training: the sparse delta of the manifest's global tensors as safetensors "
-    "(`<name>/rows` int32 increasing, `<name>/values` float32, `<name>/shape` int64) with "
-    "metadata `num_examples` and `metrics` (JSON). Evaluation: JSON `{num_examples, metrics}`. "
-    "409 when late or repeated, 422 when malformed, 403 when not the caller's.",
+    description="A training task's report is `application/octet-stream`: safetensors holding the "
+    "sparse delta of the manifest's global tensors (`<name>/rows` int32 increasing, `<name>/values` "
+    "float32 `[k, ...]`, `<name>/shape` int64, the dense shape) with string metadata `num_examples` "
+    '(an integer, e.g. "5") and `metrics` (a JSON object as a string). An evaluation task\'s report '
+    "is `application/json`: `EvaluationReport`. docs/reference/wire-formats.md has the details.",
+    openapi_extra={
+        "requestBody": {
+            "required": True,
+            "content": {
+                "application/octet-stream": {"schema": {"type": "string", "format": "binary"}},
+                "application/json": {"schema": {"$ref": "#/components/schemas/EvaluationReport"}},
+            },
+        }
+    },
+    responses=schemas.refusals(
+        {
+            403: "the assignment belongs to another device",
+            404: "no such assignment",
+            409: "the report is late or repeated, the assignment was aborted or refused, or the round "
+            "uses secure aggregation",
+            415: "a training report is application/octet-stream (safetensors), an evaluation report "
+            "application/json; nothing was stored and the assignment is still open",
+            422: "the report is malformed or out of bounds (the detail says which); the assignment is "
+            "closed as invalid",
+        }
+    ),
 )
 async def report(assignment_id: str, request: Request, token: TokenDep) -> ReportAccepted:
     body = await request.body()  # under max_report_bytes, after the token was checked (api/edge.py)
@@ -115,7 +137,18 @@ async def report(assignment_id: str, request: Request, token: TokenDep) -> Repor
     return _answer(await groups.submit(None, call))
 
 
-@router.post("/{assignment_id}/abort", response_model=schemas.ReportAccepted, summary="Give up an assignment")
+@router.post(
+    "/{assignment_id}/abort",
+    response_model=schemas.ReportAccepted,
+    summary="Give up an assignment",
+    responses=schemas.refusals(
+        {
+            403: "the assignment belongs to another device",
+            404: "no such assignment",
+            409: "the assignment has already reported or aborted, or its round has closed",
+        }
+    ),
+)
 async def abort(assignment_id: str, request: Request, token: TokenDep) -> ReportAccepted:
     groups: ReportGroups = request.app.state.report_groups
     return _answer(await groups.submit(None, _ReportCall(assignment_id, token, b"", "", abort=True)))
@@ -150,6 +183,16 @@ def _central_examples(factory: sessionmaker[Session], token: str, assignment_id:
 @router.get(
     "/{assignment_id}/central-examples",
     summary="Example transfer: the assignment's centralized examples (safetensors)",
+    response_class=Response,
+    responses={
+        **schemas.binary("safetensors: one tensor per manifest feature, [n, *shape]"),
+        **schemas.refusals(
+            {
+                404: "no such assignment of this device, or its population does not mix by example transfer",
+                409: "the assignment is no longer open",
+            }
+        ),
+    },
 )
 async def central_examples(
     assignment_id: str, token: TokenDep, factory: SessionFactoryDep, request: Request
@@ -193,6 +236,18 @@ def _central_gradient(job: CentralJob) -> bytes:
 @router.get(
     "/{assignment_id}/central-gradient",
     summary="Gradient transfer: the centralized loss's gradient at the round's globals (sparse safetensors)",
+    response_class=Response,
+    responses={
+        **schemas.binary("safetensors: a sparse delta, as a training report's tensors (no metadata)"),
+        **schemas.refusals(
+            {
+                404: "no such assignment of this device, an evaluation, or a population that does not "
+                "mix by gradient transfer",
+                409: "the assignment is no longer open, or its model version was pruned",
+                503: "the model version cannot give a central gradient now (the detail says why)",
+            }
+        ),
+    },
 )
 async def central_gradient(
     assignment_id: str, token: TokenDep, factory: SessionFactoryDep, request: Request

@@ -26,7 +26,15 @@ from orchestrator.api.deps import (
     token_of,
 )
 from orchestrator.api.group_commit import GroupCommit
-from orchestrator.api.schemas import CHECK_IN, AssignmentOut, CheckInBody, RejectionOut
+from orchestrator.api.schemas import (
+    CHECK_IN,
+    AssignmentOut,
+    CheckInBody,
+    ManifestOut,
+    RejectionOut,
+    binary,
+    refusals,
+)
 from orchestrator.db import ModelVersion, Population
 from orchestrator.devices import authenticate_all
 from orchestrator.limits import MAX_COUNT, MAX_JSON_DEPTH
@@ -113,11 +121,23 @@ router.add_api_route(
     methods=["POST"],
     response_model=AssignmentOut | RejectionOut,
     summary="Check in for a task",
-    description="200 with an assignment, or 200 with a rejection (`accepted: false`, a reason, "
-    "`retry_after_seconds` and a `Retry-After` header) when there is no task now: no round open, "
-    "the round full, already taken part, too few examples, or the population's DP privacy budget "
-    "spent (then `Retry-After: 86400`). 401 without a valid device token, 404 for an unknown "
-    "population, 422 for a malformed body.",
+    description="200 with an `Assignment` (`accepted: true`), or with a `Rejection` (`accepted: false`) "
+    "and `Retry-After` when there is no task for this device now: no round of that kind is open, the "
+    "round is full, the device holds too few examples, a secure round has closed its check-ins, or the "
+    "population's privacy budget is spent (`Retry-After: 86400`, for good: no training round opens "
+    "again). The assignment's URLs are paths on this server (`/v1/...`), appended to the base URL "
+    "the device checked in at.",
+    responses={
+        200: {
+            "headers": {
+                "Retry-After": {
+                    "description": "with a rejection only: seconds before checking in again",
+                    "schema": {"type": "integer"},
+                }
+            }
+        },
+        **refusals({404: "no population of that name", 422: None}),
+    },
     route_class_override=_CheckInRoute,
 )
 
@@ -219,7 +239,11 @@ def _manifest(factory: sessionmaker[Session], token: str, population: str) -> di
         return dict(found.manifest)
 
 
-@router.get("/{population}/manifest", summary="The model's manifest (shapes, signatures, defaults)")
+@router.get(
+    "/{population}/manifest",
+    summary="The model's manifest (shapes, signatures, defaults)",
+    responses={200: {"model": ManifestOut}, **refusals({404: "no population of that name"})},
+)
 async def manifest(
     population: str, token: TokenDep, factory: SessionFactoryDep, request: Request
 ) -> dict[str, Any]:
@@ -249,7 +273,20 @@ def _global_params(factory: sessionmaker[Session], token: str, population: str, 
         return model.params
 
 
-@router.get("/{population}/models/{version}/global", summary="Global parameters (safetensors)")
+@router.get(
+    "/{population}/models/{version}/global",
+    summary="Global parameters (safetensors)",
+    description="The model version's global parameters, dense, as safetensors (docs/reference/"
+    "wire-formats.md): one float32 tensor per manifest `global_params` entry, under its name and "
+    "with its shape (0-D and 1-D tensors too). Immutable: cached for a year.",
+    response_class=Response,
+    responses={
+        **binary("safetensors: the dense global tensors"),
+        **refusals(
+            {404: "no population of that name, or no such model version (or it was pruned)", 422: None}
+        ),
+    },
+)
 async def global_params(
     population: str,
     version: Annotated[int, Path(ge=0, le=MAX_COUNT)],

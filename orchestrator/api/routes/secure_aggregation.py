@@ -18,6 +18,7 @@ from fastapi import APIRouter, HTTPException, Query, Request
 from sqlalchemy.orm import Session, sessionmaker
 
 from orchestrator import rounds, secure_rounds
+from orchestrator.api import schemas
 from orchestrator.api.deps import ClockDep, SessionFactoryDep, SettingsDep, TokenDep, require_device, run_db
 from orchestrator.db import Population, Round
 from orchestrator.phase_changes import PHASE_CHANGES
@@ -29,6 +30,15 @@ LONG_POLL_SECONDS = 10.0
 # Phase changes made by another server process are not announced here: read again this often.
 RECHECK_SECONDS = 1.0
 ORDER = (*secure_rounds.PHASES, secure_rounds.DONE)
+
+SECURE_REFUSALS = {
+    403: "the assignment belongs to another device",
+    404: "no such assignment",
+    409: "the round does not use secure aggregation, the message is out of phase (Retry-After: until "
+    "the phase's deadline) or repeated, or the assignment or its round is closed",
+    422: "the message fails its checks (the detail says which); nothing changed for other devices",
+}
+
 
 Handler = Callable[[Session, Round, str, Any, float], dict[str, Any] | rounds.Refused]
 
@@ -105,7 +115,14 @@ async def _post_json(request: Request, handler: Handler, assignment_id: str, tok
     )
 
 
-@router.get("/{assignment_id}/secure", summary="The secure round's phase and what this device needs for it")
+@router.get(
+    "/{assignment_id}/secure",
+    summary="The secure round's phase and what this device needs for it",
+    responses={
+        200: {"model": schemas.SecureState},
+        **schemas.refusals({**SECURE_REFUSALS, 422: "`until` is not a phase"}, retry_after=(409,)),
+    },
+)
 async def state(
     assignment_id: str,
     request: Request,
@@ -130,12 +147,28 @@ async def state(
         await PHASE_CHANGES.wait(seen, min(left, RECHECK_SECONDS))
 
 
-@router.post("/{assignment_id}/secure/keys", summary="Phase 1: advertise two X25519 public keys")
+@router.post(
+    "/{assignment_id}/secure/keys",
+    summary="Phase 1: advertise two X25519 public keys",
+    openapi_extra=schemas.json_body("the device's keys", {"$ref": "#/components/schemas/AdvertisedKeys"}),
+    responses={
+        200: {"model": schemas.Advertised},
+        **schemas.refusals({**SECURE_REFUSALS, 413: "the body exceeds 4096 bytes"}, retry_after=(409,)),
+    },
+)
 async def keys(assignment_id: str, request: Request, token: TokenDep, settings: SettingsDep) -> Any:
     return await _post_json(request, secure_rounds.advertise, assignment_id, token, 4096)
 
 
-@router.post("/{assignment_id}/secure/shares", summary="Phase 2: Shamir shares encrypted to each neighbour")
+@router.post(
+    "/{assignment_id}/secure/shares",
+    summary="Phase 2: Shamir shares encrypted to each neighbour",
+    openapi_extra=schemas.json_body(
+        "neighbour index -> its shares",
+        {"type": "object", "additionalProperties": {"$ref": "#/components/schemas/EncryptedShares"}},
+    ),
+    responses={200: {"model": schemas.Shared}, **schemas.refusals(SECURE_REFUSALS, retry_after=(409,))},
+)
 async def shares(assignment_id: str, request: Request, token: TokenDep, settings: SettingsDep) -> Any:
     return await _post_json(
         request, secure_rounds.share_keys, assignment_id, token, settings.max_report_bytes
@@ -145,6 +178,13 @@ async def shares(assignment_id: str, request: Request, token: TokenDep, settings
 @router.post(
     "/{assignment_id}/secure/masked-input",
     summary="Phase 3: the masked, quantized update (little-endian unsigned integers)",
+    openapi_extra=schemas.binary_body(
+        "vector_length little-endian unsigned integers (4 bytes each when bits <= 32, else 8)"
+    ),
+    responses={
+        200: {"model": schemas.MaskedInputReceived},
+        **schemas.refusals(SECURE_REFUSALS, retry_after=(409,)),
+    },
 )
 async def masked_input(
     assignment_id: str, request: Request, token: TokenDep, settings: SettingsDep, factory: SessionFactoryDep
@@ -156,6 +196,16 @@ async def masked_input(
     )
 
 
-@router.post("/{assignment_id}/secure/unmasking", summary="Phase 4: shares that unmask the survivors' sum")
+@router.post(
+    "/{assignment_id}/secure/unmasking",
+    summary="Phase 4: shares that unmask the survivors' sum",
+    openapi_extra=schemas.json_body(
+        "the survivor's shares", {"$ref": "#/components/schemas/UnmaskingShares"}
+    ),
+    responses={
+        200: {"model": schemas.UnmaskingAccepted},
+        **schemas.refusals(SECURE_REFUSALS, retry_after=(409,)),
+    },
+)
 async def unmasking(assignment_id: str, request: Request, token: TokenDep, settings: SettingsDep) -> Any:
     return await _post_json(request, secure_rounds.unmasking, assignment_id, token, settings.max_report_bytes)
