@@ -375,8 +375,9 @@ def test_a_check_in_after_the_privacy_budget_is_spent_is_a_200_rejection_for_a_d
     url = f"{server.url}/v1/populations/dp/checkin"
     first = httpx.post(url, json={"example_count": 10}, headers=headers, timeout=10).json()
     body = encode_sparse_delta(zero, {"num_examples": "5", "metrics": "{}"})
+    binary = {**headers, "Content-Type": "application/octet-stream"}
     assert httpx.post(
-        f"{server.url}{first['report_url']}", content=body, headers=headers, timeout=10
+        f"{server.url}{first['report_url']}", content=body, headers=binary, timeout=10
     ).is_success
 
     # Execute
