@@ -87,6 +87,12 @@ def _run_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     )
     dp.add_argument("--epsilon-budget", type=float, help="stop training rounds before epsilon exceeds it")
     dp.add_argument(
+        "--target-delta",
+        type=float,
+        help="the delta of the (epsilon, delta) guarantee, < 1 / population size "
+        "(default: min(1e-5, population size^-1.1))",
+    )
+    dp.add_argument(
         "--target-unclipped-quantile",
         type=float,
         help="adaptive clipping: the share of devices to leave unclipped (--clip-norm is the first round's)",
@@ -300,6 +306,7 @@ def main(argv: list[str] | None = None) -> int:
             noise_multiplier=args.noise_multiplier,
             population_size=args.population_size,
             epsilon_budget=args.epsilon_budget,
+            target_delta=args.target_delta,
             target_unclipped_quantile=args.target_unclipped_quantile,
             mixing=mixing(args),
             central_examples=args.central_examples,

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, Generic, TypeVar, cast
 
 import numpy as np
+from pydantic import ValidationError
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -122,6 +123,8 @@ class RunConfig:
     noise_multiplier: float | None = None
     population_size: int | None = None  # default: the fleet's training devices
     epsilon_budget: float | None = None
+    # Default: the server's, min(1e-5, population_size^-1.1) (differential_privacy.target_delta_for).
+    target_delta: float | None = None
     # Adaptive clipping: --clip-norm is then the first round's; the count's noise is reports / 20.
     target_unclipped_quantile: float | None = None
     # Mixing centralized data (contracts.mixing): MixingConfig fields; {} = none. The centralized
@@ -166,16 +169,32 @@ class RunConfig:
             problems.append("secure aggregation needs target_reports >= 6 (min_reports = target / 2 >= 3)")
         if self.devices < 0 or self.expressions < 2:
             problems.append("devices must be >= 0 and expressions >= 2")
-        dp_options = ("noise_multiplier", "population_size", "epsilon_budget", "target_unclipped_quantile")
+        dp_options = (
+            "noise_multiplier",
+            "population_size",
+            "epsilon_budget",
+            "target_delta",
+            "target_unclipped_quantile",
+        )
         if self.clip_norm is None and any(getattr(self, name) is not None for name in dp_options):
             problems.append(
-                "--noise-multiplier, --population-size, --epsilon-budget and --target-unclipped-quantile "
-                "need --clip-norm"
+                "--noise-multiplier, --population-size, --epsilon-budget, --target-delta and "
+                "--target-unclipped-quantile need --clip-norm"
             )
         if self.clip_norm is not None and self.noise_multiplier is None:
             problems.append("--clip-norm needs --noise-multiplier (0 for clipping without noise)")
         if self.orchestrator_url and not self.admin_token:
             problems.append("an orchestrator URL needs its admin token (--admin-token)")
+        if not problems:
+            # The round and DP settings as the server will check them, now: a combination it
+            # would refuse must stop the run before anything is exported or started. (Without
+            # --population-size the population is the fleet's, checked once the data is read.)
+            settings = round_settings(self, TaskConfig(), {"name": "sgd"}, self.population_size or 0)
+            if self.population_size is None:
+                settings["differential_privacy"] = None
+            problem = settings_problem(settings)
+            if problem:
+                problems.append(problem)
         if problems:
             raise RunError("; ".join(problems))
 
@@ -281,6 +300,8 @@ def differential_privacy(config: RunConfig, training_devices: int) -> dict[str, 
     }
     if config.epsilon_budget is not None:
         settings["epsilon_budget"] = config.epsilon_budget
+    if config.target_delta is not None:
+        settings["target_delta"] = config.target_delta
     if config.target_unclipped_quantile is not None:
         settings["target_unclipped_quantile"] = config.target_unclipped_quantile
         # Andrew et al.'s suggestion: the count's noise at a twentieth of the reports per round.
@@ -302,6 +323,21 @@ def population_settings(
         config.task,
     )
     return round_settings(config, task, server_optimizer(config, data), training_devices)
+
+
+def settings_problem(settings: dict[str, Any]) -> str | None:
+    """Why the orchestrator would refuse a population with these settings (one line), or None:
+    the server's own validator, run before the fleet exports a model or starts a server."""
+    try:
+        PopulationSettings.model_validate(settings)
+    except ValidationError as e:
+        return "population settings: " + "; ".join(
+            ".".join(str(part) for part in error["loc"]) * bool(error["loc"])
+            + (": " if error["loc"] else "")
+            + error["msg"].removeprefix("Value error, ")
+            for error in e.errors()
+        )
+    return None
 
 
 def round_settings(
@@ -636,6 +672,13 @@ async def run_async(config: RunConfig, console: Console) -> RunResult:
     data = load_data(config)
     console.print(f"data: {data.source}: {len(data.devices)} devices, {data.num_events:,} examples")
     model = model_config(data)
+    devices = await asyncio.to_thread(prepare_devices, config, data, model, work / "devices")
+    held_out = sum(1 for spec in devices.specs if spec.role == HELD_OUT)
+    console.print(f"fleet: {len(devices.specs) - held_out} training devices, {held_out} held-out devices")
+    settings = population_settings(config, data, model, len(devices.specs) - held_out)
+    problem = settings_problem(settings)  # the whole settings, before the export and the server
+    if problem:
+        raise RunError(problem)
     t0 = time.monotonic()
     model_dir = await asyncio.to_thread(export, model, work / "model")
     manifest = load_manifest(model_dir)
@@ -643,11 +686,7 @@ async def run_async(config: RunConfig, console: Console) -> RunResult:
         f"model: {model.num_items} x {model.embedding_dim}, {model.feedback.value} feedback, "
         f"sha256 {manifest.model_sha256[:12]}... ({time.monotonic() - t0:.1f} s)"
     )
-    devices = await asyncio.to_thread(prepare_devices, config, data, model, work / "devices")
-    held_out = sum(1 for spec in devices.specs if spec.role == HELD_OUT)
-    console.print(f"fleet: {len(devices.specs) - held_out} training devices, {held_out} held-out devices")
     name = config.population or f"{config.data}-{manifest.model_sha256[:8]}"
-    settings = population_settings(config, data, model, len(devices.specs) - held_out)
 
     async def recommend(fleet: Fleet, status: dict[str, Any]) -> tuple[HitRates | None, list[dict[str, Any]]]:
         if config.stateful:

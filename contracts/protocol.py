@@ -149,7 +149,11 @@ class Assignment:
 
 @dataclass(frozen=True)
 class Rejection:
-    """A refused check-in, and when to come back."""
+    """A check-in that gets no task now, why, and when to come back: answered 200 with this body
+    and a `Retry-After` header (seconds), whatever the reason (no round open, the round full,
+    this device already took part, too few examples, a secure round's roster closed). Once a
+    population's DP privacy budget is spent, a training check-in gets this too, with the
+    budget's message and `Retry-After: 86400` (the budget never comes back; not a 409)."""
 
     reason: str
     retry_after_seconds: Annotated[float, Spec(ge=0.0, le=MAX_RETRY_AFTER_SECONDS)]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import math
 import mmap
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -156,7 +157,17 @@ class TFLiteModel:
     written only when `infer` needs them, once per new set of globals.
     """
 
-    def __init__(self, model_dir: Path, *, backend: str | None = None, num_threads: int = 1) -> None:
+    def __init__(
+        self,
+        model_dir: Path,
+        *,
+        backend: str | None = None,
+        num_threads: int = 1,
+        default_delegates: bool = True,
+    ) -> None:
+        """`default_delegates=False`: the builtin kernels only, without XNNPACK (whose creation
+        prints an INFO line on stderr, which a server's JSON log must not get), for a model
+        that is only loaded and checked."""
         model_dir = Path(model_dir)
         self.manifest: Manifest = load_manifest(model_dir, verify_model=False)
         model_path = model_dir / MODEL_FILE
@@ -177,7 +188,14 @@ class TFLiteModel:
             )
         self.backend, interpreter_cls = interpreter_class(backend)
         try:
-            self._interpreter = interpreter_cls(model_content=self._content, num_threads=num_threads)
+            resolver = sys.modules[interpreter_cls.__module__].OpResolverType
+            self._interpreter = interpreter_cls(
+                model_content=self._content,
+                num_threads=num_threads,
+                experimental_op_resolver_type=(
+                    resolver.AUTO if default_delegates else resolver.BUILTIN_WITHOUT_DEFAULT_DELEGATES
+                ),
+            )
         except (ValueError, RuntimeError) as e:
             raise ModelLoadError(f"{model_path} is not a loadable TFLite model: {e}") from None
         self._runners: dict[str, Any] = {}

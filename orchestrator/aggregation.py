@@ -21,11 +21,21 @@ import math
 import numbers
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, fields
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
 from contracts.params import Params, SparseTensor, row_shape
+from orchestrator.norm_reference import (
+    HISTORY_ROUNDS,
+    ROUND_GROWTH,
+    WINDOW_GROWTH,
+    WINDOW_ROUNDS,
+    NormReference,
+    NormRule,
+    next_reference,
+)
+from orchestrator.setting_ranges import Range, check
 
 
 def _describe_mismatch(
@@ -165,18 +175,36 @@ class RobustAggregation:
     trim_fraction: float = 0.1  # trimmed_mean: this fraction of the values dropped at each end
     norm_clip_multiple: float = 3.0
     max_weight_multiple: float = 5.0
-    # How fast the reference norm may grow from one round to the next (it may shrink at once):
-    # a round filled by hostile devices raises the next round's bound by at most this factor.
-    reference_growth: float = 1.25
+    # How the reference norm may move (orchestrator.norm_reference): at most this factor a
+    # round, at most `reference_window_growth` over any `reference_window_rounds` rounds, and
+    # never above the median of the last `reference_history_rounds` rounds' observations.
+    reference_growth: float = ROUND_GROWTH
+    reference_history_rounds: int = HISTORY_ROUNDS
+    reference_window_rounds: int = WINDOW_ROUNDS
+    reference_window_growth: float = WINDOW_GROWTH
 
     def __post_init__(self) -> None:
         if self.method not in ROBUST_METHODS:
             raise ValueError(f"unknown robust aggregation {self.method!r}; known: {list(ROBUST_METHODS)}")
         if not 0 <= self.trim_fraction < 0.5:
             raise ValueError(f"trim_fraction must be in [0, 0.5), got {self.trim_fraction}")
-        for name in ("norm_clip_multiple", "max_weight_multiple", "reference_growth"):
+        for name in (
+            "norm_clip_multiple",
+            "max_weight_multiple",
+            "reference_growth",
+            "reference_window_growth",
+        ):
             if not 1 <= getattr(self, name) <= 1e6:
                 raise ValueError(f"{name} must be in [1, 1e6], got {getattr(self, name)}")
+        self.norm_rule()  # checks the history and the window
+
+    def norm_rule(self) -> NormRule:
+        return NormRule(
+            history_rounds=self.reference_history_rounds,
+            window_rounds=self.reference_window_rounds,
+            window_growth=self.reference_window_growth,
+            round_growth=self.reference_growth,
+        )
 
 
 def tensor_norms(delta: Mapping[str, SparseTensor]) -> dict[str, float]:
@@ -196,48 +224,45 @@ class RoundPlan:
 
     weights: list[float]  # capped, in the reports' order
     bounds: dict[str, float]  # per tensor, the norm each report's delta is clipped to
-    next_reference: dict[str, float]  # per tensor, the reference norm for the next round
+    next_reference: NormReference  # per tensor, the reference norm for the next round, and its history
 
 
 def plan_round(
     weights: Sequence[float],
     norms: Sequence[Mapping[str, float]],
-    reference: Mapping[str, float] | None,
+    reference: NormReference | Mapping[str, float] | None,
     rule: RobustAggregation,
 ) -> RoundPlan:
     """Capped weights and per-tensor clipping bounds for a round's reports, and the next reference.
 
-    The reference norm of a tensor is the median of its (nonzero) norms over the honest rounds
-    so far: this round's bound is `norm_clip_multiple` x the reference the previous round left
-    (`reference`); a population's first round, which has none, uses its own median. The next
-    reference is this round's median, but at most `reference_growth` x this round's: it follows
-    honest deltas down at once and up slowly, so hostile rounds cannot ratchet it up.
+    This round's bound is `norm_clip_multiple` x the reference the previous round left
+    (`reference`); a population's first round, which has none, uses its own median norm. The
+    next reference follows the rounds' median norms under the limits of
+    orchestrator.norm_reference, so that hostile rounds cannot ratchet it up.
     """
     names = sorted({name for n in norms for name in n})
     medians: dict[str, float] = {}
     for name in names:
         touched = [n[name] for n in norms if n.get(name, 0.0) > 0]
         medians[name] = float(np.median(touched)) if touched else 0.0
-    known = reference or {}
+    state = NormReference.of(reference)
+    known = state.reference if state else {}
     used = {name: known[name] if known.get(name, 0.0) > 0 else medians[name] for name in names}
     return RoundPlan(
         weights=cap_weights(weights, rule.max_weight_multiple),
         bounds={name: rule.norm_clip_multiple * used[name] for name in names},
-        # A tensor no report changed keeps its reference: a round says nothing about it.
-        next_reference={
-            name: min(medians[name], rule.reference_growth * used[name]) if medians[name] > 0 else used[name]
-            for name in names
-        },
+        next_reference=next_reference(state, used, medians, rule.norm_clip_multiple, rule.norm_rule()),
     )
 
 
 def known_bounds(
-    reference: Mapping[str, float] | None, names: Iterable[str], rule: RobustAggregation
+    reference: NormReference | Mapping[str, float] | None, names: Iterable[str], rule: RobustAggregation
 ) -> dict[str, float] | None:
     """The clipping bounds `plan_round` will set for tensors `names`, when the reference fixes
     them all (a norm > 0 for each) so that a round's reports can be clipped as they are read;
     None when some bound depends on the round's own norms."""
-    known = reference or {}
+    state = NormReference.of(reference)
+    known = state.reference if state else {}
     if not all(known.get(name, 0.0) > 0 for name in names):
         return None
     return {name: rule.norm_clip_multiple * known[name] for name in names}
@@ -304,8 +329,8 @@ def aggregate(
     weights: Sequence[float],
     shapes: Mapping[str, tuple[int, ...]],
     rule: RobustAggregation,
-    reference: Mapping[str, float] | None,
-) -> tuple[Params, dict[str, float]]:
+    reference: NormReference | Mapping[str, float] | None,
+) -> tuple[Params, NormReference]:
     """A round's reports held in memory, combined by `rule`: (mean delta, next reference norms).
     The server's commit does the same, streaming the reports for the weighted mean."""
     plan = plan_round(weights, [tensor_norms(d) for d in deltas], reference, rule)
@@ -337,26 +362,24 @@ class ServerOptimizerConfig:
     beta2: float = 0.99  # adam, yogi: decay of the second moment
     tau: float = 1e-3  # adam, yogi: adaptivity (epsilon); the second moment starts at tau**2
 
+    # Every number's range (orchestrator.setting_ranges): a step or tau beyond 1e6 is no
+    # optimizer anyone means, and tau**2 must stay a finite float32.
+    RANGES: ClassVar[dict[str, Range]] = {
+        "learning_rate": Range(0, 1e6, low_open=True),
+        "momentum": Range(0, 1, high_open=True),
+        "beta1": Range(0, 1, high_open=True),
+        "beta2": Range(0, 1, high_open=True),
+        "tau": Range(0, 1e6, low_open=True),
+    }
+
     def __post_init__(self) -> None:
         if self.name not in SERVER_OPTIMIZERS:
             raise ValueError(f"unknown server optimizer {self.name!r}; known: {list(SERVER_OPTIMIZERS)}")
-        bounds = {
-            "learning_rate": "> 0",
-            "momentum": "in [0, 1)",
-            "beta1": "in [0, 1)",
-            "beta2": "in [0, 1)",
-            "tau": "> 0",
-        }
-        for field_name, allowed in bounds.items():
-            value = getattr(self, field_name)
-            # bool is an int in Python; `true` in a JSON config is a mistake, not 1.0.
-            if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-                raise ValueError(
-                    f"server optimizer {field_name} must be a finite number {allowed}, got {value!r}"
-                )
-            in_range = value > 0 if allowed == "> 0" else 0 <= value < 1
-            if not in_range:
-                raise ValueError(f"server optimizer {field_name} must be {allowed}, got {value!r}")
+        for field_name, allowed in self.RANGES.items():
+            # bool is an int in Python; `true` in a JSON config is a mistake, not 1.0 (Range refuses it).
+            problem = check("", field_name, getattr(self, field_name), allowed)
+            if problem:
+                raise ValueError(f"server optimizer {problem}")
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

@@ -32,17 +32,23 @@ from pathlib import Path
 import numpy as np
 
 from contracts.features import Examples
-from contracts.manifest import MANIFEST_FILE, MODEL_FILE, Manifest
+from contracts.manifest import MANIFEST_FILE, MODEL_FILE, Manifest, ManifestError
 from contracts.mixing import CentralDataset, MixingConfig
 from contracts.params import Params, SparseTensor, row_shape
 from contracts.task_config import SplitPolicy, TaskConfig
 from model_runtime.support_query import add_negatives, num_steps, reconstruct_locals, split_support_query
 from model_runtime.task_batches import TaskBatches, split_batches
-from model_runtime.tflite_model import SparseGradient, TFLiteModel
+from model_runtime.tflite_model import ModelLoadError, SparseGradient, TFLiteModel
+from orchestrator.model_check import described
 
 
 class CentralTrainingError(RuntimeError):
     """Training on the centralized data diverged (non-finite loss or delta)."""
+
+
+class ModelUnavailable(CentralTrainingError):
+    """The population's model does not load here (a population made before models were checked
+    at creation, or a damaged copy): no central delta or gradient, said as such, never a 500."""
 
 
 @dataclass(frozen=True)
@@ -272,7 +278,13 @@ class _ServerModels:
                 model_dir.mkdir(exist_ok=True)
                 (model_dir / MODEL_FILE).write_bytes(tflite)
                 (model_dir / MANIFEST_FILE).write_text(json.dumps(manifest.to_json()))
-                self._models[sha256] = (TFLiteModel(model_dir), threading.Lock())
+                try:
+                    loaded = TFLiteModel(model_dir)
+                except (ModelLoadError, ManifestError) as e:
+                    raise ModelUnavailable(
+                        f"the population's model cannot be loaded: {described(e)}"
+                    ) from None
+                self._models[sha256] = (loaded, threading.Lock())
             model, lock = self._models[sha256]
         with lock:
             yield model

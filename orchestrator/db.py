@@ -104,8 +104,8 @@ class Round(Base):
     total_weight: Mapped[float] = mapped_column(default=0.0)
     metrics: Mapped[dict[str, float]] = mapped_column(JSON, default=dict)  # sums over reports
     # A committed training round: per global tensor, the reference L2 norm that the next round
-    # clips deltas to a multiple of (aggregation.plan_round).
-    norm_reference: Mapped[dict[str, float] | None] = mapped_column(JSON(none_as_null=True), default=None)
+    # clips deltas to a multiple of, with the recent rounds' history (norm_reference.NormReference).
+    norm_reference: Mapped[dict[str, Any] | None] = mapped_column(JSON(none_as_null=True), default=None)
 
     __table_args__ = (Index("rounds_open", "population_id", "kind", "status"),)
 

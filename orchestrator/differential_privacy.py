@@ -28,13 +28,14 @@ import math
 import secrets
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, fields
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 from dp_accounting import dp_event
 from dp_accounting.rdp import rdp_privacy_accountant
 
 from contracts.params import Params
+from orchestrator.setting_ranges import Range, check
 
 
 class _FractionalOrderNoise(logging.Filter):
@@ -56,12 +57,27 @@ class DPConfig:
     clip_norm: float  # L2 bound on a device's whole delta
     noise_multiplier: float  # z: noise stddev on the sum is z * clip_norm; 0 = clipping only, no guarantee
     population_size: int  # devices that could take part (the operator's statement); sets the sampling rate
-    target_delta: float = 1e-5
-    epsilon_budget: float | None = None  # stop committing training rounds before epsilon would exceed it
+    target_delta: float = 1e-5  # from_json: target_delta_for(population_size) when not given
+    # Stop committing training rounds before epsilon would exceed it; training check-ins are then
+    # answered 200 with the budget's message and Retry-After 86400 (rounds.checkin).
+    epsilon_budget: float | None = None
     # Adaptive clipping (None: the clip norm stays fixed); clip_norm is then the first round's.
     target_unclipped_quantile: float | None = None  # gamma: the share of devices left unclipped
     clip_learning_rate: float = 0.2  # eta_C of the geometric update
     clipped_count_stddev: float | None = None  # sigma_b; the paper suggests reports per round / 20
+
+    # Every number's range (setting_ranges): wide enough for any deployment, and finite so that
+    # the noise, the sampling rate and the accountant's epsilon stay finite.
+    RANGES: ClassVar[dict[str, Range]] = {
+        "clip_norm": Range(0, 1e6, low_open=True),
+        "noise_multiplier": Range(0, 1e3),
+        "population_size": Range(1, 1e10, integer=True),
+        "target_delta": Range(0, 1, low_open=True, high_open=True),
+        "epsilon_budget": Range(0, 1e6, low_open=True),
+        "target_unclipped_quantile": Range(0, 1, low_open=True, high_open=True),
+        "clip_learning_rate": Range(0, 10, low_open=True),
+        "clipped_count_stddev": Range(0, 1e6),
+    }
 
     def __post_init__(self) -> None:
         problems = []
@@ -97,6 +113,12 @@ class DPConfig:
                 )
         if self.target_unclipped_quantile is not None and not problems:
             self._check_adaptive(problems, number)
+        if not problems:
+            for name, allowed in self.RANGES.items():
+                value = getattr(self, name)
+                problem = None if value is None else check("", name, value, allowed)
+                if problem:
+                    problems.append(problem)
         if problems:
             raise ValueError("invalid differential_privacy settings: " + "; ".join(problems))
 
@@ -166,7 +188,21 @@ class DPConfig:
                 f"differential_privacy settings need {missing} (e.g. clip_norm 1.0, "
                 "noise_multiplier 1.0, population_size 100000)"
             )
+        if "target_delta" not in data and _is_count(data["population_size"]):
+            data = {**data, "target_delta": target_delta_for(data["population_size"])}
         return cls(**data)
+
+
+def target_delta_for(population_size: int) -> float:
+    """The default delta of a population of N devices: min(1e-5, N^-1.1). Delta is the chance
+    that the guarantee fails outright, so it must stay well below 1/N (at 1/N, one device's
+    data may leak); N^-1.1 is the usual "o(1/N)" choice, and 1e-5 the usual ceiling for the
+    small populations where N^-1.1 would be larger. 100,000 devices: 3.2e-6."""
+    return min(1e-5, math.pow(population_size, -1.1))
+
+
+def _is_count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
 # ---- the server's step -------------------------------------------------------------------

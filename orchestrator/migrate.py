@@ -4,6 +4,12 @@ This is the server's first touch of its database, so a database it cannot use (a
 foreign file, a directory that does not exist or is not writable, a full disk, a server that does
 not answer) is reported here as `DatabaseUnusable`: one sentence that says what is wrong and what
 to do, for the command line to print instead of a traceback.
+
+Several processes may start together on one empty PostgreSQL database (every container
+orchestrator starts a deployment's replicas at once): without a lock, two of them create the same
+tables and one fails on PostgreSQL's catalog (`pg_type_typname_nsp_index`). So on PostgreSQL the
+upgrade runs under a session advisory lock: the first process migrates, the others wait for it
+and then find the schema current. (SQLite serializes the upgrade's writes by its file lock.)
 """
 
 from __future__ import annotations
@@ -14,10 +20,15 @@ from pathlib import Path
 
 from alembic import command
 from alembic.config import Config
+from sqlalchemy import create_engine, text
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import DBAPIError
+from sqlalchemy.pool import NullPool
 
 MIGRATIONS = Path(__file__).resolve().parent / "migrations"
+# The advisory lock that serializes schema upgrades on PostgreSQL: a fixed 64-bit key of this
+# project's own ("fedrecon" in ASCII), which no other lock of the database's users should share.
+MIGRATION_LOCK_KEY = int.from_bytes(b"fedrecon", "big") - 2**63
 
 
 class DatabaseUnusable(RuntimeError):
@@ -33,9 +44,30 @@ def alembic_config(database_url: str) -> Config:
 
 def migrate(database_url: str) -> None:
     try:
-        command.upgrade(alembic_config(database_url), "head")
+        if make_url(database_url).get_backend_name() == "postgresql":
+            _upgrade_under_lock(database_url)
+        else:
+            command.upgrade(alembic_config(database_url), "head")
     except (DBAPIError, OSError) as e:
         raise DatabaseUnusable(_explain(database_url, e)) from e
+
+
+def _upgrade_under_lock(database_url: str) -> None:
+    """`upgrade head` while holding the migration advisory lock on a connection of its own. A
+    session lock, not a transaction one: Alembic commits on its own connection; the lock goes
+    with this connection when it closes, or with the process if it dies."""
+    engine = create_engine(database_url, poolclass=NullPool)
+    try:
+        with engine.connect() as lock:
+            lock.execute(text("SELECT pg_advisory_lock(:key)"), {"key": MIGRATION_LOCK_KEY})
+            lock.commit()
+            try:
+                command.upgrade(alembic_config(database_url), "head")
+            finally:
+                lock.execute(text("SELECT pg_advisory_unlock(:key)"), {"key": MIGRATION_LOCK_KEY})
+                lock.commit()
+    finally:
+        engine.dispose()
 
 
 def _explain(database_url: str, error: DBAPIError | OSError) -> str:

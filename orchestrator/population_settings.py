@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from contracts.task_config import TaskConfig
+from contracts.task_config import FLOAT32_MAX, INT32_MAX, TASK_CONFIG_MAXIMA, TaskConfig
 from orchestrator.aggregation import RobustAggregation, ServerOptimizerConfig
 from orchestrator.differential_privacy import DPConfig, PrivacySpent, privacy_spent
 from orchestrator.limits import MAX_COUNT
+from orchestrator.setting_ranges import Range, field_ranges
 
 # Every setting has a range: a round of a million reports or a deadline a month away is already
 # beyond any deployment, and a bound keeps every derived number (capacity, deadlines) finite and
@@ -18,6 +20,9 @@ from orchestrator.limits import MAX_COUNT
 MAX_ROUND_REPORTS = 1_000_000
 MAX_SECONDS = 30 * 24 * 3600.0
 MAX_TASK_NUMBER = 1e12
+# A delta's L2 norm bound: far beyond any model's update, and small enough that the quantization
+# scale and the noise computed from it stay finite.
+MAX_CLIP_NORM = 1e6
 
 
 class SecureAggregationSettings(BaseModel):
@@ -26,7 +31,10 @@ class SecureAggregationSettings(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     clip_norm: float = Field(
-        1.0, gt=0, description="each device clips its dense delta to this L2 norm before quantizing"
+        1.0,
+        gt=0,
+        le=MAX_CLIP_NORM,
+        description="each device clips its dense delta to this L2 norm before quantizing",
     )
     bits: int = Field(
         32,
@@ -37,6 +45,7 @@ class SecureAggregationSettings(BaseModel):
     neighbours: int | None = Field(
         None,
         ge=0,
+        le=MAX_ROUND_REPORTS,
         description="SecAgg+ neighbourhood size k (even; 0 = every device of the round); "
         "None: about 6 log2(n) for n devices (2 ceil(3 log2 n))",
     )
@@ -50,14 +59,22 @@ class SecureAggregationSettings(BaseModel):
     # Devices advertise keys as they check in and share keys while they train: the masked-input
     # phase is the one that covers training.
     advertise_seconds: float = Field(
-        30.0, gt=0, description="check-in and advertising keys (the roster closes at capacity or then)"
+        30.0,
+        gt=0,
+        le=MAX_SECONDS,
+        description="check-in and advertising keys (the roster closes at capacity or then)",
     )
-    share_keys_seconds: float = Field(10.0, gt=0, description="sending shares (devices are training)")
-    masked_input_seconds: float = Field(60.0, gt=0, description="training and sending the masked input")
-    unmasking_seconds: float = Field(10.0, gt=0)
+    share_keys_seconds: float = Field(
+        10.0, gt=0, le=MAX_SECONDS, description="sending shares (devices are training)"
+    )
+    masked_input_seconds: float = Field(
+        60.0, gt=0, le=MAX_SECONDS, description="training and sending the masked input"
+    )
+    unmasking_seconds: float = Field(10.0, gt=0, le=MAX_SECONDS)
     advertise_patience_seconds: float = Field(
         0.0,
         ge=0,
+        le=MAX_SECONDS,
         description="how much longer than advertise_seconds a roster with fewer than min_reports "
         "devices stays open for check-ins before the round is abandoned: in a trough of the day "
         "the round gathers its devices instead of sending away the few it has",
@@ -103,7 +120,7 @@ class PopulationSettings(BaseModel):
     min_examples: int = Field(
         1,
         ge=1,
-        le=MAX_COUNT,
+        le=TASK_CONFIG_MAXIMA["min_examples"],  # devices get it in their task config
         description="devices with fewer examples are turned away: at check-in (the examples the device "
         "holds) and on the device (the examples its task can use); devices get it in their task config",
     )
@@ -151,8 +168,10 @@ class PopulationSettings(BaseModel):
     secure: SecureAggregationSettings = SecureAggregationSettings.model_validate({})
     differential_privacy: dict[str, Any] | None = Field(
         None,
-        description="DP-FedAvg: {clip_norm, noise_multiplier, population_size, target_delta (1e-5), "
-        "epsilon_budget (optional)}; devices clip to clip_norm, the server adds Gaussian noise to the "
+        description="DP-FedAvg: {clip_norm, noise_multiplier, population_size, target_delta (default "
+        "min(1e-5, population_size^-1.1), always < 1 / population_size), "
+        "epsilon_budget (optional: once spent, training check-ins are answered 200 with the budget's "
+        "message and Retry-After 86400)}; devices clip to clip_norm, the server adds Gaussian noise to the "
         "sum and weighs every report equally; null: no DP",
     )
 
@@ -217,6 +236,15 @@ class PopulationSettings(BaseModel):
                 f"secure aggregation needs min_reports >= 3 (a sum of one or two inputs reveals them), "
                 f"got {self.min_reports}"
             )
+        # The masked sum of `capacity` inputs must fit `bits` with 8 bits of precision each
+        # (secure_aggregation.RoundParameters); checked here, not when the first round opens.
+        levels = ((1 << (self.secure.bits - 1)) - 1) // self.capacity
+        if self.aggregation == "secure" and levels < 2**7:
+            raise ValueError(
+                f"secure.bits {self.secure.bits} leave {levels} quantization levels per device for a "
+                f"round of {self.capacity} devices (target_reports x oversampling); raise secure.bits "
+                "(at least 8 bits of precision are needed) or lower the round's size"
+            )
         dp = self.dp()
         if self.aggregation == "secure" and dp is not None:
             if dp.adaptive:
@@ -259,6 +287,29 @@ class PopulationSettings(BaseModel):
         if dp is None:
             raise ValueError("this population has no differential_privacy settings")
         return privacy_spent(dp, self.target_reports, rounds)
+
+
+def numeric_setting_ranges() -> dict[str, Range | None]:
+    """Every numeric population setting by dotted name (differential_privacy.*, server_optimizer.*,
+    task_config.* included), with its range: what a settings reference lists, what the walk test
+    tries at both ends. None would be a setting without a range (a test keeps there being none)."""
+    ranges = field_ranges(PopulationSettings)
+    ranges.update({f"differential_privacy.{name}": r for name, r in DPConfig.RANGES.items()})
+    ranges.update({f"server_optimizer.{name}": r for name, r in ServerOptimizerConfig.RANGES.items()})
+    for f in dataclasses.fields(TaskConfig):
+        kind = str(f.type)
+        if kind.startswith(("int", "float")):
+            # The task's own maximum, and _check_numbers' (a device takes integers as int32).
+            integer = kind.startswith("int")
+            highest = min(
+                TASK_CONFIG_MAXIMA.get(f.name, INT32_MAX if integer else FLOAT32_MAX),
+                MAX_COUNT if integer else MAX_TASK_NUMBER,
+            )
+            lowest = 1 if f.name == "min_examples" else 0
+            ranges[f"task_config.{f.name}"] = Range(
+                lowest, highest, low_open=f.name == "clip_norm", integer=integer
+            )
+    return ranges
 
 
 def _check_numbers(what: str, value: dict[str, Any]) -> None:

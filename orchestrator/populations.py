@@ -16,6 +16,7 @@ from contracts.params import ParamsError, decode_params, encode_params
 from contracts.task_config import TaskConfig
 from orchestrator.aggregation import init_state
 from orchestrator.db import Artifact, ModelVersion, Population
+from orchestrator.model_check import ModelUnusable, check_model
 from orchestrator.population_settings import PopulationSettings
 from orchestrator.rounds import TRAINING, open_round
 
@@ -85,6 +86,10 @@ def create_population(
         checked = PopulationSettings.model_validate({**settings, "task_config": task.to_json()})
     except ValueError as e:
         raise PopulationError(f"invalid settings: {e}") from None
+    try:
+        check_model(model.tflite, manifest)
+    except ModelUnusable as e:
+        raise PopulationError(str(e)) from None
     if session.get(Artifact, sha256) is None:
         session.add(Artifact(sha256=sha256, content=model.tflite, created_at=now))
     population = Population(

@@ -58,6 +58,7 @@ from orchestrator.db import Assignment, ModelVersion, Population, Report, Round
 from orchestrator.differential_privacy import DPConfig, adapt_clip_norm, noised_mean, secure_rng
 from orchestrator.limits import MAX_METRIC_MAGNITUDE, MAX_REPORT_HEADER_BYTES, json_document
 from orchestrator.logs import log_on_commit
+from orchestrator.norm_reference import NormReference
 from orchestrator.on_commit import on_commit
 from orchestrator.population_settings import PopulationSettings
 from orchestrator.refusals import Refused as Refused  # re-exported: the routes answer with rounds.Refused
@@ -431,6 +432,7 @@ def checkin(
         if round_ is None and request.kind == TRAINING and privacy_budget_spent(population):
             spent = settings.privacy_spent(population.training_rounds_committed)
             # The budget never comes back: a day's retry window keeps devices from asking often.
+            # (On the wire a 200 rejection with Retry-After, like every "no task now" answer.)
             retry_after = max(settings.retry_after_seconds, 86400.0)
             answers.append(Refused(409, spent.message(), retry_after))
             continue
@@ -1128,25 +1130,28 @@ def _robust_mean(
             mean.add_sparse(clipped, weight)
         else:
             kept.append(clipped)
-    round_.norm_reference = plan_round(weights, norms, reference, rule).next_reference
+    round_.norm_reference = plan_round(weights, norms, reference, rule).next_reference.to_json()
     if rule.method == "none":
         return mean.mean()
     return robust_mean(kept, capped, shapes, rule.method, rule.trim_fraction)
 
 
-def _norm_reference(session: Session, population: Population) -> dict[str, float] | None:
-    """The reference update norms the population's last committed training round left, if any."""
-    return session.scalars(
-        select(Round.norm_reference)
-        .where(
-            Round.population_id == population.id,
-            Round.kind == TRAINING,
-            Round.status == "committed",
-            Round.norm_reference.is_not(None),
-        )
-        .order_by(Round.id.desc())
-        .limit(1)
-    ).first()
+def _norm_reference(session: Session, population: Population) -> NormReference | None:
+    """The reference update norms (and their history) the population's last committed training
+    round left, if any."""
+    return NormReference.from_json(
+        session.scalars(
+            select(Round.norm_reference)
+            .where(
+                Round.population_id == population.id,
+                Round.kind == TRAINING,
+                Round.status == "committed",
+                Round.norm_reference.is_not(None),
+            )
+            .order_by(Round.id.desc())
+            .limit(1)
+        ).first()
+    )
 
 
 def _count_closed(session: Session, population: Population, round_: Round, transition: str) -> None:

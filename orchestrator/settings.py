@@ -21,7 +21,11 @@ class AdminTokenError(ValueError):
 
 
 class Settings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="ORCHESTRATOR_", env_file=".env", extra="ignore")
+    # Every number has both ends (orchestrator.setting_ranges): rates, bursts and sizes beyond
+    # these are no deployment's, and within them every derived number stays finite.
+    model_config = SettingsConfigDict(
+        env_prefix="ORCHESTRATOR_", env_file=".env", extra="ignore", allow_inf_nan=False
+    )
 
     database_url: str = "sqlite:///orchestrator.sqlite"
     # No default: a server never starts with a token someone else knows (see admin_token_digest).
@@ -34,25 +38,25 @@ class Settings(BaseSettings):
     host: str = "127.0.0.1"
     port: int = Field(default=8700, ge=0, le=65535)
     # How often the server looks for rounds past their deadline (devices also trigger it).
-    tick_seconds: float = Field(default=0.5, gt=0)
+    tick_seconds: float = Field(default=0.5, gt=0, le=60)
     # Check-ins (per population) and reports that arrive together share one transaction; this is
     # the longest a request waits for others to join it (api/group_commit.py).
-    group_commit_seconds: float = Field(default=0.001, ge=0)
+    group_commit_seconds: float = Field(default=0.001, ge=0, le=1)
     # Threads for blocking work (database, report validation).
-    worker_threads: int = Field(default=4, ge=1)
+    worker_threads: int = Field(default=4, ge=1, le=256)
     # Largest request bodies, enforced while they stream in (api/edge.py): a report (a dense
     # 20,000 x 50 float32 delta is 4 MB), a population upload (model, manifest, parameters),
     # and any other request (JSON control messages).
-    max_report_bytes: int = Field(default=64 * 1024 * 1024, ge=1024)
-    max_upload_bytes: int = Field(default=512 * 1024 * 1024, ge=1024)
-    max_request_bytes: int = Field(default=64 * 1024, ge=1024)
+    max_report_bytes: int = Field(default=64 * 1024 * 1024, ge=1024, le=2**31)
+    max_upload_bytes: int = Field(default=512 * 1024 * 1024, ge=1024, le=2**34)
+    max_request_bytes: int = Field(default=64 * 1024, ge=1024, le=2**26)
     # Check-ins per device: a burst, then a steady rate (a device honours its retry windows,
     # so an honest one checks in a few times a round at most). Per server process.
-    checkin_burst: int = Field(default=10, ge=1)
-    checkins_per_second: float = Field(default=1.0, gt=0)
+    checkin_burst: int = Field(default=10, ge=1, le=10**6)
+    checkins_per_second: float = Field(default=1.0, gt=0, le=1e6)
     # Enrollments per client address: a burst, then a steady rate. Per server process.
-    enrollment_burst: int = Field(default=1000, ge=1)
-    enrollments_per_second: float = Field(default=10.0, gt=0)
+    enrollment_burst: int = Field(default=1000, ge=1, le=10**9)
+    enrollments_per_second: float = Field(default=10.0, gt=0, le=1e6)
     # How long a database operation waits for a lock before the request is answered 503.
     # SQLite work runs on the event loop, so this also bounds how long a stuck lock can stall
     # every other request.

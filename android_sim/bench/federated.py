@@ -40,6 +40,7 @@ from orchestrator.aggregation import (
     init_state,
 )
 from orchestrator.differential_privacy import DPConfig, noised_mean
+from orchestrator.norm_reference import NormReference
 from secure_aggregation.config import RoundParameters
 from secure_aggregation.quantization import Layout, dequantize_sum, quantize
 
@@ -188,7 +189,7 @@ class Server:
         self.params = {k: np.asarray(v, np.float32) for k, v in params.items()}
         self.optimizer = optimizer
         self.aggregation = aggregation
-        self.norm_reference: dict[str, float] | None = None
+        self.norm_reference: NormReference | None = None
         self.state = init_state(optimizer, self.params)
         self.shapes = {k: tuple(v.shape) for k, v in self.params.items()}
         self.dp = dp

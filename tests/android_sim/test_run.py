@@ -24,7 +24,7 @@ from device_runtime.example_store import ExampleStore
 from device_runtime.local_state import LocalStateStore
 from model_export.config import ModelConfig
 from model_runtime.tflite_model import TFLiteModel
-from orchestrator.differential_privacy import epsilon
+from orchestrator.differential_privacy import DPConfig, epsilon, target_delta_for
 from orchestrator.local import LocalOrchestrator
 
 # Always charging on wifi, never picked up: every device is eligible, so small tests run fast.
@@ -280,7 +280,7 @@ def test_a_stateful_fleet_keeps_locals_and_evaluates_on_seen_devices(work: Path)
         (["--local-state", "keep", "--local-learning-rate", "0"], "needs local_learning_rate > 0"),
         (["--reconstruction-steps", "-1"], "reconstruction_max_steps must be in [0, 10000], got -1"),
         (["--server-optimizer", "adagrad"], "unknown server optimizer 'adagrad'"),
-        (["--server-learning-rate", "0"], "learning_rate must be > 0"),
+        (["--server-learning-rate", "0"], "learning_rate must be a finite number in (0, 1e+06]"),
         (["--algorithm-settings", "/nonexistent.json"], "cannot read algorithm settings"),
     ],
 )
@@ -347,3 +347,53 @@ def test_a_fleet_mixes_centralized_data_and_counts_its_bytes(work: Path, strateg
         # 8 examples of two features (int32 item, float32 label) and a safetensors header.
         assert 8 * 8 < mixed["central_bytes_per_assignment"] < 8 * 8 + 400
     reconcile(result)
+
+
+# The README's DP example (issue 26): a population of 100,000 needs a delta below 1e-5.
+DOCUMENTED_DP = ["--clip-norm", "0.5", "--noise-multiplier", "1.0", "--population-size", "100000"]
+
+
+@pytest.mark.parametrize("population", ["100000", "200000"])
+def test_the_documented_dp_command_is_accepted_and_trains(work: Path, population: str) -> None:
+    argv = ["run", *DOCUMENTED_DP[:-1], population, "--epsilon-budget", "8"]
+    args = build_parser().parse_args(argv)
+    config = small(
+        work,
+        rounds=1,
+        clip_norm=args.clip_norm,
+        noise_multiplier=args.noise_multiplier,
+        population_size=args.population_size,
+        epsilon_budget=args.epsilon_budget,
+        target_delta=args.target_delta,
+    )
+
+    result = run(config, Console(width=120))
+
+    assert result.rounds_committed >= 1  # the fleet stops after one; another may commit meanwhile
+    privacy = result.summary["privacy"]
+    assert 0 < privacy["epsilon"] < 8 and not privacy["budget_spent"]
+
+
+def test_an_invalid_dp_combination_stops_before_anything_is_exported(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    work = tmp_path / "run"
+    started = time.monotonic()
+    # 1e-5 is not below 1 / 100,000: the server would refuse it, so the fleet must, at once.
+    code = main(["run", "--work-dir", str(work), *DOCUMENTED_DP, "--target-delta", "1e-5"])
+    seconds = time.monotonic() - started
+
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert "target_delta (1e-05) must be < 1 / population_size" in err
+    assert not work.exists()  # no export, no server, no device store
+    assert seconds < 1.0
+
+
+def test_the_target_delta_follows_the_population() -> None:
+    assert target_delta_for(45) == 1e-5  # small fleets keep the usual 1e-5
+    for size in (100_000, 200_000, 10**7):
+        assert target_delta_for(size) < 1 / size
+    assert DPConfig.from_json(
+        {"clip_norm": 1.0, "noise_multiplier": 1.0, "population_size": 100_000}
+    ).target_delta == pytest.approx(100_000**-1.1)

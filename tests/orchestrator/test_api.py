@@ -356,3 +356,42 @@ def test_an_adaptive_dp_population_sends_each_round_its_clip_norm_and_shows_its_
         status["privacy"]["epsilon"] is None
         and "no differential privacy guarantee" in status["privacy"]["message"]
     )
+
+
+def test_a_check_in_after_the_privacy_budget_is_spent_is_a_200_rejection_for_a_day_as_documented(
+    server: Server, export: Callable[[ModelConfig], Path]
+) -> None:
+    # Prepare: a budget of exactly one round, spent by one device's report.
+    from orchestrator.differential_privacy import epsilon
+
+    model_dir = export(BIASED)
+    dp = {"clip_norm": 1.0, "noise_multiplier": 1.0, "population_size": 100}
+    budget = epsilon(1.0, 1 / 100, 1, 1e-5)
+    settings = json.dumps({"target_reports": 1, "differential_privacy": {**dp, "epsilon_budget": budget}})
+    assert admin_create_population(server.url, model_dir, "dp", settings).status_code == 201
+    manifest = load_manifest(model_dir)
+    zero = {s.name: np.zeros(s.shape, np.float32) for s in manifest.global_params}
+    headers = {"Authorization": f"Bearer {enroll(server.url)}"}
+    url = f"{server.url}/v1/populations/dp/checkin"
+    first = httpx.post(url, json={"example_count": 10}, headers=headers, timeout=10).json()
+    body = encode_sparse_delta(zero, {"num_examples": "5", "metrics": "{}"})
+    binary = {**headers, "Content-Type": "application/octet-stream"}
+    assert httpx.post(
+        f"{server.url}{first['report_url']}", content=body, headers=binary, timeout=10
+    ).is_success
+
+    # Execute
+    again = httpx.post(
+        url, json={"example_count": 10}, headers={"Authorization": f"Bearer {enroll(server.url)}"}, timeout=10
+    )
+    documented = httpx.get(f"{server.url}/openapi.json", timeout=10).json()
+
+    # Assert: the behaviour, and the documentation says the same (and no 409 for it).
+    assert again.status_code == 200 and again.headers["Retry-After"] == "86400"
+    assert again.json()["accepted"] is False and "privacy budget spent" in again.json()["reason"]
+    description = documented["paths"]["/v1/populations/{population}/checkin"]["post"]["description"]
+    assert (
+        "privacy budget" in description and "Retry-After: 86400" in description and "409" not in description
+    )
+    settings_doc = json.dumps(documented["components"]["schemas"])
+    assert "Retry-After 86400" in settings_doc or "Retry-After: 86400" in settings_doc

@@ -26,6 +26,7 @@ from orchestrator.db import Assignment, ModelVersion, Population, Report, Round,
 from orchestrator.devices import authenticate, enroll
 from orchestrator.differential_privacy import epsilon
 from orchestrator.migrate import migrate
+from orchestrator.norm_reference import NormReference
 from orchestrator.populations import ExportedModel, PopulationError, create_population
 from tests.conftest import IMPLICIT
 from tests.orchestrator.conftest import make_population
@@ -691,7 +692,10 @@ def test_a_round_clipped_to_the_last_rounds_norms_commits_what_aggregate_compute
     before, after = version_params(db, biased_model, 1), version_params(db, biased_model, 2)
     for name, value in expected.items():
         np.testing.assert_allclose(after[name] - before[name], value, rtol=1e-5, atol=1e-7)
-    assert second.norm_reference == pytest.approx(reference)
+    stored_reference = NormReference.from_json(second.norm_reference)
+    assert stored_reference is not None and stored_reference.reference == pytest.approx(reference.reference)
+    for name, history in reference.observed.items():
+        assert stored_reference.observed[name] == pytest.approx(history)
 
 
 # ---- DP-FedAvg ---------------------------------------------------------------------------
