@@ -22,7 +22,7 @@ import secrets
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar, cast
 
 import numpy as np
@@ -44,21 +44,14 @@ from contracts.params import (
     read_metadata,
 )
 from orchestrator import central_training, metrics, mixing, secure_rounds
-from orchestrator.aggregation import (
-    WeightedMean,
-    apply_update,
-    cap_weights,
-    clip_by_norm,
-    known_bounds,
-    plan_round,
-    robust_mean,
-    tensor_norms,
-)
+from orchestrator.aggregation import apply_update
 from orchestrator.db import Assignment, ModelVersion, Population, Report, Round
-from orchestrator.differential_privacy import DPConfig, adapt_clip_norm, noised_mean, secure_rng
 from orchestrator.limits import MAX_METRIC_MAGNITUDE, MAX_REPORT_HEADER_BYTES, json_document
 from orchestrator.logs import log_on_commit
 from orchestrator.on_commit import on_commit
+from orchestrator.pipeline import Stage, apply_measurements
+from orchestrator.pipeline.assemble import CentralPart, Pipeline, RoundInputs
+from orchestrator.pipeline.private import CLIP_NORM, NEXT_CLIP_NORM, WITHIN_CLIP
 from orchestrator.population_settings import PopulationSettings
 from orchestrator.refusals import Refused as Refused  # re-exported: the routes answer with rounds.Refused
 
@@ -66,9 +59,6 @@ TRAINING, EVALUATION = "training", "evaluation"
 T = TypeVar("T")
 MAX_METRICS = 64
 log = logging.getLogger("orchestrator.rounds")
-# DP round metrics. A training round under adaptive clipping is opened with its clip norm in
-# its metrics; devices send WITHIN_CLIP (0 or 1) and may send no other "dp_" metric.
-CLIP_NORM, NEXT_CLIP_NORM, WITHIN_CLIP = "dp_clip_norm", "dp_next_clip_norm", "dp_within_clip"
 
 # The statements of check-ins and reports are built once: building and hashing a statement
 # costs several times more than SQLite takes to run it.
@@ -190,6 +180,16 @@ def population_settings(population: Population) -> PopulationSettings:
 
 def population_manifest(population: Population) -> Manifest:
     return _parsed_once(population, "manifest", lambda: Manifest.from_json(population.manifest))
+
+
+def population_pipeline(population: Population) -> Pipeline:
+    """The population's aggregation pipeline, assembled once from its settings."""
+
+    def assemble() -> Pipeline:
+        shapes = {s.name: s.shape for s in population_manifest(population).global_params}
+        return Pipeline(population_settings(population), shapes)
+
+    return _parsed_once(population, "pipeline", assemble)
 
 
 def _rounds_within_budget(population: Population) -> int | None:
@@ -960,7 +960,7 @@ def _commit(
 ) -> None:
     """Aggregate the round's reports into a new model version (training) or just close it.
     A secure round passes its unmasked `mean_delta` over its `survivors`, since it has no
-    individual reports."""
+    individual reports. How the reports combine is the population's pipeline's (`pipeline`)."""
     round_.status, round_.closed_at = "committed", now
     if round_.kind == EVALUATION:
         _count_closed(session, population, round_, "committed")
@@ -969,35 +969,38 @@ def _commit(
     manifest = population_manifest(population)
     params, state = _base_version(session, population, manifest, round_.base_version)
     settings = population_settings(population)
-    dp = settings.dp()
+    pipeline = population_pipeline(population)
+    job = mixing.central_job(
+        session, population, manifest, round_.base_version, params, settings.task(), "parallel_training"
+    )
+    inputs = RoundInputs(
+        rounds_committed=population.training_rounds_committed,
+        metrics=round_.metrics,
+        central=None if job is None else _central_part(job),
+    )
+    stage: Stage
     if mean_delta is None:
-        shapes = {s.name: s.shape for s in manifest.global_params}
+        if not pipeline.private:  # robust clipping's inputs (under DP every report weighs the same)
+            weights = list(session.scalars(_REPORT_WEIGHTS, {"round_id": round_.id}))
+            inputs = replace(inputs, weights=weights, reference=_norm_reference(session, population))
+        stage = pipeline.plaintext_round(inputs)
+        # One report's delta in memory at a time where the stages allow it: O(model), not
+        # O(reports x model).
         reports = (
             select(Report.weight, Report.delta)
             .where(Report.round_id == round_.id)
             .order_by(Report.assignment_id)
             .execution_options(yield_per=16)
         )
-        if dp is not None:
-            # Under DP every report weighs the same and is not clipped again: the devices clipped
-            # to the bound the noise is calibrated to (checked per report), and an example count
-            # would scale a device's influence past it.
-            mean = WeightedMean(shapes)
-            for _, blob in session.execute(reports):
-                mean.add_sparse(decode_sparse_delta(blob), 1.0)
-            mean_delta = _private_mean(population, round_, mean.weighted_sum(), mean.count, dp)
-        else:
-            mean_delta = _robust_mean(session, population, round_, reports, shapes)
-    elif dp is not None and survivors:
-        # Secure aggregation unmasked the survivors' mean of clipped deltas: noise goes on their sum.
-        total = {name: value * survivors for name, value in mean_delta.items()}
-        mean_delta = _private_mean(population, round_, total, survivors, dp)
-    job = mixing.central_job(
-        session, population, manifest, round_.base_version, params, settings.task(), "parallel_training"
-    )
-    if job is not None:
-        mean_delta = _merge_central(round_, mean_delta, job)
-    new_params, new_state = apply_update(settings.optimizer(), params, mean_delta, state)
+        for weight, blob in session.execute(reports):
+            stage.accept(decode_sparse_delta(blob), weight)
+    else:
+        stage = pipeline.secure_round(mean_delta, survivors, inputs)
+    aggregate = stage.finish()
+    round_.metrics = apply_measurements(round_.metrics, aggregate)
+    if aggregate.norm_reference is not None:
+        round_.norm_reference = dict(aggregate.norm_reference)
+    new_params, new_state = apply_update(settings.optimizer(), params, aggregate.mean_delta, state)
     check_params(new_params, manifest.global_params, "aggregated model")
     metrics.observe(session, metrics.AGGREGATION_SECONDS, (population.name,), time.perf_counter() - started)
     version = population.current_version + 1
@@ -1070,52 +1073,12 @@ def _base_version(
     return params, dict(load(base.optimizer_state))
 
 
-def _merge_central(round_: Round, federated: Params, job: central_training.CentralJob) -> Params:
-    """Parallel training's MERGEOPT: the federated mean delta (after the secure sum and DP noise,
-    when the population has them) merged with the central one. The centralized data is public, so
-    its part costs no privacy: DP's accounting covers the devices' reports, which are unchanged. A
-    central training that diverges leaves the round federated only, and says so in its metrics."""
+def _central_part(job: central_training.CentralJob) -> CentralPart:
+    """Parallel training's central delta at the round's base version (None if it diverged)."""
     try:
-        central = central_training.central_update(job)
+        return CentralPart(central_training.central_update(job), job.mixing.weight)
     except central_training.CentralTrainingError:
-        round_.metrics = {**round_.metrics, "central_diverged": 1.0}
-        return federated
-    round_.metrics = {**round_.metrics, "central_loss": central.loss, "central_steps": float(central.steps)}
-    return central_training.merge(federated, central.delta, job.mixing.weight)
-
-
-def _robust_mean(
-    session: Session, population: Population, round_: Round, reports: Any, shapes: dict[str, tuple[int, ...]]
-) -> Params:
-    """The round's mean delta with each report clipped to its reference norms and its weight
-    capped, by the population's robust rule; sets the round's reference norms for the next."""
-    rule = population_settings(population).robust()
-    reference = _norm_reference(session, population)
-    weights = list(session.scalars(_REPORT_WEIGHTS, {"round_id": round_.id}))
-    capped = cap_weights(weights, rule.max_weight_multiple)
-    # One report's delta in memory at a time for the weighted mean: memory is O(model), not
-    # O(reports x model). Once a round has left reference norms, the clipping bounds are known
-    # before any report is read, and each is decoded once; a population's first round clips to
-    # its own median norms, so it reads its reports twice.
-    bounds = known_bounds(reference, shapes, rule)
-    norms: list[dict[str, float]] = []
-    if bounds is None:
-        norms = [tensor_norms(decode_sparse_delta(blob)) for _, blob in session.execute(reports)]
-        bounds = plan_round(weights, norms, reference, rule).bounds
-    mean, kept = WeightedMean(shapes), []
-    for (_, blob), weight in zip(session.execute(reports), capped, strict=True):
-        delta = decode_sparse_delta(blob)
-        if len(norms) < len(weights):
-            norms.append(tensor_norms(delta))
-        clipped = clip_by_norm(delta, bounds)
-        if rule.method == "none":
-            mean.add_sparse(clipped, weight)
-        else:
-            kept.append(clipped)
-    round_.norm_reference = plan_round(weights, norms, reference, rule).next_reference
-    if rule.method == "none":
-        return mean.mean()
-    return robust_mean(kept, capped, shapes, rule.method, rule.trim_fraction)
+        return CentralPart(None, job.mixing.weight)
 
 
 def _norm_reference(session: Session, population: Population) -> dict[str, float] | None:
@@ -1150,29 +1113,6 @@ def _count_closed(session: Session, population: Population, round_: Round, trans
         late=round_.late,
         invalid=round_.invalid,
     )
-
-
-def _private_mean(
-    population: Population, round_: Round, update_sum: Params, count: int, dp: DPConfig
-) -> Params:
-    """DP-FedAvg's server step over the round's (equally weighted) sum, and its round metrics:
-    the noise on the mean, epsilon so far, and under adaptive clipping the next clip norm."""
-    rng = secure_rng()
-    metrics = dict(round_.metrics)
-    # The raw count of unclipped devices is not for release; only its noised share is.
-    unclipped = round(metrics.pop(WITHIN_CLIP, 0.0))
-    clip_norm = float(metrics.get(CLIP_NORM, dp.clip_norm))
-    mean = noised_mean(update_sum, count, dp, rng, clip_norm)
-    metrics["dp_noise_stddev"] = dp.noise_stddev(clip_norm) / count
-    if dp.adaptive:
-        metrics[NEXT_CLIP_NORM], metrics["dp_unclipped_share"] = adapt_clip_norm(
-            clip_norm, unclipped, count, dp, rng
-        )
-    spent = population_settings(population).privacy_spent(population.training_rounds_committed + 1)
-    if math.isfinite(spent.epsilon):  # JSON has no infinity; without noise there is no epsilon
-        metrics["dp_epsilon"] = spent.epsilon
-    round_.metrics = metrics
-    return mean
 
 
 def prune_model_versions(session: Session, population: Population, keep: int) -> int:
