@@ -20,13 +20,13 @@ from orchestrator.db import ModelVersion, Population, Round
 # 3,706 x 50) took 8-10 ms of a 50-70 ms commit under load, while check-ins into the round
 # waited for its row. Versions never change once written, and a copy is kept only once its
 # transaction committed, so it is never wrong, only sometimes not the version asked for.
-latest: dict[tuple[object, int], tuple[int, Params, Params]] = {}
+_latest: dict[tuple[object, int], tuple[int, Params, Params]] = {}
 
 
 def keep_latest(key: tuple[object, int], version: int, params: Params, state: Params) -> None:
     for array in (*params.values(), *state.values()):
         array.flags.writeable = False  # shared by the commits that start from it
-    latest[key] = (version, params, state)
+    _latest[key] = (version, params, state)
 
 
 def base_version(
@@ -34,7 +34,7 @@ def base_version(
 ) -> tuple[Params, Params]:
     """Model `version`'s (parameters, optimizer state): this process's copy if it committed that
     version, else read from the database (another process committed it, or this one restarted)."""
-    kept = latest.get((session.get_bind(), population.id))
+    kept = _latest.get((session.get_bind(), population.id))
     if kept is not None and kept[0] == version:
         return kept[1], kept[2]
     base = session.get(ModelVersion, (population.id, version))

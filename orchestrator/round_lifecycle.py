@@ -30,7 +30,7 @@ from contracts.params import (
     decode_sparse_delta,
     encode_params,
 )
-from orchestrator import central_training, metrics, mixing, secure_rounds
+from orchestrator import central_training, metrics, mixing, round_state, secure_rounds
 from orchestrator.aggregation import apply_update
 from orchestrator.db import Assignment, ModelVersion, Population, Report, Round
 from orchestrator.logs import log_on_commit
@@ -151,7 +151,7 @@ def advance(session: Session, population: Population, now: float) -> dict[str, R
         if round_.kind == TRAINING and secure:
             advance_secure(session, population, round_, now)
             continue
-        if now < round_.deadline:
+        if not round_state.past_deadline(round_, now):
             continue
         # The round's row lock: a check-in admitted into it (which takes no population lock) has
         # committed before its assignments are dropped, and none is admitted after.
@@ -162,14 +162,13 @@ def advance(session: Session, population: Population, now: float) -> dict[str, R
             .values(status="dropped", finished_at=now)
         )
         outstanding = dropped.rowcount
-        round_.dropped += outstanding
+        closing = round_state.at_deadline(round_, outstanding)
         if outstanding:
             metrics.count(session, metrics.DROPPED, (population.name, round_.kind), outstanding)
-        if round_.reported >= round_.min_reports:
+        if closing.status == round_state.COMMITTED:
             commit(session, population, round_, now)
         else:
-            round_.status, round_.closed_at = "abandoned", now
-            _count_closed(session, population, round_, "abandoned")
+            _abandon(session, population, round_, closing, now)
             if round_.kind == TRAINING:
                 open_round(session, population, TRAINING, now)
     current = open_rounds(session, population)
@@ -190,8 +189,7 @@ def advance_secure(session: Session, population: Population, round_: Round, now:
         }
         commit(session, population, round_, now, outcome.mean_delta, outcome.survivors)
     elif isinstance(outcome, secure_rounds.Abandon):
-        round_.status, round_.closed_at = "abandoned", now
-        _count_closed(session, population, round_, "abandoned")
+        _abandon(session, population, round_, round_state.Closing(round_state.ABANDONED, outcome.reason), now)
         open_round(session, population, TRAINING, now)
 
 
@@ -206,7 +204,7 @@ def commit(
     """Aggregate the round's reports into a new model version (training) or just close it.
     A secure round passes its unmasked `mean_delta` over its `survivors`, since it has no
     individual reports. How the reports combine is the population's pipeline's (`pipeline`)."""
-    round_.status, round_.closed_at = "committed", now
+    round_state.close(round_, _COMMITTED, now)
     if round_.kind == EVALUATION:
         _count_closed(session, population, round_, "committed")
         return
@@ -313,12 +311,25 @@ def _norm_reference(session: Session, population: Population) -> dict[str, float
     ).first()
 
 
-def _count_closed(session: Session, population: Population, round_: Round, transition: str) -> None:
+_COMMITTED = round_state.Closing(round_state.COMMITTED, "")
+
+
+def _abandon(
+    session: Session, population: Population, round_: Round, closing: round_state.Closing, now: float
+) -> None:
+    round_state.close(round_, closing, now)
+    _count_closed(session, population, round_, "abandoned", closing.reason)
+
+
+def _count_closed(
+    session: Session, population: Population, round_: Round, transition: str, reason: str | None = None
+) -> None:
     metrics.count(session, metrics.ROUNDS, (population.name, round_.kind, transition))
     log_on_commit(
         session,
         log,
         f"round {transition}",
+        **({} if reason is None else {"reason": reason}),
         population=population.name,
         round_id=round_.id,
         kind=round_.kind,

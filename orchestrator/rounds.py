@@ -20,10 +20,10 @@ from sqlalchemy import bindparam, insert, select, update
 from sqlalchemy.orm import Session
 from sqlalchemy.orm.attributes import set_committed_value
 
-from orchestrator import metrics, secure_rounds
+from orchestrator import metrics, round_state, secure_rounds
 from orchestrator.db import Assignment, Population, Report, Round
 from orchestrator.logs import log_on_commit
-from orchestrator.model_versions import latest as _latest  # noqa: F401  (tests clear it, as a restart would)
+from orchestrator.model_versions import _latest as _latest  # tests clear it, as a restart would
 from orchestrator.pipeline.private import CLIP_NORM
 from orchestrator.population_config import population_manifest as population_manifest
 from orchestrator.population_config import population_settings as population_settings
@@ -274,7 +274,7 @@ def _admit(session: Session, round_: Round, wanted: int, too_few: int) -> int:
         raise RoundClosed(f"round {round_.id} closed during a check-in")
     capacity, *counters = admitted
     accepted_before = int(counters[-1]) - wanted_now
-    granted = max(0, min(wanted_now, int(capacity) - accepted_before))
+    granted = round_state.admissible(accepted_before, int(capacity), wanted_now)
     if granted < wanted_now:  # the group overfilled the round: the rest is refused as full
         given_back = (
             session.connection()
@@ -376,7 +376,8 @@ def _closed(assignment: _Found, report: bool = True) -> Refused | None:
     if assignment.status == "invalid":
         return Refused(409, "this assignment's report was refused as invalid", reason="repeated")
     if assignment.status == "dropped" or round_.status != "open":
-        round_.late += int(report)
+        if report:
+            round_state.count_late(round_)
         return Refused(
             409, f"the round's deadline has passed; the report is late (round {round_.status})", reason="late"
         )
@@ -413,7 +414,7 @@ def report(
         else parse_evaluation_report(population, assignment.example_count, body, content_type)
     )
     if isinstance(parsed, Refused):
-        round_.invalid += 1
+        round_state.count_invalid(round_)
         _finish(session, assignment, "invalid", now)
         _count_report(session, population, round_, assignment_id, parsed)
         return parsed
@@ -429,14 +430,9 @@ def report(
         },
     )
     _finish(session, assignment, "reported", now)
-    round_.reported += 1
-    round_.total_weight += weight
-    sums = dict(round_.metrics)
-    for k, v in metrics.items():
-        sums[k] = sums.get(k, 0.0) + v
-    round_.metrics = sums
+    closing = round_state.count_report(round_, weight, metrics)
     _count_report(session, population, round_, assignment_id, None)
-    if round_.reported >= round_.target:
+    if closing is not None:
         commit(session, population, round_, now)
     return round_
 
@@ -478,6 +474,6 @@ def abort(
     if closed is not None:
         return closed
     _finish(session, assignment, "aborted", now)
-    assignment.round.aborted += 1
+    round_state.count_abort(assignment.round)
     metrics.count(session, metrics.ABORTS, (population.name, assignment.round.kind))
     return assignment.round
