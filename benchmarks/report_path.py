@@ -3,9 +3,9 @@
     python benchmarks/report_path.py [--model-dir DIR] [--show]
 
 Sets up a real SQLite population whose rounds commit at one report, commits one round, then
-traces (sys.setprofile) the call of `_report` in orchestrator/api/routes/assignments.py that
-carries the next report: its validation, storage, the round's commit, the aggregation and the
-new model version. Prints:
+traces (sys.setprofile) the transaction the report route hands the next report to
+(`report_transaction` in orchestrator/service/reports.py; `_report` in the routes before): its
+validation, storage, the round's commit, the aggregation and the new model version. Prints:
 - stops: the distinct project functions it enters (orchestrator, contracts, secure_aggregation,
   model_runtime; comprehensions, lambdas and generated methods aside), in the order first entered;
 - module visits: how often that sequence of stops moves into another module than the last;
@@ -42,11 +42,11 @@ from contracts.params import encode_sparse_delta  # noqa: E402
 from model_export.config import ModelConfig  # noqa: E402
 from model_export.in_subprocess import export_in_subprocess  # noqa: E402
 from orchestrator import rounds  # noqa: E402
-from orchestrator.api.routes.assignments import _report, _ReportCall  # noqa: E402
 from orchestrator.db import make_engine  # noqa: E402
 from orchestrator.devices import enroll  # noqa: E402
 from orchestrator.migrate import migrate  # noqa: E402
 from orchestrator.populations import ExportedModel, create_population  # noqa: E402
+from orchestrator.service.reports import ReportCall, report_transaction  # noqa: E402
 
 PACKAGES = ("orchestrator", "contracts", "secure_aggregation", "model_runtime")
 MODEL = ModelConfig(num_items=200, embedding_dim=4, batch_size=5, max_batches=4)
@@ -163,11 +163,11 @@ def one_report(model_dir: Path, database: Path) -> list[Stop]:
         for array in delta.values():
             array.reshape(-1)[:2] = 0.01
         metadata = {"num_examples": "10", "metrics": json.dumps({"update_loss": 0.5})}
-        call = _ReportCall(
+        call = ReportCall(
             accepted.assignment_id, token, encode_sparse_delta(delta, metadata), "application/octet-stream"
         )
         with traced() as stops:
-            (answer,) = _report(factory, [call], now + 1.0)
+            (answer,) = report_transaction(factory, [call], now + 1.0)
         traced_stops.append(stops)
         assert not isinstance(answer, rounds.Refused), answer.message
         assert answer.round_status == "committed", answer
