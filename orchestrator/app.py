@@ -38,6 +38,7 @@ from orchestrator.api.routes import metrics as metrics_route
 from orchestrator.db import Population, make_engine
 from orchestrator.logs import log_request
 from orchestrator.migrate import migrate
+from orchestrator.service import checkins, reports
 from orchestrator.settings import Settings
 
 log = logging.getLogger("orchestrator")
@@ -112,8 +113,8 @@ def create_app(settings: Settings | None = None, clock: Callable[[], float] = ti
         metrics.count_database_errors(engine)
         app.state.sessionmaker = sessionmaker(engine, expire_on_commit=False)
         app.state.db_inline = engine.dialect.name == "sqlite"
-        app.state.checkin_groups = populations.checkin_groups(app, settings.group_commit_seconds)
-        app.state.report_groups = assignments.report_groups(app, settings.group_commit_seconds)
+        app.state.checkin_groups = checkins.checkin_groups(app, settings.group_commit_seconds)
+        app.state.report_groups = reports.report_groups(app, settings.group_commit_seconds)
 
         async def ticker() -> None:
             while True:

@@ -1,102 +1,51 @@
-"""The round state machine: check-in, report, abort, deadlines, commit.
+"""The device events of a round: check-in, report, abort (and finding a secure round's assignment).
 
 Every function here runs inside the caller's transaction and takes `now` explicitly, so a
-restarted server continues from the last committed state and tests control time. A round:
-
-    open --(target good reports)--------------------------> committed (new model version)
-    open --(deadline, >= min_reports)---------------------> committed
-    open --(deadline, fewer)------------------------------> abandoned (model kept)
-
-after which the next round opens. Protocol refusals are returned as `Refused` values, not
-raised, so that the counters they bump are committed with the answer. A population with
-`aggregation: "secure"` runs its training rounds' phases in `secure_rounds` instead of taking
-reports; this module opens them, advances them and commits their unmasked mean.
+restarted server continues from the last committed state and tests control time. Protocol
+refusals are returned as `Refused` values, not raised, so that the counters they bump are
+committed with the answer. What a report must hold is `report_checks`'; opening, closing and
+committing rounds is `round_lifecycle`'s, whose names (and the population look-ups) are
+re-exported here for the routes.
 """
 
 from __future__ import annotations
 
-import functools
-import logging
-import math
 import secrets
-import time
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar, cast
+from typing import Any, cast
 
-import numpy as np
-from safetensors.numpy import load
-from sqlalchemy import CursorResult, bindparam, delete, func, insert, select, update
-from sqlalchemy.orm import Session, object_session
+from sqlalchemy import bindparam, insert, select, update
+from sqlalchemy.orm import Session
 from sqlalchemy.orm.attributes import set_committed_value
 
-from contracts.manifest import Manifest
-from contracts.params import (
-    Params,
-    ParamsError,
-    check_params,
-    check_sparse_delta,
-    decode_params,
-    decode_sparse_delta,
-    encode_params,
-    encode_sparse_delta,
-    read_metadata,
-)
-from orchestrator import central_training, metrics, mixing, secure_rounds
-from orchestrator.aggregation import (
-    WeightedMean,
-    apply_update,
-    cap_weights,
-    clip_by_norm,
-    known_bounds,
-    plan_round,
-    robust_mean,
-    tensor_norms,
-)
-from orchestrator.db import Assignment, ModelVersion, Population, Report, Round
-from orchestrator.differential_privacy import DPConfig, adapt_clip_norm, noised_mean, secure_rng
-from orchestrator.limits import MAX_METRIC_MAGNITUDE, MAX_REPORT_HEADER_BYTES, json_document
+from orchestrator import metrics, round_state, secure_rounds
+from orchestrator.db import Assignment, Population, Report, Round
 from orchestrator.logs import log_on_commit
-from orchestrator.norm_reference import NormReference
-from orchestrator.on_commit import on_commit
-from orchestrator.population_settings import PopulationSettings
+from orchestrator.model_versions import _latest as _latest  # tests clear it, as a restart would
+from orchestrator.pipeline.private import CLIP_NORM
+from orchestrator.population_config import population_manifest as population_manifest
+from orchestrator.population_config import population_settings as population_settings
+from orchestrator.population_config import privacy_budget_spent as privacy_budget_spent
+from orchestrator.population_locks import find_population as find_population
+from orchestrator.population_locks import lock_population as lock_population
+from orchestrator.population_locks import population_of_assignment as population_of_assignment
+from orchestrator.population_locks import populations_of_assignments as populations_of_assignments
+from orchestrator.population_locks import relock
 from orchestrator.refusals import Refused as Refused  # re-exported: the routes answer with rounds.Refused
-
-TRAINING, EVALUATION = "training", "evaluation"
-T = TypeVar("T")
-MAX_METRICS = 64
-log = logging.getLogger("orchestrator.rounds")
-# DP round metrics. A training round under adaptive clipping is opened with its clip norm in
-# its metrics; devices send WITHIN_CLIP (0 or 1) and may send no other "dp_" metric.
-CLIP_NORM, NEXT_CLIP_NORM, WITHIN_CLIP = "dp_clip_norm", "dp_next_clip_norm", "dp_within_clip"
+from orchestrator.report_checks import parse_evaluation_report, parse_training_report
+from orchestrator.round_lifecycle import EVALUATION as EVALUATION
+from orchestrator.round_lifecycle import ROUND_COUNTERS, commit, log, up_to_date
+from orchestrator.round_lifecycle import TRAINING as TRAINING
+from orchestrator.round_lifecycle import advance as advance
+from orchestrator.round_lifecycle import advance_secure as advance_secure
+from orchestrator.round_lifecycle import open_round as open_round
+from orchestrator.round_lifecycle import open_rounds as open_rounds
+from orchestrator.round_lifecycle import summarize_metrics as summarize_metrics
 
 # The statements of check-ins and reports are built once: building and hashing a statement
 # costs several times more than SQLite takes to run it.
-_POPULATION_BY_NAME = select(Population).where(Population.name == bindparam("name"))
-# FOR NO KEY UPDATE, not FOR UPDATE: writers of a population still exclude each other, but the
-# foreign-key checks of rows that point at it (a check-in's round update) do not wait for them,
-# which would deadlock a check-in holding its round's row against a report waiting for that row.
-_LOCK = {"key_share": True}  # the same, for Session.refresh
-_POPULATION_BY_NAME_LOCKED = _POPULATION_BY_NAME.with_for_update(key_share=True)
-_POPULATIONS_OF_ASSIGNMENTS = (
-    select(Assignment.id, Round.population_id)
-    .join(Round, Assignment.round_id == Round.id)
-    .where(Assignment.id.in_(bindparam("assignment_ids", expanding=True)))
-)
-_POPULATIONS_BY_ID = (
-    select(Population)
-    .where(Population.id.in_(bindparam("ids", expanding=True)))
-    .order_by(Population.id)  # always in the same order, so two servers never deadlock
-    .with_for_update(key_share=True)
-)
-# Fresh values even for rounds already in the session: a check-in reads them before it takes the
-# population's lock, and another server process may have reported into them meanwhile.
-_OPEN_ROUNDS = (
-    select(Round)
-    .where(Round.population_id == bindparam("population_id"), Round.status == "open")
-    .execution_options(populate_existing=True)
-)
 _TAKEN = select(Assignment.id, Assignment.round_id, Assignment.device_id, Assignment.status).where(
     Assignment.round_id.in_(bindparam("round_ids", expanding=True)),
     Assignment.device_id.in_(bindparam("device_ids", expanding=True)),
@@ -126,7 +75,6 @@ _GIVE_BACK = (  # the part of `wanted` beyond the round's capacity, refused as f
     )
     .returning(Round.rejected_capacity, Round.accepted)
 )
-_ROUND_COUNTERS = ("checked_in", "rejected_min_examples", "rejected_capacity", "accepted")
 _ASSIGNMENT = select(
     Assignment.device_id, Assignment.status, Assignment.example_count, Assignment.round_id
 ).where(Assignment.id == bindparam("assignment_id"))
@@ -136,9 +84,6 @@ _FINISH_ASSIGNMENT = (
     .values(status=bindparam("new_status"), finished_at=bindparam("now"))
 )
 _INSERT_REPORT = insert(Report)
-_REPORT_WEIGHTS = (  # in the order the commit reads the reports
-    select(Report.weight).where(Report.round_id == bindparam("round_id")).order_by(Report.assignment_id)
-)
 
 
 @dataclass(frozen=True)
@@ -165,221 +110,6 @@ class Accepted:
 def _accepted(assignment_id: str, round_: Round) -> Accepted:
     clip_norm = round_.metrics.get(CLIP_NORM)
     return Accepted(assignment_id, round_.id, round_.kind, round_.deadline, round_.base_version, clip_norm)
-
-
-# A population's settings and manifest never change after creation, so they are parsed once
-# per process rather than on every check-in (pydantic validation would dominate its cost).
-# Keyed by database too: one process (a test run, an admin tool) may open several.
-_parsed: dict[tuple[object, int, str], Any] = {}
-
-
-def _parsed_once(population: Population, what: str, parse: Callable[[], T]) -> T:
-    session = object_session(population)
-    if session is None:
-        return parse()
-    key = (session.get_bind(), population.id, what)
-    if key not in _parsed:
-        _parsed[key] = parse()
-    return cast(T, _parsed[key])
-
-
-def population_settings(population: Population) -> PopulationSettings:
-    return _parsed_once(
-        population, "settings", lambda: PopulationSettings.model_validate(population.settings)
-    )
-
-
-def population_manifest(population: Population) -> Manifest:
-    return _parsed_once(population, "manifest", lambda: Manifest.from_json(population.manifest))
-
-
-def _rounds_within_budget(population: Population) -> int | None:
-    """How many training rounds the population's privacy budget allows; None without a budget."""
-
-    def allowed() -> int | None:
-        settings = population_settings(population)
-        dp = settings.dp()
-        if dp is None or dp.epsilon_budget is None:
-            return None
-        return settings.privacy_spent(0).rounds_within_budget
-
-    return _parsed_once(population, "rounds_within_budget", allowed)
-
-
-def privacy_budget_spent(population: Population) -> bool:
-    """True when one more training round would take epsilon past the population's budget: no
-    training round opens any more."""
-    allowed = _rounds_within_budget(population)
-    return allowed is not None and population.training_rounds_committed >= allowed
-
-
-def lock_population(session: Session, name: str) -> Population | None:
-    """The population row, locked: one writer per population at a time (FOR UPDATE on PostgreSQL;
-    SQLite's BEGIN IMMEDIATE already serializes writers)."""
-    return session.scalars(_POPULATION_BY_NAME_LOCKED, {"name": name}).first()
-
-
-def find_population(session: Session, name: str) -> Population | None:
-    """The population row, not locked: enough for a check-in (`checkin` locks it when a round must
-    open or close)."""
-    return session.scalars(_POPULATION_BY_NAME, {"name": name}).first()
-
-
-def _relock(session: Session, population: Population) -> None:
-    """Lock a population read without its lock, and re-read what may have changed meanwhile."""
-    session.refresh(population, ["current_version", "training_rounds_committed"], with_for_update=_LOCK)
-
-
-def populations_of_assignments(session: Session, assignment_ids: Sequence[str]) -> dict[str, Population]:
-    """The (locked) population of each known assignment."""
-    # Only the population ids before the lock: they never change, while an assignment and its
-    # round must be read after the lock (another server process may have just changed them).
-    population_ids: dict[str, int] = {}
-    if assignment_ids:
-        for assignment_id, population_id in session.connection().execute(
-            _POPULATIONS_OF_ASSIGNMENTS, {"assignment_ids": list(assignment_ids)}
-        ):
-            population_ids[assignment_id] = population_id
-    ids = sorted(set(population_ids.values()))
-    locked = {p.id: p for p in session.scalars(_POPULATIONS_BY_ID, {"ids": ids})} if ids else {}
-    return {assignment_id: locked[population_id] for assignment_id, population_id in population_ids.items()}
-
-
-def population_of_assignment(session: Session, assignment_id: str) -> Population | None:
-    """The (locked) population an assignment belongs to."""
-    return populations_of_assignments(session, [assignment_id]).get(assignment_id)
-
-
-def open_round(session: Session, population: Population, kind: str, now: float) -> Round:
-    settings = population_settings(population)
-    secure = kind == TRAINING and settings.secure_training
-    if kind == TRAINING:
-        target, capacity, min_reports = settings.target_reports, settings.capacity, settings.min_reports
-        duration = settings.secure.duration_seconds if secure else settings.round_duration_seconds
-    else:
-        target = settings.evaluation_target_reports
-        capacity = math.ceil(target * settings.oversampling)
-        min_reports, duration = 1, settings.evaluation_round_duration_seconds
-    dp = settings.dp()
-    round_metrics = {}
-    if kind == TRAINING and dp is not None and dp.adaptive:
-        round_metrics[CLIP_NORM] = _next_clip_norm(session, population, dp.clip_norm)
-    round_ = Round(
-        population_id=population.id,
-        kind=kind,
-        status="open",
-        base_version=population.current_version,
-        result_version=None,
-        target=target,
-        capacity=capacity,
-        min_reports=min_reports,
-        opened_at=now,
-        deadline=now + duration,
-        closed_at=None,
-        metrics=round_metrics,
-    )
-    session.add(round_)
-    session.flush()
-    metrics.count(session, metrics.ROUNDS, (population.name, kind, "opened"))
-    log_on_commit(
-        session,
-        log,
-        "round opened",
-        population=population.name,
-        round_id=round_.id,
-        kind=kind,
-        model_version=round_.base_version,
-        target=target,
-        capacity=capacity,
-        deadline=round_.deadline,
-    )
-    if secure:
-        secure_rounds.start(session, round_, population.name, settings, population_manifest(population))
-    return round_
-
-
-def _next_clip_norm(session: Session, population: Population, initial: float) -> float:
-    """Adaptive clipping: the clip norm the last committed training round chose for its successor
-    (an abandoned round passes its own on), or the configured one before any round."""
-    last = session.scalars(
-        select(Round)
-        .where(Round.population_id == population.id, Round.kind == TRAINING, Round.status != "open")
-        .order_by(Round.id.desc())
-        .limit(1)
-    ).first()
-    if last is None:
-        return initial
-    key = NEXT_CLIP_NORM if last.status == "committed" else CLIP_NORM
-    return float(last.metrics.get(key, initial))
-
-
-def open_rounds(session: Session, population: Population) -> dict[str, Round]:
-    rounds = session.scalars(_OPEN_ROUNDS, {"population_id": population.id}).all()
-    return {r.kind: r for r in rounds}
-
-
-def _up_to_date(population: Population, current: Mapping[str, Round], now: float) -> bool:
-    """Whether `advance` has nothing to do: no round to close or open, no secure phase to move."""
-    return (
-        (TRAINING in current or privacy_budget_spent(population))
-        and all(now < r.deadline for r in current.values())
-        and not population_settings(population).secure_training
-    )
-
-
-def advance(session: Session, population: Population, now: float) -> dict[str, Round]:
-    """Close rounds past their deadline (drop their outstanding assignments), open the next;
-    returns the open rounds by kind. The population must be locked."""
-    current = open_rounds(session, population)
-    if _up_to_date(population, current, now):
-        return current  # the common case: nothing to close, one query
-    secure = population_settings(population).secure_training
-    for round_ in current.values():
-        if round_.kind == TRAINING and secure:
-            advance_secure(session, population, round_, now)
-            continue
-        if now < round_.deadline:
-            continue
-        # The round's row lock: a check-in admitted into it (which takes no population lock) has
-        # committed before its assignments are dropped, and none is admitted after.
-        session.refresh(round_, list(_ROUND_COUNTERS), with_for_update=_LOCK)
-        dropped: CursorResult[Any] = session.execute(  # type: ignore[assignment]
-            update(Assignment)
-            .where(Assignment.round_id == round_.id, Assignment.status == "assigned")
-            .values(status="dropped", finished_at=now)
-        )
-        outstanding = dropped.rowcount
-        round_.dropped += outstanding
-        if outstanding:
-            metrics.count(session, metrics.DROPPED, (population.name, round_.kind), outstanding)
-        if round_.reported >= round_.min_reports:
-            _commit(session, population, round_, now)
-        else:
-            round_.status, round_.closed_at = "abandoned", now
-            _count_closed(session, population, round_, "abandoned")
-            if round_.kind == TRAINING:
-                open_round(session, population, TRAINING, now)
-    current = open_rounds(session, population)
-    if TRAINING not in current and not privacy_budget_spent(population):
-        current[TRAINING] = open_round(session, population, TRAINING, now)
-    return current
-
-
-def advance_secure(session: Session, population: Population, round_: Round, now: float) -> None:
-    """Close the secure round's phases that are over; commit or abandon it when it ends."""
-    settings = population_settings(population)
-    outcome = secure_rounds.advance(session, round_, settings, population_manifest(population), now)
-    if isinstance(outcome, secure_rounds.Commit):
-        round_.metrics = {
-            **round_.metrics,  # the phases' durations
-            "secure_survivors": float(outcome.survivors),
-            "unmask_seconds": outcome.unmask_seconds,
-        }
-        _commit(session, population, round_, now, outcome.mean_delta, outcome.survivors)
-    elif isinstance(outcome, secure_rounds.Abandon):
-        round_.status, round_.closed_at = "abandoned", now
-        _count_closed(session, population, round_, "abandoned")
-        open_round(session, population, TRAINING, now)
 
 
 class RoundClosed(Exception):
@@ -410,8 +140,8 @@ def checkin(
     """
     settings = population_settings(population)
     current = open_rounds(session, population)
-    if lock or not _up_to_date(population, current, now):
-        _relock(session, population)
+    if lock or not up_to_date(population, current, now):
+        relock(session, population)
         current = advance(session, population, now)
     devices = {r.device_id for r in requests}
     taken: dict[tuple[int, str], tuple[str, str]] = {
@@ -545,7 +275,7 @@ def _admit(session: Session, round_: Round, wanted: int, too_few: int) -> int:
         raise RoundClosed(f"round {round_.id} closed during a check-in")
     capacity, *counters = admitted
     accepted_before = int(counters[-1]) - wanted_now
-    granted = max(0, min(wanted_now, int(capacity) - accepted_before))
+    granted = round_state.admissible(accepted_before, int(capacity), wanted_now)
     if granted < wanted_now:  # the group overfilled the round: the rest is refused as full
         given_back = (
             session.connection()
@@ -554,7 +284,7 @@ def _admit(session: Session, round_: Round, wanted: int, too_few: int) -> int:
         )
         counters[2:] = given_back
     # The session's copy of the round shows the counters as they now are in this transaction.
-    for name, value in zip(_ROUND_COUNTERS, counters, strict=True):
+    for name, value in zip(ROUND_COUNTERS, counters, strict=True):
         set_committed_value(round_, name, value)
     return granted
 
@@ -647,7 +377,8 @@ def _closed(assignment: _Found, report: bool = True) -> Refused | None:
     if assignment.status == "invalid":
         return Refused(409, "this assignment's report was refused as invalid", reason="repeated")
     if assignment.status == "dropped" or round_.status != "open":
-        round_.late += int(report)
+        if report:
+            round_state.count_late(round_)
         return Refused(
             409, f"the round's deadline has passed; the report is late (round {round_.status})", reason="late"
         )
@@ -693,12 +424,12 @@ def report(
         _count_report(session, population, round_, assignment_id, refused)
         return refused
     parsed = (
-        _parse_training_report(population, settings, round_, assignment.example_count, body)
+        parse_training_report(population, settings, round_, assignment.example_count, body)
         if round_.kind == TRAINING
-        else _parse_evaluation_report(population, assignment.example_count, body)
+        else parse_evaluation_report(population, assignment.example_count, body)
     )
     if isinstance(parsed, Refused):
-        round_.invalid += 1
+        round_state.count_invalid(round_)
         _finish(session, assignment, "invalid", now)
         _count_report(session, population, round_, assignment_id, parsed)
         return parsed
@@ -714,15 +445,10 @@ def report(
         },
     )
     _finish(session, assignment, "reported", now)
-    round_.reported += 1
-    round_.total_weight += weight
-    sums = dict(round_.metrics)
-    for k, v in metrics.items():
-        sums[k] = sums.get(k, 0.0) + v
-    round_.metrics = sums
+    closing = round_state.count_report(round_, weight, metrics)
     _count_report(session, population, round_, assignment_id, None)
-    if round_.reported >= round_.target:
-        _commit(session, population, round_, now)
+    if closing is not None:
+        commit(session, population, round_, now)
     return round_
 
 
@@ -769,476 +495,6 @@ def abort(
     if closed is not None:
         return closed
     _finish(session, assignment, "aborted", now)
-    assignment.round.aborted += 1
+    round_state.count_abort(assignment.round)
     metrics.count(session, metrics.ABORTS, (population.name, assignment.round.kind))
     return assignment.round
-
-
-# ---- report validation -----------------------------------------------------------------
-
-
-def evaluation_metrics(manifest: Manifest) -> tuple[str, ...]:
-    """The sums an evaluation report holds: the model's loss, weight and declared metrics."""
-    return ("loss_sum", "weight_sum", *(f"{m.name}_sum" for m in manifest.metrics))
-
-
-def _max_weight(population: Population, manifest: Manifest, example_count: int) -> int:
-    """The largest |query| a device that claimed `example_count` examples can honestly report."""
-    task = _parsed_once(population, "task", lambda: population_settings(population).task())
-    # A ranking task with sampled negatives trains on them too.
-    per_example = 1 + (task.negatives_per_positive if manifest.task.negative_sampling else 0)
-    return min(example_count, task.max_examples) * per_example
-
-
-def _check_metrics(raw: Any) -> dict[str, float] | Refused:
-    if not isinstance(raw, Mapping) or len(raw) > MAX_METRICS:
-        return Refused(422, f"metrics must be an object of at most {MAX_METRICS} numbers", reason="metrics")
-    metrics: dict[str, float] = {}
-    for k, v in raw.items():
-        if (
-            not isinstance(k, str)
-            or not 0 < len(k) <= 64
-            or not k.replace("_", "").isascii()
-            or not (k.replace("_", "").isalnum())
-        ):
-            return Refused(
-                422,
-                f"metric name {k!r:.80} must be 1-64 ASCII letters, digits or underscores",
-                reason="metrics",
-            )
-        # abs(v) <= bound is False for NaN and infinities, and compares a huge int without
-        # converting it (float() of a 400-digit int would overflow).
-        if isinstance(v, bool) or not isinstance(v, int | float) or not abs(v) <= MAX_METRIC_MAGNITUDE:
-            return Refused(
-                422,
-                f"metric {k!r} must be a finite number of magnitude <= {MAX_METRIC_MAGNITUDE:g}, "
-                f"got {v!r:.40}",
-                reason="metrics",
-            )
-        metrics[k] = float(v)
-    return metrics
-
-
-REPORT_METADATA = ("metrics", "num_examples")
-
-
-def _header_size(body: bytes) -> int | Refused:
-    """The size of a safetensors payload's JSON header, refused when it exceeds the bound."""
-    size = int.from_bytes(body[:8], "little") if len(body) >= 8 else 0
-    if size > MAX_REPORT_HEADER_BYTES:
-        return Refused(
-            422,
-            f"not a valid safetensors payload: its header claims {size} bytes; the limit is "
-            f"{MAX_REPORT_HEADER_BYTES} (tensor entries and the metadata num_examples and metrics)",
-            reason="tensors",
-        )
-    return size
-
-
-def _check_dp_metrics(metrics: dict[str, float], adaptive: bool) -> Refused | None:
-    """Devices may send WITHIN_CLIP (0 or 1; required under adaptive clipping) and no other "dp_"
-    metric: those are the server's, and a device's would be summed into them."""
-    reserved = sorted(k for k in metrics if k.startswith("dp_") and k != WITHIN_CLIP)
-    if reserved:
-        return Refused(422, f"metrics {reserved} are reserved for the server (names starting with 'dp_')")
-    within = metrics.get(WITHIN_CLIP)
-    if within not in (None, 0.0, 1.0) or (adaptive and within is None):
-        return Refused(
-            422,
-            f"metric {WITHIN_CLIP!r} must be 1 (the delta was within the clip norm) or 0 (it was "
-            f"clipped){'; adaptive clipping needs it' if adaptive else ''}, got {within!r}",
-        )
-    return None
-
-
-def _parse_training_report(
-    population: Population, settings: PopulationSettings, round_: Round, example_count: int, body: bytes
-) -> tuple[float, bytes, dict[str, float]] | Refused:
-    manifest = population_manifest(population)
-    header = _header_size(body)
-    if isinstance(header, Refused):
-        return header
-    try:
-        metadata = read_metadata(body)
-        delta = check_sparse_delta(decode_sparse_delta(body), manifest.global_params, "report")
-    except (ParamsError, RecursionError) as e:
-        problem = str(e) if isinstance(e, ParamsError) else "the safetensors header nests too deeply"
-        return Refused(
-            422,
-            f"{problem}; a report is the sparse delta of the manifest's global tensors: safetensors with "
-            "'<name>/rows' (int32, increasing), '<name>/values' (float32) and '<name>/shape' (int64) each",
-            reason="tensors",
-        )
-    if "num_examples" not in metadata or not set(metadata) <= set(REPORT_METADATA):
-        return Refused(
-            422,
-            f"report metadata must be 'num_examples' (an integer) and optionally 'metrics' (a JSON object); "
-            f"got keys {sorted(metadata)[:8]}",
-            reason="metadata",
-        )
-    try:
-        weight = int(metadata["num_examples"])
-        raw_metrics = json_document(metadata.get("metrics", "{}"), "the report's metrics")
-    except ValueError as e:
-        return Refused(
-            422,
-            f"report metadata must hold 'num_examples' (an integer) and 'metrics' (a JSON object): {e}",
-            reason="metadata",
-        )
-    # `min_examples` counts a device's examples (checked at check-in and on the device); the
-    # weight is |query|, which an honest device's split makes smaller, so only >= 1 is required here.
-    limit = _max_weight(population, manifest, example_count)
-    if not 1 <= weight <= limit:
-        return Refused(
-            422,
-            f"num_examples {weight} is outside [1, {limit}] "
-            f"(the device checked in with {example_count} examples)",
-            reason="num_examples",
-        )
-    # float64 sums: a float32 dot product over many values can be off by more than the
-    # margin a device clips below the DP bound with.
-    norm = math.sqrt(sum(float(np.vdot(v, v)) for v in (t.values.astype(np.float64) for t in delta.values())))
-    if norm > settings.update_norm_bound:
-        return Refused(
-            422,
-            f"update norm {norm:.4g} exceeds the bound {settings.update_norm_bound:.4g}",
-            reason="update_norm",
-        )
-    dp = settings.dp()
-    clip_norm = None if dp is None else float(round_.metrics.get(CLIP_NORM, dp.clip_norm))
-    if clip_norm is not None and norm > clip_norm:
-        return Refused(
-            422,
-            f"update norm {norm:.6g} exceeds this round's DP clip norm {clip_norm:g}: a device "
-            "clips its whole delta (all global tensors together) to L2 <= task_config.clip_norm",
-            reason="update_norm",
-        )
-    metrics = _check_metrics(raw_metrics)
-    if isinstance(metrics, Refused):
-        return metrics
-    refused = _check_dp_metrics(metrics, dp is not None and dp.adaptive)
-    if refused is not None:
-        return refused
-    # Only the tensors are stored (the metadata is in the columns): anything else a device put
-    # in its header is not kept.
-    return float(weight), encode_sparse_delta(delta), metrics
-
-
-def _parse_evaluation_report(
-    population: Population, example_count: int, body: bytes
-) -> tuple[float, None, dict[str, float]] | Refused:
-    try:
-        data = json_document(body, "evaluation report")
-    except ValueError as e:
-        return Refused(422, f"{e}; an evaluation report is JSON: {{num_examples, metrics}}", reason="format")
-    if not isinstance(data, dict) or set(data) != {"num_examples", "metrics"}:
-        return Refused(422, "evaluation report must be exactly {num_examples, metrics}", reason="format")
-    metrics = _check_metrics(data["metrics"])
-    if isinstance(metrics, Refused):
-        return metrics
-    manifest = population_manifest(population)
-    expected = evaluation_metrics(manifest)
-    if set(metrics) != set(expected):
-        return Refused(422, f"evaluation metrics must be exactly {list(expected)}", reason="metrics")
-    weight = data["num_examples"]
-    # The same bound as training reports: sampled negatives count too.
-    limit = _max_weight(population, manifest, example_count)
-    if isinstance(weight, bool) or not isinstance(weight, int) or not 1 <= weight <= limit:
-        return Refused(
-            422, f"num_examples must be an integer in [1, {limit}], got {weight!r}", reason="num_examples"
-        )
-    if any(v < 0 for v in metrics.values()) or metrics["weight_sum"] != weight:
-        return Refused(
-            422, "metric sums must be >= 0 and weight_sum must equal num_examples", reason="metrics"
-        )
-    for metric in manifest.metrics:
-        # A metric whose per-example value is bounded bounds its weighted sum.
-        if metric.value_range is not None:
-            low, high = metric.value_range
-            total = metrics[f"{metric.name}_sum"]
-            if not low * weight <= total <= high * weight:
-                return Refused(
-                    422,
-                    f"{metric.name}_sum must be within [{low:g}, {high:g}] x weight_sum, got {total}",
-                    reason="metrics",
-                )
-    return float(weight), None, metrics
-
-
-# ---- commit ----------------------------------------------------------------------------
-
-
-def _commit(
-    session: Session,
-    population: Population,
-    round_: Round,
-    now: float,
-    mean_delta: Params | None = None,
-    survivors: int = 0,
-) -> None:
-    """Aggregate the round's reports into a new model version (training) or just close it.
-    A secure round passes its unmasked `mean_delta` over its `survivors`, since it has no
-    individual reports."""
-    round_.status, round_.closed_at = "committed", now
-    if round_.kind == EVALUATION:
-        _count_closed(session, population, round_, "committed")
-        return
-    started = time.perf_counter()
-    manifest = population_manifest(population)
-    params, state = _base_version(session, population, manifest, round_.base_version)
-    settings = population_settings(population)
-    dp = settings.dp()
-    if mean_delta is None:
-        shapes = {s.name: s.shape for s in manifest.global_params}
-        reports = (
-            select(Report.weight, Report.delta)
-            .where(Report.round_id == round_.id)
-            .order_by(Report.assignment_id)
-            .execution_options(yield_per=16)
-        )
-        if dp is not None:
-            # Under DP every report weighs the same and is not clipped again: the devices clipped
-            # to the bound the noise is calibrated to (checked per report), and an example count
-            # would scale a device's influence past it.
-            mean = WeightedMean(shapes)
-            for _, blob in session.execute(reports):
-                mean.add_sparse(decode_sparse_delta(blob), 1.0)
-            mean_delta = _private_mean(population, round_, mean.weighted_sum(), mean.count, dp)
-        else:
-            mean_delta = _robust_mean(session, population, round_, reports, shapes)
-    elif dp is not None and survivors:
-        # Secure aggregation unmasked the survivors' mean of clipped deltas: noise goes on their sum.
-        total = {name: value * survivors for name, value in mean_delta.items()}
-        mean_delta = _private_mean(population, round_, total, survivors, dp)
-    job = mixing.central_job(
-        session, population, manifest, round_.base_version, params, settings.task(), "parallel_training"
-    )
-    if job is not None:
-        mean_delta = _merge_central(round_, mean_delta, job)
-    new_params, new_state = apply_update(settings.optimizer(), params, mean_delta, state)
-    check_params(new_params, manifest.global_params, "aggregated model")
-    metrics.observe(session, metrics.AGGREGATION_SECONDS, (population.name,), time.perf_counter() - started)
-    version = population.current_version + 1
-    session.add(
-        ModelVersion(
-            population_id=population.id,
-            version=version,
-            params=encode_params(new_params),
-            optimizer_state=encode_params(new_state),
-            round_id=round_.id,
-            created_at=now,
-        )
-    )
-    population.current_version = version
-    population.training_rounds_committed += 1
-    latest = (session.get_bind(), population.id)
-    on_commit(session, functools.partial(_keep_latest, latest, version, new_params, new_state))
-    if job is not None:  # the next round's central delta, computed while its devices train
-        following = mixing.central_job(
-            session, population, manifest, version, new_params, settings.task(), "parallel_training"
-        )
-        if following is not None:
-            on_commit(session, functools.partial(central_training.precompute, following))
-    # Gradient transfer: the new version's central gradient, ready before its devices ask for it.
-    gradient = mixing.central_job(
-        session, population, manifest, version, new_params, settings.task(), "gradient_transfer"
-    )
-    if gradient is not None:
-        on_commit(session, functools.partial(central_training.precompute_gradient, gradient))
-    round_.result_version = version
-    _count_closed(session, population, round_, "committed")
-    if not privacy_budget_spent(population):
-        open_round(session, population, TRAINING, now)
-    if settings.keep_model_versions:
-        prune_model_versions(session, population, settings.keep_model_versions)
-    every = settings.evaluation_every
-    if (
-        every
-        and population.training_rounds_committed % every == 0
-        and EVALUATION not in open_rounds(session, population)
-    ):
-        open_round(session, population, EVALUATION, now)
-
-
-# The model version this process committed last, per population: the next round's commit starts
-# from it. Reading it back and decoding it (parameters and optimizer state, 1.5 MB each for
-# 3,706 x 50) took 8-10 ms of a 50-70 ms commit under load, while check-ins into the round
-# waited for its row. Versions never change once written, and a copy is kept only once its
-# transaction committed, so it is never wrong, only sometimes not the version asked for.
-_latest: dict[tuple[object, int], tuple[int, Params, Params]] = {}
-
-
-def _keep_latest(key: tuple[object, int], version: int, params: Params, state: Params) -> None:
-    for array in (*params.values(), *state.values()):
-        array.flags.writeable = False  # shared by the commits that start from it
-    _latest[key] = (version, params, state)
-
-
-def _base_version(
-    session: Session, population: Population, manifest: Manifest, version: int
-) -> tuple[Params, Params]:
-    """Model `version`'s (parameters, optimizer state): this process's copy if it committed that
-    version, else read from the database (another process committed it, or this one restarted)."""
-    kept = _latest.get((session.get_bind(), population.id))
-    if kept is not None and kept[0] == version:
-        return kept[1], kept[2]
-    base = session.get(ModelVersion, (population.id, version))
-    assert base is not None
-    params = decode_params(base.params, manifest.global_params, "model version")
-    return params, dict(load(base.optimizer_state))
-
-
-def _merge_central(round_: Round, federated: Params, job: central_training.CentralJob) -> Params:
-    """Parallel training's MERGEOPT: the federated mean delta (after the secure sum and DP noise,
-    when the population has them) merged with the central one. The centralized data is public, so
-    its part costs no privacy: DP's accounting covers the devices' reports, which are unchanged. A
-    central training that diverges leaves the round federated only, and says so in its metrics."""
-    try:
-        central = central_training.central_update(job)
-    except central_training.CentralTrainingError:
-        round_.metrics = {**round_.metrics, "central_diverged": 1.0}
-        return federated
-    round_.metrics = {**round_.metrics, "central_loss": central.loss, "central_steps": float(central.steps)}
-    return central_training.merge(federated, central.delta, job.mixing.weight)
-
-
-def _robust_mean(
-    session: Session, population: Population, round_: Round, reports: Any, shapes: dict[str, tuple[int, ...]]
-) -> Params:
-    """The round's mean delta with each report clipped to its reference norms and its weight
-    capped, by the population's robust rule; sets the round's reference norms for the next."""
-    rule = population_settings(population).robust()
-    reference = _norm_reference(session, population)
-    weights = list(session.scalars(_REPORT_WEIGHTS, {"round_id": round_.id}))
-    capped = cap_weights(weights, rule.max_weight_multiple)
-    # One report's delta in memory at a time for the weighted mean: memory is O(model), not
-    # O(reports x model). Once a round has left reference norms, the clipping bounds are known
-    # before any report is read, and each is decoded once; a population's first round clips to
-    # its own median norms, so it reads its reports twice.
-    bounds = known_bounds(reference, shapes, rule)
-    norms: list[dict[str, float]] = []
-    if bounds is None:
-        norms = [tensor_norms(decode_sparse_delta(blob)) for _, blob in session.execute(reports)]
-        bounds = plan_round(weights, norms, reference, rule).bounds
-    mean, kept = WeightedMean(shapes), []
-    for (_, blob), weight in zip(session.execute(reports), capped, strict=True):
-        delta = decode_sparse_delta(blob)
-        if len(norms) < len(weights):
-            norms.append(tensor_norms(delta))
-        clipped = clip_by_norm(delta, bounds)
-        if rule.method == "none":
-            mean.add_sparse(clipped, weight)
-        else:
-            kept.append(clipped)
-    round_.norm_reference = plan_round(weights, norms, reference, rule).next_reference.to_json()
-    if rule.method == "none":
-        return mean.mean()
-    return robust_mean(kept, capped, shapes, rule.method, rule.trim_fraction)
-
-
-def _norm_reference(session: Session, population: Population) -> NormReference | None:
-    """The reference update norms (and their history) the population's last committed training
-    round left, if any."""
-    return NormReference.from_json(
-        session.scalars(
-            select(Round.norm_reference)
-            .where(
-                Round.population_id == population.id,
-                Round.kind == TRAINING,
-                Round.status == "committed",
-                Round.norm_reference.is_not(None),
-            )
-            .order_by(Round.id.desc())
-            .limit(1)
-        ).first()
-    )
-
-
-def _count_closed(session: Session, population: Population, round_: Round, transition: str) -> None:
-    metrics.count(session, metrics.ROUNDS, (population.name, round_.kind, transition))
-    log_on_commit(
-        session,
-        log,
-        f"round {transition}",
-        population=population.name,
-        round_id=round_.id,
-        kind=round_.kind,
-        model_version=round_.result_version,
-        reported=round_.reported,
-        accepted=round_.accepted,
-        dropped=round_.dropped,
-        aborted=round_.aborted,
-        late=round_.late,
-        invalid=round_.invalid,
-    )
-
-
-def _private_mean(
-    population: Population, round_: Round, update_sum: Params, count: int, dp: DPConfig
-) -> Params:
-    """DP-FedAvg's server step over the round's (equally weighted) sum, and its round metrics:
-    the noise on the mean, epsilon so far, and under adaptive clipping the next clip norm."""
-    rng = secure_rng()
-    metrics = dict(round_.metrics)
-    # The raw count of unclipped devices is not for release; only its noised share is.
-    unclipped = round(metrics.pop(WITHIN_CLIP, 0.0))
-    clip_norm = float(metrics.get(CLIP_NORM, dp.clip_norm))
-    mean = noised_mean(update_sum, count, dp, rng, clip_norm)
-    metrics["dp_noise_stddev"] = dp.noise_stddev(clip_norm) / count
-    if dp.adaptive:
-        metrics[NEXT_CLIP_NORM], metrics["dp_unclipped_share"] = adapt_clip_norm(
-            clip_norm, unclipped, count, dp, rng
-        )
-    spent = population_settings(population).privacy_spent(population.training_rounds_committed + 1)
-    if math.isfinite(spent.epsilon):  # JSON has no infinity; without noise there is no epsilon
-        metrics["dp_epsilon"] = spent.epsilon
-    round_.metrics = metrics
-    return mean
-
-
-def prune_model_versions(session: Session, population: Population, keep: int) -> int:
-    """Delete the versions older than the newest `keep`, except version 0 (the export) and any
-    version an open round works from; returns how many went. Each version holds the dense
-    parameters and optimizer state (about 1.5 MB for 3,706 x 50), so keeping every round's
-    would grow the database without bound; SQLite reuses the freed pages."""
-    in_use = select(Round.base_version).where(Round.population_id == population.id, Round.status == "open")
-    result = session.execute(
-        delete(ModelVersion).where(
-            ModelVersion.population_id == population.id,
-            ModelVersion.version > 0,
-            ModelVersion.version <= population.current_version - keep,
-            ModelVersion.version.not_in(in_use),
-        )
-    )
-    return int(cast(CursorResult[Any], result).rowcount)
-
-
-def summarize_metrics(round_: Round) -> dict[str, float]:
-    """Per-round metrics: the sums devices sent, and the example-weighted means they stand for
-    (`<name>` for each `<name>_sum`; also `rmse` from `squared_error` and `accuracy` from `correct`)."""
-    sums = dict(round_.metrics)
-    out = dict(sums)
-    for prefix in ("", "query_"):
-        weight = sums.get(f"{prefix}weight_sum", 0.0)
-        if weight > 0:
-            for key, total in sums.items():
-                if not key.endswith("_sum") or key.startswith("query_") != (prefix == "query_"):
-                    continue
-                name = key.removeprefix(prefix).removesuffix("_sum")
-                if name != "weight":
-                    out[f"{prefix}{name}"] = total / weight
-            if f"{prefix}squared_error_sum" in sums:
-                out[f"{prefix}rmse"] = math.sqrt(max(sums[f"{prefix}squared_error_sum"], 0.0) / weight)
-            if f"{prefix}correct_sum" in sums:
-                out[f"{prefix}accuracy"] = sums[f"{prefix}correct_sum"] / weight
-    if round_.reported:
-        for k in ("reconstruction_loss", "update_loss"):
-            if k in sums:
-                out[k] = sums[k] / round_.reported
-    return out
-
-
-def reports_in_round(session: Session, round_id: int) -> int:
-    return int(
-        session.scalar(select(func.count()).select_from(Report).where(Report.round_id == round_id)) or 0
-    )

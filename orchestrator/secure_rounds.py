@@ -1,55 +1,44 @@
-"""The state machine of a training round under secure aggregation (Bonawitz et al. 2017; SecAgg+).
-
-A secure round is an ordinary round (check-in, assignments, capacity = target x oversampling)
-whose reports are replaced by four phases, each with its own deadline:
-
-    advertise --(capacity devices advertised keys, or stragglers, or deadline)--> share_keys
-    share_keys --(every advertiser sent shares, or stragglers, or deadline)-----> masked_input
-    masked_input --(target inputs, every sharer's, or stragglers, or deadline)--> unmasking
-    unmasking --(enough shares to unmask, or deadline)--------------------------> done
-
-Only the masked input needs the device's update, so a device advertises its keys right after it
-checks in and sends its shares while it trains: the advertise phase is the round's check-in time,
-the masked-input phase its training time, and after training only the masked input and the
-unmasking answer remain. Like a plaintext round at its target reports, the masked-input phase
-closes at `target` inputs: the slowest of the oversampled devices count as dropped, and their
-masks are removed with their shares; and once enough devices have answered a phase, it waits for
-stragglers (a device that vanished silently looks like one) only a while sized from the phase's
-own pace, not to its deadline (masked inputs are enough once they could be unmasked: every secret
-has its threshold of holders among their senders). A phase that closes with too few devices, or
-with a device whose secrets too few neighbours hold, abandons the round: no shares are asked for
-and nothing is unmasked. At the end the server holds the sum of the survivors' inputs and never
-any single one unmasked; the masked inputs are deleted. Each phase change is announced
-(`phase_changes`) to the devices waiting for it, and each phase's duration is kept in the
-round's metrics.
+"""The devices' messages of a secure round (Bonawitz et al. 2017; SecAgg+): advertising keys, sharing
+them, the masked input and the unmasking answer, each checked by the pure `secure_aggregation`
+package and stored; and what a device may know of its round. The phases these messages move
+through, and the unmasking, are `secure_phases`' (whose names are re-exported here).
 
 Like `rounds`, every function runs in the caller's transaction with an explicit `now`, and
-refusals are returned as `Refused` values. The cryptography and the checks of each message are the
-pure `secure_aggregation` package; this module stores messages and decides phases.
+refusals are returned as `Refused` values.
 """
 
 from __future__ import annotations
 
 import json
-import secrets
-import time
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-from sqlalchemy import bindparam, select, update
+from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from contracts.manifest import Manifest
-from contracts.params import Params
-from orchestrator.db import Assignment, Round, SecureParticipant, SecureRound
-from orchestrator.on_commit import on_commit
-from orchestrator.phase_changes import PHASE_CHANGES
-from orchestrator.population_settings import PopulationSettings
+from orchestrator.db import Round, SecureParticipant, SecureRound
 from orchestrator.refusals import Refused
+from orchestrator.secure_phases import (
+    ADVERTISE,
+    MASKED_INPUT,
+    SHARE_KEYS,
+    UNMASKING,
+    advertised_keys,
+    participants_of,
+    phase_started,
+    roster_of,
+    round_parameters,
+)
+from orchestrator.secure_phases import DONE as DONE
+from orchestrator.secure_phases import PHASES as PHASES
+from orchestrator.secure_phases import Abandon as Abandon
+from orchestrator.secure_phases import Commit as Commit
+from orchestrator.secure_phases import advance as advance
+from orchestrator.secure_phases import layout as layout
+from orchestrator.secure_phases import phase_seconds_metric as phase_seconds_metric
+from orchestrator.secure_phases import start as start
 from secure_aggregation import server
-from secure_aggregation.config import ProtocolError, RoundParameters
+from secure_aggregation.config import ProtocolError
 from secure_aggregation.device import round_graph
 from secure_aggregation.messages import (
     AdvertisedKeys,
@@ -59,378 +48,6 @@ from secure_aggregation.messages import (
     decode_vector,
     shares_from_json,
 )
-from secure_aggregation.neighbours import suggested_neighbours
-from secure_aggregation.quantization import Layout, dequantize_sum
-
-ADVERTISE, SHARE_KEYS, MASKED_INPUT, UNMASKING, DONE = (
-    "advertise",
-    "share_keys",
-    "masked_input",
-    "unmasking",
-    "done",
-)
-PHASES = (ADVERTISE, SHARE_KEYS, MASKED_INPUT, UNMASKING)
-
-
-def phase_seconds_metric(phase: str) -> str:
-    """The round metric with how long `phase` lasted (set when it closes, committed or abandoned)."""
-    return f"secure_{phase}_seconds"
-
-
-def _phase_started(round_: Round) -> float:
-    """When the current phase opened: the round's opening plus the phases closed before it."""
-    names = [phase_seconds_metric(p) for p in PHASES]
-    return round_.opened_at + sum(v for k, v in round_.metrics.items() if k in names)
-
-
-def _close_phase(round_: Round, phase: str, now: float) -> None:
-    """Record how long the phase that closes now lasted: where a round's time goes."""
-    round_.metrics = {**round_.metrics, phase_seconds_metric(phase): now - _phase_started(round_)}
-
-
-@dataclass(frozen=True)
-class Commit:
-    """The round unmasked: the mean of the survivors' clipped, quantized deltas (uniform weights)."""
-
-    mean_delta: Params
-    survivors: int
-    unmask_seconds: float  # summing the masked inputs, removing the masks, dequantizing
-
-
-@dataclass(frozen=True)
-class Abandon:
-    reason: str
-
-
-def layout(manifest: Manifest) -> Layout:
-    """The order in which a device flattens its dense delta: the manifest's global tensors."""
-    return Layout.of(manifest.global_params)
-
-
-def start(
-    session: Session, round_: Round, population_name: str, settings: PopulationSettings, manifest: Manifest
-) -> SecureRound:
-    """The secure part of a newly opened training round, in its advertise phase."""
-    secure = settings.secure
-    parameters = RoundParameters(
-        # Random per round: keys and ciphertexts of one round are useless in any other.
-        context=f"{population_name}/{round_.id}/{secrets.token_hex(16)}",
-        vector_length=layout(manifest).length,
-        bits=secure.bits,
-        clip_norm=secure.clip_norm,
-        max_summands=round_.capacity,
-        neighbours=suggested_neighbours(round_.capacity) if secure.neighbours is None else secure.neighbours,
-        threshold=secure.threshold,
-        min_survivors=round_.min_reports,
-    )
-    secure_round = SecureRound(
-        round_id=round_.id,
-        phase=ADVERTISE,
-        phase_deadline=round_.opened_at + secure.advertise_seconds,
-        parameters=parameters.to_json(),
-        outcome="",
-    )
-    session.add(secure_round)
-    return secure_round
-
-
-def _parameters(secure_round: SecureRound) -> RoundParameters:
-    return RoundParameters.from_json(secure_round.parameters)
-
-
-@dataclass(frozen=True)
-class _Member:
-    """One participant as the phases see it: which messages it sent, not what they hold."""
-
-    assignment_id: str
-    status: str  # its assignment's: assigned while it takes part
-    sent_shares: bool
-    sent_masked_input: bool
-    sent_unmasking: bool
-
-
-_MEMBERS = (
-    select(
-        SecureParticipant.device_index,
-        SecureParticipant.assignment_id,
-        Assignment.status,
-        SecureParticipant.sent_shares,
-        SecureParticipant.sent_masked_input,
-        SecureParticipant.sent_unmasking,
-    )
-    .join(Assignment, Assignment.id == SecureParticipant.assignment_id)
-    .where(SecureParticipant.round_id == bindparam("round_id"))
-)
-
-
-def _participants(session: Session, round_id: int) -> dict[int, _Member]:
-    """The round's participants by roster index, read as plain columns: every request of a round
-    reads them, and loading each row's keys (JSON) as an ORM object cost most of the server's time."""
-    rows = session.execute(_MEMBERS, {"round_id": round_id})
-    return {index: _Member(*rest) for index, *rest in rows}
-
-
-def _status(session: Session, round_id: int) -> dict[str, str]:
-    rows = session.execute(select(Assignment.id, Assignment.status).where(Assignment.round_id == round_id))
-    return {assignment_id: status for assignment_id, status in rows}
-
-
-def _keys(session: Session, round_id: int) -> dict[int, dict[str, str]]:
-    """Every participant's advertised keys (JSON), by roster index."""
-    rows = session.execute(
-        select(SecureParticipant.device_index, SecureParticipant.keys).where(
-            SecureParticipant.round_id == round_id
-        )
-    )
-    return {index: keys for index, keys in rows}
-
-
-def _roster(session: Session, round_id: int) -> dict[int, AdvertisedKeys]:
-    return {i: AdvertisedKeys.from_json(keys) for i, keys in _keys(session, round_id).items()}
-
-
-def _drop_outstanding(session: Session, round_: Round, keep: set[str], now: float) -> None:
-    """Assignments still open that did not take the phase just closed are dropped."""
-    outstanding = [
-        a for a, status in _status(session, round_.id).items() if status == "assigned" and a not in keep
-    ]
-    if outstanding:
-        session.execute(
-            update(Assignment).where(Assignment.id.in_(outstanding)).values(status="dropped", finished_at=now)
-        )
-        round_.dropped += len(outstanding)
-
-
-def advance(
-    session: Session, round_: Round, settings: PopulationSettings, manifest: Manifest, now: float
-) -> Commit | Abandon | None:
-    """Close the phases that are over; a Commit or Abandon when the round ends, else None."""
-    secure_round = session.get(SecureRound, round_.id)
-    assert secure_round is not None
-    while secure_round.phase != DONE:
-        participants = _participants(session, round_.id)
-        active = {i for i, p in participants.items() if p.status == "assigned"}
-        phase = secure_round.phase
-        timed_out = now >= secure_round.phase_deadline
-        if phase == ADVERTISE:
-            advertised = {p.assignment_id for p in participants.values()}
-            status = _status(session, round_.id)
-            waiting = any(status[a] == "assigned" and a not in advertised for a in status)
-            # Devices advertise as they check in: the roster closes with the round's check-ins.
-            full = round_.accepted >= round_.capacity
-            # A device that vanished between its check-in and its keys holds a full roster open.
-            enough = full and len(participants) >= _enough(secure_round)
-            if timed_out and len(participants) < _enough(secure_round):
-                timed_out = not _be_patient(round_, secure_round, settings)
-            if not (
-                timed_out
-                or (full and not waiting)
-                or _stragglers_left(round_, secure_round, settings, enough, now)
-            ):
-                return None
-            _drop_outstanding(session, round_, {p.assignment_id for p in participants.values()}, now)
-            _next_phase(session, round_, secure_round, SHARE_KEYS, settings.secure.share_keys_seconds, now)
-            problem = _too_few(secure_round, len(participants), "advertised keys")
-        elif phase == SHARE_KEYS:
-            sharers = {i for i, p in participants.items() if p.sent_shares}
-            if not (
-                timed_out
-                or active <= sharers
-                or _stragglers_left(
-                    round_, secure_round, settings, len(sharers) >= _enough(secure_round), now
-                )
-            ):
-                return None
-            _drop_outstanding(session, round_, {participants[i].assignment_id for i in sharers}, now)
-            _next_phase(
-                session, round_, secure_round, MASKED_INPUT, settings.secure.masked_input_seconds, now
-            )
-            problem = _too_few(secure_round, len(sharers), "shared keys") or _unreachable(
-                secure_round, participants, sharers
-            )
-        elif phase == MASKED_INPUT:
-            sharers = {i for i, p in participants.items() if p.sent_shares}
-            senders = {i for i, p in participants.items() if p.sent_masked_input}
-            # Enough to stop waiting for stragglers only if these inputs could be unmasked: were
-            # every secret's holders among them to answer, each would have its threshold of shares.
-            # Else the round would end abandoned at the unmasking however it went, while the
-            # slower phones still training might have made it.
-            enough = len(senders) >= _enough(secure_round) and _unmaskable(
-                secure_round, participants, sharers, senders
-            )
-            if not (
-                timed_out
-                or len(senders) >= round_.target
-                or (active & sharers) <= senders
-                or _stragglers_left(round_, secure_round, settings, enough, now)
-            ):
-                return None
-            _drop_outstanding(session, round_, {participants[i].assignment_id for i in senders}, now)
-            _next_phase(session, round_, secure_round, UNMASKING, settings.secure.unmasking_seconds, now)
-            problem = _too_few(secure_round, len(senders), "sent their masked input")
-        else:  # UNMASKING
-            return _finish(session, round_, secure_round, participants, layout(manifest), timed_out, now)
-        if problem is not None:
-            return _abandon(session, round_, secure_round, problem, now)
-    return None
-
-
-def _be_patient(round_: Round, secure_round: SecureRound, settings: PopulationSettings) -> bool:
-    """At the advertise deadline with too few devices: whether the roster stays open longer
-    (`advertise_patience_seconds` past the deadline, once), so that the check-ins of a slow
-    hour add up to one round instead of several abandoned ones."""
-    secure = settings.secure
-    patient_until = round_.opened_at + secure.advertise_seconds + secure.advertise_patience_seconds
-    if secure_round.phase_deadline >= patient_until:
-        return False
-    secure_round.phase_deadline = patient_until
-    return True
-
-
-def _stragglers_left(
-    round_: Round, secure_round: SecureRound, settings: PopulationSettings, enough: bool, now: float
-) -> bool:
-    """Whether the phase stops waiting for the devices that have not answered yet.
-
-    A device that vanished silently is still active until the phase's deadline, which must
-    leave room for the slowest phone. Once `enough` devices have answered to go on, the phase
-    waits for the rest at most `straggler_wait` times as long as it took to get there (a deadline
-    sized from this round's own pace); the configured deadline still applies."""
-    wait = settings.secure.straggler_wait
-    if wait is None or not enough:
-        return False
-    pace = now - _phase_started(round_)
-    secure_round.phase_deadline = min(secure_round.phase_deadline, now + wait * pace)
-    return now >= secure_round.phase_deadline
-
-
-def _next_phase(
-    session: Session, round_: Round, secure_round: SecureRound, phase: str, seconds: float, now: float
-) -> None:
-    _close_phase(round_, secure_round.phase, now)
-    on_commit(session, PHASE_CHANGES.notify)
-    secure_round.phase, secure_round.phase_deadline = phase, now + seconds
-
-
-def _enough(secure_round: SecureRound) -> int:
-    """Devices a phase needs to go on: the round's minimum, and never fewer than 3."""
-    return max(3, _parameters(secure_round).min_survivors)
-
-
-def _too_few(secure_round: SecureRound, count: int, what: str) -> str | None:
-    if count < _enough(secure_round):
-        return f"only {count} devices {what}; a secure round needs at least {_enough(secure_round)}"
-    return None
-
-
-def _unreachable(
-    secure_round: SecureRound, participants: Mapping[int, _Member], sharers: set[int]
-) -> str | None:
-    """A sharer whose secrets reached fewer neighbours than the threshold could never be unmasked."""
-    parameters = _parameters(secure_round)
-    graph = round_graph(parameters, sorted(participants))
-    for owner in sorted(sharers):
-        t = parameters.shamir_threshold(len(graph[owner]))
-        holders = len(set(graph[owner]) & sharers)
-        if holders < t:
-            return f"device {owner}'s shares reached {holders} neighbours; its secrets need {t}"
-    return None
-
-
-def _unmaskable(
-    secure_round: SecureRound, participants: Mapping[int, _Member], sharers: set[int], senders: set[int]
-) -> bool:
-    """Whether a round whose survivors are `senders` could be unmasked, at best (every survivor
-    answers the unmasking)."""
-    parameters = _parameters(secure_round)
-    graph = round_graph(parameters, sorted(participants))
-    return server.unmask_problem(parameters, graph, sharers, senders, senders) is None
-
-
-def _abandon(session: Session, round_: Round, secure_round: SecureRound, reason: str, now: float) -> Abandon:
-    _drop_outstanding(session, round_, set(), now)
-    on_commit(session, PHASE_CHANGES.notify)
-    secure_round.phase, secure_round.outcome = DONE, reason[:500]
-    session.execute(
-        update(SecureParticipant).where(SecureParticipant.round_id == round_.id).values(masked_input=None)
-    )
-    return Abandon(reason)
-
-
-def _finish(
-    session: Session,
-    round_: Round,
-    secure_round: SecureRound,
-    participants: Mapping[int, _Member],
-    flat: Layout,
-    timed_out: bool,
-    now: float,
-) -> Commit | Abandon | None:
-    parameters = _parameters(secure_round)
-    graph = round_graph(parameters, sorted(participants))
-    sharers = {i for i, p in participants.items() if p.sent_shares}
-    survivors = {i for i, p in participants.items() if p.sent_masked_input}
-    responses = {
-        i: UnmaskingShares.from_json(answer, len(participants))
-        for i, answer in session.execute(
-            select(SecureParticipant.device_index, SecureParticipant.unmasking).where(
-                SecureParticipant.round_id == round_.id, SecureParticipant.sent_unmasking
-            )
-        )
-    }
-    problem = server.unmask_problem(parameters, graph, sharers, survivors, responses)
-    if problem is not None and not timed_out and set(responses) != survivors:
-        return None  # more answers may still come
-    _close_phase(round_, UNMASKING, now)
-    if problem is not None:
-        return _abandon(session, round_, secure_round, problem, now)
-    started = time.perf_counter()
-    total = server.MaskedSum(parameters)
-    # One masked input in memory at a time: memory is O(model), not O(devices x model).
-    for (blob,) in session.execute(
-        select(SecureParticipant.masked_input)
-        .where(SecureParticipant.round_id == round_.id, SecureParticipant.sent_masked_input)
-        .execution_options(yield_per=8)
-    ):
-        total.add(decode_vector(blob, parameters))
-    try:
-        unmasked = server.unmask(
-            parameters, total.total, _roster(session, round_.id), graph, sharers, survivors, responses
-        )
-    except server.CannotUnmask as e:
-        return _abandon(session, round_, secure_round, str(e), now)
-    survivor_assignments = [participants[i].assignment_id for i in survivors]
-    session.execute(
-        update(Assignment)
-        .where(Assignment.id.in_(survivor_assignments))
-        .values(status="reported", finished_at=now)
-    )
-    round_.reported, round_.total_weight = len(survivors), float(len(survivors))
-    _drop_outstanding(session, round_, set(survivor_assignments), now)
-    on_commit(session, PHASE_CHANGES.notify)
-    secure_round.phase = DONE
-    session.execute(
-        update(SecureParticipant).where(SecureParticipant.round_id == round_.id).values(masked_input=None)
-    )
-    mean = dequantize_sum(unmasked, parameters) / len(survivors)
-    # A mean of vectors clipped to clip_norm is no longer than clip_norm (triangle inequality), up
-    # to each coordinate's rounding of at most one step: anything longer comes from a device that
-    # did not clip, which is all the server can still check once it cannot see single updates.
-    bound = parameters.clip_norm * (1 + np.sqrt(parameters.vector_length) / parameters.levels)
-    norm = float(np.linalg.norm(mean))
-    if norm > bound:
-        return _abandon(
-            session,
-            round_,
-            secure_round,
-            f"the unmasked mean has norm {norm:.4g} > clip_norm {bound:.4g}",
-            now,
-        )
-    mean_delta = {k: v.astype(np.float32) for k, v in flat.unflatten(mean).items()}
-    return Commit(mean_delta, len(survivors), time.perf_counter() - started)
-
-
-# ---- the devices' messages ----------------------------------------------------------------
 
 
 def _secure_round(session: Session, round_: Round) -> SecureRound:
@@ -472,9 +89,9 @@ def state(session: Session, round_: Round, assignment_id: str, now: float) -> di
     if participant is None or secure_round.phase in (ADVERTISE, DONE):
         return out
     if secure_round.phase == SHARE_KEYS and not participant.sent_shares:
-        out["roster"] = {str(i): keys for i, keys in sorted(_keys(session, round_.id).items())}
+        out["roster"] = {str(i): keys for i, keys in sorted(advertised_keys(session, round_.id).items())}
     elif secure_round.phase == MASKED_INPUT and participant.sent_shares:
-        graph = round_graph(_parameters(secure_round), sorted(_participants(session, round_.id)))
+        graph = round_graph(round_parameters(secure_round), sorted(participants_of(session, round_.id)))
         index = participant.device_index
         out["ciphertexts"] = ciphertexts_to_json(
             {
@@ -483,7 +100,7 @@ def state(session: Session, round_: Round, assignment_id: str, now: float) -> di
             }
         )
     elif secure_round.phase == UNMASKING and participant.sent_masked_input:
-        participants = _participants(session, round_.id)
+        participants = participants_of(session, round_.id)
         out["survivors"] = sorted(i for i, p in participants.items() if p.sent_masked_input)
     return out
 
@@ -515,7 +132,7 @@ def advertise(
         return Refused(409, "this assignment has already advertised its keys")
     try:
         keys = AdvertisedKeys.from_json(body)
-        roster = _roster(session, round_.id)
+        roster = roster_of(session, round_.id)
         server.check_advertisement(keys, roster.values())
     except ProtocolError as e:
         return Refused(422, str(e))
@@ -560,10 +177,10 @@ def share_keys(
     secure_round, participant = found
     if participant.sent_shares:
         return Refused(409, "this assignment has already sent its shares")
-    participants = _participants(session, round_.id)
+    participants = participants_of(session, round_.id)
     try:
         shares = shares_from_json(body, len(participants))
-        graph = round_graph(_parameters(secure_round), sorted(participants))
+        graph = round_graph(round_parameters(secure_round), sorted(participants))
         server.check_shares(participant.device_index, graph, shares)
     except ProtocolError as e:
         return Refused(422, str(e))
@@ -584,7 +201,7 @@ def masked_input(
     if participant.sent_masked_input:
         return Refused(409, "this assignment has already sent its masked input")
     try:
-        decode_vector(body, _parameters(secure_round))
+        decode_vector(body, round_parameters(secure_round))
     except ProtocolError as e:
         return Refused(422, str(e))
     participant.masked_input, participant.sent_masked_input = body, True
@@ -602,8 +219,8 @@ def unmasking(
         return Refused(409, "this assignment did not send a masked input, so it is not a survivor")
     if participant.sent_unmasking:
         return Refused(409, "this assignment has already sent its unmasking shares")
-    participants = _participants(session, round_.id)
-    parameters = _parameters(secure_round)
+    participants = participants_of(session, round_.id)
+    parameters = round_parameters(secure_round)
     graph = round_graph(parameters, sorted(participants))
     index = participant.device_index
     sharers = {i for i, p in participants.items() if p.sent_shares}
@@ -658,7 +275,7 @@ def next_round_in(session: Session, round_: Round, now: float, longest: float) -
         return longest
     took: list[float] = [float(last.get(phase_seconds_metric(p), longest)) for p in PHASES]
     current = PHASES.index(secure_round.phase)
-    used = now - _phase_started(round_)
+    used = now - phase_started(round_)
     left = max(0.0, took[current] - used) + sum(took[current + 1 :])
     return float(min(longest, max(MIN_RETRY_SECONDS, left)))
 

@@ -3,7 +3,8 @@
 The transport is a function call (the quality benchmark measures the algorithm, not HTTP);
 everything else is the system's own: each client task runs the `.tflite` signatures through
 `TFLiteModel` (`reconstruct`, `update`, `evaluate`), and the server is the orchestrator's
-`WeightedMean` over sparse deltas followed by its server optimizer (`apply_update`).
+aggregation stages (orchestrator/pipeline: the weighted mean over sparse deltas, robust clipping,
+DP noise) followed by its server optimizer (`apply_update`).
 
 Speed (500 rounds x 100 clients in about half a minute on 2 cores):
 - every user's batches are packed once, before the first round;
@@ -14,6 +15,7 @@ Speed (500 rounds x 100 clients in about half a minute on 2 cores):
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -34,13 +36,16 @@ from model_runtime.tflite_model import EvaluationSums, RowUpdate, TFLiteModel
 from orchestrator.aggregation import (
     RobustAggregation,
     ServerOptimizerConfig,
-    WeightedMean,
-    aggregate,
     apply_update,
     init_state,
 )
 from orchestrator.differential_privacy import DPConfig, noised_mean
 from orchestrator.norm_reference import NormReference
+from orchestrator.pipeline import Stage
+from orchestrator.pipeline.coordinate_wise import CoordinateWiseStage
+from orchestrator.pipeline.private import GaussianNoise
+from orchestrator.pipeline.robust import ClipAndCap
+from orchestrator.pipeline.weighted_mean import WeightedMeanStage
 from secure_aggregation.config import RoundParameters
 from secure_aggregation.quantization import Layout, dequantize_sum, quantize
 
@@ -166,11 +171,12 @@ def whole(values: np.ndarray) -> SparseTensor:
 
 
 class Server:
-    """The orchestrator's commit: the weighted mean of the round's reports, then the server optimizer.
+    """The orchestrator's commit: the weighted mean of the round's reports, then the server optimizer;
+    the same aggregation stages as the orchestrator's (orchestrator/pipeline), stacked the same way.
 
     With `aggregation`, the orchestrator's robust aggregation (clipping, capped weights, optionally
     a trimmed mean or median). With `dp` (DP-FedAvg), as the orchestrator does: every report weighs
-    the same and the mean is `noised_mean` of their sum; `rng` is seeded here so that a benchmark
+    the same and the mean is the noised mean of their sum; `rng` is seeded here so that a benchmark
     run can be repeated. With `secure` (secure aggregation's arithmetic), every report is flattened
     densely in `layout`'s order, clipped and quantized as a device does, the integers are summed
     modulo 2^bits and the sum is dequantized, as the server unmasks it (the masks cancel exactly in
@@ -195,6 +201,10 @@ class Server:
         self.dp = dp
         self.rng = rng or np.random.default_rng(0)
         self.secure = secure
+        if dp is not None and dp.adaptive:
+            raise ValueError(
+                "the simulated server keeps its clip norm fixed: adaptive clipping is the orchestrator's"
+            )
 
     def commit(self, reports: Sequence[Report], merge: Callable[[Params], Params] | None = None) -> int:
         """Apply one round; returns how many reports were refused (diverged). `merge` takes the
@@ -204,25 +214,34 @@ class Server:
             return len(reports)
         if self.secure is not None:
             mean_delta = self._secure_mean([delta for delta, _ in taken])
-        elif self.dp is not None:
-            mean = WeightedMean(self.shapes)
-            for delta, _ in taken:
-                mean.add_sparse(delta, 1.0)
-            mean_delta = noised_mean(mean.weighted_sum(), mean.count, self.dp, self.rng)
-        elif self.aggregation is None:
-            mean = WeightedMean(self.shapes)
-            for delta, weight in taken:
-                mean.add_sparse(delta, weight)
-            mean_delta = mean.mean()
         else:
-            deltas, weights = [d for d, _ in taken], [w for _, w in taken]
-            mean_delta, self.norm_reference = aggregate(
-                deltas, weights, self.shapes, self.aggregation, self.norm_reference
-            )
+            stage = self._stages([weight for _, weight in taken])
+            for delta, weight in taken:
+                stage.accept(delta, weight)
+            aggregate = stage.finish()
+            mean_delta = aggregate.mean_delta
+            if aggregate.norm_reference is not None:
+                self.norm_reference = aggregate.norm_reference
         if merge is not None:
             mean_delta = merge(mean_delta)
         self.params, self.state = apply_update(self.optimizer, self.params, mean_delta, self.state)
         return len(reports) - len(taken)
+
+    def _stages(self, weights: Sequence[float]) -> Stage:
+        """The orchestrator's own aggregation stages (orchestrator/pipeline), stacked as its commit
+        stacks them for a population with these settings."""
+        if self.dp is not None:
+            inner = WeightedMeanStage(self.shapes, equal_weights=True)
+            return GaussianNoise(inner, self.dp, {}, math.inf, self.rng)
+        if self.aggregation is None:
+            return WeightedMeanStage(self.shapes)
+        rule = self.aggregation
+        mean: Stage = (
+            WeightedMeanStage(self.shapes)
+            if rule.method == "none"
+            else CoordinateWiseStage(self.shapes, rule.method, rule.trim_fraction)
+        )
+        return ClipAndCap(mean, rule, self.shapes, weights, self.norm_reference)
 
     def _secure_mean(self, deltas: Sequence[dict[str, SparseTensor]]) -> Params:
         assert self.secure is not None

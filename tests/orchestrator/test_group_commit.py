@@ -6,7 +6,7 @@ import asyncio
 import time
 from collections.abc import Sequence
 
-from orchestrator.api.group_commit import GroupCommit
+from orchestrator.service.group_commit import GroupCommit
 
 
 class Recorder:

@@ -13,8 +13,8 @@ from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session, sessionmaker
 
 from orchestrator import metrics, rounds
-from orchestrator.api.group_commit import GroupCommit
 from orchestrator.populations import ExportedModel
+from orchestrator.service.group_commit import GroupCommit
 from tests.orchestrator.conftest import make_population
 from tests.orchestrator.test_rounds import checkin, delta_body, device, report
 

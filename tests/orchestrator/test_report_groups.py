@@ -8,9 +8,10 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from contracts.protocol import ReportAccepted
 from orchestrator import rounds
-from orchestrator.api.routes.assignments import _report, _ReportCall
 from orchestrator.devices import enroll
 from orchestrator.populations import ExportedModel
+from orchestrator.service.reports import ReportCall as _ReportCall
+from orchestrator.service.reports import report_transaction as _report
 from tests.orchestrator.conftest import make_population
 from tests.orchestrator.test_rounds import checkin, delta_body, round_by_id
 

@@ -1,11 +1,7 @@
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
-
 from fastapi import APIRouter, HTTPException, Request, Response
 from sqlalchemy.orm import Session, sessionmaker
-from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 
 from contracts.mixing import encode_examples
@@ -14,17 +10,14 @@ from contracts.protocol import ReportAccepted
 from orchestrator import central_training, mixing, rounds
 from orchestrator.api import schemas
 from orchestrator.api.deps import (
-    DATABASE_UNAVAILABLE,
-    UNAUTHENTICATED,
     SessionFactoryDep,
     TokenDep,
     require_device,
     run_db,
 )
-from orchestrator.api.group_commit import GroupCommit
 from orchestrator.central_training import CentralJob
 from orchestrator.db import Assignment, ModelVersion, Population, Round
-from orchestrator.devices import authenticate_all
+from orchestrator.service.reports import ReportCall, ReportGroups
 
 router = APIRouter(prefix="/v1/assignments", tags=["devices"])
 
@@ -34,69 +27,6 @@ def _answer(result: ReportAccepted | rounds.Refused) -> ReportAccepted:
         headers = {"WWW-Authenticate": "Bearer"} if result.status == 401 else None
         raise HTTPException(result.status, result.message, headers=headers)
     return result
-
-
-def _accepted(round_: Round) -> ReportAccepted:
-    return ReportAccepted(
-        round_id=round_.id, round_status=round_.status, reported=round_.reported, target=round_.target
-    )
-
-
-@dataclass(frozen=True)
-class _ReportCall:
-    """A report, or an abort (`abort`: no body): both count into their round under its
-    population's lock, so they share one group commit."""
-
-    assignment_id: str
-    token: str
-    body: bytes
-    content_type: str
-    abort: bool = False
-
-
-ReportGroups = GroupCommit[None, _ReportCall, ReportAccepted | rounds.Refused]
-
-
-def report_groups(app: Starlette, window_seconds: float) -> ReportGroups:
-    """The group commit of reports and aborts: one transaction for those that arrive together.
-    An abort in a transaction of its own waited for the population lock while holding one of the
-    few worker threads (`worker_threads`), and check-ins then waited for a thread: at 500 visits/s
-    on PostgreSQL that wait was most of the check-ins' p99."""
-
-    async def transaction(_: None, calls: Sequence[_ReportCall]) -> list[ReportAccepted | rounds.Refused]:
-        return await run_db(app, _report, app.state.sessionmaker, calls, app.state.clock())
-
-    return GroupCommit(transaction, window_seconds, fail_together=DATABASE_UNAVAILABLE, name="report")
-
-
-def _report(
-    factory: sessionmaker[Session], calls: Sequence[_ReportCall], now: float
-) -> list[ReportAccepted | rounds.Refused]:
-    """Each report or abort in turn, in one transaction; an answer is built as soon as its call is
-    in, since a later report in the same transaction may commit the round."""
-    with factory.begin() as session:
-        device_ids = authenticate_all(session, [call.token for call in calls])
-        populations = rounds.populations_of_assignments(
-            session,
-            [call.assignment_id for call, device_id in zip(calls, device_ids, strict=True) if device_id],
-        )
-        answers: list[ReportAccepted | rounds.Refused] = []
-        for call, device_id in zip(calls, device_ids, strict=True):
-            population = populations.get(call.assignment_id)
-            if device_id is None:
-                answers.append(rounds.Refused(401, UNAUTHENTICATED))
-            elif population is None:
-                answers.append(rounds.Refused(404, f"no assignment {call.assignment_id!r}"))
-            else:
-                result = (
-                    rounds.abort(session, population, call.assignment_id, device_id, now)
-                    if call.abort
-                    else rounds.report(
-                        session, population, call.assignment_id, device_id, call.body, call.content_type, now
-                    )
-                )
-                answers.append(result if isinstance(result, rounds.Refused) else _accepted(result))
-        return answers
 
 
 @router.post(
@@ -133,7 +63,7 @@ def _report(
 async def report(assignment_id: str, request: Request, token: TokenDep) -> ReportAccepted:
     body = await request.body()  # under max_report_bytes, after the token was checked (api/edge.py)
     groups: ReportGroups = request.app.state.report_groups
-    call = _ReportCall(assignment_id, token, body, request.headers.get("content-type", ""))
+    call = ReportCall(assignment_id, token, body, request.headers.get("content-type", ""))
     return _answer(await groups.submit(None, call))
 
 
@@ -151,7 +81,7 @@ async def report(assignment_id: str, request: Request, token: TokenDep) -> Repor
 )
 async def abort(assignment_id: str, request: Request, token: TokenDep) -> ReportAccepted:
     groups: ReportGroups = request.app.state.report_groups
-    return _answer(await groups.submit(None, _ReportCall(assignment_id, token, b"", "", abort=True)))
+    return _answer(await groups.submit(None, ReportCall(assignment_id, token, b"", "", abort=True)))
 
 
 def _open_assignment(session: Session, token: str, assignment_id: str) -> tuple[Population, Assignment]:

@@ -1,0 +1,200 @@
+"""How far one report travels: the path from the report route to the new model version.
+
+    python benchmarks/report_path.py [--model-dir DIR] [--show]
+
+Sets up a real SQLite population whose rounds commit at one report, commits one round, then
+traces (sys.setprofile) the transaction the report route hands the next report to
+(`report_transaction` in orchestrator/service/reports.py; `_report` in the routes before): its
+validation, storage, the round's commit, the aggregation and the new model version. Prints:
+- stops: the distinct project functions it enters (orchestrator, contracts, secure_aggregation,
+  model_runtime; comprehensions, lambdas and generated methods aside), in the order first entered;
+- module visits: how often that sequence of stops moves into another module than the last;
+- modules: the distinct modules of those stops, and how many stops each holds;
+- climbs: how often the next stop lies on a higher floor than the one before, where a module's
+  floor is 1 + the highest floor among the project modules it imports (contracts' leaves are 0):
+  each climb is control going back up the layers to be sent down again.
+The first run exports a small model with TensorFlow (about a minute); --model-dir reuses one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import itertools
+import json
+import sys
+import tempfile
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from contracts.manifest import Manifest  # noqa: E402
+from contracts.params import encode_sparse_delta  # noqa: E402
+from model_export.config import ModelConfig  # noqa: E402
+from model_export.in_subprocess import export_in_subprocess  # noqa: E402
+from orchestrator import rounds  # noqa: E402
+from orchestrator.db import make_engine  # noqa: E402
+from orchestrator.devices import enroll  # noqa: E402
+from orchestrator.migrate import migrate  # noqa: E402
+from orchestrator.populations import ExportedModel, create_population  # noqa: E402
+from orchestrator.service.reports import ReportCall, report_transaction  # noqa: E402
+
+PACKAGES = ("orchestrator", "contracts", "secure_aggregation", "model_runtime")
+MODEL = ModelConfig(num_items=200, embedding_dim=4, batch_size=5, max_batches=4)
+
+
+def module_of(path: Path) -> str | None:
+    """The dotted name of a project source file, None outside the project's packages."""
+    try:
+        parts = path.resolve().relative_to(ROOT).with_suffix("").parts
+    except ValueError:
+        return None
+    if not parts or parts[0] not in PACKAGES:
+        return None
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def project_imports(module: str) -> set[str]:
+    """The project modules `module` imports (at any place in its source)."""
+    base = ROOT.joinpath(*module.split("."))
+    source = base / "__init__.py" if base.is_dir() else base.with_suffix(".py")
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(source.read_text())):
+        names: list[str] = []
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
+        for name in names:
+            if name.split(".")[0] in PACKAGES and name != module and _exists(name):
+                found.add(name)
+    return found
+
+
+def _exists(module: str) -> bool:
+    base = ROOT.joinpath(*module.split("."))
+    return base.with_suffix(".py").is_file() or (base / "__init__.py").is_file()
+
+
+def floors() -> dict[str, int]:
+    """Each project module's floor: 1 + the highest floor of the project modules it imports."""
+    modules = [module_of(p) for package in PACKAGES for p in (ROOT / package).rglob("*.py")]
+    graph = {m: project_imports(m) for m in modules if m is not None}
+    floor: dict[str, int] = {}
+
+    def of(module: str, seen: frozenset[str]) -> int:
+        if module not in floor:
+            below = [of(m, seen | {module}) for m in graph.get(module, ()) if m not in seen]
+            floor[module] = 1 + max(below) if below else 0
+        return floor[module]
+
+    for module in graph:
+        of(module, frozenset())
+    return floor
+
+
+@dataclass(frozen=True)
+class Stop:
+    module: str
+    function: str
+
+
+@contextmanager
+def traced() -> Iterator[list[Stop]]:
+    stops: list[Stop] = []
+    seen: set[Stop] = set()
+    modules: dict[str, str | None] = {}
+
+    def profile(frame: FrameType, event: str, _: Any) -> None:
+        if event != "call":
+            return
+        code = frame.f_code
+        if code.co_name.startswith("<"):
+            return
+        if code.co_filename not in modules:
+            modules[code.co_filename] = module_of(Path(code.co_filename))
+        module = modules[code.co_filename]
+        if module is None:
+            return
+        stop = Stop(module, code.co_qualname)
+        if stop not in seen:
+            seen.add(stop)
+            stops.append(stop)
+
+    sys.setprofile(profile)
+    try:
+        yield stops
+    finally:
+        sys.setprofile(None)
+
+
+def one_report(model_dir: Path, database: Path) -> list[Stop]:
+    """The stops of a report that commits a round, on a SQLite population that has committed one
+    round already (so that what is parsed or learnt once per population is not counted)."""
+    from sqlalchemy.orm import sessionmaker
+
+    url = f"sqlite:///{database}"
+    migrate(url)
+    factory = sessionmaker(make_engine(url), expire_on_commit=False)
+    model = ExportedModel.from_dir(model_dir)
+    manifest = Manifest.from_json(model.manifest)
+    with factory.begin() as session:
+        create_population(session, "p", model, {"target_reports": 1}, 0.0)
+    traced_stops: list[list[Stop]] = []
+    for now in (1.0, 3.0):  # the first report warms up, the second is traced
+        with factory.begin() as session:
+            device_id, token = enroll(session, now)
+            population = rounds.lock_population(session, "p")
+            assert population is not None
+            (accepted,) = rounds.checkin(
+                session, population, [rounds.CheckIn(device_id, 20, "training")], now
+            )
+        assert isinstance(accepted, rounds.Accepted), accepted
+        delta = {s.name: np.zeros(s.shape, np.float32) for s in manifest.global_params}
+        for array in delta.values():
+            array.reshape(-1)[:2] = 0.01
+        metadata = {"num_examples": "10", "metrics": json.dumps({"update_loss": 0.5})}
+        call = ReportCall(
+            accepted.assignment_id, token, encode_sparse_delta(delta, metadata), "application/octet-stream"
+        )
+        with traced() as stops:
+            (answer,) = report_transaction(factory, [call], now + 1.0)
+        traced_stops.append(stops)
+        assert not isinstance(answer, rounds.Refused), answer.message
+        assert answer.round_status == "committed", answer
+    return traced_stops[-1]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model-dir", type=Path, help="an exported model (default: export a small one)")
+    parser.add_argument("--show", action="store_true", help="print every stop with its floor")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = args.model_dir or export_in_subprocess(MODEL, Path(tmp) / "model")
+        stops = one_report(model_dir, Path(tmp) / "orchestrator.sqlite")
+    floor = floors()
+    climbs = sum(1 for a, b in itertools.pairwise(stops) if floor[b.module] > floor[a.module])
+    if args.show:
+        for stop in stops:
+            print(f"  {floor[stop.module]:2d}  {stop.module}.{stop.function}")
+    per_module = Counter(stop.module for stop in stops)
+    visits = 1 + sum(1 for a, b in itertools.pairwise(stops) if a.module != b.module)
+    print(f"stops: {len(stops)}  module visits: {visits}  modules: {len(per_module)}  climbs: {climbs}")
+    for module, count in per_module.most_common():
+        print(f"  {count:3d}  {module} (floor {floor[module]})")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,94 @@
+"""A population's aggregation pipeline, assembled once from its settings."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from contracts.params import Params
+from orchestrator.central_training import CentralUpdate
+from orchestrator.differential_privacy import secure_rng
+from orchestrator.norm_reference import NormReference
+from orchestrator.pipeline import Stage
+from orchestrator.pipeline.central_merge import CentralMerge
+from orchestrator.pipeline.coordinate_wise import CoordinateWiseStage
+from orchestrator.pipeline.private import GaussianNoise
+from orchestrator.pipeline.robust import ClipAndCap
+from orchestrator.pipeline.secure_sum import SecureSum
+from orchestrator.pipeline.weighted_mean import WeightedMeanStage
+from orchestrator.population_settings import PopulationSettings
+
+
+@dataclass(frozen=True)
+class CentralPart:
+    """Parallel training's part of a round: the central delta (None: its training diverged) and
+    the weight it is merged with."""
+
+    update: CentralUpdate | None
+    weight: float
+
+
+@dataclass(frozen=True)
+class RoundInputs:
+    """What a round's stages need besides the contributions, read by the commit."""
+
+    rounds_committed: int  # training rounds committed before this one (DP's epsilon after it)
+    metrics: Mapping[str, float] = field(default_factory=dict)  # the round's, so far
+    # Plaintext rounds: the reports' weights in the order they will be accepted, and the reference
+    # norms the population's last committed round left (robust clipping).
+    weights: Sequence[float] = ()
+    reference: NormReference | None = None
+    central: CentralPart | None = None  # None: the population does not train on centralized data
+
+
+class Pipeline:
+    """Builds each training round's stack of stages from the population's settings."""
+
+    def __init__(
+        self,
+        settings: PopulationSettings,
+        shapes: Mapping[str, tuple[int, ...]],
+        rng: Callable[[], np.random.Generator] = secure_rng,
+    ) -> None:
+        self._settings, self._shapes, self._rng = settings, dict(shapes), rng
+        self._dp = settings.dp()
+        self._rule = settings.robust()
+
+    @property
+    def private(self) -> bool:
+        return self._dp is not None
+
+    def plaintext_round(self, inputs: RoundInputs) -> Stage:
+        """A round whose reports are accepted one by one: under DP equally weighted and noised;
+        otherwise clipped, capped and averaged by the population's robust rule."""
+        stage: Stage
+        if self._dp is not None:
+            stage = self._noised(WeightedMeanStage(self._shapes, equal_weights=True), inputs)
+        else:
+            rule = self._rule
+            inner: Stage = (
+                WeightedMeanStage(self._shapes)
+                if rule.method == "none"
+                else CoordinateWiseStage(self._shapes, rule.method, rule.trim_fraction)
+            )
+            stage = ClipAndCap(inner, rule, self._shapes, inputs.weights, inputs.reference)
+        return self._merged(stage, inputs)
+
+    def secure_round(self, mean_delta: Params, survivors: int, inputs: RoundInputs) -> Stage:
+        """A secure round: the survivors' unmasked mean, noised under DP."""
+        stage: Stage = SecureSum(mean_delta, survivors)
+        if self._dp is not None:
+            stage = self._noised(stage, inputs)
+        return self._merged(stage, inputs)
+
+    def _noised(self, inner: Stage, inputs: RoundInputs) -> Stage:
+        assert self._dp is not None
+        epsilon = self._settings.privacy_spent(inputs.rounds_committed + 1).epsilon
+        return GaussianNoise(inner, self._dp, inputs.metrics, epsilon, self._rng())
+
+    def _merged(self, stage: Stage, inputs: RoundInputs) -> Stage:
+        if inputs.central is None:
+            return stage
+        return CentralMerge(stage, inputs.central.update, inputs.central.weight)

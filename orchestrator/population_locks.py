@@ -1,0 +1,66 @@
+"""Finding a population and taking its lock: one writer per population at a time."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from sqlalchemy import bindparam, select
+from sqlalchemy.orm import Session
+
+from orchestrator.db import Assignment, Population, Round
+
+# Built once: building and hashing a statement costs several times more than SQLite takes to run it.
+_POPULATION_BY_NAME = select(Population).where(Population.name == bindparam("name"))
+# FOR NO KEY UPDATE, not FOR UPDATE: writers of a population still exclude each other, but the
+# foreign-key checks of rows that point at it (a check-in's round update) do not wait for them,
+# which would deadlock a check-in holding its round's row against a report waiting for that row.
+KEY_SHARE = {"key_share": True}  # the same, for Session.refresh
+_POPULATION_BY_NAME_LOCKED = _POPULATION_BY_NAME.with_for_update(key_share=True)
+_POPULATIONS_OF_ASSIGNMENTS = (
+    select(Assignment.id, Round.population_id)
+    .join(Round, Assignment.round_id == Round.id)
+    .where(Assignment.id.in_(bindparam("assignment_ids", expanding=True)))
+)
+_POPULATIONS_BY_ID = (
+    select(Population)
+    .where(Population.id.in_(bindparam("ids", expanding=True)))
+    .order_by(Population.id)  # always in the same order, so two servers never deadlock
+    .with_for_update(key_share=True)
+)
+
+
+def lock_population(session: Session, name: str) -> Population | None:
+    """The population row, locked: one writer per population at a time (FOR UPDATE on PostgreSQL;
+    SQLite's BEGIN IMMEDIATE already serializes writers)."""
+    return session.scalars(_POPULATION_BY_NAME_LOCKED, {"name": name}).first()
+
+
+def find_population(session: Session, name: str) -> Population | None:
+    """The population row, not locked: enough for a check-in (`checkin` locks it when a round must
+    open or close)."""
+    return session.scalars(_POPULATION_BY_NAME, {"name": name}).first()
+
+
+def relock(session: Session, population: Population) -> None:
+    """Lock a population read without its lock, and re-read what may have changed meanwhile."""
+    session.refresh(population, ["current_version", "training_rounds_committed"], with_for_update=KEY_SHARE)
+
+
+def populations_of_assignments(session: Session, assignment_ids: Sequence[str]) -> dict[str, Population]:
+    """The (locked) population of each known assignment."""
+    # Only the population ids before the lock: they never change, while an assignment and its
+    # round must be read after the lock (another server process may have just changed them).
+    population_ids: dict[str, int] = {}
+    if assignment_ids:
+        for assignment_id, population_id in session.connection().execute(
+            _POPULATIONS_OF_ASSIGNMENTS, {"assignment_ids": list(assignment_ids)}
+        ):
+            population_ids[assignment_id] = population_id
+    ids = sorted(set(population_ids.values()))
+    locked = {p.id: p for p in session.scalars(_POPULATIONS_BY_ID, {"ids": ids})} if ids else {}
+    return {assignment_id: locked[population_id] for assignment_id, population_id in population_ids.items()}
+
+
+def population_of_assignment(session: Session, assignment_id: str) -> Population | None:
+    """The (locked) population an assignment belongs to."""
+    return populations_of_assignments(session, [assignment_id]).get(assignment_id)

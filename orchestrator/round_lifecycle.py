@@ -1,0 +1,378 @@
+"""A round's lifecycle: opening, deadlines, commit or abandon, and the next round.
+
+    open --(target good reports)--------------------------> committed (new model version)
+    open --(deadline, >= min_reports)---------------------> committed
+    open --(deadline, fewer)------------------------------> abandoned (model kept)
+
+after which the next round opens. A population with `aggregation: "secure"` runs its training
+rounds' phases in `secure_rounds` instead of taking reports; this module opens them, advances
+them and commits their unmasked mean. How a round's reports combine into one mean delta is the
+population's aggregation pipeline's (`pipeline`); the commit feeds it and writes the version.
+Every function runs inside the caller's transaction and takes `now` explicitly.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+import time
+from collections.abc import Mapping
+from dataclasses import replace
+from typing import Any
+
+from sqlalchemy import CursorResult, bindparam, func, select, update
+from sqlalchemy.orm import Session
+
+from contracts.params import (
+    Params,
+    check_params,
+    decode_sparse_delta,
+    encode_params,
+)
+from orchestrator import central_training, metrics, mixing, round_state, secure_rounds
+from orchestrator.aggregation import apply_update
+from orchestrator.db import Assignment, ModelVersion, Population, Report, Round
+from orchestrator.logs import log_on_commit
+from orchestrator.model_versions import base_version, keep_latest, prune_model_versions
+from orchestrator.norm_reference import NormReference
+from orchestrator.on_commit import on_commit
+from orchestrator.pipeline import Stage, apply_measurements
+from orchestrator.pipeline.assemble import CentralPart, RoundInputs
+from orchestrator.pipeline.private import CLIP_NORM, NEXT_CLIP_NORM
+from orchestrator.population_config import (
+    population_manifest,
+    population_pipeline,
+    population_settings,
+    privacy_budget_spent,
+)
+from orchestrator.population_locks import KEY_SHARE
+
+TRAINING, EVALUATION = "training", "evaluation"
+log = logging.getLogger("orchestrator.rounds")  # one logger for the rounds, whichever module
+ROUND_COUNTERS = ("checked_in", "rejected_min_examples", "rejected_capacity", "accepted")
+
+# Fresh values even for rounds already in the session: a check-in reads them before it takes the
+# population's lock, and another server process may have reported into them meanwhile.
+_OPEN_ROUNDS = (
+    select(Round)
+    .where(Round.population_id == bindparam("population_id"), Round.status == "open")
+    .execution_options(populate_existing=True)
+)
+_REPORT_WEIGHTS = (  # in the order the commit reads the reports
+    select(Report.weight).where(Report.round_id == bindparam("round_id")).order_by(Report.assignment_id)
+)
+
+
+def open_round(session: Session, population: Population, kind: str, now: float) -> Round:
+    settings = population_settings(population)
+    secure = kind == TRAINING and settings.secure_training
+    if kind == TRAINING:
+        target, capacity, min_reports = settings.target_reports, settings.capacity, settings.min_reports
+        duration = settings.secure.duration_seconds if secure else settings.round_duration_seconds
+    else:
+        target = settings.evaluation_target_reports
+        capacity = math.ceil(target * settings.oversampling)
+        min_reports, duration = 1, settings.evaluation_round_duration_seconds
+    dp = settings.dp()
+    round_metrics = {}
+    if kind == TRAINING and dp is not None and dp.adaptive:
+        round_metrics[CLIP_NORM] = _next_clip_norm(session, population, dp.clip_norm)
+    round_ = Round(
+        population_id=population.id,
+        kind=kind,
+        status="open",
+        base_version=population.current_version,
+        result_version=None,
+        target=target,
+        capacity=capacity,
+        min_reports=min_reports,
+        opened_at=now,
+        deadline=now + duration,
+        closed_at=None,
+        metrics=round_metrics,
+    )
+    session.add(round_)
+    session.flush()
+    metrics.count(session, metrics.ROUNDS, (population.name, kind, "opened"))
+    log_on_commit(
+        session,
+        log,
+        "round opened",
+        population=population.name,
+        round_id=round_.id,
+        kind=kind,
+        model_version=round_.base_version,
+        target=target,
+        capacity=capacity,
+        deadline=round_.deadline,
+    )
+    if secure:
+        secure_rounds.start(session, round_, population.name, settings, population_manifest(population))
+    return round_
+
+
+def _next_clip_norm(session: Session, population: Population, initial: float) -> float:
+    """Adaptive clipping: the clip norm the last committed training round chose for its successor
+    (an abandoned round passes its own on), or the configured one before any round."""
+    last = session.scalars(
+        select(Round)
+        .where(Round.population_id == population.id, Round.kind == TRAINING, Round.status != "open")
+        .order_by(Round.id.desc())
+        .limit(1)
+    ).first()
+    if last is None:
+        return initial
+    key = NEXT_CLIP_NORM if last.status == "committed" else CLIP_NORM
+    return float(last.metrics.get(key, initial))
+
+
+def open_rounds(session: Session, population: Population) -> dict[str, Round]:
+    rounds = session.scalars(_OPEN_ROUNDS, {"population_id": population.id}).all()
+    return {r.kind: r for r in rounds}
+
+
+def up_to_date(population: Population, current: Mapping[str, Round], now: float) -> bool:
+    """Whether `advance` has nothing to do: no round to close or open, no secure phase to move."""
+    return (
+        (TRAINING in current or privacy_budget_spent(population))
+        and all(now < r.deadline for r in current.values())
+        and not population_settings(population).secure_training
+    )
+
+
+def advance(session: Session, population: Population, now: float) -> dict[str, Round]:
+    """Close rounds past their deadline (drop their outstanding assignments), open the next;
+    returns the open rounds by kind. The population must be locked."""
+    current = open_rounds(session, population)
+    if up_to_date(population, current, now):
+        return current  # the common case: nothing to close, one query
+    secure = population_settings(population).secure_training
+    for round_ in current.values():
+        if round_.kind == TRAINING and secure:
+            advance_secure(session, population, round_, now)
+            continue
+        if not round_state.past_deadline(round_, now):
+            continue
+        # The round's row lock: a check-in admitted into it (which takes no population lock) has
+        # committed before its assignments are dropped, and none is admitted after.
+        session.refresh(round_, list(ROUND_COUNTERS), with_for_update=KEY_SHARE)
+        dropped: CursorResult[Any] = session.execute(  # type: ignore[assignment]
+            update(Assignment)
+            .where(Assignment.round_id == round_.id, Assignment.status == "assigned")
+            .values(status="dropped", finished_at=now)
+        )
+        outstanding = dropped.rowcount
+        closing = round_state.at_deadline(round_, outstanding)
+        if outstanding:
+            metrics.count(session, metrics.DROPPED, (population.name, round_.kind), outstanding)
+        if closing.status == round_state.COMMITTED:
+            commit(session, population, round_, now)
+        else:
+            _abandon(session, population, round_, closing, now)
+            if round_.kind == TRAINING:
+                open_round(session, population, TRAINING, now)
+    current = open_rounds(session, population)
+    if TRAINING not in current and not privacy_budget_spent(population):
+        current[TRAINING] = open_round(session, population, TRAINING, now)
+    return current
+
+
+def advance_secure(session: Session, population: Population, round_: Round, now: float) -> None:
+    """Close the secure round's phases that are over; commit or abandon it when it ends."""
+    settings = population_settings(population)
+    outcome = secure_rounds.advance(session, round_, settings, population_manifest(population), now)
+    if isinstance(outcome, secure_rounds.Commit):
+        round_.metrics = {
+            **round_.metrics,  # the phases' durations
+            "secure_survivors": float(outcome.survivors),
+            "unmask_seconds": outcome.unmask_seconds,
+        }
+        commit(session, population, round_, now, outcome.mean_delta, outcome.survivors)
+    elif isinstance(outcome, secure_rounds.Abandon):
+        _abandon(session, population, round_, round_state.Closing(round_state.ABANDONED, outcome.reason), now)
+        open_round(session, population, TRAINING, now)
+
+
+def commit(
+    session: Session,
+    population: Population,
+    round_: Round,
+    now: float,
+    mean_delta: Params | None = None,
+    survivors: int = 0,
+) -> None:
+    """Aggregate the round's reports into a new model version (training) or just close it.
+    A secure round passes its unmasked `mean_delta` over its `survivors`, since it has no
+    individual reports. How the reports combine is the population's pipeline's (`pipeline`)."""
+    round_state.close(round_, _COMMITTED, now)
+    if round_.kind == EVALUATION:
+        _count_closed(session, population, round_, "committed")
+        return
+    started = time.perf_counter()
+    manifest = population_manifest(population)
+    params, state = base_version(session, population, manifest, round_.base_version)
+    settings = population_settings(population)
+    pipeline = population_pipeline(population)
+    job = mixing.central_job(
+        session, population, manifest, round_.base_version, params, settings.task(), "parallel_training"
+    )
+    inputs = RoundInputs(
+        rounds_committed=population.training_rounds_committed,
+        metrics=round_.metrics,
+        central=None if job is None else _central_part(job),
+    )
+    stage: Stage
+    if mean_delta is None:
+        if not pipeline.private:  # robust clipping's inputs (under DP every report weighs the same)
+            weights = list(session.scalars(_REPORT_WEIGHTS, {"round_id": round_.id}))
+            inputs = replace(inputs, weights=weights, reference=_norm_reference(session, population))
+        stage = pipeline.plaintext_round(inputs)
+        # One report's delta in memory at a time where the stages allow it: O(model), not
+        # O(reports x model).
+        reports = (
+            select(Report.weight, Report.delta)
+            .where(Report.round_id == round_.id)
+            .order_by(Report.assignment_id)
+            .execution_options(yield_per=16)
+        )
+        for weight, blob in session.execute(reports):
+            stage.accept(decode_sparse_delta(blob), weight)
+    else:
+        stage = pipeline.secure_round(mean_delta, survivors, inputs)
+    aggregate = stage.finish()
+    round_.metrics = apply_measurements(round_.metrics, aggregate)
+    if aggregate.norm_reference is not None:
+        round_.norm_reference = aggregate.norm_reference.to_json()
+    new_params, new_state = apply_update(settings.optimizer(), params, aggregate.mean_delta, state)
+    check_params(new_params, manifest.global_params, "aggregated model")
+    metrics.observe(session, metrics.AGGREGATION_SECONDS, (population.name,), time.perf_counter() - started)
+    version = population.current_version + 1
+    session.add(
+        ModelVersion(
+            population_id=population.id,
+            version=version,
+            params=encode_params(new_params),
+            optimizer_state=encode_params(new_state),
+            round_id=round_.id,
+            created_at=now,
+        )
+    )
+    population.current_version = version
+    population.training_rounds_committed += 1
+    latest = (session.get_bind(), population.id)
+    on_commit(session, functools.partial(keep_latest, latest, version, new_params, new_state))
+    if job is not None:  # the next round's central delta, computed while its devices train
+        following = mixing.central_job(
+            session, population, manifest, version, new_params, settings.task(), "parallel_training"
+        )
+        if following is not None:
+            on_commit(session, functools.partial(central_training.precompute, following))
+    # Gradient transfer: the new version's central gradient, ready before its devices ask for it.
+    gradient = mixing.central_job(
+        session, population, manifest, version, new_params, settings.task(), "gradient_transfer"
+    )
+    if gradient is not None:
+        on_commit(session, functools.partial(central_training.precompute_gradient, gradient))
+    round_.result_version = version
+    _count_closed(session, population, round_, "committed")
+    if not privacy_budget_spent(population):
+        open_round(session, population, TRAINING, now)
+    if settings.keep_model_versions:
+        prune_model_versions(session, population, settings.keep_model_versions)
+    every = settings.evaluation_every
+    if (
+        every
+        and population.training_rounds_committed % every == 0
+        and EVALUATION not in open_rounds(session, population)
+    ):
+        open_round(session, population, EVALUATION, now)
+
+
+def _central_part(job: central_training.CentralJob) -> CentralPart:
+    """Parallel training's central delta at the round's base version (None if it diverged)."""
+    try:
+        return CentralPart(central_training.central_update(job), job.mixing.weight)
+    except central_training.CentralTrainingError:
+        return CentralPart(None, job.mixing.weight)
+
+
+def _norm_reference(session: Session, population: Population) -> NormReference | None:
+    """The reference update norms (and their history) the population's last committed training
+    round left, if any."""
+    return NormReference.from_json(
+        session.scalars(
+            select(Round.norm_reference)
+            .where(
+                Round.population_id == population.id,
+                Round.kind == TRAINING,
+                Round.status == "committed",
+                Round.norm_reference.is_not(None),
+            )
+            .order_by(Round.id.desc())
+            .limit(1)
+        ).first()
+    )
+
+
+_COMMITTED = round_state.Closing(round_state.COMMITTED, "")
+
+
+def _abandon(
+    session: Session, population: Population, round_: Round, closing: round_state.Closing, now: float
+) -> None:
+    round_state.close(round_, closing, now)
+    _count_closed(session, population, round_, "abandoned", closing.reason)
+
+
+def _count_closed(
+    session: Session, population: Population, round_: Round, transition: str, reason: str | None = None
+) -> None:
+    metrics.count(session, metrics.ROUNDS, (population.name, round_.kind, transition))
+    log_on_commit(
+        session,
+        log,
+        f"round {transition}",
+        **({} if reason is None else {"reason": reason}),
+        population=population.name,
+        round_id=round_.id,
+        kind=round_.kind,
+        model_version=round_.result_version,
+        reported=round_.reported,
+        accepted=round_.accepted,
+        dropped=round_.dropped,
+        aborted=round_.aborted,
+        late=round_.late,
+        invalid=round_.invalid,
+    )
+
+
+def summarize_metrics(round_: Round) -> dict[str, float]:
+    """Per-round metrics: the sums devices sent, and the example-weighted means they stand for
+    (`<name>` for each `<name>_sum`; also `rmse` from `squared_error` and `accuracy` from `correct`)."""
+    sums = dict(round_.metrics)
+    out = dict(sums)
+    for prefix in ("", "query_"):
+        weight = sums.get(f"{prefix}weight_sum", 0.0)
+        if weight > 0:
+            for key, total in sums.items():
+                if not key.endswith("_sum") or key.startswith("query_") != (prefix == "query_"):
+                    continue
+                name = key.removeprefix(prefix).removesuffix("_sum")
+                if name != "weight":
+                    out[f"{prefix}{name}"] = total / weight
+            if f"{prefix}squared_error_sum" in sums:
+                out[f"{prefix}rmse"] = math.sqrt(max(sums[f"{prefix}squared_error_sum"], 0.0) / weight)
+            if f"{prefix}correct_sum" in sums:
+                out[f"{prefix}accuracy"] = sums[f"{prefix}correct_sum"] / weight
+    if round_.reported:
+        for k in ("reconstruction_loss", "update_loss"):
+            if k in sums:
+                out[k] = sums[k] / round_.reported
+    return out
+
+
+def reports_in_round(session: Session, round_id: int) -> int:
+    return int(
+        session.scalar(select(func.count()).select_from(Report).where(Report.round_id == round_id)) or 0
+    )

@@ -1,0 +1,103 @@
+"""The round state machine: a round's states, deadlines and counts, and the events that move it.
+
+Pure: no database, no HTTP status, no aggregation maths. It reads and moves the counters of a
+round (the `Round` row, or anything with the same fields) and says when the round closes and
+why; `round_lifecycle` acts on that (commits through the aggregation pipeline, or abandons) and
+`rounds` answers the devices.
+
+    open --report: reported reaches target---------------------> committed
+    open --tick at the deadline: reported >= min_reports--------> committed
+    open --tick at the deadline: fewer---------------------------> abandoned ("only n of m reports")
+    open (secure) --phases (secure_phases)--> unmasked ---------> committed
+                                         \\--> too few, cannot unmask --> abandoned (its reason)
+
+Events: a check-in is admitted within the round's capacity (`admissible`; the database applies it
+in one statement, see `rounds._admit`), a report is counted as accepted, invalid or late, an abort
+is counted, and a tick drops the assignments still outstanding at the deadline.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Protocol
+
+OPEN, COMMITTED, ABANDONED = "open", "committed", "abandoned"
+
+
+class RoundCounts(Protocol):
+    """What the machine reads and moves of a round."""
+
+    status: str
+    closed_at: float | None
+    deadline: float
+    target: int
+    capacity: int
+    min_reports: int
+    accepted: int
+    reported: int
+    total_weight: float
+    dropped: int
+    aborted: int
+    late: int
+    invalid: int
+    metrics: dict[str, float]
+
+
+@dataclass(frozen=True)
+class Closing:
+    """A round closes: COMMITTED (a new model version) or ABANDONED (the model kept), and why."""
+
+    status: str
+    reason: str
+
+
+def admissible(accepted: int, capacity: int, wanted: int) -> int:
+    """How many of `wanted` check-ins a round with `accepted` of `capacity` places admits."""
+    return max(0, min(wanted, capacity - accepted))
+
+
+def count_report(round_: RoundCounts, weight: float, metric_sums: Mapping[str, float]) -> Closing | None:
+    """An accepted report: counted with its weight and metric sums; the round commits at its target."""
+    round_.reported += 1
+    round_.total_weight += weight
+    sums = dict(round_.metrics)
+    for name, value in metric_sums.items():
+        sums[name] = sums.get(name, 0.0) + value
+    round_.metrics = sums
+    if round_.reported >= round_.target:
+        return Closing(COMMITTED, f"{round_.reported} reports reached the target {round_.target}")
+    return None
+
+
+def count_invalid(round_: RoundCounts) -> None:
+    round_.invalid += 1
+
+
+def count_late(round_: RoundCounts) -> None:
+    round_.late += 1
+
+
+def count_abort(round_: RoundCounts) -> None:
+    round_.aborted += 1
+
+
+def past_deadline(round_: RoundCounts, now: float) -> bool:
+    return now >= round_.deadline
+
+
+def at_deadline(round_: RoundCounts, outstanding: int) -> Closing:
+    """A tick past the round's deadline: its `outstanding` assignments are dropped and it closes,
+    committed with at least `min_reports` reports, abandoned with fewer."""
+    round_.dropped += outstanding
+    if round_.reported >= round_.min_reports:
+        return Closing(
+            COMMITTED, f"the deadline, with {round_.reported} of {round_.min_reports} reports needed"
+        )
+    return Closing(
+        ABANDONED, f"only {round_.reported} reports by the deadline; the round needed {round_.min_reports}"
+    )
+
+
+def close(round_: RoundCounts, closing: Closing, now: float) -> None:
+    round_.status, round_.closed_at = closing.status, now

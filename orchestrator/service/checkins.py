@@ -1,0 +1,130 @@
+"""Check-ins as a service: the group commit that collects them per population, and the one
+transaction that answers a group (authentication, the round's admission, the assignments); the
+route only parses the request and writes the answer."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, cast
+
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session, sessionmaker
+from starlette.applications import Starlette
+
+from contracts.mixing import MixingConfig
+from contracts.protocol import Assignment, TaskKind
+from orchestrator import mixing, rounds, secure_rounds
+from orchestrator.api.deps import DATABASE_UNAVAILABLE, UNAUTHENTICATED, run_db
+from orchestrator.db import Population
+from orchestrator.devices import authenticate_all
+from orchestrator.service.group_commit import GroupCommit
+
+
+@dataclass(frozen=True)
+class CheckInCall:
+    token: str
+    example_count: int
+    kind: str
+
+
+CheckInGroups = GroupCommit[str, CheckInCall, Assignment | rounds.Refused]
+
+
+def checkin_groups(app: Starlette, window_seconds: float) -> CheckInGroups:
+    """The group commit of check-ins, keyed by population."""
+
+    async def transaction(population: str, calls: Sequence[CheckInCall]) -> list[Assignment | rounds.Refused]:
+        return await run_db(
+            app, checkin_transaction, app.state.sessionmaker, population, calls, app.state.clock()
+        )
+
+    return GroupCommit(transaction, window_seconds, fail_together=DATABASE_UNAVAILABLE, name="checkin")
+
+
+def checkin_transaction(
+    factory: sessionmaker[Session], population: str, calls: Sequence[CheckInCall], now: float
+) -> list[Assignment | rounds.Refused]:
+    """One transaction for check-ins that arrived together; each call gets its own answer.
+
+    Retried once, with the population locked, when another server process closed the round or
+    gave one of these devices its assignment at the same time (rounds.checkin)."""
+    try:
+        return _checkin_once(factory, population, calls, now, lock=False)
+    except (rounds.RoundClosed, IntegrityError):
+        return _checkin_once(factory, population, calls, now, lock=True)
+
+
+def _checkin_once(
+    factory: sessionmaker[Session], population: str, calls: Sequence[CheckInCall], now: float, lock: bool
+) -> list[Assignment | rounds.Refused]:
+    with factory.begin() as session:
+        device_ids = authenticate_all(session, [call.token for call in calls])
+        known = [
+            rounds.CheckIn(device_id, call.example_count, call.kind)
+            for call, device_id in zip(calls, device_ids, strict=True)
+            if device_id is not None
+        ]
+        found = rounds.find_population(session, population)
+        mixed = mixing.mixing_of(session, found) if found is not None else MixingConfig()
+        answers = iter(
+            rounds.checkin(session, found, known, now, lock)
+            if found is not None
+            else [rounds.Refused(404, f"no population {population!r}")] * len(known)
+        )
+        return [
+            _assignment_out(found, next(answers), now, mixed, lambda r: secure_rounds.parameters(session, r))
+            if device_id is not None
+            else rounds.Refused(401, UNAUTHENTICATED)
+            for device_id in device_ids
+        ]
+
+
+def _task_config(population: Population, clip_norm: float | None) -> dict[str, Any]:
+    """The population's task config; under adaptive clipping, with the round's clip norm."""
+    task_config = rounds.population_settings(population).task_config
+    return task_config if clip_norm is None else {**task_config, "clip_norm": clip_norm}
+
+
+def _assignment_out(
+    population: Population | None,
+    answer: rounds.Accepted | rounds.Refused,
+    now: float,
+    mixed: MixingConfig,
+    secure_parameters: Callable[[int], dict[str, Any]],
+) -> Assignment | rounds.Refused:
+    if isinstance(answer, rounds.Refused):
+        return answer
+    assert population is not None  # only a population hands out assignments
+    sha, name = population.artifact_sha256, population.name
+    settings = rounds.population_settings(population)
+    secure = answer.kind == rounds.TRAINING and settings.secure_training
+    version, assignment = answer.model_version, answer.assignment_id
+    training = answer.kind == rounds.TRAINING
+    gradient = training and mixed.strategy == "gradient_transfer"
+    return Assignment(
+        assignment_id=assignment,
+        round_id=answer.round_id,
+        kind=cast(TaskKind, answer.kind),  # a round is of one of the two kinds
+        deadline=answer.deadline,
+        seconds_left=answer.deadline - now,
+        model_version=version,
+        artifact_sha256=sha,
+        artifact_url=f"/v1/artifacts/{sha}",
+        params_url=f"/v1/populations/{name}/models/{version}/global",
+        manifest_url=f"/v1/populations/{name}/manifest",
+        report_url=f"/v1/assignments/{assignment}/report",
+        abort_url=f"/v1/assignments/{assignment}/abort",
+        task_config=_task_config(population, answer.clip_norm),
+        aggregation="secure" if secure else "plaintext",
+        secure_url=f"/v1/assignments/{assignment}/secure" if secure else None,
+        # Saves the device a round trip before its keys: the advertise phase is the round's longest.
+        secure_parameters=secure_parameters(answer.round_id) if secure else None,
+        central_examples_url=(
+            f"/v1/assignments/{assignment}/central-examples"
+            if training and mixed.strategy == "example_transfer"
+            else None
+        ),
+        central_gradient_url=f"/v1/assignments/{assignment}/central-gradient" if gradient else None,
+        central_gradient_weight=mixed.weight if gradient else None,
+    )

@@ -1,0 +1,74 @@
+"""The round state machine alone: counts, deadlines and closings, without a database."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from orchestrator import round_state
+from orchestrator.round_state import ABANDONED, COMMITTED, OPEN, Closing
+
+
+@dataclass
+class Counts:
+    """A round's counters as plain fields (the `Round` row has the same)."""
+
+    target: int = 3
+    capacity: int = 4
+    min_reports: int = 2
+    deadline: float = 10.0
+    status: str = OPEN
+    closed_at: float | None = None
+    accepted: int = 0
+    reported: int = 0
+    total_weight: float = 0.0
+    dropped: int = 0
+    aborted: int = 0
+    late: int = 0
+    invalid: int = 0
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+def test_reports_are_counted_with_their_weights_and_sums_and_the_target_commits() -> None:
+    round_ = Counts()
+
+    first = round_state.count_report(round_, 10.0, {"loss_sum": 1.5})
+    second = round_state.count_report(round_, 5.0, {"loss_sum": 0.5, "n": 1.0})
+    third = round_state.count_report(round_, 1.0, {})
+
+    assert first is None and second is None
+    assert third == Closing(COMMITTED, "3 reports reached the target 3")
+    assert (round_.reported, round_.total_weight) == (3, 16.0)
+    assert round_.metrics == {"loss_sum": 2.0, "n": 1.0}
+    assert round_.status == OPEN  # the machine says it closes; closing is the caller's act
+    round_state.close(round_, third, 12.0)
+    assert (round_.status, round_.closed_at) == (COMMITTED, 12.0)
+
+
+def test_at_the_deadline_a_round_commits_with_min_reports_and_is_abandoned_with_fewer() -> None:
+    enough, short = Counts(reported=2), Counts(reported=1)
+
+    assert not round_state.past_deadline(enough, 9.99)
+    assert round_state.past_deadline(enough, 10.0)
+    committed = round_state.at_deadline(enough, outstanding=2)
+    abandoned = round_state.at_deadline(short, outstanding=0)
+
+    assert committed.status == COMMITTED and enough.dropped == 2
+    assert abandoned == Closing(ABANDONED, "only 1 reports by the deadline; the round needed 2")
+    assert short.dropped == 0
+
+
+def test_admission_stops_at_capacity() -> None:
+    assert round_state.admissible(accepted=0, capacity=4, wanted=3) == 3
+    assert round_state.admissible(accepted=2, capacity=4, wanted=3) == 2
+    assert round_state.admissible(accepted=5, capacity=4, wanted=3) == 0
+
+
+def test_invalid_late_and_aborted_reports_are_counted() -> None:
+    round_ = Counts()
+
+    round_state.count_invalid(round_)
+    round_state.count_late(round_)
+    round_state.count_late(round_)
+    round_state.count_abort(round_)
+
+    assert (round_.invalid, round_.late, round_.aborted, round_.reported) == (1, 2, 1, 0)
