@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from android_sim.movielens import DataFormatError
-from android_sim.run import DEFAULT_RATINGS, RunConfig, RunError
+from android_sim.run_config import DEFAULT_RATINGS, RunConfig, RunError
 from android_sim.run_next_word import TARGET_REPORTS as NEXT_WORD_TARGET_REPORTS
 from contracts.mixing import STRATEGIES
 
@@ -35,7 +35,9 @@ def _run_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
         "--ratings", type=Path, default=DEFAULT_RATINGS, help="MovieLens file for --data movielens"
     )
     run.add_argument(
-        "--devices", type=int, default=d.devices, help="devices (MovieLens: at most this many users; 0 = all)"
+        "--devices",
+        type=int,
+        help="devices (default: expressions 1000; MovieLens: every user, or at most this many)",
     )
     run.add_argument("--expressions", type=int, default=d.expressions, help="synthetic catalog size")
     run.add_argument("--held-out-fraction", type=float, default=d.held_out_fraction)

@@ -30,6 +30,7 @@ import numpy as np
 from rich.console import Console
 
 from android_sim import report
+from android_sim.algorithm import algorithm_task, optimizer_over, round_settings
 from android_sim.fleet import HELD_OUT, TRAINING, DeviceSpec, Fleet, write_store
 from android_sim.next_word import (
     MIN_ROLE_EXAMPLES,
@@ -41,17 +42,9 @@ from android_sim.next_word import (
 )
 from android_sim.next_word import export as export_model
 from android_sim.profiles import draw_profiles
-from android_sim.run import (
-    SHAKESPEARE,
-    RunConfig,
-    RunError,
-    RunResult,
-    algorithm_task,
-    optimizer_over,
-    report_header,
-    round_settings,
-    run_fleet,
-)
+from android_sim.run_config import SHAKESPEARE, RunConfig, RunError, RunResult, check_fleet_size
+from android_sim.run_report import report_header
+from android_sim.session import run_fleet
 from android_sim.shakespeare import PAD, NextWordData, Vocabulary, next_word_data, read_roles
 from contracts.features import Examples
 from contracts.manifest import Manifest, load_manifest
@@ -291,6 +284,7 @@ async def run_next_word(config: RunConfig, console: Console) -> RunResult:
     work.mkdir(parents=True, exist_ok=True)
     data = await asyncio.to_thread(load_data, config)
     vocabulary = data.vocabulary
+    check_fleet_size(config, len(data.train))
     console.print(
         f"data: Tiny Shakespeare: {len(data.train)} training roles, {len(data.test)} held-out (test) roles; "
         f"vocabulary {len(vocabulary.words):,} words + {vocabulary.num_oov_buckets} OOV buckets, "

@@ -40,14 +40,9 @@ from android_sim.expressions import SyntheticConfig  # noqa: E402
 from android_sim.fleet import write_store  # noqa: E402
 from android_sim.network import Connector  # noqa: E402
 from android_sim.profiles import DeviceClass  # noqa: E402
-from android_sim.run import (  # noqa: E402
-    SIMULATED_FLEET_LIMITS,
-    RunConfig,
-    export,
-    model_config,
-    population_settings,
-    run_async,
-)
+from android_sim.run import export, model_config, population_settings, run_async  # noqa: E402
+from android_sim.run_config import RunConfig  # noqa: E402
+from android_sim.session import SIMULATED_FLEET_LIMITS  # noqa: E402
 from device_runtime.agent import DeviceAgent, Participation  # noqa: E402
 from device_runtime.example_store import ExampleStore  # noqa: E402
 from device_runtime.orchestrator_client import OrchestratorClient  # noqa: E402

@@ -49,7 +49,8 @@ from android_sim.bench.protocol import split_users
 from android_sim.device_data import DeviceData, FleetData, expression_fleet
 from android_sim.expressions import SyntheticConfig
 from android_sim.fleet import write_store
-from android_sim.run import RunConfig, model_config, population_settings
+from android_sim.run import model_config, population_settings
+from android_sim.run_config import RunConfig
 from contracts.features import Examples
 from contracts.manifest import Manifest
 from contracts.mixing import CentralDataset, MixingConfig, encode_examples

@@ -11,7 +11,8 @@ import pytest
 from rich.console import Console
 
 from android_sim.__main__ import main
-from android_sim.run import RunConfig, run
+from android_sim.run import run
+from android_sim.run_config import RunConfig
 from android_sim.shakespeare import PAD, next_word_data, read_roles
 from contracts.manifest import load_manifest
 from tests.android_sim.test_run import ALWAYS_ON, reconcile
