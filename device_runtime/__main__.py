@@ -1,9 +1,12 @@
-"""`python -m device_runtime recommend`: a device's top-k, served on the device, from the command line.
+"""`python -m device_runtime`: a device's side of the system from the command line.
 
-Reads the device's own example store and an exported model directory (`model.tflite`,
-`manifest.json`, and the global parameters: the export's initial ones, or a file downloaded
-from the orchestrator's `/models/{version}/global`), and ranks the catalog with local
-parameters reconstructed from the store (FedRecon) or kept by training (FURL).
+- `import`: a per-device examples table (CSV, TSV or Parquet: a device id, a timestamp and one
+  column per feature of the model) checked against an exported model and written as one example
+  store per device;
+- `recommend`: a device's top-k, served on the device: the device's own example store and an
+  exported model directory (`model.tflite`, `manifest.json`, and the global parameters: the
+  export's initial ones, or a file downloaded from the orchestrator's `/models/{version}/global`),
+  ranked with local parameters reconstructed from the store (FedRecon) or kept by training (FURL).
 """
 
 from __future__ import annotations
@@ -17,9 +20,18 @@ from pathlib import Path
 import numpy as np
 
 from contracts.features import FeatureSpec
-from contracts.manifest import INITIAL_GLOBAL_FILE, ManifestError
+from contracts.manifest import INITIAL_GLOBAL_FILE, ManifestError, load_manifest
 from contracts.params import ParamsError, decode_params
 from device_runtime.example_store import ExampleStore, ExampleStoreError
+from device_runtime.examples_table import (
+    DEVICE_COLUMN,
+    TIME_COLUMN,
+    IfExists,
+    TableError,
+    read_examples_table,
+    summary,
+    write_example_stores,
+)
 from device_runtime.local_state import LocalStateStore
 from device_runtime.recommender import Recommender
 from model_runtime.tflite_model import ModelLoadError, TFLiteModel
@@ -34,6 +46,31 @@ class CommandError(RuntimeError):
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m device_runtime", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
+    imports = sub.add_parser(
+        "import",
+        help="write a per-device examples table into one example store per device",
+        description="Check every row of a per-device examples table (one row per example: a device id, "
+        "a timestamp and one column per feature of the model) against an exported model's features, "
+        "then write one example store per device, DEVICE.sqlite in --out. A bad row is one line "
+        "(file, row, column, value, what was expected) and nothing is written.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    imports.add_argument(
+        "--model-dir", type=Path, required=True, help="an export: its manifest.json declares the features"
+    )
+    imports.add_argument("--examples", type=Path, required=True, help="the table: .csv, .tsv or .parquet")
+    imports.add_argument("--out", type=Path, required=True, help="the directory of the example stores")
+    imports.add_argument("--device-column", default=DEVICE_COLUMN, help="the column of device ids")
+    imports.add_argument(
+        "--time-column", default=TIME_COLUMN, help="the column of times (epoch seconds or ISO 8601)"
+    )
+    existing = imports.add_mutually_exclusive_group()
+    existing.add_argument(
+        "--append", action="store_true", help="add to stores that already hold examples (else refused)"
+    )
+    existing.add_argument(
+        "--replace", action="store_true", help="replace the examples of stores that already hold some"
+    )
     recommend = sub.add_parser(
         "recommend",
         help="top-k items for the device whose example store is given",
@@ -81,6 +118,24 @@ def _exclusions(text: str) -> list[int]:
         return [int(part) for part in text.split(",") if part.strip()]
     except ValueError:
         raise CommandError(f"--exclude takes comma-separated item ids, got {text!r}") from None
+
+
+def import_table(args: argparse.Namespace) -> dict[str, object]:
+    """`import`: the table checked whole, then one store per device; a summary."""
+    if not args.model_dir.is_dir():
+        raise CommandError(
+            f"no model directory at {args.model_dir}: expected the output of `python -m model_export`"
+        )
+    try:
+        manifest = load_manifest(args.model_dir)
+        table = read_examples_table(
+            args.examples, manifest, device_column=args.device_column, time_column=args.time_column
+        )
+        if_exists = IfExists.APPEND if args.append else IfExists.REPLACE if args.replace else IfExists.REFUSE
+        written = write_example_stores(table, args.out, if_exists=if_exists)
+    except (ManifestError, TableError) as e:
+        raise CommandError(str(e)) from None
+    return {"out": str(args.out), **summary(written, table)}
 
 
 def recommend(args: argparse.Namespace) -> dict[str, object]:
@@ -160,6 +215,14 @@ def _print_table(result: dict[str, object]) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        if args.command == "import":
+            imported = import_table(args)
+            print(
+                f"{imported['out']}: {imported['examples']} examples of {imported['rows']} rows in "
+                f"{imported['stores']} example stores ({imported['created']} created, "
+                f"{imported['appended']} appended, {imported['replaced']} replaced)"
+            )
+            return 0
         result = recommend(args)
     except CommandError as e:
         print(f"error: {e}", file=sys.stderr)

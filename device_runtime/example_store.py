@@ -132,6 +132,13 @@ class ExampleStore:
         self._lock = threading.Lock()
         self.migrated_from: int | None = None  # the schema this open migrated the store from, if any
         try:
+            self._open(features)
+        except BaseException:
+            self.close()  # a store that cannot be opened leaves no connection (nor WAL files) behind
+            raise
+
+    def _open(self, features: Sequence[FeatureSpec] | None) -> None:
+        try:
             conn = self._connection()
             version = conn.execute("PRAGMA user_version").fetchone()[0]
             if version == 1:
@@ -288,6 +295,28 @@ class ExampleStore:
             conn.executemany(
                 "INSERT INTO examples (features, timestamp, context) VALUES (?, ?, ?)",
                 [(r, t, c) for r, (t, c) in zip(records, times, strict=True)],
+            )
+        return len(records)
+
+    def add_examples(self, examples: Examples, timestamps: np.ndarray, *, replace: bool = False) -> int:
+        """Append column-wise examples with their timestamps in one transaction (validated first:
+        all or none); `replace`: the store's examples become these, in that same transaction."""
+        checked = examples.validated(self.features)
+        times = np.asarray(timestamps, np.float64)
+        if times.shape != (checked.num_examples,) or not np.all(np.isfinite(times)):
+            raise InvalidExamples(
+                f"timestamps must be {checked.num_examples} finite numbers, one per example; "
+                f"got shape {list(times.shape)}"
+            )
+        records = _pack_records(checked, self._record)
+        conn = self._connection()
+        with conn:
+            conn.execute("BEGIN IMMEDIATE")
+            if replace:
+                conn.execute("DELETE FROM examples")
+            conn.executemany(
+                "INSERT INTO examples (features, timestamp, context) VALUES (?, ?, NULL)",
+                zip(records, times.tolist(), strict=True),
             )
         return len(records)
 
