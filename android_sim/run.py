@@ -1,11 +1,13 @@
-"""`python -m android_sim run`: the whole pipeline, from export to personalized recommendations.
+"""`python -m android_sim run`: the whole pipeline, from a model and per-device data to a served top-k.
 
-1. Export the model for the data (or reuse an identical export in the work directory).
+1. The workload: the user's export (`--model-dir`, or `--model MODULE:FUNCTION` exported here)
+   and examples table (`--examples`), or a built-in data set with its model (`builtin_data`).
 2. Start a local orchestrator on an SQLite file in the work directory, or use one by URL.
 3. Create (or reuse) the population; write one example store per device; enroll the fleet.
 4. Run the fleet until `rounds` training rounds have committed; evaluation rounds on the
    held-out devices run along the way (every `evaluation_every`) and once at the end.
-5. Write the run report (JSON + plots) and show personalized top-10s next to the global one.
+5. Write the run report (JSON + plots) with the model's own metrics; a ranking model's held-out
+   devices show their personalized top-k next to the global one.
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ import asyncio
 import contextlib
 import json
 import time
-from dataclasses import asdict, dataclass
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,117 +26,157 @@ from rich.console import Console
 
 from android_sim.admin import AdminClient
 from android_sim.algorithm import algorithm_task, optimizer_over, round_settings
-from android_sim.central_data import centralized_examples
-from android_sim.device_data import DeviceData, FleetData, expression_fleet, movielens_fleet
-from android_sim.expressions import SyntheticConfig
-from android_sim.fleet import HELD_OUT, TRAINING, DeviceSpec, Fleet, write_store
+from android_sim.builtin_data import builtin_workload, export, load_data, model_config
+from android_sim.fleet import HELD_OUT, TRAINING, DeviceSpec, Fleet
 from android_sim.profiles import draw_profiles
 from android_sim.recommendations import HitRates, held_out_hit_rates, seen_device_examples
-from android_sim.run_config import SHAKESPEARE, RunConfig, RunResult, check_fleet_size, training_count
+from android_sim.run_config import (
+    SHAKESPEARE,
+    RunConfig,
+    RunError,
+    RunResult,
+    check_fleet_size,
+    training_count,
+)
 from android_sim.run_report import write_report
 from android_sim.session import admin_call, run_fleet
-from contracts.manifest import Manifest, ManifestError, load_manifest
+from android_sim.workload import Workload, oldest_first, split_newest
+from contracts.manifest import ManifestError, load_manifest
 from contracts.mixing import MixingConfig, encode_examples
 from contracts.task_config import SplitPolicy
-from model_export.config import Feedback, ModelConfig, TrainingDefaults
-from model_export.in_subprocess import export_in_subprocess
+from device_runtime.example_store import ExampleStore
+from device_runtime.examples_table import TableError, read_examples_table, store_path
+from model_export.in_subprocess import export_spec_in_subprocess
+
+_ARGS_FILE = "model_args.json"  # beside an export of --model: the builder and arguments it was made with
+FINAL_GLOBALS = "global_params.safetensors"  # in the work directory: the trained model's globals
 
 
-def load_data(config: RunConfig) -> FleetData:
-    if config.data == "movielens":
-        return movielens_fleet(config.ratings, config.devices)
-    return expression_fleet(
-        SyntheticConfig(
-            num_expressions=config.expressions, num_users=config.devices or 1000, seed=config.seed
-        )
-    )
-
-
-def model_config(data: FleetData) -> ModelConfig:
-    if data.feedback is Feedback.IMPLICIT:
-        return ModelConfig(
-            num_items=data.num_items,
-            embedding_dim=32,
-            batch_size=8,
-            max_batches=64,
-            top_k=min(100, data.num_items),
-            feedback=Feedback.IMPLICIT,
-            item_bias=True,
-            # Tuned on the synthetic data (held-out hit rate@10 after 80-160 rounds of 40 clients).
-            training=TrainingDefaults(
-                reconstruction_learning_rate=0.5,
-                update_learning_rate=1.0,
-                update_max_epochs=5,
-                l2_global=1e-4,
-                l2_local=1e-3,
-            ),
-        )
-    return ModelConfig(
-        num_items=data.num_items,
-        top_k=min(100, data.num_items),
-        item_bias=True,
-        user_bias=True,
-        global_mean=True,
-        global_mean_init=data.label_mean,
-    )
-
-
-def server_optimizer(config: RunConfig, data: FleetData) -> dict[str, Any]:
-    # Each item row's delta is averaged over every client, most of which never touched it;
-    # a server step larger than 1 makes up for that dilution of sparse rows (implicit data).
-    default = {"name": "sgd", "learning_rate": 10.0 if data.feedback is Feedback.IMPLICIT else 1.0}
-    return optimizer_over(default, config.server_optimizer)
-
-
-def population_settings(
-    config: RunConfig, data: FleetData, model: ModelConfig, training_devices: int = 0
-) -> dict[str, Any]:
-    task = algorithm_task(
-        {
-            **{k: v for k, v in asdict(model.training).items()},
-            "split": SplitPolicy.ALTERNATE.value,
-            # Few examples: use them for both support and query (the keyboard deployment's lesson).
-            "reuse_below": 10 if data.feedback is Feedback.IMPLICIT else 0,
-            "min_examples": config.min_examples,
-        },
-        config.task,
-    )
-    return round_settings(config, task, server_optimizer(config, data), training_devices)
-
-
-def export(config: ModelConfig, out: Path) -> Path:
-    """Export, unless `out` already holds an export of exactly this config."""
-    config_file = out / "config.json"
-    if config_file.is_file() and json.loads(config_file.read_text()) == config.to_json():
+def user_model(config: RunConfig) -> Path:
+    """The user's export: `--model-dir` as it is, or `--model` exported into the work directory
+    (reused when it already holds an export of the same builder and arguments)."""
+    if config.model_dir is not None:
+        return config.model_dir
+    assert config.model is not None
+    out = config.work_dir / "model"
+    recorded, wanted = out / _ARGS_FILE, {"builder": config.model, "args": config.model_args}
+    if recorded.is_file() and json.loads(recorded.read_text()) == wanted:
         with contextlib.suppress(ManifestError, OSError):
             load_manifest(out)
             return out
-    return export_in_subprocess(config, out)
+    recorded.unlink(missing_ok=True)
+    try:
+        export_spec_in_subprocess(config.model, out, config.model_args)
+    except RuntimeError as e:
+        raise RunError(str(e)) from None
+    recorded.write_text(json.dumps(wanted))  # written last: an interrupted export is not reused
+    return out
+
+
+def user_workload(config: RunConfig, console: Console) -> Workload:
+    """The user's model and examples table: each device id of the table a device."""
+    t0 = time.monotonic()
+    model_dir = user_model(config)
+    try:
+        manifest = load_manifest(model_dir)
+    except ManifestError as e:
+        raise RunError(f"{model_dir}: {e}") from None
+    console.print(
+        f"model: {manifest.task.kind} ({', '.join(f.name for f in manifest.features)}), "
+        f"{len(manifest.global_params)} global and {len(manifest.local_params)} local tensors, "
+        f"sha256 {manifest.model_sha256[:12]}... ({time.monotonic() - t0:.1f} s)"
+    )
+    assert config.examples is not None
+    try:
+        table = read_examples_table(config.examples, manifest)
+    except TableError as e:
+        raise RunError(str(e)) from None
+    return Workload(
+        source=f"{config.examples} ({table.num_rows:,} rows)",
+        name=model_dir.resolve().name,
+        model_dir=model_dir,
+        manifest=manifest,
+        devices=[oldest_first(d) for d in table.devices.values()],
+    )
+
+
+def load_workload(
+    config: RunConfig, console: Console, check_devices: Callable[[int], None] = lambda count: None
+) -> Workload:
+    """The run's model and per-device examples: the user's, or a built-in data set's.
+    `check_devices(count)` refuses a number of devices (before a built-in model is exported)."""
+    if config.model_dir is not None or config.model is not None:
+        workload = user_workload(config, console)
+        console.print(
+            f"data: {workload.source}: {len(workload.devices)} devices, {workload.num_examples:,} examples"
+        )
+        check_devices(len(workload.devices))
+        return workload
+    data = load_data(config)
+    console.print(f"data: {data.source}: {len(data.devices)} devices, {data.num_events:,} examples")
+    check_devices(len(data.devices))
+    model = model_config(data)
+    t0 = time.monotonic()
+    model_dir = export(model, config.work_dir / "model")
+    workload = builtin_workload(config, data, model_dir)
+    console.print(
+        f"model: {model.num_items} x {model.embedding_dim}, {model.feedback.value} feedback, "
+        f"sha256 {workload.manifest.model_sha256[:12]}... ({time.monotonic() - t0:.1f} s)"
+    )
+    return workload
+
+
+def population_settings(config: RunConfig, workload: Workload, training_devices: int) -> dict[str, Any]:
+    """The model's training defaults, the data's over them, then the run's options."""
+    base = {
+        **workload.manifest.training_defaults,
+        "split": SplitPolicy.ALTERNATE.value,
+        **workload.task,
+        "min_examples": config.min_examples,
+    }
+    task = algorithm_task(base, config.task)
+    optimizer = optimizer_over(workload.server_optimizer, config.server_optimizer)
+    return round_settings(config, task, optimizer, training_devices)
 
 
 @dataclass(frozen=True)
 class Devices:
     specs: list[DeviceSpec]
-    future: dict[int, np.ndarray]  # held-out device index -> items it shares next
+    future: dict[int, np.ndarray]  # held-out device index -> catalog rows it shares next
 
 
-def prepare_devices(config: RunConfig, data: FleetData, model: ModelConfig, store_dir: Path) -> Devices:
+def prepare_devices(config: RunConfig, workload: Workload, store_dir: Path) -> Devices:
+    """One example store per device; some devices held out (none in a stateful population, which
+    evaluates on its seen devices' newest examples). A held-out device of a ranking model on
+    implicit feedback keeps its newest share out of its store, to score its top-k against."""
     rng = np.random.default_rng(config.seed)
     store_dir.mkdir(parents=True, exist_ok=True)
-    # A stateful population evaluates on its seen devices' newest examples: no device is held out.
+    count = len(workload.devices)
     fraction = 0.0 if config.stateful else config.held_out_fraction
-    held_out = set(rng.permutation(len(data.devices))[: round(fraction * len(data.devices))].tolist())
-    profiles = draw_profiles(len(data.devices), config.device_mix, rng)
+    held_out = set(rng.permutation(count)[: round(fraction * count)].tolist())
+    profiles = draw_profiles(count, config.device_mix, rng)
+    catalog = workload.manifest.task.catalog_feature
     specs: list[DeviceSpec] = []
     future: dict[int, np.ndarray] = {}
-    for i, device in enumerate(data.devices):
-        stored: DeviceData = device
-        if i in held_out and data.feedback is Feedback.IMPLICIT and len(device) >= 2:
-            stored, future[i] = device.split_future(1)
-        path = store_dir / f"device-{i:05d}.sqlite"
-        write_store(path, stored.events(), model.features())
-        specs.append(DeviceSpec(HELD_OUT if i in held_out else TRAINING, profiles[i], path, len(stored)))
+    for i, device in enumerate(workload.devices):
+        stored = device
+        if i in held_out and workload.ranks_shares and device.examples.num_examples >= 2:
+            stored, newest = split_newest(device, 1)
+            future[i] = np.asarray(newest[catalog], np.int64) if catalog else np.zeros(0, np.int64)
+        path = store_path(store_dir, device.device_id)
+        write_store(path, stored, workload)
+        role = HELD_OUT if i in held_out else TRAINING
+        specs.append(DeviceSpec(role, profiles[i], path, stored.examples.num_examples))
     return Devices(specs, future)
+
+
+def write_store(path: Path, device: Any, workload: Workload) -> None:
+    """A new example store at `path` (replacing any) holding the device's examples."""
+    path.unlink(missing_ok=True)
+    for suffix in ("-wal", "-shm"):
+        path.with_name(path.name + suffix).unlink(missing_ok=True)
+    with ExampleStore(path, workload.manifest.features) as store:
+        store.add_examples(device.examples, device.timestamps)
 
 
 async def run_async(config: RunConfig, console: Console) -> RunResult:
@@ -144,37 +187,34 @@ async def run_async(config: RunConfig, console: Console) -> RunResult:
     started = time.monotonic()
     work = config.work_dir
     work.mkdir(parents=True, exist_ok=True)
-    data = load_data(config)
-    console.print(f"data: {data.source}: {len(data.devices)} devices, {data.num_events:,} examples")
-    check_fleet_size(config, training_count(config, len(data.devices)))
-    model = model_config(data)
-    t0 = time.monotonic()
-    model_dir = await asyncio.to_thread(export, model, work / "model")
-    manifest = load_manifest(model_dir)
-    console.print(
-        f"model: {model.num_items} x {model.embedding_dim}, {model.feedback.value} feedback, "
-        f"sha256 {manifest.model_sha256[:12]}... ({time.monotonic() - t0:.1f} s)"
+    workload = await asyncio.to_thread(
+        load_workload, config, console, lambda count: check_fleet_size(config, training_count(config, count))
     )
-    devices = await asyncio.to_thread(prepare_devices, config, data, model, work / "devices")
+    manifest = workload.manifest
+    devices = await asyncio.to_thread(prepare_devices, config, workload, work / "devices")
     held_out = sum(1 for spec in devices.specs if spec.role == HELD_OUT)
     console.print(f"fleet: {len(devices.specs) - held_out} training devices, {held_out} held-out devices")
-    name = config.population or f"{config.data}-{manifest.model_sha256[:8]}"
-    settings = population_settings(config, data, model, len(devices.specs) - held_out)
+    name = config.population or f"{workload.name}-{manifest.model_sha256[:8]}"
+    settings = population_settings(config, workload, len(devices.specs) - held_out)
 
     async def recommend(fleet: Fleet, status: dict[str, Any]) -> tuple[HitRates | None, list[dict[str, Any]]]:
+        await save_globals(fleet, name, status, work / FINAL_GLOBALS)
+        if manifest.task.kind != "ranking":
+            return None, []  # the final evaluation's metrics say how the model does
         if config.stateful:
             return await seen_device_examples(fleet, name, status, config.show_devices)
-        return await held_out_hit_rates(fleet, devices.future, name, status, data, config.show_devices)
+        return await held_out_hit_rates(fleet, devices.future, name, status, workload, config.show_devices)
 
     async def attach(admin: AdminClient) -> dict[str, Any] | None:
-        return await _attach_mixing(config, data, devices, manifest, admin, name, console)
+        return await attach_mixing(config, workload, devices, admin, name, console)
 
-    session = await run_fleet(config, name, model_dir, devices.specs, settings, recommend, console, attach)
-    return write_report(
+    session = await run_fleet(
+        config, name, workload.model_dir, devices.specs, settings, recommend, console, attach
+    )
+    result = write_report(
         config,
         session.attached,
-        data,
-        model,
+        workload,
         session.fleet,
         session.status,
         session.rounds,
@@ -183,30 +223,38 @@ async def run_async(config: RunConfig, console: Console) -> RunResult:
         started,
         console,
     )
+    if (work / FINAL_GLOBALS).is_file():
+        console.print(f"trained global parameters: {work / FINAL_GLOBALS}")
+    return result
 
 
-async def _attach_mixing(
-    config: RunConfig,
-    data: FleetData,
-    devices: Devices,
-    manifest: Manifest,
-    admin: AdminClient,
-    name: str,
-    console: Console,
+async def save_globals(fleet: Fleet, population: str, status: dict[str, Any], path: Path) -> None:
+    """The trained globals, as a device downloads them, for serving from the command line
+    (`python -m device_runtime recommend --globals`)."""
+    enrolled = next((d for d in fleet.devices if d.device_id), None)
+    if enrolled is not None:
+        blob = await enrolled.client.global_params_at(population, int(status["current_version"]))
+        path.write_bytes(blob)
+
+
+async def attach_mixing(
+    config: RunConfig, workload: Workload, devices: Devices, admin: AdminClient, name: str, console: Console
 ) -> dict[str, Any] | None:
-    """Attach the run's mixing strategy and its centralized dataset to the population."""
+    """Attach the run's mixing strategy and the data's centralized dataset to the population."""
     if MixingConfig.from_json(config.mixing).strategy == "none":
         return None
-    training = [data.devices[i] for i, spec in enumerate(devices.specs) if spec.role == TRAINING]
-    central = centralized_examples(data, training, data.devices, config.central_examples, config.seed)
-    blob = encode_examples(central.examples, manifest.features, central.accounts)
+    if workload.central is None:
+        raise RunError("mixing needs a centralized dataset: run it with a built-in data set (--data)")
+    training = [i for i, spec in enumerate(devices.specs) if spec.role == TRAINING]
+    examples, accounts, new_items = workload.central(training)
+    blob = encode_examples(examples, workload.manifest.features, accounts)
     attached = await admin_call(admin.attach_mixing(name, config.mixing, blob))
     console.print(
-        f"mixing: {attached['mixing']['strategy']} over {central.examples.num_examples} centralized examples "
-        f"of {len(np.unique(central.accounts))} public accounts ({len(blob):,} bytes; "
-        f"{len(central.new_items)} items no training device holds)"
+        f"mixing: {attached['mixing']['strategy']} over {examples.num_examples} centralized examples "
+        f"of {len(np.unique(accounts))} public accounts ({len(blob):,} bytes; "
+        f"{len(new_items)} items no training device holds)"
     )
-    return {**attached, "dataset_bytes": len(blob), "new_items": len(central.new_items)}
+    return {**attached, "dataset_bytes": len(blob), "new_items": len(new_items)}
 
 
 def run(config: RunConfig, console: Console | None = None) -> RunResult:

@@ -34,6 +34,12 @@ class RunError(RuntimeError):
 @dataclass(frozen=True)
 class RunConfig:
     work_dir: Path
+    # The user's model: an export (`model_dir`) or a builder `MODULE:FUNCTION` (`model`, with
+    # `model_args`), and its per-device examples table (`examples`, CSV or Parquet). Without
+    # them, a built-in data set with its model (`data`).
+    model_dir: Path | None = None
+    model: str | None = None
+    examples: Path | None = None
     # "expressions" (synthetic, implicit), "movielens" (ratings, explicit) or "shakespeare"
     # (next-word prediction, `android_sim.run_next_word`)
     data: str = "expressions"
@@ -114,10 +120,18 @@ class RunConfig:
                 problems.append(f"algorithm: {e}")
         if self.data not in ("expressions", "movielens", SHAKESPEARE):
             problems.append(f"data must be 'expressions', 'movielens' or 'shakespeare', got {self.data!r}")
-        if self.data == SHAKESPEARE:
+        if self.user_model:
+            problems += self._user_model_problems()
+        elif self.examples is not None:
+            problems.append(
+                "--examples needs the model they are for: --model-dir DIR or --model MODULE:FUNCTION"
+            )
+        elif self.data == SHAKESPEARE:
             problems += self._next_word_problems()
         elif self.model_args:
-            problems.append("--model-arg is for --data shakespeare (the other data export their own model)")
+            problems.append(
+                "--model-arg is for --model or --data shakespeare (the other data export their own model)"
+            )
         if not 0 <= self.held_out_fraction < 1:
             problems.append(f"held_out_fraction must be in [0, 1), got {self.held_out_fraction}")
         for name in ("rounds", "target_reports", "min_examples", "workers"):
@@ -143,6 +157,32 @@ class RunConfig:
             problems.append("an orchestrator URL needs its admin token (--admin-token)")
         if problems:
             raise RunError("; ".join(problems))
+
+    @property
+    def user_model(self) -> bool:
+        return self.model_dir is not None or self.model is not None
+
+    def _user_model_problems(self) -> list[str]:
+        problems = []
+        if self.model_dir is not None and self.model is not None:
+            problems.append("give --model-dir (an export) or --model (a builder to export), not both")
+        if self.model_args and self.model is None:
+            problems.append("--model-arg is for --model (an export in --model-dir is already built)")
+        if self.model is not None and ":" not in self.model:
+            problems.append(f"--model takes MODULE:FUNCTION, e.g. my_pkg.my_model:build; got {self.model!r}")
+        if self.examples is None:
+            problems.append(
+                "a model of your own needs its per-device examples: --examples TABLE (CSV or Parquet)"
+            )
+        if self.data != "expressions":
+            problems.append(
+                f"--data {self.data} is a built-in data set with its own model; not with --model-dir/--model"
+            )
+        if self.mixing.get("strategy", "none") != "none":
+            problems.append(
+                "mixing draws on a built-in data set's public examples; not with --model-dir/--model"
+            )
+        return problems
 
     def _next_word_problems(self) -> list[str]:
         problems = [

@@ -1,4 +1,7 @@
-"""The run report of a recommender fleet run: report.json, the plots, and the summary it prints."""
+"""The run report, whatever the model: report.json, the plots, and the summary it prints.
+
+The metrics are the model's own (its `evaluate`'s, as the evaluation rounds aggregated them); a
+ranking model's report adds its held-out hit rates and a few devices' top-k tables."""
 
 from __future__ import annotations
 
@@ -11,18 +14,17 @@ import numpy as np
 from rich.console import Console
 
 from android_sim import report
-from android_sim.device_data import FleetData
 from android_sim.fleet import Fleet
 from android_sim.recommendations import HitRates, top_k_table
 from android_sim.run_config import RunConfig, RunResult
-from model_export.config import Feedback, ModelConfig
+from android_sim.workload import Workload
+from contracts.manifest import Manifest
 
 
 def write_report(
     config: RunConfig,
     mixing: dict[str, Any] | None,
-    data: FleetData,
-    model: ModelConfig,
+    workload: Workload,
     fleet: Fleet,
     status: dict[str, Any],
     rounds: list[dict[str, Any]],
@@ -33,17 +35,20 @@ def write_report(
 ) -> RunResult:
     hit_rates, examples = recommendations
     work = config.work_dir
-    explicit = data.feedback is Feedback.EXPLICIT
     plots = [work / "metrics.png", work / "funnel.png"]
-    report.plot_metrics(plots[0], rounds, explicit)
+    report.plot_metrics(plots[0], rounds, primary_metric(workload.manifest))
     report.plot_funnel(plots[1], rounds)
     training = [r for r in rounds if r["kind"] == "training" and r["status"] == "committed"]
     seconds = time.monotonic() - started
     header = report_header(config, status, fleet, _evaluation_name(config))
     body = {
         "config": header.pop("config"),
-        "data": {"source": data.source, "devices": len(data.devices), "examples": data.num_events},
-        "model": model.to_json(),
+        "data": {
+            "source": workload.source,
+            "devices": len(workload.devices),
+            "examples": workload.num_examples,
+        },
+        "model": model_summary(workload.manifest),
         **header,
         "mixing": _mixing_summary(mixing, fleet),
         "rounds": rounds,
@@ -57,7 +62,7 @@ def write_report(
     result = RunResult(
         report_path, plots, len(training), (final or {}).get("metrics", {}), hit_rates, seconds, body
     )
-    _print_summary(result, config, data, examples, console)
+    _print_summary(result, config, workload, examples, console)
     privacy = status.get("privacy")
     if privacy:
         console.print(f"differential privacy: {privacy['message']}")
@@ -69,6 +74,32 @@ def write_report(
             f"(median over {count})"
         )
     return result
+
+
+def primary_metric(manifest: Manifest) -> str:
+    """The metric a run's curves show: RMSE for a model of explicit values, else the loss."""
+    has_rmse = any(m.name == "squared_error" for m in manifest.metrics)
+    return "rmse" if has_rmse and not manifest.task.negative_sampling else "loss"
+
+
+def model_summary(manifest: Manifest) -> dict[str, Any]:
+    """What the report says of the model: its task, features, parameters and metrics."""
+    return {
+        "sha256": manifest.model_sha256,
+        "task": manifest.task.to_json(),
+        "features": [f.to_json() for f in manifest.features],
+        "global_params": [p.to_json() for p in manifest.global_params],
+        "local_params": [p.to_json() for p in manifest.local_params],
+        "metrics": [m.name for m in manifest.metrics],
+        "config": manifest.config,
+    }
+
+
+def shown_metrics(manifest: Manifest) -> list[str]:
+    """The model's metrics by name: the loss, then each of its own (RMSE for a squared error,
+    accuracy for a `correct`)."""
+    named = {"squared_error": "rmse", "correct": "accuracy"}
+    return ["loss", *(named.get(m.name, m.name) for m in manifest.metrics)]
 
 
 def _mixing_summary(mixing: dict[str, Any] | None, fleet: Fleet) -> dict[str, Any] | None:
@@ -128,7 +159,7 @@ def _evaluation_name(config: RunConfig) -> str:
 def _print_summary(
     result: RunResult,
     config: RunConfig,
-    data: FleetData,
+    workload: Workload,
     examples: list[dict[str, Any]],
     console: Console,
 ) -> None:
@@ -142,7 +173,7 @@ def _print_summary(
     )
     final = result.final_evaluation
     if final:
-        shown = ", ".join(f"{k} {final[k]:.4f}" for k in ("loss", "rmse", "accuracy") if k in final)
+        shown = ", ".join(f"{k} {final[k]:.4f}" for k in shown_metrics(workload.manifest) if k in final)
         console.print(f"final {_evaluation_name(config)}: {shown} (weight {final.get('weight_sum', 0):.0f})")
     else:
         console.print("final evaluation: no device reported in time")
@@ -155,7 +186,7 @@ def _print_summary(
             f"(lift over global {h.lift_over_global:+.1%})"
         )
     for example in examples:
-        table = top_k_table(example, data.item_labels)
+        table = top_k_table(example, workload.label)
         console.print(table)
     console.print(f"report: {result.report_path}")
     console.print("plots: " + ", ".join(str(p) for p in result.plots))

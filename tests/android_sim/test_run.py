@@ -15,9 +15,11 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from android_sim.__main__ import algorithm, build_parser, main
+from android_sim.__main__ import build_parser, main
+from android_sim.builtin_data import load_data, model_config
+from android_sim.options import algorithm
 from android_sim.profiles import DeviceClass
-from android_sim.run import load_data, model_config, run, run_async
+from android_sim.run import run, run_async
 from android_sim.run_config import RunConfig, RunResult
 from contracts.manifest import load_manifest
 from contracts.mixing import max_gradient_bytes
