@@ -10,10 +10,10 @@ from pathlib import Path
 from typing import Any
 
 from android_sim import simulate_command
+from android_sim.builtin_next_word import TARGET_REPORTS as NEXT_WORD_TARGET_REPORTS
 from android_sim.movielens import DataFormatError
 from android_sim.options import algorithm, algorithm_arguments, model_arguments, parse_model_args
 from android_sim.run_config import DEFAULT_RATINGS, RunConfig, RunError
-from android_sim.run_next_word import TARGET_REPORTS as NEXT_WORD_TARGET_REPORTS
 from contracts.mixing import STRATEGIES
 
 

@@ -27,9 +27,10 @@ from rich.console import Console
 from android_sim.admin import AdminClient
 from android_sim.algorithm import algorithm_task, optimizer_over, round_settings
 from android_sim.builtin_data import builtin_workload, export, load_data, model_config
+from android_sim.builtin_next_word import next_word_workload
 from android_sim.fleet import HELD_OUT, TRAINING, DeviceSpec, Fleet
 from android_sim.profiles import draw_profiles
-from android_sim.recommendations import HitRates, held_out_hit_rates, seen_device_examples
+from android_sim.recommendations import held_out_hit_rates, seen_device_examples
 from android_sim.run_config import (
     SHAKESPEARE,
     RunConfig,
@@ -101,20 +102,22 @@ def user_workload(config: RunConfig, console: Console) -> Workload:
 
 
 def load_workload(
-    config: RunConfig, console: Console, check_devices: Callable[[int], None] = lambda count: None
+    config: RunConfig, console: Console, check_training: Callable[[int], None] = lambda count: None
 ) -> Workload:
     """The run's model and per-device examples: the user's, or a built-in data set's.
-    `check_devices(count)` refuses a number of devices (before a built-in model is exported)."""
+    `check_training(count)` refuses a number of training devices (before a built-in model is exported)."""
     if config.model_dir is not None or config.model is not None:
         workload = user_workload(config, console)
         console.print(
             f"data: {workload.source}: {len(workload.devices)} devices, {workload.num_examples:,} examples"
         )
-        check_devices(len(workload.devices))
+        check_training(training_count(config, len(workload.devices)))
         return workload
+    if config.data == SHAKESPEARE:
+        return next_word_workload(config, console, check_training)
     data = load_data(config)
     console.print(f"data: {data.source}: {len(data.devices)} devices, {data.num_events:,} examples")
-    check_devices(len(data.devices))
+    check_training(training_count(config, len(data.devices)))
     model = model_config(data)
     t0 = time.monotonic()
     model_dir = export(model, config.work_dir / "model")
@@ -152,8 +155,11 @@ def prepare_devices(config: RunConfig, workload: Workload, store_dir: Path) -> D
     rng = np.random.default_rng(config.seed)
     store_dir.mkdir(parents=True, exist_ok=True)
     count = len(workload.devices)
-    fraction = 0.0 if config.stateful else config.held_out_fraction
-    held_out = set(rng.permutation(count)[: round(fraction * count)].tolist())
+    if workload.held_out is not None:
+        held_out = set(workload.held_out)
+    else:
+        fraction = 0.0 if config.stateful else config.held_out_fraction
+        held_out = set(rng.permutation(count)[: round(fraction * count)].tolist())
     profiles = draw_profiles(count, config.device_mix, rng)
     catalog = workload.manifest.task.catalog_feature
     specs: list[DeviceSpec] = []
@@ -180,16 +186,10 @@ def write_store(path: Path, device: Any, workload: Workload) -> None:
 
 
 async def run_async(config: RunConfig, console: Console) -> RunResult:
-    if config.data == SHAKESPEARE:
-        from android_sim.run_next_word import run_next_word
-
-        return await run_next_word(config, console)
     started = time.monotonic()
     work = config.work_dir
     work.mkdir(parents=True, exist_ok=True)
-    workload = await asyncio.to_thread(
-        load_workload, config, console, lambda count: check_fleet_size(config, training_count(config, count))
-    )
+    workload = await asyncio.to_thread(load_workload, config, console, lambda n: check_fleet_size(config, n))
     manifest = workload.manifest
     devices = await asyncio.to_thread(prepare_devices, config, workload, work / "devices")
     held_out = sum(1 for spec in devices.specs if spec.role == HELD_OUT)
@@ -197,8 +197,10 @@ async def run_async(config: RunConfig, console: Console) -> RunResult:
     name = config.population or f"{workload.name}-{manifest.model_sha256[:8]}"
     settings = population_settings(config, workload, len(devices.specs) - held_out)
 
-    async def recommend(fleet: Fleet, status: dict[str, Any]) -> tuple[HitRates | None, list[dict[str, Any]]]:
+    async def serve(fleet: Fleet, status: dict[str, Any]) -> Any:
         await save_globals(fleet, name, status, work / FINAL_GLOBALS)
+        if workload.report is not None:
+            return await workload.report.serve(fleet, name, status, config.show_devices)
         if manifest.task.kind != "ranking":
             return None, []  # the final evaluation's metrics say how the model does
         if config.stateful:
@@ -209,7 +211,7 @@ async def run_async(config: RunConfig, console: Console) -> RunResult:
         return await attach_mixing(config, workload, devices, admin, name, console)
 
     session = await run_fleet(
-        config, name, workload.model_dir, devices.specs, settings, recommend, console, attach
+        config, name, workload.model_dir, devices.specs, settings, serve, console, attach
     )
     result = write_report(
         config,

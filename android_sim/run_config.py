@@ -41,7 +41,7 @@ class RunConfig:
     model: str | None = None
     examples: Path | None = None
     # "expressions" (synthetic, implicit), "movielens" (ratings, explicit) or "shakespeare"
-    # (next-word prediction, `android_sim.run_next_word`)
+    # (next-word prediction, `android_sim.builtin_next_word`)
     data: str = "expressions"
     ratings: Path = DEFAULT_RATINGS
     # --data shakespeare: the text's folder, the vocabulary's words, the local OOV buckets, the
@@ -177,6 +177,10 @@ class RunConfig:
         if self.data != "expressions":
             problems.append(
                 f"--data {self.data} is a built-in data set with its own model; not with --model-dir/--model"
+            )
+        if self.devices is not None:
+            problems.append(
+                "--devices is for the built-in data sets: your table's devices are its device ids"
             )
         if self.mixing.get("strategy", "none") != "none":
             problems.append(

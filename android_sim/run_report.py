@@ -15,7 +15,7 @@ from rich.console import Console
 
 from android_sim import report
 from android_sim.fleet import Fleet
-from android_sim.recommendations import HitRates, top_k_table
+from android_sim.recommendations import top_k_table
 from android_sim.run_config import RunConfig, RunResult
 from android_sim.workload import Workload
 from contracts.manifest import Manifest
@@ -29,18 +29,23 @@ def write_report(
     status: dict[str, Any],
     rounds: list[dict[str, Any]],
     final: dict[str, Any] | None,
-    recommendations: tuple[HitRates | None, list[dict[str, Any]]],
+    served: Any,
     started: float,
     console: Console,
 ) -> RunResult:
-    hit_rates, examples = recommendations
+    """`served`: what the data's own report served (`workload.report`), else a ranking model's
+    (hit rates, top-k examples), else nothing."""
+    hit_rates, examples = (None, []) if workload.report is not None or served is None else served
     work = config.work_dir
     plots = [work / "metrics.png", work / "funnel.png"]
-    report.plot_metrics(plots[0], rounds, primary_metric(workload.manifest))
+    if workload.report is not None:
+        workload.report.plot(plots[0], rounds)
+    else:
+        report.plot_metrics(plots[0], rounds, primary_metric(workload.manifest))
     report.plot_funnel(plots[1], rounds)
     training = [r for r in rounds if r["kind"] == "training" and r["status"] == "committed"]
     seconds = time.monotonic() - started
-    header = report_header(config, status, fleet, _evaluation_name(config))
+    header = report_header(config, status, fleet, _evaluation_name(config, workload.manifest))
     body = {
         "config": header.pop("config"),
         "data": {
@@ -57,6 +62,9 @@ def write_report(
         "recommendations": examples,
         "seconds": seconds,
     }
+    if workload.report is not None:
+        section = workload.report.section(served, fleet, rounds, final)
+        body = {**body, **section, "data": {**body["data"], **section.get("data", {})}}
     report_path = work / "report.json"
     report.write_json(report_path, body)
     result = RunResult(
@@ -83,13 +91,13 @@ def primary_metric(manifest: Manifest) -> str:
 
 
 def model_summary(manifest: Manifest) -> dict[str, Any]:
-    """What the report says of the model: its task, features, parameters and metrics."""
+    """What the report says of the model: its task, features, parameters (by name) and metrics."""
     return {
         "sha256": manifest.model_sha256,
         "task": manifest.task.to_json(),
         "features": [f.to_json() for f in manifest.features],
-        "global_params": [p.to_json() for p in manifest.global_params],
-        "local_params": [p.to_json() for p in manifest.local_params],
+        "global_params": [p.name for p in manifest.global_params],
+        "local_params": [p.name for p in manifest.local_params],
         "metrics": [m.name for m in manifest.metrics],
         "config": manifest.config,
     }
@@ -150,9 +158,11 @@ def report_header(config: RunConfig, status: dict[str, Any], fleet: Fleet, evalu
     }
 
 
-def _evaluation_name(config: RunConfig) -> str:
+def _evaluation_name(config: RunConfig, manifest: Manifest) -> str:
     if config.stateful:
         return "StandardEval on seen devices (their kept locals, on their newest 10% of examples)"
+    if not manifest.local_params:
+        return "evaluation on held-out devices (no local parameters to reconstruct)"
     return "ReconEval on held-out devices"
 
 
@@ -172,9 +182,12 @@ def _print_summary(
         f"{algorithm['server_optimizer']['learning_rate']}"
     )
     final = result.final_evaluation
-    if final:
+    if workload.report is not None:
+        workload.report.print(result.summary, console)
+    elif final:
         shown = ", ".join(f"{k} {final[k]:.4f}" for k in shown_metrics(workload.manifest) if k in final)
-        console.print(f"final {_evaluation_name(config)}: {shown} (weight {final.get('weight_sum', 0):.0f})")
+        name = _evaluation_name(config, workload.manifest)
+        console.print(f"final {name}: {shown} (weight {final.get('weight_sum', 0):.0f})")
     else:
         console.print("final evaluation: no device reported in time")
     if result.hit_rates:

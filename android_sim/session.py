@@ -45,6 +45,7 @@ async def orchestrator(
         yield config.orchestrator_url.rstrip("/"), config.admin_token, Connector()
         return
     token = secrets.token_urlsafe(32)
+    work = work.resolve()  # the orchestrator process runs elsewhere: a relative path would not be this one
     database_url = f"sqlite:///{work / 'orchestrator.sqlite'}"
     if config.in_process:
         from pydantic import SecretStr

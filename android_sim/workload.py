@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -19,9 +19,37 @@ from contracts.features import Examples
 from contracts.manifest import Manifest
 from device_runtime.examples_table import DeviceExamples
 
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from android_sim.fleet import Fleet
+
 # The training devices' indices -> (centralized examples, their public accounts, items no
 # training device holds): the public data mixing draws from (`android_sim.central_data`).
 CentralSource = Callable[[Sequence[int]], tuple[Examples, np.ndarray, np.ndarray]]
+
+
+class DataReport(Protocol):
+    """What a data set adds to a run's report beyond the model's metrics (e.g. next-word accuracy
+    with and without OOV, which are ratios of the evaluation's sums)."""
+
+    async def serve(self, fleet: Fleet, population: str, status: dict[str, Any], show: int) -> Any:
+        """After training, while the devices can reach the server (e.g. held-out devices' predictions)."""
+        ...
+
+    def section(
+        self, served: Any, fleet: Fleet, rounds: list[dict[str, Any]], final: dict[str, Any] | None
+    ) -> dict[str, Any]:
+        """The report's entries of this data (merged into the report; a "data" entry into its "data")."""
+        ...
+
+    def plot(self, path: Path, rounds: list[dict[str, Any]]) -> None:
+        """The metrics plot of this data's rounds."""
+        ...
+
+    def print(self, body: dict[str, Any], console: Console) -> None:
+        """The summary lines of this data, from the report."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -35,6 +63,8 @@ class Workload:
     server_optimizer: dict[str, Any] = field(default_factory=lambda: {"name": "sgd", "learning_rate": 1.0})
     item_labels: Sequence[str] | None = None  # a ranking model's catalog rows by name, for top-k tables
     central: CentralSource | None = None  # the data's public examples, for mixing
+    held_out: frozenset[int] | None = None  # the data's own held-out devices (else drawn at random)
+    report: DataReport | None = None  # the data's own report section
 
     @property
     def num_examples(self) -> int:

@@ -118,6 +118,10 @@ def test_simulate_with_kept_locals_evaluates_seen_devices_too(
             "--data movielens is a built-in",
         ),
         (["--model-dir", "m", "--examples", "t.csv", "--mixing", "parallel_training"], "mixing draws"),
+        (
+            ["--model-dir", "m", "--examples", "t.csv", "--devices", "50"],
+            "your table's devices are its device ids",
+        ),
     ],
 )
 def test_a_users_model_options_that_do_not_fit_are_one_line(

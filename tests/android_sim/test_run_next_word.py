@@ -125,7 +125,10 @@ def test_fedavg_in_the_fleet_shares_the_oov_rows(tmp_path: Path) -> None:
         ),
         (["--local-state", "keep"], "--local-state keep is not available with --data shakespeare"),
         (["--vocab-size", "0"], "vocab_size must be >= 1, got 0"),
-        (["--data", "expressions", "--model-arg", "seed=1"], "--model-arg is for --data shakespeare"),
+        (
+            ["--data", "expressions", "--model-arg", "seed=1"],
+            "--model-arg is for --model or --data shakespeare",
+        ),
         (["--model-arg", "lstm_unit=8"], "takes no argument 'lstm_unit'; it takes: num_global_tokens"),
     ],
 )
