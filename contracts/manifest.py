@@ -140,10 +140,12 @@ class MetricSpec:
 class TaskSpec:
     """What `infer` does.
 
-    - `ranking`: scores every row of the catalog feature's table for this user (`infer(exclude)` ->
-      `scores`, `top_items`, `top_scores`); `negative_sampling`: labels are implicit (1 = shared)
-      and tasks add sampled non-shared catalog items as 0s; `popularity`: a global [catalog] tensor
-      that ranks for a user with no examples yet (e.g. item biases), or None.
+    - `ranking`: scores every row of the catalog feature's table for this user (`infer(exclude,
+      <context>)` -> `scores`, `top_items`, `top_scores`); the model's other input features are its
+      *context* (e.g. the hour), one value each per call, the same for every catalog row;
+      `negative_sampling`: labels are implicit (1 = shared) and tasks add sampled non-shared
+      catalog items as 0s (in the context of the share they stand against); `popularity`: a global
+      [catalog] tensor that ranks for a user with no examples yet (e.g. item biases), or None.
     - `classification`: `infer(<input features of one batch>)` -> `top_classes`, `top_scores`
       [batch_size, top_k] over `num_classes`.
     - `regression`: `infer(<input features of one batch>)` -> `predictions` [batch_size].
@@ -224,6 +226,14 @@ class Manifest:
     @property
     def input_features(self) -> tuple[FeatureSpec, ...]:
         return tuple(f for f in self.features if f.role == "input")
+
+    @property
+    def context_features(self) -> tuple[FeatureSpec, ...]:
+        """A ranking model's inputs besides its catalog feature (e.g. the hour): `infer` takes one
+        value of each and scores the whole catalog in that context. None for other tasks."""
+        if self.task.kind != "ranking":
+            return ()
+        return tuple(f for f in self.input_features if f.name != self.task.catalog_feature)
 
     @property
     def label_features(self) -> tuple[FeatureSpec, ...]:
@@ -426,7 +436,10 @@ class Manifest:
         b = self.batch_size
         if self.task.kind == "ranking":
             n, k = self.catalog_size, self.task.top_k
-            expected_io[("infer", "inputs")] = {"exclude": ((n,), "float32")}
+            expected_io[("infer", "inputs")] = {
+                "exclude": ((n,), "float32"),
+                **{f.name: (f.shape, f.dtype) for f in self.context_features},
+            }
             expected_io[("infer", "outputs")] = {
                 "scores": ((n,), "float32"),
                 "top_items": ((k,), "int32"),

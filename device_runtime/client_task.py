@@ -37,6 +37,9 @@ class Outcome(enum.StrEnum):
     COMPLETED = "completed"
     INSUFFICIENT_DATA = "insufficient_data"
     INTERRUPTED = "interrupted"
+    # The device's example store holds examples of another layout than the task's model (the
+    # device's data is for another model): the assignment is aborted, nothing is read.
+    INCOMPATIBLE_STORE = "incompatible_store"
     ERROR = "error"
 
 
@@ -69,6 +72,12 @@ def within_model(examples: Examples, manifest: Manifest) -> np.ndarray:
             low, high = feature.value_range
             keep &= np.all((values >= low) & (values <= high), axis=1)
     return keep
+
+
+def incompatible_store(store: ExampleStore, manifest: Manifest) -> TaskResult | None:
+    """The result of a task whose store does not fit the model (named, before anything starts)."""
+    mismatch = store.mismatch(manifest.features)
+    return None if mismatch is None else TaskResult(Outcome.INCOMPATIBLE_STORE, message=mismatch)
 
 
 def newest_examples(store: ExampleStore, manifest: Manifest, config: TaskConfig) -> tuple[Examples, int]:
@@ -216,6 +225,9 @@ def run_training_task(
     the central gradient's rows too. The reported weight stays |query|. `central`: example transfer's
     centralized examples, mixed into the update steps only (`with_central`)."""
     try:
+        mismatch = incompatible_store(store, model.manifest)
+        if mismatch is not None:
+            return mismatch
         if central is not None and central.num_examples and config.local_state is LocalState.KEEP:
             return TaskResult(
                 Outcome.ERROR, message="example transfer mixes into FedRecon's update; local_state is 'keep'"
@@ -289,6 +301,9 @@ def run_evaluation_task(
     With `local_state: keep`, StandardEval instead: the kept locals, measured on the held-out
     newest examples."""
     try:
+        mismatch = incompatible_store(store, model.manifest)
+        if mismatch is not None:
+            return mismatch
         if config.local_state is LocalState.KEEP:
             return _stateful_evaluation(model, store, global_params, config, kept, seed)
         started = _start(model, store, global_params, config, seed)

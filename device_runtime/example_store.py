@@ -166,6 +166,16 @@ class ExampleStore:
         self.features: tuple[FeatureSpec, ...] = tuple(features if features is not None else stored)
         self._record = record_dtype(self.features)
 
+    def mismatch(self, features: Sequence[FeatureSpec]) -> str | None:
+        """Why this store's examples cannot feed a model of `features` (another layout: names,
+        dtypes, shapes, roles), in one line; None when they can."""
+        if _layout(features) == _layout(self.features):
+            return None
+        return (
+            f"the example store {self.path} holds examples of ({_describe(self.features)}); the model "
+            f"takes ({_describe(features)}): this device's data is not for this model"
+        )
+
     @staticmethod
     def _stored_spec(conn: sqlite3.Connection) -> str:
         row = conn.execute("SELECT spec FROM store_features WHERE id = 1").fetchone()
@@ -383,6 +393,14 @@ class ExampleStore:
 
     def integrity_ok(self) -> bool:
         return bool(self._connection().execute("PRAGMA integrity_check").fetchone()[0] == "ok")
+
+
+def _describe(features: Sequence[FeatureSpec]) -> str:
+    """`item int32, label float32 (label)`: a layout in a few words."""
+    return ", ".join(
+        f"{f.name} {f.dtype}{list(f.shape) if f.shape else ''}" + (" (label)" if f.role == "label" else "")
+        for f in features
+    )
 
 
 def _pack_records(examples: Examples, record: np.dtype) -> list[bytes]:

@@ -398,11 +398,24 @@ def _is_list(pa: Any, kind: Any) -> bool:
     return bool(pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(kind))
 
 
-def _check_values(
-    values: np.ndarray, column: Any, feature: FeatureSpec, expected: str, where: _Where
-) -> None:
-    """Finite, whole where integers are expected, within int32 and within the feature's range."""
-    flat = values.reshape(len(values), -1).astype(np.float64)
+def parse_value(feature: FeatureSpec, text: str) -> np.ndarray:
+    """One value of `feature` from text (`"21"`, `"3 1 4"` for shape [3]), checked against its spec
+    and cast to its dtype; a ValueError says what was expected (no pyarrow needed)."""
+    try:
+        if feature.shape:
+            value = np.asarray(_parse_vector(feature)(text), np.float64).reshape(feature.shape)
+        else:
+            value = np.asarray(_parse_number(feature)(text), np.float64)
+    except (ValueError, TypeError, OverflowError):
+        raise ValueError(f"got {text!r}; expected {_expected(feature)}") from None
+    if _bad_rows(value.reshape(1, -1), feature).size:
+        raise ValueError(f"got {text!r}; expected {_expected(feature)}")
+    return value.astype(feature.dtype)
+
+
+def _bad_rows(flat: np.ndarray, feature: FeatureSpec) -> np.ndarray:
+    """Rows of `flat` ([rows, values]) that are not finite, not whole where integers are expected,
+    outside int32 or outside the feature's range."""
     bad = ~np.all(np.isfinite(flat), axis=1)
     if feature.dtype == "int32" or feature.discrete:
         bad |= ~np.all(flat == np.round(flat), axis=1)
@@ -411,7 +424,14 @@ def _check_values(
     if feature.value_range is not None:
         low, high = feature.value_range
         bad |= np.any((flat < low) | (flat > high), axis=1)
-    rows = np.flatnonzero(bad)
+    return np.flatnonzero(bad)
+
+
+def _check_values(
+    values: np.ndarray, column: Any, feature: FeatureSpec, expected: str, where: _Where
+) -> None:
+    """Finite, whole where integers are expected, within int32 and within the feature's range."""
+    rows = _bad_rows(values.reshape(len(values), -1).astype(np.float64), feature)
     if rows.size:
         row = int(rows[0])
         more = f" ({rows.size} rows are wrong)" if rows.size > 1 else ""

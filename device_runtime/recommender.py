@@ -1,4 +1,6 @@
-"""On-device top-k recommendations with reconstructed, cached local parameters.
+"""On-device inference with reconstructed, cached local parameters: top-k recommendations from a
+ranking model (`Recommender`, in a context such as the hour for a model that takes one), and
+predictions from a classification or regression model (`Predictor`).
 
 Inference in FedRecon reconstructs the user's local parameters from the device's own
 examples with the latest global parameters. That costs a reconstruction, so the result is
@@ -12,16 +14,18 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from safetensors import SafetensorError
 
+from contracts.features import Examples
 from contracts.params import Params, ParamsError, decode_params, encode_params
 from contracts.task_config import TaskConfig
 from device_runtime.client_task import select_examples
-from device_runtime.example_store import ExampleStore
+from device_runtime.example_store import ExampleStore, ExampleStoreError
 from device_runtime.local_state import LocalStateStore
 from model_runtime.support_query import add_negatives, num_steps
 from model_runtime.task_batches import TaskBatches, split_batches
@@ -47,8 +51,12 @@ def params_fingerprint(params: Params) -> str:
     return digest.hexdigest()
 
 
-class Recommender:
-    """Top-k expressions for this device's user."""
+class WrongTask(ValueError):
+    """The model's task is not the one asked of it (e.g. top-k items from a regression model)."""
+
+
+class PersonalModel:
+    """A model with this device's user's local parameters (kept or reconstructed, cached)."""
 
     def __init__(
         self,
@@ -60,13 +68,11 @@ class Recommender:
         global_version: str | None = None,
         kept: LocalStateStore | None = None,
     ) -> None:
-        """`kept`: the device's kept locals (a stateful population), served from once trained."""
-        task = model.manifest.task
-        if task.kind != "ranking" or task.catalog_feature is None:
-            raise ValueError(
-                f"a recommender needs a model that ranks a catalog; this model's task is {task.kind!r}"
-            )
-        self.catalog = task.catalog_feature
+        """`kept`: the device's kept locals (a stateful population), served from once trained.
+        A store whose examples do not fit the model is an `ExampleStoreError`."""
+        mismatch = store.mismatch(model.manifest.features)
+        if mismatch is not None:
+            raise ExampleStoreError(mismatch)
         self.model = model
         self.store = store
         self.kept = kept
@@ -138,15 +144,45 @@ class Recommender:
         except (ParamsError, SafetensorError):
             return None  # a damaged cache is rebuilt, never trusted
 
+
+class Recommender(PersonalModel):
+    """Top-k items (e.g. expressions) for this device's user, in a context for a model with one."""
+
+    def __init__(
+        self,
+        model: TFLiteModel,
+        store: ExampleStore,
+        global_params: Params,
+        config: TaskConfig | None = None,
+        *,
+        global_version: str | None = None,
+        kept: LocalStateStore | None = None,
+    ) -> None:
+        task = model.manifest.task
+        if task.kind != "ranking" or task.catalog_feature is None:
+            raise WrongTask(
+                f"a recommender needs a model that ranks a catalog; this model's task is {task.kind!r} "
+                "(its predictions come from `predict`)"
+            )
+        self.catalog = task.catalog_feature
+        super().__init__(model, store, global_params, config, global_version=global_version, kept=kept)
+
     def _used_items(self, revision: int) -> np.ndarray:
         if self._used is None or self._used[0] != revision:
             self._used = (revision, self.store.distinct_values(self.catalog))
         return self._used[1]
 
     def recommend(
-        self, k: int = 10, *, exclude: Iterable[int] = (), exclude_used: bool = True
+        self,
+        k: int = 10,
+        *,
+        exclude: Iterable[int] = (),
+        exclude_used: bool = True,
+        context: Mapping[str, Any] | None = None,
     ) -> Recommendation:
-        """The `k` best items, leaving out `exclude` and (by default) what the user already used."""
+        """The `k` best items, leaving out `exclude` and (by default) what the user already used;
+        `context`: one value per context feature of a model that has them (e.g. `{"hour": 21}`)."""
+        values = self.model.checked_context(context or {})  # wrong context: a ValueError, first
         n = self.model.manifest.catalog_size
         if not 1 <= k <= n:
             raise ValueError(f"k must be in [1, {n}], got {k}")
@@ -163,10 +199,10 @@ class Recommender:
             return self._popularity(k, mask)
         local_params = self._ensure_local(revision)
         if k <= self.model.manifest.task.top_k:
-            ranking = self.model.infer(mask)
+            ranking = self.model.infer(mask, values)
             items, scores = ranking.top_items[:k], ranking.top_scores[:k]
         else:
-            scores_all = np.where(mask, -np.inf, self.model.infer().scores)
+            scores_all = np.where(mask, -np.inf, self.model.infer(context=values).scores)
             items = np.argsort(-scores_all, kind="stable")[:k].astype(np.int32)
             scores = scores_all[items]
         keep = ~mask[items]  # fewer than k items left after exclusions
@@ -186,3 +222,37 @@ class Recommender:
         items = np.argsort(-scores, kind="stable")[:k]
         items = items[~mask[items]]
         return Recommendation(items.astype(np.int32), bias[items], "popularity")
+
+
+class Predictor(PersonalModel):
+    """A classification or regression model's outputs for examples, with this user's locals."""
+
+    def __init__(
+        self,
+        model: TFLiteModel,
+        store: ExampleStore,
+        global_params: Params,
+        config: TaskConfig | None = None,
+        *,
+        global_version: str | None = None,
+        kept: LocalStateStore | None = None,
+    ) -> None:
+        if model.manifest.task.kind == "ranking":
+            raise WrongTask("a ranking model ranks its catalog: its top-k items come from `recommend`")
+        super().__init__(model, store, global_params, config, global_version=global_version, kept=kept)
+
+    def predict(self, examples: Examples) -> Prediction:
+        """`infer`'s outputs per example (`top_classes`/`top_scores`, or `predictions`); the
+        locals are this user's (kept, or reconstructed from the store; none without examples)."""
+        if self.store.count():
+            local_params = self._ensure_local(self.store.revision)
+        else:
+            self.model.reset_local()  # nothing to reconstruct from: the model's initial locals
+            local_params, self._loaded_key = "initial", None
+        return Prediction(self.model.predict(examples), local_params)
+
+
+@dataclass(frozen=True)
+class Prediction:
+    outputs: dict[str, np.ndarray]  # per example: `top_classes` and `top_scores`, or `predictions`
+    local_params: str  # "kept", "reconstructed", "no" (the model has none) or "initial" (no examples)

@@ -24,10 +24,15 @@ if TYPE_CHECKING:
 def build_parser() -> argparse.ArgumentParser:
     d, t = ModelConfig(), TrainingDefaults()
     p = argparse.ArgumentParser(
-        prog="python -m model_export",
-        description="Export a model to TFLite with training signatures (reconstruct, update, "
-        "evaluate, infer, get/set global and local parameters): your own (--model) or the FedRecon "
-        "matrix-factorization model the options below describe.",
+        prog="model-export",
+        usage="%(prog)s --model MODULE:FUNCTION [--model-arg KEY=VALUE ...] --output-dir DIR\n"
+        "       %(prog)s [--config FILE | matrix-factorization options] --output-dir DIR",
+        # Wide enough for the longest option to keep its help on its line: one screen.
+        formatter_class=lambda prog: argparse.HelpFormatter(prog, max_help_position=36),
+        description="Export a Keras model to TFLite with the training signatures a device runs "
+        "(reconstruct, update, evaluate, infer, get/set global and local parameters), builtin ops "
+        "only: your own model (--model) or the FedRecon matrix-factorization model that the options "
+        "below describe. Also `python -m model_export`; needs TensorFlow (the `export` extra).",
     )
     p.add_argument(
         "--model",
@@ -40,88 +45,82 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="with --model: a keyword argument of the function (repeat for several), converted to "
-        "the type its parameter declares, e.g. --model-arg num_oov_buckets=100",
+        help="with --model: a keyword argument of the function (repeatable), of the type its "
+        "parameter declares, e.g. num_oov_buckets=100",
     )
     p.add_argument(
         "--output-dir",
         "--out",
         type=Path,
         required=True,
-        help="directory to write model.tflite, manifest.json and global_params.safetensors into",
+        metavar="DIR",
+        help="where to write model.tflite, manifest.json and global_params.safetensors",
     )
     p.add_argument(
         "--config",
         type=Path,
         default=None,
-        help="a JSON model config (as in a manifest's 'config'); replaces the options below",
+        metavar="FILE",
+        help="a JSON matrix-factorization config (a manifest's 'config'); replaces the options below",
     )
-    p.add_argument("--num-items", type=int, default=d.num_items, help="catalog size (default: %(default)s)")
-    p.add_argument("--embedding-dim", type=int, default=d.embedding_dim, help="default: %(default)s")
-    p.add_argument(
-        "--batch-size", type=int, default=d.batch_size, help="static batch size (default: %(default)s)"
+    mf = p.add_argument_group("the matrix-factorization model (without --model; defaults in brackets)")
+    mf.add_argument(
+        "--num-items", type=int, default=d.num_items, metavar="N", help="catalog size [%(default)s]"
     )
-    p.add_argument(
-        "--max-batches",
-        type=int,
-        default=d.max_batches,
-        help="batches per signature call; bounds the examples a task sees (default: %(default)s)",
+    mf.add_argument("--embedding-dim", type=int, default=d.embedding_dim, metavar="N", help="[%(default)s]")
+    mf.add_argument(
+        "--batch-size", type=int, default=d.batch_size, metavar="N", help="static batch size [%(default)s]"
     )
-    p.add_argument(
-        "--top-k", type=int, default=d.top_k, help="length of infer's ranked output (default: %(default)s)"
+    mf.add_argument(
+        "--max-batches", type=int, default=d.max_batches, metavar="N", help="batches per call [%(default)s]"
     )
-    p.add_argument(
+    mf.add_argument(
+        "--top-k", type=int, default=d.top_k, metavar="N", help="infer's ranked length [%(default)s]"
+    )
+    mf.add_argument(
         "--feedback",
         choices=[f.value for f in Feedback],
         default=d.feedback.value,
-        help="explicit ratings (squared error) or implicit shares (logistic loss); default: %(default)s",
+        help="ratings (squared error) or shares (logistic loss) [%(default)s]",
     )
-    p.add_argument(
-        "--item-bias", action=argparse.BooleanOptionalAction, default=d.item_bias, help="global per-item bias"
+    mf.add_argument("--item-bias", action=argparse.BooleanOptionalAction, default=d.item_bias, help="global")
+    mf.add_argument("--user-bias", action=argparse.BooleanOptionalAction, default=d.user_bias, help="local")
+    mf.add_argument(
+        "--global-mean", action=argparse.BooleanOptionalAction, default=d.global_mean, help="a global offset"
     )
-    p.add_argument(
-        "--user-bias", action=argparse.BooleanOptionalAction, default=d.user_bias, help="local per-user bias"
-    )
-    p.add_argument(
-        "--global-mean",
-        action=argparse.BooleanOptionalAction,
-        default=d.global_mean,
-        help="global trainable offset",
-    )
-    p.add_argument(
+    mf.add_argument(
         "--global-mean-init",
         type=float,
         default=d.global_mean_init,
-        help="initial global mean (e.g. the mean rating)",
+        metavar="X",
+        help="its start [%(default)s]",
     )
-    p.add_argument(
-        "--rating-min", type=float, default=d.rating_min, help="explicit feedback: lowest valid rating"
+    mf.add_argument("--rating-min", type=float, default=d.rating_min, metavar="X", help="[%(default)s]")
+    mf.add_argument("--rating-max", type=float, default=d.rating_max, metavar="X", help="[%(default)s]")
+    mf.add_argument(
+        "--huber-delta", type=float, default=d.huber_delta, metavar="X", help="0: squared error [%(default)s]"
     )
-    p.add_argument(
-        "--rating-max", type=float, default=d.rating_max, help="explicit feedback: highest valid rating"
-    )
-    p.add_argument(
-        "--huber-delta",
-        type=float,
-        default=d.huber_delta,
-        help="explicit feedback: 0 trains squared error, > 0 a Huber loss with this delta "
-        "(default: %(default)s)",
-    )
-    p.add_argument(
+    mf.add_argument(
         "--init-stddev",
         type=float,
         default=d.init_stddev,
-        help="item embedding init N(0, s) (default: %(default)s)",
+        metavar="X",
+        help="item rows N(0, X) [%(default)s]",
     )
-    p.add_argument("--seed", type=int, default=d.seed, help="initialization seed (default: %(default)s)")
-    p.add_argument("--reconstruction-learning-rate", type=float, default=t.reconstruction_learning_rate)
-    p.add_argument("--reconstruction-max-epochs", type=int, default=t.reconstruction_max_epochs)
-    p.add_argument("--reconstruction-max-steps", type=int, default=t.reconstruction_max_steps)
-    p.add_argument("--update-learning-rate", type=float, default=t.update_learning_rate)
-    p.add_argument("--update-max-epochs", type=int, default=t.update_max_epochs)
-    p.add_argument("--update-max-steps", type=int, default=t.update_max_steps)
-    p.add_argument("--l2-global", type=float, default=t.l2_global, help="L2 on the item rows a batch touches")
-    p.add_argument("--l2-local", type=float, default=t.l2_local, help="L2 on the local parameters")
+    mf.add_argument("--seed", type=int, default=d.seed, metavar="N", help="[%(default)s]")
+    hyper = p.add_argument_group("its training defaults, recorded in the manifest")
+    for name, kind in (
+        ("reconstruction_learning_rate", float),
+        ("reconstruction_max_epochs", int),
+        ("reconstruction_max_steps", int),
+        ("update_learning_rate", float),
+        ("update_max_epochs", int),
+        ("update_max_steps", int),
+        ("l2_global", float),
+        ("l2_local", float),
+    ):
+        flag = "--" + name.replace("_", "-")
+        hyper.add_argument(flag, type=kind, default=getattr(t, name), metavar="X", help="[%(default)s]")
     return p
 
 
@@ -158,6 +157,10 @@ def config_from_args(args: argparse.Namespace) -> ModelConfig:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    unwritable = _unwritable(args.output_dir)
+    if unwritable:
+        print(f"error: --output-dir {args.output_dir}: {unwritable}", file=sys.stderr)
+        return 2
     if args.model is not None:
         return _export_user_model(args.model, args.model_arg, args.output_dir)
     if args.model_arg:
@@ -168,7 +171,10 @@ def main(argv: list[str] | None = None) -> int:
             config = ModelConfig.from_json(json.loads(args.config.read_text()))
         else:
             config = config_from_args(args)
-    except (ValueError, TypeError, OSError) as e:
+    except OSError as e:
+        print(f"error: cannot read --config {args.config}: {e.strerror}", file=sys.stderr)
+        return 2
+    except (ValueError, TypeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     # TensorFlow loads only when exporting.
@@ -191,6 +197,10 @@ def _export_user_model(target: str, model_args: list[str], output_dir: Path) -> 
             file=sys.stderr,
         )
         return 2
+    # As `python -m` does: the user's modules in the current directory import (the console script
+    # `model-export` does not put it on the path by itself).
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
     try:
         build = getattr(importlib.import_module(module_name), function_name)
     except (ImportError, AttributeError) as e:
@@ -215,6 +225,19 @@ def _export_user_model(target: str, model_args: list[str], output_dir: Path) -> 
         return 2
     _report(result)
     return 0
+
+
+def _unwritable(output_dir: Path) -> str:
+    """Why the export could not be written to `output_dir` (checked before a minute of exporting),
+    or ''."""
+    if output_dir.exists() and not output_dir.is_dir():
+        return "exists and is not a directory"
+    existing = output_dir
+    while not existing.exists():
+        existing = existing.parent
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"cannot write in {existing}"
+    return ""
 
 
 def _report(result: ExportResult) -> None:

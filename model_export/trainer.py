@@ -254,12 +254,24 @@ class Trainer(tf.Module):  # type: ignore[misc]
 
     def _check_task(self) -> None:
         task = self.spec.task
+        if task.kind == "classification" and not 1 <= task.top_k <= task.num_classes:
+            raise ExportError(
+                f"a classification task's top_k must be in [1, num_classes = {task.num_classes}], "
+                f"got {task.top_k}"
+            )
         if task.kind == "ranking":
             catalog = task.catalog_feature
-            if catalog not in self.row_sparse.values() or [f.name for f in self.inputs] != [catalog]:
+            if catalog not in self.row_sparse.values():
                 raise ExportError(
                     f"a ranking task scores every row of its catalog feature's table, so the catalog feature "
-                    f"({catalog!r}) must be the model's only input and index a row-sparse table"
+                    f"({catalog!r}) must be an input that indexes a row-sparse table; the model's other "
+                    "inputs are its context (e.g. the hour), one value per ranking"
+                )
+            rows = next(f for f in self.features if f.name == catalog).num_values
+            if not 1 <= task.top_k <= rows:
+                raise ExportError(
+                    f"a ranking task's top_k must be in [1, {rows}] (the rows of its catalog feature "
+                    f"{catalog!r}), got {task.top_k}"
                 )
             if task.popularity is not None and task.popularity not in self.global_vars:
                 raise ExportError(f"ranking popularity {task.popularity!r} is not a global parameter")
@@ -502,13 +514,16 @@ class Trainer(tf.Module):  # type: ignore[misc]
             outputs = tf.squeeze(outputs, -1)
         return outputs
 
-    def infer_ranking(self, exclude: tf.Tensor) -> dict[str, tf.Tensor]:
-        """Scores for every catalog row and the `top_k` best; rows with `exclude` > 0 rank last."""
+    def infer_ranking(self, exclude: tf.Tensor, **context: tf.Tensor) -> dict[str, tf.Tensor]:
+        """Scores for every catalog row in this `context` (one value per context feature, the same
+        for every row) and the `top_k` best; rows with `exclude` > 0 rank last."""
         catalog = self.spec.task.catalog_feature
         assert catalog is not None
-        scores = self._infer_scores(
-            {catalog: tf.range(exclude.shape[0], dtype=tf.int32)}, self._keras.ranking_twin
-        )
+        n = exclude.shape[0]
+        inputs = {catalog: tf.range(n, dtype=tf.int32)}
+        for name, value in context.items():
+            inputs[name] = tf.broadcast_to(value[None], [n, *value.shape])
+        scores = self._infer_scores(inputs, self._keras.ranking_twin)
         ranked = tf.where(exclude > 0.0, tf.fill(tf.shape(scores), -3.0e38), scores)
         top = tf.math.top_k(ranked, k=self.spec.task.top_k, sorted=True)
         return {"scores": scores, "top_items": top.indices, "top_scores": top.values}
@@ -580,9 +595,18 @@ class Trainer(tf.Module):  # type: ignore[misc]
         local_specs = {k: tf.TensorSpec(v.shape, v.dtype, name=k) for k, v in self.local_vars.items()}
         if self.spec.task.kind == "ranking":
             catalog = next(f for f in self.features if f.name == self.spec.task.catalog_feature)
-            infer = tf.function(self.infer_ranking).get_concrete_function(
-                tf.TensorSpec([catalog.num_values], tf.float32, name="exclude")
-            )
+            exclude = tf.TensorSpec([catalog.num_values], tf.float32, name="exclude")
+            context = [f for f in self.inputs if f.name != catalog.name]
+            if context:
+                infer = keyword_fn(
+                    self.infer_ranking,
+                    {
+                        "exclude": exclude,
+                        **{f.name: tf.TensorSpec(f.shape, f.dtype, name=f.name) for f in context},
+                    },
+                )
+            else:
+                infer = tf.function(self.infer_ranking).get_concrete_function(exclude)
         else:
             b = self.spec.batch_size
             infer = keyword_fn(

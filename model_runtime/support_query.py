@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from contracts.features import Examples
+from contracts.features import Examples, per_example
 from contracts.manifest import Manifest
 from contracts.task_config import SplitPolicy, TaskConfig
 from model_runtime.task_batches import TaskBatches, split_batches
@@ -33,7 +33,13 @@ def add_negatives(
 ) -> Examples:
     """A ranking model with implicit labels: each share gets `per_positive` catalog rows the user
     never shared, label 0 (never one of `examples`' shares nor of `also_shared`, e.g. shares
-    outside the examples)."""
+    outside the examples).
+
+    A model with context (e.g. the hour) ranks (item, context) pairs, so each share's negatives are
+    in its context: "at 21h the user shared this, not those", those being any item not shared in
+    that same context (an item shared only at 8h is a negative at 21h), nor in `also_shared`."""
+    if manifest.context_features:
+        return _add_negatives_in_context(examples, manifest, per_positive, rng, also_shared)
     catalog, label = manifest.task.catalog_feature, manifest.label_features[0].name
     assert catalog is not None
     positives = shares(examples, manifest)
@@ -47,6 +53,46 @@ def add_negatives(
         {catalog: negatives.astype(examples[catalog].dtype), label: np.zeros(len(negatives), np.float32)}
     )
     mixed = Examples.concat([examples, sampled], manifest.features)
+    return mixed.select(rng.permutation(mixed.num_examples))
+
+
+def _add_negatives_in_context(
+    examples: Examples,
+    manifest: Manifest,
+    per_positive: int,
+    rng: np.random.Generator,
+    also_shared: np.ndarray | None,
+) -> Examples:
+    catalog, label = manifest.task.catalog_feature, manifest.label_features[0].name
+    assert catalog is not None
+    context = manifest.context_features
+    positive = np.flatnonzero(examples[label] > 0)
+    if per_positive < 1 or positive.size == 0:
+        return examples
+    # Positive rows grouped by their context's values (one group per distinct context).
+    keys = np.concatenate(
+        [per_example(examples[f.name][positive]).astype(np.float64) for f in context], axis=1
+    )
+    _, group = np.unique(keys, axis=0, return_inverse=True)
+    group = group.reshape(-1)
+    never = np.zeros(0, np.int64) if also_shared is None else np.asarray(also_shared, np.int64)
+    parts = [examples]
+    for g in range(int(group.max()) + 1):
+        rows = positive[group == g]
+        shared = np.union1d(examples[catalog][rows], never)
+        candidates = np.setdiff1d(np.arange(manifest.catalog_size), shared)
+        if candidates.size == 0:
+            continue
+        count = rows.size * per_positive
+        # An item may stand against several shares of a context when the catalog is short of them.
+        negatives = rng.choice(candidates, size=count, replace=count > candidates.size)
+        columns = {
+            catalog: negatives.astype(examples[catalog].dtype),
+            label: np.zeros(count, np.float32),
+            **{f.name: np.repeat(examples[f.name][rows], per_positive, axis=0) for f in context},
+        }
+        parts.append(Examples(columns))
+    mixed = Examples.concat(parts, manifest.features)
     return mixed.select(rng.permutation(mixed.num_examples))
 
 

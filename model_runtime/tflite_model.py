@@ -466,19 +466,45 @@ class TFLiteModel:
             self._call("set_global", **self._globals())
             self._variables_current = True
 
-    def infer(self, exclude: np.ndarray | None = None) -> Ranking:
+    def infer(self, exclude: np.ndarray | None = None, context: Mapping[str, Any] | None = None) -> Ranking:
         """A ranking model's scores for this user over the catalog, with the current local and
-        global parameters; `exclude` is a bool mask (or indices) of catalog rows to rank last."""
+        global parameters; `exclude` is a bool mask (or indices) of catalog rows to rank last;
+        `context`: one value of each of the model's context features (e.g. `{"hour": 21}`), which a
+        model with context needs (a ValueError says what is missing or wrong)."""
         if self.manifest.task.kind != "ranking":
             raise ValueError(
                 f"infer ranks a catalog; this model's task is {self.manifest.task.kind!r} (use predict)"
             )
+        values = self.checked_context(context or {})
         self._install_globals()
         mask = np.zeros(self.manifest.catalog_size, np.float32)
         if exclude is not None:
             mask[exclude] = 1.0
-        out = self._call("infer", exclude=mask)
+        out = self._call("infer", exclude=mask, **values)
         return Ranking(out["scores"].copy(), out["top_items"].copy(), out["top_scores"].copy())
+
+    def checked_context(self, context: Mapping[str, Any]) -> dict[str, np.ndarray]:
+        """One value per context feature, checked against its spec and cast (a ValueError, e.g.
+        `InvalidExamples`, names what is missing, unexpected or out of range)."""
+        features = self.manifest.context_features
+        expected = sorted(f.name for f in features)
+        if set(context) != set(expected):
+            missing, extra = set(expected) - set(context), set(context) - set(expected)
+            raise ValueError(
+                (
+                    f"this model ranks in a context of {expected}"
+                    if expected
+                    else "this model ranks without context"
+                )
+                + (f"; missing {sorted(missing)}" if missing else "")
+                + (f"; it takes no {sorted(extra)}" if extra else "")
+            )
+        try:
+            columns = {f.name: np.asarray([context[f.name]]) for f in features}
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"context values must be numbers or arrays of numbers: {e}") from None
+        checked = Examples(columns).validated(features)
+        return {f.name: checked[f.name][0] for f in features}
 
     def predict(self, examples: Examples) -> dict[str, np.ndarray]:
         """A classification or regression model's `infer` outputs for each example (in batches of

@@ -17,7 +17,11 @@ from orchestrator.settings import Settings
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m orchestrator", description="The FedRecon orchestrator.")
+    parser = argparse.ArgumentParser(
+        prog="orchestrator",
+        description="The federated-learning server (also `python -m orchestrator`): serve its HTTP API, "
+        "create populations from exported models, attach centralized data, show a population's state.",
+    )
     parser.add_argument(
         "--database-url", help="default: $ORCHESTRATOR_DATABASE_URL or sqlite:///orchestrator.sqlite"
     )

@@ -127,3 +127,14 @@ def perturbed_globals(params: dict[str, np.ndarray], seed: int) -> dict[str, np.
     """Globals with every tensor nonzero, so each term of the maths is exercised."""
     rng = np.random.default_rng(seed)
     return {k: (v + rng.normal(0, 0.3, v.shape)).astype(np.float32) for k, v in params.items()}
+
+
+# A user's own ranking model with a context feature (the hour) and two local tensors, exported
+# through `--model` (`tests/device_runtime/hour_recommender.py`).
+HOUR_RECOMMENDER = "tests.device_runtime.hour_recommender:build"
+
+
+@pytest.fixture(scope="session")
+def hour_recommender_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The exported hour-aware expression recommender, once per session."""
+    return export_spec_in_subprocess(HOUR_RECOMMENDER, tmp_path_factory.mktemp("hour-recommender"))

@@ -41,7 +41,7 @@ def stores_in(directory: Path) -> list[str]:
     return sorted(p.name for p in directory.iterdir()) if directory.exists() else []
 
 
-def run(*args: str) -> int:
+def run(*args: str | Path) -> int:
     return main([str(a) for a in args])
 
 
@@ -194,10 +194,11 @@ def test_existing_stores_are_refused_appended_or_replaced_whole(
 ) -> None:
     model_dir = export(BIASED)
     out = tmp_path / "stores"
-    with ExampleStore(store_path(out.mkdir() or out, "alice"), BIASED.features()) as store:
+    out.mkdir()
+    with ExampleStore(store_path(out, "alice"), BIASED.features()) as store:
         store.add([Event({"item": 50, "label": 3.0}, 10.0)])
     table = write(tmp_path / "t.csv", CSV)
-    common = ["import", "--model-dir", model_dir, "--examples", table, "--out", out]
+    common: list[str | Path] = ["import", "--model-dir", model_dir, "--examples", table, "--out", out]
 
     assert run(*common) == 2
     assert "already hold examples" in capsys.readouterr().err

@@ -149,7 +149,8 @@ def test_a_first_schema_store_that_does_not_fit_the_model_is_refused_and_left_as
 ) -> None:
     path = first_schema_store(tmp_path / "old.sqlite")
 
-    code = main(["recommend", "--store", str(path), "--model-dir", str(next_word_model)])
+    tokens = ["--input", "tokens=1 2 3 4 5 6 7 8"]
+    code = main(["predict", "--store", str(path), "--model-dir", str(next_word_model), *tokens])
 
     assert code == 2
     assert "can be migrated only to a model with one scalar int32 input" in capsys.readouterr().err

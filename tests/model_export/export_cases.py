@@ -65,6 +65,14 @@ class Middle(keras.layers.Layer):  # type: ignore[misc]
         return inputs[:, 1:3]
 
 
+def ranking_catalog_without_a_table() -> ExportSpec:
+    """The hour recommender ranking its context (the hour indexes a local table, not a row-sparse one)."""
+    from tests.device_runtime import hour_recommender
+
+    spec = hour_recommender.build()
+    return replace(spec, task=replace(spec.task, catalog_feature="hour", popularity=None))
+
+
 def slices_convert() -> ExportSpec:
     spec = genre_rating.build()
     movie = keras.Input(shape=(), dtype="int32", name="movie")
@@ -114,6 +122,7 @@ CASES = (
     "feature_of_another_dtype",
     "row_sparse_layer_that_is_not_a_table",
     "unsupported_gradient",
+    "ranking_catalog_without_a_table",
 )
 
 

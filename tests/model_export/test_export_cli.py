@@ -94,3 +94,42 @@ def test_huber_delta_is_for_explicit_feedback_and_non_negative(tmp_path: Path) -
     assert implicit.returncode == 2
     assert "huber_delta applies to explicit feedback only" in implicit.stderr
     assert not (tmp_path / "model.tflite").exists()
+
+
+def test_what_would_fail_after_the_export_is_refused_before_it(tmp_path: Path) -> None:
+    a_file = tmp_path / "taken"
+    a_file.write_text("")
+    hour_model = "tests.device_runtime.hour_recommender:build"
+
+    for args, message in (
+        (
+            ["--model", hour_model, "--out", str(a_file)],
+            f"--output-dir {a_file}: exists and is not a directory",
+        ),
+        (["--config", str(tmp_path / "none.json"), "--out", str(tmp_path / "o")], "cannot read --config"),
+        (
+            ["--model", hour_model, "--model-arg", "top_k=31", "--out", str(tmp_path / "o")],
+            "a ranking task's top_k must be in [1, 30] (the rows of its catalog feature 'expression')",
+        ),
+    ):
+        result = run_cli(*args)
+        last = result.stderr.strip().splitlines()[-1]  # after TensorFlow's start-up lines, if any
+        assert result.returncode == 2 and last.startswith("error: ") and message in last, result.stderr
+    assert not (tmp_path / "o").exists()
+
+
+def test_the_console_script_imports_the_users_module_from_the_current_directory(tmp_path: Path) -> None:
+    """As `python -m model_export` does: `model-export --model my_model:build` in the user's folder."""
+    (tmp_path / "my_model.py").write_text("def build(size: int = 3):\n    raise ValueError(f'size {size}')\n")
+    script = Path(sys.executable).parent / "model-export"
+
+    result = subprocess.run(
+        [str(script), "--model", "my_model:build", "--model-arg", "size=4", "--out", str(tmp_path / "o")],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=300,
+    )
+
+    # The module was found and its function ran (its own refusal is the user's message).
+    assert result.returncode == 2 and "error: my_model:build: size 4" in result.stderr, result.stderr

@@ -212,6 +212,8 @@ EXPECTED_ERRORS = {
     r"expected an Embedding or RowTable layer",
     "unsupported_gradient": r"needs ops that are not TFLite builtins.*\n"
     r"- EluGrad \(from layer 'smooth'\); fix: ",
+    "ranking_catalog_without_a_table": r"the catalog feature \('hour'\) must be an input that indexes a "
+    r"row-sparse table; the model's other inputs are its context",
 }
 
 
