@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from rich.table import Table
 
+from contracts.features import Examples
 from contracts.params import Params, decode_params
 from device_runtime.example_store import ExampleStore
 from device_runtime.local_state import LocalStateStore
@@ -49,6 +50,15 @@ def catalog(model: TFLiteModel) -> str:
     return name
 
 
+def context_of(model: TFLiteModel, examples: Examples) -> dict[str, Any] | None:
+    """A model with context features (e.g. the hour) ranks in one context: that of the first of
+    `examples` (the share to come, or the newest); None for a model without context."""
+    features = model.manifest.context_features
+    if not features or not examples.num_examples:
+        return None
+    return {f.name: examples[f.name][0] for f in features}
+
+
 def popularity_top(model: TFLiteModel, params: Params) -> np.ndarray:
     """The model's global top-k: what a device with no data is shown (none without a popularity)."""
     popularity = model.manifest.task.popularity
@@ -71,7 +81,7 @@ def shares_by_item(workload: Workload, training: list[int]) -> np.ndarray:
 
 async def held_out_hit_rates(
     fleet: Fleet,
-    future: dict[int, np.ndarray],
+    future: dict[int, Examples],
     population: str,
     status: dict[str, Any],
     workload: Workload,
@@ -97,7 +107,7 @@ def _score(
     params: Params,
     version: str,
     held_out: list[Any],
-    future: dict[int, np.ndarray],
+    future: dict[int, Examples],
     most_shared: np.ndarray,
     show: int,
 ) -> tuple[HitRates | None, list[dict[str, Any]]]:
@@ -106,12 +116,15 @@ def _score(
     scored = 0
     examples: list[dict[str, Any]] = []
     for device in held_out:
+        coming = future.get(device.index)
         with ExampleStore(device.store_path) as store:
             recommender = Recommender(model, store, params, global_version=version)
+            newest = store.examples()
             # Expressions are re-shared, so keep what the user already used; ratings are not.
-            top = recommender.recommend(K, exclude_used=not future)
-            recent = store.examples()[catalog(model)][:5].tolist()
-        nxt = future.get(device.index)
+            context = context_of(model, coming if coming is not None else newest)
+            top = recommender.recommend(K, exclude_used=not future, context=context)
+            recent = newest[catalog(model)][:5].tolist()
+        nxt = None if coming is None else np.asarray(coming[catalog(model)], np.int64)
         if nxt is not None and len(nxt):
             scored += 1
             hits["personalized"] += bool(np.isin(nxt, top.items).any())
@@ -159,7 +172,8 @@ async def seen_device_examples(
             with ExampleStore(device.store_path) as store:
                 kept = LocalStateStore(store, population)
                 version = str(status["current_version"])
-                top = Recommender(model, store, params, global_version=version, kept=kept).recommend(K)
+                recommender = Recommender(model, store, params, global_version=version, kept=kept)
+                top = recommender.recommend(K, context=context_of(model, store.examples()))
                 examples.append(
                     {
                         "device": device.index,

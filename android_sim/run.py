@@ -42,6 +42,7 @@ from android_sim.run_config import (
 from android_sim.run_report import write_report
 from android_sim.session import admin_call, run_fleet
 from android_sim.workload import Workload, oldest_first, split_newest
+from contracts.features import Examples
 from contracts.manifest import ManifestError, load_manifest
 from contracts.mixing import MixingConfig, encode_examples
 from contracts.task_config import SplitPolicy
@@ -145,7 +146,7 @@ def population_settings(config: RunConfig, workload: Workload, training_devices:
 @dataclass(frozen=True)
 class Devices:
     specs: list[DeviceSpec]
-    future: dict[int, np.ndarray]  # held-out device index -> catalog rows it shares next
+    future: dict[int, Examples]  # held-out device index -> the examples it has next (kept out of its store)
 
 
 def prepare_devices(config: RunConfig, workload: Workload, store_dir: Path) -> Devices:
@@ -161,14 +162,12 @@ def prepare_devices(config: RunConfig, workload: Workload, store_dir: Path) -> D
         fraction = 0.0 if config.stateful else config.held_out_fraction
         held_out = set(rng.permutation(count)[: round(fraction * count)].tolist())
     profiles = draw_profiles(count, config.device_mix, rng)
-    catalog = workload.manifest.task.catalog_feature
     specs: list[DeviceSpec] = []
-    future: dict[int, np.ndarray] = {}
+    future: dict[int, Examples] = {}
     for i, device in enumerate(workload.devices):
         stored = device
         if i in held_out and workload.ranks_shares and device.examples.num_examples >= 2:
-            stored, newest = split_newest(device, 1)
-            future[i] = np.asarray(newest[catalog], np.int64) if catalog else np.zeros(0, np.int64)
+            stored, future[i] = split_newest(device, 1)
         path = store_path(store_dir, device.device_id)
         write_store(path, stored, workload)
         role = HELD_OUT if i in held_out else TRAINING
