@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
+from android_sim import simulate_command
+from android_sim.builtin_next_word import TARGET_REPORTS as NEXT_WORD_TARGET_REPORTS
 from android_sim.movielens import DataFormatError, require_file
-from android_sim.run import DEFAULT_RATINGS, RunConfig, RunError
-from android_sim.run_next_word import TARGET_REPORTS as NEXT_WORD_TARGET_REPORTS
+from android_sim.options import algorithm, algorithm_arguments, model_arguments, parse_model_args
+from android_sim.run_config import DEFAULT_RATINGS, RunConfig, RunError
 from contracts.mixing import STRATEGIES
 
 
@@ -22,20 +23,24 @@ def _run_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
         "run",
         help="export, start (or use) an orchestrator, run a fleet for some rounds, evaluate, report",
         description="Run a simulated fleet against the orchestrator's HTTP API and write a run report "
-        "(report.json, metrics.png, funnel.png) into the work directory.",
+        "(report.json, metrics.png, funnel.png) into the work directory: your model (--model-dir or "
+        "--model) on your per-device examples table (--examples), or a built-in data set (--data).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
+    model_arguments(run)
     run.add_argument(
         "--data",
         choices=("expressions", "movielens", "shakespeare"),
-        default=d.data,
-        help="default: %(default)s; shakespeare: next-word prediction, each speaking role a device",
+        help="a built-in data set with its model (default: expressions); shakespeare: next-word "
+        "prediction, each speaking role a device",
     )
     run.add_argument(
         "--ratings", type=Path, default=DEFAULT_RATINGS, help="MovieLens file for --data movielens"
     )
     run.add_argument(
-        "--devices", type=int, default=d.devices, help="devices (MovieLens: at most this many users; 0 = all)"
+        "--devices",
+        type=int,
+        help="devices (default: expressions 1000; MovieLens: every user, or at most this many)",
     )
     run.add_argument("--expressions", type=int, default=d.expressions, help="synthetic catalog size")
     run.add_argument("--held-out-fraction", type=float, default=d.held_out_fraction)
@@ -70,7 +75,7 @@ def _run_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     )
     run.add_argument("--workers", type=int, default=d.workers, help="interpreter threads (default: cores)")
     run.add_argument("--seed", type=int, default=d.seed)
-    _algorithm_arguments(run)
+    algorithm_arguments(run)
     _mixing_arguments(run)
     _next_word_arguments(run, d)
     dp = run.add_argument_group(
@@ -144,29 +149,15 @@ def _next_word_arguments(run: argparse.ArgumentParser, d: RunConfig) -> None:
     group.add_argument("--vocab-size", type=int, default=d.vocab_size, help="words in the global vocabulary")
     group.add_argument("--oov-buckets", type=int, default=d.oov_buckets, help="OOV hash buckets")
     group.add_argument("--seq-len", type=int, default=d.seq_len, help="tokens per example window")
-    group.add_argument(
-        "--model-arg",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="another keyword argument of the model's builder, e.g. lstm_units=128 (repeat for several)",
-    )
 
 
 def next_word_options(args: argparse.Namespace) -> dict[str, Any]:
-    """The RunConfig fields of the next-word options; `--model-arg`s are checked by the builder."""
-    model_args: dict[str, str] = {}
-    for pair in args.model_arg:
-        key, sep, value = pair.partition("=")
-        if not sep or not key.strip():
-            raise ValueError(f"--model-arg takes KEY=VALUE, e.g. lstm_units=128; got {pair!r}")
-        model_args[key.strip()] = value
+    """The RunConfig fields of the next-word options."""
     return {
         "shakespeare": args.shakespeare,
         "vocab_size": args.vocab_size,
         "oov_buckets": args.oov_buckets,
         "seq_len": args.seq_len,
-        "model_args": model_args,
     }
 
 
@@ -176,79 +167,11 @@ def target_reports(args: argparse.Namespace) -> int:
     return NEXT_WORD_TARGET_REPORTS if args.data == "shakespeare" else RunConfig.target_reports
 
 
-# Flags that set a task config field: (flag, field, type, help).
-_TASK_FLAGS: tuple[tuple[str, str, type, str], ...] = (
-    ("--split", "split", str, "support/query split policy: alternate or reuse"),
-    ("--reuse-below", "reuse_below", int, "devices with fewer examples reuse them for support and query"),
-    ("--reconstruction-steps", "reconstruction_max_steps", int, "at most this many reconstruction steps"),
-    ("--reconstruction-learning-rate", "reconstruction_learning_rate", float, "reconstruction SGD rate"),
-    ("--update-steps", "update_max_steps", int, "at most this many update steps"),
-    ("--update-learning-rate", "update_learning_rate", float, "client SGD rate of the update"),
-    (
-        "--local-state",
-        "local_state",
-        str,
-        "reconstruct: FedRecon (locals fitted afresh each task); keep: FURL (locals kept on the "
-        "device and trained jointly; evaluation on seen devices' newest 10%%, no held-out devices)",
-    ),
-    (
-        "--local-learning-rate",
-        "local_learning_rate",
-        float,
-        "rate of the locals during the update (keep: default the reconstruction rate)",
-    ),
-)
-_ALGORITHM_KEYS = ("task", "server_optimizer")
-
-
-def _algorithm_arguments(run: argparse.ArgumentParser) -> None:
-    group = run.add_argument_group(
-        "algorithm", "over the data's defaults; a settings file first, then these flags over it"
-    )
-    group.add_argument(
-        "--algorithm-settings",
-        type=Path,
-        help='JSON file: {"task": {task config fields}, "server_optimizer": {"name": ..., ...}}',
-    )
-    for flag, _, kind, text in _TASK_FLAGS:
-        group.add_argument(flag, type=kind, help=text)
-    group.add_argument("--server-optimizer", help="sgd, momentum, adam or yogi")
-    group.add_argument("--server-learning-rate", type=float, help="the server optimizer's learning rate")
-
-
-def algorithm(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(task config overrides, server optimizer overrides) from the settings file and the flags."""
-    task: dict[str, Any] = {}
-    server: dict[str, Any] = {}
-    if args.algorithm_settings is not None:
-        path = args.algorithm_settings
-        try:
-            data = json.loads(path.read_text())
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise ValueError(f"cannot read algorithm settings {path}: {e}") from None
-        if not isinstance(data, dict) or set(data) - set(_ALGORITHM_KEYS):
-            raise ValueError(
-                f"algorithm settings {path} must be a JSON object with keys from {list(_ALGORITHM_KEYS)}"
-            )
-        for key, target in (("task", task), ("server_optimizer", server)):
-            if not isinstance(data.get(key, {}), dict):
-                raise ValueError(f"algorithm settings {path}: {key!r} must be a JSON object")
-            target.update(data.get(key, {}))
-    for flag, name, _, _ in _TASK_FLAGS:
-        value = getattr(args, flag[2:].replace("-", "_"))
-        if value is not None:
-            task[name] = value
-    if args.server_optimizer is not None:
-        server["name"] = args.server_optimizer
-    if args.server_learning_rate is not None:
-        server["learning_rate"] = args.server_learning_rate
-    return task, server
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m android_sim", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _run_parser(sub)
+    simulate_command.add_parser(sub)
     demo = sub.add_parser(
         "demo", help="export a model, fill one device from MovieLens, run a client task, show a top-10"
     )
@@ -269,6 +192,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     try:
+        if args.command == "simulate":
+            simulate_command.main(args)
+            return 0
         if args.command == "demo":
             require_file(args.ratings)  # before TensorFlow loads (and logs)
             from android_sim.demo import run_demo
@@ -278,9 +204,17 @@ def main(argv: list[str] | None = None) -> int:
         from android_sim.run import run
 
         task, server = algorithm(args)
+        if args.data and (args.model_dir or args.model):
+            raise ValueError(
+                f"--data {args.data} is a built-in data set with its own model; not with --model-dir/--model"
+            )
         config = RunConfig(
             work_dir=args.work_dir or Path("runs") / time.strftime("run-%Y%m%d-%H%M%S"),
-            data=args.data,
+            model_dir=args.model_dir,
+            model=args.model,
+            model_args=parse_model_args(args.model_arg),
+            examples=args.examples,
+            data=args.data or RunConfig.data,
             ratings=args.ratings,
             devices=args.devices,
             expressions=args.expressions,

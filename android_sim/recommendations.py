@@ -11,22 +11,23 @@ saw every share could compute.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from rich.table import Table
 
+from contracts.features import Examples
 from contracts.params import Params, decode_params
 from device_runtime.example_store import ExampleStore
 from device_runtime.local_state import LocalStateStore
 from device_runtime.recommender import Recommender
-from model_export.config import ITEM
 from model_runtime.tflite_model import TFLiteModel
 
 if TYPE_CHECKING:
-    from android_sim.device_data import FleetData
     from android_sim.fleet import Fleet
+    from android_sim.workload import Workload
 
 K = 10
 
@@ -43,12 +44,47 @@ class HitRates:
         return self.personalized / self.global_model - 1 if self.global_model else float("nan")
 
 
+def catalog(model: TFLiteModel) -> str:
+    name = model.manifest.task.catalog_feature
+    assert name is not None, "a ranking model names its catalog feature"
+    return name
+
+
+def context_of(model: TFLiteModel, examples: Examples) -> dict[str, Any] | None:
+    """A model with context features (e.g. the hour) ranks in one context: that of the first of
+    `examples` (the share to come, or the newest); None for a model without context."""
+    features = model.manifest.context_features
+    if not features or not examples.num_examples:
+        return None
+    return {f.name: examples[f.name][0] for f in features}
+
+
+def popularity_top(model: TFLiteModel, params: Params) -> np.ndarray:
+    """The model's global top-k: what a device with no data is shown (none without a popularity)."""
+    popularity = model.manifest.task.popularity
+    if popularity is None or popularity not in params:
+        return np.zeros(0, np.int64)
+    return np.argsort(-params[popularity], kind="stable")[:K]
+
+
+def shares_by_item(workload: Workload, training: list[int]) -> np.ndarray:
+    """How often each catalog row was shared (a positive label) on the training devices: what
+    only a server that saw every device's data could count."""
+    manifest = workload.manifest
+    name, label = manifest.task.catalog_feature, manifest.label_features[0].name
+    assert name is not None
+    rows = [workload.devices[i].examples for i in training]
+    items = [e[name][e[label] > 0] for e in rows]
+    found = np.concatenate(items).astype(np.int64) if items else np.zeros(0, np.int64)
+    return np.bincount(found, minlength=manifest.catalog_size)
+
+
 async def held_out_hit_rates(
     fleet: Fleet,
-    future: dict[int, np.ndarray],
+    future: dict[int, Examples],
     population: str,
     status: dict[str, Any],
-    data: FleetData,
+    workload: Workload,
     show: int,
 ) -> tuple[HitRates | None, list[dict[str, Any]]]:
     held_out = [d for d in fleet.devices if d.role != "training" and d.device_id]
@@ -59,8 +95,7 @@ async def held_out_hit_rates(
     blob = await client.global_params_at(population, int(status["current_version"]))
     model = TFLiteModel(model_dir)
     params = decode_params(blob, model.manifest.global_params, "global parameters")
-    training_items = [data.devices[d.index].item_ids for d in fleet.devices if d.role == "training"]
-    counts = np.bincount(np.concatenate(training_items), minlength=data.num_items)
+    counts = shares_by_item(workload, [d.index for d in fleet.devices if d.role == "training"])
     most_shared = np.argsort(-counts, kind="stable")[:K]
     return await asyncio.to_thread(
         _score, model, params, str(status["current_version"]), held_out, future, most_shared, show
@@ -72,22 +107,24 @@ def _score(
     params: Params,
     version: str,
     held_out: list[Any],
-    future: dict[int, np.ndarray],
+    future: dict[int, Examples],
     most_shared: np.ndarray,
     show: int,
 ) -> tuple[HitRates | None, list[dict[str, Any]]]:
-    item_bias = params.get("item_bias")
-    global_top = np.argsort(-item_bias, kind="stable")[:K] if item_bias is not None else np.zeros(0, np.int64)
+    global_top = popularity_top(model, params)
     hits = {"personalized": 0, "global": 0, "most_shared": 0}
     scored = 0
     examples: list[dict[str, Any]] = []
     for device in held_out:
+        coming = future.get(device.index)
         with ExampleStore(device.store_path) as store:
             recommender = Recommender(model, store, params, global_version=version)
+            newest = store.examples()
             # Expressions are re-shared, so keep what the user already used; ratings are not.
-            top = recommender.recommend(K, exclude_used=not future)
-            recent = store.examples()[ITEM][:5].tolist()
-        nxt = future.get(device.index)
+            context = context_of(model, coming if coming is not None else newest)
+            top = recommender.recommend(K, exclude_used=not future, context=context)
+            recent = newest[catalog(model)][:5].tolist()
+        nxt = None if coming is None else np.asarray(coming[catalog(model)], np.int64)
         if nxt is not None and len(nxt):
             scored += 1
             hits["personalized"] += bool(np.isin(nxt, top.items).any())
@@ -129,19 +166,19 @@ async def seen_device_examples(
     def serve() -> list[dict[str, Any]]:
         model = TFLiteModel(model_dir)
         params = decode_params(blob, model.manifest.global_params, "global parameters")
-        item_bias = params.get("item_bias")
-        global_top = np.argsort(-item_bias, kind="stable")[:K] if item_bias is not None else np.zeros(0)
+        global_top = popularity_top(model, params)
         examples = []
         for device in seen[:show]:
             with ExampleStore(device.store_path) as store:
                 kept = LocalStateStore(store, population)
                 version = str(status["current_version"])
-                top = Recommender(model, store, params, global_version=version, kept=kept).recommend(K)
+                recommender = Recommender(model, store, params, global_version=version, kept=kept)
+                top = recommender.recommend(K, context=context_of(model, store.examples()))
                 examples.append(
                     {
                         "device": device.index,
                         "examples": device.num_examples,
-                        "recent": store.examples()[ITEM][:5].tolist(),
+                        "recent": store.examples()[catalog(model)][:5].tolist(),
                         "next": [],
                         "personalized": top.items.tolist(),
                         "local_params": top.local_params,
@@ -153,8 +190,9 @@ async def seen_device_examples(
     return None, await asyncio.to_thread(serve)
 
 
-def top_k_table(example: dict[str, Any], labels: list[str]) -> Table:
-    recent = ", ".join(labels[i] for i in example["recent"][:3])
+def top_k_table(example: dict[str, Any], label: Callable[[int], str]) -> Table:
+    """A device's personalized top-k next to the global one, catalog rows named by `label`."""
+    recent = ", ".join(label(i) for i in example["recent"][:3])
     table = Table(
         title=f"device {example['device']} ({example['examples']} examples; recently: {recent})",
         title_justify="left",
@@ -167,7 +205,7 @@ def top_k_table(example: dict[str, Any], labels: list[str]) -> Table:
     for rank, (mine, every) in enumerate(zip(example["personalized"], example["global"], strict=False), 1):
         table.add_row(
             str(rank),
-            labels[mine] + (" [green](shared next)[/]" if mine in nxt else ""),
-            labels[every] + (" [green](shared next)[/]" if every in nxt else ""),
+            label(mine) + (" [green](shared next)[/]" if mine in nxt else ""),
+            label(every) + (" [green](shared next)[/]" if every in nxt else ""),
         )
     return table

@@ -37,9 +37,8 @@ def _closed(rounds: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
     ]
 
 
-def plot_metrics(path: Path, rounds: list[dict[str, Any]], explicit: bool) -> None:
-    """Training clients' query metric before their update, and held-out devices' ReconEval."""
-    metric = "rmse" if explicit else "loss"
+def plot_metrics(path: Path, rounds: list[dict[str, Any]], metric: str) -> None:
+    """Training clients' query `metric` before their update, and held-out devices' ReconEval."""
     training = [r for r in _closed(rounds, "training") if f"query_{metric}" in r["metrics"]]
     evaluation = [r for r in _closed(rounds, "evaluation") if metric in r["metrics"]]
     fig, axes = plt.subplots(1, 2, figsize=(11, 4), constrained_layout=True)
@@ -66,17 +65,18 @@ def plot_metrics(path: Path, rounds: list[dict[str, Any]], explicit: bool) -> No
         xs = [_trained_rounds_before(rounds, r) for r in evaluation]
         right.plot(xs, [r["metrics"][metric] for r in evaluation], marker="o", label=f"ReconEval {metric}")
         right.set_ylabel(metric)
-        twin = right.twinx()
-        twin.plot(
-            xs,
-            [r["metrics"].get("accuracy", float("nan")) for r in evaluation],
-            "g--",
-            marker="s",
-            label="accuracy",
-        )
-        twin.set_ylabel("accuracy")
         right.legend(loc="upper left", fontsize=8)
-        twin.legend(loc="upper right", fontsize=8)
+        if any("accuracy" in r["metrics"] for r in evaluation):
+            twin = right.twinx()
+            twin.plot(
+                xs,
+                [r["metrics"].get("accuracy", float("nan")) for r in evaluation],
+                "g--",
+                marker="s",
+                label="accuracy",
+            )
+            twin.set_ylabel("accuracy")
+            twin.legend(loc="upper right", fontsize=8)
     right.set_xlabel("training rounds committed before the evaluation")
     right.set_title("held-out devices (evaluation rounds)")
     fig.savefig(path, dpi=110)
@@ -134,5 +134,31 @@ def plot_next_word(path: Path, rounds: list[dict[str, Any]], accuracy: list[dict
     right.set_ylabel("next-word accuracy")
     right.set_title("next-word accuracy")
     right.legend(fontsize=8)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_learning_curve(path: Path, curve: list[dict[str, float]], metric: str, label: str) -> None:
+    """A simulation's validation `metric` by round (and accuracy, when the model has it)."""
+    fig, ax = plt.subplots(figsize=(7, 4), constrained_layout=True)
+    rounds = [point["round"] for point in curve]
+    ax.plot(
+        rounds, [point.get(metric, float("nan")) for point in curve], marker="o", label=f"{label}: {metric}"
+    )
+    ax.set_xlabel("round")
+    ax.set_ylabel(metric)
+    ax.legend(loc="upper left", fontsize=8)
+    if any("accuracy" in point for point in curve):
+        twin = ax.twinx()
+        twin.plot(
+            rounds,
+            [point.get("accuracy", float("nan")) for point in curve],
+            "g--",
+            marker="s",
+            label="accuracy",
+        )
+        twin.set_ylabel("accuracy")
+        twin.legend(loc="upper right", fontsize=8)
+    ax.set_title("learning curve")
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -35,19 +35,15 @@ sys.path.insert(0, str(ROOT))
 from rich.console import Console  # noqa: E402
 
 from android_sim.admin import AdminClient  # noqa: E402
+from android_sim.builtin_data import export, model_config, population_settings  # noqa: E402
 from android_sim.device_data import expression_fleet  # noqa: E402
 from android_sim.expressions import SyntheticConfig  # noqa: E402
 from android_sim.fleet import write_store  # noqa: E402
 from android_sim.network import Connector  # noqa: E402
 from android_sim.profiles import DeviceClass  # noqa: E402
-from android_sim.run import (  # noqa: E402
-    SIMULATED_FLEET_LIMITS,
-    RunConfig,
-    export,
-    model_config,
-    population_settings,
-    run_async,
-)
+from android_sim.run import run_async  # noqa: E402
+from android_sim.run_config import RunConfig  # noqa: E402
+from android_sim.session import SIMULATED_FLEET_LIMITS  # noqa: E402
 from device_runtime.agent import DeviceAgent, Participation  # noqa: E402
 from device_runtime.example_store import ExampleStore  # noqa: E402
 from device_runtime.orchestrator_client import OrchestratorClient  # noqa: E402

@@ -26,7 +26,7 @@ from android_sim.bench.federated import Rounds  # noqa: E402
 from android_sim.bench.models import ModelCache  # noqa: E402
 from android_sim.bench.protocol import split_users  # noqa: E402
 from android_sim.bench.quality import BETTER, FAITHFUL, load_dataset, run_fedrecon  # noqa: E402
-from android_sim.run import DEFAULT_RATINGS  # noqa: E402
+from android_sim.run_config import DEFAULT_RATINGS  # noqa: E402
 from orchestrator.aggregation import RobustAggregation  # noqa: E402
 
 AGGREGATIONS: dict[str, RobustAggregation | None] = {

@@ -36,13 +36,18 @@ def export_spec_in_subprocess(
     return _run(["--model", target, *format_model_args(model_args or {})], out)
 
 
+def _python_path() -> str:
+    return os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH", "")) if p)
+
+
 def _run(args: list[str], out: Path) -> Path:
     result = subprocess.run(
         [sys.executable, "-m", "model_export", *args, "--output-dir", str(out)],
         capture_output=True,
         text=True,
         cwd=ROOT,
-        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"},
+        # The caller's directory stays importable: `--model my_model:build` next to the user's files.
+        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "PYTHONPATH": _python_path()},
     )
     if result.returncode != 0:
         raise RuntimeError(f"model export failed: {result.stderr.strip()[-2000:]}")

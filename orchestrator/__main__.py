@@ -74,6 +74,14 @@ def main(argv: list[str] | None = None) -> int:
     from orchestrator.migrate import DatabaseUnusable, migrate
     from orchestrator.populations import ExportedModel, PopulationError, create_population
 
+    population_settings: Any = None
+    if args.command == "create-population":
+        # Read before the database is touched: a bad settings file changes nothing.
+        try:
+            population_settings = _settings_json(args.settings)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     try:
         migrate(settings.database_url)
     except DatabaseUnusable as e:
@@ -81,9 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     engine = make_engine(settings.database_url)
     if args.command == "create-population":
-        raw = Path(args.settings[1:]).read_text() if args.settings.startswith("@") else args.settings
         try:
-            population_settings = json.loads(raw)
             with Session(engine) as session, session.begin():
                 population = create_population(
                     session,
@@ -94,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
                 )
                 sha = population.artifact_sha256[:12]
                 print(f"created population {population.name!r} (model {sha}..., version 0)")
-        except (PopulationError, json.JSONDecodeError) as e:
+        except PopulationError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
         return 0
@@ -109,6 +115,26 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         print(json.dumps(dataclasses.asdict(population_out(session, found)), indent=2))
     return 0
+
+
+def _settings_json(raw: str) -> Any:
+    """`--settings` as JSON: the text itself, or `@file.json` for a file's; one line when it is neither."""
+    if raw.startswith("@"):
+        path = Path(raw[1:])
+        try:
+            raw = path.read_text()
+        except (OSError, UnicodeDecodeError) as e:
+            reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+            raise ValueError(
+                f"--settings {raw}: cannot read {path}: {reason} (expected a JSON file)"
+            ) from None
+        where = str(path)
+    else:
+        where = "--settings"
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{where} is not valid JSON: {e}") from None
 
 
 def _mix(engine: Any, name: str, raw: str, examples: Path | None) -> int:

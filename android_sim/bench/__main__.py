@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 from android_sim.movielens import DataFormatError
-from android_sim.run import DEFAULT_RATINGS
+from android_sim.run_config import DEFAULT_RATINGS
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -38,9 +38,10 @@ from android_sim.bench.federated import (
 )
 from android_sim.bench.models import ModelCache
 from android_sim.bench.protocol import PROTOCOL_SEED, split_users
+from android_sim.builtin_data import model_config, population_settings
 from android_sim.device_data import DeviceData, FleetData, movielens_fleet
 from android_sim.fleet import write_store
-from android_sim.run import RunConfig, model_config, population_settings
+from android_sim.run_config import RunConfig
 from contracts.features import Examples
 from contracts.manifest import Manifest
 from contracts.params import Params

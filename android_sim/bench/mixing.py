@@ -46,10 +46,11 @@ from android_sim.bench.federated import Devices, Report, Rounds, Server, per_ite
 from android_sim.bench.implicit import K, TopK, _newest_first, _with_negatives, movielens_shares, score
 from android_sim.bench.models import ModelCache
 from android_sim.bench.protocol import split_users
+from android_sim.builtin_data import model_config, population_settings
 from android_sim.device_data import DeviceData, FleetData, expression_fleet
 from android_sim.expressions import SyntheticConfig
 from android_sim.fleet import write_store
-from android_sim.run import RunConfig, model_config, population_settings
+from android_sim.run_config import RunConfig
 from contracts.features import Examples
 from contracts.manifest import Manifest
 from contracts.mixing import CentralDataset, MixingConfig, encode_examples

@@ -25,7 +25,6 @@ from android_sim.bench.federated import (
     Server,
     TrainingRun,
     fedavg_work,
-    fedrecon_work,
     furl_work,
     per_item_names,
     private_locals_eval_work,
@@ -47,7 +46,9 @@ from android_sim.bench.staleness import StalenessOptions, plot_staleness, run_st
 from android_sim.device_data import expression_fleet
 from android_sim.expressions import SyntheticConfig
 from android_sim.movielens import load_ratings
+from android_sim.simulation import SimulationOptions, simulate
 from contracts.features import Examples
+from contracts.manifest import Manifest
 from contracts.params import Params
 from contracts.task_config import LocalState, SplitPolicy, TaskConfig
 from device_runtime.client_task import diverged
@@ -167,12 +168,6 @@ BETTER = FedReconSettings(
 )
 
 
-def evaluation_task(task: TaskConfig) -> TaskConfig:
-    """The protocol's ReconEval split (alternating support and query batches), whatever split a
-    run trains with: reconstructing on the query would measure on what the user vector was fitted to."""
-    return replace(task, split=SplitPolicy.ALTERNATE, reuse_below=0)
-
-
 @dataclass(frozen=True)
 class Dataset:
     name: str
@@ -256,32 +251,22 @@ def run_fedrecon(
     if clip_norm is not None:
         settings = replace(settings, task=replace(settings.task, clip_norm=clip_norm))
     model_dir = models.get(settings.model_config(data.num_items))
-    with Devices(model_dir, workers) as devices:
-        clients = pack_support_query(data.examples, devices.manifest, settings.task)
-        eval_task = evaluation_task(settings.task)
-        held_out = (
-            clients
-            if eval_task == settings.task
-            else pack_support_query(data.examples, devices.manifest, eval_task)
-        )
-        evaluation = recon_eval_work(held_out, settings.task)
 
-        def validate(params: Params) -> dict[str, float]:
-            return devices.metrics_of(params, evaluation, split.validation)
-
-        layout = Layout.of(devices.manifest.global_params)
-        server = Server(
-            initial_globals(model_dir),
+    def make_server(initial: Params, manifest: Manifest) -> Server:
+        layout = Layout.of(manifest.global_params)
+        return Server(
+            initial,
             settings.server,
             settings.aggregation,
             dp,
             np.random.default_rng(rounds.sampling_seed),
             None if secure is None else (secure.parameters(layout.length), layout),
         )
-        work = fedrecon_work(clients, settings.task, per_item_names(devices.manifest))
-        run = train_federated(devices, server, split.train, work, rounds, validate)
-        devices.set_global(run.params)
-        test = devices.evaluate(evaluation, split.test).metrics()
+
+    options = SimulationOptions(rounds, settings.task, settings.server, settings.aggregation, workers)
+    found = simulate(model_dir, data.examples, options, make_server, split)
+    test = {k: v for k, v in found.held_out.items() if k != "devices"}
+    run = TrainingRun(found.params, found.curve, found.seconds, found.refused)
     return _result(method, HELD_OUT, test, run, len(split.test), settings.to_json())
 
 

@@ -15,9 +15,12 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from android_sim.__main__ import algorithm, build_parser, main
+from android_sim.__main__ import build_parser, main
+from android_sim.builtin_data import load_data, model_config
+from android_sim.options import algorithm
 from android_sim.profiles import DeviceClass
-from android_sim.run import RunConfig, RunResult, load_data, model_config, run, run_async
+from android_sim.run import run, run_async
+from android_sim.run_config import RunConfig, RunResult
 from contracts.manifest import load_manifest
 from contracts.mixing import max_gradient_bytes
 from device_runtime.example_store import ExampleStore
@@ -215,6 +218,32 @@ def test_user_errors_are_one_clear_line(
     assert code == 2
     assert message in err
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--devices", "0"], "devices must be >= 2 (one to train, one held out), got 0"),
+        (["--devices", "-5"], "devices must be >= 2 (one to train, one held out), got -5"),
+        (
+            ["--devices", "20", "--aggregation", "secure"],
+            "a training round needs 20 reports (half of --target-reports 40) from distinct devices, "
+            "but the fleet has 17 training devices",
+        ),
+        (["--devices", "4", "--target-reports", "8"], "the fleet has 3 training devices"),
+    ],
+)
+def test_impossible_fleet_sizes_are_one_line_before_anything_starts(
+    args: list[str], message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    started = time.monotonic()
+    code = main(["run", "--work-dir", str(tmp_path / "run"), "--expressions", "120", *args])
+
+    err = capsys.readouterr().err
+    assert code == 2
+    assert message in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "run" / "orchestrator.sqlite").exists()  # no orchestrator started
+    assert time.monotonic() - started < 30  # not a stalled run
 
 
 def test_an_unknown_ratings_format_is_named(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -11,7 +11,8 @@ import pytest
 from rich.console import Console
 
 from android_sim.__main__ import main
-from android_sim.run import RunConfig, run
+from android_sim.run import run
+from android_sim.run_config import RunConfig
 from android_sim.shakespeare import PAD, next_word_data, read_roles
 from contracts.manifest import load_manifest
 from tests.android_sim.test_run import ALWAYS_ON, reconcile
@@ -131,7 +132,10 @@ def test_fedavg_in_the_fleet_shares_the_oov_rows(tmp_path: Path, tiny_shakespear
         ),
         (["--local-state", "keep"], "--local-state keep is not available with --data shakespeare"),
         (["--vocab-size", "0"], "vocab_size must be >= 1, got 0"),
-        (["--data", "expressions", "--model-arg", "seed=1"], "--model-arg is for --data shakespeare"),
+        (
+            ["--data", "expressions", "--model-arg", "seed=1"],
+            "--model-arg is for --model or --data shakespeare",
+        ),
         # Found once the data is read (the builder's arguments follow from its vocabulary).
         (["--model-arg", "lstm_unit=8"], "takes no argument 'lstm_unit'; it takes: num_global_tokens"),
     ],

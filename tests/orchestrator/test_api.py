@@ -262,11 +262,17 @@ def test_cli_creates_a_population_and_prints_status(
     status = cli("status", "movies")
     missing_dir = cli("create-population", "x", "--model-dir", str(tmp_path / "nope"))
     unknown = cli("status", "nope")
+    no_file = cli("create-population", "y", "--model-dir", str(export(BIASED)), "--settings", "@missing.json")
 
     assert created.returncode == 0, created.stderr
     assert json.loads(status.stdout)["settings"]["target_reports"] == 4
     assert missing_dir.returncode == 2 and "not an exported model directory" in missing_dir.stderr
     assert unknown.returncode == 2 and "no population" in unknown.stderr
+    assert no_file.returncode == 2, no_file.stderr
+    assert no_file.stderr.splitlines() == [
+        "error: --settings @missing.json: cannot read missing.json: No such file or directory "
+        "(expected a JSON file)"
+    ]
 
 
 def test_client_waits_for_a_server_that_is_down_then_gives_up_clearly(tmp_path: Path) -> None:

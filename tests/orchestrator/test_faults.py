@@ -23,7 +23,9 @@ import httpx
 import pytest
 from rich.console import Console
 
-from android_sim.run import SIMULATED_FLEET_LIMITS, RunResult, run_async
+from android_sim.run import run_async
+from android_sim.run_config import RunResult
+from android_sim.session import SIMULATED_FLEET_LIMITS
 from contracts.manifest import load_manifest
 from contracts.protocol import Assignment, Rejection
 from device_runtime import orchestrator_client

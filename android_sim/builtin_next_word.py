@@ -1,13 +1,12 @@
-"""`python -m android_sim run --data shakespeare`: the fleet on next-word prediction (NWP).
+"""Tiny Shakespeare as a workload: next-word prediction (NWP) on the generic fleet run.
 
-The same pipeline as the expression recommender's (`android_sim.run`), with a model that is
-not matrix factorization: each speaking role of Tiny Shakespeare is a phone whose example
-store holds its windows of tokens (`android_sim.shakespeare`); the roles of the protocol's
-training split train, those of its test split are held out (they never train; the validation
-roles take no part). The model is the benchmark's (`android_sim.next_word`): an LSTM whose
-`--oov-buckets` OOV rows are local, so a device's rare words never leave it.
+Each speaking role is a phone whose examples are its windows of tokens (`android_sim.shakespeare`);
+the roles of the protocol's training split train, those of its test split are the held-out
+devices (they never train; the validation roles take no part). The model is the benchmark's
+(`android_sim.next_word`): an LSTM whose `--oov-buckets` OOV rows are local, so a device's rare
+words never leave it.
 
-The report gives next-word accuracy on the held-out roles without OOV (OOV targets do not
+The report adds next-word accuracy on the held-out roles without OOV (OOV targets do not
 count, predicting a bucket is wrong) and with OOV (predicting the target's bucket is right),
 as the Federated Reconstruction paper's Table 2: from the evaluation rounds (the devices that
 reported in time, aggregated by the server), and, after the last round, from every held-out
@@ -21,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -30,7 +29,7 @@ import numpy as np
 from rich.console import Console
 
 from android_sim import report
-from android_sim.fleet import HELD_OUT, TRAINING, DeviceSpec, Fleet, write_store
+from android_sim.fleet import HELD_OUT, TRAINING, Fleet
 from android_sim.next_word import (
     MIN_ROLE_EXAMPLES,
     SERVER,
@@ -40,25 +39,16 @@ from android_sim.next_word import (
     parameter_bytes_per_round,
 )
 from android_sim.next_word import export as export_model
-from android_sim.profiles import draw_profiles
-from android_sim.run import (
-    SHAKESPEARE,
-    RunConfig,
-    RunError,
-    RunResult,
-    algorithm_task,
-    optimizer_over,
-    report_header,
-    round_settings,
-    run_fleet,
-)
+from android_sim.run_config import SHAKESPEARE, RunConfig, RunError
 from android_sim.shakespeare import PAD, NextWordData, Vocabulary, next_word_data, read_roles
+from android_sim.workload import Workload
 from contracts.features import Examples
 from contracts.manifest import Manifest, load_manifest
 from contracts.params import decode_params
-from contracts.task_config import SplitPolicy, TaskConfig
+from contracts.task_config import TaskConfig
 from device_runtime.client_task import Outcome, prepare, run_evaluation_task
-from device_runtime.example_store import Event, ExampleStore
+from device_runtime.example_store import ExampleStore
+from device_runtime.examples_table import DeviceExamples
 from model_runtime.support_query import reconstruct_locals
 from model_runtime.task_batches import TaskBatches
 from model_runtime.tflite_model import TFLiteModel
@@ -101,44 +91,6 @@ def check_model(manifest: Manifest, data: NextWordData) -> None:
                 f"the exported model's {name!r} is {feature.to_json()}; the data has windows of "
                 f"{data.seq_len} ids in [0, {data.vocabulary.num_tokens - 1}]"
             )
-
-
-def role_events(examples: Mapping[str, np.ndarray]) -> list[Event]:
-    """A role's windows as events, in the order they are spoken (the time is the window's index)."""
-    return [
-        Event({"tokens": tokens, "targets": targets}, float(t))
-        for t, (tokens, targets) in enumerate(zip(examples["tokens"], examples["targets"], strict=True))
-    ]
-
-
-def prepare_devices(
-    config: RunConfig, data: NextWordData, manifest: Manifest, store_dir: Path
-) -> list[DeviceSpec]:
-    """One phone per training role and per test role, each with its windows in its own store."""
-    store_dir.mkdir(parents=True, exist_ok=True)
-    roles = [(TRAINING, e) for e in data.train] + [(HELD_OUT, e) for e in data.test]
-    profiles = draw_profiles(len(roles), config.device_mix, np.random.default_rng(config.seed))
-    specs = []
-    for i, (role, examples) in enumerate(roles):
-        path = store_dir / f"device-{i:05d}.sqlite"
-        write_store(path, role_events(examples), manifest.features)
-        specs.append(DeviceSpec(role, profiles[i], path, len(examples["tokens"])))
-    return specs
-
-
-def population_settings(config: RunConfig, training_devices: int) -> dict[str, Any]:
-    task = algorithm_task(
-        {
-            **TASK.to_json(),
-            "split": SplitPolicy.ALTERNATE.value,
-            "reuse_below": 0,
-            "min_examples": config.min_examples,
-        },
-        config.task,
-    )
-    return round_settings(
-        config, task, optimizer_over(SERVER.to_json(), config.server_optimizer), training_devices
-    )
 
 
 @dataclass(frozen=True)
@@ -285,120 +237,112 @@ def link_bytes(fleet: Fleet) -> dict[str, float | int]:
     }
 
 
-async def run_next_word(config: RunConfig, console: Console) -> RunResult:
-    started = time.monotonic()
-    work = config.work_dir
-    work.mkdir(parents=True, exist_ok=True)
-    data = await asyncio.to_thread(load_data, config)
+def role_examples(index: int, examples: Mapping[str, np.ndarray]) -> DeviceExamples:
+    """A role's windows as a device's examples, in the order they are spoken (the time is the
+    window's index)."""
+    columns = Examples({"tokens": examples["tokens"], "targets": examples["targets"]})
+    return DeviceExamples(f"device-{index:05d}", columns, np.arange(columns.num_examples, dtype=np.float64))
+
+
+def next_word_workload(
+    config: RunConfig, console: Console, check_training: Callable[[int], None]
+) -> Workload:
+    """The roles as devices (training roles, then the held-out test roles) of the benchmark's LSTM."""
+    data = load_data(config)
     vocabulary = data.vocabulary
     console.print(
         f"data: Tiny Shakespeare: {len(data.train)} training roles, {len(data.test)} held-out (test) roles; "
         f"vocabulary {len(vocabulary.words):,} words + {vocabulary.num_oov_buckets} OOV buckets, "
         f"windows of {data.seq_len}"
     )
+    check_training(len(data.train))
     t0 = time.monotonic()
-    model_dir = await asyncio.to_thread(export, config, data)
+    model_dir = export(config, data)
     manifest = load_manifest(model_dir)
     check_model(manifest, data)
     console.print(
         f"model: next-word LSTM, {len(manifest.global_params)} global and {len(manifest.local_params)} local "
         f"tensors, sha256 {manifest.model_sha256[:12]}... ({time.monotonic() - t0:.1f} s)"
     )
-    specs = await asyncio.to_thread(prepare_devices, config, data, manifest, work / "devices")
-    training_devices = sum(1 for s in specs if s.role == TRAINING)
-    name = config.population or f"{SHAKESPEARE}-{manifest.model_sha256[:8]}"
-    settings = population_settings(config, training_devices)
-
-    async def evaluate(
-        fleet: Fleet, status: dict[str, Any]
-    ) -> tuple[HeldOutAccuracy | None, list[Prediction]]:
-        return await evaluate_held_out(fleet, name, status, vocabulary, config.show_devices)
-
-    session = await run_fleet(config, name, model_dir, specs, settings, evaluate, console)
-    held_out, shown = session.served
-    fleet, status, rounds, final = session.fleet, session.status, session.rounds, session.final
-    plots = [work / "metrics.png", work / "funnel.png"]
-    curve = round_accuracies(rounds)
-    report.plot_next_word(plots[0], rounds, curve)
-    report.plot_funnel(plots[1], rounds)
-    final_sums = (final or {}).get("metrics", {})
-    final_without, final_with = accuracies(final_sums)
-    body = {
-        **report_header(
-            config,
-            status,
-            fleet,
-            "ReconEval on held-out roles"
-            if manifest.local_params
-            else "evaluation on held-out roles (no local parameters to reconstruct)",
-        ),
-        "data": {
-            "source": "Tiny Shakespeare (one role, one device)",
-            "training_roles": len(data.train),
-            "held_out_roles": len(data.test),
-            "vocabulary_words": len(vocabulary.words),
-            "oov_buckets": vocabulary.num_oov_buckets,
-            "seq_len": data.seq_len,
-        },
-        "model": {"config": manifest.config, "local_params": [s.name for s in manifest.local_params]},
-        "rounds": rounds,
-        "final_evaluation": final,
-        "next_word": {
-            "final_evaluation_round": {
-                "reported": (final or {}).get("counters", {}).get("reported", 0),
-                "accuracy_without_oov": final_without,
-                "accuracy_with_oov": final_with,
-            },
-            "held_out_on_device": asdict(held_out) if held_out else None,
-            "accuracy_by_round": curve,
-            "bytes_per_round_per_device": {
-                "parameters": parameter_bytes_per_round(manifest),
-                "link": link_bytes(fleet),
-            },
-            "predictions": [asdict(p) for p in shown],
-        },
-        "seconds": time.monotonic() - started,
-    }
-    report.write_json(work / "report.json", body)
-    training = [r for r in rounds if r["kind"] == "training" and r["status"] == "committed"]
-    result = RunResult(work / "report.json", plots, len(training), final_sums, None, body["seconds"], body)
-    print_summary(result, console)
-    return result
-
-
-def print_summary(result: RunResult, console: Console) -> None:
-    body = result.summary
-    nwp = body["next_word"]
-    console.print(f"\n[bold]{result.rounds_committed} training rounds committed in {result.seconds:.0f} s[/]")
-    optimizer = body["algorithm"]["server_optimizer"]
-    console.print(
-        f"OOV rows: {', '.join(body['model']['local_params']) or 'none'} local; "
-        f"server optimizer {optimizer['name']} {optimizer['learning_rate']}"
+    roles = [*data.train, *data.test]
+    return Workload(
+        source="Tiny Shakespeare (one role, one device)",
+        name=SHAKESPEARE,
+        model_dir=model_dir,
+        manifest=manifest,
+        devices=[role_examples(i, role) for i, role in enumerate(roles)],
+        task={**TASK.to_json(), "reuse_below": 0},
+        server_optimizer=SERVER.to_json(),
+        held_out=frozenset(range(len(data.train), len(roles))),
+        report=NextWordReport(data, manifest, config.show_devices),
     )
-    last = nwp["final_evaluation_round"]
-    if last["reported"]:
+
+
+class NextWordReport:
+    """Table 2's figures: the held-out roles' accuracy, per round and on every held-out device."""
+
+    def __init__(self, data: NextWordData, manifest: Manifest, show: int) -> None:
+        self.data, self.manifest, self.show = data, manifest, show
+
+    async def serve(self, fleet: Fleet, population: str, status: dict[str, Any], show: int) -> Any:
+        return await evaluate_held_out(fleet, population, status, self.data.vocabulary, show)
+
+    def section(
+        self, served: Any, fleet: Fleet, rounds: list[dict[str, Any]], final: dict[str, Any] | None
+    ) -> dict[str, Any]:
+        held_out, shown = served
+        final_without, final_with = accuracies((final or {}).get("metrics", {}))
+        vocabulary = self.data.vocabulary
+        return {
+            "data": {
+                "training_roles": len(self.data.train),
+                "held_out_roles": len(self.data.test),
+                "vocabulary_words": len(vocabulary.words),
+                "oov_buckets": vocabulary.num_oov_buckets,
+                "seq_len": self.data.seq_len,
+            },
+            "next_word": {
+                "final_evaluation_round": {
+                    "reported": (final or {}).get("counters", {}).get("reported", 0),
+                    "accuracy_without_oov": final_without,
+                    "accuracy_with_oov": final_with,
+                },
+                "held_out_on_device": asdict(held_out) if held_out else None,
+                "accuracy_by_round": round_accuracies(rounds),
+                "bytes_per_round_per_device": {
+                    "parameters": parameter_bytes_per_round(self.manifest),
+                    "link": link_bytes(fleet),
+                },
+                "predictions": [asdict(p) for p in shown],
+            },
+        }
+
+    def plot(self, path: Path, rounds: list[dict[str, Any]]) -> None:
+        report.plot_next_word(path, rounds, round_accuracies(rounds))
+
+    def print(self, body: dict[str, Any], console: Console) -> None:
+        nwp = body["next_word"]
+        last = nwp["final_evaluation_round"]
+        if last["reported"]:
+            console.print(
+                f"final evaluation round ({last['reported']} held-out devices reported): next-word accuracy "
+                f"{last['accuracy_without_oov']:.2%} without OOV, {last['accuracy_with_oov']:.2%} with OOV"
+            )
+        held_out = nwp["held_out_on_device"]
+        if held_out:
+            console.print(
+                f"all held-out roles on their devices ({held_out['devices']} devices, "
+                f"{held_out['tokens']:,.0f} target tokens): next-word accuracy "
+                f"{held_out['accuracy_without_oov']:.2%} without OOV, "
+                f"{held_out['accuracy_with_oov']:.2%} with OOV"
+            )
+        sizes = nwp["bytes_per_round_per_device"]
         console.print(
-            f"final evaluation round ({last['reported']} held-out devices reported): next-word accuracy "
-            f"{last['accuracy_without_oov']:.2%} without OOV, {last['accuracy_with_oov']:.2%} with OOV"
+            f"bytes per round per device: {sizes['parameters']:,} of parameters (download + upload); "
+            f"{sizes['link']['per_report']:,.0f} over the links per reported training task"
         )
-    else:
-        console.print("final evaluation round: no device reported in time")
-    held_out = nwp["held_out_on_device"]
-    if held_out:
-        console.print(
-            f"all held-out roles on their devices ({held_out['devices']} devices, {held_out['tokens']:,.0f} "
-            f"target tokens): next-word accuracy {held_out['accuracy_without_oov']:.2%} without OOV, "
-            f"{held_out['accuracy_with_oov']:.2%} with OOV"
-        )
-    sizes = nwp["bytes_per_round_per_device"]
-    console.print(
-        f"bytes per round per device: {sizes['parameters']:,} of parameters (download + upload); "
-        f"{sizes['link']['per_report']:,.0f} over the links per reported training task"
-    )
-    for p in nwp["predictions"]:
-        console.print(
-            f"  device {p['device']}: ... {' '.join(p['context'][-6:])} -> {' | '.join(p['predicted'])} "
-            f"(said: {p['actual']})"
-        )
-    console.print(f"report: {result.report_path}")
-    console.print("plots: " + ", ".join(str(p) for p in result.plots))
+        for p in nwp["predictions"]:
+            console.print(
+                f"  device {p['device']}: ... {' '.join(p['context'][-6:])} -> {' | '.join(p['predicted'])} "
+                f"(said: {p['actual']})"
+            )

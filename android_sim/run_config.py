@@ -1,0 +1,256 @@
+"""What a fleet run is asked to do (`RunConfig`, checked as a whole), and what it left (`RunResult`)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from android_sim.algorithm import algorithm_task, round_settings, settings_problem
+from android_sim.datasets import default_file
+from android_sim.profiles import DEFAULT_MIX, DeviceClass
+from android_sim.recommendations import HitRates
+from android_sim.shakespeare import DEFAULT_FOLDER as DEFAULT_SHAKESPEARE
+from contracts.mixing import MixingConfig, MixingError
+from contracts.task_config import LocalState, TaskConfig
+from orchestrator.aggregation import ServerOptimizerConfig
+
+DEFAULT_RATINGS = default_file("movielens-100k")
+SHAKESPEARE = "shakespeare"
+# Builder arguments of the next-word model that follow from the run's own options.
+RUN_SETS_MODEL_ARGS = {
+    "num_global_tokens": "--vocab-size",
+    "num_oov_buckets": "--oov-buckets",
+    "seq_len": "--seq-len",
+}
+
+
+class RunError(RuntimeError):
+    """A problem the user can fix (bad input, no orchestrator, a stalled run); printed without a traceback."""
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    work_dir: Path
+    # The user's model: an export (`model_dir`) or a builder `MODULE:FUNCTION` (`model`, with
+    # `model_args`), and its per-device examples table (`examples`, CSV or Parquet). Without
+    # them, a built-in data set with its model (`data`).
+    model_dir: Path | None = None
+    model: str | None = None
+    examples: Path | None = None
+    # "expressions" (synthetic, implicit), "movielens" (ratings, explicit) or "shakespeare"
+    # (next-word prediction, `android_sim.builtin_next_word`)
+    data: str = "expressions"
+    ratings: Path = DEFAULT_RATINGS
+    # --data shakespeare: the text's folder, the vocabulary's words, the local OOV buckets, the
+    # window length, and further keyword arguments of the model's builder (as text, checked by it).
+    shakespeare: Path = DEFAULT_SHAKESPEARE
+    vocab_size: int = 1000
+    oov_buckets: int = 100
+    seq_len: int = 20
+    model_args: dict[str, str] = field(default_factory=dict)
+    devices: int | None = None  # expressions: users (default 1000); movielens: at most this many (all)
+    expressions: int = 1000
+    held_out_fraction: float = 0.15
+    rounds: int = 60
+    target_reports: int = 40
+    oversampling: float = 1.3
+    min_examples: int = 3
+    round_seconds: float = 10.0
+    aggregation: str = "plaintext"  # or "secure": secure aggregation (README, "Privacy")
+    # Deadline of the secure phases that need no training (share keys, unmasking): the devices
+    # answer within about a second. Check-ins (advertising keys) close at capacity or after half
+    # the round's time, and the masked-input phase (training) has the round's time.
+    secure_phase_seconds: float = 2.0
+    secure_clip_norm: float = 10.0  # L2 bound each device clips its delta to under secure aggregation
+    evaluation_every: int = 10
+    day_seconds: float = 60.0  # wall seconds per simulated day
+    cooldown_hours: float = 2.0  # simulated hours a device rests after it took part
+    orchestrator_url: str | None = None
+    admin_token: str | None = None
+    population: str | None = None
+    device_mix: tuple[DeviceClass, ...] = DEFAULT_MIX
+    workers: int = field(default_factory=lambda: os.cpu_count() or 1)
+    in_process: bool = False  # the orchestrator app in this process over ASGI (benchmarks)
+    stall_seconds: float = 120.0  # give up when no round commits for this long
+    seed: int = 0
+    show_devices: int = 3
+    # The algorithm: task config fields over the data's defaults (split, reuse_below, steps and
+    # learning rates, local_state, local_learning_rate, ...), and the server optimizer.
+    task: dict[str, Any] = field(default_factory=dict)
+    server_optimizer: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def stateful(self) -> bool:
+        return self.task.get("local_state") == LocalState.KEEP.value
+
+    # DP-FedAvg (on when clip_norm is set): devices clip to it, the server adds noise to the sum.
+    clip_norm: float | None = None
+    noise_multiplier: float | None = None
+    population_size: int | None = None  # default: the fleet's training devices
+    epsilon_budget: float | None = None
+    # Default: the server's, min(1e-5, population_size^-1.1) (differential_privacy.target_delta_for).
+    target_delta: float | None = None
+    # Adaptive clipping: --clip-norm is then the first round's; the count's noise is reports / 20.
+    target_unclipped_quantile: float | None = None
+    # Mixing centralized data (contracts.mixing): MixingConfig fields; {} = none. The centralized
+    # dataset: `central_examples` public shares by popularity, plus the expressions no training
+    # device holds (android_sim/central_data.py).
+    mixing: dict[str, Any] = field(default_factory=dict)
+    central_examples: int = 2000
+
+    def __post_init__(self) -> None:
+        problems = []
+        try:
+            MixingConfig.from_json(self.mixing)
+        except (TypeError, MixingError) as e:
+            problems.append(f"mixing: {e}")
+        if self.data == SHAKESPEARE and self.mixing.get("strategy", "none") != "none":
+            problems.append("mixing runs with the expression and MovieLens data, not with --data shakespeare")
+        if self.central_examples < 1:
+            problems.append(f"central_examples must be >= 1, got {self.central_examples}")
+        try:
+            algorithm_task({}, self.task)
+        except (TypeError, ValueError) as e:
+            problems.append(f"algorithm: {e}")
+        if self.server_optimizer:
+            try:
+                ServerOptimizerConfig.from_json({"name": "sgd", **self.server_optimizer})
+            except (TypeError, ValueError) as e:
+                problems.append(f"algorithm: {e}")
+        if self.data not in ("expressions", "movielens", SHAKESPEARE):
+            problems.append(f"data must be 'expressions', 'movielens' or 'shakespeare', got {self.data!r}")
+        if self.user_model:
+            problems += self._user_model_problems()
+        elif self.examples is not None:
+            problems.append(
+                "--examples needs the model they are for: --model-dir DIR or --model MODULE:FUNCTION"
+            )
+        elif self.data == SHAKESPEARE:
+            problems += self._next_word_problems()
+        elif self.model_args:
+            problems.append(
+                "--model-arg is for --model or --data shakespeare (the other data export their own model)"
+            )
+        if not 0 <= self.held_out_fraction < 1:
+            problems.append(f"held_out_fraction must be in [0, 1), got {self.held_out_fraction}")
+        for name in ("rounds", "target_reports", "min_examples", "workers"):
+            if getattr(self, name) < 1:
+                problems.append(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.aggregation not in ("plaintext", "secure"):
+            problems.append(f"aggregation must be 'plaintext' or 'secure', got {self.aggregation!r}")
+        if self.aggregation == "secure" and self.target_reports < 6:
+            problems.append("secure aggregation needs target_reports >= 6 (min_reports = target / 2 >= 3)")
+        if self.devices is not None and self.devices < 2:
+            problems.append(f"devices must be >= 2 (one to train, one held out), got {self.devices}")
+        if self.expressions < 2:
+            problems.append(f"expressions must be >= 2, got {self.expressions}")
+        dp_options = (
+            "noise_multiplier",
+            "population_size",
+            "epsilon_budget",
+            "target_delta",
+            "target_unclipped_quantile",
+        )
+        if self.clip_norm is None and any(getattr(self, name) is not None for name in dp_options):
+            problems.append(
+                "--noise-multiplier, --population-size, --epsilon-budget, --target-delta and "
+                "--target-unclipped-quantile need --clip-norm"
+            )
+        if self.clip_norm is not None and self.noise_multiplier is None:
+            problems.append("--clip-norm needs --noise-multiplier (0 for clipping without noise)")
+        if self.orchestrator_url and not self.admin_token:
+            problems.append("an orchestrator URL needs its admin token (--admin-token)")
+        if not problems:
+            # The round and DP settings as the server will check them, now: a combination it
+            # would refuse must stop the run before anything is exported or started. (Without
+            # --population-size the population is the fleet's, checked once the data is read.)
+            settings = round_settings(self, TaskConfig(), {"name": "sgd"}, self.population_size or 0)
+            if self.population_size is None:
+                settings["differential_privacy"] = None
+            problem = settings_problem(settings)
+            if problem:
+                problems.append(problem)
+        if problems:
+            raise RunError("; ".join(problems))
+
+    @property
+    def user_model(self) -> bool:
+        return self.model_dir is not None or self.model is not None
+
+    def _user_model_problems(self) -> list[str]:
+        problems = []
+        if self.model_dir is not None and self.model is not None:
+            problems.append("give --model-dir (an export) or --model (a builder to export), not both")
+        if self.model_args and self.model is None:
+            problems.append("--model-arg is for --model (an export in --model-dir is already built)")
+        if self.model is not None and ":" not in self.model:
+            problems.append(f"--model takes MODULE:FUNCTION, e.g. my_pkg.my_model:build; got {self.model!r}")
+        if self.examples is None:
+            problems.append(
+                "a model of your own needs its per-device examples: --examples TABLE (CSV or Parquet)"
+            )
+        if self.data != "expressions":
+            problems.append(
+                f"--data {self.data} is a built-in data set with its own model; not with --model-dir/--model"
+            )
+        if self.devices is not None:
+            problems.append(
+                "--devices is for the built-in data sets: your table's devices are its device ids"
+            )
+        if self.mixing.get("strategy", "none") != "none":
+            problems.append(
+                "mixing draws on a built-in data set's public examples; not with --model-dir/--model"
+            )
+        return problems
+
+    def _next_word_problems(self) -> list[str]:
+        problems = [
+            f"{name} must be >= 1, got {getattr(self, name)}"
+            for name in ("vocab_size", "oov_buckets", "seq_len")
+            if getattr(self, name) < 1
+        ]
+        for key in sorted(set(self.model_args) & set(RUN_SETS_MODEL_ARGS)):
+            problems.append(f"--model-arg {key} is set by the run: use {RUN_SETS_MODEL_ARGS[key]}")
+        if self.stateful:
+            problems.append(
+                "--local-state keep is not available with --data shakespeare: its evaluation is on "
+                "held-out roles, which a stateful population does not have"
+            )
+        return problems
+
+
+@dataclass
+class RunResult:
+    report_path: Path
+    plots: list[Path]
+    rounds_committed: int
+    final_evaluation: dict[str, float]
+    hit_rates: HitRates | None
+    seconds: float
+    summary: dict[str, Any] = field(default_factory=dict)
+
+
+def check_fleet_size(config: RunConfig, training_devices: int) -> None:
+    """Refuse, before anything starts, a fleet whose rounds could never commit: a training round
+    needs half of `target_reports` (at least 3 under secure aggregation) from distinct devices."""
+    needed = max(1, config.target_reports // 2)
+    if training_devices < needed:
+        raise RunError(
+            f"a training round needs {needed} reports (half of --target-reports {config.target_reports}) "
+            f"from distinct devices, but the fleet has {training_devices} training devices: "
+            f"use more --devices or --target-reports <= {2 * training_devices + 1}"
+            + (" (secure aggregation needs at least 6)" if config.aggregation == "secure" else "")
+        )
+    # The round and DP settings with the fleet's population, as the server will check them: before
+    # a built-in model is exported or a server started.
+    problem = settings_problem(round_settings(config, TaskConfig(), {"name": "sgd"}, training_devices))
+    if problem:
+        raise RunError(problem)
+
+
+def training_count(config: RunConfig, devices: int) -> int:
+    """The devices that train: all of them in a stateful population, else all but the held-out ones."""
+    fraction = 0.0 if config.stateful else config.held_out_fraction
+    return devices - round(fraction * devices)

@@ -1,0 +1,205 @@
+"""The run report, whatever the model: report.json, the plots, and the summary it prints.
+
+The metrics are the model's own (its `evaluate`'s, as the evaluation rounds aggregated them); a
+ranking model's report adds its held-out hit rates and a few devices' top-k tables."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, cast
+
+import numpy as np
+from rich.console import Console
+
+from android_sim import report
+from android_sim.fleet import Fleet
+from android_sim.recommendations import top_k_table
+from android_sim.run_config import RunConfig, RunResult
+from android_sim.workload import Workload
+from contracts.manifest import Manifest
+
+
+def write_report(
+    config: RunConfig,
+    mixing: dict[str, Any] | None,
+    workload: Workload,
+    fleet: Fleet,
+    status: dict[str, Any],
+    rounds: list[dict[str, Any]],
+    final: dict[str, Any] | None,
+    served: Any,
+    started: float,
+    console: Console,
+) -> RunResult:
+    """`served`: what the data's own report served (`workload.report`), else a ranking model's
+    (hit rates, top-k examples), else nothing."""
+    hit_rates, examples = (None, []) if workload.report is not None or served is None else served
+    work = config.work_dir
+    plots = [work / "metrics.png", work / "funnel.png"]
+    if workload.report is not None:
+        workload.report.plot(plots[0], rounds)
+    else:
+        report.plot_metrics(plots[0], rounds, primary_metric(workload.manifest))
+    report.plot_funnel(plots[1], rounds)
+    training = [r for r in rounds if r["kind"] == "training" and r["status"] == "committed"]
+    seconds = time.monotonic() - started
+    header = report_header(config, status, fleet, _evaluation_name(config, workload.manifest))
+    body = {
+        "config": header.pop("config"),
+        "data": {
+            "source": workload.source,
+            "devices": len(workload.devices),
+            "examples": workload.num_examples,
+        },
+        "model": model_summary(workload.manifest),
+        **header,
+        "mixing": _mixing_summary(mixing, fleet),
+        "rounds": rounds,
+        "final_evaluation": final,
+        "hit_rates": asdict(hit_rates) if hit_rates else None,
+        "recommendations": examples,
+        "seconds": seconds,
+    }
+    if workload.report is not None:
+        section = workload.report.section(served, fleet, rounds, final)
+        body = {**body, **section, "data": {**body["data"], **section.get("data", {})}}
+    report_path = work / "report.json"
+    report.write_json(report_path, body)
+    result = RunResult(
+        report_path, plots, len(training), (final or {}).get("metrics", {}), hit_rates, seconds, body
+    )
+    _print_summary(result, config, workload, examples, console)
+    privacy = status.get("privacy")
+    if privacy:
+        console.print(f"differential privacy: {privacy['message']}")
+    mixed = cast(dict[str, Any] | None, body["mixing"])
+    if mixed:
+        extra, count = mixed["central_bytes_per_assignment"], mixed["assignments_with_central_download"]
+        console.print(
+            f"mixing {mixed['mixing']['strategy']}: {extra:,.0f} extra bytes per training assignment "
+            f"(median over {count})"
+        )
+    return result
+
+
+def primary_metric(manifest: Manifest) -> str:
+    """The metric a run's curves show: RMSE for a model of explicit values, else the loss."""
+    has_rmse = any(m.name == "squared_error" for m in manifest.metrics)
+    return "rmse" if has_rmse and not manifest.task.negative_sampling else "loss"
+
+
+def model_summary(manifest: Manifest) -> dict[str, Any]:
+    """What the report says of the model: its task, features, parameters (by name) and metrics."""
+    return {
+        "sha256": manifest.model_sha256,
+        "task": manifest.task.to_json(),
+        "features": [f.to_json() for f in manifest.features],
+        "global_params": [p.name for p in manifest.global_params],
+        "local_params": [p.name for p in manifest.local_params],
+        "metrics": [m.name for m in manifest.metrics],
+        "config": manifest.config,
+    }
+
+
+def shown_metrics(manifest: Manifest) -> list[str]:
+    """The model's metrics by name: the loss, then each of its own (RMSE for a squared error,
+    accuracy for a `correct`)."""
+    named = {"squared_error": "rmse", "correct": "accuracy"}
+    return ["loss", *(named.get(m.name, m.name) for m in manifest.metrics)]
+
+
+def _mixing_summary(mixing: dict[str, Any] | None, fleet: Fleet) -> dict[str, Any] | None:
+    """The mixing strategy, its dataset, and the extra bytes each training assignment downloaded."""
+    if mixing is None:
+        return None
+    sizes = fleet.stats.central_bytes
+    return {
+        **mixing,
+        "assignments_with_central_download": len(sizes),
+        "central_bytes_per_assignment": float(np.median(sizes)) if sizes else 0.0,
+        "central_bytes_total": int(sum(sizes)),
+    }
+
+
+def report_header(config: RunConfig, status: dict[str, Any], fleet: Fleet, evaluation: str) -> dict[str, Any]:
+    """What every run's report starts with, whatever the model: the configuration, the population,
+    the fleet's counters and the algorithm (`evaluation` names how the model was evaluated)."""
+    classes: dict[str, int] = {}
+    for device in fleet.devices:
+        classes[device.profile.device_class.name] = classes.get(device.profile.device_class.name, 0) + 1
+    return {
+        "config": {
+            k: (str(v) if isinstance(v, Path) else v)
+            for k, v in asdict(config).items()
+            if k != "admin_token"  # a secret; never in a report
+        },
+        "population": {
+            k: status[k] for k in ("name", "current_version", "training_rounds_committed", "artifact_sha256")
+        },
+        "privacy": status.get("privacy"),
+        "fleet": {
+            "device_classes": classes,
+            "device_side_outcomes": {
+                f"{role}/{s}": n for (role, s), n in sorted(fleet.stats.outcomes.items())
+            },
+            "median_task_seconds": float(np.median(fleet.stats.task_seconds))
+            if fleet.stats.task_seconds
+            else None,
+            "switched_off": fleet.stats.switched_off,
+        },
+        "algorithm": {
+            "local_state": status["settings"]["task_config"]["local_state"],
+            "evaluation": evaluation,
+            "task_config": status["settings"]["task_config"],
+            "server_optimizer": status["settings"]["server_optimizer"],
+        },
+    }
+
+
+def _evaluation_name(config: RunConfig, manifest: Manifest) -> str:
+    if config.stateful:
+        return "StandardEval on seen devices (their kept locals, on their newest 10% of examples)"
+    if not manifest.local_params:
+        return "evaluation on held-out devices (no local parameters to reconstruct)"
+    return "ReconEval on held-out devices"
+
+
+def _print_summary(
+    result: RunResult,
+    config: RunConfig,
+    workload: Workload,
+    examples: list[dict[str, Any]],
+    console: Console,
+) -> None:
+    console.print(f"\n[bold]{result.rounds_committed} training rounds committed in {result.seconds:.0f} s[/]")
+    algorithm = result.summary["algorithm"]
+    console.print(
+        f"local parameters: {algorithm['local_state']} "
+        f"(local learning rate {algorithm['task_config']['local_learning_rate']}); "
+        f"server optimizer {algorithm['server_optimizer']['name']} "
+        f"{algorithm['server_optimizer']['learning_rate']}"
+    )
+    final = result.final_evaluation
+    if workload.report is not None:
+        workload.report.print(result.summary, console)
+    elif final:
+        shown = ", ".join(f"{k} {final[k]:.4f}" for k in shown_metrics(workload.manifest) if k in final)
+        name = _evaluation_name(config, workload.manifest)
+        console.print(f"final {name}: {shown} (weight {final.get('weight_sum', 0):.0f})")
+    else:
+        console.print("final evaluation: no device reported in time")
+    if result.hit_rates:
+        h = result.hit_rates
+        console.print(
+            f"held-out devices' next share in the top-10 ({h.devices} devices): "
+            f"personalized {h.personalized:.1%}, "
+            f"global top-10 {h.global_model:.1%}, most-shared top-10 {h.most_shared:.1%} "
+            f"(lift over global {h.lift_over_global:+.1%})"
+        )
+    for example in examples:
+        table = top_k_table(example, workload.label)
+        console.print(table)
+    console.print(f"report: {result.report_path}")
+    console.print("plots: " + ", ".join(str(p) for p in result.plots))

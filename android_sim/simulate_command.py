@@ -1,0 +1,156 @@
+"""`python -m android_sim simulate`: any model on per-device examples, rounds in one process.
+
+The same workload as `run` (your export or builder and examples table, or a built-in data set),
+trained by `android_sim.simulation`: no HTTP, no orchestrator process, the devices' maths through
+the export's `.tflite` signatures and the orchestrator's aggregation. Writes simulation.json
+(held-out ReconEval, StandardEval on kept locals, the learning curve) and learning_curve.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from android_sim import report
+from android_sim.algorithm import algorithm_task, optimizer_over
+from android_sim.bench.federated import Rounds
+from android_sim.bench.protocol import PROTOCOL_SEED
+from android_sim.options import algorithm, algorithm_arguments, model_arguments, parse_model_args
+from android_sim.run import load_workload
+from android_sim.run_config import DEFAULT_RATINGS, RunConfig
+from android_sim.run_report import model_summary, primary_metric, shown_metrics
+from android_sim.simulation import SimulationOptions, simulate
+from android_sim.workload import Workload, newest_first
+from contracts.task_config import SplitPolicy, TaskConfig
+from orchestrator.aggregation import ServerOptimizerConfig
+
+MIN_DEVICES = 10  # 80/10/10: at least one device to validate on and one to hold out
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    d = Rounds()
+    parser = sub.add_parser(
+        "simulate",
+        help="train any model on per-device examples in one process (no HTTP): learning curve, ReconEval",
+        description="Federated rounds in one process with your export's .tflite signatures and the "
+        "orchestrator's aggregation: devices split 80/10/10 into training, validation (the learning "
+        "curve) and held-out (ReconEval; StandardEval too for --local-state keep). Writes "
+        "simulation.json and learning_curve.png to --out.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    model_arguments(parser)
+    builtin = parser.add_argument_group("or a built-in data set with its model")
+    builtin.add_argument("--data", choices=("expressions", "movielens"), help="default: expressions")
+    builtin.add_argument("--ratings", type=Path, default=DEFAULT_RATINGS, help="MovieLens file")
+    builtin.add_argument(
+        "--devices", type=int, help="expressions: users (1000); movielens: at most this many"
+    )
+    builtin.add_argument("--expressions", type=int, default=1000, help="synthetic catalog size")
+    parser.add_argument("--rounds", type=int, default=100)
+    parser.add_argument("--clients-per-round", type=int, default=20)
+    parser.add_argument("--evaluate-every", type=int, default=10, help="learning curve cadence (rounds)")
+    parser.add_argument("--sampling-seed", type=int, default=d.sampling_seed, help="client sampling")
+    parser.add_argument("--split-seed", type=int, default=PROTOCOL_SEED, help="which devices are held out")
+    parser.add_argument("--min-examples", type=int, default=1, help="devices with fewer examples sit out")
+    parser.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="interpreter threads")
+    parser.add_argument("--seed", type=int, default=0, help="the synthetic data's seed")
+    parser.add_argument("--out", type=Path, help="output directory (default: runs/simulate-<time>)")
+    algorithm_arguments(parser)
+
+
+def simulation_task(workload: Workload, overrides: dict[str, Any], min_examples: int) -> TaskConfig:
+    """The devices' task: the model's training defaults, the data's, then the options'."""
+    base = {
+        **workload.manifest.training_defaults,
+        "split": SplitPolicy.ALTERNATE.value,
+        **workload.task,
+        "min_examples": min_examples,
+    }
+    return algorithm_task(base, overrides)
+
+
+def main(args: argparse.Namespace, console: Console | None = None) -> dict[str, Any]:
+    """Run the simulation the options describe; returns the report (also in `--out`)."""
+    console = console or Console()
+    if args.data and (args.model_dir or args.model):
+        raise ValueError(
+            f"--data {args.data} is a built-in data set with its own model; not with --model-dir/--model"
+        )
+    out = args.out or Path("runs") / time.strftime("simulate-%Y%m%d-%H%M%S")
+    task_overrides, server_overrides = algorithm(args)
+    rounds = Rounds(args.rounds, args.clients_per_round, args.evaluate_every, args.sampling_seed)
+    if args.workers < 1:
+        raise ValueError(f"workers must be >= 1, got {args.workers}")
+    config = RunConfig(
+        work_dir=out,
+        model_dir=args.model_dir,
+        model=args.model,
+        model_args=parse_model_args(args.model_arg),
+        examples=args.examples,
+        data=args.data or RunConfig.data,
+        ratings=args.ratings,
+        devices=args.devices,
+        expressions=args.expressions,
+        seed=args.seed,
+        task=task_overrides,
+        server_optimizer=server_overrides,
+    )
+    out.mkdir(parents=True, exist_ok=True)
+
+    def enough(count: int) -> None:
+        if count < MIN_DEVICES:
+            raise ValueError(f"a simulation needs at least {MIN_DEVICES} devices (80/10/10), got {count}")
+
+    workload = load_workload(config, console, enough)
+    task = simulation_task(workload, task_overrides, args.min_examples)
+    server = ServerOptimizerConfig.from_json(optimizer_over(workload.server_optimizer, server_overrides))
+    options = SimulationOptions(rounds, task, server, workers=args.workers, split_seed=args.split_seed)
+    # A device with fewer examples than the task needs sits out, as it would at check-in.
+    devices = [
+        newest_first(d) if d.examples.num_examples >= task.min_examples else None for d in workload.devices
+    ]
+    kept = [d for d in devices if d is not None]
+    enough(len(kept))
+    console.print(
+        f"simulating {rounds.rounds} rounds x {rounds.clients_per_round} clients over {len(kept)} devices "
+        f"({len(devices) - len(kept)} with fewer than {task.min_examples} examples sit out)"
+    )
+    result = simulate(workload.model_dir, kept, options)
+    metric = primary_metric(workload.manifest)
+    body = {
+        "model": model_summary(workload.manifest),
+        "data": {
+            "source": workload.source,
+            "devices": len(kept),
+            "examples": sum(e.num_examples for e in kept),
+        },
+        "options": {
+            "rounds": rounds.rounds,
+            "clients_per_round": rounds.clients_per_round,
+            "evaluate_every": rounds.evaluate_every,
+            "sampling_seed": rounds.sampling_seed,
+            "split_seed": args.split_seed,
+            "workers": args.workers,
+            "task_config": task.to_json(),
+            "server_optimizer": server.to_json(),
+        },
+        **result.to_json(),
+    }
+    (out / "simulation.json").write_text(json.dumps(body, indent=2) + "\n")
+    report.plot_learning_curve(out / "learning_curve.png", result.curve, metric, "validation devices")
+    names = shown_metrics(workload.manifest)
+    held = ", ".join(f"{k} {result.held_out[k]:.4f}" for k in names if k in result.held_out)
+    console.print(
+        f"{result.seconds:.1f} s; held-out devices ({result.held_out['devices']}), ReconEval: {held}"
+    )
+    if result.seen is not None:
+        seen = ", ".join(f"{k} {result.seen[k]:.4f}" for k in names if k in result.seen)
+        console.print(f"seen devices' newest 10%, StandardEval with their kept locals: {seen}")
+    console.print(f"report: {out / 'simulation.json'}; curve: {out / 'learning_curve.png'}")
+    return body

@@ -1,0 +1,194 @@
+"""Any model through the simulators: a user's export and examples table, not one of our data sets.
+
+The model is the tests' own (`tests.model_export.genre_rating`: a regression through a hidden
+layer with a local user vector); the table has users whose ratings follow a taste for genres,
+so that federated training has something to learn.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from rich.console import Console
+
+from android_sim.__main__ import build_parser, main
+from android_sim.run import run
+from android_sim.run_config import RunConfig
+from android_sim.simulate_command import main as simulate_main
+from tests.android_sim.test_run import ALWAYS_ON
+from tests.model_export.genre_rating import NUM_GENRES, NUM_MOVIES
+
+
+def write_table(path: Path, devices: int, per_device: int = 16, seed: int = 3) -> Path:
+    """A per-device CSV for genre_rating: each user likes some genres; ratings in [1, 5]."""
+    rng = np.random.default_rng(seed)
+    genre_of = rng.integers(NUM_GENRES, size=NUM_MOVIES)
+    quality = rng.normal(0, 0.5, NUM_MOVIES)
+    with path.open("w", newline="") as f:
+        out = csv.writer(f)
+        out.writerow(["device_id", "timestamp", "movie", "genre", "rating"])
+        for user in range(devices):
+            taste = rng.normal(0, 1.0, NUM_GENRES)
+            for k, movie in enumerate(rng.choice(NUM_MOVIES, size=per_device, replace=False)):
+                rating = np.clip(3.5 + taste[genre_of[movie]] + quality[movie] + rng.normal(0, 0.2), 1, 5)
+                out.writerow(
+                    [f"phone-{user:03d}", 1_700_000_000 + 3600 * k, movie, genre_of[movie], f"{rating:.2f}"]
+                )
+    return path
+
+
+def test_simulate_trains_a_users_model_on_its_table(genre_rating_model: Path, tmp_path: Path) -> None:
+    table = write_table(tmp_path / "ratings.csv", devices=60)
+    args = build_parser().parse_args(
+        [
+            "simulate",
+            "--model-dir",
+            str(genre_rating_model),
+            "--examples",
+            str(table),
+            "--rounds",
+            "30",
+            "--clients-per-round",
+            "10",
+            "--evaluate-every",
+            "10",
+            "--workers",
+            "2",
+            "--out",
+            str(tmp_path / "out"),
+        ]
+    )
+
+    report = simulate_main(args, Console(file=(tmp_path / "log.txt").open("w")))
+
+    written = json.loads((tmp_path / "out" / "simulation.json").read_text())
+    curve = written["learning_curve"]
+    assert written == json.loads(json.dumps(report))
+    assert written["model"]["task"] == {"kind": "regression"}
+    assert written["devices"] == {"training": 48, "validation": 6, "held_out": 6}
+    assert [p["round"] for p in curve] == [0, 10, 20, 30]
+    assert curve[-1]["rmse"] < 0.8 * curve[0]["rmse"]  # the rounds learned the users' tastes
+    assert written["held_out"]["devices"] == 6 and np.isfinite(written["held_out"]["rmse"])
+    assert written["seen"] is None  # FedRecon: no kept locals to evaluate
+    assert (tmp_path / "out" / "learning_curve.png").stat().st_size > 0
+
+
+def test_simulate_with_kept_locals_evaluates_seen_devices_too(
+    genre_rating_model: Path, tmp_path: Path
+) -> None:
+    table = write_table(tmp_path / "ratings.csv", devices=30)
+    args = build_parser().parse_args(
+        [
+            "simulate",
+            "--model-dir",
+            str(genre_rating_model),
+            "--examples",
+            str(table),
+            "--rounds",
+            "10",
+            "--clients-per-round",
+            "8",
+            "--local-state",
+            "keep",
+            "--out",
+            str(tmp_path / "out"),
+        ]
+    )
+
+    report = simulate_main(args, Console(file=(tmp_path / "log.txt").open("w")))
+
+    assert report["options"]["task_config"]["local_state"] == "keep"
+    assert report["seen"]["devices"] == 24 and np.isfinite(report["seen"]["rmse"])
+    assert np.isfinite(report["held_out"]["rmse"])
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--examples", "t.csv"], "--examples needs the model they are for"),
+        (["--model-dir", "m"], "a model of your own needs its per-device examples: --examples TABLE"),
+        (["--model-dir", "m", "--model", "a:b", "--examples", "t.csv"], "not both"),
+        (["--model", "nocolon", "--examples", "t.csv"], "--model takes MODULE:FUNCTION"),
+        (
+            ["--model-dir", "m", "--examples", "t.csv", "--data", "movielens"],
+            "--data movielens is a built-in",
+        ),
+        (["--model-dir", "m", "--examples", "t.csv", "--mixing", "parallel_training"], "mixing draws"),
+        (
+            ["--model-dir", "m", "--examples", "t.csv", "--devices", "50"],
+            "your table's devices are its device ids",
+        ),
+    ],
+)
+def test_a_users_model_options_that_do_not_fit_are_one_line(
+    args: list[str], message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = main(["run", "--work-dir", str(tmp_path / "run"), *args])
+
+    err = capsys.readouterr().err
+    assert code == 2
+    assert message in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_bad_table_is_one_line_before_anything_starts(
+    genre_rating_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    table = write_table(tmp_path / "ratings.csv", devices=30)
+    lines = table.read_text().splitlines()
+    lines[5] = lines[5].rsplit(",", 1)[0] + ",7.5"  # a rating outside [1, 5]
+    table.write_text("\n".join(lines) + "\n")
+
+    code = main(
+        [
+            "run",
+            "--model-dir",
+            str(genre_rating_model),
+            "--examples",
+            str(table),
+            "--work-dir",
+            str(tmp_path / "run"),
+        ]
+    )
+
+    err = capsys.readouterr().err
+    assert code == 2
+    assert f"{table}, row 5, column 'rating': got 7.5; expected" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "run" / "orchestrator.sqlite").exists()
+
+
+def test_the_fleet_trains_a_users_model_over_http_and_reports_its_metrics(
+    genre_rating_model: Path, tmp_path: Path
+) -> None:
+    table = write_table(tmp_path / "ratings.csv", devices=40)
+    config = RunConfig(
+        work_dir=tmp_path / "run",
+        model_dir=genre_rating_model,
+        examples=table,
+        rounds=3,
+        target_reports=6,
+        oversampling=1.5,
+        min_examples=2,
+        round_seconds=8.0,
+        evaluation_every=2,
+        device_mix=ALWAYS_ON,
+        held_out_fraction=0.25,
+        workers=2,
+        stall_seconds=60.0,
+    )
+
+    result = run(config, Console(file=(tmp_path / "log.txt").open("w")))
+
+    body = result.summary
+    assert result.rounds_committed >= 3
+    assert body["data"]["devices"] == 40 and body["data"]["examples"] == 40 * 16
+    assert body["model"]["task"] == {"kind": "regression"}
+    assert body["population"]["name"].startswith(f"{genre_rating_model.name}-")
+    assert np.isfinite(result.final_evaluation["rmse"]) and result.final_evaluation["weight_sum"] > 0
+    assert result.hit_rates is None and body["recommendations"] == []  # no catalog to rank
+    assert body["fleet"]["device_side_outcomes"]["training/reported"] >= 3 * 6
+    assert all(p.stat().st_size > 0 for p in result.plots)
