@@ -39,6 +39,7 @@ from android_sim.shakespeare import DEFAULT_FOLDER as DEFAULT_SHAKESPEARE
 from contracts.manifest import Manifest, ManifestError, load_manifest
 from contracts.mixing import MixingConfig, MixingError, encode_examples
 from contracts.task_config import LocalState, SplitPolicy, TaskConfig
+from device_runtime.privacy_policy import PrivacyPolicy
 from device_runtime.task_runner import TaskRunner
 from model_export.config import Feedback, ModelConfig, TrainingDefaults
 from model_export.in_subprocess import export_in_subprocess
@@ -582,6 +583,7 @@ async def run_fleet(
                     cooldown_hours=config.cooldown_hours,
                     seed=config.seed,
                     seen_devices_evaluate=config.stateful,
+                    privacy_policy=PrivacyPolicy.for_simulation(config.aggregation),
                 ),
             )
             fleet_task: asyncio.Task[None] | None = None

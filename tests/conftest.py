@@ -9,11 +9,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from device_runtime.privacy_policy import PrivacyPolicy
 from model_export.config import Feedback, ModelConfig
 from model_export.in_subprocess import export_in_subprocess, export_spec_in_subprocess
 
 ROOT = Path(__file__).resolve().parent.parent
 MOVIELENS_100K = ROOT.parent / "shared" / "data" / "movielens-100k" / "u.data"
+# The tests' phones: both modes and the small floors of rounds of a few devices (threshold 0.4,
+# sums of 3); tests/privacy sets its own floors and attacks them.
+DEVICE_POLICY = PrivacyPolicy.for_simulation("plaintext", "secure")
+
 BACKENDS = ("ai_edge_litert", "tflite_runtime")
 
 # Small models of different shapes, feedback and parameter sets.
