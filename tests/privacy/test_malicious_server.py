@@ -168,6 +168,34 @@ def test_a_round_below_the_devices_floors_gets_nothing_from_it(
     assert sent == [("POST", "devices"), ("POST", "checkin"), ("POST", "abort")], sent
 
 
+def test_a_roster_cut_below_the_floor_gets_no_shares_and_no_input(
+    server: Server, export: Callable[[ModelConfig], Path], movielens_users: UserData, tmp_path: Path
+) -> None:
+    # Prepare: the server announces parameters at the floor, then shows each device a roster of
+    # itself and two others (a small group whose sum would say more about each)
+    def roster_of_three(path: str, answer: dict[str, Any], index: dict[str, int]) -> dict[str, Any]:
+        if path.endswith("/secure") and "roster" in answer:
+            own = str(index[path.split("/")[3]])
+            kept = [own, *[i for i in sorted(answer["roster"]) if i != own][:2]]
+            return {**answer, "roster": {i: answer["roster"][i] for i in kept}}
+        return answer
+
+    # Execute
+    participations, transport = run_devices(
+        server, export, movielens_users, tmp_path, DEVICES, roster_of_three
+    )
+
+    # Assert: each device named the floor after its keys and before its shares; nothing followed
+    assert [p.status for p in participations] == ["declined"] * DEVICES, [p.detail for p in participations]
+    for p in participations:
+        assert (
+            "share_keys: privacy policy: the roster holds 3 devices; "
+            "this device joins only rounds of at least 4" in p.detail
+        )
+    assert len(transport.posted("/secure/keys")) == DEVICES
+    assert transport.posted("/secure/shares") == [] and transport.posted("/masked-input") == []
+
+
 def test_a_survivor_list_of_one_unmasks_nothing_and_the_masked_inputs_hide_each_update(
     server: Server, export: Callable[[ModelConfig], Path], movielens_users: UserData, tmp_path: Path
 ) -> None:
