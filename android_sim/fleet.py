@@ -26,6 +26,7 @@ from contracts.features import FeatureSpec
 from device_runtime.agent import DeviceAgent, Participation
 from device_runtime.example_store import Event, ExampleStore
 from device_runtime.orchestrator_client import OrchestratorClient
+from device_runtime.privacy_policy import PrivacyPolicy
 from device_runtime.task_runner import TaskRunner
 
 TRAINING, HELD_OUT = "training", "held-out"
@@ -90,6 +91,8 @@ class FleetOptions:
     # Stateful populations (FURL) evaluate on seen devices: training devices that have trained take
     # part in each open evaluation round (StandardEval on their newest examples) between trainings.
     seen_devices_evaluate: bool = False
+    # The app's privacy policy on every simulated phone: small floors for a fleet of a few dozen.
+    privacy_policy: PrivacyPolicy = field(default_factory=PrivacyPolicy.for_simulation)
 
 
 def write_store(path: Path, events: Sequence[Event], features: Sequence[FeatureSpec]) -> None:
@@ -276,7 +279,12 @@ class Fleet:
         try:
             with ExampleStore(device.store_path) as store:
                 agent = DeviceAgent(
-                    device.client, store, self.cache_dir, self.options.population, runner=self.runner
+                    device.client,
+                    store,
+                    self.cache_dir,
+                    self.options.population,
+                    runner=self.runner,
+                    policy=self.options.privacy_policy,
                 )
                 participation = await agent.participate(
                     task,

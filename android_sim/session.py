@@ -22,6 +22,7 @@ from android_sim.fleet import TRAINING, DeviceSpec, Fleet, FleetOptions
 from android_sim.network import Connector
 from android_sim.profiles import SimClock
 from android_sim.run_config import RunConfig, RunError
+from device_runtime.privacy_policy import PrivacyPolicy
 from device_runtime.task_runner import TaskRunner
 from orchestrator.local import LocalOrchestrator
 from orchestrator.population_settings import PopulationSettings
@@ -246,6 +247,7 @@ async def run_fleet(
                     cooldown_hours=config.cooldown_hours,
                     seed=config.seed,
                     seen_devices_evaluate=config.stateful,
+                    privacy_policy=PrivacyPolicy.for_simulation(config.aggregation),
                 ),
             )
             fleet_task: asyncio.Task[None] | None = None

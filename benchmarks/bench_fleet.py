@@ -47,8 +47,12 @@ from android_sim.session import SIMULATED_FLEET_LIMITS  # noqa: E402
 from device_runtime.agent import DeviceAgent, Participation  # noqa: E402
 from device_runtime.example_store import ExampleStore  # noqa: E402
 from device_runtime.orchestrator_client import OrchestratorClient  # noqa: E402
+from device_runtime.privacy_policy import PrivacyPolicy  # noqa: E402
 from device_runtime.task_runner import TaskRunner  # noqa: E402
 from orchestrator.local import LocalOrchestrator  # noqa: E402
+
+# The benchmark's phones take plaintext rounds (it measures the server's throughput).
+POLICY = PrivacyPolicy.for_simulation("plaintext")
 
 # Always eligible, no slowdown, no network delay, no dropouts: the system's own rate.
 BENCH_PHONE = (DeviceClass("bench", 1.0, 1.0, 1e6, 0.0, 0.0, 0.0, 24.0, 1.0, 0.0),)
@@ -166,7 +170,9 @@ async def scale(work: Path, enrolled: int, concurrent: int, waves: int) -> dict[
 
                 async def take_part(i: int) -> Participation:
                     with ExampleStore(stores / f"{i}.sqlite") as store:
-                        agent = DeviceAgent(clients[i], store, work / "scale-cache", "scale", runner=runner)
+                        agent = DeviceAgent(
+                            clients[i], store, work / "scale-cache", "scale", runner=runner, policy=POLICY
+                        )
                         return await agent.participate("training", seed=int(i))
 
                 results = await asyncio.gather(*(take_part(int(i)) for i in chosen), return_exceptions=True)

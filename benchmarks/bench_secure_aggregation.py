@@ -36,6 +36,7 @@ from contracts.manifest import load_manifest  # noqa: E402
 from contracts.params import encode_sparse_delta  # noqa: E402
 from contracts.protocol import Assignment  # noqa: E402
 from device_runtime.orchestrator_client import OrchestratorClient  # noqa: E402
+from device_runtime.privacy_policy import PrivacyPolicy  # noqa: E402
 from device_runtime.secure_round import SecureRoundDriver  # noqa: E402
 from model_export.config import ModelConfig  # noqa: E402
 from model_export.in_subprocess import export_in_subprocess  # noqa: E402
@@ -49,6 +50,8 @@ from tests.orchestrator.conftest import ADMIN_TOKEN, Server, admin_create_popula
 
 NUM_ITEMS, DIM = 3706, 50
 PHASES = ("advertise", "share_keys", "masked_input", "unmasking")
+# The benchmark's phones: secure rounds only, floors below its rounds (threshold 0.4, half the devices).
+POLICY = PrivacyPolicy.for_simulation("secure", min_threshold=0.4)
 
 
 def client_delta(rng: np.random.Generator) -> dict[str, np.ndarray]:
@@ -156,7 +159,7 @@ async def over_http(url: str, model_dir: Path, devices: int, per_phase: int) -> 
             return lambda current: current != phase
 
         drivers = [
-            SecureRoundDriver(c, a, stays=stays_until(leaves.get(i)))  # type: ignore[arg-type]
+            SecureRoundDriver(c, a, POLICY, stays=stays_until(leaves.get(i)))  # type: ignore[arg-type]
             for i, (c, a) in enumerate(zip(clients, assignments, strict=True))
         ]
         results = await asyncio.gather(*(d.run(manifest, client_delta(rng)) for d in drivers))

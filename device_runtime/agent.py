@@ -7,6 +7,7 @@ devices' network traffic on its event loop while a small pool does the maths.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
@@ -34,9 +35,12 @@ from device_runtime.orchestrator_client import (
     RetryLater,
     ServerUnavailable,
 )
+from device_runtime.privacy_policy import ParticipationLog, PolicyRefusal, PrivacyPolicy
 from device_runtime.secure_round import SecureParticipation, SecureRoundDriver
 from device_runtime.task_runner import TaskRunner
 from model_runtime.tflite_model import ModelLoadError
+from secure_aggregation.config import ProtocolError as SecureProtocolError
+from secure_aggregation.config import RoundParameters
 
 T = TypeVar("T")
 
@@ -47,8 +51,10 @@ class Participation:
 
     # reported | refused (the server answered 4xx, e.g. a report not taken) | rejected (check-in
     # declined, or the server asked to come back later: 429, a long 503; after `retry_after_seconds`)
-    # | aborted | vanished (stopped without telling the server, as a phone that loses power or
-    # network does) | invalid_answer (the server's answer broke the protocol: the detail says how)
+    # | declined (the round is below the device's privacy policy, or its daily cap is reached: the
+    # detail names the floor; a held assignment is aborted) | aborted | vanished (stopped without
+    # telling the server, as a phone that loses power or network does) | invalid_answer (the
+    # server's answer broke the protocol: the detail says how)
     # | unreachable (no answer after all retries)
     status: str
     assignment: Assignment | None = None
@@ -70,8 +76,11 @@ class DeviceAgent:
         *,
         backend: str | None = None,
         runner: TaskRunner | None = None,
+        policy: PrivacyPolicy | None = None,
     ) -> None:
+        """`policy` is the app's (default: the production `PrivacyPolicy()`, secure rounds only)."""
         self.client = client
+        self.policy = policy or PrivacyPolicy()
         self.store = store
         self.cache_dir = Path(cache_dir)
         self.population = population
@@ -114,6 +123,8 @@ class DeviceAgent:
             )
             participation.central_bytes = self.central_bytes
             return participation
+        except PolicyRefusal as e:
+            return await self._give_up("declined", str(e))
         except InvalidAnswer as e:
             return await self._give_up("invalid_answer", e.message, e.assignment_id)
         except (ModelLoadError, ManifestError, ParamsError) as e:  # the model or globals it was sent
@@ -161,17 +172,26 @@ class DeviceAgent:
         abort_when_interrupted: bool,
         phase_continues: Callable[[str], bool] | None,
     ) -> Participation:
+        log = ParticipationLog(self.store, self.population)
+        log.check(self.policy)  # at the day's cap, the device does not even check in
         answer = await self.client.checkin(self.population, self.store.count(), task, conditions)
         if isinstance(answer, Rejection):
             return Participation(
                 "rejected", retry_after_seconds=answer.retry_after_seconds, detail=answer.reason
             )
         self.assignment = answer
+        # Before anything of the round is fetched or sent: the mode, then (secure) the round's floors.
+        self.policy.check_assignment(answer)
+        if answer.secure_parameters is not None:
+            with contextlib.suppress(SecureProtocolError):  # a malformed one: the driver says so
+                self.policy.check_parameters(RoundParameters.from_json(answer.secure_parameters))
+        log.record()
         if answer.kind == "training" and answer.aggregation == "secure":
             # Keys and shares do not depend on the update: they go out while the device trains.
             driver = SecureRoundDriver(
                 self.client,
                 answer,
+                self.policy,
                 stays=phase_continues or (lambda phase: should_continue()),
                 abort_when_leaving=abort_when_interrupted,
             )

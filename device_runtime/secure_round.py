@@ -37,6 +37,7 @@ from device_runtime.orchestrator_client import (
     ProtocolError,
     ServerUnavailable,
 )
+from device_runtime.privacy_policy import PolicyRefusal, PrivacyPolicy
 from secure_aggregation.config import ProtocolError as SecureProtocolError
 from secure_aggregation.config import RoundParameters
 from secure_aggregation.device import DeviceSession
@@ -55,7 +56,8 @@ MIN_POLL_SECONDS = 0.2
 
 @dataclass(frozen=True)
 class SecureParticipation:
-    # reported (sent its unmasking shares) | refused | aborted | vanished
+    # reported (sent its unmasking shares) | refused | declined (below the device's privacy
+    # policy: the detail names the floor) | aborted | vanished
     status: str
     phase: str  # the last phase the device reached
     detail: str = ""
@@ -86,12 +88,14 @@ class SecureRoundDriver:
         self,
         client: OrchestratorClient,
         assignment: Assignment,
+        policy: PrivacyPolicy,
         *,
         stays: Callable[[str], bool] = lambda phase: True,
         abort_when_leaving: bool = True,
     ) -> None:
         self.client = client
         self.assignment = assignment
+        self.policy = policy
         self.stays = stays
         self.abort_when_leaving = abort_when_leaving
         self.phase = PHASES[0]
@@ -125,6 +129,12 @@ class SecureRoundDriver:
                     await self.client.abort(self.assignment)
             status = e.status if e.status != "aborted" or self.abort_when_leaving else "vanished"
             return self._result(status, e.detail)
+        except PolicyRefusal as e:
+            # The device tells the server it is out (it sent nothing of what the floor protects).
+            self.left = True
+            with contextlib.suppress(ProtocolError, InvalidAnswer, ServerUnavailable):
+                await self.client.abort(self.assignment)
+            return self._result("declined", str(e))
         except (ProtocolError, SecureProtocolError) as e:
             self.left = True
             return self._result("refused", str(e))
@@ -177,6 +187,7 @@ class SecureRoundDriver:
             params = RoundParameters.from_json(sent)
         except SecureProtocolError as e:  # the server's answer, not this device's message: abort
             raise ValueError(str(e)) from None
+        self.policy.check_parameters(params)
         self._enter("advertise")
         session = self._session = DeviceSession(params)
         index = int((await self._post("keys", session.advertise().to_json()))["index"])
@@ -184,6 +195,7 @@ class SecureRoundDriver:
         state = await self._state("share_keys", "roster")
         self._enter("share_keys")
         roster = {int(i): AdvertisedKeys.from_json(k) for i, k in state["roster"].items()}
+        self.policy.check_roster(len(roster))
         shares = session.share_keys(index, roster)
         await self._post("shares", shares_to_json(shares))
         # The masks do not depend on the update: summed now, while the device trains and the
@@ -207,7 +219,9 @@ class SecureRoundDriver:
 
         state = await self._state("unmasking", "survivors")
         self._enter("unmasking")
-        answer = session.unmask([int(i) for i in state["survivors"]])
+        survivors = [int(i) for i in state["survivors"]]
+        self.policy.check_survivors(len(set(survivors)))
+        answer = session.unmask(survivors)
         try:
             await self._post("unmasking", answer.to_json())
         except ProtocolError:

@@ -16,11 +16,16 @@ import numpy as np
 import pytest
 
 from android_sim.datasets import DATASETS, FETCH_COMMAND, DatasetError, fetch
+from device_runtime.privacy_policy import PrivacyPolicy
 from model_export.config import Feedback, ModelConfig
 from model_export.in_subprocess import export_in_subprocess, export_spec_in_subprocess
 
 ROOT = Path(__file__).resolve().parent.parent
 REQUIRE_DATA = "FEDRECON_REQUIRE_DATA"
+# The tests' phones: both modes and the small floors of rounds of a few devices (threshold 0.4,
+# sums of 3); tests/privacy sets its own floors and attacks them.
+DEVICE_POLICY = PrivacyPolicy.for_simulation("plaintext", "secure")
+
 BACKENDS = ("ai_edge_litert", "tflite_runtime")
 
 # Small models of different shapes, feedback and parameter sets.

@@ -15,11 +15,13 @@ from tests.conftest import ROOT
 
 TENSORFLOW = ("tensorflow", "keras")
 FORBIDDEN = {
-    "orchestrator": ("device_runtime", "android_sim", "model_export", *TENSORFLOW),
+    # The server relays devices' certificates; it must not be able to make one.
+    "orchestrator": ("device_runtime", "android_sim", "model_export", "enrollment_authority", *TENSORFLOW),
     "device_runtime": ("model_export", "orchestrator", "android_sim", *TENSORFLOW),
     # Both sides run the exported model through it, so it belongs to neither.
     "model_runtime": ("device_runtime", "orchestrator", "android_sim", "model_export", *TENSORFLOW),
-    "secure_aggregation": ("orchestrator", "device_runtime", "model_export"),
+    "secure_aggregation": ("orchestrator", "device_runtime", "model_export", "enrollment_authority"),
+    "enrollment_authority": ("orchestrator", "device_runtime", "android_sim", "model_export", *TENSORFLOW),
 }
 CONTRACTS_MAY_IMPORT = frozenset({"contracts", "numpy", "safetensors", *sys.stdlib_module_names})
 

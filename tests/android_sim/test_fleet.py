@@ -12,6 +12,7 @@ from android_sim.profiles import DeviceClass, DeviceProfile, SimClock
 from contracts.features import FeatureSpec
 from device_runtime.example_store import ExampleStore
 from device_runtime.task_runner import TaskRunner
+from tests.conftest import DEVICE_POLICY
 
 FEATURES = [FeatureSpec("item", "int32", (), value_range=(0, 9))]
 ALWAYS_ON = DeviceClass("test phone", 1.0, 1.0, 200.0, 2.0, 0.0, 0.5, 24.0, 1.0, 0.0)
@@ -47,7 +48,7 @@ def test_devices_stuck_in_a_request_are_switched_off_after_the_grace_period(tmp_
                 tmp_path / "cache",
                 runner,
                 SimClock(60.0),
-                FleetOptions(population="p"),
+                FleetOptions(population="p", privacy_policy=DEVICE_POLICY),
             )
             for i, device in enumerate(fleet.devices):
                 device.device_id = f"device-{i}"  # enrolled before: only the check-in hangs

@@ -27,7 +27,7 @@ from device_runtime.orchestrator_client import InvalidAnswer, OrchestratorClient
 from device_runtime.task_runner import TaskRunner
 from model_export.config import ModelConfig
 from orchestrator.local import free_port
-from tests.conftest import SMALL
+from tests.conftest import DEVICE_POLICY, SMALL
 from tests.device_runtime.hostile_orchestrator import (
     ASSIGNMENT_ID,
     POPULATION,
@@ -77,7 +77,9 @@ def participate(
     async def once() -> Participation:
         client = OrchestratorClient(server.url, TOKEN, attempts=2, backoff_seconds=0.01, timeout_seconds=1.0)
         try:
-            return await DeviceAgent(client, store, cache_dir, POPULATION, runner=runner).participate()
+            return await DeviceAgent(
+                client, store, cache_dir, POPULATION, runner=runner, policy=DEVICE_POLICY
+            ).participate()
         finally:
             await client.aclose()
 
@@ -702,7 +704,9 @@ def test_a_server_that_is_down_is_an_outcome(store: ExampleStore, runner: TaskRu
     async def once() -> Participation:
         client = OrchestratorClient(f"http://127.0.0.1:{port}", TOKEN, attempts=2, backoff_seconds=0.01)
         try:
-            return await DeviceAgent(client, store, tmp_path, POPULATION, runner=runner).participate()
+            return await DeviceAgent(
+                client, store, tmp_path, POPULATION, runner=runner, policy=DEVICE_POLICY
+            ).participate()
         finally:
             await client.aclose()
 

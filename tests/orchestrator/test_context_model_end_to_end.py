@@ -17,7 +17,7 @@ from device_runtime.agent import DeviceAgent, Participation
 from device_runtime.example_store import Event, ExampleStore
 from device_runtime.examples_table import store_path
 from device_runtime.orchestrator_client import OrchestratorClient
-from tests.conftest import BIASED
+from tests.conftest import BIASED, DEVICE_POLICY
 from tests.device_runtime.test_context_ranking import MORNING, NIGHT, shares_csv
 from tests.orchestrator.conftest import Server, admin_create_population
 from tests.orchestrator.test_end_to_end import admin
@@ -70,7 +70,7 @@ def test_import_rounds_over_http_and_recommend_for_the_hour(
             ):
                 client = OrchestratorClient(server.url, http=http)
                 await client.enroll()
-                agents.append(DeviceAgent(client, store, tmp_path / "cache", "hourrec"))
+                agents.append(DeviceAgent(client, store, tmp_path / "cache", "hourrec", policy=DEVICE_POLICY))
             # Execute: the wrong device tries first (its assignment must come back), then rounds
             wrong = await agents[2].participate("training")
             rounds = [

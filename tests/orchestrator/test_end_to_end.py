@@ -21,7 +21,7 @@ from device_runtime.example_store import Event, ExampleStore
 from device_runtime.orchestrator_client import OrchestratorClient, ProtocolError
 from model_export.config import ModelConfig
 from model_runtime.tflite_model import TFLiteModel
-from tests.conftest import MOVIELENS
+from tests.conftest import DEVICE_POLICY, MOVIELENS
 from tests.orchestrator.conftest import ADMIN_TOKEN, Server, admin_create_population
 
 UserData = list[tuple[np.ndarray, np.ndarray, np.ndarray]]
@@ -72,7 +72,7 @@ class Fleet:
         for store in self.stores:
             client = OrchestratorClient(self.url, http=self.http)
             await client.enroll()
-            self.agents.append(DeviceAgent(client, store, self.cache, self.population))
+            self.agents.append(DeviceAgent(client, store, self.cache, self.population, policy=DEVICE_POLICY))
         return self
 
     async def participate(self, agents: list[DeviceAgent], task: str = "training") -> list[Participation]:

@@ -34,6 +34,7 @@ from device_runtime.example_store import ExampleStore
 from device_runtime.orchestrator_client import OrchestratorClient, RetryLater
 from orchestrator.local import LocalOrchestrator
 from tests.android_sim.test_run import small, work  # noqa: F401  (work: the fixture)
+from tests.conftest import DEVICE_POLICY
 from tests.orchestrator.conftest import (
     ADMIN_TOKEN,
     POSTGRES_URL,
@@ -255,7 +256,9 @@ def test_a_rate_limited_device_comes_back_after_the_window(work: Path) -> None: 
             await client.enroll()
             first = await client.checkin("p", 0)
             with ExampleStore(work / "device.sqlite", load_manifest(work / "model").features) as store:
-                limited = await DeviceAgent(client, store, work / "cache", "p").participate()
+                limited = await DeviceAgent(
+                    client, store, work / "cache", "p", policy=DEVICE_POLICY
+                ).participate()
             with pytest.raises(RetryLater) as raised:
                 await client.checkin("p", 0)
             await asyncio.sleep(raised.value.retry_after_seconds)

@@ -20,7 +20,7 @@ from device_runtime.local_state import LocalStateStore
 from device_runtime.orchestrator_client import OrchestratorClient
 from model_export.config import ModelConfig
 from model_runtime.tflite_model import TFLiteModel
-from tests.conftest import MOVIELENS
+from tests.conftest import DEVICE_POLICY, MOVIELENS
 from tests.orchestrator.conftest import Server, admin_create_population
 from tests.orchestrator.test_end_to_end import Fleet, UserData, admin, settings
 
@@ -65,7 +65,7 @@ def test_a_stateful_population_keeps_locals_on_devices_across_rounds_and_restart
             restarted = []
             for agent in fleet.agents:
                 store = ExampleStore(agent.store.path)
-                restarted.append(DeviceAgent(agent.client, store, fleet.cache, "furl"))
+                restarted.append(DeviceAgent(agent.client, store, fleet.cache, "furl", policy=DEVICE_POLICY))
             rounds.append(await fleet.participate(restarted))
             tasks = [LocalStateStore(a.store, "furl").load(model).tasks for a in restarted]
             kept_after.append(kept_bytes([a.store for a in restarted]))
@@ -73,7 +73,11 @@ def test_a_stateful_population_keeps_locals_on_devices_across_rounds_and_restart
             # A device that never trained has no kept locals to measure: it aborts its evaluation.
             newcomer_store = Fleet(server.url, tmp_path / "new", movielens_users, [10], http).stores[0]
             newcomer = DeviceAgent(
-                OrchestratorClient(server.url, http=http), newcomer_store, fleet.cache, "furl"
+                OrchestratorClient(server.url, http=http),
+                newcomer_store,
+                fleet.cache,
+                "furl",
+                policy=DEVICE_POLICY,
             )
             await newcomer.client.enroll()
             evaluation = [await newcomer.participate("evaluation")]

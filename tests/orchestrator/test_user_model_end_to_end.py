@@ -16,6 +16,7 @@ from contracts.params import decode_params
 from device_runtime.agent import DeviceAgent, Participation
 from device_runtime.example_store import Event, ExampleStore
 from device_runtime.orchestrator_client import OrchestratorClient
+from tests.conftest import DEVICE_POLICY
 from tests.orchestrator.conftest import Server, admin_create_population
 from tests.orchestrator.test_end_to_end import admin
 
@@ -55,7 +56,7 @@ def test_one_round_trains_only_the_rows_devices_used_and_evaluation_adds_up(
             for store in stores:
                 client = OrchestratorClient(server.url, http=http)
                 await client.enroll()
-                agents.append(DeviceAgent(client, store, tmp_path / "cache", "genres"))
+                agents.append(DeviceAgent(client, store, tmp_path / "cache", "genres", policy=DEVICE_POLICY))
             # Execute: four devices train one round; two held-out devices evaluate the new model
             trained = list(await asyncio.gather(*(a.participate("training") for a in agents[:4])))
             admin(server.url, "/v1/admin/populations/genres/evaluations", "POST")
@@ -108,7 +109,7 @@ def test_a_model_without_local_variables_trains_with_plain_fedavg_over_http(
             for store in stores:
                 client = OrchestratorClient(server.url, http=http)
                 await client.enroll()
-                agents.append(DeviceAgent(client, store, tmp_path / "cache", "fedavg"))
+                agents.append(DeviceAgent(client, store, tmp_path / "cache", "fedavg", policy=DEVICE_POLICY))
             trained = list(await asyncio.gather(*(a.participate("training") for a in agents)))
             return (
                 trained,

@@ -37,13 +37,18 @@ class Round:
 
 
 def _run(
-    params: RoundParameters, n: int, drop: dict[str, set[int]], seed: int = 0, prepare: bool = False
+    params: RoundParameters,
+    n: int,
+    drop: dict[str, set[int]],
+    seed: int = 0,
+    prepare: bool = False,
+    length: int = LENGTH,
 ) -> Round:
     """Devices 1..n; `drop[phase]` are the devices that vanish before sending that phase's message;
     with `prepare` each sharer sums its masks before it learns which neighbours shared."""
     rng = np.random.default_rng(seed)
     devices = {i: DeviceSession(params) for i in range(1, n + 1)}
-    inputs = {i: quantize(rng.normal(0, 0.05, LENGTH), params, rng) for i in devices}
+    inputs = {i: quantize(rng.normal(0, 0.05, length), params, rng) for i in devices}
     roster = {i: d.advertise() for i, d in devices.items() if i not in drop.get("advertise", set())}
     graph = round_graph(params, sorted(roster))
     shares = {}
@@ -102,17 +107,39 @@ def test_with_30_percent_dropping_at_each_phase_the_sum_of_the_survivors_is_exac
     assert np.array_equal(unmasked, _plain_sum(r))
 
 
+# Chi-square over 16 bins of the word's top 4 bits: 73.6 is where a uniform sample exceeds it with
+# probability 1e-9 (15 degrees of freedom), so a truly masked input fails this about never.
+UNIFORM_CHI2_LIMIT = 73.6
+
+
+def uniformity_chi2(words: np.ndarray, bits: int) -> float:
+    """How far the words' top 4 bits are from uniform over 16 bins. A small quantized input (even
+    one whose negative coordinates wrap near 2^bits) sits in the first and last bins only."""
+    counts = np.bincount((words >> np.uint64(bits - 4)).astype(np.int64), minlength=16)
+    expected = len(words) / 16
+    return float(((counts - expected) ** 2 / expected).sum())
+
+
+def _signed(words: np.ndarray) -> np.ndarray:
+    return np.where(words >= 2**31, words.astype(np.float64) - 2**32, words.astype(np.float64))
+
+
 def test_a_masked_input_alone_is_uniform_noise_unrelated_to_the_input():
-    # Prepare: one device's input is all zeros
-    params = dataclasses.replace(_params(5), vector_length=LENGTH)
-    r = _run(params, 5, {})
+    # Prepare: 4,096 coordinates (256 a bin), small inputs of both signs
+    params = dataclasses.replace(_params(5), vector_length=4096)
+    r = _run(params, 5, {}, length=4096)
 
-    # Execute: what the server holds from device 1
-    masked = r.masked[1].astype(np.float64) / 2**32
+    # Execute: what the server holds from device 1, and the same test on the unmasked input
+    masked, unmasked = uniformity_chi2(r.masked[1], 32), uniformity_chi2(r.inputs[1], 32)
 
-    # Assert: spread over the whole modulus, unlike the small quantized input
-    assert masked.std() > 0.2 and abs(masked.mean() - 0.5) < 0.15
-    assert not np.array_equal(r.masked[1], r.inputs[1])
+    # Assert: the masked input is spread over the whole modulus; the unmasked input, whose words
+    # also scale to a mean near 0.5 and a spread near 0.5, is not (the check can fail)
+    assert masked < UNIFORM_CHI2_LIMIT, masked
+    assert unmasked > 100 * UNIFORM_CHI2_LIMIT, unmasked
+    scaled = r.inputs[1].astype(np.float64) / 2**32
+    assert scaled.std() > 0.2 and abs(scaled.mean() - 0.5) < 0.15  # what the old check took as masked
+    # and unrelated to it: the signed words correlate with the input at chance (+-0.05 at 4,096)
+    assert abs(np.corrcoef(_signed(r.masked[1]), _signed(r.inputs[1]))[0, 1]) < 0.08
 
 
 def test_below_the_threshold_nothing_can_be_unmasked():
@@ -203,8 +230,8 @@ def test_prepared_masks_hide_the_input_and_come_only_after_sharing_keys():
     r = _run(params, 6, {"share_keys": {6}}, prepare=True)
 
     # Assert: the input is masked as without preparing (uniform over the modulus), and the sum exact
-    masked = r.masked[1].astype(np.float64) / 2**32
-    assert masked.std() > 0.2 and not np.array_equal(r.masked[1], r.inputs[1])
+    assert uniformity_chi2(r.masked[1], 32) < UNIFORM_CHI2_LIMIT * 4  # 64 coordinates, 4 a bin
+    assert uniformity_chi2(r.inputs[1], 32) > UNIFORM_CHI2_LIMIT * 4
     assert np.array_equal(_unmask(r), _plain_sum(r))
     # A device cannot prepare masks before it knows its neighbours, nor after its masked input
     fresh = DeviceSession(params)
