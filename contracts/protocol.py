@@ -177,6 +177,15 @@ class RoundView:
     counters: dict[str, int]
     total_weight: float
     metrics: dict[str, float]
+    close_reason: Annotated[str, Spec("why it closed; empty while open")] = ""
+    stopped_phase: Annotated[
+        str | None, Spec("a round that did not commit: the phase it stopped in (reporting, or secure)")
+    ] = None
+    devices_had: Annotated[NonNegative | None, Spec("devices that answered in that phase")] = None
+    devices_needed: Annotated[NonNegative | None, Spec("devices it needed there")] = None
+    ended_by: Annotated[
+        str | None, Spec("a round that did not commit: deadline, dropouts, refusals or failed_check")
+    ] = None
 
 
 @dataclass(frozen=True)
@@ -206,6 +215,9 @@ class PopulationView:
     settings: dict[str, Any]
     open_rounds: list[RoundView]
     privacy: Annotated[PrivacyView | None, Spec("only for populations with differential_privacy")] = None
+    recent_rounds: Annotated[
+        list[RoundView], Spec("the last closed rounds, newest first, with why each closed")
+    ] = field(default_factory=list)
 
 
 # ---- reading a message -------------------------------------------------------------------------

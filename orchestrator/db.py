@@ -106,6 +106,13 @@ class Round(Base):
     # A committed training round: per global tensor, the reference L2 norm that the next round
     # clips deltas to a multiple of (aggregation.plan_round).
     norm_reference: Mapped[dict[str, float] | None] = mapped_column(JSON(none_as_null=True), default=None)
+    # Why it closed (round_state.Closing): the sentence, and for a round that did not commit the
+    # phase it stopped in, the devices it had and needed there, and what ended it.
+    close_reason: Mapped[str] = mapped_column(String(500), default="")
+    stopped_phase: Mapped[str | None] = mapped_column(String(16), default=None)
+    devices_had: Mapped[int | None] = mapped_column(default=None)
+    devices_needed: Mapped[int | None] = mapped_column(default=None)
+    ended_by: Mapped[str | None] = mapped_column(String(16), default=None)
 
     __table_args__ = (Index("rounds_open", "population_id", "kind", "status"),)
 

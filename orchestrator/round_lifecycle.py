@@ -166,7 +166,7 @@ def advance(session: Session, population: Population, now: float) -> dict[str, R
         if outstanding:
             metrics.count(session, metrics.DROPPED, (population.name, round_.kind), outstanding)
         if closing.status == round_state.COMMITTED:
-            commit(session, population, round_, now)
+            commit(session, population, round_, now, closing=closing)
         else:
             _abandon(session, population, round_, closing, now)
             if round_.kind == TRAINING:
@@ -187,9 +187,15 @@ def advance_secure(session: Session, population: Population, round_: Round, now:
             "secure_survivors": float(outcome.survivors),
             "unmask_seconds": outcome.unmask_seconds,
         }
-        commit(session, population, round_, now, outcome.mean_delta, outcome.survivors)
+        closing = round_state.Closing(
+            round_state.COMMITTED,
+            f"{outcome.survivors} devices' masked inputs unmasked",
+            had=outcome.survivors,
+            needed=round_.min_reports,
+        )
+        commit(session, population, round_, now, outcome.mean_delta, outcome.survivors, closing)
     elif isinstance(outcome, secure_rounds.Abandon):
-        _abandon(session, population, round_, round_state.Closing(round_state.ABANDONED, outcome.reason), now)
+        _abandon(session, population, round_, outcome.closing, now)
         open_round(session, population, TRAINING, now)
 
 
@@ -200,11 +206,12 @@ def commit(
     now: float,
     mean_delta: Params | None = None,
     survivors: int = 0,
+    closing: round_state.Closing | None = None,
 ) -> None:
     """Aggregate the round's reports into a new model version (training) or just close it.
     A secure round passes its unmasked `mean_delta` over its `survivors`, since it has no
     individual reports. How the reports combine is the population's pipeline's (`pipeline`)."""
-    round_state.close(round_, _COMMITTED, now)
+    round_state.close(round_, closing or _COMMITTED, now)
     if round_.kind == EVALUATION:
         _count_closed(session, population, round_, "committed")
         return
@@ -318,18 +325,25 @@ def _abandon(
     session: Session, population: Population, round_: Round, closing: round_state.Closing, now: float
 ) -> None:
     round_state.close(round_, closing, now)
-    _count_closed(session, population, round_, "abandoned", closing.reason)
+    labels = (population.name, round_.kind, closing.phase, closing.ended_by or "")
+    metrics.count(session, metrics.ROUNDS_ABANDONED, labels)
+    _count_closed(session, population, round_, "abandoned")
 
 
-def _count_closed(
-    session: Session, population: Population, round_: Round, transition: str, reason: str | None = None
-) -> None:
+def _count_closed(session: Session, population: Population, round_: Round, transition: str) -> None:
     metrics.count(session, metrics.ROUNDS, (population.name, round_.kind, transition))
+    why = {
+        "stopped_phase": round_.stopped_phase,
+        "devices_had": round_.devices_had,
+        "devices_needed": round_.devices_needed,
+        "ended_by": round_.ended_by,
+    }
     log_on_commit(
         session,
         log,
         f"round {transition}",
-        **({} if reason is None else {"reason": reason}),
+        reason=round_.close_reason,
+        **{k: v for k, v in why.items() if v is not None},
         population=population.name,
         round_id=round_.id,
         kind=round_.kind,

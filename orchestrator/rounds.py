@@ -433,7 +433,7 @@ def report(
     closing = round_state.count_report(round_, weight, metrics)
     _count_report(session, population, round_, assignment_id, None)
     if closing is not None:
-        commit(session, population, round_, now)
+        commit(session, population, round_, now, closing=closing)
     return round_
 
 

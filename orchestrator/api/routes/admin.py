@@ -4,7 +4,7 @@ import math
 from typing import Annotated, Any, cast
 
 from fastapi import APIRouter, File, Form, HTTPException, Query, Request, UploadFile
-from sqlalchemy import select
+from sqlalchemy import Select, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from contracts.mixing import MAX_CENTRAL_BYTES, MixingError
@@ -48,6 +48,11 @@ def round_out(r: Round) -> RoundView:
         counters={c: getattr(r, c) for c in COUNTERS},
         total_weight=r.total_weight,
         metrics=rounds.summarize_metrics(r),
+        close_reason=r.close_reason,
+        stopped_phase=r.stopped_phase,
+        devices_had=r.devices_had,
+        devices_needed=r.devices_needed,
+        ended_by=r.ended_by,
     )
 
 
@@ -77,6 +82,19 @@ def population_out(session: Any, p: Population) -> PopulationView:
         settings=p.settings,
         open_rounds=[round_out(r) for r in rounds.open_rounds(session, p).values()],
         privacy=privacy_out(p),
+        recent_rounds=[round_out(r) for r in session.scalars(_recent_rounds(p.id))],
+    )
+
+
+RECENT_ROUNDS = 5
+
+
+def _recent_rounds(population_id: int) -> Select[tuple[Round]]:
+    return (
+        select(Round)
+        .where(Round.population_id == population_id, Round.status != "open")
+        .order_by(Round.id.desc())
+        .limit(RECENT_ROUNDS)
     )
 
 
