@@ -218,6 +218,14 @@ class PopulationView:
     recent_rounds: Annotated[
         list[RoundView], Spec("the last closed rounds, newest first, with why each closed")
     ] = field(default_factory=list)
+    idle_rounds: Annotated[
+        NonNegative, Spec("training rounds in a row that closed without a device checking in")
+    ] = 0
+    next_round_at: Annotated[
+        float | None,
+        Spec("backing off: no training round opens before this time unless a device checks in"),
+    ] = None
+    backing_off: Annotated[str, Spec("why no training round is open, when backing off; else empty")] = ""
 
 
 # ---- reading a message -------------------------------------------------------------------------

@@ -39,6 +39,10 @@ class Population(Base):
     current_version: Mapped[int] = mapped_column(default=0)
     training_rounds_committed: Mapped[int] = mapped_column(default=0)
     created_at: Mapped[float]
+    # Training rounds in a row that closed without a check-in, and while backing off from opening
+    # the next (idle_backoff), when it may open without one.
+    idle_rounds: Mapped[int] = mapped_column(default=0)
+    next_round_at: Mapped[float | None] = mapped_column(default=None)
 
 
 class ModelVersion(Base):

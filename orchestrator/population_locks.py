@@ -43,7 +43,11 @@ def find_population(session: Session, name: str) -> Population | None:
 
 def relock(session: Session, population: Population) -> None:
     """Lock a population read without its lock, and re-read what may have changed meanwhile."""
-    session.refresh(population, ["current_version", "training_rounds_committed"], with_for_update=KEY_SHARE)
+    session.refresh(
+        population,
+        ["current_version", "training_rounds_committed", "idle_rounds", "next_round_at"],
+        with_for_update=KEY_SHARE,
+    )
 
 
 def populations_of_assignments(session: Session, assignment_ids: Sequence[str]) -> dict[str, Population]:

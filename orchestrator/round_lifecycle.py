@@ -30,7 +30,7 @@ from contracts.params import (
     decode_sparse_delta,
     encode_params,
 )
-from orchestrator import central_training, metrics, mixing, round_state, secure_rounds
+from orchestrator import central_training, idle_backoff, metrics, mixing, round_state, secure_rounds
 from orchestrator.aggregation import apply_update
 from orchestrator.db import Assignment, ModelVersion, Population, Report, Round
 from orchestrator.logs import log_on_commit
@@ -93,6 +93,8 @@ def open_round(session: Session, population: Population, kind: str, now: float) 
     )
     session.add(round_)
     session.flush()
+    if kind == TRAINING:
+        population.next_round_at = None  # the back-off is over; idle_rounds counts on till a check-in
     metrics.count(session, metrics.ROUNDS, (population.name, kind, "opened"))
     log_on_commit(
         session,
@@ -134,7 +136,7 @@ def open_rounds(session: Session, population: Population) -> dict[str, Round]:
 def up_to_date(population: Population, current: Mapping[str, Round], now: float) -> bool:
     """Whether `advance` has nothing to do: no round to close or open, no secure phase to move."""
     return (
-        (TRAINING in current or privacy_budget_spent(population))
+        (TRAINING in current or privacy_budget_spent(population) or idle_backoff.backing_off(population, now))
         and all(now < r.deadline for r in current.values())
         and not population_settings(population).secure_training
     )
@@ -169,12 +171,14 @@ def advance(session: Session, population: Population, now: float) -> dict[str, R
             commit(session, population, round_, now, closing=closing)
         else:
             _abandon(session, population, round_, closing, now)
-            if round_.kind == TRAINING:
-                open_round(session, population, TRAINING, now)
     current = open_rounds(session, population)
-    if TRAINING not in current and not privacy_budget_spent(population):
+    if TRAINING not in current and _may_open_training(population, now):
         current[TRAINING] = open_round(session, population, TRAINING, now)
     return current
+
+
+def _may_open_training(population: Population, now: float) -> bool:
+    return not privacy_budget_spent(population) and not idle_backoff.backing_off(population, now)
 
 
 def advance_secure(session: Session, population: Population, round_: Round, now: float) -> None:
@@ -196,7 +200,8 @@ def advance_secure(session: Session, population: Population, round_: Round, now:
         commit(session, population, round_, now, outcome.mean_delta, outcome.survivors, closing)
     elif isinstance(outcome, secure_rounds.Abandon):
         _abandon(session, population, round_, outcome.closing, now)
-        open_round(session, population, TRAINING, now)
+        if _may_open_training(population, now):
+            open_round(session, population, TRAINING, now)
 
 
 def commit(
@@ -331,6 +336,8 @@ def _abandon(
 
 
 def _count_closed(session: Session, population: Population, round_: Round, transition: str) -> None:
+    if round_.kind == TRAINING:
+        idle_backoff.training_round_closed(session, population, round_, round_.closed_at or 0.0)
     metrics.count(session, metrics.ROUNDS, (population.name, round_.kind, transition))
     why = {
         "stopped_phase": round_.stopped_phase,

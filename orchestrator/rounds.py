@@ -20,7 +20,7 @@ from sqlalchemy import bindparam, insert, select, update
 from sqlalchemy.orm import Session
 from sqlalchemy.orm.attributes import set_committed_value
 
-from orchestrator import metrics, round_state, secure_rounds
+from orchestrator import idle_backoff, metrics, round_state, secure_rounds
 from orchestrator.db import Assignment, Population, Report, Round
 from orchestrator.logs import log_on_commit
 from orchestrator.model_versions import _latest as _latest  # tests clear it, as a restart would
@@ -140,8 +140,12 @@ def checkin(
     """
     settings = population_settings(population)
     current = open_rounds(session, population)
-    if lock or not up_to_date(population, current, now):
+    # A device checking in for training ends the population's idle back-off (idle_backoff).
+    waking = population.next_round_at is not None and any(r.kind == TRAINING for r in requests)
+    if lock or waking or not up_to_date(population, current, now):
         relock(session, population)
+        if waking:
+            idle_backoff.wake(session, population)
         current = advance(session, population, now)
     devices = {r.device_id for r in requests}
     taken: dict[tuple[int, str], tuple[str, str]] = {

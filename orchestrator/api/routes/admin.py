@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import math
+import time
 from typing import Annotated, Any, cast
 
 from fastapi import APIRouter, File, Form, HTTPException, Query, Request, UploadFile
@@ -9,8 +10,8 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from contracts.mixing import MAX_CENTRAL_BYTES, MixingError
 from contracts.protocol import PopulationView, PrivacyView, RoundView, TaskKind
+from orchestrator import idle_backoff, rounds
 from orchestrator import mixing as mixing_data
-from orchestrator import rounds
 from orchestrator.api import schemas
 from orchestrator.api.deps import AdminDep, ClockDep, SessionFactoryDep, run_db
 from orchestrator.db import Population, Round
@@ -73,7 +74,8 @@ def privacy_out(p: Population) -> PrivacyView | None:
     )
 
 
-def population_out(session: Any, p: Population) -> PopulationView:
+def population_out(session: Any, p: Population, now: float | None = None) -> PopulationView:
+    now = time.time() if now is None else now
     return PopulationView(
         name=p.name,
         current_version=p.current_version,
@@ -83,6 +85,9 @@ def population_out(session: Any, p: Population) -> PopulationView:
         open_rounds=[round_out(r) for r in rounds.open_rounds(session, p).values()],
         privacy=privacy_out(p),
         recent_rounds=[round_out(r) for r in session.scalars(_recent_rounds(p.id))],
+        idle_rounds=p.idle_rounds,
+        next_round_at=p.next_round_at,
+        backing_off=idle_backoff.describe(p, now),
     )
 
 
@@ -131,29 +136,34 @@ async def create(
             population = create_population(session, name, exported, settings_json, clock())
         except PopulationError as e:
             raise HTTPException(422 if "already exists" not in str(e) else 409, str(e)) from None
-        return population_out(session, population)
+        return population_out(session, population, clock())
 
 
-def _list_populations(factory: sessionmaker[Session]) -> list[PopulationView]:
+def _list_populations(factory: sessionmaker[Session], now: float) -> list[PopulationView]:
     with factory() as session:
         return [
-            population_out(session, p) for p in session.scalars(select(Population).order_by(Population.id))
+            population_out(session, p, now)
+            for p in session.scalars(select(Population).order_by(Population.id))
         ]
 
 
 @router.get("/populations", response_model=schemas.PopulationsOut, summary="All populations")
-async def list_populations(_: AdminDep, factory: SessionFactoryDep, request: Request) -> list[PopulationView]:
-    return await run_db(request.app, _list_populations, factory)
+async def list_populations(
+    _: AdminDep, factory: SessionFactoryDep, clock: ClockDep, request: Request
+) -> list[PopulationView]:
+    return await run_db(request.app, _list_populations, factory, clock())
 
 
-def _status(factory: sessionmaker[Session], name: str) -> PopulationView:
+def _status(factory: sessionmaker[Session], name: str, now: float) -> PopulationView:
     with factory() as session:
-        return population_out(session, _population(session, name))
+        return population_out(session, _population(session, name), now)
 
 
 @router.get("/populations/{name}", response_model=schemas.PopulationOut, summary="A population's status")
-async def status(name: str, _: AdminDep, factory: SessionFactoryDep, request: Request) -> PopulationView:
-    return await run_db(request.app, _status, factory, name)
+async def status(
+    name: str, _: AdminDep, factory: SessionFactoryDep, clock: ClockDep, request: Request
+) -> PopulationView:
+    return await run_db(request.app, _status, factory, name, clock())
 
 
 def _list_rounds(
