@@ -14,6 +14,7 @@ from contracts.protocol import Assignment, Rejection
 from orchestrator.api.deps import (
     SessionFactoryDep,
     TokenDep,
+    is_admin,
     require_device,
     run_db,
     token_of,
@@ -88,25 +89,32 @@ router.add_api_route(
 )
 
 
-def _manifest(factory: sessionmaker[Session], token: str, population: str) -> dict[str, Any]:
+def _manifest(factory: sessionmaker[Session], token: str, admin: bool, population: str) -> dict[str, Any]:
     with factory() as session:
-        require_device(session, token)
+        if not admin:
+            require_device(session, token)
         found = session.scalars(select(Population).where(Population.name == population)).first()
         if found is None:
             raise HTTPException(404, f"no population {population!r}")
         return dict(found.manifest)
 
 
-@router.get("/{population}/manifest", summary="The model's manifest (shapes, signatures, defaults)")
+@router.get(
+    "/{population}/manifest",
+    summary="The model's manifest (shapes, signatures, defaults); a device's token or the admin token",
+)
 async def manifest(
     population: str, token: TokenDep, factory: SessionFactoryDep, request: Request
 ) -> dict[str, Any]:
-    return await run_db(request.app, _manifest, factory, token, population)
+    return await run_db(request.app, _manifest, factory, token, is_admin(request.app, token), population)
 
 
-def _global_params(factory: sessionmaker[Session], token: str, population: str, version: int) -> bytes:
+def _global_params(
+    factory: sessionmaker[Session], token: str, admin: bool, population: str, version: int
+) -> bytes:
     with factory() as session:
-        require_device(session, token)
+        if not admin:  # the operator downloads the trained model with the admin token
+            require_device(session, token)
         found = session.scalars(select(Population).where(Population.name == population)).first()
         if found is None:
             raise HTTPException(404, f"no population {population!r}")
@@ -127,7 +135,10 @@ def _global_params(factory: sessionmaker[Session], token: str, population: str, 
         return model.params
 
 
-@router.get("/{population}/models/{version}/global", summary="Global parameters (safetensors)")
+@router.get(
+    "/{population}/models/{version}/global",
+    summary="Global parameters (safetensors); a device's token or the admin token",
+)
 async def global_params(
     population: str,
     version: Annotated[int, Path(ge=0, le=MAX_COUNT)],
@@ -135,7 +146,8 @@ async def global_params(
     factory: SessionFactoryDep,
     request: Request,
 ) -> Response:
-    params = await run_db(request.app, _global_params, factory, token, population, version)
+    admin = is_admin(request.app, token)
+    params = await run_db(request.app, _global_params, factory, token, admin, population, version)
     return Response(
         content=params,
         media_type="application/octet-stream",
