@@ -1,0 +1,114 @@
+"""The console's commands in `python -m orchestrator`: parsing, the call, the output."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from orchestrator.console import render
+from orchestrator.console.client import AdminClient, ConsoleError
+
+DEFAULT_URL = "http://127.0.0.1:8700"
+COMMANDS = ("populations", "show", "evaluate", "download")
+
+
+def add_commands(sub: Any) -> None:
+    """The console's subcommands, on `python -m orchestrator`'s subparsers."""
+    server = argparse.ArgumentParser(add_help=False)
+    server.add_argument(
+        "--url", help=f"the orchestrator's base URL (default: $ORCHESTRATOR_URL or {DEFAULT_URL})"
+    )
+    server.add_argument(
+        "--admin-token-file",
+        type=Path,
+        help="a file holding the admin token (default: $ORCHESTRATOR_ADMIN_TOKEN; never on the command line)",
+    )
+    server.add_argument("--json", action="store_true", help="print the server's answer as JSON, for scripts")
+    sub.add_parser("populations", parents=[server], help="list the populations (admin API)")
+    show = sub.add_parser(
+        "show",
+        parents=[server],
+        help="a population: model, privacy, settings, and its recent rounds with why each closed (admin API)",
+    )
+    show.add_argument("name")
+    show.add_argument("--rounds", type=_positive, default=10, help="how many recent rounds (default 10)")
+    evaluate = sub.add_parser("evaluate", parents=[server], help="open an evaluation round (admin API)")
+    evaluate.add_argument("name")
+    download = sub.add_parser(
+        "download",
+        parents=[server],
+        help="download a population's model, manifest and global parameters with the admin token",
+    )
+    download.add_argument("name")
+    download.add_argument("--out", type=Path, required=True, help="the folder to write them to")
+    download.add_argument("--version", type=_non_negative, help="a model version (default: the current one)")
+
+
+def _positive(text: str) -> int:
+    value = _non_negative(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive whole number, got {text!r}")
+    return value
+
+
+def _non_negative(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {text!r}")
+    return value
+
+
+def _token(args: argparse.Namespace) -> str:
+    path: Path | None = args.admin_token_file
+    token: str
+    if path is not None:
+        try:
+            token = path.read_text().strip()
+        except OSError as e:
+            raise ConsoleError(f"cannot read the admin token file: {e}", bad_input=True) from None
+    else:
+        token = os.environ.get("ORCHESTRATOR_ADMIN_TOKEN", "")
+    token = token.strip()
+    if not token:
+        raise ConsoleError(
+            "no admin token: set ORCHESTRATOR_ADMIN_TOKEN or pass --admin-token-file", bad_input=True
+        )
+    return token
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run a console command; 0 done, 2 bad input or refused, 1 the server could not be reached."""
+    try:
+        client = AdminClient(args.url or os.environ.get("ORCHESTRATOR_URL") or DEFAULT_URL, _token(args))
+        try:
+            answer, text = _call(client, args, time.time())
+        finally:
+            client.close()
+    except ConsoleError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2 if e.bad_input else 1
+    print(json.dumps(answer, indent=2) if args.json else text)
+    return 0
+
+
+def _call(client: AdminClient, args: argparse.Namespace, now: float) -> tuple[Any, str]:
+    if args.command == "populations":
+        found = client.populations()
+        return found, render.populations(found, now)
+    if args.command == "show":
+        population = client.population(args.name)
+        rounds = client.rounds(args.name, args.rounds)
+        return {**population, "rounds": rounds}, render.population(population, rounds, now)
+    if args.command == "evaluate":
+        opened = client.open_evaluation(args.name)
+        return opened, render.evaluation(opened, args.name)
+    written = client.download(args.name, args.version, args.out)
+    return written, render.download(written)
