@@ -226,6 +226,7 @@ class PopulationView:
         Spec("backing off: no training round opens before this time unless a device checks in"),
     ] = None
     backing_off: Annotated[str, Spec("why no training round is open, when backing off; else empty")] = ""
+    paused_at: Annotated[float | None, Spec("paused since (no new rounds open); null: running")] = None
 
 
 # ---- reading a message -------------------------------------------------------------------------

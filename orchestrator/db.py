@@ -43,6 +43,7 @@ class Population(Base):
     # the next (idle_backoff), when it may open without one.
     idle_rounds: Mapped[int] = mapped_column(default=0)
     next_round_at: Mapped[float | None] = mapped_column(default=None)
+    paused_at: Mapped[float | None] = mapped_column(default=None)  # paused: no new rounds (pausing)
 
 
 class ModelVersion(Base):

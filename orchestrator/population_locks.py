@@ -45,7 +45,7 @@ def relock(session: Session, population: Population) -> None:
     """Lock a population read without its lock, and re-read what may have changed meanwhile."""
     session.refresh(
         population,
-        ["current_version", "training_rounds_committed", "idle_rounds", "next_round_at"],
+        ["current_version", "training_rounds_committed", "idle_rounds", "next_round_at", "paused_at"],
         with_for_update=KEY_SHARE,
     )
 

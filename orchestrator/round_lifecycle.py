@@ -30,7 +30,7 @@ from contracts.params import (
     decode_sparse_delta,
     encode_params,
 )
-from orchestrator import central_training, idle_backoff, metrics, mixing, round_state, secure_rounds
+from orchestrator import central_training, idle_backoff, metrics, mixing, pausing, round_state, secure_rounds
 from orchestrator.aggregation import apply_update
 from orchestrator.db import Assignment, ModelVersion, Population, Report, Round
 from orchestrator.logs import log_on_commit
@@ -136,7 +136,7 @@ def open_rounds(session: Session, population: Population) -> dict[str, Round]:
 def up_to_date(population: Population, current: Mapping[str, Round], now: float) -> bool:
     """Whether `advance` has nothing to do: no round to close or open, no secure phase to move."""
     return (
-        (TRAINING in current or privacy_budget_spent(population) or idle_backoff.backing_off(population, now))
+        (TRAINING in current or not _may_open_training(population, now))
         and all(now < r.deadline for r in current.values())
         and not population_settings(population).secure_training
     )
@@ -178,7 +178,11 @@ def advance(session: Session, population: Population, now: float) -> dict[str, R
 
 
 def _may_open_training(population: Population, now: float) -> bool:
-    return not privacy_budget_spent(population) and not idle_backoff.backing_off(population, now)
+    return not (
+        privacy_budget_spent(population)
+        or idle_backoff.backing_off(population, now)
+        or pausing.paused(population)
+    )
 
 
 def advance_secure(session: Session, population: Population, round_: Round, now: float) -> None:
@@ -287,13 +291,14 @@ def commit(
         on_commit(session, functools.partial(central_training.precompute_gradient, gradient))
     round_.result_version = version
     _count_closed(session, population, round_, "committed")
-    if not privacy_budget_spent(population):
+    if _may_open_training(population, now):
         open_round(session, population, TRAINING, now)
     if settings.keep_model_versions:
         prune_model_versions(session, population, settings.keep_model_versions)
     every = settings.evaluation_every
     if (
         every
+        and not pausing.paused(population)
         and population.training_rounds_committed % every == 0
         and EVALUATION not in open_rounds(session, population)
     ):

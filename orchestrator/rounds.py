@@ -20,7 +20,7 @@ from sqlalchemy import bindparam, insert, select, update
 from sqlalchemy.orm import Session
 from sqlalchemy.orm.attributes import set_committed_value
 
-from orchestrator import idle_backoff, metrics, round_state, secure_rounds
+from orchestrator import idle_backoff, metrics, pausing, round_state, secure_rounds
 from orchestrator.db import Assignment, Population, Report, Round
 from orchestrator.logs import log_on_commit
 from orchestrator.model_versions import _latest as _latest  # tests clear it, as a restart would
@@ -171,8 +171,11 @@ def checkin(
             continue
         if round_ is None:
             tally[population.name, request.kind, "no_round"] += 1
+            why = " (the population is paused)" if pausing.paused(population) else ""
             answers.append(
-                Refused(409, f"no {request.kind} round is open", retry_after=settings.retry_after_seconds)
+                Refused(
+                    409, f"no {request.kind} round is open{why}", retry_after=settings.retry_after_seconds
+                )
             )
             continue
         retry_after = max(settings.retry_after_seconds, round_.deadline - now)

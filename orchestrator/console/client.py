@@ -67,6 +67,14 @@ class AdminClient:
         opened: dict[str, Any] = self._request("POST", f"{self._population_path(name)}/evaluations").json()
         return opened
 
+    def pause(self, name: str) -> dict[str, Any]:
+        paused: dict[str, Any] = self._request("POST", f"{self._population_path(name)}/pause").json()
+        return paused
+
+    def resume(self, name: str) -> dict[str, Any]:
+        resumed: dict[str, Any] = self._request("POST", f"{self._population_path(name)}/resume").json()
+        return resumed
+
     def download(self, name: str, version: int | None, folder: Path) -> dict[str, Any]:
         """The population's model (`model.tflite`, checked against its sha256), manifest and global
         parameters at `version` (default: the current one) into `folder`, as `model_export` writes

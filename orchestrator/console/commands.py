@@ -14,7 +14,7 @@ from orchestrator.console import render
 from orchestrator.console.client import AdminClient, ConsoleError
 
 DEFAULT_URL = "http://127.0.0.1:8700"
-COMMANDS = ("populations", "show", "evaluate", "download")
+COMMANDS = ("populations", "show", "evaluate", "pause", "resume", "download")
 
 
 def add_commands(sub: Any) -> None:
@@ -39,6 +39,12 @@ def add_commands(sub: Any) -> None:
     show.add_argument("--rounds", type=_positive, default=10, help="how many recent rounds (default 10)")
     evaluate = sub.add_parser("evaluate", parents=[server], help="open an evaluation round (admin API)")
     evaluate.add_argument("name")
+    pause = sub.add_parser(
+        "pause", parents=[server], help="pause a population: no new rounds, the open ones finish (admin API)"
+    )
+    pause.add_argument("name")
+    resume = sub.add_parser("resume", parents=[server], help="resume a paused population (admin API)")
+    resume.add_argument("name")
     download = sub.add_parser(
         "download",
         parents=[server],
@@ -110,5 +116,8 @@ def _call(client: AdminClient, args: argparse.Namespace, now: float) -> tuple[An
     if args.command == "evaluate":
         opened = client.open_evaluation(args.name)
         return opened, render.evaluation(opened, args.name)
+    if args.command in ("pause", "resume"):
+        changed = client.pause(args.name) if args.command == "pause" else client.resume(args.name)
+        return changed, render.pause_state(changed, now)
     written = client.download(args.name, args.version, args.out)
     return written, render.download(written)

@@ -65,6 +65,10 @@ def test_an_operator_lists_shows_evaluates_and_downloads_a_population(
     evaluated = console("evaluate", "movies")
     again = console("evaluate", "movies")
     downloaded = console("download", "movies", "--out", str(tmp_path / "model"))
+    paused = console("pause", "movies")
+    listed_paused = console("populations")
+    evaluate_paused = console("evaluate", "movies")
+    resumed = console("resume", "movies", "--json")
 
     assert listing.returncode == 0, listing.stderr
     assert listing.stdout.splitlines()[1].startswith("movies") and "abandoned in reporting" in listing.stdout
@@ -80,6 +84,11 @@ def test_an_operator_lists_shows_evaluates_and_downloads_a_population(
     assert again.returncode == 2 and again.stderr.count("\n") == 1
     assert "an evaluation round is already open" in again.stderr
     assert downloaded.returncode == 0, downloaded.stderr
+    assert paused.returncode == 0 and "movies paused since" in paused.stdout, paused.stderr
+    assert "(paused)" in listed_paused.stdout
+    assert evaluate_paused.returncode == 2 and "the population is paused" in evaluate_paused.stderr
+    assert resumed.returncode == 0 and json.loads(resumed.stdout)["paused_at"] is None
+    assert any(r["kind"] == "training" for r in json.loads(resumed.stdout)["open_rounds"])
     for name in ("model.tflite", "manifest.json", "global_params.safetensors"):
         assert (tmp_path / "model" / name).read_bytes() == (export(BIASED) / name).read_bytes() or (
             name == "manifest.json"

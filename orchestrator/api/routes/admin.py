@@ -10,7 +10,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from contracts.mixing import MAX_CENTRAL_BYTES, MixingError
 from contracts.protocol import PopulationView, PrivacyView, RoundView, TaskKind
-from orchestrator import idle_backoff, rounds
+from orchestrator import idle_backoff, pausing, rounds
 from orchestrator import mixing as mixing_data
 from orchestrator.api import schemas
 from orchestrator.api.deps import AdminDep, ClockDep, SessionFactoryDep, run_db
@@ -88,6 +88,7 @@ def population_out(session: Any, p: Population, now: float | None = None) -> Pop
         idle_rounds=p.idle_rounds,
         next_round_at=p.next_round_at,
         backing_off=idle_backoff.describe(p, now),
+        paused_at=p.paused_at,
     )
 
 
@@ -202,9 +203,42 @@ def schedule_evaluation(name: str, _: AdminDep, factory: SessionFactoryDep, cloc
         population = rounds.lock_population(session, name)
         if population is None:
             raise HTTPException(404, f"no population {name!r}")
+        if pausing.paused(population):
+            raise HTTPException(409, "the population is paused: resume it first")
         if rounds.EVALUATION in rounds.open_rounds(session, population):
             raise HTTPException(409, "an evaluation round is already open")
         return round_out(rounds.open_round(session, population, rounds.EVALUATION, clock()))
+
+
+@router.post(
+    "/populations/{name}/pause",
+    response_model=schemas.PopulationOut,
+    summary="Pause a population: no new rounds; the open ones run to their end",
+)
+def pause(name: str, _: AdminDep, factory: SessionFactoryDep, clock: ClockDep) -> PopulationView:
+    now = clock()
+    with factory.begin() as session:
+        population = rounds.lock_population(session, name)
+        if population is None:
+            raise HTTPException(404, f"no population {name!r}")
+        pausing.pause(session, population, now)
+        return population_out(session, population, now)
+
+
+@router.post(
+    "/populations/{name}/resume",
+    response_model=schemas.PopulationOut,
+    summary="Resume a paused population: its next training round opens now",
+)
+def resume(name: str, _: AdminDep, factory: SessionFactoryDep, clock: ClockDep) -> PopulationView:
+    now = clock()
+    with factory.begin() as session:
+        population = rounds.lock_population(session, name)
+        if population is None:
+            raise HTTPException(404, f"no population {name!r}")
+        pausing.resume(session, population, now)
+        rounds.advance(session, population, now)
+        return population_out(session, population, now)
 
 
 def _mixing(factory: sessionmaker[Session], name: str) -> dict[str, Any]:
