@@ -44,6 +44,20 @@ class Population(Base):
     idle_rounds: Mapped[int] = mapped_column(default=0)
     next_round_at: Mapped[float | None] = mapped_column(default=None)
     paused_at: Mapped[float | None] = mapped_column(default=None)  # paused: no new rounds (pausing)
+    settings_version: Mapped[int] = mapped_column(default=0)  # moved by each settings change
+
+
+class SettingsChange(Base):
+    """A change of a population's settings (settings_changes): its version, what changed from
+    what, who made it and when."""
+
+    __tablename__ = "settings_changes"
+    population_id: Mapped[int] = mapped_column(ForeignKey("populations.id"), primary_key=True)
+    version: Mapped[int] = mapped_column(primary_key=True)
+    changes: Mapped[dict[str, Any]] = mapped_column(JSON)
+    previous: Mapped[dict[str, Any]] = mapped_column(JSON)
+    changed_by: Mapped[str] = mapped_column(String(200))
+    changed_at: Mapped[float]
 
 
 class ModelVersion(Base):

@@ -75,6 +75,19 @@ class AdminClient:
         resumed: dict[str, Any] = self._request("POST", f"{self._population_path(name)}/resume").json()
         return resumed
 
+    def change_settings(self, name: str, settings: dict[str, Any], operator: str) -> dict[str, Any]:
+        body = {"settings": settings, "operator": operator}
+        changed: dict[str, Any] = self._request(
+            "PATCH", f"{self._population_path(name)}/settings", json=body
+        ).json()
+        return changed
+
+    def settings_changes(self, name: str) -> list[dict[str, Any]]:
+        found: list[dict[str, Any]] = self._request(
+            "GET", f"{self._population_path(name)}/settings/changes"
+        ).json()
+        return found
+
     def download(self, name: str, version: int | None, folder: Path) -> dict[str, Any]:
         """The population's model (`model.tflite`, checked against its sha256), manifest and global
         parameters at `version` (default: the current one) into `folder`, as `model_export` writes

@@ -14,7 +14,16 @@ from orchestrator.console import render
 from orchestrator.console.client import AdminClient, ConsoleError
 
 DEFAULT_URL = "http://127.0.0.1:8700"
-COMMANDS = ("populations", "show", "evaluate", "pause", "resume", "download")
+COMMANDS = (
+    "populations",
+    "show",
+    "evaluate",
+    "pause",
+    "resume",
+    "change-settings",
+    "settings-history",
+    "download",
+)
 
 
 def add_commands(sub: Any) -> None:
@@ -45,6 +54,16 @@ def add_commands(sub: Any) -> None:
     pause.add_argument("name")
     resume = sub.add_parser("resume", parents=[server], help="resume a paused population (admin API)")
     resume.add_argument("name")
+    change = sub.add_parser(
+        "change-settings",
+        parents=[server],
+        help="change settings that are safe mid-flight, from the next round on (admin API)",
+    )
+    change.add_argument("name")
+    change.add_argument("assignments", nargs="+", metavar="KEY=VALUE", type=_assignment)
+    change.add_argument("--operator", help="who makes the change (default: $USER)")
+    history = sub.add_parser("settings-history", parents=[server], help="a population's settings changes")
+    history.add_argument("name")
     download = sub.add_parser(
         "download",
         parents=[server],
@@ -70,6 +89,18 @@ def _non_negative(text: str) -> int:
     if value < 0:
         raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {text!r}")
     return value
+
+
+def _assignment(text: str) -> tuple[str, Any]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE (e.g. target_reports=50), got {text!r}")
+    try:
+        return key, json.loads(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{key}'s value must be a JSON value (a number...), got {value!r}"
+        ) from None
 
 
 def _token(args: argparse.Namespace) -> str:
@@ -119,5 +150,12 @@ def _call(client: AdminClient, args: argparse.Namespace, now: float) -> tuple[An
     if args.command in ("pause", "resume"):
         changed = client.pause(args.name) if args.command == "pause" else client.resume(args.name)
         return changed, render.pause_state(changed, now)
+    if args.command == "change-settings":
+        operator = args.operator or os.environ.get("USER") or "unknown"
+        changed = client.change_settings(args.name, dict(args.assignments), operator)
+        return changed, render.settings_changed(changed, dict(args.assignments))
+    if args.command == "settings-history":
+        changes = client.settings_changes(args.name)
+        return changes, render.settings_history(changes)
     written = client.download(args.name, args.version, args.out)
     return written, render.download(written)

@@ -145,6 +145,23 @@ def pause_state(p: Mapping[str, Any], now: float) -> str:
     return f"{p['name']} running; open rounds: {open_rounds or 'none'}"
 
 
+def settings_changed(p: Mapping[str, Any], asked: Mapping[str, Any]) -> str:
+    values = ", ".join(f"{k}={json.dumps(p['settings'][k])}" for k in asked)
+    return f"{p['name']} settings version {p['settings_version']}: {values} (from the next round on)"
+
+
+def settings_history(changes: Sequence[Mapping[str, Any]]) -> str:
+    if not changes:
+        return "no settings changes since creation"
+    return "\n".join(
+        f"version {c['version']} {when(c['changed_at'])} by {c['changed_by']}: "
+        + ", ".join(
+            f"{k} {json.dumps(c['previous'].get(k))} -> {json.dumps(v)}" for k, v in c["changes"].items()
+        )
+        for c in changes
+    )
+
+
 def download(written: Mapping[str, Any]) -> str:
     files = ", ".join(f"{name} ({size} bytes)" for name, size in written["files"].items())
     return f"version {written['version']} of {written['population']} in {written['folder']}: {files}"

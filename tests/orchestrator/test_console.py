@@ -69,6 +69,9 @@ def test_an_operator_lists_shows_evaluates_and_downloads_a_population(
     listed_paused = console("populations")
     evaluate_paused = console("evaluate", "movies")
     resumed = console("resume", "movies", "--json")
+    changed = console("change-settings", "movies", "target_reports=3", "--operator", "alice")
+    unsafe = console("change-settings", "movies", 'aggregation="secure"')
+    history = console("settings-history", "movies")
 
     assert listing.returncode == 0, listing.stderr
     assert listing.stdout.splitlines()[1].startswith("movies") and "abandoned in reporting" in listing.stdout
@@ -89,6 +92,11 @@ def test_an_operator_lists_shows_evaluates_and_downloads_a_population(
     assert evaluate_paused.returncode == 2 and "the population is paused" in evaluate_paused.stderr
     assert resumed.returncode == 0 and json.loads(resumed.stdout)["paused_at"] is None
     assert any(r["kind"] == "training" for r in json.loads(resumed.stdout)["open_rounds"])
+    assert changed.returncode == 0, changed.stderr
+    assert "settings version 1: target_reports=3" in changed.stdout
+    assert unsafe.returncode == 2 and "cannot change aggregation" in unsafe.stderr
+    assert unsafe.stderr.count("\n") == 1
+    assert "version 1 " in history.stdout and "by alice (127.0.0.1): target_reports 2 -> 3" in history.stdout
     for name in ("model.tflite", "manifest.json", "global_params.safetensors"):
         assert (tmp_path / "model" / name).read_bytes() == (export(BIASED) / name).read_bytes() or (
             name == "manifest.json"

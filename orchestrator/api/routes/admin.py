@@ -14,9 +14,10 @@ from orchestrator import idle_backoff, pausing, rounds
 from orchestrator import mixing as mixing_data
 from orchestrator.api import schemas
 from orchestrator.api.deps import AdminDep, ClockDep, SessionFactoryDep, run_db
-from orchestrator.db import Population, Round
+from orchestrator.db import Population, Round, SettingsChange
 from orchestrator.limits import MAX_COUNT, MAX_MANIFEST_BYTES, json_document
 from orchestrator.populations import ExportedModel, PopulationError, create_population
+from orchestrator.settings_changes import SettingsChangeError, change_settings
 
 router = APIRouter(prefix="/v1/admin", tags=["admin"])
 
@@ -89,6 +90,7 @@ def population_out(session: Any, p: Population, now: float | None = None) -> Pop
         next_round_at=p.next_round_at,
         backing_off=idle_backoff.describe(p, now),
         paused_at=p.paused_at,
+        settings_version=p.settings_version,
     )
 
 
@@ -239,6 +241,75 @@ def resume(name: str, _: AdminDep, factory: SessionFactoryDep, clock: ClockDep) 
         pausing.resume(session, population, now)
         rounds.advance(session, population, now)
         return population_out(session, population, now)
+
+
+@router.patch(
+    "/populations/{name}/settings",
+    response_model=schemas.PopulationOut,
+    summary="Change the settings that are safe to change while rounds run (from the next round on)",
+    description='A JSON body `{"settings": {...}, "operator": "who"}`: the settings to change '
+    "(target_reports, oversampling, min_reports, round_duration_seconds, min_examples, "
+    "retry_after_seconds, keep_model_versions, evaluation_every, evaluation_target_reports, "
+    "evaluation_round_duration_seconds), validated as at creation, and who changes them (kept with "
+    "the caller's address, the time and the new settings version).",
+)
+async def patch_settings(
+    name: str, _: AdminDep, factory: SessionFactoryDep, clock: ClockDep, request: Request
+) -> PopulationView:
+    try:
+        body = json_document(await request.body(), "the settings change")
+    except ValueError as e:
+        raise HTTPException(422, str(e)) from None
+    if not isinstance(body, dict) or set(body) != {"settings", "operator"}:
+        raise HTTPException(422, 'the body must be {"settings": {...}, "operator": "who changes them"}')
+    operator = body["operator"]
+    if not isinstance(operator, str):
+        raise HTTPException(422, "operator must be a string")
+    address = request.client.host if request.client else "unknown"
+    return await run_db(
+        request.app, _change_settings, factory, name, body["settings"], f"{operator} ({address})", clock()
+    )
+
+
+def _change_settings(
+    factory: sessionmaker[Session], name: str, changes: Any, operator: str, now: float
+) -> PopulationView:
+    with factory.begin() as session:
+        population = rounds.lock_population(session, name)
+        if population is None:
+            raise HTTPException(404, f"no population {name!r}")
+        try:
+            change_settings(session, population, changes, operator, now)
+        except SettingsChangeError as e:
+            raise HTTPException(422, str(e)) from None
+        return population_out(session, population, now)
+
+
+def _settings_changes(factory: sessionmaker[Session], name: str) -> list[dict[str, Any]]:
+    with factory() as session:
+        population = _population(session, name)
+        found = session.scalars(
+            select(SettingsChange)
+            .where(SettingsChange.population_id == population.id)
+            .order_by(SettingsChange.version.desc())
+        )
+        return [
+            {
+                "version": c.version,
+                "changes": c.changes,
+                "previous": c.previous,
+                "changed_by": c.changed_by,
+                "changed_at": c.changed_at,
+            }
+            for c in found
+        ]
+
+
+@router.get("/populations/{name}/settings/changes", summary="The settings' changes, newest first")
+async def settings_changes(
+    name: str, _: AdminDep, factory: SessionFactoryDep, request: Request
+) -> list[dict[str, Any]]:
+    return await run_db(request.app, _settings_changes, factory, name)
 
 
 def _mixing(factory: sessionmaker[Session], name: str) -> dict[str, Any]:
