@@ -228,6 +228,7 @@ class PopulationView:
     backing_off: Annotated[str, Spec("why no training round is open, when backing off; else empty")] = ""
     paused_at: Annotated[float | None, Spec("paused since (no new rounds open); null: running")] = None
     settings_version: Annotated[NonNegative, Spec("moved by each change of the settings")] = 0
+    archived_at: Annotated[float | None, Spec("archived since (paused for good); null: not archived")] = None
 
 
 # ---- reading a message -------------------------------------------------------------------------

@@ -45,6 +45,7 @@ class Population(Base):
     next_round_at: Mapped[float | None] = mapped_column(default=None)
     paused_at: Mapped[float | None] = mapped_column(default=None)  # paused: no new rounds (pausing)
     settings_version: Mapped[int] = mapped_column(default=0)  # moved by each settings change
+    archived_at: Mapped[float | None] = mapped_column(default=None)  # archived: paused for good
 
 
 class SettingsChange(Base):

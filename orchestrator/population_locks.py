@@ -57,6 +57,7 @@ _MUTABLE = [
     "next_round_at",
     "paused_at",
     "settings_version",
+    "archived_at",
 ]
 
 

@@ -171,7 +171,10 @@ def checkin(
             continue
         if round_ is None:
             tally[population.name, request.kind, "no_round"] += 1
-            why = " (the population is paused)" if pausing.paused(population) else ""
+            why = ""
+            if pausing.paused(population):
+                state = "archived" if population.archived_at is not None else "paused"
+                why = f" (the population is {state})"
             answers.append(
                 Refused(
                     409, f"no {request.kind} round is open{why}", retry_after=settings.retry_after_seconds

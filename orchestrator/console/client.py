@@ -75,6 +75,10 @@ class AdminClient:
         resumed: dict[str, Any] = self._request("POST", f"{self._population_path(name)}/resume").json()
         return resumed
 
+    def archive(self, name: str) -> dict[str, Any]:
+        archived: dict[str, Any] = self._request("POST", f"{self._population_path(name)}/archive").json()
+        return archived
+
     def change_settings(self, name: str, settings: dict[str, Any], operator: str) -> dict[str, Any]:
         body = {"settings": settings, "operator": operator}
         changed: dict[str, Any] = self._request(

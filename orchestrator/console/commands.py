@@ -20,6 +20,7 @@ COMMANDS = (
     "evaluate",
     "pause",
     "resume",
+    "archive",
     "change-settings",
     "settings-history",
     "download",
@@ -38,7 +39,8 @@ def add_commands(sub: Any) -> None:
         help="a file holding the admin token (default: $ORCHESTRATOR_ADMIN_TOKEN; never on the command line)",
     )
     server.add_argument("--json", action="store_true", help="print the server's answer as JSON, for scripts")
-    sub.add_parser("populations", parents=[server], help="list the populations (admin API)")
+    listing = sub.add_parser("populations", parents=[server], help="list the populations (admin API)")
+    listing.add_argument("--all", action="store_true", help="archived populations too")
     show = sub.add_parser(
         "show",
         parents=[server],
@@ -54,6 +56,10 @@ def add_commands(sub: Any) -> None:
     pause.add_argument("name")
     resume = sub.add_parser("resume", parents=[server], help="resume a paused population (admin API)")
     resume.add_argument("name")
+    archive = sub.add_parser(
+        "archive", parents=[server], help="archive a population: paused for good, kept readable (admin API)"
+    )
+    archive.add_argument("name")
     change = sub.add_parser(
         "change-settings",
         parents=[server],
@@ -138,7 +144,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _call(client: AdminClient, args: argparse.Namespace, now: float) -> tuple[Any, str]:
     if args.command == "populations":
-        found = client.populations()
+        found = [p for p in client.populations() if args.all or p.get("archived_at") is None]
         return found, render.populations(found, now)
     if args.command == "show":
         population = client.population(args.name)
@@ -147,8 +153,9 @@ def _call(client: AdminClient, args: argparse.Namespace, now: float) -> tuple[An
     if args.command == "evaluate":
         opened = client.open_evaluation(args.name)
         return opened, render.evaluation(opened, args.name)
-    if args.command in ("pause", "resume"):
-        changed = client.pause(args.name) if args.command == "pause" else client.resume(args.name)
+    if args.command in ("pause", "resume", "archive"):
+        call = {"pause": client.pause, "resume": client.resume, "archive": client.archive}[args.command]
+        changed = call(args.name)
         return changed, render.pause_state(changed, now)
     if args.command == "change-settings":
         operator = args.operator or os.environ.get("USER") or "unknown"

@@ -80,7 +80,8 @@ def populations(found: Sequence[Mapping[str, Any]], now: float) -> str:
         if p.get("backing_off"):
             open_rounds = "none (backing off)"
         if p.get("paused_at") is not None:
-            open_rounds = f"{open_rounds} (paused)" if p.get("open_rounds") else "none (paused)"
+            state = "archived" if p.get("archived_at") is not None else "paused"
+            open_rounds = f"{open_rounds} ({state})" if p.get("open_rounds") else f"none ({state})"
         recent = p.get("recent_rounds") or []
         last = f"#{recent[0]['id']} {outcome(recent[0])}" if recent else "-"
         lines.append(
@@ -107,7 +108,9 @@ def population(p: Mapping[str, Any], rounds: Sequence[Mapping[str, Any]], now: f
         f"population {p['name']}: model {p['artifact_sha256'][:12]}..., version {p['current_version']}, "
         f"{p['training_rounds_committed']} training rounds committed",
     ]
-    if p.get("paused_at") is not None:
+    if p.get("archived_at") is not None:
+        lines.append(f"archived since {when(p['archived_at'])}: paused for good")
+    elif p.get("paused_at") is not None:
         lines.append(f"paused since {when(p['paused_at'])}: no new rounds open")
     if p.get("backing_off"):
         lines.append(f"backing off: {p['backing_off']}")
@@ -139,8 +142,10 @@ def evaluation(round_: Mapping[str, Any], name: str) -> str:
 
 def pause_state(p: Mapping[str, Any], now: float) -> str:
     open_rounds = ", ".join(f"{r['kind']} #{r['id']}" for r in p.get("open_rounds", []))
+    finishing = f"; open rounds run to their end: {open_rounds}" if open_rounds else ""
+    if p.get("archived_at") is not None:
+        return f"{p['name']} archived since {when(p['archived_at'])}: no new rounds open, for good{finishing}"
     if p.get("paused_at") is not None:
-        finishing = f"; open rounds run to their end: {open_rounds}" if open_rounds else ""
         return f"{p['name']} paused since {when(p['paused_at'])}: no new rounds open{finishing}"
     return f"{p['name']} running; open rounds: {open_rounds or 'none'}"
 

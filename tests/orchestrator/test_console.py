@@ -72,6 +72,10 @@ def test_an_operator_lists_shows_evaluates_and_downloads_a_population(
     changed = console("change-settings", "movies", "target_reports=3", "--operator", "alice")
     unsafe = console("change-settings", "movies", 'aggregation="secure"')
     history = console("settings-history", "movies")
+    archived = console("archive", "movies")
+    hidden = console("populations")
+    shown_all = console("populations", "--all")
+    resume_archived = console("resume", "movies")
 
     assert listing.returncode == 0, listing.stderr
     assert listing.stdout.splitlines()[1].startswith("movies") and "abandoned in reporting" in listing.stdout
@@ -96,6 +100,9 @@ def test_an_operator_lists_shows_evaluates_and_downloads_a_population(
     assert "settings version 1: target_reports=3" in changed.stdout
     assert unsafe.returncode == 2 and "cannot change aggregation" in unsafe.stderr
     assert unsafe.stderr.count("\n") == 1
+    assert archived.returncode == 0 and "movies archived since" in archived.stdout, archived.stderr
+    assert hidden.stdout.strip() == "no populations" and "(archived)" in shown_all.stdout
+    assert resume_archived.returncode == 2 and "is archived: it cannot be resumed" in resume_archived.stderr
     assert "version 1 " in history.stdout and "by alice (127.0.0.1): target_reports 2 -> 3" in history.stdout
     for name in ("model.tflite", "manifest.json", "global_params.safetensors"):
         assert (tmp_path / "model" / name).read_bytes() == (export(BIASED) / name).read_bytes() or (

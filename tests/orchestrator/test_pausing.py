@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from sqlalchemy.orm import Session, sessionmaker
 
 from orchestrator import pausing, rounds
@@ -56,3 +57,24 @@ def test_an_open_round_of_a_paused_population_is_still_abandoned_at_its_deadline
 
     assert [r.status for r in training_rounds(db)] == ["abandoned"]
     assert population(db).paused_at == 2.0
+
+
+def test_an_archived_population_opens_no_round_and_cannot_be_resumed(
+    db: sessionmaker[Session], biased_model: ExportedModel
+) -> None:
+    make_population(db, biased_model, target_reports=2, min_reports=2, round_duration_seconds=10)
+    with db.begin() as session:
+        found = rounds.lock_population(session, "p")
+        assert found is not None
+        pausing.archive(session, found, 2.0)
+
+    tick(db, 11.0)
+    refused = checkin(db, device(db), now=12.0)
+
+    assert [r.status for r in training_rounds(db)] == ["abandoned"]
+    assert isinstance(refused, rounds.Refused) and "the population is archived" in refused.message
+    with pytest.raises(pausing.ArchivedError, match="cannot be resumed"), db.begin() as session:
+        found = rounds.lock_population(session, "p")
+        assert found is not None
+        pausing.resume(session, found, 13.0)
+    assert (population(db).archived_at, population(db).paused_at) == (2.0, 2.0)

@@ -91,6 +91,7 @@ def population_out(session: Any, p: Population, now: float | None = None) -> Pop
         backing_off=idle_backoff.describe(p, now),
         paused_at=p.paused_at,
         settings_version=p.settings_version,
+        archived_at=p.archived_at,
     )
 
 
@@ -238,8 +239,26 @@ def resume(name: str, _: AdminDep, factory: SessionFactoryDep, clock: ClockDep) 
         population = rounds.lock_population(session, name)
         if population is None:
             raise HTTPException(404, f"no population {name!r}")
-        pausing.resume(session, population, now)
+        try:
+            pausing.resume(session, population, now)
+        except pausing.ArchivedError as e:
+            raise HTTPException(409, str(e)) from None
         rounds.advance(session, population, now)
+        return population_out(session, population, now)
+
+
+@router.post(
+    "/populations/{name}/archive",
+    response_model=schemas.PopulationOut,
+    summary="Archive a population: paused for good (no new rounds; it cannot be resumed)",
+)
+def archive(name: str, _: AdminDep, factory: SessionFactoryDep, clock: ClockDep) -> PopulationView:
+    now = clock()
+    with factory.begin() as session:
+        population = rounds.lock_population(session, name)
+        if population is None:
+            raise HTTPException(404, f"no population {name!r}")
+        pausing.archive(session, population, now)
         return population_out(session, population, now)
 
 
