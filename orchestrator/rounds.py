@@ -140,13 +140,16 @@ def checkin(
     """
     settings = population_settings(population)
     current = open_rounds(session, population)
-    # A device checking in for training ends the population's idle back-off (idle_backoff).
-    waking = population.next_round_at is not None and any(r.kind == TRAINING for r in requests)
+    # A device checking in for training ends the population's idle back-off (idle_backoff),
+    # whether it was backing off already or its last round closes idle just now.
+    wants_training = any(r.kind == TRAINING for r in requests)
+    waking = wants_training and population.next_round_at is not None
     if lock or waking or not up_to_date(population, current, now):
         relock(session, population)
-        if waking:
-            idle_backoff.wake(session, population)
         current = advance(session, population, now)
+        if wants_training and TRAINING not in current and population.next_round_at is not None:
+            idle_backoff.wake(session, population)
+            current = advance(session, population, now)
     devices = {r.device_id for r in requests}
     taken: dict[tuple[int, str], tuple[str, str]] = {
         (round_id, device_id): (assignment_id, status)

@@ -85,3 +85,15 @@ def test_a_round_with_a_check_in_resets_the_count_and_the_next_opens_at_once(
 
     assert population(db).idle_rounds == 0 and population(db).next_round_at is None
     assert training_rounds(db)[-1].opened_at == 32.0
+
+
+def test_a_check_in_that_finds_the_last_round_just_closed_idle_is_admitted_to_a_new_one(
+    db: sessionmaker[Session], biased_model: ExportedModel
+) -> None:
+    make_population(db, biased_model, target_reports=2, min_reports=1, round_duration_seconds=10)
+
+    answer = checkin(db, device(db), now=12.0)  # no tick closed the idle round before it
+
+    assert isinstance(answer, rounds.Accepted)
+    assert [r.status for r in training_rounds(db)] == ["abandoned", "open"]
+    assert (population(db).idle_rounds, population(db).next_round_at) == (0, None)
