@@ -188,6 +188,15 @@ class RoundView:
     counters: dict[str, int]
     total_weight: float
     metrics: dict[str, float]
+    close_reason: Annotated[str, Spec("why it closed; empty while open")] = ""
+    stopped_phase: Annotated[
+        str | None, Spec("a round that did not commit: the phase it stopped in (reporting, or secure)")
+    ] = None
+    devices_had: Annotated[NonNegative | None, Spec("devices that answered in that phase")] = None
+    devices_needed: Annotated[NonNegative | None, Spec("devices it needed there")] = None
+    ended_by: Annotated[
+        str | None, Spec("a round that did not commit: deadline, dropouts, refusals or failed_check")
+    ] = None
 
 
 @dataclass(frozen=True)
@@ -217,6 +226,20 @@ class PopulationView:
     settings: dict[str, Any]
     open_rounds: list[RoundView]
     privacy: Annotated[PrivacyView | None, Spec("only for populations with differential_privacy")] = None
+    recent_rounds: Annotated[
+        list[RoundView], Spec("the last closed rounds, newest first, with why each closed")
+    ] = field(default_factory=list)
+    idle_rounds: Annotated[
+        NonNegative, Spec("training rounds in a row that closed without a device checking in")
+    ] = 0
+    next_round_at: Annotated[
+        float | None,
+        Spec("backing off: no training round opens before this time unless a device checks in"),
+    ] = None
+    backing_off: Annotated[str, Spec("why no training round is open, when backing off; else empty")] = ""
+    paused_at: Annotated[float | None, Spec("paused since (no new rounds open); null: running")] = None
+    settings_version: Annotated[NonNegative, Spec("moved by each change of the settings")] = 0
+    archived_at: Annotated[float | None, Spec("archived since (paused for good); null: not archived")] = None
 
 
 # ---- reading a message -------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""`python -m orchestrator`: serve, create a population, show status."""
+"""`python -m orchestrator`: serve, create a population, show status (against the database), and
+the operator's console (against a running server's admin API: `orchestrator.console`)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from orchestrator.console import commands as console
 from orchestrator.settings import Settings
 
 
@@ -58,7 +60,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     status = sub.add_parser("status", help="print a population's state and latest rounds as JSON")
     status.add_argument("name")
+    console.add_commands(sub)
     args = parser.parse_args(argv)
+    if args.command in console.COMMANDS:
+        return console.run(args)
 
     overrides = {k: v for k, v in (("database_url", args.database_url),) if v}
     if args.command == "serve":

@@ -39,6 +39,26 @@ class Population(Base):
     current_version: Mapped[int] = mapped_column(default=0)
     training_rounds_committed: Mapped[int] = mapped_column(default=0)
     created_at: Mapped[float]
+    # Training rounds in a row that closed without a check-in, and while backing off from opening
+    # the next (idle_backoff), when it may open without one.
+    idle_rounds: Mapped[int] = mapped_column(default=0)
+    next_round_at: Mapped[float | None] = mapped_column(default=None)
+    paused_at: Mapped[float | None] = mapped_column(default=None)  # paused: no new rounds (pausing)
+    settings_version: Mapped[int] = mapped_column(default=0)  # moved by each settings change
+    archived_at: Mapped[float | None] = mapped_column(default=None)  # archived: paused for good
+
+
+class SettingsChange(Base):
+    """A change of a population's settings (settings_changes): its version, what changed from
+    what, who made it and when."""
+
+    __tablename__ = "settings_changes"
+    population_id: Mapped[int] = mapped_column(ForeignKey("populations.id"), primary_key=True)
+    version: Mapped[int] = mapped_column(primary_key=True)
+    changes: Mapped[dict[str, Any]] = mapped_column(JSON)
+    previous: Mapped[dict[str, Any]] = mapped_column(JSON)
+    changed_by: Mapped[str] = mapped_column(String(200))
+    changed_at: Mapped[float]
 
 
 class ModelVersion(Base):
@@ -106,6 +126,13 @@ class Round(Base):
     # A committed training round: per global tensor, the reference L2 norm that the next round
     # clips deltas to a multiple of, with the recent rounds' history (norm_reference.NormReference).
     norm_reference: Mapped[dict[str, Any] | None] = mapped_column(JSON(none_as_null=True), default=None)
+    # Why it closed (round_state.Closing): the sentence, and for a round that did not commit the
+    # phase it stopped in, the devices it had and needed there, and what ended it.
+    close_reason: Mapped[str] = mapped_column(String(500), default="")
+    stopped_phase: Mapped[str | None] = mapped_column(String(16), default=None)
+    devices_had: Mapped[int | None] = mapped_column(default=None)
+    devices_needed: Mapped[int | None] = mapped_column(default=None)
+    ended_by: Mapped[str | None] = mapped_column(String(16), default=None)
 
     __table_args__ = (Index("rounds_open", "population_id", "kind", "status"),)
 

@@ -45,6 +45,12 @@ ROUNDS = Counter(
     "Round transitions (opened, committed, abandoned), by population and round kind",
     ["population", "kind", "transition"],
 )
+ROUNDS_ABANDONED = Counter(
+    "orchestrator_rounds_abandoned",
+    "Rounds that closed without committing, by the phase they stopped in and what ended them "
+    "(deadline, dropouts, refusals, failed_check)",
+    ["population", "kind", "phase", "ended_by"],
+)
 CHECKINS = Counter(
     "orchestrator_checkins",
     "Check-ins of authenticated devices by answer: accepted, again (the same assignment back), "

@@ -16,17 +16,18 @@ from orchestrator.population_settings import PopulationSettings
 T = TypeVar("T")
 
 
-# A population's settings and manifest never change after creation, so they are parsed once
-# per process rather than on every check-in (pydantic validation would dominate its cost).
-# Keyed by database too: one process (a test run, an admin tool) may open several.
-_parsed: dict[tuple[object, int, str], Any] = {}
+# A population's manifest never changes and its settings only with its settings_version
+# (settings_changes), so they are parsed once per process and version rather than on every
+# check-in (pydantic validation would dominate its cost). Keyed by database too: one process (a
+# test run, an admin tool) may open several.
+_parsed: dict[tuple[object, int, int, str], Any] = {}
 
 
 def parsed_once(population: Population, what: str, parse: Callable[[], T]) -> T:
     session = object_session(population)
     if session is None:
         return parse()
-    key = (session.get_bind(), population.id, what)
+    key = (session.get_bind(), population.id, population.settings_version, what)
     if key not in _parsed:
         _parsed[key] = parse()
     return cast(T, _parsed[key])

@@ -43,7 +43,22 @@ def find_population(session: Session, name: str) -> Population | None:
 
 def relock(session: Session, population: Population) -> None:
     """Lock a population read without its lock, and re-read what may have changed meanwhile."""
-    session.refresh(population, ["current_version", "training_rounds_committed"], with_for_update=KEY_SHARE)
+    settings_version = population.settings_version
+    session.refresh(population, _MUTABLE, with_for_update=KEY_SHARE)
+    if population.settings_version != settings_version:  # changed meanwhile: read them again
+        session.expire(population, ["settings"])
+
+
+# What changes on a population after its creation.
+_MUTABLE = [
+    "current_version",
+    "training_rounds_committed",
+    "idle_rounds",
+    "next_round_at",
+    "paused_at",
+    "settings_version",
+    "archived_at",
+]
 
 
 def populations_of_assignments(session: Session, assignment_ids: Sequence[str]) -> dict[str, Population]:

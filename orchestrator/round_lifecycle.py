@@ -30,7 +30,7 @@ from contracts.params import (
     decode_sparse_delta,
     encode_params,
 )
-from orchestrator import central_training, metrics, mixing, round_state, secure_rounds
+from orchestrator import central_training, idle_backoff, metrics, mixing, pausing, round_state, secure_rounds
 from orchestrator.aggregation import apply_update
 from orchestrator.db import Assignment, ModelVersion, Population, Report, Round
 from orchestrator.logs import log_on_commit
@@ -94,6 +94,8 @@ def open_round(session: Session, population: Population, kind: str, now: float) 
     )
     session.add(round_)
     session.flush()
+    if kind == TRAINING:
+        population.next_round_at = None  # the back-off is over; idle_rounds counts on till a check-in
     metrics.count(session, metrics.ROUNDS, (population.name, kind, "opened"))
     log_on_commit(
         session,
@@ -135,7 +137,7 @@ def open_rounds(session: Session, population: Population) -> dict[str, Round]:
 def up_to_date(population: Population, current: Mapping[str, Round], now: float) -> bool:
     """Whether `advance` has nothing to do: no round to close or open, no secure phase to move."""
     return (
-        (TRAINING in current or privacy_budget_spent(population))
+        (TRAINING in current or not _may_open_training(population, now))
         and all(now < r.deadline for r in current.values())
         and not population_settings(population).secure_training
     )
@@ -167,15 +169,21 @@ def advance(session: Session, population: Population, now: float) -> dict[str, R
         if outstanding:
             metrics.count(session, metrics.DROPPED, (population.name, round_.kind), outstanding)
         if closing.status == round_state.COMMITTED:
-            commit(session, population, round_, now)
+            commit(session, population, round_, now, closing=closing)
         else:
             _abandon(session, population, round_, closing, now)
-            if round_.kind == TRAINING:
-                open_round(session, population, TRAINING, now)
     current = open_rounds(session, population)
-    if TRAINING not in current and not privacy_budget_spent(population):
+    if TRAINING not in current and _may_open_training(population, now):
         current[TRAINING] = open_round(session, population, TRAINING, now)
     return current
+
+
+def _may_open_training(population: Population, now: float) -> bool:
+    return not (
+        privacy_budget_spent(population)
+        or idle_backoff.backing_off(population, now)
+        or pausing.paused(population)
+    )
 
 
 def advance_secure(session: Session, population: Population, round_: Round, now: float) -> None:
@@ -188,10 +196,17 @@ def advance_secure(session: Session, population: Population, round_: Round, now:
             "secure_survivors": float(outcome.survivors),
             "unmask_seconds": outcome.unmask_seconds,
         }
-        commit(session, population, round_, now, outcome.mean_delta, outcome.survivors)
+        closing = round_state.Closing(
+            round_state.COMMITTED,
+            f"{outcome.survivors} devices' masked inputs unmasked",
+            had=outcome.survivors,
+            needed=round_.min_reports,
+        )
+        commit(session, population, round_, now, outcome.mean_delta, outcome.survivors, closing)
     elif isinstance(outcome, secure_rounds.Abandon):
-        _abandon(session, population, round_, round_state.Closing(round_state.ABANDONED, outcome.reason), now)
-        open_round(session, population, TRAINING, now)
+        _abandon(session, population, round_, outcome.closing, now)
+        if _may_open_training(population, now):
+            open_round(session, population, TRAINING, now)
 
 
 def commit(
@@ -201,11 +216,12 @@ def commit(
     now: float,
     mean_delta: Params | None = None,
     survivors: int = 0,
+    closing: round_state.Closing | None = None,
 ) -> None:
     """Aggregate the round's reports into a new model version (training) or just close it.
     A secure round passes its unmasked `mean_delta` over its `survivors`, since it has no
     individual reports. How the reports combine is the population's pipeline's (`pipeline`)."""
-    round_state.close(round_, _COMMITTED, now)
+    round_state.close(round_, closing or _COMMITTED, now)
     if round_.kind == EVALUATION:
         _count_closed(session, population, round_, "committed")
         return
@@ -276,13 +292,14 @@ def commit(
         on_commit(session, functools.partial(central_training.precompute_gradient, gradient))
     round_.result_version = version
     _count_closed(session, population, round_, "committed")
-    if not privacy_budget_spent(population):
+    if _may_open_training(population, now):
         open_round(session, population, TRAINING, now)
     if settings.keep_model_versions:
         prune_model_versions(session, population, settings.keep_model_versions)
     every = settings.evaluation_every
     if (
         every
+        and not pausing.paused(population)
         and population.training_rounds_committed % every == 0
         and EVALUATION not in open_rounds(session, population)
     ):
@@ -322,18 +339,27 @@ def _abandon(
     session: Session, population: Population, round_: Round, closing: round_state.Closing, now: float
 ) -> None:
     round_state.close(round_, closing, now)
-    _count_closed(session, population, round_, "abandoned", closing.reason)
+    labels = (population.name, round_.kind, closing.phase, closing.ended_by or "")
+    metrics.count(session, metrics.ROUNDS_ABANDONED, labels)
+    _count_closed(session, population, round_, "abandoned")
 
 
-def _count_closed(
-    session: Session, population: Population, round_: Round, transition: str, reason: str | None = None
-) -> None:
+def _count_closed(session: Session, population: Population, round_: Round, transition: str) -> None:
+    if round_.kind == TRAINING:
+        idle_backoff.training_round_closed(session, population, round_, round_.closed_at or 0.0)
     metrics.count(session, metrics.ROUNDS, (population.name, round_.kind, transition))
+    why = {
+        "stopped_phase": round_.stopped_phase,
+        "devices_had": round_.devices_had,
+        "devices_needed": round_.devices_needed,
+        "ended_by": round_.ended_by,
+    }
     log_on_commit(
         session,
         log,
         f"round {transition}",
-        **({} if reason is None else {"reason": reason}),
+        reason=round_.close_reason,
+        **{k: v for k, v in why.items() if v is not None},
         population=population.name,
         round_id=round_.id,
         kind=round_.kind,

@@ -23,6 +23,13 @@ from dataclasses import dataclass
 from typing import Protocol
 
 OPEN, COMMITTED, ABANDONED = "open", "committed", "abandoned"
+# The phase a plaintext round stops in (a secure round's are secure_phases'): devices check in
+# and report during the one phase.
+REPORTING = "reporting"
+# What ended a round that did not commit: a deadline passed with too few devices; devices left
+# (aborted, vanished) before it; the server refused enough of their messages as invalid that the
+# rest fell short; or the aggregate failed a check (a secure round's unmasking).
+DEADLINE, DROPOUTS, REFUSALS, FAILED_CHECK = "deadline", "dropouts", "refusals", "failed_check"
 
 
 class RoundCounts(Protocol):
@@ -42,14 +49,34 @@ class RoundCounts(Protocol):
     late: int
     invalid: int
     metrics: dict[str, float]
+    close_reason: str
+    stopped_phase: str | None
+    devices_had: int | None
+    devices_needed: int | None
+    ended_by: str | None
 
 
 @dataclass(frozen=True)
 class Closing:
-    """A round closes: COMMITTED (a new model version) or ABANDONED (the model kept), and why."""
+    """A round closes: COMMITTED (a new model version) or ABANDONED (the model kept), and why:
+    the sentence an operator reads, and its parts (stored with the round, counted by the metrics):
+    the phase it stopped in, the devices it had and needed there (None: no count says it), and
+    what ended it (DEADLINE, DROPOUTS, REFUSALS, FAILED_CHECK; None for a commit)."""
 
     status: str
     reason: str
+    phase: str = REPORTING
+    had: int | None = None
+    needed: int | None = None
+    ended_by: str | None = None
+
+
+def shortfall(phase: str, had: int, needed: int, refused: int, timed_out: bool, reason: str) -> Closing:
+    """An abandonment for want of devices: `had` of `needed` answered in `phase`; REFUSALS if the
+    `refused` (invalid) messages would have made up the difference, else the deadline or dropouts."""
+    timing = DEADLINE if timed_out else DROPOUTS
+    ended_by = REFUSALS if refused and had + refused >= needed else timing
+    return Closing(ABANDONED, reason, phase, had, needed, ended_by)
 
 
 def admissible(accepted: int, capacity: int, wanted: int) -> int:
@@ -66,7 +93,12 @@ def count_report(round_: RoundCounts, weight: float, metric_sums: Mapping[str, f
         sums[name] = sums.get(name, 0.0) + value
     round_.metrics = sums
     if round_.reported >= round_.target:
-        return Closing(COMMITTED, f"{round_.reported} reports reached the target {round_.target}")
+        return Closing(
+            COMMITTED,
+            f"{round_.reported} reports reached the target {round_.target}",
+            had=round_.reported,
+            needed=round_.target,
+        )
     return None
 
 
@@ -92,12 +124,22 @@ def at_deadline(round_: RoundCounts, outstanding: int) -> Closing:
     round_.dropped += outstanding
     if round_.reported >= round_.min_reports:
         return Closing(
-            COMMITTED, f"the deadline, with {round_.reported} of {round_.min_reports} reports needed"
+            COMMITTED,
+            f"the deadline, with {round_.reported} of {round_.min_reports} reports needed",
+            had=round_.reported,
+            needed=round_.min_reports,
         )
-    return Closing(
-        ABANDONED, f"only {round_.reported} reports by the deadline; the round needed {round_.min_reports}"
-    )
+    reason = f"only {round_.reported} reports by the deadline; the round needed {round_.min_reports}"
+    if round_.invalid:
+        reason += f" ({round_.invalid} refused as invalid)"
+    if not round_.accepted:
+        reason += " (no device checked in)"
+    return shortfall(REPORTING, round_.reported, round_.min_reports, round_.invalid, True, reason)
 
 
 def close(round_: RoundCounts, closing: Closing, now: float) -> None:
-    round_.status, round_.closed_at = closing.status, now
+    """The round closes as `closing` says, and keeps why (the phase only if it did not commit)."""
+    round_.status, round_.closed_at, round_.close_reason = closing.status, now, closing.reason[:500]
+    round_.stopped_phase = closing.phase if closing.status == ABANDONED else None
+    round_.devices_had, round_.devices_needed = closing.had, closing.needed
+    round_.ended_by = closing.ended_by

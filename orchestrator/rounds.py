@@ -20,7 +20,7 @@ from sqlalchemy import bindparam, insert, select, update
 from sqlalchemy.orm import Session
 from sqlalchemy.orm.attributes import set_committed_value
 
-from orchestrator import metrics, round_state, secure_rounds
+from orchestrator import idle_backoff, metrics, pausing, round_state, secure_rounds
 from orchestrator.db import Assignment, Population, Report, Round
 from orchestrator.logs import log_on_commit
 from orchestrator.model_versions import _latest as _latest  # tests clear it, as a restart would
@@ -140,9 +140,16 @@ def checkin(
     """
     settings = population_settings(population)
     current = open_rounds(session, population)
-    if lock or not up_to_date(population, current, now):
+    # A device checking in for training ends the population's idle back-off (idle_backoff),
+    # whether it was backing off already or its last round closes idle just now.
+    wants_training = any(r.kind == TRAINING for r in requests)
+    waking = wants_training and population.next_round_at is not None
+    if lock or waking or not up_to_date(population, current, now):
         relock(session, population)
         current = advance(session, population, now)
+        if wants_training and TRAINING not in current and population.next_round_at is not None:
+            idle_backoff.wake(session, population)
+            current = advance(session, population, now)
     devices = {r.device_id for r in requests}
     taken: dict[tuple[int, str], tuple[str, str]] = {
         (round_id, device_id): (assignment_id, status)
@@ -168,8 +175,14 @@ def checkin(
             continue
         if round_ is None:
             tally[population.name, request.kind, "no_round"] += 1
+            why = ""
+            if pausing.paused(population):
+                state = "archived" if population.archived_at is not None else "paused"
+                why = f" (the population is {state})"
             answers.append(
-                Refused(409, f"no {request.kind} round is open", retry_after=settings.retry_after_seconds)
+                Refused(
+                    409, f"no {request.kind} round is open{why}", retry_after=settings.retry_after_seconds
+                )
             )
             continue
         retry_after = max(settings.retry_after_seconds, round_.deadline - now)
@@ -448,7 +461,7 @@ def report(
     closing = round_state.count_report(round_, weight, metrics)
     _count_report(session, population, round_, assignment_id, None)
     if closing is not None:
-        commit(session, population, round_, now)
+        commit(session, population, round_, now, closing=closing)
     return round_
 
 

@@ -41,6 +41,7 @@ from sqlalchemy.orm import Session
 
 from contracts.manifest import Manifest
 from contracts.params import Params
+from orchestrator import round_state
 from orchestrator.db import Assignment, Round, SecureParticipant, SecureRound
 from orchestrator.on_commit import on_commit
 from orchestrator.phase_changes import PHASE_CHANGES
@@ -93,7 +94,14 @@ class Commit:
 
 @dataclass(frozen=True)
 class Abandon:
-    reason: str
+    """The round cannot commit: how it closes (the phase, the devices it had and needed, and
+    what ended it)."""
+
+    closing: round_state.Closing
+
+    @property
+    def reason(self) -> str:
+        return self.closing.reason
 
 
 def layout(manifest: Manifest) -> Layout:
@@ -224,7 +232,7 @@ def advance(
                 return None
             _drop_outstanding(session, round_, {p.assignment_id for p in participants.values()}, now)
             _next_phase(session, round_, secure_round, SHARE_KEYS, settings.secure.share_keys_seconds, now)
-            problem = _too_few(secure_round, len(participants), "advertised keys")
+            problem = _too_few(round_, secure_round, phase, len(participants), "advertised keys", timed_out)
         elif phase == SHARE_KEYS:
             sharers = {i for i, p in participants.items() if p.sent_shares}
             if not (
@@ -239,9 +247,9 @@ def advance(
             _next_phase(
                 session, round_, secure_round, MASKED_INPUT, settings.secure.masked_input_seconds, now
             )
-            problem = _too_few(secure_round, len(sharers), "shared keys") or _unreachable(
-                secure_round, participants, sharers
-            )
+            problem = _too_few(
+                round_, secure_round, phase, len(sharers), "shared keys", timed_out
+            ) or _unreachable(round_, secure_round, participants, sharers, timed_out)
         elif phase == MASKED_INPUT:
             sharers = {i for i, p in participants.items() if p.sent_shares}
             senders = {i for i, p in participants.items() if p.sent_masked_input}
@@ -261,7 +269,9 @@ def advance(
                 return None
             _drop_outstanding(session, round_, {participants[i].assignment_id for i in senders}, now)
             _next_phase(session, round_, secure_round, UNMASKING, settings.secure.unmasking_seconds, now)
-            problem = _too_few(secure_round, len(senders), "sent their masked input")
+            problem = _too_few(
+                round_, secure_round, phase, len(senders), "sent their masked input", timed_out
+            )
         else:  # UNMASKING
             return _finish(session, round_, secure_round, participants, layout(manifest), timed_out, now)
         if problem is not None:
@@ -311,15 +321,23 @@ def _enough(secure_round: SecureRound) -> int:
     return max(3, round_parameters(secure_round).min_survivors)
 
 
-def _too_few(secure_round: SecureRound, count: int, what: str) -> str | None:
-    if count < _enough(secure_round):
-        return f"only {count} devices {what}; a secure round needs at least {_enough(secure_round)}"
+def _too_few(
+    round_: Round, secure_round: SecureRound, phase: str, count: int, what: str, timed_out: bool
+) -> round_state.Closing | None:
+    needed = _enough(secure_round)
+    if count < needed:
+        reason = f"only {count} devices {what} in the {phase} phase; a secure round needs at least {needed}"
+        return round_state.shortfall(phase, count, needed, round_.invalid, timed_out, reason)
     return None
 
 
 def _unreachable(
-    secure_round: SecureRound, participants: Mapping[int, _Member], sharers: set[int]
-) -> str | None:
+    round_: Round,
+    secure_round: SecureRound,
+    participants: Mapping[int, _Member],
+    sharers: set[int],
+    timed_out: bool,
+) -> round_state.Closing | None:
     """A sharer whose secrets reached fewer neighbours than the threshold could never be unmasked."""
     parameters = round_parameters(secure_round)
     graph = round_graph(parameters, sorted(participants))
@@ -327,7 +345,8 @@ def _unreachable(
         t = parameters.shamir_threshold(len(graph[owner]))
         holders = len(set(graph[owner]) & sharers)
         if holders < t:
-            return f"device {owner}'s shares reached {holders} neighbours; its secrets need {t}"
+            reason = f"device {owner}'s shares reached {holders} neighbours; its secrets need {t}"
+            return round_state.shortfall(SHARE_KEYS, holders, t, round_.invalid, timed_out, reason)
     return None
 
 
@@ -341,14 +360,16 @@ def _unmaskable(
     return server.unmask_problem(parameters, graph, sharers, senders, senders) is None
 
 
-def _abandon(session: Session, round_: Round, secure_round: SecureRound, reason: str, now: float) -> Abandon:
+def _abandon(
+    session: Session, round_: Round, secure_round: SecureRound, closing: round_state.Closing, now: float
+) -> Abandon:
     _drop_outstanding(session, round_, set(), now)
     on_commit(session, PHASE_CHANGES.notify)
-    secure_round.phase, secure_round.outcome = DONE, reason[:500]
+    secure_round.phase, secure_round.outcome = DONE, closing.reason[:500]
     session.execute(
         update(SecureParticipant).where(SecureParticipant.round_id == round_.id).values(masked_input=None)
     )
-    return Abandon(reason)
+    return Abandon(closing)
 
 
 def _finish(
@@ -377,7 +398,11 @@ def _finish(
         return None  # more answers may still come
     _close_phase(round_, UNMASKING, now)
     if problem is not None:
-        return _abandon(session, round_, secure_round, problem, now)
+        ended_by = round_state.DEADLINE if timed_out else round_state.DROPOUTS
+        closing = round_state.Closing(
+            round_state.ABANDONED, problem, UNMASKING, len(responses), None, ended_by
+        )
+        return _abandon(session, round_, secure_round, closing, now)
     started = time.perf_counter()
     total = server.MaskedSum(parameters)
     # One masked input in memory at a time: memory is O(model), not O(devices x model).
@@ -392,7 +417,7 @@ def _finish(
             parameters, total.total, roster_of(session, round_.id), graph, sharers, survivors, responses
         )
     except server.CannotUnmask as e:
-        return _abandon(session, round_, secure_round, str(e), now)
+        return _abandon(session, round_, secure_round, _failed_check(str(e), len(responses)), now)
     survivor_assignments = [participants[i].assignment_id for i in survivors]
     session.execute(
         update(Assignment)
@@ -413,12 +438,12 @@ def _finish(
     bound = parameters.clip_norm * (1 + np.sqrt(parameters.vector_length) / parameters.levels)
     norm = float(np.linalg.norm(mean))
     if norm > bound:
-        return _abandon(
-            session,
-            round_,
-            secure_round,
-            f"the unmasked mean has norm {norm:.4g} > clip_norm {bound:.4g}",
-            now,
-        )
+        problem = f"the unmasked mean has norm {norm:.4g} > clip_norm {bound:.4g}"
+        return _abandon(session, round_, secure_round, _failed_check(problem, len(survivors)), now)
     mean_delta = {k: v.astype(np.float32) for k, v in flat.unflatten(mean).items()}
     return Commit(mean_delta, len(survivors), time.perf_counter() - started)
+
+
+def _failed_check(reason: str, had: int) -> round_state.Closing:
+    """The unmasking had its devices' answers but its result failed a check."""
+    return round_state.Closing(round_state.ABANDONED, reason, UNMASKING, had, None, round_state.FAILED_CHECK)

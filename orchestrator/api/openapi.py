@@ -29,6 +29,8 @@ from orchestrator.api.edge import ADMIN, DEVICE, Edge
 from orchestrator.settings import Settings
 
 DEVICE_TOKEN, ADMIN_TOKEN, METRICS_TOKEN = "deviceToken", "adminToken", "metricsToken"
+# In a device route's `openapi_extra`: the admin token opens it too (the operator's downloads).
+ADMIN_TOO = "x-admin-token-too"
 SECURITY_SCHEMES = {
     DEVICE_TOKEN: {
         "type": "http",
@@ -102,7 +104,9 @@ def _complete_operation(
     elif gate.credential == ADMIN or path.startswith("/v1/admin"):
         operation["security"] = [{ADMIN_TOKEN: []}]
     elif gate.credential == DEVICE or _takes_bearer(route.dependant):
-        operation["security"] = [{DEVICE_TOKEN: []}]
+        # ADMIN_TOO (a route's openapi_extra): the operator reads it with the admin token as well.
+        admin_too = operation.pop(ADMIN_TOO, False)
+        operation["security"] = [{DEVICE_TOKEN: []}] + ([{ADMIN_TOKEN: []}] if admin_too else [])
     else:
         operation["security"] = []  # explicitly none: e.g. the artifact, enrollment, /health
     if operation["security"]:
@@ -113,7 +117,7 @@ def _complete_operation(
         else:
             operation.pop("parameters", None)
         _add(responses, 401, WWW_AUTHENTICATE)
-        if operation["security"][-1] == {ADMIN_TOKEN: []}:
+        if operation["security"][-1] == {ADMIN_TOKEN: []} and {DEVICE_TOKEN: []} not in operation["security"]:
             _add(responses, 403, description="the bearer token is not the admin token")
     if gate.rate_limit is not None:
         _add(responses, 429, schemas.RETRY_AFTER)

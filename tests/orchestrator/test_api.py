@@ -166,6 +166,38 @@ def test_report_errors_over_http(server: Server, population: str) -> None:
     assert status["current_version"] == 0
 
 
+def test_an_abandoned_round_says_why_in_the_rounds_listing_and_the_status(
+    server: Server, export: Callable[[ModelConfig], Path]
+) -> None:
+    settings = {"target_reports": 2, "min_reports": 2, "round_duration_seconds": 1}
+    created = admin_create_population(server.url, export(BIASED), "idle", json.dumps(settings))
+    assert created.status_code == 201, created.text
+    admin = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:  # the server's ticker closes the round at its deadline
+        listed = httpx.get(f"{server.url}/v1/admin/populations/idle/rounds", headers=admin, timeout=10)
+        closed = [r for r in listed.json() if r["status"] != "open"]
+        if closed:
+            break
+        time.sleep(0.2)
+    status = httpx.get(f"{server.url}/v1/admin/populations/idle", headers=admin, timeout=10).json()
+
+    first = closed[-1]
+    assert first["status"] == "abandoned"
+    assert (first["stopped_phase"], first["devices_had"], first["devices_needed"], first["ended_by"]) == (
+        "reporting",
+        0,
+        2,
+        "deadline",
+    )
+    assert "no device checked in" in first["close_reason"]
+    (shown,) = [r for r in status["recent_rounds"] if r["id"] == first["id"]]
+    assert shown["close_reason"] == first["close_reason"]
+    assert all(r["close_reason"] == "" for r in status["open_rounds"])
+    assert status["idle_rounds"] >= 1  # no device came: the population backs off (idle_backoff)
+
+
 def test_artifact_and_params_downloads(
     server: Server, population: str, export: Callable[[ModelConfig], Path]
 ) -> None:

@@ -328,7 +328,12 @@ def test_a_report_after_the_round_committed_is_late_and_moves_nothing(
     committed_round = next(r for r in live.state("once")["rounds"] if r["id"] == a["round_id"])
     assert committed_round["counters"]["late"] == 1
     after = live.state("once")
-    assert (after["status"], after["params"]) == (before["status"], before["params"])
+
+    def model_and_state(status: dict[str, Any]) -> dict[str, Any]:  # the recent rounds count it late
+        return {k: v for k, v in status.items() if k != "recent_rounds"}
+
+    assert model_and_state(after["status"]) == model_and_state(before["status"])
+    assert after["params"] == before["params"]
 
 
 def test_an_evaluation_report_must_be_json_of_bounded_depth(live: Live) -> None:
@@ -403,7 +408,10 @@ def test_device_routes_refuse_missing_forged_and_admin_tokens(live: Live) -> Non
         for name, headers in tokens.items()
     }
 
-    assert answers == {name: (401, 401, 401, 401) for name in tokens}
+    # The admin token acts as no device; it reads the manifest (and the global parameters) only,
+    # so that an operator downloads the trained model without enrolling a device.
+    expected = {name: (401, 401, 401, 200 if name == "admin token" else 401) for name in tokens}
+    assert answers == expected
     assert live.state() == before
 
 

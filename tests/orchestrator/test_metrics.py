@@ -105,3 +105,18 @@ def test_group_commit_retries_are_counted() -> None:
     asyncio.run(run())
 
     assert value("orchestrator_database_retries_total", operation="test") == before + 3
+
+
+def test_an_abandoned_round_is_counted_with_the_phase_it_stopped_in_and_what_ended_it(
+    db: sessionmaker[Session], biased_model: ExportedModel
+) -> None:
+    make_population(db, biased_model, target_reports=3, min_reports=2, round_duration_seconds=10)
+    labels = {"population": "p", "kind": "training", "phase": "reporting", "ended_by": "deadline"}
+    before = value("orchestrator_rounds_abandoned_total", **labels)
+    a = device(db)
+    answer = checkin(db, a)
+    report(db, a, answer.assignment_id, delta_body(biased_model, 0.1))
+
+    checkin(db, device(db), now=12.0)  # past the deadline: one report of the two needed
+
+    assert value("orchestrator_rounds_abandoned_total", **labels) == before + 1

@@ -5,7 +5,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from orchestrator import round_state
-from orchestrator.round_state import ABANDONED, COMMITTED, OPEN, Closing
+from orchestrator.round_state import (
+    ABANDONED,
+    COMMITTED,
+    DEADLINE,
+    DROPOUTS,
+    OPEN,
+    REFUSALS,
+    REPORTING,
+    Closing,
+)
 
 
 @dataclass
@@ -26,6 +35,11 @@ class Counts:
     late: int = 0
     invalid: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
+    close_reason: str = ""
+    stopped_phase: str | None = None
+    devices_had: int | None = None
+    devices_needed: int | None = None
+    ended_by: str | None = None
 
 
 def test_reports_are_counted_with_their_weights_and_sums_and_the_target_commits() -> None:
@@ -36,7 +50,7 @@ def test_reports_are_counted_with_their_weights_and_sums_and_the_target_commits(
     third = round_state.count_report(round_, 1.0, {})
 
     assert first is None and second is None
-    assert third == Closing(COMMITTED, "3 reports reached the target 3")
+    assert third == Closing(COMMITTED, "3 reports reached the target 3", had=3, needed=3)
     assert (round_.reported, round_.total_weight) == (3, 16.0)
     assert round_.metrics == {"loss_sum": 2.0, "n": 1.0}
     assert round_.status == OPEN  # the machine says it closes; closing is the caller's act
@@ -45,7 +59,7 @@ def test_reports_are_counted_with_their_weights_and_sums_and_the_target_commits(
 
 
 def test_at_the_deadline_a_round_commits_with_min_reports_and_is_abandoned_with_fewer() -> None:
-    enough, short = Counts(reported=2), Counts(reported=1)
+    enough, short = Counts(reported=2, accepted=3), Counts(reported=1, accepted=3)
 
     assert not round_state.past_deadline(enough, 9.99)
     assert round_state.past_deadline(enough, 10.0)
@@ -53,8 +67,34 @@ def test_at_the_deadline_a_round_commits_with_min_reports_and_is_abandoned_with_
     abandoned = round_state.at_deadline(short, outstanding=0)
 
     assert committed.status == COMMITTED and enough.dropped == 2
-    assert abandoned == Closing(ABANDONED, "only 1 reports by the deadline; the round needed 2")
+    assert abandoned == Closing(
+        ABANDONED, "only 1 reports by the deadline; the round needed 2", REPORTING, 1, 2, DEADLINE
+    )
     assert short.dropped == 0
+    round_state.close(short, abandoned, 11.0)
+    assert (short.status, short.stopped_phase, short.devices_had, short.devices_needed) == (
+        ABANDONED,
+        REPORTING,
+        1,
+        2,
+    )
+    assert (short.ended_by, short.close_reason) == (DEADLINE, abandoned.reason)
+    round_state.close(enough, committed, 11.0)
+    assert (enough.stopped_phase, enough.ended_by, enough.close_reason) == (None, None, committed.reason)
+
+
+def test_a_round_that_fell_short_because_reports_were_refused_says_so() -> None:
+    refused, empty = Counts(reported=1, invalid=1, accepted=3), Counts()
+
+    assert round_state.at_deadline(refused, outstanding=1).ended_by == REFUSALS
+    nobody = round_state.at_deadline(empty, outstanding=0)
+    assert (nobody.ended_by, nobody.had, nobody.needed) == (DEADLINE, 0, 2)
+    assert nobody.reason.endswith("(no device checked in)")
+
+
+def test_a_shortfall_before_the_deadline_is_put_down_to_dropouts() -> None:
+    closing = round_state.shortfall("share_keys", 2, 3, 0, timed_out=False, reason="r")
+    assert (closing.status, closing.phase, closing.ended_by) == (ABANDONED, "share_keys", DROPOUTS)
 
 
 def test_admission_stops_at_capacity() -> None:

@@ -315,7 +315,11 @@ def test_deadline_without_enough_reports_abandons_and_keeps_the_model(
 
     checkin(db, device(db), now=12.0)  # any request past the deadline advances the machine
 
-    assert round_by_id(db, first.round_id).status == "abandoned"
+    abandoned = round_by_id(db, first.round_id)
+    assert abandoned.status == "abandoned"
+    why = (abandoned.stopped_phase, abandoned.devices_had, abandoned.devices_needed, abandoned.ended_by)
+    assert why == ("reporting", 1, 2, "deadline")
+    assert abandoned.close_reason == "only 1 reports by the deadline; the round needed 2"
     assert current_round(db).base_version == 0
     with db() as session:
         assert session.get(ModelVersion, (1, 1)) is None

@@ -109,6 +109,9 @@ def test_too_few_sharers_abandon_the_round_at_the_phase_deadline_and_the_next_on
     assert isinstance(late, rounds.Refused) and "closed its check-ins" in late.message
     assert after["phase"] == "done" and after["round_status"] == "abandoned"
     assert "only 2 devices shared keys" in after["outcome"]
+    closed = round_by_id(db, first.id)
+    why = (closed.stopped_phase, closed.devices_had, closed.devices_needed, closed.ended_by)
+    assert why == ("share_keys", 2, 3, "deadline") and closed.close_reason == after["outcome"]
     assert current_round(db).id != first.id
 
 
@@ -289,7 +292,9 @@ def test_a_roster_still_short_after_its_patience_is_abandoned(
     assert patient_still["phase"] == "advertise"
     assert after["phase"] == "done" and after["round_status"] == "abandoned"
     assert "only 2 devices advertised keys" in after["outcome"]
-    assert round_by_id(db, first.id).metrics["secure_advertise_seconds"] == 15.0
+    closed = round_by_id(db, first.id)
+    assert (closed.stopped_phase, closed.devices_had, closed.ended_by) == ("advertise", 2, "deadline")
+    assert closed.metrics["secure_advertise_seconds"] == 15.0
     assert current_round(db).id != first.id
 
 

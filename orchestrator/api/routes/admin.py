@@ -1,21 +1,23 @@
 from __future__ import annotations
 
 import math
+import time
 from typing import Annotated, Any, cast
 
 from fastapi import APIRouter, File, Form, HTTPException, Query, Request, UploadFile
-from sqlalchemy import select
+from sqlalchemy import Select, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from contracts.mixing import MAX_CENTRAL_BYTES, MixingError
 from contracts.protocol import PopulationView, PrivacyView, RoundView, TaskKind
+from orchestrator import idle_backoff, pausing, rounds
 from orchestrator import mixing as mixing_data
-from orchestrator import rounds
 from orchestrator.api import schemas
 from orchestrator.api.deps import AdminDep, ClockDep, SessionFactoryDep, run_db
-from orchestrator.db import Population, Round
+from orchestrator.db import Population, Round, SettingsChange
 from orchestrator.limits import MAX_COUNT, MAX_MANIFEST_BYTES, json_document
 from orchestrator.populations import ExportedModel, PopulationError, create_population
+from orchestrator.settings_changes import SettingsChangeError, change_settings
 
 router = APIRouter(prefix="/v1/admin", tags=["admin"])
 
@@ -48,6 +50,11 @@ def round_out(r: Round) -> RoundView:
         counters={c: getattr(r, c) for c in COUNTERS},
         total_weight=r.total_weight,
         metrics=rounds.summarize_metrics(r),
+        close_reason=r.close_reason,
+        stopped_phase=r.stopped_phase,
+        devices_had=r.devices_had,
+        devices_needed=r.devices_needed,
+        ended_by=r.ended_by,
     )
 
 
@@ -68,7 +75,8 @@ def privacy_out(p: Population) -> PrivacyView | None:
     )
 
 
-def population_out(session: Any, p: Population) -> PopulationView:
+def population_out(session: Any, p: Population, now: float | None = None) -> PopulationView:
+    now = time.time() if now is None else now
     return PopulationView(
         name=p.name,
         current_version=p.current_version,
@@ -77,6 +85,25 @@ def population_out(session: Any, p: Population) -> PopulationView:
         settings=p.settings,
         open_rounds=[round_out(r) for r in rounds.open_rounds(session, p).values()],
         privacy=privacy_out(p),
+        recent_rounds=[round_out(r) for r in session.scalars(_recent_rounds(p.id))],
+        idle_rounds=p.idle_rounds,
+        next_round_at=p.next_round_at,
+        backing_off=idle_backoff.describe(p, now),
+        paused_at=p.paused_at,
+        settings_version=p.settings_version,
+        archived_at=p.archived_at,
+    )
+
+
+RECENT_ROUNDS = 5
+
+
+def _recent_rounds(population_id: int) -> Select[tuple[Round]]:
+    return (
+        select(Round)
+        .where(Round.population_id == population_id, Round.status != "open")
+        .order_by(Round.id.desc())
+        .limit(RECENT_ROUNDS)
     )
 
 
@@ -122,24 +149,27 @@ async def create(
             population = create_population(session, name, exported, settings_json, clock())
         except PopulationError as e:
             raise HTTPException(422 if "already exists" not in str(e) else 409, str(e)) from None
-        return population_out(session, population)
+        return population_out(session, population, clock())
 
 
-def _list_populations(factory: sessionmaker[Session]) -> list[PopulationView]:
+def _list_populations(factory: sessionmaker[Session], now: float) -> list[PopulationView]:
     with factory() as session:
         return [
-            population_out(session, p) for p in session.scalars(select(Population).order_by(Population.id))
+            population_out(session, p, now)
+            for p in session.scalars(select(Population).order_by(Population.id))
         ]
 
 
 @router.get("/populations", response_model=schemas.PopulationsOut, summary="All populations")
-async def list_populations(_: AdminDep, factory: SessionFactoryDep, request: Request) -> list[PopulationView]:
-    return await run_db(request.app, _list_populations, factory)
+async def list_populations(
+    _: AdminDep, factory: SessionFactoryDep, clock: ClockDep, request: Request
+) -> list[PopulationView]:
+    return await run_db(request.app, _list_populations, factory, clock())
 
 
-def _status(factory: sessionmaker[Session], name: str) -> PopulationView:
+def _status(factory: sessionmaker[Session], name: str, now: float) -> PopulationView:
     with factory() as session:
-        return population_out(session, _population(session, name))
+        return population_out(session, _population(session, name), now)
 
 
 @router.get(
@@ -148,8 +178,10 @@ def _status(factory: sessionmaker[Session], name: str) -> PopulationView:
     summary="A population's status",
     responses=schemas.refusals({404: "no population of that name"}),
 )
-async def status(name: str, _: AdminDep, factory: SessionFactoryDep, request: Request) -> PopulationView:
-    return await run_db(request.app, _status, factory, name)
+async def status(
+    name: str, _: AdminDep, factory: SessionFactoryDep, clock: ClockDep, request: Request
+) -> PopulationView:
+    return await run_db(request.app, _status, factory, name, clock())
 
 
 def _list_rounds(
@@ -188,7 +220,10 @@ async def list_rounds(
     status_code=201,
     summary="Open an evaluation round",
     responses=schemas.refusals(
-        {404: "no population of that name", 409: "an evaluation round is already open"}
+        {
+            404: "no population of that name",
+            409: "an evaluation round is already open, or the population is paused or archived",
+        }
     ),
 )
 def schedule_evaluation(name: str, _: AdminDep, factory: SessionFactoryDep, clock: ClockDep) -> RoundView:
@@ -196,9 +231,151 @@ def schedule_evaluation(name: str, _: AdminDep, factory: SessionFactoryDep, cloc
         population = rounds.lock_population(session, name)
         if population is None:
             raise HTTPException(404, f"no population {name!r}")
+        if pausing.paused(population):
+            raise HTTPException(409, "the population is paused: resume it first")
         if rounds.EVALUATION in rounds.open_rounds(session, population):
             raise HTTPException(409, "an evaluation round is already open")
         return round_out(rounds.open_round(session, population, rounds.EVALUATION, clock()))
+
+
+@router.post(
+    "/populations/{name}/pause",
+    response_model=schemas.PopulationOut,
+    summary="Pause a population: no new rounds; the open ones run to their end",
+    responses=schemas.refusals({404: "no population of that name"}),
+)
+def pause(name: str, _: AdminDep, factory: SessionFactoryDep, clock: ClockDep) -> PopulationView:
+    now = clock()
+    with factory.begin() as session:
+        population = rounds.lock_population(session, name)
+        if population is None:
+            raise HTTPException(404, f"no population {name!r}")
+        pausing.pause(session, population, now)
+        return population_out(session, population, now)
+
+
+@router.post(
+    "/populations/{name}/resume",
+    response_model=schemas.PopulationOut,
+    summary="Resume a paused population: its next training round opens now",
+    responses=schemas.refusals({404: "no population of that name", 409: "the population is archived"}),
+)
+def resume(name: str, _: AdminDep, factory: SessionFactoryDep, clock: ClockDep) -> PopulationView:
+    now = clock()
+    with factory.begin() as session:
+        population = rounds.lock_population(session, name)
+        if population is None:
+            raise HTTPException(404, f"no population {name!r}")
+        try:
+            pausing.resume(session, population, now)
+        except pausing.ArchivedError as e:
+            raise HTTPException(409, str(e)) from None
+        rounds.advance(session, population, now)
+        return population_out(session, population, now)
+
+
+@router.post(
+    "/populations/{name}/archive",
+    response_model=schemas.PopulationOut,
+    summary="Archive a population: paused for good (no new rounds; it cannot be resumed)",
+    responses=schemas.refusals({404: "no population of that name"}),
+)
+def archive(name: str, _: AdminDep, factory: SessionFactoryDep, clock: ClockDep) -> PopulationView:
+    now = clock()
+    with factory.begin() as session:
+        population = rounds.lock_population(session, name)
+        if population is None:
+            raise HTTPException(404, f"no population {name!r}")
+        pausing.archive(session, population, now)
+        return population_out(session, population, now)
+
+
+@router.patch(
+    "/populations/{name}/settings",
+    response_model=schemas.PopulationOut,
+    summary="Change the settings that are safe to change while rounds run (from the next round on)",
+    description='A JSON body `{"settings": {...}, "operator": "who"}`: the settings to change '
+    "(target_reports, oversampling, min_reports, round_duration_seconds, min_examples, "
+    "retry_after_seconds, keep_model_versions, evaluation_every, evaluation_target_reports, "
+    "evaluation_round_duration_seconds), validated as at creation, and who changes them (kept with "
+    "the caller's address, the time and the new settings version).",
+    responses=schemas.refusals(
+        {
+            404: "no population of that name",
+            422: "not JSON of that shape, a setting that is not safe to change, or invalid settings",
+        }
+    ),
+    openapi_extra=schemas.json_body(
+        "the settings to change and who changes them",
+        {
+            "type": "object",
+            "required": ["settings", "operator"],
+            "properties": {"settings": {"type": "object"}, "operator": {"type": "string"}},
+            "additionalProperties": False,
+        },
+    ),
+)
+async def patch_settings(
+    name: str, _: AdminDep, factory: SessionFactoryDep, clock: ClockDep, request: Request
+) -> PopulationView:
+    try:
+        body = json_document(await request.body(), "the settings change")
+    except ValueError as e:
+        raise HTTPException(422, str(e)) from None
+    if not isinstance(body, dict) or set(body) != {"settings", "operator"}:
+        raise HTTPException(422, 'the body must be {"settings": {...}, "operator": "who changes them"}')
+    operator = body["operator"]
+    if not isinstance(operator, str):
+        raise HTTPException(422, "operator must be a string")
+    address = request.client.host if request.client else "unknown"
+    return await run_db(
+        request.app, _change_settings, factory, name, body["settings"], f"{operator} ({address})", clock()
+    )
+
+
+def _change_settings(
+    factory: sessionmaker[Session], name: str, changes: Any, operator: str, now: float
+) -> PopulationView:
+    with factory.begin() as session:
+        population = rounds.lock_population(session, name)
+        if population is None:
+            raise HTTPException(404, f"no population {name!r}")
+        try:
+            change_settings(session, population, changes, operator, now)
+        except SettingsChangeError as e:
+            raise HTTPException(422, str(e)) from None
+        return population_out(session, population, now)
+
+
+def _settings_changes(factory: sessionmaker[Session], name: str) -> list[dict[str, Any]]:
+    with factory() as session:
+        population = _population(session, name)
+        found = session.scalars(
+            select(SettingsChange)
+            .where(SettingsChange.population_id == population.id)
+            .order_by(SettingsChange.version.desc())
+        )
+        return [
+            {
+                "version": c.version,
+                "changes": c.changes,
+                "previous": c.previous,
+                "changed_by": c.changed_by,
+                "changed_at": c.changed_at,
+            }
+            for c in found
+        ]
+
+
+@router.get(
+    "/populations/{name}/settings/changes",
+    summary="The settings' changes, newest first",
+    responses=schemas.refusals({404: "no population of that name"}),
+)
+async def settings_changes(
+    name: str, _: AdminDep, factory: SessionFactoryDep, request: Request
+) -> list[dict[str, Any]]:
+    return await run_db(request.app, _settings_changes, factory, name)
 
 
 def _mixing(factory: sessionmaker[Session], name: str) -> dict[str, Any]:

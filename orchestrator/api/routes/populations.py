@@ -14,10 +14,12 @@ from contracts.protocol import Assignment, Rejection
 from orchestrator.api.deps import (
     SessionFactoryDep,
     TokenDep,
+    is_admin,
     require_device,
     run_db,
     token_of,
 )
+from orchestrator.api.openapi import ADMIN_TOO
 from orchestrator.api.schemas import (
     CHECK_IN,
     AssignmentOut,
@@ -113,9 +115,10 @@ router.add_api_route(
 )
 
 
-def _manifest(factory: sessionmaker[Session], token: str, population: str) -> dict[str, Any]:
+def _manifest(factory: sessionmaker[Session], token: str, admin: bool, population: str) -> dict[str, Any]:
     with factory() as session:
-        require_device(session, token)
+        if not admin:
+            require_device(session, token)
         found = session.scalars(select(Population).where(Population.name == population)).first()
         if found is None:
             raise HTTPException(404, f"no population {population!r}")
@@ -124,18 +127,22 @@ def _manifest(factory: sessionmaker[Session], token: str, population: str) -> di
 
 @router.get(
     "/{population}/manifest",
-    summary="The model's manifest (shapes, signatures, defaults)",
+    summary="The model's manifest (shapes, signatures, defaults); a device's token or the admin token",
+    openapi_extra={ADMIN_TOO: True},
     responses={200: {"model": ManifestOut}, **refusals({404: "no population of that name"})},
 )
 async def manifest(
     population: str, token: TokenDep, factory: SessionFactoryDep, request: Request
 ) -> dict[str, Any]:
-    return await run_db(request.app, _manifest, factory, token, population)
+    return await run_db(request.app, _manifest, factory, token, is_admin(request.app, token), population)
 
 
-def _global_params(factory: sessionmaker[Session], token: str, population: str, version: int) -> bytes:
+def _global_params(
+    factory: sessionmaker[Session], token: str, admin: bool, population: str, version: int
+) -> bytes:
     with factory() as session:
-        require_device(session, token)
+        if not admin:  # the operator downloads the trained model with the admin token
+            require_device(session, token)
         found = session.scalars(select(Population).where(Population.name == population)).first()
         if found is None:
             raise HTTPException(404, f"no population {population!r}")
@@ -158,7 +165,8 @@ def _global_params(factory: sessionmaker[Session], token: str, population: str, 
 
 @router.get(
     "/{population}/models/{version}/global",
-    summary="Global parameters (safetensors)",
+    summary="Global parameters (safetensors); a device's token or the admin token",
+    openapi_extra={ADMIN_TOO: True},
     description="The model version's global parameters, dense, as safetensors (docs/reference/"
     "wire-formats.md): one float32 tensor per manifest `global_params` entry, under its name and "
     "with its shape (0-D and 1-D tensors too). Immutable: cached for a year.",
@@ -177,7 +185,8 @@ async def global_params(
     factory: SessionFactoryDep,
     request: Request,
 ) -> Response:
-    params = await run_db(request.app, _global_params, factory, token, population, version)
+    admin = is_admin(request.app, token)
+    params = await run_db(request.app, _global_params, factory, token, admin, population, version)
     return Response(
         content=params,
         media_type="application/octet-stream",
