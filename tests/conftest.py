@@ -182,3 +182,16 @@ HOUR_RECOMMENDER = "tests.device_runtime.hour_recommender:build"
 def hour_recommender_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The exported hour-aware expression recommender, once per session."""
     return export_spec_in_subprocess(HOUR_RECOMMENDER, tmp_path_factory.mktemp("hour-recommender"))
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """TensorFlow must never load into the test process: tflite_runtime then fails to load models
+    ("vector::reserve", then a segmentation fault). Tests export in subprocesses; a test module
+    that imports a Keras builder at module level would break every later tflite_runtime test."""
+    import sys
+
+    if "tensorflow" in sys.modules:
+        raise pytest.UsageError(
+            "a test module imported TensorFlow into the test process; export in a subprocess "
+            "(model_export.in_subprocess) and read what the test needs from the manifest"
+        )

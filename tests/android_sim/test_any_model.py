@@ -19,21 +19,25 @@ from android_sim.__main__ import build_parser, main
 from android_sim.run import run
 from android_sim.run_config import RunConfig
 from android_sim.simulate_command import main as simulate_main
+from contracts.manifest import load_manifest
 from tests.android_sim.test_run import ALWAYS_ON
-from tests.model_export.genre_rating import NUM_GENRES, NUM_MOVIES
 
 
-def write_table(path: Path, devices: int, per_device: int = 16, seed: int = 3) -> Path:
-    """A per-device CSV for genre_rating: each user likes some genres; ratings in [1, 5]."""
+def write_table(path: Path, model_dir: Path, devices: int, per_device: int = 16, seed: int = 3) -> Path:
+    """A per-device CSV for genre_rating: each user likes some genres; ratings in [1, 5]. The
+    catalog sizes come from the export's manifest: importing the builder would load TensorFlow
+    into this process, where tflite_runtime then cannot load a model."""
+    rows = {spec.name: spec.shape[0] for spec in load_manifest(model_dir).global_params}
+    num_movies, num_genres = rows["movie_embeddings"], rows["genre_embeddings"]
     rng = np.random.default_rng(seed)
-    genre_of = rng.integers(NUM_GENRES, size=NUM_MOVIES)
-    quality = rng.normal(0, 0.5, NUM_MOVIES)
+    genre_of = rng.integers(num_genres, size=num_movies)
+    quality = rng.normal(0, 0.5, num_movies)
     with path.open("w", newline="") as f:
         out = csv.writer(f)
         out.writerow(["device_id", "timestamp", "movie", "genre", "rating"])
         for user in range(devices):
-            taste = rng.normal(0, 1.0, NUM_GENRES)
-            for k, movie in enumerate(rng.choice(NUM_MOVIES, size=per_device, replace=False)):
+            taste = rng.normal(0, 1.0, num_genres)
+            for k, movie in enumerate(rng.choice(num_movies, size=per_device, replace=False)):
                 rating = np.clip(3.5 + taste[genre_of[movie]] + quality[movie] + rng.normal(0, 0.2), 1, 5)
                 out.writerow(
                     [f"phone-{user:03d}", 1_700_000_000 + 3600 * k, movie, genre_of[movie], f"{rating:.2f}"]
@@ -42,7 +46,7 @@ def write_table(path: Path, devices: int, per_device: int = 16, seed: int = 3) -
 
 
 def test_simulate_trains_a_users_model_on_its_table(genre_rating_model: Path, tmp_path: Path) -> None:
-    table = write_table(tmp_path / "ratings.csv", devices=60)
+    table = write_table(tmp_path / "ratings.csv", genre_rating_model, devices=60)
     args = build_parser().parse_args(
         [
             "simulate",
@@ -80,7 +84,7 @@ def test_simulate_trains_a_users_model_on_its_table(genre_rating_model: Path, tm
 def test_simulate_with_kept_locals_evaluates_seen_devices_too(
     genre_rating_model: Path, tmp_path: Path
 ) -> None:
-    table = write_table(tmp_path / "ratings.csv", devices=30)
+    table = write_table(tmp_path / "ratings.csv", genre_rating_model, devices=30)
     args = build_parser().parse_args(
         [
             "simulate",
@@ -138,7 +142,7 @@ def test_a_users_model_options_that_do_not_fit_are_one_line(
 def test_a_bad_table_is_one_line_before_anything_starts(
     genre_rating_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    table = write_table(tmp_path / "ratings.csv", devices=30)
+    table = write_table(tmp_path / "ratings.csv", genre_rating_model, devices=30)
     lines = table.read_text().splitlines()
     lines[5] = lines[5].rsplit(",", 1)[0] + ",7.5"  # a rating outside [1, 5]
     table.write_text("\n".join(lines) + "\n")
@@ -164,7 +168,7 @@ def test_a_bad_table_is_one_line_before_anything_starts(
 def test_the_fleet_trains_a_users_model_over_http_and_reports_its_metrics(
     genre_rating_model: Path, tmp_path: Path
 ) -> None:
-    table = write_table(tmp_path / "ratings.csv", devices=40)
+    table = write_table(tmp_path / "ratings.csv", genre_rating_model, devices=40)
     config = RunConfig(
         work_dir=tmp_path / "run",
         model_dir=genre_rating_model,
