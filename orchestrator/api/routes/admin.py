@@ -214,6 +214,14 @@ async def list_rounds(
     return await run_db(request.app, _list_rounds, factory, name, kind, limit, offset)
 
 
+def _locked(session: Session, name: str) -> Population:
+    """The population `name`, its row locked for the transaction (a 404 when there is none)."""
+    population = rounds.lock_population(session, name)
+    if population is None:
+        raise HTTPException(404, f"no population {name!r}")
+    return population
+
+
 @router.post(
     "/populations/{name}/evaluations",
     response_model=schemas.RoundOut,
@@ -228,9 +236,7 @@ async def list_rounds(
 )
 def schedule_evaluation(name: str, _: AdminDep, factory: SessionFactoryDep, clock: ClockDep) -> RoundView:
     with factory.begin() as session:
-        population = rounds.lock_population(session, name)
-        if population is None:
-            raise HTTPException(404, f"no population {name!r}")
+        population = _locked(session, name)
         if pausing.paused(population):
             raise HTTPException(409, "the population is paused: resume it first")
         if rounds.EVALUATION in rounds.open_rounds(session, population):
@@ -247,9 +253,7 @@ def schedule_evaluation(name: str, _: AdminDep, factory: SessionFactoryDep, cloc
 def pause(name: str, _: AdminDep, factory: SessionFactoryDep, clock: ClockDep) -> PopulationView:
     now = clock()
     with factory.begin() as session:
-        population = rounds.lock_population(session, name)
-        if population is None:
-            raise HTTPException(404, f"no population {name!r}")
+        population = _locked(session, name)
         pausing.pause(session, population, now)
         return population_out(session, population, now)
 
@@ -263,9 +267,7 @@ def pause(name: str, _: AdminDep, factory: SessionFactoryDep, clock: ClockDep) -
 def resume(name: str, _: AdminDep, factory: SessionFactoryDep, clock: ClockDep) -> PopulationView:
     now = clock()
     with factory.begin() as session:
-        population = rounds.lock_population(session, name)
-        if population is None:
-            raise HTTPException(404, f"no population {name!r}")
+        population = _locked(session, name)
         try:
             pausing.resume(session, population, now)
         except pausing.ArchivedError as e:
@@ -283,9 +285,7 @@ def resume(name: str, _: AdminDep, factory: SessionFactoryDep, clock: ClockDep) 
 def archive(name: str, _: AdminDep, factory: SessionFactoryDep, clock: ClockDep) -> PopulationView:
     now = clock()
     with factory.begin() as session:
-        population = rounds.lock_population(session, name)
-        if population is None:
-            raise HTTPException(404, f"no population {name!r}")
+        population = _locked(session, name)
         pausing.archive(session, population, now)
         return population_out(session, population, now)
 
@@ -337,9 +337,7 @@ def _change_settings(
     factory: sessionmaker[Session], name: str, changes: Any, operator: str, now: float
 ) -> PopulationView:
     with factory.begin() as session:
-        population = rounds.lock_population(session, name)
-        if population is None:
-            raise HTTPException(404, f"no population {name!r}")
+        population = _locked(session, name)
         try:
             change_settings(session, population, changes, operator, now)
         except SettingsChangeError as e:
@@ -430,9 +428,7 @@ async def attach_mixing(
                 413, f"the centralized examples exceed the limit of {MAX_CENTRAL_BYTES} bytes"
             )
     with factory.begin() as session:
-        population = rounds.lock_population(session, name)
-        if population is None:
-            raise HTTPException(404, f"no population {name!r}")
+        population = _locked(session, name)
         try:
             mixing_data.attach(
                 session, population, rounds.population_manifest(population), config, blob, clock()
