@@ -17,15 +17,27 @@ _POPULATION_BY_NAME = select(Population).where(Population.name == bindparam("nam
 KEY_SHARE = {"key_share": True}  # the same, for Session.refresh
 _POPULATION_BY_NAME_LOCKED = _POPULATION_BY_NAME.with_for_update(key_share=True)
 _POPULATIONS_OF_ASSIGNMENTS = (
-    select(Assignment.id, Round.population_id)
+    select(Assignment.id, Round.population_id, Assignment.round_id)
     .join(Round, Assignment.round_id == Round.id)
     .where(Assignment.id.in_(bindparam("assignment_ids", expanding=True)))
 )
-_POPULATIONS_BY_ID = (
-    select(Population)
-    .where(Population.id.in_(bindparam("ids", expanding=True)))
-    .order_by(Population.id)  # always in the same order, so two servers never deadlock
+_POPULATIONS_BY_ID_UNLOCKED = (
+    select(Population).where(Population.id.in_(bindparam("ids", expanding=True))).order_by(Population.id)
+)
+# Always in the same order, so two servers never deadlock.
+_POPULATIONS_BY_ID = _POPULATIONS_BY_ID_UNLOCKED.with_for_update(key_share=True)
+# The rounds a transaction under its populations' locks may write to, locked at once in id order:
+# every transaction that holds several rounds' rows took them in that order, so none waits for
+# another in a cycle (a report counted into its round takes no population lock; see round_counts).
+_ROUNDS_TO_LOCK = (
+    select(Round)
+    .where(
+        (Round.population_id.in_(bindparam("population_ids", expanding=True)) & (Round.status == "open"))
+        | Round.id.in_(bindparam("round_ids", expanding=True))
+    )
+    .order_by(Round.id)
     .with_for_update(key_share=True)
+    .execution_options(populate_existing=True)
 )
 
 
@@ -63,17 +75,34 @@ _MUTABLE = [
 
 def populations_of_assignments(session: Session, assignment_ids: Sequence[str]) -> dict[str, Population]:
     """The (locked) population of each known assignment."""
+    return {a: population for a, (population, _) in where_assignments_are(session, assignment_ids).items()}
+
+
+def where_assignments_are(
+    session: Session, assignment_ids: Sequence[str], lock: bool = True
+) -> dict[str, tuple[Population, int]]:
+    """The population (locked, with `lock`) and the round id of each known assignment."""
     # Only the population ids before the lock: they never change, while an assignment and its
     # round must be read after the lock (another server process may have just changed them).
-    population_ids: dict[str, int] = {}
+    found: dict[str, tuple[int, int]] = {}
     if assignment_ids:
-        for assignment_id, population_id in session.connection().execute(
+        for assignment_id, population_id, round_id in session.connection().execute(
             _POPULATIONS_OF_ASSIGNMENTS, {"assignment_ids": list(assignment_ids)}
         ):
-            population_ids[assignment_id] = population_id
-    ids = sorted(set(population_ids.values()))
-    locked = {p.id: p for p in session.scalars(_POPULATIONS_BY_ID, {"ids": ids})} if ids else {}
-    return {assignment_id: locked[population_id] for assignment_id, population_id in population_ids.items()}
+            found[assignment_id] = population_id, round_id
+    ids = sorted({population_id for population_id, _ in found.values()})
+    query = _POPULATIONS_BY_ID if lock else _POPULATIONS_BY_ID_UNLOCKED
+    populations = {p.id: p for p in session.scalars(query, {"ids": ids})} if ids else {}
+    return {a: (populations[population_id], round_id) for a, (population_id, round_id) in found.items()}
+
+
+def lock_rounds(session: Session, population_ids: Sequence[int], round_ids: Sequence[int]) -> None:
+    """Lock, in id order, the open rounds of these (locked) populations and the rounds `round_ids`,
+    and re-read them: what a transaction holding its populations' locks may then write to."""
+    if population_ids or round_ids:
+        session.scalars(
+            _ROUNDS_TO_LOCK, {"population_ids": list(population_ids), "round_ids": list(round_ids)}
+        ).all()
 
 
 def population_of_assignment(session: Session, assignment_id: str) -> Population | None:

@@ -46,7 +46,7 @@ from orchestrator.population_config import (
     population_settings,
     privacy_budget_spent,
 )
-from orchestrator.population_locks import KEY_SHARE
+from orchestrator.population_locks import lock_rounds
 
 TRAINING, EVALUATION = "training", "evaluation"
 log = logging.getLogger("orchestrator.rounds")  # one logger for the rounds, whichever module
@@ -149,16 +149,17 @@ def advance(session: Session, population: Population, now: float) -> dict[str, R
     current = open_rounds(session, population)
     if up_to_date(population, current, now):
         return current  # the common case: nothing to close, one query
+    # The rounds' row locks, in id order, and their counts as they now are: a check-in admitted or
+    # a report counted into one (which take no population lock) has committed before its
+    # assignments are dropped, and none is admitted or counted after.
+    lock_rounds(session, [population.id], [])
     secure = population_settings(population).secure_training
-    for round_ in current.values():
+    for round_ in sorted(current.values(), key=lambda r: r.id):
         if round_.kind == TRAINING and secure:
             advance_secure(session, population, round_, now)
             continue
         if not round_state.past_deadline(round_, now):
             continue
-        # The round's row lock: a check-in admitted into it (which takes no population lock) has
-        # committed before its assignments are dropped, and none is admitted after.
-        session.refresh(round_, list(ROUND_COUNTERS), with_for_update=KEY_SHARE)
         dropped: CursorResult[Any] = session.execute(  # type: ignore[assignment]
             update(Assignment)
             .where(Assignment.round_id == round_.id, Assignment.status == "assigned")

@@ -13,13 +13,14 @@ why; `round_lifecycle` acts on that (commits through the aggregation pipeline, o
 
 Events: a check-in is admitted within the round's capacity (`admissible`; the database applies it
 in one statement, see `rounds._admit`), a report is counted as accepted, invalid or late, an abort
-is counted, and a tick drops the assignments still outstanding at the deadline.
+is counted (each a `Count`, which the database applies in one statement on the round's row:
+`round_counts`), and a tick drops the assignments still outstanding at the deadline.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 OPEN, COMMITTED, ABANDONED = "open", "committed", "abandoned"
@@ -84,14 +85,44 @@ def admissible(accepted: int, capacity: int, wanted: int) -> int:
     return max(0, min(wanted, capacity - accepted))
 
 
-def count_report(round_: RoundCounts, weight: float, metric_sums: Mapping[str, float]) -> Closing | None:
-    """An accepted report: counted with its weight and metric sums; the round commits at its target."""
-    round_.reported += 1
-    round_.total_weight += weight
-    sums = dict(round_.metrics)
-    for name, value in metric_sums.items():
-        sums[name] = sums.get(name, 0.0) + value
-    round_.metrics = sums
+@dataclass(frozen=True)
+class Count:
+    """What an event adds to a round's counters (and to its metric sums). `while_open`: only into a
+    round still open, else the event does not count (the round closed first). The database applies
+    a count in one statement on the round's row (`round_counts`), so events need no other lock."""
+
+    adds: Mapping[str, float]
+    metric_sums: Mapping[str, float] = field(default_factory=dict)
+    while_open: bool = True
+
+
+def report_count(weight: float, metric_sums: Mapping[str, float]) -> Count:
+    """An accepted report: counted with its weight and metric sums."""
+    return Count({"reported": 1, "total_weight": weight}, metric_sums)
+
+
+INVALID = Count({"invalid": 1})  # a report refused as invalid: its assignment is spent
+ABORT = Count({"aborted": 1})
+LATE = Count({"late": 1}, while_open=False)  # a report after its round (or assignment) closed
+
+
+def apply(round_: RoundCounts, count: Count) -> None:
+    """A count applied in memory, as the database applies it."""
+    for name, amount in count.adds.items():
+        setattr(round_, name, getattr(round_, name) + amount)
+    if count.metric_sums:
+        round_.metrics = add_metric_sums(round_.metrics, count.metric_sums)
+
+
+def add_metric_sums(sums: Mapping[str, float], more: Mapping[str, float]) -> dict[str, float]:
+    out = dict(sums)
+    for name, value in more.items():
+        out[name] = out.get(name, 0.0) + value
+    return out
+
+
+def target_reached(round_: RoundCounts) -> Closing | None:
+    """After a report was counted: the round commits once its reports reach the target."""
     if round_.reported >= round_.target:
         return Closing(
             COMMITTED,
@@ -102,16 +133,22 @@ def count_report(round_: RoundCounts, weight: float, metric_sums: Mapping[str, f
     return None
 
 
+def count_report(round_: RoundCounts, weight: float, metric_sums: Mapping[str, float]) -> Closing | None:
+    """An accepted report: counted with its weight and metric sums; the round commits at its target."""
+    apply(round_, report_count(weight, metric_sums))
+    return target_reached(round_)
+
+
 def count_invalid(round_: RoundCounts) -> None:
-    round_.invalid += 1
+    apply(round_, INVALID)
 
 
 def count_late(round_: RoundCounts) -> None:
-    round_.late += 1
+    apply(round_, LATE)
 
 
 def count_abort(round_: RoundCounts) -> None:
-    round_.aborted += 1
+    apply(round_, ABORT)
 
 
 def past_deadline(round_: RoundCounts, now: float) -> bool:

@@ -21,8 +21,7 @@ from sqlalchemy.orm import Session
 from sqlalchemy.orm.attributes import set_committed_value
 
 from orchestrator import idle_backoff, metrics, pausing, round_state, secure_rounds
-from orchestrator.db import Assignment, Population, Report, Round
-from orchestrator.logs import log_on_commit
+from orchestrator.db import Assignment, Population, Round
 from orchestrator.model_versions import _latest as _latest  # tests clear it, as a restart would
 from orchestrator.pipeline.private import CLIP_NORM
 from orchestrator.population_config import population_manifest as population_manifest
@@ -34,15 +33,15 @@ from orchestrator.population_locks import population_of_assignment as population
 from orchestrator.population_locks import populations_of_assignments as populations_of_assignments
 from orchestrator.population_locks import relock
 from orchestrator.refusals import Refused as Refused  # re-exported: the routes answer with rounds.Refused
-from orchestrator.report_checks import parse_evaluation_report, parse_training_report
 from orchestrator.round_lifecycle import EVALUATION as EVALUATION
-from orchestrator.round_lifecycle import ROUND_COUNTERS, commit, log, up_to_date
+from orchestrator.round_lifecycle import ROUND_COUNTERS, up_to_date
 from orchestrator.round_lifecycle import TRAINING as TRAINING
 from orchestrator.round_lifecycle import advance as advance
 from orchestrator.round_lifecycle import advance_secure as advance_secure
 from orchestrator.round_lifecycle import open_round as open_round
 from orchestrator.round_lifecycle import open_rounds as open_rounds
 from orchestrator.round_lifecycle import summarize_metrics as summarize_metrics
+from orchestrator.round_reports import Event, Found, find_assignment, receive
 
 # The statements of check-ins and reports are built once: building and hashing a statement
 # costs several times more than SQLite takes to run it.
@@ -78,12 +77,6 @@ _GIVE_BACK = (  # the part of `wanted` beyond the round's capacity, refused as f
 _ASSIGNMENT = select(
     Assignment.device_id, Assignment.status, Assignment.example_count, Assignment.round_id
 ).where(Assignment.id == bindparam("assignment_id"))
-_FINISH_ASSIGNMENT = (
-    update(Assignment)
-    .where(Assignment.id == bindparam("assignment_id"))
-    .values(status=bindparam("new_status"), finished_at=bindparam("now"))
-)
-_INSERT_REPORT = insert(Report)
 
 
 @dataclass(frozen=True)
@@ -302,16 +295,6 @@ def _admit(session: Session, round_: Round, wanted: int, too_few: int) -> int:
     return granted
 
 
-@dataclass(frozen=True)
-class _Found:
-    """An assignment as read after the population lock: the parts a report or abort needs."""
-
-    id: str
-    status: str
-    example_count: int
-    round: Round
-
-
 def _find_assignment(
     session: Session,
     population: Population,
@@ -319,31 +302,16 @@ def _find_assignment(
     device_id: str,
     now: float,
     advance_rounds: bool = True,
-) -> _Found | Refused:
+) -> Found | Refused:
     """The caller's assignment in this (locked) population, after closing rounds past their deadline
     (unless `advance_rounds` is False: the caller advances what it needs itself)."""
     # Once per transaction and population: with `now` fixed, a second advance finds nothing to
-    # close, and a transaction may carry many reports (group commit).
+    # close.
     advanced: set[tuple[int, float]] = session.info.setdefault("advanced", set())
     if advance_rounds and (population.id, now) not in advanced:
         advance(session, population, now)
         advanced.add((population.id, now))
-    found = session.connection().execute(_ASSIGNMENT, {"assignment_id": assignment_id}).first()
-    if found is None:
-        return Refused(404, f"no assignment {assignment_id!r}", reason="unknown_assignment")
-    owner, status, example_count, round_id = found
-    if owner != device_id:
-        return Refused(403, "this assignment belongs to another device", reason="not_yours")
-    # An open round is already in the session (advance loaded it); only a closed one is read again.
-    round_ = session.get(Round, round_id)
-    assert round_ is not None
-    if round_.population_id != population.id:
-        return Refused(
-            404,
-            f"assignment {assignment_id!r} is not in population {population.name!r}",
-            reason="unknown_assignment",
-        )
-    return _Found(assignment_id, status, example_count, round_)
+    return find_assignment(session, population, assignment_id, device_id)
 
 
 def secure_round_of(
@@ -373,31 +341,6 @@ def assignment_status(session: Session, assignment_id: str) -> str:
     return str(found[1])
 
 
-def _finish(session: Session, assignment: _Found, status: str, now: float) -> None:
-    session.connection().execute(
-        _FINISH_ASSIGNMENT, {"assignment_id": assignment.id, "new_status": status, "now": now}
-    )
-
-
-def _closed(assignment: _Found, report: bool = True) -> Refused | None:
-    """Why an assignment can no longer take a report or an abort, or None; a late report is
-    counted in the round's `late` (a late abort is not a report, and is not counted)."""
-    round_ = assignment.round
-    if assignment.status == "reported":
-        return Refused(409, "this assignment has already reported", reason="repeated")
-    if assignment.status == "aborted":
-        return Refused(409, "this assignment was aborted", reason="repeated")
-    if assignment.status == "invalid":
-        return Refused(409, "this assignment's report was refused as invalid", reason="repeated")
-    if assignment.status == "dropped" or round_.status != "open":
-        if report:
-            round_state.count_late(round_)
-        return Refused(
-            409, f"the round's deadline has passed; the report is late (round {round_.status})", reason="late"
-        )
-    return None
-
-
 def report(
     session: Session,
     population: Population,
@@ -407,107 +350,18 @@ def report(
     content_type: str,
     now: float,
 ) -> Round | Refused:
-    """Validate and store a report; commit the round when it reaches its target."""
-    assignment = _find_assignment(session, population, assignment_id, device_id, now)
-    if isinstance(assignment, Refused):
-        _count_report(session, population, "unknown", assignment_id, assignment)
-        return assignment
-    closed = _closed(assignment)
-    if closed is not None:
-        _count_report(session, population, assignment.round, assignment_id, closed)
-        return closed
-    round_ = assignment.round
-    settings = population_settings(population)
-    if round_.kind == TRAINING and settings.secure_training:
-        return Refused(
-            409, f"round {round_.id} uses secure aggregation: take part through /v1/assignments/{{id}}/secure"
-        )
-    # Checked before parsing, and the assignment stays open: the device may send its report again
-    # with the right type.
-    expected = "application/octet-stream" if round_.kind == TRAINING else "application/json"
-    sent = content_type.split(";")[0].strip().lower()
-    if sent != expected:
-        refused = Refused(
-            415,
-            f"a {round_.kind} report is Content-Type {expected} "
-            f"({'safetensors' if round_.kind == TRAINING else '{num_examples, metrics}'}), "
-            f"got {sent or 'none'!r}; nothing was stored",
-            reason="content_type",
-        )
-        _count_report(session, population, round_, assignment_id, refused)
-        return refused
-    parsed = (
-        parse_training_report(population, settings, round_, assignment.example_count, body)
-        if round_.kind == TRAINING
-        else parse_evaluation_report(population, assignment.example_count, body)
-    )
-    if isinstance(parsed, Refused):
-        round_state.count_invalid(round_)
-        _finish(session, assignment, "invalid", now)
-        _count_report(session, population, round_, assignment_id, parsed)
-        return parsed
-    weight, delta, metrics = parsed
-    session.connection().execute(
-        _INSERT_REPORT,
-        {
-            "assignment_id": assignment.id,
-            "round_id": round_.id,
-            "weight": weight,
-            "delta": delta,
-            "metrics": metrics,
-        },
-    )
-    _finish(session, assignment, "reported", now)
-    closing = round_state.count_report(round_, weight, metrics)
-    _count_report(session, population, round_, assignment_id, None)
-    if closing is not None:
-        commit(session, population, round_, now, closing=closing)
-    return round_
-
-
-# Report outcomes for metrics, by the class of refusal; any other refusal is an invalid report.
-_OUTCOMES = {
-    "late": "late",
-    "repeated": "repeated",
-    "unknown_assignment": "refused",
-    "not_yours": "refused",
-    "content_type": "refused",
-}
-
-
-def _count_report(
-    session: Session, population: Population, round_: Round | str, assignment_id: str, refused: Refused | None
-) -> None:
-    kind = round_ if isinstance(round_, str) else round_.kind
-    if refused is None:
-        metrics.count(session, metrics.REPORTS, (population.name, kind, "accepted", ""))
-        return
-    outcome = _OUTCOMES.get(refused.reason, "invalid")
-    reason = "" if outcome in ("late", "repeated") else refused.reason or "other"
-    metrics.count(session, metrics.REPORTS, (population.name, kind, outcome, reason))
-    if outcome in ("late", "invalid"):  # what an operator looks into; never the message (it quotes the body)
-        log_on_commit(
-            session,
-            log,
-            f"report {outcome}",
-            population=population.name,
-            round_id=None if isinstance(round_, str) else round_.id,
-            assignment_id=assignment_id,
-            kind=kind,
-            reason=reason or outcome,
-        )
+    """Validate and store one report under its (locked) population's lock; commit the round when it
+    reaches its target. (The service counts groups of them: `round_reports.receive`.)"""
+    return _one(session, population, Event(assignment_id, device_id, body, content_type), now)
 
 
 def abort(
     session: Session, population: Population, assignment_id: str, device_id: str, now: float
 ) -> Round | Refused:
-    assignment = _find_assignment(session, population, assignment_id, device_id, now)
-    if isinstance(assignment, Refused):
-        return assignment
-    closed = _closed(assignment, report=False)
-    if closed is not None:
-        return closed
-    _finish(session, assignment, "aborted", now)
-    round_state.count_abort(assignment.round)
-    metrics.count(session, metrics.ABORTS, (population.name, assignment.round.kind))
-    return assignment.round
+    """One abort under its (locked) population's lock."""
+    return _one(session, population, Event(assignment_id, device_id, abort=True), now)
+
+
+def _one(session: Session, population: Population, event: Event, now: float) -> Round | Refused:
+    (answer,) = receive(session, [event], now, lock=True)
+    return answer if isinstance(answer, Refused) else answer.round

@@ -10,17 +10,10 @@ from sqlalchemy.orm import Session, sessionmaker
 from starlette.applications import Starlette
 
 from contracts.protocol import ReportAccepted
-from orchestrator import rounds
+from orchestrator import round_reports, rounds
 from orchestrator.api.deps import DATABASE_UNAVAILABLE, UNAUTHENTICATED, run_db
-from orchestrator.db import Round
 from orchestrator.devices import authenticate_all
 from orchestrator.service.group_commit import GroupCommit
-
-
-def _accepted(round_: Round) -> ReportAccepted:
-    return ReportAccepted(
-        round_id=round_.id, round_status=round_.status, reported=round_.reported, target=round_.target
-    )
 
 
 @dataclass(frozen=True)
@@ -54,27 +47,37 @@ def report_transaction(
     factory: sessionmaker[Session], calls: Sequence[ReportCall], now: float
 ) -> list[ReportAccepted | rounds.Refused]:
     """Each report or abort in turn, in one transaction; an answer is built as soon as its call is
-    in, since a later report in the same transaction may commit the round."""
+    in, since a later report in the same transaction may commit the round.
+
+    First without the populations' locks; run again under them when the group needs them (it
+    commits or closes a round: `round_reports.LockNeeded`)."""
+    try:
+        return _reports_once(factory, calls, now, lock=False)
+    except round_reports.LockNeeded:
+        return _reports_once(factory, calls, now, lock=True)
+
+
+def _reports_once(
+    factory: sessionmaker[Session], calls: Sequence[ReportCall], now: float, lock: bool
+) -> list[ReportAccepted | rounds.Refused]:
     with factory.begin() as session:
         device_ids = authenticate_all(session, [call.token for call in calls])
-        populations = rounds.populations_of_assignments(
-            session,
-            [call.assignment_id for call, device_id in zip(calls, device_ids, strict=True) if device_id],
-        )
-        answers: list[ReportAccepted | rounds.Refused] = []
-        for call, device_id in zip(calls, device_ids, strict=True):
-            population = populations.get(call.assignment_id)
-            if device_id is None:
-                answers.append(rounds.Refused(401, UNAUTHENTICATED))
-            elif population is None:
-                answers.append(rounds.Refused(404, f"no assignment {call.assignment_id!r}"))
-            else:
-                result = (
-                    rounds.abort(session, population, call.assignment_id, device_id, now)
-                    if call.abort
-                    else rounds.report(
-                        session, population, call.assignment_id, device_id, call.body, call.content_type, now
-                    )
-                )
-                answers.append(result if isinstance(result, rounds.Refused) else _accepted(result))
-        return answers
+        events = [
+            round_reports.Event(call.assignment_id, device_id, call.body, call.content_type, call.abort)
+            for call, device_id in zip(calls, device_ids, strict=True)
+            if device_id is not None
+        ]
+        answers = iter(round_reports.receive(session, events, now, lock))
+        return [
+            _accepted(next(answers)) if device_id is not None else rounds.Refused(401, UNAUTHENTICATED)
+            for device_id in device_ids
+        ]
+
+
+def _accepted(answer: round_reports.Counted | rounds.Refused) -> ReportAccepted | rounds.Refused:
+    if isinstance(answer, rounds.Refused):
+        return answer
+    round_ = answer.round
+    return ReportAccepted(
+        round_id=round_.id, round_status=answer.status, reported=answer.reported, target=round_.target
+    )

@@ -1,0 +1,68 @@
+"""A round's counters moved by one statement on its row.
+
+The state machine (`round_state`) says what an event adds to a round (a `Count`); this applies it
+as `UPDATE rounds SET reported = reported + 1, ... WHERE id = :id AND status = 'open' RETURNING
+...`: the statement checks that the round is still open, moves the counters whatever another
+server process did meanwhile, and takes the round's row lock until the transaction ends. So a
+report, an abort or a check-in's admission needs no population lock: two reports of one round in
+two processes wait for each other only for that statement's row, never for each other's parsing.
+The session's copy of the round then shows the row as this transaction now holds it, which the
+target check and a commit read.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from sqlalchemy import Update, bindparam, update
+from sqlalchemy.orm import Session
+from sqlalchemy.orm.attributes import set_committed_value
+
+from orchestrator import round_state
+from orchestrator.db import Round
+
+# Everything the state machine reads of a round, returned by every count.
+FRESH = (
+    "status",
+    "target",
+    "checked_in",
+    "rejected_min_examples",
+    "rejected_capacity",
+    "accepted",
+    "reported",
+    "total_weight",
+    "dropped",
+    "aborted",
+    "late",
+    "invalid",
+    "metrics",
+)
+_SET_METRICS = update(Round).where(Round.id == bindparam("round_id")).values(metrics=bindparam("sums"))
+
+
+@functools.cache
+def _statement(names: tuple[str, ...], while_open: bool) -> Update:
+    """Built once per kind of count: building a statement costs more than running it."""
+    where = [Round.id == bindparam("round_id")]
+    if while_open:
+        where.append(Round.status == round_state.OPEN)
+    values = {name: getattr(Round, name) + bindparam(f"add_{name}") for name in names}
+    return update(Round).where(*where).values(values).returning(*(getattr(Round, n) for n in FRESH))
+
+
+def count(session: Session, round_: Round, event: round_state.Count) -> bool:
+    """Apply `event` to the round's row in one statement (two with metric sums, the second under
+    the row lock the first took); False if the round had closed (`while_open`): nothing counted."""
+    names = tuple(sorted(event.adds))
+    params: dict[str, Any] = {"round_id": round_.id, **{f"add_{n}": event.adds[n] for n in names}}
+    row = session.connection().execute(_statement(names, event.while_open), params).first()
+    if row is None:
+        return False
+    fresh = dict(zip(FRESH, row, strict=True))
+    if event.metric_sums:
+        fresh["metrics"] = round_state.add_metric_sums(fresh["metrics"] or {}, event.metric_sums)
+        session.connection().execute(_SET_METRICS, {"round_id": round_.id, "sums": fresh["metrics"]})
+    for name, value in fresh.items():
+        set_committed_value(round_, name, value)
+    return True

@@ -1,0 +1,313 @@
+"""Reports and aborts: a group of them read, checked and counted into their rounds in one transaction.
+
+Each goes through two steps. First, with no lock, its assignment and round are read and a report is
+checked and parsed (`report_checks`), which is most of its time. Then, in round id order, it is
+counted into its round in one statement (`round_counts`: the only lock it takes is its round's row),
+its assignment is marked and the report stored. A round that reaches its target commits in the same
+transaction (`round_lifecycle.commit`).
+
+Without its populations' locks (`lock=False`, the common case) a group raises `LockNeeded` when it
+would have to do more: commit a round, close one past its deadline, take part in a secure round's
+population, or when another server process finished one of its assignments meanwhile. The caller
+rolls back and runs the group again with `lock=True`: the populations locked, then every round the
+group may write to (`population_locks.lock_rounds`), the rounds past their deadline closed first.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import cast
+
+from sqlalchemy import bindparam, insert, select, update
+from sqlalchemy.orm import Session
+
+from orchestrator import metrics, round_counts, round_state
+from orchestrator.db import Assignment, Population, Report, Round
+from orchestrator.logs import log_on_commit
+from orchestrator.population_config import population_settings
+from orchestrator.population_locks import lock_rounds, where_assignments_are
+from orchestrator.refusals import Refused
+from orchestrator.report_checks import parse_evaluation_report, parse_training_report
+from orchestrator.round_lifecycle import TRAINING, advance, commit, log
+
+_ASSIGNMENT = select(
+    Assignment.device_id, Assignment.status, Assignment.example_count, Assignment.round_id
+).where(Assignment.id == bindparam("assignment_id"))
+# Only an assignment still assigned: a count never follows another process's finish of it.
+_FINISH_ASSIGNMENT = (
+    update(Assignment)
+    .where(Assignment.id == bindparam("assignment_id"), Assignment.status == "assigned")
+    .values(status=bindparam("new_status"), finished_at=bindparam("now"))
+)
+_INSERT_REPORT = insert(Report)
+
+
+class LockNeeded(Exception):
+    """The group needs its populations' locks (see the module's docstring): roll back, run it again
+    with `lock=True`."""
+
+
+@dataclass(frozen=True)
+class Event:
+    """An authenticated device's report (`body`, `content_type`) or abort of an assignment."""
+
+    assignment_id: str
+    device_id: str
+    body: bytes = b""
+    content_type: str = ""
+    abort: bool = False
+
+
+@dataclass(frozen=True)
+class Counted:
+    """A report or abort counted into its round, and the round as it was just after."""
+
+    round: Round
+    status: str
+    reported: int
+
+
+@dataclass(frozen=True)
+class Found:
+    """An assignment as read: the parts a report or abort needs."""
+
+    id: str
+    status: str
+    example_count: int
+    round: Round
+
+
+def find_assignment(
+    session: Session, population: Population, assignment_id: str, device_id: str
+) -> Found | Refused:
+    """The caller's assignment in this population, with its round."""
+    found = session.connection().execute(_ASSIGNMENT, {"assignment_id": assignment_id}).first()
+    if found is None:
+        return Refused(404, f"no assignment {assignment_id!r}", reason="unknown_assignment")
+    owner, status, example_count, round_id = found
+    if owner != device_id:
+        return Refused(403, "this assignment belongs to another device", reason="not_yours")
+    round_ = session.get(Round, round_id)
+    assert round_ is not None
+    if round_.population_id != population.id:
+        return Refused(
+            404,
+            f"assignment {assignment_id!r} is not in population {population.name!r}",
+            reason="unknown_assignment",
+        )
+    return Found(assignment_id, status, example_count, round_)
+
+
+@dataclass
+class _Step:
+    """What one event does in the counting step, in its round's turn."""
+
+    index: int
+    population: Population
+    found: Found
+    count: round_state.Count  # LATE, INVALID, ABORT or a report's
+    refused: Refused | None = None  # the answer of a late or invalid report
+    report: tuple[float, bytes | None, dict[str, float]] | None = None  # weight, delta, metric sums
+
+
+def receive(session: Session, events: Sequence[Event], now: float, lock: bool) -> list[Counted | Refused]:
+    """Answer each event, in order, in the caller's transaction (see the module's docstring)."""
+    where = where_assignments_are(session, [e.assignment_id for e in events], lock)
+    if lock:
+        populations = sorted({p.id: p for p, _ in where.values()}.values(), key=lambda p: p.id)
+        lock_rounds(session, [p.id for p in populations], sorted({r for _, r in where.values()}))
+        for population in populations:
+            advance(session, population, now)
+    answers: list[Counted | Refused | None] = [None] * len(events)
+    # A group may hold one assignment twice (a replay): each later copy waits for the earlier's count.
+    waves: list[list[int]] = []
+    seen: Counter[str] = Counter()
+    for index, event in enumerate(events):
+        wave = seen[event.assignment_id]
+        seen[event.assignment_id] += 1
+        if wave == len(waves):
+            waves.append([])
+        waves[wave].append(index)
+    for wave_indexes in waves:
+        steps: list[_Step] = []
+        for index in wave_indexes:
+            event, place = events[index], where.get(events[index].assignment_id)
+            if place is None:
+                answers[index] = Refused(404, f"no assignment {event.assignment_id!r}")
+                continue
+            step = _check(session, place[0], event, index, now, lock)
+            if isinstance(step, _Step):
+                steps.append(step)
+            else:
+                answers[index] = step
+        if not lock:
+            _within_target(steps)
+        for step in sorted(steps, key=lambda s: (s.found.round.id, s.index)):  # round id order: no deadlock
+            answers[step.index] = _count(session, step, events[step.index], now, lock)
+    assert all(answer is not None for answer in answers)
+    return cast(list[Counted | Refused], answers)
+
+
+def _check(
+    session: Session, population: Population, event: Event, index: int, now: float, lock: bool
+) -> _Step | Refused:
+    """The first step: read, check and parse, with no lock."""
+    found = find_assignment(session, population, event.assignment_id, event.device_id)
+    if isinstance(found, Refused):
+        if not event.abort:
+            count_report(session, population, "unknown", event.assignment_id, found)
+        return found
+    round_ = found.round
+    settings = population_settings(population)
+    open_ = round_.status == round_state.OPEN
+    if not lock and open_ and (round_state.past_deadline(round_, now) or settings.secure_training):
+        raise LockNeeded(f"round {round_.id} must be advanced")
+    closed = _closed(found, event.abort)
+    if closed is not None:
+        if event.abort:
+            return closed
+        return _Step(index, population, found, round_state.LATE, refused=closed)
+    if event.abort:
+        return _Step(index, population, found, round_state.ABORT)
+    if round_.kind == TRAINING and settings.secure_training:
+        return Refused(
+            409, f"round {round_.id} uses secure aggregation: take part through /v1/assignments/{{id}}/secure"
+        )
+    # Checked before parsing, and the assignment stays open: the device may send its report again
+    # with the right type.
+    expected = "application/octet-stream" if round_.kind == TRAINING else "application/json"
+    sent = event.content_type.split(";")[0].strip().lower()
+    if sent != expected:
+        refused = Refused(
+            415,
+            f"a {round_.kind} report is Content-Type {expected} "
+            f"({'safetensors' if round_.kind == TRAINING else '{num_examples, metrics}'}), "
+            f"got {sent or 'none'!r}; nothing was stored",
+            reason="content_type",
+        )
+        count_report(session, population, round_, event.assignment_id, refused)
+        return refused
+    parsed = (
+        parse_training_report(population, settings, round_, found.example_count, event.body)
+        if round_.kind == TRAINING
+        else parse_evaluation_report(population, found.example_count, event.body)
+    )
+    if isinstance(parsed, Refused):
+        return _Step(index, population, found, round_state.INVALID, refused=parsed)
+    weight, _, metric_sums = parsed
+    return _Step(index, population, found, round_state.report_count(weight, metric_sums), report=parsed)
+
+
+def _within_target(steps: Sequence[_Step]) -> None:
+    """Without the populations' locks: raise LockNeeded if this group's reports may commit a round
+    (it could only be more reported by now than read, never fewer)."""
+    reports = Counter(step.found.round.id for step in steps if step.report is not None)
+    for step in steps:
+        round_ = step.found.round
+        if step.report is not None and round_.reported + reports[round_.id] >= round_.target:
+            raise LockNeeded(f"round {round_.id} may reach its target")
+
+
+def _count(session: Session, step: _Step, event: Event, now: float, lock: bool) -> Counted | Refused:
+    """The second step: count into the round, mark the assignment, store the report, commit."""
+    population, found, round_ = step.population, step.found, step.found.round
+    if step.count is round_state.LATE:
+        round_counts.count(session, round_, round_state.LATE)
+        assert step.refused is not None
+        count_report(session, population, round_, found.id, step.refused)
+        return step.refused
+    if not round_counts.count(session, round_, step.count):  # the round closed since it was read
+        late = _late(round_)
+        if not event.abort:
+            round_counts.count(session, round_, round_state.LATE)
+            count_report(session, population, round_, found.id, late)
+        return late
+    new_status = "aborted" if event.abort else "invalid" if step.report is None else "reported"
+    finished = session.connection().execute(
+        _FINISH_ASSIGNMENT, {"assignment_id": found.id, "new_status": new_status, "now": now}
+    )
+    if not finished.rowcount:
+        # Another process finished it after it was read; under the locks it is read after them.
+        assert not lock, f"assignment {found.id} changed under its round's lock"
+        raise LockNeeded(f"assignment {found.id} was finished meanwhile")
+    if event.abort:
+        metrics.count(session, metrics.ABORTS, (population.name, round_.kind))
+        return Counted(round_, round_.status, round_.reported)
+    if step.report is None:
+        assert step.refused is not None
+        count_report(session, population, round_, found.id, step.refused)
+        return step.refused
+    weight, delta, metric_sums = step.report
+    session.connection().execute(
+        _INSERT_REPORT,
+        {
+            "assignment_id": found.id,
+            "round_id": round_.id,
+            "weight": weight,
+            "delta": delta,
+            "metrics": metric_sums,
+        },
+    )
+    count_report(session, population, round_, found.id, None)
+    closing = round_state.target_reached(round_)
+    if closing is not None:
+        if not lock:
+            raise LockNeeded(f"round {round_.id} reached its target")
+        commit(session, population, round_, now, closing=closing)
+    return Counted(round_, round_.status, round_.reported)
+
+
+def _late(round_: Round) -> Refused:
+    return Refused(
+        409, f"the round's deadline has passed; the report is late (round {round_.status})", reason="late"
+    )
+
+
+def _closed(found: Found, abort: bool) -> Refused | None:
+    """Why an assignment can no longer take a report or an abort, or None; a late report is
+    counted in the round's `late` (a late abort is not a report, and is not counted)."""
+    if found.status == "reported":
+        return Refused(409, "this assignment has already reported", reason="repeated")
+    if found.status == "aborted":
+        return Refused(409, "this assignment was aborted", reason="repeated")
+    if found.status == "invalid":
+        return Refused(409, "this assignment's report was refused as invalid", reason="repeated")
+    if found.status == "dropped" or found.round.status != round_state.OPEN:
+        return _late(found.round)
+    return None
+
+
+# Report outcomes for metrics, by the class of refusal; any other refusal is an invalid report.
+_OUTCOMES = {
+    "late": "late",
+    "repeated": "repeated",
+    "unknown_assignment": "refused",
+    "not_yours": "refused",
+    "content_type": "refused",
+}
+
+
+def count_report(
+    session: Session, population: Population, round_: Round | str, assignment_id: str, refused: Refused | None
+) -> None:
+    """A report's outcome in the metrics (and the log, for what an operator looks into)."""
+    kind = round_ if isinstance(round_, str) else round_.kind
+    if refused is None:
+        metrics.count(session, metrics.REPORTS, (population.name, kind, "accepted", ""))
+        return
+    outcome = _OUTCOMES.get(refused.reason, "invalid")
+    reason = "" if outcome in ("late", "repeated") else refused.reason or "other"
+    metrics.count(session, metrics.REPORTS, (population.name, kind, outcome, reason))
+    if outcome in ("late", "invalid"):  # what an operator looks into; never the message (it quotes the body)
+        log_on_commit(
+            session,
+            log,
+            f"report {outcome}",
+            population=population.name,
+            round_id=None if isinstance(round_, str) else round_.id,
+            assignment_id=assignment_id,
+            kind=kind,
+            reason=reason or outcome,
+        )
