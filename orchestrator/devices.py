@@ -12,6 +12,8 @@ from sqlalchemy.orm import Session
 
 from orchestrator.db import Device
 
+UNAUTHENTICATED = "unknown device or wrong token"  # what a device with an unknown or wrong token is told
+
 # Built once (building a statement costs more than running it); columns, not Device objects.
 _TOKEN_HASHES = select(Device.id, Device.token_hash).where(Device.id.in_(bindparam("ids", expanding=True)))
 

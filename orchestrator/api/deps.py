@@ -2,23 +2,20 @@
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import hmac
 from collections.abc import Callable
-from typing import Annotated, Any, TypeVar
+from typing import Annotated
 
 from fastapi import Depends, Header, HTTPException, Request
-from sqlalchemy.exc import OperationalError
-from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 from sqlalchemy.orm import Session, sessionmaker
 from starlette.applications import Starlette
-from starlette.concurrency import run_in_threadpool
 
+from orchestrator.devices import UNAUTHENTICATED as UNAUTHENTICATED
 from orchestrator.devices import authenticate
+from orchestrator.service.database import DATABASE_UNAVAILABLE as DATABASE_UNAVAILABLE
+from orchestrator.service.database import run_db as run_db
 from orchestrator.settings import Settings
-
-T = TypeVar("T")
 
 
 # The trivial dependencies are `async def`: FastAPI runs a plain `def` dependency in the
@@ -66,49 +63,12 @@ async def require_admin(request: Request, token: Annotated[str, Depends(bearer_t
         raise HTTPException(403, ADMIN_REQUIRED)
 
 
-UNAUTHENTICATED = "unknown device or wrong token"
-
-
 def require_device(session: Session, token: str) -> str:
     """The calling device's id, or 401 for an unknown device or a wrong token."""
     device_id = authenticate(session, token)
     if device_id is None:
         raise HTTPException(401, UNAUTHENTICATED, headers={"WWW-Authenticate": "Bearer"})
     return device_id
-
-
-# What a database that is locked, down or out of connections raises: the request is answered
-# 503 with a retry window (api/edge.py), not 500.
-DATABASE_UNAVAILABLE = (OperationalError, PoolTimeoutError)
-
-
-def _locked(error: OperationalError) -> bool:
-    text = str(error.orig).lower()
-    return "locked" in text or "busy" in text
-
-
-async def run_db(app: Starlette, fn: Callable[..., T], *args: Any) -> T:
-    """Run a blocking database transaction: inline on the event loop for SQLite, where a
-    transaction takes about a millisecond and writes are serialized anyway (thread hand-offs
-    and GIL convoys cost more than the work), in the threadpool for a networked database.
-
-    SQLite runs with no busy wait (a wait on the event loop would stall every request, /health
-    included): a transaction that finds the file locked by another connection was rolled back
-    whole, and is retried after an asynchronous sleep until `database_busy_seconds` have passed;
-    then the locked error goes up (a 503)."""
-    if not app.state.db_inline:
-        return await run_in_threadpool(fn, *args)
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + app.state.settings.database_busy_seconds
-    delay = 0.002
-    while True:
-        try:
-            return fn(*args)
-        except OperationalError as error:
-            if not _locked(error) or loop.time() + delay > deadline:
-                raise
-        await asyncio.sleep(delay)
-        delay = min(2 * delay, 0.05)
 
 
 SessionFactoryDep = Annotated[sessionmaker[Session], Depends(get_sessionmaker)]

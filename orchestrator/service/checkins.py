@@ -15,9 +15,9 @@ from starlette.applications import Starlette
 from contracts.mixing import MixingConfig
 from contracts.protocol import Assignment, TaskKind
 from orchestrator import mixing, rounds, secure_rounds
-from orchestrator.api.deps import DATABASE_UNAVAILABLE, UNAUTHENTICATED, run_db
 from orchestrator.db import Population
-from orchestrator.devices import authenticate_all
+from orchestrator.devices import UNAUTHENTICATED, authenticate_all
+from orchestrator.service.database import DATABASE_UNAVAILABLE, run_db
 from orchestrator.service.group_commit import GroupCommit
 
 

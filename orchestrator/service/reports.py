@@ -12,8 +12,8 @@ from starlette.applications import Starlette
 
 from contracts.protocol import ReportAccepted
 from orchestrator import round_reports, rounds
-from orchestrator.api.deps import DATABASE_UNAVAILABLE, UNAUTHENTICATED, run_db
-from orchestrator.devices import authenticate_all
+from orchestrator.devices import UNAUTHENTICATED, authenticate_all
+from orchestrator.service.database import DATABASE_UNAVAILABLE, run_db
 from orchestrator.service.group_commit import GroupCommit
 
 
