@@ -47,12 +47,16 @@ def checkin_transaction(
 ) -> list[Assignment | rounds.Refused]:
     """One transaction for check-ins that arrived together; each call gets its own answer.
 
-    Retried once, with the population locked, when another server process closed the round or
-    gave one of these devices its assignment at the same time (rounds.checkin)."""
-    try:
-        return _checkin_once(factory, population, calls, now, lock=False)
-    except (rounds.RoundClosed, IntegrityError):
-        return _checkin_once(factory, population, calls, now, lock=True)
+    Run again when another server process closed the round or gave one of these devices its
+    assignment at the same time (rounds.checkin): first still without the population's lock (the
+    round that closed has usually committed with its successor open, and the device's assignment
+    is then found), then, if that meets a closed round again, with it, which cannot."""
+    for _ in range(2):
+        try:
+            return _checkin_once(factory, population, calls, now, lock=False)
+        except (rounds.RoundClosed, IntegrityError):
+            continue
+    return _checkin_once(factory, population, calls, now, lock=True)
 
 
 def _checkin_once(
