@@ -15,7 +15,6 @@ Speed (500 rounds x 100 clients in about half a minute on 2 cores):
 
 from __future__ import annotations
 
-import math
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -39,13 +38,9 @@ from orchestrator.aggregation import (
     apply_update,
     init_state,
 )
-from orchestrator.differential_privacy import DPConfig, noised_mean
+from orchestrator.differential_privacy import DPConfig
 from orchestrator.norm_reference import NormReference
-from orchestrator.pipeline import Stage
-from orchestrator.pipeline.coordinate_wise import CoordinateWiseStage
-from orchestrator.pipeline.private import GaussianNoise
-from orchestrator.pipeline.robust import ClipAndCap
-from orchestrator.pipeline.weighted_mean import WeightedMeanStage
+from orchestrator.pipeline.assemble import Pipeline, RoundInputs
 from secure_aggregation.config import RoundParameters
 from secure_aggregation.quantization import Layout, dequantize_sum, quantize
 
@@ -172,7 +167,8 @@ def whole(values: np.ndarray) -> SparseTensor:
 
 class Server:
     """The orchestrator's commit: the weighted mean of the round's reports, then the server optimizer;
-    the same aggregation stages as the orchestrator's (orchestrator/pipeline), stacked the same way.
+    through the orchestrator's own pipeline object (orchestrator/pipeline: `Pipeline.of`), which
+    stacks the same stages as a population's commit, for every aggregation mode.
 
     With `aggregation`, the orchestrator's robust aggregation (clipping, capped weights, optionally
     a trimmed mean or median). With `dp` (DP-FedAvg), as the orchestrator does: every report weighs
@@ -205,6 +201,9 @@ class Server:
             raise ValueError(
                 "the simulated server keeps its clip norm fixed: adaptive clipping is the orchestrator's"
             )
+        # The orchestrator's own pipeline object, built from the same parts as a population's
+        # settings build it; its noise draws from this server's seeded `rng`.
+        self.pipeline = Pipeline.of(self.shapes, aggregation, dp, rng=lambda: self.rng)
 
     def commit(self, reports: Sequence[Report], merge: Callable[[Params], Params] | None = None) -> int:
         """Apply one round; returns how many reports were refused (diverged). `merge` takes the
@@ -213,35 +212,23 @@ class Server:
         if not taken:
             return len(reports)
         if self.secure is not None:
-            mean_delta = self._secure_mean([delta for delta, _ in taken])
+            deltas = [delta for delta, _ in taken]
+            stage = self.pipeline.secure_round(self._secure_mean(deltas), len(deltas), RoundInputs(0))
         else:
-            stage = self._stages([weight for _, weight in taken])
+            weights = [weight for _, weight in taken]
+            stage = self.pipeline.plaintext_round(
+                RoundInputs(0, weights=weights, reference=self.norm_reference)
+            )
             for delta, weight in taken:
                 stage.accept(delta, weight)
-            aggregate = stage.finish()
-            mean_delta = aggregate.mean_delta
-            if aggregate.norm_reference is not None:
-                self.norm_reference = aggregate.norm_reference
+        aggregate = stage.finish()
+        mean_delta = aggregate.mean_delta
+        if aggregate.norm_reference is not None:
+            self.norm_reference = aggregate.norm_reference
         if merge is not None:
             mean_delta = merge(mean_delta)
         self.params, self.state = apply_update(self.optimizer, self.params, mean_delta, self.state)
         return len(reports) - len(taken)
-
-    def _stages(self, weights: Sequence[float]) -> Stage:
-        """The orchestrator's own aggregation stages (orchestrator/pipeline), stacked as its commit
-        stacks them for a population with these settings."""
-        if self.dp is not None:
-            inner = WeightedMeanStage(self.shapes, equal_weights=True)
-            return GaussianNoise(inner, self.dp, {}, math.inf, self.rng)
-        if self.aggregation is None:
-            return WeightedMeanStage(self.shapes)
-        rule = self.aggregation
-        mean: Stage = (
-            WeightedMeanStage(self.shapes)
-            if rule.method == "none"
-            else CoordinateWiseStage(self.shapes, rule.method, rule.trim_fraction)
-        )
-        return ClipAndCap(mean, rule, self.shapes, weights, self.norm_reference)
 
     def _secure_mean(self, deltas: Sequence[dict[str, SparseTensor]]) -> Params:
         assert self.secure is not None
@@ -252,8 +239,6 @@ class Server:
             vector = layout.flatten({name: tensor.dense() for name, tensor in delta.items()})
             total = (total + quantize(vector, parameters, self.rng)) & modulus
         update_sum = layout.unflatten(dequantize_sum(total, parameters))
-        if self.dp is not None:
-            return noised_mean(update_sum, len(deltas), self.dp, self.rng)
         return {name: (value / len(deltas)).astype(np.float32) for name, value in update_sum.items()}
 
 

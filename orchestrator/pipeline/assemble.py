@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from contracts.params import Params
+from orchestrator.aggregation import RobustAggregation
 from orchestrator.central_training import CentralUpdate
-from orchestrator.differential_privacy import secure_rng
+from orchestrator.differential_privacy import DPConfig, secure_rng
 from orchestrator.norm_reference import NormReference
 from orchestrator.pipeline import Stage
 from orchestrator.pipeline.central_merge import CentralMerge
@@ -44,7 +46,8 @@ class RoundInputs:
 
 
 class Pipeline:
-    """Builds each training round's stack of stages from the population's settings."""
+    """Builds each training round's stack of stages from the population's settings (or, for the
+    fast simulation, from the same parts without a population: `Pipeline.of`)."""
 
     def __init__(
         self,
@@ -52,9 +55,32 @@ class Pipeline:
         shapes: Mapping[str, tuple[int, ...]],
         rng: Callable[[], np.random.Generator] = secure_rng,
     ) -> None:
-        self._settings, self._shapes, self._rng = settings, dict(shapes), rng
-        self._dp = settings.dp()
-        self._rule = settings.robust()
+        self._assemble(shapes, settings.robust(), settings.dp(), settings, rng)
+
+    @classmethod
+    def of(
+        cls,
+        shapes: Mapping[str, tuple[int, ...]],
+        rule: RobustAggregation | None = None,
+        dp: DPConfig | None = None,
+        rng: Callable[[], np.random.Generator] = secure_rng,
+    ) -> Pipeline:
+        """The same stacks from their parts: `rule` None is the plain weighted mean, unclipped (the
+        FedAvg papers' baseline); with no population there is no accountant, so DP's epsilon is
+        not measured."""
+        pipeline = cls.__new__(cls)
+        pipeline._assemble(shapes, rule, dp, None, rng)
+        return pipeline
+
+    def _assemble(
+        self,
+        shapes: Mapping[str, tuple[int, ...]],
+        rule: RobustAggregation | None,
+        dp: DPConfig | None,
+        settings: PopulationSettings | None,
+        rng: Callable[[], np.random.Generator],
+    ) -> None:
+        self._shapes, self._rule, self._dp, self._settings, self._rng = dict(shapes), rule, dp, settings, rng
 
     @property
     def private(self) -> bool:
@@ -66,6 +92,8 @@ class Pipeline:
         stage: Stage
         if self._dp is not None:
             stage = self._noised(WeightedMeanStage(self._shapes, equal_weights=True), inputs)
+        elif self._rule is None:
+            stage = WeightedMeanStage(self._shapes)
         else:
             rule = self._rule
             inner: Stage = (
@@ -85,7 +113,10 @@ class Pipeline:
 
     def _noised(self, inner: Stage, inputs: RoundInputs) -> Stage:
         assert self._dp is not None
-        epsilon = self._settings.privacy_spent(inputs.rounds_committed + 1).epsilon
+        settings = self._settings
+        epsilon = (
+            math.inf if settings is None else settings.privacy_spent(inputs.rounds_committed + 1).epsilon
+        )
         return GaussianNoise(inner, self._dp, inputs.metrics, epsilon, self._rng())
 
     def _merged(self, stage: Stage, inputs: RoundInputs) -> Stage:
