@@ -133,18 +133,17 @@ def receive(session: Session, events: Sequence[Event], now: float, lock: bool) -
         waves[wave].append(index)
     for wave_indexes in waves:
         steps: list[_Step] = []
+        coming: Counter[int] = Counter()  # round id -> this wave's reports for it so far
         for index in wave_indexes:
             event, place = events[index], where.get(events[index].assignment_id)
             if place is None:
                 answers[index] = Refused(404, f"no assignment {event.assignment_id!r}")
                 continue
-            step = _check(session, place[0], event, index, now, lock)
+            step = _check(session, place[0], event, index, now, lock, coming)
             if isinstance(step, _Step):
                 steps.append(step)
             else:
                 answers[index] = step
-        if not lock:
-            _within_target(steps)
         _store(session, steps)
         for step in sorted(steps, key=lambda s: (s.found.round.id, s.index)):  # round id order: no deadlock
             answers[step.index] = _count(session, step, events[step.index], now, lock)
@@ -153,9 +152,17 @@ def receive(session: Session, events: Sequence[Event], now: float, lock: bool) -
 
 
 def _check(
-    session: Session, population: Population, event: Event, index: int, now: float, lock: bool
+    session: Session,
+    population: Population,
+    event: Event,
+    index: int,
+    now: float,
+    lock: bool,
+    coming: Counter[int],
 ) -> _Step | Refused:
-    """The first step: read, check and parse, with no lock."""
+    """The first step: read, check and parse, with no lock. Without the populations' locks, raises
+    LockNeeded before parsing if the round must be advanced or this wave's reports may reach its
+    target (it can only have more reports by now than were read, never fewer)."""
     found = find_assignment(session, population, event.assignment_id, event.device_id)
     if isinstance(found, Refused):
         if not event.abort:
@@ -166,6 +173,10 @@ def _check(
     open_ = round_.status == round_state.OPEN
     if not lock and open_ and (round_state.past_deadline(round_, now) or settings.secure_training):
         raise LockNeeded(f"round {round_.id} must be advanced")
+    if not event.abort and open_:
+        coming[round_.id] += 1
+        if not lock and round_.reported + coming[round_.id] >= round_.target:
+            raise LockNeeded(f"round {round_.id} may reach its target")
     closed = _closed(found, event.abort)
     if closed is not None:
         if event.abort:
@@ -218,16 +229,6 @@ def _store(session: Session, steps: Sequence[_Step]) -> None:
     ]
     if rows:
         session.connection().execute(_INSERT_REPORT, rows)
-
-
-def _within_target(steps: Sequence[_Step]) -> None:
-    """Without the populations' locks: raise LockNeeded if this group's reports may commit a round
-    (it could only be more reported by now than read, never fewer)."""
-    reports = Counter(step.found.round.id for step in steps if step.report is not None)
-    for step in steps:
-        round_ = step.found.round
-        if step.report is not None and round_.reported + reports[round_.id] >= round_.target:
-            raise LockNeeded(f"round {round_.id} may reach its target")
 
 
 def _count(session: Session, step: _Step, event: Event, now: float, lock: bool) -> Counted | Refused:
