@@ -1,9 +1,9 @@
 """Reports and aborts: a group of them read, checked and counted into their rounds in one transaction.
 
 Each goes through two steps. First, with no lock, its assignment and round are read and a report is
-checked, parsed (`report_checks`) and stored, which is most of its time. Then, in round id order,
-it is counted into its round in one statement (`round_counts`: the only lock it takes is its
-round's row, held until the transaction ends) and its assignment is marked. A round that reaches
+checked and parsed (`report_checks`), which is most of its time. Then, in round id order, it is
+counted into its round in one statement (`round_counts`: the only lock it takes is its round's
+row, held until the transaction ends), its assignment is marked and the report stored. A round that reaches
 its target commits in the same transaction (`round_lifecycle.commit`).
 
 Without its populations' locks (`lock=False`, the common case) a group raises `LockNeeded` when it
@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import cast
 
-from sqlalchemy import bindparam, delete, insert, select, update
+from sqlalchemy import bindparam, insert, select, update
 from sqlalchemy.orm import Session
 
 from orchestrator import metrics, round_counts, round_state
@@ -42,7 +42,6 @@ _FINISH_ASSIGNMENT = (
     .values(status=bindparam("new_status"), finished_at=bindparam("now"))
 )
 _INSERT_REPORT = insert(Report)
-_DELETE_REPORT = delete(Report).where(Report.assignment_id == bindparam("assignment_id"))
 
 
 class LockNeeded(Exception):
@@ -144,7 +143,6 @@ def receive(session: Session, events: Sequence[Event], now: float, lock: bool) -
                 steps.append(step)
             else:
                 answers[index] = step
-        _store(session, steps)
         for step in sorted(steps, key=lambda s: (s.found.round.id, s.index)):  # round id order: no deadlock
             answers[step.index] = _count(session, step, events[step.index], now, lock)
     assert all(answer is not None for answer in answers)
@@ -213,24 +211,6 @@ def _check(
     return _Step(index, population, found, round_state.report_count(weight, metric_sums), report=parsed)
 
 
-def _store(session: Session, steps: Sequence[_Step]) -> None:
-    """The reports' rows, in one statement, before their rounds' counts: the largest writes take
-    no lock (a report whose round has closed meanwhile is deleted again)."""
-    rows = [
-        {
-            "assignment_id": step.found.id,
-            "round_id": step.found.round.id,
-            "weight": step.report[0],
-            "delta": step.report[1],
-            "metrics": step.report[2],
-        }
-        for step in steps
-        if step.report is not None
-    ]
-    if rows:
-        session.connection().execute(_INSERT_REPORT, rows)
-
-
 def _count(session: Session, step: _Step, event: Event, now: float, lock: bool) -> Counted | Refused:
     """The second step: count into the round, mark the assignment, store the report, commit."""
     population, found, round_ = step.population, step.found, step.found.round
@@ -241,8 +221,6 @@ def _count(session: Session, step: _Step, event: Event, now: float, lock: bool) 
         return step.refused
     if not round_counts.count(session, round_, step.count):  # the round closed since it was read
         late = _late(round_)
-        if step.report is not None:
-            session.connection().execute(_DELETE_REPORT, {"assignment_id": found.id})
         if not event.abort:
             round_counts.count(session, round_, round_state.LATE)
             count_report(session, population, round_, found.id, late)
@@ -262,6 +240,19 @@ def _count(session: Session, step: _Step, event: Event, now: float, lock: bool) 
         assert step.refused is not None
         count_report(session, population, round_, found.id, step.refused)
         return step.refused
+    # Stored only now, under the round's lock: a report stored before it could wait for another
+    # process's copy of the same report while holding a lock that copy waits for.
+    weight, delta, metric_sums = step.report
+    session.connection().execute(
+        _INSERT_REPORT,
+        {
+            "assignment_id": found.id,
+            "round_id": round_.id,
+            "weight": weight,
+            "delta": delta,
+            "metrics": metric_sums,
+        },
+    )
     count_report(session, population, round_, found.id, None)
     closing = round_state.target_reached(round_)
     if closing is not None:

@@ -6,7 +6,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 from starlette.applications import Starlette
 
@@ -51,11 +50,10 @@ def report_transaction(
     in, since a later report in the same transaction may commit the round.
 
     First without the populations' locks; run again under them when the group needs them (it
-    commits or closes a round: `round_reports.LockNeeded`), or when another server process stored
-    one of its reports at the same time (IntegrityError: the run under the locks finds it)."""
+    commits or closes a round: `round_reports.LockNeeded`)."""
     try:
         return _reports_once(factory, calls, now, lock=False)
-    except (round_reports.LockNeeded, IntegrityError):
+    except round_reports.LockNeeded:
         return _reports_once(factory, calls, now, lock=True)
 
 
