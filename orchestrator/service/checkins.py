@@ -50,13 +50,19 @@ def checkin_transaction(
     Run again when another server process closed the round or gave one of these devices its
     assignment at the same time (rounds.checkin): first still without the population's lock (the
     round that closed has usually committed with its successor open, and the device's assignment
-    is then found), then, if that meets a closed round again, with it, which cannot."""
-    for _ in range(2):
+    is then found), then with it, which meets no closed round. Under the lock a device's
+    assignment can still be given at the same time by another process's check-in (they take no
+    population lock), each time by a newer one; the last attempt's error goes up, and a group
+    then runs each of its check-ins alone (group_commit)."""
+    for lock in _ATTEMPTS[:-1]:
         try:
-            return _checkin_once(factory, population, calls, now, lock=False)
+            return _checkin_once(factory, population, calls, now, lock)
         except (rounds.RoundClosed, IntegrityError):
             continue
-    return _checkin_once(factory, population, calls, now, lock=True)
+    return _checkin_once(factory, population, calls, now, _ATTEMPTS[-1])
+
+
+_ATTEMPTS = (False, False, True, True)  # with the population's lock or not
 
 
 def _checkin_once(
