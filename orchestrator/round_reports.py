@@ -15,6 +15,7 @@ group may write to (`population_locks.lock_rounds`), the rounds past their deadl
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -40,6 +41,12 @@ _FINISH_ASSIGNMENT = (
     update(Assignment)
     .where(Assignment.id == bindparam("assignment_id"), Assignment.status == "assigned")
     .values(status=bindparam("new_status"), finished_at=bindparam("now"))
+)
+_FINISH_ASSIGNMENTS = (
+    update(Assignment)
+    .where(Assignment.id.in_(bindparam("ids", expanding=True)), Assignment.status == "assigned")
+    .values(status=bindparam("new_status"), finished_at=bindparam("now"))
+    .returning(Assignment.id)
 )
 _INSERT_REPORT = insert(Report)
 
@@ -143,8 +150,14 @@ def receive(session: Session, events: Sequence[Event], now: float, lock: bool) -
                 steps.append(step)
             else:
                 answers[index] = step
-        for step in sorted(steps, key=lambda s: (s.found.round.id, s.index)):  # round id order: no deadlock
-            answers[step.index] = _count(session, step, events[step.index], now, lock)
+        steps.sort(key=lambda s: (s.found.round.id, s.index))  # round id order: no deadlock
+        if lock:  # one by one: a report may commit its round, and the next is then late
+            for step in steps:
+                answers[step.index] = _count(session, step, events[step.index], now, lock)
+            continue
+        for _, of_round in itertools.groupby(steps, key=lambda s: s.found.round.id):
+            for index, answer in _count_together(session, list(of_round), now).items():
+                answers[index] = answer
     assert all(answer is not None for answer in answers)
     return cast(list[Counted | Refused], answers)
 
@@ -225,7 +238,7 @@ def _count(session: Session, step: _Step, event: Event, now: float, lock: bool) 
             round_counts.count(session, round_, round_state.LATE)
             count_report(session, population, round_, found.id, late)
         return late
-    new_status = "aborted" if event.abort else "invalid" if step.report is None else "reported"
+    new_status = _new_status(step)
     finished = session.connection().execute(
         _FINISH_ASSIGNMENT, {"assignment_id": found.id, "new_status": new_status, "now": now}
     )
@@ -242,17 +255,7 @@ def _count(session: Session, step: _Step, event: Event, now: float, lock: bool) 
         return step.refused
     # Stored only now, under the round's lock: a report stored before it could wait for another
     # process's copy of the same report while holding a lock that copy waits for.
-    weight, delta, metric_sums = step.report
-    session.connection().execute(
-        _INSERT_REPORT,
-        {
-            "assignment_id": found.id,
-            "round_id": round_.id,
-            "weight": weight,
-            "delta": delta,
-            "metrics": metric_sums,
-        },
-    )
+    session.connection().execute(_INSERT_REPORT, _report_row(step))
     count_report(session, population, round_, found.id, None)
     closing = round_state.target_reached(round_)
     if closing is not None:
@@ -260,6 +263,71 @@ def _count(session: Session, step: _Step, event: Event, now: float, lock: bool) 
             raise LockNeeded(f"round {round_.id} reached its target")
         commit(session, population, round_, now, closing=closing)
     return Counted(round_, round_.status, round_.reported)
+
+
+def _count_together(session: Session, steps: Sequence[_Step], now: float) -> dict[int, Counted | Refused]:
+    """Without the populations' locks, one round's steps of a wave counted together: one count
+    (`round_state.combined`), one mark per new status of the assignments, one insert of the
+    reports, so that the round's row is held for a few statements whatever the group's size. None
+    of them reaches the target (`_check` saw to it), so nothing commits here."""
+    population, round_ = steps[0].population, steps[0].found.round
+    answers: dict[int, Counted | Refused] = {}
+    if not round_counts.count(session, round_, round_state.combined([s.count for s in steps])):
+        # The round closed since it was read: every report is late, no abort counts.
+        late, reports = _late(round_), [s for s in steps if s.count is not round_state.ABORT]
+        if reports:
+            round_counts.count(session, round_, round_state.combined([round_state.LATE] * len(reports)))
+        for step in steps:
+            answers[step.index] = late
+            if step.count is not round_state.ABORT:
+                count_report(session, population, round_, step.found.id, late)
+        return answers
+    if any(s.report is not None for s in steps) and round_state.target_reached(round_) is not None:
+        raise LockNeeded(f"round {round_.id} reached its target")
+    finishing: dict[str, list[str]] = {}
+    for step in steps:
+        if step.count is not round_state.LATE:
+            finishing.setdefault(_new_status(step), []).append(step.found.id)
+    for new_status, ids in finishing.items():
+        finished = session.connection().execute(
+            _FINISH_ASSIGNMENTS, {"ids": ids, "new_status": new_status, "now": now}
+        )
+        if len(finished.all()) != len(ids):  # another process finished one after it was read
+            raise LockNeeded(f"an assignment of round {round_.id} was finished meanwhile")
+    rows = [_report_row(step) for step in steps if step.report is not None]
+    if rows:
+        session.connection().execute(_INSERT_REPORT, rows)
+    reported = round_.reported - len(rows)  # the answers: the round's count as each came in
+    for step in steps:
+        if step.refused is not None:  # late or invalid
+            answers[step.index] = step.refused
+            count_report(session, population, round_, step.found.id, step.refused)
+        elif step.count is round_state.ABORT:
+            metrics.count(session, metrics.ABORTS, (population.name, round_.kind))
+            answers[step.index] = Counted(round_, round_.status, reported)
+        else:
+            reported += 1
+            count_report(session, population, round_, step.found.id, None)
+            answers[step.index] = Counted(round_, round_.status, reported)
+    return answers
+
+
+def _new_status(step: _Step) -> str:
+    if step.count is round_state.ABORT:
+        return "aborted"
+    return "invalid" if step.report is None else "reported"
+
+
+def _report_row(step: _Step) -> dict[str, object]:
+    assert step.report is not None
+    weight, delta, metric_sums = step.report
+    return {
+        "assignment_id": step.found.id,
+        "round_id": step.found.round.id,
+        "weight": weight,
+        "delta": delta,
+        "metrics": metric_sums,
+    }
 
 
 def _late(round_: Round) -> Refused:

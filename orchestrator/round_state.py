@@ -19,7 +19,7 @@ is counted (each a `Count`, which the database applies in one statement on the r
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -104,6 +104,17 @@ def report_count(weight: float, metric_sums: Mapping[str, float]) -> Count:
 INVALID = Count({"invalid": 1})  # a report refused as invalid: its assignment is spent
 ABORT = Count({"aborted": 1})
 LATE = Count({"late": 1}, while_open=False)  # a report after its round (or assignment) closed
+
+
+def combined(counts: Sequence[Count]) -> Count:
+    """Several events' counts as one (`while_open` if any of them is)."""
+    adds: dict[str, float] = {}
+    sums: dict[str, float] = {}
+    for count in counts:
+        for name, amount in count.adds.items():
+            adds[name] = adds.get(name, 0) + amount
+        sums = add_metric_sums(sums, count.metric_sums)
+    return Count(adds, sums, any(count.while_open for count in counts))
 
 
 def apply(round_: RoundCounts, count: Count) -> None:

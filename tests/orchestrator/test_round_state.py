@@ -112,3 +112,23 @@ def test_invalid_late_and_aborted_reports_are_counted() -> None:
     round_state.count_abort(round_)
 
     assert (round_.invalid, round_.late, round_.aborted, round_.reported) == (1, 2, 1, 0)
+
+
+def test_counts_combine_into_one_as_if_applied_one_by_one() -> None:
+    one_by_one, together = Counts(), Counts()
+    counts = [
+        round_state.report_count(10.0, {"loss_sum": 1.5}),
+        round_state.ABORT,
+        round_state.INVALID,
+        round_state.report_count(5.0, {"loss_sum": 0.5, "n": 1.0}),
+    ]
+
+    for count in counts:
+        round_state.apply(one_by_one, count)
+    combined = round_state.combined(counts)
+    round_state.apply(together, combined)
+
+    assert combined.while_open and not round_state.combined([round_state.LATE] * 2).while_open
+    assert together == one_by_one
+    assert (together.reported, together.total_weight, together.aborted, together.invalid) == (2, 15.0, 1, 1)
+    assert together.metrics == {"loss_sum": 2.0, "n": 1.0}
