@@ -51,6 +51,10 @@ _FINISH_ASSIGNMENTS = (
 _INSERT_REPORT = insert(Report)
 
 
+# A report as parsed (`report_checks`): weight, delta (None for evaluation), metric sums; or why not.
+Parsed = tuple[float, bytes | None, dict[str, float]] | Refused
+
+
 class LockNeeded(Exception):
     """The group needs its populations' locks (see the module's docstring): roll back, run it again
     with `lock=True`."""
@@ -119,8 +123,13 @@ class _Step:
     report: tuple[float, bytes | None, dict[str, float]] | None = None  # weight, delta, metric sums
 
 
-def receive(session: Session, events: Sequence[Event], now: float, lock: bool) -> list[Counted | Refused]:
-    """Answer each event, in order, in the caller's transaction (see the module's docstring)."""
+def receive(
+    session: Session, events: Sequence[Event], now: float, lock: bool, parsed: dict[int, Parsed] | None = None
+) -> list[Counted | Refused]:
+    """Answer each event, in order, in the caller's transaction (see the module's docstring).
+    `parsed` keeps the reports parsed by a run that raised LockNeeded for the run under the locks
+    (by the events' positions): parsing, the longest part, is then done once and outside them."""
+    parsed = {} if parsed is None else parsed
     where = where_assignments_are(session, [e.assignment_id for e in events], lock)
     if lock:
         populations = sorted({p.id: p for p, _ in where.values()}.values(), key=lambda p: p.id)
@@ -145,7 +154,7 @@ def receive(session: Session, events: Sequence[Event], now: float, lock: bool) -
             if place is None:
                 answers[index] = Refused(404, f"no assignment {event.assignment_id!r}")
                 continue
-            step = _check(session, place[0], event, index, now, lock, coming)
+            step = _check(session, place[0], event, index, now, lock, coming, parsed)
             if isinstance(step, _Step):
                 steps.append(step)
             else:
@@ -170,9 +179,10 @@ def _check(
     now: float,
     lock: bool,
     coming: Counter[int],
+    parsed: dict[int, Parsed],
 ) -> _Step | Refused:
     """The first step: read, check and parse, with no lock. Without the populations' locks, raises
-    LockNeeded before parsing if the round must be advanced or this wave's reports may reach its
+    LockNeeded if the round must be advanced, or once parsed if this wave's reports may reach its
     target (it can only have more reports by now than were read, never fewer)."""
     found = find_assignment(session, population, event.assignment_id, event.device_id)
     if isinstance(found, Refused):
@@ -184,10 +194,6 @@ def _check(
     open_ = round_.status == round_state.OPEN
     if not lock and open_ and (round_state.past_deadline(round_, now) or settings.secure_training):
         raise LockNeeded(f"round {round_.id} must be advanced")
-    if not event.abort and open_:
-        coming[round_.id] += 1
-        if not lock and round_.reported + coming[round_.id] >= round_.target:
-            raise LockNeeded(f"round {round_.id} may reach its target")
     closed = _closed(found, event.abort)
     if closed is not None:
         if event.abort:
@@ -213,15 +219,20 @@ def _check(
         )
         count_report(session, population, round_, event.assignment_id, refused)
         return refused
-    parsed = (
-        parse_training_report(population, settings, round_, found.example_count, event.body)
-        if round_.kind == TRAINING
-        else parse_evaluation_report(population, found.example_count, event.body)
-    )
-    if isinstance(parsed, Refused):
-        return _Step(index, population, found, round_state.INVALID, refused=parsed)
-    weight, _, metric_sums = parsed
-    return _Step(index, population, found, round_state.report_count(weight, metric_sums), report=parsed)
+    if index not in parsed:
+        parsed[index] = (
+            parse_training_report(population, settings, round_, found.example_count, event.body)
+            if round_.kind == TRAINING
+            else parse_evaluation_report(population, found.example_count, event.body)
+        )
+    report = parsed[index]
+    if isinstance(report, Refused):
+        return _Step(index, population, found, round_state.INVALID, refused=report)
+    coming[round_.id] += 1
+    if not lock and round_.reported + coming[round_.id] >= round_.target:
+        raise LockNeeded(f"round {round_.id} may reach its target")
+    weight, _, metric_sums = report
+    return _Step(index, population, found, round_state.report_count(weight, metric_sums), report=report)
 
 
 def _count(session: Session, step: _Step, event: Event, now: float, lock: bool) -> Counted | Refused:

@@ -51,14 +51,19 @@ def report_transaction(
 
     First without the populations' locks; run again under them when the group needs them (it
     commits or closes a round: `round_reports.LockNeeded`)."""
+    parsed: dict[int, round_reports.Parsed] = {}  # parsed once, outside the locks
     try:
-        return _reports_once(factory, calls, now, lock=False)
+        return _reports_once(factory, calls, now, False, parsed)
     except round_reports.LockNeeded:
-        return _reports_once(factory, calls, now, lock=True)
+        return _reports_once(factory, calls, now, True, parsed)
 
 
 def _reports_once(
-    factory: sessionmaker[Session], calls: Sequence[ReportCall], now: float, lock: bool
+    factory: sessionmaker[Session],
+    calls: Sequence[ReportCall],
+    now: float,
+    lock: bool,
+    parsed: dict[int, round_reports.Parsed],
 ) -> list[ReportAccepted | rounds.Refused]:
     with factory.begin() as session:
         device_ids = authenticate_all(session, [call.token for call in calls])
@@ -67,7 +72,7 @@ def _reports_once(
             for call, device_id in zip(calls, device_ids, strict=True)
             if device_id is not None
         ]
-        answers = iter(round_reports.receive(session, events, now, lock))
+        answers = iter(round_reports.receive(session, events, now, lock, parsed))
         return [
             _accepted(next(answers)) if device_id is not None else rounds.Refused(401, UNAUTHENTICATED)
             for device_id in device_ids
