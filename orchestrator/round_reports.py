@@ -198,7 +198,10 @@ def _check(
     if closed is not None:
         if event.abort:
             return closed
-        return _Step(index, population, found, round_state.LATE, refused=closed)
+        if closed.reason == "late":  # counted in the round's `late`, in its turn
+            return _Step(index, population, found, round_state.LATE, refused=closed)
+        count_report(session, population, round_, event.assignment_id, closed)
+        return closed
     if event.abort:
         return _Step(index, population, found, round_state.ABORT)
     if round_.kind == TRAINING and settings.secure_training:
