@@ -178,4 +178,7 @@ def start(workers: int, address: str | None) -> None:
         configure_logging=False,
         # The devices' data goes to each worker once; the rounds' globals and reports are small.
         object_store_memory=256 * 1024 * 1024,
+        # Ray's workers run at niceness 15 by default: on a machine shared with other work they
+        # would get what is left of the CPUs, where the threads backend competes at 0.
+        _system_config={"worker_niceness": 0},
     )
