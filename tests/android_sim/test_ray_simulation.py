@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from android_sim.__main__ import main
 from android_sim.bench.federated import Rounds
 from android_sim.bench.models import ModelCache
 from android_sim.bench.quality import load_dataset, protocol_model
@@ -17,12 +18,11 @@ from android_sim.simulation import SimulationOptions, SimulationResult, simulate
 from contracts.task_config import LocalState, TaskConfig
 from tests.android_sim.test_quality_bench import _write_ratings
 
-ray = pytest.importorskip("ray")
-
 
 @pytest.fixture(scope="module")
 def local_ray() -> Iterator[None]:
     """Two worker CPUs on this machine, shut down after the module (no Ray process is left)."""
+    ray = pytest.importorskip("ray")
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, object_store_memory=100 * 1024**2)
     try:
         yield
@@ -67,4 +67,22 @@ def test_two_ray_workers_give_the_single_process_run(
     # The run trained: the globals moved and the curve changed.
     assert one_process.curve[-1]["loss"] != one_process.curve[0]["loss"]
     # Ray is still up (the fixture's): a simulation shuts down only the Ray it started.
-    assert ray.is_initialized()
+    assert pytest.importorskip("ray").is_initialized()
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["simulate", "--address", "head:6379"], "--address is a Ray cluster's: give it with --backend ray"),
+        (["run", "--address", "head:6379"], "--address is the Ray cluster of a sharded fleet"),
+        (["run", "--shards", "0"], "shards must be >= 1, got 0"),
+    ],
+)
+def test_ray_options_that_do_not_fit_are_one_line(
+    argv: list[str], message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = main([*argv, "--out" if argv[0] == "simulate" else "--work-dir", str(tmp_path / "out")])
+
+    err = capsys.readouterr().err
+    assert code == 2
+    assert message in err and "Traceback" not in err
