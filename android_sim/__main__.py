@@ -214,6 +214,8 @@ def main(argv: list[str] | None = None) -> int:
         from android_sim.run import run
 
         task, server = algorithm(args)
+        if args.shards > 1:
+            simulate_command.require_ray("--shards")
         if args.data and (args.model_dir or args.model):
             raise ValueError(
                 f"--data {args.data} is a built-in data set with its own model; not with --model-dir/--model"

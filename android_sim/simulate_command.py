@@ -93,11 +93,11 @@ def simulation_task(workload: Workload, overrides: dict[str, Any], min_examples:
     return algorithm_task(base, overrides)
 
 
-def require_ray() -> None:
+def require_ray(option: str = "--backend ray") -> None:
     """Ray is an optional extra: say how to get it, before any work."""
     if importlib.util.find_spec("ray") is None:
         raise ValueError(
-            "--backend ray needs Ray: pip install 'fedrecon-ondevice[ray]' (./dev setup installs it)"
+            f"{option} needs Ray: pip install 'fedrecon-ondevice[ray]' (./dev setup installs it)"
         )
 
 
