@@ -52,6 +52,7 @@ class FleetShard:
         self,
         base_url: str,
         specs: list[DeviceSpec],
+        indices: list[int],
         cache_dir: Path,
         threads: int,
         day_seconds: float,
@@ -64,6 +65,8 @@ class FleetShard:
         self.fleet = Fleet(
             base_url, Connector(), specs, cache_dir, self.runner, SimClock(day_seconds, start), options
         )
+        for device, index in zip(self.fleet.devices, indices, strict=True):
+            device.index = index  # the fleet's numbering, in the shard's messages too
 
     async def enroll(self) -> list[DeviceState]:
         await self.fleet.enroll()
@@ -160,6 +163,7 @@ class RayFleet(Fleet):
                 actor.remote(
                     base_url,
                     specs,
+                    list(range(s, len(devices), shards)),
                     cache_dir,
                     threads,
                     clock.day_seconds,
