@@ -79,9 +79,24 @@ def why_abandoned(rounds: list[RoundView]) -> list[tuple[str, int]]:
     return causes.most_common()
 
 
+# The quality metrics first (training reports' losses, evaluation reports' loss, rmse and
+# accuracy), then whatever else a model reports; counts and sums are not charted.
+PREFERRED = ("update_loss", "reconstruction_loss", "loss", "rmse", "accuracy", "query_loss", "query_rmse")
+COUNTS = ("num_", "correct", "squared_error", "outside_catalog", "weight")
+
+
 def _shown_metric(name: str) -> bool:
-    # The means, not the sums they come from, nor the secure phases' timings.
-    return not name.endswith("_sum") and not (name.startswith("secure_") and name.endswith("_seconds"))
+    # The means, not the sums they come from, nor counts, nor the secure phases' timings.
+    return (
+        not name.endswith("_sum")
+        and not name.startswith(COUNTS)
+        and not name.removeprefix("query_").startswith(COUNTS)
+        and not (name.startswith("secure_") and name.endswith("_seconds"))
+    )
+
+
+def _order(name: str) -> tuple[int, str]:
+    return (PREFERRED.index(name) if name in PREFERRED else len(PREFERRED), name)
 
 
 def metric_series(rounds: list[RoundView]) -> list[Series]:
@@ -97,4 +112,4 @@ def metric_series(rounds: list[RoundView]) -> list[Series]:
             if _shown_metric(name):
                 series = by_name.setdefault(name, Series(name))
                 (series.training if r.kind == "training" else series.evaluation).append((version, value))
-    return [by_name[name] for name in sorted(by_name)][:MAX_METRIC_CHARTS]
+    return [by_name[name] for name in sorted(by_name, key=_order)][:MAX_METRIC_CHARTS]
