@@ -44,6 +44,20 @@ HEADERS = {
 }
 
 
+def answers(success: int, media: str, refusals: dict[int, str] | None = None) -> dict[int | str, Any]:
+    """A page's answers, as `responses`: not for the OpenAPI document (the pages are not in it),
+    but what docs/reference/http-protocol.md's dashboard table is checked against."""
+    declared: dict[int | str, Any] = {success: {"description": media}}
+    declared.update({status: {"description": why} for status, why in (refusals or {}).items()})
+    return declared
+
+
+# Every page and form may answer these as well: a body over the limit, the database unavailable.
+EDGE = {413: "the body is over max_request_bytes", 503: "the database is busy or unavailable"}
+FORM = {**EDGE, 422: "a form field over its length"}
+CHANGE = {**FORM, 401: "no valid session", 403: "a missing or wrong CSRF token"}
+
+
 def sign_in_buckets(burst: int, interval_seconds: float) -> TokenBuckets:
     """The sign-in form's rate limit per client address (kept on app.state.dashboard_sign_ins)."""
     return TokenBuckets(1.0 / interval_seconds, burst)
@@ -79,17 +93,17 @@ def _csrf(request: Request, secret: str) -> str:
     return sessions.csrf_token(request.app.state.admin_token_digest, secret)
 
 
-@router.get("/")
+@router.get("/", responses=answers(303, "to /dashboard"))
 async def root() -> RedirectResponse:
     return _redirect(HOME)
 
 
-@router.get(f"{HOME}/style.css")
+@router.get(f"{HOME}/style.css", responses=answers(200, "text/css", EDGE))
 async def style() -> Response:
     return Response(STYLE, media_type="text/css", headers={**HEADERS, "Cache-Control": "max-age=3600"})
 
 
-@router.get(HOME)
+@router.get(HOME, responses=answers(200, "text/html", EDGE))
 async def home(request: Request) -> Response:
     secret = await _session(request)
     if secret is None:
@@ -107,7 +121,10 @@ def _start(factory: sessionmaker[Session], now: float, lifetime: float, address:
         return sessions.start(session, now, lifetime, address)
 
 
-@router.post(f"{HOME}/sign-in")
+@router.post(
+    f"{HOME}/sign-in",
+    responses=answers(303, "to /dashboard", {**FORM, 401: "a wrong admin token", 429: "too many sign-ins"}),
+)
 async def sign_in(request: Request, token: Annotated[str, Form(max_length=1000)] = "") -> Response:
     app, address = request.app, _address(request)
     buckets: TokenBuckets = app.state.dashboard_sign_ins
@@ -160,7 +177,7 @@ async def _checked(request: Request, csrf: str) -> tuple[str | None, Response | 
     return secret, None
 
 
-@router.post(f"{HOME}/sign-out")
+@router.post(f"{HOME}/sign-out", responses=answers(303, "to /dashboard", CHANGE))
 async def sign_out(request: Request, csrf: Annotated[str, Form(max_length=200)] = "") -> Response:
     secret, refusal = await _checked(request, csrf)
     if refusal is not None or secret is None:
@@ -172,7 +189,7 @@ async def sign_out(request: Request, csrf: Annotated[str, Form(max_length=200)] 
     return answer
 
 
-@router.get(HOME + "/populations/{name}")
+@router.get(HOME + "/populations/{name}", responses=answers(200, "text/html", {**EDGE, 404: "no population"}))
 async def population(name: str, request: Request) -> Response:
     secret = await _session(request)
     if secret is None:
@@ -215,11 +232,17 @@ async def _change(request: Request, name: str, csrf: str, pause: bool) -> Respon
     return _redirect(f"{HOME}/populations/{name}")
 
 
-@router.post(HOME + "/populations/{name}/pause")
+@router.post(
+    HOME + "/populations/{name}/pause",
+    responses=answers(303, "to its page", {**CHANGE, 404: "no population"}),
+)
 async def pause(name: str, request: Request, csrf: Annotated[str, Form(max_length=200)] = "") -> Response:
     return await _change(request, name, csrf, pause=True)
 
 
-@router.post(HOME + "/populations/{name}/resume")
+@router.post(
+    HOME + "/populations/{name}/resume",
+    responses=answers(303, "to its page", {**CHANGE, 404: "no population", 409: "archived"}),
+)
 async def resume(name: str, request: Request, csrf: Annotated[str, Form(max_length=200)] = "") -> Response:
     return await _change(request, name, csrf, pause=False)
