@@ -28,6 +28,11 @@ class CheckInCall:
     kind: str
 
 
+# How often a check-in transaction is tried, the first ones without the population's lock: each
+# retry is lost to another process closing the round, or admitting one more of the group's
+# devices first, which needs a concurrent duplicate.
+CHECKIN_ATTEMPTS, UNLOCKED_ATTEMPTS = 5, 2
+
 CheckInGroups = GroupCommit[str, CheckInCall, Assignment | rounds.Refused]
 
 
@@ -50,19 +55,17 @@ def checkin_transaction(
     Run again when another server process closed the round or gave one of these devices its
     assignment at the same time (rounds.checkin): first still without the population's lock (the
     round that closed has usually committed with its successor open, and the device's assignment
-    is then found), then with it, which meets no closed round. Under the lock a device's
-    assignment can still be given at the same time by another process's check-in (they take no
-    population lock), each time by a newer one; the last attempt's error goes up, and a group
-    then runs each of its check-ins alone (group_commit)."""
-    for lock in _ATTEMPTS[:-1]:
+    is then found), then with it. The lock keeps rounds from closing but not another process's
+    unlocked check-in from admitting the same device between this transaction's read and its
+    insert, so that race can repeat: each retry reads the assignment the other one committed and
+    answers with it."""
+    for attempt in range(CHECKIN_ATTEMPTS):
         try:
-            return _checkin_once(factory, population, calls, now, lock)
+            return _checkin_once(factory, population, calls, now, lock=attempt >= UNLOCKED_ATTEMPTS)
         except (rounds.RoundClosed, IntegrityError):
-            continue
-    return _checkin_once(factory, population, calls, now, _ATTEMPTS[-1])
-
-
-_ATTEMPTS = (False, False, True, True)  # with the population's lock or not
+            if attempt == CHECKIN_ATTEMPTS - 1:
+                raise
+    raise AssertionError("unreachable")
 
 
 def _checkin_once(
