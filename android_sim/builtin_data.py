@@ -129,4 +129,5 @@ def builtin_workload(config: RunConfig, data: FleetData, model_dir: Path) -> Wor
         server_optimizer=server_default(data),
         item_labels=data.item_labels,
         central=central,
+        truth=data.truth,
     )
