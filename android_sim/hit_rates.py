@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from android_sim.intervals import INTERVAL, Interval, bootstrap_means, resample_rows
+
 K = 10
-RESAMPLES = 2000
-INTERVAL = f"95% percentile bootstrap over devices ({RESAMPLES:,} resamples)"
 HISTORY_BUCKETS = ("1", "2-4", "5+")
 
 
@@ -44,33 +44,6 @@ def future_hit_rate(top: np.ndarray, future: np.ndarray) -> float:
     if len(future) == 0:
         raise ValueError("no kept-aside share to score")
     return float(np.isin(future, top).mean())
-
-
-@dataclass(frozen=True)
-class Interval:
-    """A mean over `devices` devices and its 95% interval."""
-
-    value: float
-    low: float
-    high: float
-    devices: int
-
-    def __str__(self) -> str:
-        return f"{self.value:.1%} [{self.low:.1%}, {self.high:.1%}]"
-
-
-def bootstrap_means(values: np.ndarray, resamples: np.ndarray) -> Interval:
-    """The mean of `values` (one per device) and the 2.5th-97.5th percentiles of its means over
-    `resamples` (rows of device positions drawn with replacement)."""
-    if len(values) == 0:
-        raise ValueError("no device to average")
-    means = values[resamples].mean(axis=1)
-    low, high = np.percentile(means, [2.5, 97.5])
-    return Interval(float(values.mean()), float(low), float(high), len(values))
-
-
-def resample_rows(devices: int, rng: np.random.Generator, resamples: int = RESAMPLES) -> np.ndarray:
-    return rng.integers(0, devices, size=(resamples, devices))
 
 
 @dataclass(frozen=True)
@@ -125,7 +98,7 @@ def evaluate(devices: Sequence[ScoredDevice], reference: str = "personalized", s
 
     def per_device(kind: str, chosen: Sequence[ScoredDevice], name: str) -> np.ndarray:
         if kind == "expected":
-            return np.array([expected_hit_rate(d.tops[name], d.probabilities) for d in chosen])  # type: ignore[arg-type]
+            return np.array([expected_hit_rate(d.tops[name], _truth(d)) for d in chosen])
         return np.array([future_hit_rate(d.tops[name], d.future) for d in chosen])
 
     def scores(chosen: Sequence[ScoredDevice], kind: str) -> dict[str, np.ndarray]:
@@ -164,3 +137,8 @@ def evaluate(devices: Sequence[ScoredDevice], reference: str = "personalized", s
                         bootstrap_means(diff, rows) if diff is not None and rows is not None else None
                     )
     return Evaluation(methods, differences, len(devices), len(future))
+
+
+def _truth(device: ScoredDevice) -> np.ndarray:
+    assert device.probabilities is not None, "only devices with ground truth get an expected hit rate"
+    return device.probabilities

@@ -19,7 +19,8 @@ import numpy as np
 from rich.table import Table
 
 from android_sim.ceilings import ceiling_tops
-from android_sim.hit_rates import Evaluation, Interval, ScoredDevice, evaluate
+from android_sim.hit_rates import Evaluation, ScoredDevice, evaluate
+from android_sim.intervals import Interval
 from contracts.features import Examples
 from contracts.params import Params, decode_params
 from device_runtime.example_store import ExampleStore

@@ -16,7 +16,8 @@ from rich.table import Table
 
 from android_sim import report
 from android_sim.fleet import Fleet
-from android_sim.hit_rates import HISTORY_BUCKETS, Interval
+from android_sim.hit_rates import HISTORY_BUCKETS
+from android_sim.intervals import Interval
 from android_sim.recommendations import METHODS, HitRates, top_k_table
 from android_sim.run_config import RunConfig, RunResult
 from android_sim.workload import Workload

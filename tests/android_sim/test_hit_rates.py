@@ -5,15 +5,8 @@ import pytest
 
 from android_sim.ceilings import SoftmaxMF, TopicRule, oracle_tops, top_k
 from android_sim.expressions import SyntheticConfig, generate_expressions
-from android_sim.hit_rates import (
-    ScoredDevice,
-    bootstrap_means,
-    evaluate,
-    expected_hit_rate,
-    future_hit_rate,
-    history_bucket,
-    resample_rows,
-)
+from android_sim.hit_rates import ScoredDevice, evaluate, expected_hit_rate, future_hit_rate, history_bucket
+from android_sim.intervals import bootstrap_means, bootstrap_ratio, per_device_sums_interval, resample_rows
 from android_sim.run import future_count
 
 
@@ -51,6 +44,18 @@ def test_bootstrap_interval_covers_the_true_mean_about_95_percent_of_the_time() 
         assert found.low <= found.value <= found.high and found.devices == 150
         covered += found.low <= true_mean <= found.high
     assert 0.90 <= covered / trials <= 0.99  # 95% nominal; 300 trials put it within about +-3 points
+
+
+def test_ratio_interval_is_the_example_weighted_figure_and_covers_it() -> None:
+    rng = np.random.default_rng(4)
+    weights = rng.integers(1, 50, 300).astype(np.float64)
+    squared = np.array([rng.normal(0, 1.0, int(w)).__pow__(2).sum() for w in weights])
+    sums = [{"squared_error_sum": s, "weight_sum": w} for s, w in zip(squared, weights, strict=True)]
+    rmse = per_device_sums_interval(sums, "squared_error", root=True)
+    assert rmse.value == pytest.approx(np.sqrt(squared.sum() / weights.sum()))
+    assert rmse.low < 1.0 < rmse.high and rmse.high - rmse.low < 0.1  # the true RMSE is 1
+    with pytest.raises(ValueError, match="no device with examples"):
+        bootstrap_ratio(np.zeros(2), np.zeros(2), resample_rows(2, rng))
 
 
 def test_history_buckets() -> None:
