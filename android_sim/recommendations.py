@@ -126,11 +126,19 @@ async def held_out_hit_rates(
     params = decode_params(blob, model.manifest.global_params, "global parameters")
     training = [d.index for d in fleet.devices if d.role == "training"]
     return await asyncio.to_thread(
-        _score, model, params, str(status["current_version"]), held_out, future, workload, training, show
+        score_held_out,
+        model,
+        params,
+        str(status["current_version"]),
+        held_out,
+        future,
+        workload,
+        training,
+        show,
     )
 
 
-def _score(
+def score_held_out(
     model: TFLiteModel,
     params: Params,
     version: str,
@@ -140,6 +148,9 @@ def _score(
     training: list[int],
     show: int,
 ) -> tuple[HitRates | None, list[dict[str, Any]]]:
+    """Each held-out device's top-10s (its own, on the device, with `params`; the baselines'; the
+    ceilings' when the data has ground truth) scored against its kept-aside shares `future`;
+    and the first `show` devices' tables to print."""
     global_top = popularity_top(model, params)
     counts = shares_by_item(workload, training)
     most_shared = np.argsort(-counts, kind="stable")[:K]
