@@ -26,7 +26,7 @@ class Interval:
     devices: int
 
     def __str__(self) -> str:
-        return f"{self.value:.1%} [{self.low:.1%}, {self.high:.1%}]"
+        return f"{self.value:.1%} [{100 * self.low:.1f}, {100 * self.high:.1f}]"
 
 
 def resample_rows(devices: int, rng: np.random.Generator, resamples: int = RESAMPLES) -> np.ndarray:

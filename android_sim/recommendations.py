@@ -35,14 +35,23 @@ if TYPE_CHECKING:
 K = 10
 
 
-# The methods scored on every held-out device, in the order they are printed.
+# The methods scored on every held-out device, in the order they are printed; * a ceiling
+# (`android_sim.ceilings`): it needs every share on one server, or the generator's truth.
 METHODS = {
-    "personalized": "FedRecon (personalized, on the device)",
-    "global": "the model's global top-10",
-    "most_shared": "most-shared top-10",
-    "topic_rule": "ceiling: topic rule (no training)",
-    "central_mf": "ceiling: centralized softmax MF",
-    "oracle": "ceiling: oracle (true probabilities)",
+    "personalized": "FedRecon",
+    "global": "global (model)",
+    "most_shared": "most-shared",
+    "topic_rule": "topic rule *",
+    "central_mf": "central MF *",
+    "oracle": "oracle *",
+}
+DESCRIBED = {
+    "personalized": "FedRecon: the device's own top-10, its user embedding reconstructed on the device",
+    "global": "the model's global top-10 (item biases): what a device with no data is shown",
+    "most_shared": "the ten expressions shared most on the training devices",
+    "topic_rule": "ceiling: popularity x the device history's topics, re-share bonus (no training)",
+    "central_mf": "ceiling: softmax MF trained on every training device's shares pooled",
+    "oracle": "ceiling: the generator's own share probabilities",
 }
 
 
@@ -70,7 +79,7 @@ class HitRates:
     def to_json(self) -> dict[str, Any]:
         return {
             **asdict(self.evaluation),
-            "methods_described": {m: METHODS[m] for m in self.evaluation.methods},
+            "methods_described": {m: DESCRIBED[m] for m in self.evaluation.methods},
             "future_fraction": "newest fifth of each held-out device's shares, at least one, never all",
             "scored_devices": [d.to_json() for d in self.scored],
         }

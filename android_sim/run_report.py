@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, cast
 
 import numpy as np
+from rich import box
 from rich.console import Console
 from rich.table import Table
 
@@ -203,24 +204,30 @@ def _print_summary(
     console.print("plots: " + ", ".join(str(p) for p in result.plots))
 
 
+CEILINGS = "* ceilings: the topic rule and centralized MF see every share; the oracle, the generator's truth"
+
+
 def hit_rate_table(hit_rates: HitRates) -> Table:
     """Every method's held-out hit rate@10 with its interval; the model's paired difference to each."""
     e = hit_rates.evaluation
     table = Table(
-        title=f"held-out hit rate@10 ({e.devices} devices; {e.interval})",
+        title=f"held-out hit rate@10 in % [{e.interval}]: expected (the true probability mass in "
+        f"the top-10; {e.devices} devices), over the newest shares ({e.devices_with_future} devices), "
+        "and FedRecon's paired difference in the expected one",
         title_justify="left",
+        box=box.SIMPLE_HEAD,
+        pad_edge=False,
+        caption=CEILINGS,
+        caption_justify="left",
     )
-    table.add_column("top-10")
-    table.add_column("expected (true probability mass)", justify="right")
-    table.add_column(f"newest shares ({e.devices_with_future} devices)", justify="right")
-    table.add_column("FedRecon minus this, expected | newest", justify="right")
+    table.add_column("top-10", no_wrap=True)
+    table.add_column("expected", justify="right", no_wrap=True)
+    table.add_column("newest shares", justify="right", no_wrap=True)
+    table.add_column("FedRecon minus", justify="right", no_wrap=True)
     for method, score in e.methods.items():
         diff = e.differences.get(method, {})
         table.add_row(
-            METHODS[method],
-            _cell(score.expected),
-            _cell(score.newest),
-            " | ".join(_points(diff.get(kind)) for kind in ("expected", "newest")) if diff else "",
+            METHODS[method], _cell(score.expected), _cell(score.newest), _cell(diff.get("expected"), "+")
         )
     return table
 
@@ -229,22 +236,24 @@ def history_table(hit_rates: HitRates) -> Table:
     """The hit rates by the examples a held-out device holds (its reconstruction's data)."""
     e = hit_rates.evaluation
     kind = hit_rates.headline
-    table = Table(title=f"by history size ({kind} hit rate@10)", title_justify="left")
-    table.add_column("top-10")
+    table = Table(
+        title=f"{kind} hit rate@10 in % by the examples a held-out device holds",
+        title_justify="left",
+        box=box.SIMPLE_HEAD,
+        pad_edge=False,
+    )
+    table.add_column("top-10", no_wrap=True)
     first = e.methods["personalized"].by_history
     for bucket in HISTORY_BUCKETS:
         found = first[bucket][kind]
-        table.add_column(f"{bucket} examples ({found.devices if found else 0} devices)", justify="right")
+        table.add_column(f"{bucket} ({found.devices if found else 0} devices)", justify="right", no_wrap=True)
     for method, score in e.methods.items():
         table.add_row(METHODS[method], *(_cell(score.by_history[b][kind]) for b in HISTORY_BUCKETS))
     return table
 
 
-def _cell(figure: Interval | None) -> str:
-    return "-" if figure is None else str(figure)
-
-
-def _points(figure: Interval | None) -> str:
+def _cell(figure: Interval | None, sign: str = "") -> str:
+    """A figure in percentage points with its interval, e.g. `25.9 [24.1,27.8]`."""
     if figure is None:
         return "-"
-    return f"{100 * figure.value:+.1f} [{100 * figure.low:+.1f}, {100 * figure.high:+.1f}]"
+    return f"{100 * figure.value:{sign}.1f} [{100 * figure.low:{sign}.1f},{100 * figure.high:{sign}.1f}]"
