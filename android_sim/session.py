@@ -203,6 +203,36 @@ class FleetRun(Generic[T]):
     attached: dict[str, Any] | None  # what `attach` returned (e.g. the mixing strategy attached)
 
 
+def make_fleet(
+    config: RunConfig,
+    url: str,
+    connector: Connector,
+    specs: list[DeviceSpec],
+    cache_dir: Path,
+    runner: TaskRunner,
+    clock: SimClock,
+    options: FleetOptions,
+) -> Fleet:
+    """The fleet in this process, or sharded over `config.shards` Ray actors."""
+    if config.shards < 2:
+        return Fleet(url, connector, specs, cache_dir, runner, clock, options)
+    from android_sim.ray_fleet import RayFleet  # Ray is an optional extra
+
+    threads = max(1, config.workers // config.shards)
+    return RayFleet(
+        url,
+        connector,
+        specs,
+        cache_dir,
+        runner,
+        clock,
+        options,
+        shards=config.shards,
+        threads=threads,
+        address=config.ray_address,
+    )
+
+
 async def run_fleet(
     config: RunConfig,
     name: str,
@@ -233,7 +263,8 @@ async def run_fleet(
             f"{start_committed} rounds committed before this run"
         )
         with TaskRunner(config.workers) as runner:
-            fleet = Fleet(
+            fleet = make_fleet(
+                config,
                 url,
                 connector,
                 specs,
