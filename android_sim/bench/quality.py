@@ -273,10 +273,10 @@ def run_fedrecon(
     run = TrainingRun(found.params, found.curve, found.seconds, found.refused)
     result = _result(method, HELD_OUT, test, run, len(split.test), settings.to_json())
     with Devices(model_dir, workers) as pool:
-        held_out = [data.examples[u] for u in split.test]
+        held_out = {u: data.examples[u] for u in split.test}
         clients = packed_clients(held_out, pool.manifest, evaluation_task(settings.task))
         pool.set_global(found.params)
-        sums = pool.map(recon_eval_work(clients, settings.task), range(len(held_out)))
+        sums = pool.map(recon_eval_work(clients, settings.task), split.test)
     return replace(result, intervals=test_intervals(sums))
 
 
