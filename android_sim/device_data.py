@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from android_sim.expressions import SyntheticConfig, generate_expressions
+from android_sim.expressions import SyntheticConfig, SyntheticExpressions, generate_expressions
 from android_sim.movielens import load_ratings, load_titles
 from device_runtime.example_store import Event
 from model_export.config import ITEM, LABEL, Feedback
@@ -41,6 +41,21 @@ class DeviceData:
 
 
 @dataclass(frozen=True)
+class ShareTruth:
+    """What only the synthetic generator knows: each device's true next-share probabilities (its
+    shares are independent draws from them), and each expression's topic (catalog metadata)."""
+
+    data: SyntheticExpressions
+
+    @property
+    def item_topics(self) -> np.ndarray:
+        return self.data.item_topics
+
+    def probabilities(self, device: int) -> np.ndarray:
+        return self.data.share_probabilities(self.data.users[device])
+
+
+@dataclass(frozen=True)
 class FleetData:
     source: str
     feedback: Feedback
@@ -48,6 +63,7 @@ class FleetData:
     item_labels: list[str]  # for printing recommendations
     devices: list[DeviceData]
     label_mean: float  # initial global mean for explicit ratings
+    truth: ShareTruth | None = None  # synthetic data: the generator's ground truth
 
     @property
     def num_events(self) -> int:
@@ -64,6 +80,7 @@ def expression_fleet(config: SyntheticConfig) -> FleetData:
         item_labels=[data.catalog.label(i) for i in range(len(data.catalog))],
         devices=devices,
         label_mean=1.0,
+        truth=ShareTruth(data),
     )
 
 

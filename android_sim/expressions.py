@@ -68,6 +68,7 @@ class UserShares:
     user_id: int
     item_ids: np.ndarray  # int64
     timestamps: np.ndarray  # int64, unix seconds, non-decreasing
+    taste: np.ndarray  # float64 unit vector: with the catalog's vectors, the user's share probabilities
 
     def __len__(self) -> int:
         return len(self.item_ids)
@@ -106,10 +107,23 @@ class SyntheticExpressions:
     catalog: ExpressionCatalog
     users: tuple[UserShares, ...]
     config: SyntheticConfig
+    item_vectors: np.ndarray  # float64 (num_expressions, taste_dim), unit rows
 
     @property
     def num_shares(self) -> int:
         return sum(len(u) for u in self.users)
+
+    @property
+    def item_topics(self) -> np.ndarray:
+        """Each expression's topic as an index into TOPICS (public catalog metadata)."""
+        return np.array([TOPICS.index(e.topic) for e in self.catalog.expressions], np.int64)
+
+    def share_probabilities(self, user: UserShares) -> np.ndarray:
+        """The probability of each expression being the user's next share: every share is an
+        independent draw from this (the ground truth the evaluation's expected hit rate uses)."""
+        return _share_probabilities(
+            np.log(self.catalog.popularity), self.item_vectors, user.taste, self.config
+        )
 
 
 def _catalog(config: SyntheticConfig, rng: np.random.Generator) -> tuple[ExpressionCatalog, np.ndarray]:
@@ -158,12 +172,19 @@ def generate_expressions(config: SyntheticConfig = SyntheticConfig()) -> Synthet
     for user_id in range(config.num_users):
         liked = rng.choice(config.num_topics, size=int(rng.integers(1, 4)), replace=False)
         taste = _unit(centroids[liked].sum(axis=0) + 0.3 * rng.normal(size=config.taste_dim))
-        logits = log_popularity + config.taste_strength * (item_vectors @ taste)
-        p = np.exp(logits - logits.max())
+        p = _share_probabilities(log_popularity, item_vectors, taste, config)
         count = min(
             config.max_shares,
             int(np.ceil(rng.lognormal(config.activity_log_mean, config.activity_log_sigma))),
         )
-        items = rng.choice(config.num_expressions, size=count, p=p / p.sum()).astype(np.int64)
-        users.append(UserShares(user_id, items, _timestamps(count, config, rng)))
-    return SyntheticExpressions(catalog, tuple(users), config)
+        items = rng.choice(config.num_expressions, size=count, p=p).astype(np.int64)
+        users.append(UserShares(user_id, items, _timestamps(count, config, rng), taste))
+    return SyntheticExpressions(catalog, tuple(users), config, item_vectors)
+
+
+def _share_probabilities(
+    log_popularity: np.ndarray, item_vectors: np.ndarray, taste: np.ndarray, config: SyntheticConfig
+) -> np.ndarray:
+    logits = log_popularity + config.taste_strength * (item_vectors @ taste)
+    p = np.exp(logits - logits.max())
+    return np.asarray(p / p.sum())

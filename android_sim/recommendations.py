@@ -12,12 +12,15 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from rich.table import Table
 
+from android_sim.ceilings import ceiling_tops
+from android_sim.hit_rates import Evaluation, ScoredDevice, evaluate
+from android_sim.intervals import Interval
 from contracts.features import Examples
 from contracts.params import Params, decode_params
 from device_runtime.example_store import ExampleStore
@@ -32,16 +35,54 @@ if TYPE_CHECKING:
 K = 10
 
 
+# The methods scored on every held-out device, in the order they are printed; * a ceiling
+# (`android_sim.ceilings`): it needs every share on one server, or the generator's truth.
+METHODS = {
+    "personalized": "FedRecon",
+    "global": "global (model)",
+    "most_shared": "most-shared",
+    "topic_rule": "topic rule *",
+    "central_mf": "central MF *",
+    "oracle": "oracle *",
+}
+DESCRIBED = {
+    "personalized": "FedRecon: the device's own top-10, its user embedding reconstructed on the device",
+    "global": "the model's global top-10 (item biases): what a device with no data is shown",
+    "most_shared": "the ten expressions shared most on the training devices",
+    "topic_rule": "ceiling: popularity x the device history's topics, re-share bonus (no training)",
+    "central_mf": "ceiling: softmax MF trained on every training device's shares pooled",
+    "oracle": "ceiling: the generator's own share probabilities",
+}
+
+
 @dataclass(frozen=True)
 class HitRates:
-    devices: int
-    personalized: float
-    global_model: float
-    most_shared: float
+    """The held-out devices' hit rates@10 (`android_sim.hit_rates`) and each scored device's top-10s."""
+
+    evaluation: Evaluation
+    scored: list[ScoredDevice]
 
     @property
-    def lift_over_global(self) -> float:
-        return self.personalized / self.global_model - 1 if self.global_model else float("nan")
+    def devices(self) -> int:
+        return self.evaluation.devices
+
+    def figure(self, method: str, kind: str = "expected") -> Interval | None:
+        """A method's hit rate over every scored device: "expected" (under the ground truth) or "newest"."""
+        score = self.evaluation.methods.get(method)
+        return None if score is None else score.expected if kind == "expected" else score.newest
+
+    @property
+    def headline(self) -> str:
+        """The figure a run leads with: the expected hit rate where there is ground truth."""
+        return "expected" if self.figure("personalized", "expected") is not None else "newest"
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            **asdict(self.evaluation),
+            "methods_described": {m: DESCRIBED[m] for m in self.evaluation.methods},
+            "future_fraction": "newest fifth of each held-out device's shares, at least one, never all",
+            "scored_devices": [d.to_json() for d in self.scored],
+        }
 
 
 def catalog(model: TFLiteModel) -> str:
@@ -70,13 +111,10 @@ def popularity_top(model: TFLiteModel, params: Params) -> np.ndarray:
 def shares_by_item(workload: Workload, training: list[int]) -> np.ndarray:
     """How often each catalog row was shared (a positive label) on the training devices: what
     only a server that saw every device's data could count."""
-    manifest = workload.manifest
-    name, label = manifest.task.catalog_feature, manifest.label_features[0].name
-    assert name is not None
-    rows = [workload.devices[i].examples for i in training]
-    items = [e[name][e[label] > 0] for e in rows]
-    found = np.concatenate(items).astype(np.int64) if items else np.zeros(0, np.int64)
-    return np.bincount(found, minlength=manifest.catalog_size)
+    found = [training_shares(workload, i) for i in training]
+    return np.bincount(
+        np.concatenate([*found, np.zeros(0, np.int64)]), minlength=workload.manifest.catalog_size
+    )
 
 
 async def held_out_hit_rates(
@@ -95,25 +133,38 @@ async def held_out_hit_rates(
     blob = await client.global_params_at(population, int(status["current_version"]))
     model = TFLiteModel(model_dir)
     params = decode_params(blob, model.manifest.global_params, "global parameters")
-    counts = shares_by_item(workload, [d.index for d in fleet.devices if d.role == "training"])
-    most_shared = np.argsort(-counts, kind="stable")[:K]
+    training = [d.index for d in fleet.devices if d.role == "training"]
     return await asyncio.to_thread(
-        _score, model, params, str(status["current_version"]), held_out, future, most_shared, show
+        score_held_out,
+        model,
+        params,
+        str(status["current_version"]),
+        held_out,
+        future,
+        workload,
+        training,
+        show,
     )
 
 
-def _score(
+def score_held_out(
     model: TFLiteModel,
     params: Params,
     version: str,
     held_out: list[Any],
     future: dict[int, Examples],
-    most_shared: np.ndarray,
+    workload: Workload,
+    training: list[int],
     show: int,
 ) -> tuple[HitRates | None, list[dict[str, Any]]]:
+    """Each held-out device's top-10s (its own, on the device, with `params`; the baselines'; the
+    ceilings' when the data has ground truth) scored against its kept-aside shares `future`;
+    and the first `show` devices' tables to print."""
     global_top = popularity_top(model, params)
-    hits = {"personalized": 0, "global": 0, "most_shared": 0}
-    scored = 0
+    counts = shares_by_item(workload, training)
+    most_shared = np.argsort(-counts, kind="stable")[:K]
+    name = catalog(model)
+    devices: list[dict[str, Any]] = []
     examples: list[dict[str, Any]] = []
     for device in held_out:
         coming = future.get(device.index)
@@ -123,32 +174,62 @@ def _score(
             # Expressions are re-shared, so keep what the user already used; ratings are not.
             context = context_of(model, coming if coming is not None else newest)
             top = recommender.recommend(K, exclude_used=not future, context=context)
-            recent = newest[catalog(model)][:5].tolist()
-        nxt = None if coming is None else np.asarray(coming[catalog(model)], np.int64)
-        if nxt is not None and len(nxt):
-            scored += 1
-            hits["personalized"] += bool(np.isin(nxt, top.items).any())
-            hits["global"] += bool(np.isin(nxt, global_top).any())
-            hits["most_shared"] += bool(np.isin(nxt, most_shared).any())
+        history = np.asarray(newest[name], np.int64)
+        nxt = np.zeros(0, np.int64) if coming is None else np.asarray(coming[name], np.int64)
+        devices.append(
+            {
+                "index": device.index,
+                "history": history,
+                "future": nxt,
+                "tops": {"personalized": top.items, "global": global_top, "most_shared": most_shared},
+            }
+        )
         if len(examples) < show and device.num_examples >= 5:
             examples.append(
                 {
                     "device": device.index,
                     "examples": device.num_examples,
-                    "recent": recent,
-                    "next": nxt.tolist() if nxt is not None else [],
+                    "recent": history[:5].tolist(),
+                    "next": nxt.tolist(),
                     "personalized": top.items.tolist(),
                     "global": global_top.tolist(),
                 }
             )
-    if not scored:
+    truth = workload.truth
+    probabilities: np.ndarray | None = None
+    if truth is not None and devices:
+        probabilities = np.stack([truth.probabilities(d["index"]) for d in devices])
+        ceilings = ceiling_tops(
+            [d["history"] for d in devices],
+            probabilities,
+            truth.item_topics,
+            [training_shares(workload, i) for i in training],
+        )
+        for row, d in enumerate(devices):
+            d["tops"].update({method: tops[row] for method, tops in ceilings.items()})
+    scored = [
+        ScoredDevice(
+            d["index"],
+            len(d["history"]),
+            d["future"],
+            None if probabilities is None else probabilities[row],
+            d["tops"],
+        )
+        for row, d in enumerate(devices)
+        if len(d["history"])
+    ]
+    if not scored or (probabilities is None and not any(len(d.future) for d in scored)):
         return None, examples
-    return (
-        HitRates(
-            scored, hits["personalized"] / scored, hits["global"] / scored, hits["most_shared"] / scored
-        ),
-        examples,
-    )
+    return HitRates(evaluate(scored), scored), examples
+
+
+def training_shares(workload: Workload, device: int) -> np.ndarray:
+    """A training device's shared catalog rows (positive labels), oldest first."""
+    manifest = workload.manifest
+    examples = workload.devices[device].examples
+    name, label = manifest.task.catalog_feature, manifest.label_features[0].name
+    assert name is not None
+    return np.asarray(examples[name][examples[label] > 0], np.int64)
 
 
 async def seen_device_examples(

@@ -152,7 +152,8 @@ class Devices:
 def prepare_devices(config: RunConfig, workload: Workload, store_dir: Path) -> Devices:
     """One example store per device; some devices held out (none in a stateful population, which
     evaluates on its seen devices' newest examples). A held-out device of a ranking model on
-    implicit feedback keeps its newest share out of its store, to score its top-k against."""
+    implicit feedback keeps its newest shares (`future_count`) out of its store, to score its
+    top-k against."""
     rng = np.random.default_rng(config.seed)
     store_dir.mkdir(parents=True, exist_ok=True)
     count = len(workload.devices)
@@ -167,12 +168,21 @@ def prepare_devices(config: RunConfig, workload: Workload, store_dir: Path) -> D
     for i, device in enumerate(workload.devices):
         stored = device
         if i in held_out and workload.ranks_shares and device.examples.num_examples >= 2:
-            stored, future[i] = split_newest(device, 1)
+            stored, future[i] = split_newest(device, future_count(device.examples.num_examples))
         path = store_path(store_dir, device.device_id)
         write_store(path, stored, workload)
         role = HELD_OUT if i in held_out else TRAINING
         specs.append(DeviceSpec(role, profiles[i], path, stored.examples.num_examples))
     return Devices(specs, future)
+
+
+FUTURE_FRACTION = 0.2
+
+
+def future_count(examples: int) -> int:
+    """How many of a held-out device's newest shares are kept aside to score: a fifth, at least
+    one, and never all (a device of one share keeps it and is scored on its expected hit rate)."""
+    return 0 if examples < 2 else max(1, round(FUTURE_FRACTION * examples))
 
 
 def write_store(path: Path, device: Any, workload: Workload) -> None:

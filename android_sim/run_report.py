@@ -11,11 +11,15 @@ from pathlib import Path
 from typing import Any, cast
 
 import numpy as np
+from rich import box
 from rich.console import Console
+from rich.table import Table
 
 from android_sim import report
 from android_sim.fleet import Fleet
-from android_sim.recommendations import top_k_table
+from android_sim.hit_rates import HISTORY_BUCKETS
+from android_sim.intervals import Interval
+from android_sim.recommendations import METHODS, HitRates, top_k_table
 from android_sim.run_config import RunConfig, RunResult
 from android_sim.workload import Workload
 from contracts.manifest import Manifest
@@ -58,7 +62,7 @@ def write_report(
         "mixing": _mixing_summary(mixing, fleet),
         "rounds": rounds,
         "final_evaluation": final,
-        "hit_rates": asdict(hit_rates) if hit_rates else None,
+        "hit_rates": hit_rates.to_json() if hit_rates else None,
         "recommendations": examples,
         "seconds": seconds,
     }
@@ -191,15 +195,65 @@ def _print_summary(
     else:
         console.print("final evaluation: no device reported in time")
     if result.hit_rates:
-        h = result.hit_rates
-        console.print(
-            f"held-out devices' next share in the top-10 ({h.devices} devices): "
-            f"personalized {h.personalized:.1%}, "
-            f"global top-10 {h.global_model:.1%}, most-shared top-10 {h.most_shared:.1%} "
-            f"(lift over global {h.lift_over_global:+.1%})"
-        )
+        console.print(hit_rate_table(result.hit_rates))
+        console.print(history_table(result.hit_rates))
     for example in examples:
         table = top_k_table(example, workload.label)
         console.print(table)
     console.print(f"report: {result.report_path}")
     console.print("plots: " + ", ".join(str(p) for p in result.plots))
+
+
+CEILINGS = "* ceilings: the topic rule and centralized MF see every share; the oracle, the generator's truth"
+
+
+def hit_rate_table(hit_rates: HitRates) -> Table:
+    """Every method's held-out hit rate@10 with its interval; the model's paired difference to each."""
+    e = hit_rates.evaluation
+    table = Table(
+        title=f"held-out hit rate@10 in % [{e.interval}]: expected (the true probability mass in "
+        f"the top-10; {e.devices} devices), over the newest shares ({e.devices_with_future} devices), "
+        "and FedRecon's paired difference in the expected one",
+        title_justify="left",
+        box=box.SIMPLE_HEAD,
+        pad_edge=False,
+        caption=CEILINGS,
+        caption_justify="left",
+    )
+    table.add_column("top-10", no_wrap=True)
+    table.add_column("expected", justify="right", no_wrap=True)
+    table.add_column("newest shares", justify="right", no_wrap=True)
+    table.add_column("FedRecon minus", justify="right", no_wrap=True)
+    for method, score in e.methods.items():
+        diff = e.differences.get(method, {})
+        table.add_row(
+            METHODS[method], _cell(score.expected), _cell(score.newest), _cell(diff.get("expected"), "+")
+        )
+    return table
+
+
+def history_table(hit_rates: HitRates) -> Table:
+    """The hit rates by the examples a held-out device holds (its reconstruction's data)."""
+    e = hit_rates.evaluation
+    kind = hit_rates.headline
+    table = Table(
+        title=f"{kind} hit rate@10 in % by the examples a held-out device holds",
+        title_justify="left",
+        box=box.SIMPLE_HEAD,
+        pad_edge=False,
+    )
+    table.add_column("top-10", no_wrap=True)
+    first = e.methods["personalized"].by_history
+    for bucket in HISTORY_BUCKETS:
+        found = first[bucket][kind]
+        table.add_column(f"{bucket} ({found.devices if found else 0} devices)", justify="right", no_wrap=True)
+    for method, score in e.methods.items():
+        table.add_row(METHODS[method], *(_cell(score.by_history[b][kind]) for b in HISTORY_BUCKETS))
+    return table
+
+
+def _cell(figure: Interval | None, sign: str = "") -> str:
+    """A figure in percentage points with its interval, e.g. `25.9 [24.1,27.8]`."""
+    if figure is None:
+        return "-"
+    return f"{100 * figure.value:{sign}.1f} [{100 * figure.low:{sign}.1f},{100 * figure.high:{sign}.1f}]"

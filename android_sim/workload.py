@@ -22,6 +22,7 @@ from device_runtime.examples_table import DeviceExamples
 if TYPE_CHECKING:
     from rich.console import Console
 
+    from android_sim.device_data import ShareTruth
     from android_sim.fleet import Fleet
 
 # The training devices' indices -> (centralized examples, their public accounts, items no
@@ -65,6 +66,8 @@ class Workload:
     central: CentralSource | None = None  # the data's public examples, for mixing
     held_out: frozenset[int] | None = None  # the data's own held-out devices (else drawn at random)
     report: DataReport | None = None  # the data's own report section
+    # Synthetic data: the generator's ground truth, to score held-out top-10s by their expected hit rate.
+    truth: ShareTruth | None = None
 
     @property
     def num_examples(self) -> int:

@@ -12,14 +12,14 @@ from __future__ import annotations
 import enum
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from contracts.features import Examples, per_example
 from contracts.manifest import Manifest
 from contracts.params import Params, ParamsError
-from contracts.task_config import LocalState, TaskConfig
+from contracts.task_config import LocalState, SplitPolicy, TaskConfig
 from device_runtime.example_store import ExampleStore, Selection
 from device_runtime.local_state import LocalStateStore
 from model_runtime.support_query import (
@@ -287,6 +287,13 @@ def run_training_task(
         model.reset_local()
 
 
+def evaluation_split(config: TaskConfig) -> TaskConfig:
+    """ReconEval's split whatever training's is: alternating support and query batches, reused
+    only when the device has a single batch. Reconstructing on the query (training's `reuse`)
+    would measure on what the locals were just fitted to."""
+    return replace(config, split=SplitPolicy.ALTERNATE, reuse_below=0)
+
+
 def run_evaluation_task(
     model: TFLiteModel,
     store: ExampleStore,
@@ -306,7 +313,7 @@ def run_evaluation_task(
             return mismatch
         if config.local_state is LocalState.KEEP:
             return _stateful_evaluation(model, store, global_params, config, kept, seed)
-        started = _start(model, store, global_params, config, seed)
+        started = _start(model, store, global_params, evaluation_split(config), seed)
         if isinstance(started, TaskResult):
             return started
         _, support, query = started

@@ -45,8 +45,9 @@ from android_sim.bench.protocol import (
 from android_sim.bench.staleness import StalenessOptions, plot_staleness, run_staleness
 from android_sim.device_data import expression_fleet
 from android_sim.expressions import SyntheticConfig
+from android_sim.intervals import per_device_sums_interval
 from android_sim.movielens import load_ratings
-from android_sim.simulation import SimulationOptions, simulate
+from android_sim.simulation import SimulationOptions, evaluation_task, packed_clients, simulate
 from contracts.features import Examples
 from contracts.manifest import Manifest
 from contracts.params import Params
@@ -55,7 +56,7 @@ from device_runtime.client_task import diverged
 from model_export.config import ModelConfig
 from model_runtime.support_query import num_steps
 from model_runtime.task_batches import TaskBatches
-from model_runtime.tflite_model import TFLiteModel
+from model_runtime.tflite_model import EvaluationSums, TFLiteModel
 from orchestrator.aggregation import RobustAggregation, ServerOptimizerConfig
 from orchestrator.differential_privacy import DPConfig, epsilon, population_size_for
 from secure_aggregation.config import RoundParameters
@@ -188,12 +189,15 @@ class MethodResult:
     curve: list[dict[str, float]]  # validation metrics by round (or epoch)
     seconds: float
     settings: dict[str, Any]
+    # 95% intervals of the test figures (bootstrap over the test users), where computed.
+    intervals: dict[str, list[float]] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return {
             "method": self.method,
             "evaluated_on": self.evaluated_on,
             "test": self.test,
+            "test_intervals": self.intervals,
             "validation_curve": self.curve,
             "seconds": round(self.seconds, 2),
             "settings": self.settings,
@@ -267,7 +271,24 @@ def run_fedrecon(
     found = simulate(model_dir, data.examples, options, make_server, split)
     test = {k: v for k, v in found.held_out.items() if k != "devices"}
     run = TrainingRun(found.params, found.curve, found.seconds, found.refused)
-    return _result(method, HELD_OUT, test, run, len(split.test), settings.to_json())
+    result = _result(method, HELD_OUT, test, run, len(split.test), settings.to_json())
+    with Devices(model_dir, workers) as pool:
+        held_out = {u: data.examples[u] for u in split.test}
+        clients = packed_clients(held_out, pool.manifest, evaluation_task(settings.task))
+        pool.set_global(found.params)
+        sums = pool.map(recon_eval_work(clients, settings.task), split.test)
+    return replace(result, intervals=test_intervals(sums))
+
+
+def test_intervals(sums: Sequence[EvaluationSums]) -> dict[str, list[float]]:
+    """RMSE and accuracy over the test users' evaluation sums: [low, high] of a 95% bootstrap over users."""
+    per_user = [s.as_dict() for s in sums]
+    out = {}
+    for metric, name, root in (("rmse", "squared_error", True), ("accuracy", "correct", False)):
+        if per_user and f"{name}_sum" in per_user[0]:
+            found = per_device_sums_interval(per_user, name, root=root)
+            out[metric] = [found.low, found.high]
+    return out
 
 
 def _result(
@@ -417,10 +438,12 @@ def run_centralized_recon_eval(
             model, initial_globals(model_dir), every, split.train, kept, config, epochs, validate
         )
         devices.set_global(run.params)
-        test = devices.evaluate(evaluation, split.test).metrics()
-    return _result(
+        sums = devices.map(evaluation, split.test)
+        test = sum(sums, EvaluationSums.zero()).metrics()
+    result = _result(
         "centralized_recon_eval", HELD_OUT, test, run, len(split.test), _central_json(config, epochs)
     )
+    return replace(result, intervals=test_intervals(sums))
 
 
 def run_centralized_standard_eval(
@@ -564,9 +587,16 @@ def run_quality(options: QualityOptions, log: Callable[[str], None] = print) -> 
 
     def done(result: MethodResult) -> None:
         results[result.method] = result
-        t = result.test
+        t, ci = result.test, result.intervals
+
+        def shown(name: str, form: str) -> str:
+            low_high = ci.get(name)
+            return format(t[name], form) + (
+                f" [{format(low_high[0], form)}, {format(low_high[1], form)}]" if low_high else ""
+            )
+
         log(
-            f"{result.method:<28} test RMSE {t['rmse']:.4f}  accuracy {t['accuracy']:.2%}  "
+            f"{result.method:<28} test RMSE {shown('rmse', '.4f')}  accuracy {shown('accuracy', '.2%')}  "
             f"({result.seconds:.1f} s; {result.evaluated_on.split(',')[0]})"
         )
 

@@ -113,6 +113,10 @@ def test_a_short_run_improves_validation_rmse(tmp_path: Path, movielens_100k: Pa
     assert [point["round"] for point in result.curve] == [0, 4, 8]
     assert rmse[-1] < rmse[0] - 0.2
     assert result.test["users"] == len(split.test) and result.test["examples"] > 0
+    # The test figures' 95% intervals over the test users bracket them.
+    for metric in ("rmse", "accuracy"):
+        low, high = result.intervals[metric]
+        assert low <= result.test[metric] <= high and low < high, metric
 
 
 def test_training_on_reused_examples_still_evaluates_reconstruct_on_support_measure_on_query(
@@ -241,6 +245,9 @@ def test_cli_writes_every_method_to_json_and_a_plot(tmp_path: Path) -> None:
         test = report["methods"][name]["test"]
         assert 0 < test["rmse"] < 5 and 0 <= test["accuracy"] <= 1, name
         assert report["methods"][name]["validation_curve"], name
+    for name in ("fedrecon", "better", "centralized_recon_eval"):  # the held-out rows and their ceiling
+        low, high = report["methods"][name]["test_intervals"]["rmse"]
+        assert low <= report["methods"][name]["test"]["rmse"] <= high, name
     assert [r["split_seed"] for r in report["better_split_seeds"]["runs"]] == [0, 1]
     assert [r["k_r"] for r in report["kr_ablation"]["runs"]] == [0, 1, 2, 5, 10]
     assert [r["k_u"] for r in report["ku_ablation"]["runs"]] == [1, 2, 5, 10]

@@ -109,6 +109,15 @@ def test_a_fleet_trains_evaluates_and_writes_its_report(work: Path) -> None:
         assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert result.hit_rates is not None and result.hit_rates.devices > 0
     assert report["recommendations"] and len(report["recommendations"][0]["personalized"]) == 10
+    # Every held-out device is scored, each with its top-10 of every method kept in the report;
+    # the synthetic data's ground truth gives every method an expected hit rate and the ceilings.
+    held_out = report["hit_rates"]["scored_devices"]
+    assert len(held_out) == result.hit_rates.devices
+    methods = {"personalized", "global", "most_shared", "topic_rule", "central_mf", "oracle"}
+    assert all(set(d["top10"]) == methods and len(d["top10"]["oracle"]) == 10 for d in held_out)
+    figures = report["hit_rates"]["methods"]
+    assert all(figures[m]["expected"]["low"] <= figures[m]["expected"]["value"] for m in methods)
+    assert figures["oracle"]["expected"]["value"] >= figures["personalized"]["expected"]["value"]
 
 
 def test_the_fleet_waits_for_an_orchestrator_that_restarts(work: Path) -> None:

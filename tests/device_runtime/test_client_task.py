@@ -287,6 +287,20 @@ def test_evaluation_task_reports_metrics_only(movielens_device: tuple[TFLiteMode
     assert result.metrics["weight_sum"] == result.num_examples == 135
 
 
+def test_evaluation_measures_on_the_query_even_when_training_reuses_examples(
+    movielens_device: tuple[TFLiteModel, ExampleStore],
+) -> None:
+    model, store = movielens_device
+
+    alternate = run_evaluation_task(model, store, model.get_global(), TaskConfig())
+    reuse = run_evaluation_task(model, store, model.get_global(), TaskConfig(split=SplitPolicy.REUSE))
+    below = run_evaluation_task(model, store, model.get_global(), TaskConfig(reuse_below=1000))
+
+    # Training's split does not reach ReconEval: the same query, the same figures.
+    assert reuse.metrics == alternate.metrics == below.metrics
+    assert reuse.num_examples == 135
+
+
 def test_task_config_round_trip_and_refusals() -> None:
     config = TaskConfig(split=SplitPolicy.REUSE, reuse_below=3)
 

@@ -1,0 +1,150 @@
+"""What the held-out devices' top-10 could be, scored beside the federated model's on the same split.
+
+- **oracle**: the generator's own probabilities (synthetic data only): the best any model can do.
+- **topic rule**: no training; the popularity counted over the training devices, weighted by how
+  often the device's own history touches each expression's topic (public catalog metadata), with
+  a bonus for what the device already shared (expressions are re-shared).
+- **centralized MF**: softmax matrix factorization trained on every training device's shares
+  pooled on one server (what federated training gives up by not seeing them); a held-out
+  device's user vector is fitted to its history with the items fixed, as reconstruction does.
+
+The last two need a server that saw every share: they are ceilings, not deployable baselines.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+K = 10
+
+
+def top_k(scores: np.ndarray, k: int = K) -> np.ndarray:
+    """The `k` highest-scoring columns of each row, best first (ties by lower index)."""
+    scores = np.atleast_2d(scores)
+    return np.argsort(-scores, axis=1, kind="stable")[:, :k]
+
+
+def oracle_tops(probabilities: np.ndarray) -> np.ndarray:
+    """(devices, k): each device's k most probable next shares."""
+    return top_k(probabilities)
+
+
+@dataclass(frozen=True)
+class TopicRule:
+    """score(item) = popularity(item) x (shares of the item's topic in the history + prior)
+    x (1 + bonus x shares of the item itself in the history)."""
+
+    topic_prior: float = 0.05  # a topic the device never touched still counts a little
+    reshare_bonus: float = 1.0
+
+    def tops(
+        self, histories: Sequence[np.ndarray], popularity: np.ndarray, item_topics: np.ndarray
+    ) -> np.ndarray:
+        num_topics = int(item_topics.max()) + 1
+        num_items = len(popularity)
+        out = np.zeros((len(histories), K), np.int64)
+        for row, history in enumerate(histories):
+            per_topic = np.bincount(item_topics[history], minlength=num_topics) / max(1, len(history))
+            own = np.bincount(history, minlength=num_items)
+            score = popularity * (per_topic[item_topics] + self.topic_prior) * (1 + self.reshare_bonus * own)
+            out[row] = top_k(score)[0]
+        return out
+
+
+@dataclass(frozen=True)
+class SoftmaxMF:
+    """Full-softmax MF: P(item | user) = softmax(V u + b), trained with Adam on the pooled shares
+    (the loss grouped by user, so a step costs one users x items product)."""
+
+    dim: int = 8
+    steps: int = 200
+    learning_rate: float = 0.05
+    l2: float = 3.0  # on each user and item vector (a MAP prior), against the sum of log-likelihoods
+    fold_in_steps: int = 150
+    seed: int = 0
+
+    def fit(self, histories: Sequence[np.ndarray], num_items: int) -> tuple[np.ndarray, np.ndarray]:
+        """(item vectors, item biases) from the training devices' histories."""
+        rng = np.random.default_rng(self.seed)
+        counts = _counts(histories, num_items)
+        users = rng.normal(0, 0.1, (len(histories), self.dim))
+        items = rng.normal(0, 0.1, (num_items, self.dim))
+        bias = np.log(counts.sum(axis=0) + 1.0)
+        bias -= bias.mean()
+        params = [users, items, bias]
+        adam = _Adam(params, self.learning_rate)
+        total = counts.sum()
+        for _ in range(self.steps):
+            grad_logits = _softmax_grad(users @ items.T + bias, counts) / total
+            adam.step(
+                [
+                    grad_logits @ items + self.l2 * users / total,
+                    grad_logits.T @ users + self.l2 * items / total,
+                    grad_logits.sum(axis=0),
+                ]
+            )
+        return items, bias
+
+    def tops(self, items: np.ndarray, bias: np.ndarray, histories: Sequence[np.ndarray]) -> np.ndarray:
+        """Each device's top-k after fitting its user vector to its history, items fixed."""
+        counts = _counts(histories, len(bias))
+        users = np.zeros((len(histories), self.dim))
+        adam = _Adam([users], self.learning_rate)
+        shares = counts.sum(axis=1, keepdims=True)
+        for _ in range(self.fold_in_steps):
+            grad = _softmax_grad(users @ items.T + bias, counts) @ items + self.l2 * users
+            adam.step([grad / np.maximum(shares, 1)])
+        return top_k(users @ items.T + bias)
+
+
+def _counts(histories: Sequence[np.ndarray], num_items: int) -> np.ndarray:
+    counts = np.zeros((len(histories), num_items))
+    for row, history in enumerate(histories):
+        np.add.at(counts[row], np.asarray(history, np.int64), 1.0)
+    return counts
+
+
+def _softmax_grad(logits: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """d/dlogits of -sum(counts * log softmax(logits)) per row."""
+    logits = logits - logits.max(axis=1, keepdims=True)
+    p = np.exp(logits)
+    p /= p.sum(axis=1, keepdims=True)
+    return np.asarray(p * counts.sum(axis=1, keepdims=True) - counts)
+
+
+class _Adam:
+    def __init__(self, params: list[np.ndarray], learning_rate: float) -> None:
+        self.params, self.lr, self.t = params, learning_rate, 0
+        self.m = [np.zeros_like(p) for p in params]
+        self.v = [np.zeros_like(p) for p in params]
+
+    def step(self, grads: list[np.ndarray]) -> None:
+        self.t += 1
+        for p, g, m, v in zip(self.params, grads, self.m, self.v, strict=True):
+            m *= 0.9
+            m += 0.1 * g
+            v *= 0.999
+            v += 0.001 * g * g
+            p -= self.lr * (m / (1 - 0.9**self.t)) / (np.sqrt(v / (1 - 0.999**self.t)) + 1e-8)
+
+
+def ceiling_tops(
+    histories: Sequence[np.ndarray],
+    probabilities: np.ndarray,
+    item_topics: np.ndarray,
+    training: Sequence[np.ndarray],
+) -> dict[str, np.ndarray]:
+    """Each ceiling's (devices, k) top-k for the devices holding `histories`, their true share
+    probabilities (devices, items) and the training devices' shares `training`."""
+    num_items = probabilities.shape[1]
+    popularity = np.bincount(np.concatenate([*training, np.zeros(0, np.int64)]), minlength=num_items)
+    mf = SoftmaxMF()
+    items, bias = mf.fit(training, num_items)
+    return {
+        "topic_rule": TopicRule().tops(histories, popularity.astype(np.float64), item_topics),
+        "central_mf": mf.tops(items, bias, histories),
+        "oracle": oracle_tops(probabilities),
+    }

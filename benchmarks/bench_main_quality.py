@@ -1,0 +1,114 @@
+"""The main job's quality in about a minute: its data, split, model, task and held-out evaluation,
+with the rounds run in-process (`android_sim.simulation`) instead of by the fleet over HTTP.
+
+    .venv/bin/python benchmarks/bench_main_quality.py [SETTINGS_JSON ...]
+
+Each argument is one configuration, a JSON object over the main job's defaults:
+`{"task": {...}}` task config fields, `{"server": {...}}` server optimizer fields,
+`{"model": {...}}` model config fields (a new export), `"rounds"` (60), `"clients"` (40 reports
+a round), `"seed"` (the data's, the held-out draw's and the client sampling's; 0). Prints one
+line per configuration: FedRecon's expected hit rate@10 with its 95% interval, its hit rate over
+the newest shares, by history size, and the ceilings on the same held-out devices. This is how
+the main job's defaults were tuned (docs/benchmarks.md, "Quality: the main job's held-out devices");
+the fleet adds device availability, dropouts and staleness, so confirm a change with `./dev main`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+import tempfile
+from dataclasses import replace
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from android_sim.algorithm import optimizer_over  # noqa: E402
+from android_sim.bench.federated import Rounds  # noqa: E402
+from android_sim.bench.protocol import UserSplit  # noqa: E402
+from android_sim.builtin_data import builtin_workload, export, load_data, model_config  # noqa: E402
+from android_sim.recommendations import HitRates, score_held_out  # noqa: E402
+from android_sim.run import future_count, write_store  # noqa: E402
+from android_sim.run_config import RunConfig  # noqa: E402
+from android_sim.simulate_command import simulation_task  # noqa: E402
+from android_sim.simulation import SimulationOptions, simulate  # noqa: E402
+from android_sim.workload import newest_first, split_newest  # noqa: E402
+from device_runtime.examples_table import store_path  # noqa: E402
+from model_runtime.tflite_model import TFLiteModel  # noqa: E402
+from orchestrator.aggregation import ServerOptimizerConfig  # noqa: E402
+
+
+def run(spec: dict[str, Any], work: Path) -> HitRates:
+    seed, rounds, clients = spec.get("seed", 0), spec.get("rounds", 60), spec.get("clients", 40)
+    config = RunConfig(
+        work_dir=work, seed=seed, task=spec.get("task", {}), server_optimizer=spec.get("server", {})
+    )
+    data = load_data(config)
+    model = replace(model_config(data), **spec.get("model", {}))
+    tag = hashlib.sha256(json.dumps(model.to_json(), sort_keys=True).encode()).hexdigest()[:12]
+    model_dir = export(model, work / "models" / tag)
+    workload = builtin_workload(config, data, model_dir)
+    # The main job's split (`run.prepare_devices`): the same held-out devices and kept-aside shares.
+    count = len(workload.devices)
+    held = sorted(np.random.default_rng(seed).permutation(count)[: round(config.held_out_fraction * count)])
+    stored, future = {}, {}
+    for i in held:
+        device = workload.devices[i]
+        kept_aside = future_count(device.examples.num_examples)
+        stored[i] = device
+        if kept_aside:
+            stored[i], future[i] = split_newest(device, kept_aside)
+    devices = [newest_first(stored.get(i, d)) for i, d in enumerate(workload.devices)]
+    training = [i for i in range(count) if i not in stored]
+    eligible = [i for i in training if devices[i].num_examples >= config.min_examples]
+    task = simulation_task(workload, config.task, config.min_examples)
+    server = ServerOptimizerConfig.from_json(
+        optimizer_over(workload.server_optimizer, config.server_optimizer)
+    )
+    options = SimulationOptions(Rounds(rounds, clients, rounds, seed), task, server, workers=2)
+    result = simulate(model_dir, devices, options, split=UserSplit(eligible, held[:10], held))
+    fleet = []
+    for i in held:
+        path = store_path(work / "stores" / f"{tag}-{seed}", stored[i].device_id)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_store(path, stored[i], workload)
+        fleet.append(SimpleNamespace(index=i, store_path=path, num_examples=stored[i].examples.num_examples))
+    found, _ = score_held_out(
+        TFLiteModel(model_dir), result.params, "final", fleet, future, workload, training, 0
+    )
+    assert found is not None
+    return found
+
+
+def line(spec: dict[str, Any], found: HitRates) -> str:
+    methods = found.evaluation.methods
+    mine = methods["personalized"]
+    by_size = " / ".join(
+        f"{b} {mine.by_history[b]['expected'].value:.1%}"  # type: ignore[union-attr]
+        for b in ("1", "2-4", "5+")
+    )
+    ceilings = ", ".join(
+        f"{m} {methods[m].expected.value:.1%}"  # type: ignore[union-attr]
+        for m in ("most_shared", "topic_rule", "central_mf", "oracle")
+    )
+    return (
+        f"{json.dumps(spec)}: FedRecon expected {mine.expected}, newest {mine.newest}; "
+        f"by history {by_size}; {ceilings}"
+    )
+
+
+def main() -> None:
+    specs = [json.loads(a) for a in sys.argv[1:]] or [{}]
+    with tempfile.TemporaryDirectory() as work:
+        for spec in specs:
+            print(line(spec, run(spec, Path(work))), flush=True)
+
+
+if __name__ == "__main__":
+    main()
