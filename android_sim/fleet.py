@@ -24,10 +24,12 @@ from android_sim.network import Connector, SimulatedLink
 from android_sim.profiles import DeviceProfile, SimClock
 from contracts.features import FeatureSpec
 from device_runtime.agent import DeviceAgent, Participation
+from device_runtime.device_identity import DeviceIdentity
 from device_runtime.example_store import Event, ExampleStore
 from device_runtime.orchestrator_client import OrchestratorClient
 from device_runtime.privacy_policy import PrivacyPolicy
 from device_runtime.task_runner import TaskRunner
+from enrollment_authority.authority import EnrollmentAuthority
 
 TRAINING, HELD_OUT = "training", "held-out"
 
@@ -53,6 +55,8 @@ class SimDevice:
     http: httpx.AsyncClient
     client: OrchestratorClient
     device_id: str = ""
+    # Its signing key, certified by the fleet's enrollment authority (when the policy asks for one).
+    identity: DeviceIdentity | None = None
     outcomes: collections.Counter[str] = field(default_factory=collections.Counter)
     trained: bool = False  # has reported a training task (a seen device, with kept locals if stateful)
     evaluated_round: int | None = None  # the last evaluation round it took part in (or tried to)
@@ -93,6 +97,9 @@ class FleetOptions:
     seen_devices_evaluate: bool = False
     # The app's privacy policy on every simulated phone: small floors for a fleet of a few dozen.
     privacy_policy: PrivacyPolicy = field(default_factory=PrivacyPolicy.for_simulation)
+    # Certifies the simulated devices' signing keys (a new one per fleet when None): the fleet is
+    # its client, as an app is the platform attestation service's; the orchestrator only relays.
+    enrollment_authority: EnrollmentAuthority | None = None
 
 
 def write_store(path: Path, events: Sequence[Event], features: Sequence[FeatureSpec]) -> None:
@@ -142,6 +149,14 @@ class Fleet:
 
     async def enroll(self, concurrency: int = 32) -> None:
         limit = asyncio.Semaphore(concurrency)
+
+        authority = self.options.enrollment_authority
+        if authority is None and self.options.privacy_policy.certified_roster:
+            authority = EnrollmentAuthority()
+        if authority is not None:
+            for device in self.devices:
+                if device.identity is None:
+                    device.identity = DeviceIdentity.enroll(authority.certify, authority.public_key)
 
         async def one(device: SimDevice) -> None:
             async with limit:
@@ -285,6 +300,7 @@ class Fleet:
                     self.options.population,
                     runner=self.runner,
                     policy=self.options.privacy_policy,
+                    identity=device.identity,
                 )
                 participation = await agent.participate(
                     task,

@@ -247,7 +247,7 @@ async def run_fleet(
                     cooldown_hours=config.cooldown_hours,
                     seed=config.seed,
                     seen_devices_evaluate=config.stateful,
-                    privacy_policy=PrivacyPolicy.for_simulation(config.aggregation),
+                    privacy_policy=PrivacyPolicy.for_simulation(config.aggregation, certified_roster=True),
                 ),
             )
             fleet_task: asyncio.Task[None] | None = None

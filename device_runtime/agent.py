@@ -26,6 +26,7 @@ from contracts.params import ParamsError
 from contracts.protocol import Assignment, Rejection
 from contracts.task_config import TaskConfig
 from device_runtime.client_task import Outcome, TaskResult
+from device_runtime.device_identity import DeviceIdentity
 from device_runtime.example_store import ExampleStore
 from device_runtime.local_state import LocalStateStore
 from device_runtime.orchestrator_client import (
@@ -77,10 +78,13 @@ class DeviceAgent:
         backend: str | None = None,
         runner: TaskRunner | None = None,
         policy: PrivacyPolicy | None = None,
+        identity: DeviceIdentity | None = None,
     ) -> None:
-        """`policy` is the app's (default: the production `PrivacyPolicy()`, secure rounds only)."""
+        """`policy` is the app's (default: the production `PrivacyPolicy()`, secure rounds only);
+        `identity` the device's certified signing key, which that policy requires in secure rounds."""
         self.client = client
         self.policy = policy or PrivacyPolicy()
+        self.identity = identity
         self.store = store
         self.cache_dir = Path(cache_dir)
         self.population = population
@@ -194,6 +198,7 @@ class DeviceAgent:
                 self.policy,
                 stays=phase_continues or (lambda phase: should_continue()),
                 abort_when_leaving=abort_when_interrupted,
+                identity=self.identity,
             )
             sharing = asyncio.create_task(driver.share())
             try:

@@ -40,6 +40,10 @@ class PrivacyPolicy:
       announced minimum of survivors, its roster and the survivors it is asked to unmask for.
     - `min_threshold`: the lowest share of its neighbours that may reconstruct its secrets.
     - `max_participations_per_day`: assignments it takes per population and UTC day.
+    - `certified_roster`: join a secure round only with an identity certified by the enrollment
+      authority, and only with rosters whose every entry is certified by it and signed for the
+      round, and unmask only after its neighbours signed the same survivors, globals and task.
+      Without it the device trusts the server's roster, as against an honest-but-curious server.
     """
 
     aggregation: frozenset[str] = field(default_factory=lambda: frozenset({"secure"}))
@@ -47,6 +51,7 @@ class PrivacyPolicy:
     min_summands: int = 1_000
     min_threshold: float = 2 / 3
     max_participations_per_day: int = 1
+    certified_roster: bool = True
 
     def __post_init__(self) -> None:
         problems = []
@@ -73,6 +78,7 @@ class PrivacyPolicy:
         min_summands: int = 3,
         min_threshold: float = 0.25,
         max_participations_per_day: int = 10_000,
+        certified_roster: bool = False,
     ) -> PrivacyPolicy:
         """Small floors for fleets of a few dozen devices and for tests (never for a real app)."""
         return cls(
@@ -81,6 +87,7 @@ class PrivacyPolicy:
             min_summands=min_summands,
             min_threshold=min_threshold,
             max_participations_per_day=max_participations_per_day,
+            certified_roster=certified_roster,
         )
 
     def check_assignment(self, assignment: Assignment) -> None:
@@ -106,6 +113,13 @@ class PrivacyPolicy:
             raise PolicyRefusal(
                 f"a secret-sharing threshold of {params.threshold:g} of the neighbours is below this "
                 f"device's floor of {self.min_threshold:g}"
+            )
+
+    def check_identity(self, has_identity: bool) -> None:
+        if self.certified_roster and not has_identity:
+            raise PolicyRefusal(
+                "this device joins secure rounds only with a key certified by the enrollment authority, "
+                "and it has none"
             )
 
     def check_roster(self, size: int) -> None:

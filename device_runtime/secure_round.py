@@ -31,6 +31,7 @@ import numpy as np
 from contracts.manifest import Manifest
 from contracts.params import Params
 from contracts.protocol import Assignment
+from device_runtime.device_identity import DeviceIdentity
 from device_runtime.orchestrator_client import (
     InvalidAnswer,
     OrchestratorClient,
@@ -41,6 +42,7 @@ from device_runtime.privacy_policy import PolicyRefusal, PrivacyPolicy
 from secure_aggregation.config import ProtocolError as SecureProtocolError
 from secure_aggregation.config import RoundParameters
 from secure_aggregation.device import DeviceSession
+from secure_aggregation.identity import SignedAdvertisement, keys_of, parse_advertisement, verified_roster
 from secure_aggregation.messages import (
     AdvertisedKeys,
     ciphertexts_from_json,
@@ -92,8 +94,10 @@ class SecureRoundDriver:
         *,
         stays: Callable[[str], bool] = lambda phase: True,
         abort_when_leaving: bool = True,
+        identity: DeviceIdentity | None = None,
     ) -> None:
         self.client = client
+        self.identity = identity
         self.assignment = assignment
         self.policy = policy
         self.stays = stays
@@ -105,6 +109,8 @@ class SecureRoundDriver:
         self.left = False
         self._session: DeviceSession | None = None
         self._ciphertexts: dict[int, bytes] = {}
+        # Each roster index's certified signing key (a device with an identity only).
+        self._signing_keys: dict[int, bytes] = {}
 
     async def share(self) -> SecureParticipation | None:
         """Advertise keys, send shares, receive the neighbours' shares. None when the device is
@@ -188,13 +194,23 @@ class SecureRoundDriver:
         except SecureProtocolError as e:  # the server's answer, not this device's message: abort
             raise ValueError(str(e)) from None
         self.policy.check_parameters(params)
+        self.policy.check_identity(self.identity is not None)
         self._enter("advertise")
         session = self._session = DeviceSession(params)
-        index = int((await self._post("keys", session.advertise().to_json()))["index"])
+        keys = session.advertise()
+        if self.identity is None:
+            advertisement = keys.to_json()
+        else:
+            identity = self.identity
+            signed = SignedAdvertisement.sign(
+                identity.signing_key, identity.certificate, params.context, keys
+            )
+            advertisement = signed.to_json()
+        index = int((await self._post("keys", advertisement))["index"])
 
         state = await self._state("share_keys", "roster")
         self._enter("share_keys")
-        roster = {int(i): AdvertisedKeys.from_json(k) for i, k in state["roster"].items()}
+        roster = self._verified_roster(state["roster"], params)
         self.policy.check_roster(len(roster))
         shares = session.share_keys(index, roster)
         await self._post("shares", shares_to_json(shares))
@@ -205,6 +221,23 @@ class SecureRoundDriver:
 
         state = await self._state("masked_input", "ciphertexts")
         self._ciphertexts = ciphertexts_from_json(state["ciphertexts"], len(roster))
+
+    def _verified_roster(self, entries: dict[str, Any], params: RoundParameters) -> dict[int, AdvertisedKeys]:
+        """The roster's keys; with an identity, only once every entry is certified by the authority
+        this device trusts, signed for this round, and unique (else SecureProtocolError, naming it)."""
+        if self.identity is None:
+            return {int(i): keys_of(parse_advertisement(a)) for i, a in entries.items()}
+        uncertified = sorted(
+            int(i) for i, a in entries.items() if not (isinstance(a, dict) and "certificate" in a)
+        )
+        if uncertified:
+            raise SecureProtocolError(
+                f"the roster is refused: devices {uncertified} advertise keys without a certificate"
+            )
+        signed = {int(i): SignedAdvertisement.from_json(a) for i, a in entries.items()}
+        roster = verified_roster(signed, self.identity.authority_key, params.context, time.time())
+        self._signing_keys = {i: a.certificate.device_key for i, a in signed.items()}
+        return roster
 
     async def _finish(self, manifest: Manifest, delta: Params) -> None:
         session = self._session

@@ -49,6 +49,7 @@ from orchestrator.population_settings import PopulationSettings
 from secure_aggregation import server
 from secure_aggregation.config import RoundParameters
 from secure_aggregation.device import round_graph
+from secure_aggregation.identity import SignedAdvertisement, keys_of, parse_advertisement
 from secure_aggregation.messages import (
     AdvertisedKeys,
     UnmaskingShares,
@@ -187,8 +188,13 @@ def advertised_keys(session: Session, round_id: int) -> dict[int, dict[str, str]
     return {index: keys for index, keys in rows}
 
 
+def advertisements_of(session: Session, round_id: int) -> dict[int, AdvertisedKeys | SignedAdvertisement]:
+    """Every participant's advertisement (signed, or the bare keys of a device without an identity)."""
+    return {i: parse_advertisement(keys) for i, keys in advertised_keys(session, round_id).items()}
+
+
 def roster_of(session: Session, round_id: int) -> dict[int, AdvertisedKeys]:
-    return {i: AdvertisedKeys.from_json(keys) for i, keys in advertised_keys(session, round_id).items()}
+    return {i: keys_of(a) for i, a in advertisements_of(session, round_id).items()}
 
 
 def _drop_outstanding(session: Session, round_: Round, keep: set[str], now: float) -> None:

@@ -24,9 +24,9 @@ from orchestrator.secure_phases import (
     SHARE_KEYS,
     UNMASKING,
     advertised_keys,
+    advertisements_of,
     participants_of,
     phase_started,
-    roster_of,
     round_parameters,
 )
 from orchestrator.secure_phases import DONE as DONE
@@ -37,11 +37,10 @@ from orchestrator.secure_phases import advance as advance
 from orchestrator.secure_phases import layout as layout
 from orchestrator.secure_phases import phase_seconds_metric as phase_seconds_metric
 from orchestrator.secure_phases import start as start
-from secure_aggregation import server
+from secure_aggregation import identity, server
 from secure_aggregation.config import ProtocolError
 from secure_aggregation.device import round_graph
 from secure_aggregation.messages import (
-    AdvertisedKeys,
     EncryptedShares,
     UnmaskingShares,
     ciphertexts_to_json,
@@ -131,18 +130,24 @@ def advertise(
     if _participant(session, assignment_id) is not None:
         return Refused(409, "this assignment has already advertised its keys")
     try:
-        keys = AdvertisedKeys.from_json(body)
-        roster = roster_of(session, round_.id)
-        server.check_advertisement(keys, roster.values())
+        advertisement = identity.parse_advertisement(body)
+        advertised = advertisements_of(session, round_.id)
+        server.check_advertisement(
+            identity.keys_of(advertisement), [identity.keys_of(a) for a in advertised.values()]
+        )
+        if isinstance(advertisement, identity.SignedAdvertisement):
+            context = round_parameters(secure_round).context
+            identity.check_signed_advertisement(advertisement, context, advertised.values())
     except ProtocolError as e:
         return Refused(422, str(e))
-    index = max(roster, default=0) + 1
+    index = max(advertised, default=0) + 1
     session.add(
         SecureParticipant(
             assignment_id=assignment_id,
             round_id=round_.id,
             device_index=index,
-            keys=keys.to_json(),
+            # Signed, with its certificate, as the device sent it: the server relays it unchanged.
+            keys=advertisement.to_json(),
             shares=None,
             sent_shares=False,
             masked_input=None,

@@ -16,7 +16,7 @@ does not replay into another round (the round's context is in what is signed).
 from __future__ import annotations
 
 import struct
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +31,7 @@ PUBLIC_KEY_BYTES = 32
 SIGNATURE_BYTES = 64
 CERTIFICATE_PURPOSE = b"secure-aggregation/device-certificate/v1"
 ADVERTISEMENT_PURPOSE = b"secure-aggregation/key-advertisement/v1"
+SURVIVORS_PURPOSE = b"secure-aggregation/survivor-set/v1"
 
 
 def public_bytes(key: Ed25519PrivateKey | Ed25519PublicKey) -> bytes:
@@ -100,6 +101,12 @@ class SigningKey:
 
     def sign(self, message: bytes) -> bytes:
         return self._private.sign(message)
+
+    def private_bytes(self) -> bytes:
+        """The raw private key, for the device's own storage only."""
+        return self._private.private_bytes(
+            serialization.Encoding.Raw, serialization.PrivateFormat.Raw, serialization.NoEncryption()
+        )
 
 
 def advertisement_message(context: str, keys: AdvertisedKeys) -> bytes:
@@ -172,3 +179,44 @@ def verified_roster(
     if problems:
         raise ProtocolError("the roster is refused: " + "; ".join(problems))
     return {index: entry.keys for index, entry in roster.items()}
+
+
+def parse_advertisement(data: Any) -> AdvertisedKeys | SignedAdvertisement:
+    """Phase 1 as a device sends it: signed (with its certificate), or the bare keys of a device
+    without an identity (which a device that requires certified rosters refuses)."""
+    if isinstance(data, Mapping) and "certificate" in data:
+        return SignedAdvertisement.from_json(data)
+    return AdvertisedKeys.from_json(data)
+
+
+def keys_of(advertisement: AdvertisedKeys | SignedAdvertisement) -> AdvertisedKeys:
+    return advertisement.keys if isinstance(advertisement, SignedAdvertisement) else advertisement
+
+
+def check_signed_advertisement(
+    advertisement: SignedAdvertisement, context: str, others: Iterable[AdvertisedKeys | SignedAdvertisement]
+) -> None:
+    """The server's check of a signed advertisement: signed by its certified key for this round,
+    and no other device of the round shows the same device key. (Whether the certificate is the
+    authority's is the devices' check: they trust the authority, not the server.)"""
+    if not verify(
+        advertisement.certificate.device_key,
+        advertisement.signature,
+        advertisement_message(context, advertisement.keys),
+    ):
+        raise ProtocolError("the advertisement is not signed by its certificate's key for this round")
+    for other in others:
+        if (
+            isinstance(other, SignedAdvertisement)
+            and other.certificate.device_key == advertisement.certificate.device_key
+        ):
+            raise ProtocolError("this device key already advertised keys in this round")
+
+
+def survivors_message(
+    context: str, survivors: Iterable[int], globals_sha256: bytes, task_sha256: bytes
+) -> bytes:
+    """What a survivor signs before unmasking: the round, the survivor set, and the model and task
+    it trained on (so that a server that sent different devices different globals is caught)."""
+    members = ",".join(str(i) for i in sorted(set(survivors))).encode()
+    return _framed(SURVIVORS_PURPOSE, context.encode(), members, globals_sha256, task_sha256)

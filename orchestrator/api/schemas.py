@@ -301,6 +301,28 @@ class AdvertisedKeys(BaseModel):
     self_mask_commitment: Base64 = Field(description="32 bytes")
 
 
+class DeviceCertificate(BaseModel):
+    """The enrollment authority's Ed25519 signature on a device's signing key."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    device_key: Base64 = Field(description="the device's Ed25519 public key (32 bytes)")
+    not_after: int = Field(description="unix seconds after which the certificate is not valid")
+    signature: Base64 = Field(description="the authority's Ed25519 signature (64 bytes)")
+
+
+class SignedAdvertisement(BaseModel):
+    """Phase 1 from a device with an identity: its keys, its certificate, and its signature over
+    the round's context and the keys. The server relays it unchanged in the roster; devices check
+    the certificate against the authority they trust."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    keys: AdvertisedKeys
+    certificate: DeviceCertificate
+    signature: Base64 = Field(description="Ed25519 (64 bytes), by the certificate's key")
+
+
 class EncryptedShares(BaseModel):
     """Phase 2: one neighbour's shares, encrypted to it (AES-GCM: nonce, ciphertext, tag), and
     commitments the server keeps to check the shares it is later given in the clear."""
@@ -333,8 +355,9 @@ class SecureState(BaseModel):
     outcome: str | None
     parameters: dict[str, Any] = Field(description="secure_aggregation.config.RoundParameters")
     index: int | None = Field(description="this device's index once it advertised its keys")
-    roster: dict[str, AdvertisedKeys] | None = Field(
-        None, description="share_keys, until this device sent its shares: index -> advertised keys"
+    roster: dict[str, SignedAdvertisement | AdvertisedKeys] | None = Field(
+        None,
+        description="share_keys, until this device sent its shares: index -> the advertisement as sent",
     )
     ciphertexts: dict[str, Base64] | None = Field(
         None, description="masked_input, once this device sent its shares: sender index -> ciphertext"
@@ -362,6 +385,7 @@ class UnmaskingAccepted(BaseModel):
 REQUEST_BODIES: tuple[type[BaseModel], ...] = (
     EvaluationReport,
     AdvertisedKeys,
+    SignedAdvertisement,
     EncryptedShares,
     UnmaskingShares,
 )

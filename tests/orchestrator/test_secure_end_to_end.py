@@ -16,6 +16,7 @@ from sqlalchemy import create_engine, text
 from contracts.manifest import load_manifest
 from contracts.params import decode_params
 from device_runtime.agent import DeviceAgent, Participation
+from enrollment_authority.authority import EnrollmentAuthority
 from model_export.config import ModelConfig
 from secure_aggregation.quantization import Layout, clip
 from tests.conftest import MOVIELENS
@@ -83,7 +84,10 @@ def test_a_secure_round_with_dropouts_at_every_phase_commits_the_survivors_mean(
 
     async def scenario() -> tuple[list[Participation], bytes]:
         async with httpx.AsyncClient(timeout=60, transport=transport) as http:
-            fleet = await Fleet(server.url, tmp_path, movielens_users, list(range(12)), http).enroll()
+            # Certified devices: each checks every roster entry's certificate and signature
+            fleet = await Fleet(
+                server.url, tmp_path, movielens_users, list(range(12)), http, authority=EnrollmentAuthority()
+            ).enroll()
             runs = [
                 agent.participate(phase_continues=leaving_at(leaves.get(i)))
                 for i, agent in enumerate(fleet.agents)

@@ -149,8 +149,16 @@ async def state(
 
 @router.post(
     "/{assignment_id}/secure/keys",
-    summary="Phase 1: advertise two X25519 public keys",
-    openapi_extra=schemas.json_body("the device's keys", {"$ref": "#/components/schemas/AdvertisedKeys"}),
+    summary="Phase 1: advertise two X25519 public keys (signed, with the device's certificate)",
+    openapi_extra=schemas.json_body(
+        "the device's keys, signed with its certified key (or bare, from a device without an identity)",
+        {
+            "oneOf": [
+                {"$ref": "#/components/schemas/SignedAdvertisement"},
+                {"$ref": "#/components/schemas/AdvertisedKeys"},
+            ]
+        },
+    ),
     responses={
         200: {"model": schemas.Advertised},
         **schemas.refusals({**SECURE_REFUSALS, 413: "the body exceeds 4096 bytes"}, retry_after=(409,)),
