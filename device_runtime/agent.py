@@ -288,7 +288,7 @@ class DeviceAgent:
             assert result.delta is not None
             driver, sharing = secure
             manifest = load_manifest(model_dir, verify_model=False)
-            outcome = await sharing or await driver.finish(manifest, result.delta)
+            outcome = await sharing or await driver.finish(manifest, result.delta, blob)
             return _secure_participation(answer, result, seconds, outcome)
         try:
             if answer.kind == "training":

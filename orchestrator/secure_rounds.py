@@ -20,6 +20,7 @@ from orchestrator.db import Round, SecureParticipant, SecureRound
 from orchestrator.refusals import Refused
 from orchestrator.secure_phases import (
     ADVERTISE,
+    CONSISTENCY,
     MASKED_INPUT,
     SHARE_KEYS,
     UNMASKING,
@@ -98,10 +99,33 @@ def state(session: Session, round_: Round, assignment_id: str, now: float) -> di
                 for owner, shares in _shares_for(session, round_.id, graph, index).items()
             }
         )
-    elif secure_round.phase == UNMASKING and participant.sent_masked_input:
+    elif (
+        secure_round.phase == CONSISTENCY
+        and participant.sent_masked_input
+        and not participant.sent_consistency
+    ):
         participants = participants_of(session, round_.id)
         out["survivors"] = sorted(i for i, p in participants.items() if p.sent_masked_input)
+    elif secure_round.phase == UNMASKING and participant.confirmed:
+        participants = participants_of(session, round_.id)
+        out["survivors"] = sorted(i for i, p in participants.items() if p.sent_masked_input)
+        confirmed = sorted(i for i, p in participants.items() if p.confirmed)
+        out["confirmed"] = confirmed
+        # The confirmations of this device's confirmed neighbours, for it to check before it unmasks.
+        graph = round_graph(round_parameters(secure_round), sorted(participants))
+        out["confirmations"] = _confirmations(
+            session, round_.id, sorted(set(graph[participant.device_index]) & set(confirmed))
+        )
     return out
+
+
+def _confirmations(session: Session, round_id: int, indices: list[int]) -> dict[str, Any]:
+    rows = session.execute(
+        select(SecureParticipant.device_index, SecureParticipant.consistency).where(
+            SecureParticipant.round_id == round_id, SecureParticipant.device_index.in_(indices)
+        )
+    )
+    return {str(index): confirmation for index, confirmation in rows}
 
 
 def _shares_for(
@@ -213,6 +237,37 @@ def masked_input(
     return {"received_bytes": len(body)}
 
 
+def consistency(
+    session: Session, round_: Round, assignment_id: str, body: Any, now: float
+) -> dict[str, Any] | Refused:
+    """A survivor's confirmation of the survivor set, with the hashes of what it trained on; signed
+    (and checked here) when its advertisement was. One that fails is refused: its sender counts as
+    dropped, and the round goes on without its input."""
+    found = _taking_part(session, round_, assignment_id, CONSISTENCY, now)
+    if isinstance(found, Refused):
+        return found
+    secure_round, participant = found
+    if not participant.sent_masked_input:
+        return Refused(409, "this assignment did not send a masked input, so it is not a survivor")
+    if participant.sent_consistency:
+        return Refused(409, "this assignment has already confirmed the survivors")
+    survivors = [i for i, p in participants_of(session, round_.id).items() if p.sent_masked_input]
+    try:
+        confirmation = identity.Confirmation.from_json(body)
+        advertisement = identity.parse_advertisement(participant.keys)
+        if isinstance(advertisement, identity.SignedAdvertisement):
+            context = round_parameters(secure_round).context
+            if not confirmation.verifies(advertisement.certificate.device_key, context, survivors):
+                raise ProtocolError(
+                    "the confirmation is not signed by this device's certified key over this round's "
+                    "survivors and the hashes it states"
+                )
+    except ProtocolError as e:
+        return Refused(422, str(e))
+    participant.consistency, participant.sent_consistency = confirmation.to_json(), True
+    return {"accepted": True}
+
+
 def unmasking(
     session: Session, round_: Round, assignment_id: str, body: Any, now: float
 ) -> dict[str, Any] | Refused:
@@ -220,8 +275,8 @@ def unmasking(
     if isinstance(found, Refused):
         return found
     secure_round, participant = found
-    if not participant.sent_masked_input:
-        return Refused(409, "this assignment did not send a masked input, so it is not a survivor")
+    if not participant.confirmed:
+        return Refused(409, "this assignment did not confirm the survivors, so it is not a survivor")
     if participant.sent_unmasking:
         return Refused(409, "this assignment has already sent its unmasking shares")
     participants = participants_of(session, round_.id)
@@ -229,7 +284,7 @@ def unmasking(
     graph = round_graph(parameters, sorted(participants))
     index = participant.device_index
     sharers = {i for i, p in participants.items() if p.sent_shares}
-    survivors = {i for i, p in participants.items() if p.sent_masked_input}
+    survivors = {i for i, p in participants.items() if p.confirmed}
     try:
         message = UnmaskingShares.from_json(body, len(participants))
         commitments = {

@@ -73,6 +73,11 @@ class DeviceSession:
         self._share_keys: dict[int, bytes] = {}
         self._prepared: np.ndarray | None = None
 
+    @property
+    def neighbours(self) -> list[int]:
+        """The roster indices this device shares secrets and masks with (after `share_keys`)."""
+        return list(self._neighbours)
+
     def _enter(self, phase: str, next_phase: str) -> None:
         if self._phase != phase:
             raise ProtocolError(f"this device is at phase {self._phase!r}, not {phase!r}")

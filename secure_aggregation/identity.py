@@ -15,6 +15,8 @@ does not replay into another round (the round's context is in what is signed).
 
 from __future__ import annotations
 
+import hashlib
+import json
 import struct
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -29,6 +31,7 @@ from secure_aggregation.messages import AdvertisedKeys, _object, b64, unb64
 
 PUBLIC_KEY_BYTES = 32
 SIGNATURE_BYTES = 64
+DIGEST_BYTES = 32
 CERTIFICATE_PURPOSE = b"secure-aggregation/device-certificate/v1"
 ADVERTISEMENT_PURPOSE = b"secure-aggregation/key-advertisement/v1"
 SURVIVORS_PURPOSE = b"secure-aggregation/survivor-set/v1"
@@ -220,3 +223,60 @@ def survivors_message(
     it trained on (so that a server that sent different devices different globals is caught)."""
     members = ",".join(str(i) for i in sorted(set(survivors))).encode()
     return _framed(SURVIVORS_PURPOSE, context.encode(), members, globals_sha256, task_sha256)
+
+
+def task_digest(artifact_sha256: str, task_config: Mapping[str, Any]) -> bytes:
+    """SHA-256 of the model artifact and task config a device trained with (canonical JSON)."""
+    canonical = json.dumps(
+        {"artifact_sha256": artifact_sha256, "task_config": task_config},
+        sort_keys=True,
+        separators=(",", ":"),
+    )
+    return hashlib.sha256(canonical.encode()).digest()
+
+
+@dataclass(frozen=True)
+class Confirmation:
+    """The consistency check (before unmasking): the survivor set as the device was told it, with
+    the hashes of the globals and the task it trained on, signed by its certified key (a device
+    without an identity sends the hashes unsigned, and its neighbours cannot rely on them)."""
+
+    globals_sha256: bytes
+    task_sha256: bytes
+    signature: bytes | None
+
+    @classmethod
+    def sign(
+        cls,
+        key: SigningKey,
+        context: str,
+        survivors: Iterable[int],
+        globals_sha256: bytes,
+        task_sha256: bytes,
+    ) -> Confirmation:
+        message = survivors_message(context, survivors, globals_sha256, task_sha256)
+        return cls(globals_sha256, task_sha256, key.sign(message))
+
+    def verifies(self, device_key: bytes, context: str, survivors: Iterable[int]) -> bool:
+        """Whether `device_key` signed this survivor set with these hashes for this round."""
+        if self.signature is None:
+            return False
+        message = survivors_message(context, survivors, self.globals_sha256, self.task_sha256)
+        return verify(device_key, self.signature, message)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "globals_sha256": b64(self.globals_sha256),
+            "task_sha256": b64(self.task_sha256),
+            "signature": None if self.signature is None else b64(self.signature),
+        }
+
+    @classmethod
+    def from_json(cls, data: Any) -> Confirmation:
+        data = _object(data, {"globals_sha256", "task_sha256", "signature"}, "a survivor-set confirmation")
+        signature = data["signature"]
+        return cls(
+            unb64(data["globals_sha256"], DIGEST_BYTES, "globals_sha256"),
+            unb64(data["task_sha256"], DIGEST_BYTES, "task_sha256"),
+            None if signature is None else unb64(signature, SIGNATURE_BYTES, "signature"),
+        )

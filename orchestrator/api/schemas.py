@@ -334,6 +334,17 @@ class EncryptedShares(BaseModel):
     mask_key_share_commitment: Base64 = Field(description="32 bytes")
 
 
+class SurvivorConfirmation(BaseModel):
+    """The consistency check (`POST .../secure/consistency`): the hashes of what the survivor
+    trained on, and its signature over the round's context, the survivor set and those hashes."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    globals_sha256: Base64 = Field(description="SHA-256 of the globals (safetensors) as downloaded")
+    task_sha256: Base64 = Field(description="SHA-256 of the model artifact and task config (canonical JSON)")
+    signature: Base64 | None = Field(description="Ed25519 by its certified key; null without an identity")
+
+
 class UnmaskingShares(BaseModel):
     """Phase 4 (`POST .../secure/unmasking`): a survivor's shares of its surviving neighbours'
     self-mask seeds and of its dropped neighbours' mask keys, by owner index."""
@@ -348,7 +359,7 @@ class SecureState(BaseModel):
     """`GET .../secure`: the round's phase and what this device needs in it."""
 
     assignment_status: str
-    phase: Literal["advertise", "share_keys", "masked_input", "unmasking", "done"]
+    phase: Literal["advertise", "share_keys", "masked_input", "consistency", "unmasking", "done"]
     phase_deadline: float = Field(description="server time (unix seconds)")
     seconds_left: float
     round_status: str
@@ -362,7 +373,15 @@ class SecureState(BaseModel):
     ciphertexts: dict[str, Base64] | None = Field(
         None, description="masked_input, once this device sent its shares: sender index -> ciphertext"
     )
-    survivors: list[int] | None = Field(None, description="unmasking: the indices that sent a masked input")
+    survivors: list[int] | None = Field(
+        None, description="consistency, unmasking: the indices that sent a masked input (the set signed)"
+    )
+    confirmed: list[int] | None = Field(
+        None, description="unmasking: the survivors whose confirmations agree (their inputs are summed)"
+    )
+    confirmations: dict[str, SurvivorConfirmation] | None = Field(
+        None, description="unmasking: this device's confirmed neighbours' confirmations, by index"
+    )
 
 
 class Advertised(BaseModel):
@@ -381,11 +400,16 @@ class UnmaskingAccepted(BaseModel):
     accepted: Literal[True]
 
 
+class ConfirmationAccepted(BaseModel):
+    accepted: Literal[True]
+
+
 # Bodies the routes read themselves, added to the document's components (api/openapi.py).
 REQUEST_BODIES: tuple[type[BaseModel], ...] = (
     EvaluationReport,
     AdvertisedKeys,
     SignedAdvertisement,
     EncryptedShares,
+    SurvivorConfirmation,
     UnmaskingShares,
 )

@@ -205,6 +205,21 @@ async def masked_input(
 
 
 @router.post(
+    "/{assignment_id}/secure/consistency",
+    summary="The consistency check: the survivor set and the hashes of what it trained on, signed",
+    openapi_extra=schemas.json_body(
+        "the survivor's confirmation", {"$ref": "#/components/schemas/SurvivorConfirmation"}
+    ),
+    responses={
+        200: {"model": schemas.ConfirmationAccepted},
+        **schemas.refusals(SECURE_REFUSALS, retry_after=(409,)),
+    },
+)
+async def consistency(assignment_id: str, request: Request, token: TokenDep) -> Any:
+    return await _post_json(request, secure_rounds.consistency, assignment_id, token, 4096)
+
+
+@router.post(
     "/{assignment_id}/secure/unmasking",
     summary="Phase 4: shares that unmask the survivors' sum",
     openapi_extra=schemas.json_body(
