@@ -159,6 +159,15 @@ class DeviceSession:
         strangers = sorted(set(ciphertexts) - set(self._neighbours))
         if strangers:
             raise ProtocolError(f"shares from devices {strangers}, which are not this device's neighbours")
+        # Fewer and the server, holding this device's self-mask seed, would need few pairwise masks
+        # (none, if it claims no neighbour shared) to read its input; such a round cannot be
+        # unmasked honestly either (Bonawitz et al.: |U2| >= t).
+        needed = self.params.shamir_threshold(len(self._neighbours))
+        if len(ciphertexts) < needed:
+            raise ProtocolError(
+                f"{len(ciphertexts)} of this device's neighbours shared keys; it sends its masked input "
+                f"only when at least {needed} did"
+            )
         self._enter("masked_input", "unmasking")
         context = self.params.context
         for owner, ciphertext in ciphertexts.items():

@@ -100,13 +100,14 @@ def run_devices(
     tmp_path: Path,
     devices: int,
     rewrite: Rewrite,
+    transport: MaliciousTransport | None = None,
 ) -> tuple[list[Participation], MaliciousTransport]:
     population = settings(
         target_reports=DEVICES, oversampling=1.0, min_reports=4, aggregation="secure", secure=SECURE
     )
     created = admin_create_population(server.url, export(MOVIELENS), "movies", population)
     assert created.status_code == 201, created.text
-    transport = MaliciousTransport(rewrite)
+    transport = transport or MaliciousTransport(rewrite)
 
     async def scenario() -> list[Participation]:
         async with httpx.AsyncClient(timeout=60, transport=transport) as http:

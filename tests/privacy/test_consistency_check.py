@@ -1,0 +1,115 @@
+"""A malicious server at the consistency check, against certified devices on the real wire.
+
+The server tries to get both of one device's secrets, or a sum that is that device's input alone:
+it sends one device different globals (Pasquini et al. 2022) and counts it among the survivors
+anyway; it tells some devices that a device survived and the others that it dropped; it tells a
+device that none of its neighbours shared keys. Each device checks its neighbours' signatures on
+the survivor set and the globals and task before it reveals anything, and reveals a self-mask seed
+only for a neighbour that signed the same ones. No device's self-mask seed reaches the server
+together with its mask key, and the refusing devices name why.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+from safetensors.numpy import load, save
+
+from model_export.config import ModelConfig
+from secure_aggregation.messages import UnmaskingShares
+from tests.orchestrator.conftest import Server
+from tests.orchestrator.test_end_to_end import UserData
+from tests.privacy.test_malicious_server import DEVICES, MaliciousTransport, run_devices
+from tests.privacy.test_malicious_server import server as server  # the fixture
+
+
+def revealed(transport: MaliciousTransport) -> list[UnmaskingShares]:
+    """The unmasking answers the devices sent, as the attacker holds them."""
+    return [UnmaskingShares.from_json(json.loads(s.body), 64) for s in transport.posted("/secure/unmasking")]
+
+
+class OtherGlobalsForOne(MaliciousTransport):
+    """The first device to fetch the globals gets other ones (every value tripled); at the
+    unmasking every device is told that all survivors confirmed, with the victim's confirmation
+    relayed as it sent it."""
+
+    def __init__(self) -> None:
+        super().__init__(self.count_the_victim)
+        self.victim_token: str | None = None
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        response = await super().handle_async_request(request)
+        if "/global" in request.url.path and response.status_code == 200:
+            token = request.headers.get("authorization", "")
+            self.victim_token = self.victim_token or token
+            if token == self.victim_token:
+                body = await response.aread()
+                return httpx.Response(200, content=_tripled(body), headers=response.headers)
+        return response
+
+    def count_the_victim(self, path: str, answer: dict[str, Any], index: dict[str, int]) -> dict[str, Any]:
+        if not (path.endswith("/secure") and answer["phase"] == "unmasking"):
+            return answer
+        confirmations = {
+            str(index[sent.path.split("/")[3]]): json.loads(sent.body)
+            for sent in self.posted("/secure/consistency")
+        }
+        survivors = sorted(index.values())
+        return {**answer, "survivors": survivors, "confirmed": survivors, "confirmations": confirmations}
+
+
+def test_different_globals_for_one_device_get_its_seed_from_no_neighbour(
+    server: Server, export: Callable[[ModelConfig], Path], movielens_users: UserData, tmp_path: Path
+) -> None:
+    # Execute
+    participations, transport = run_devices(
+        server, export, movielens_users, tmp_path, DEVICES, lambda p, a, i: a, OtherGlobalsForOne()
+    )
+
+    # Assert: the victim found no neighbour that signed its globals and refused, naming why; no
+    # other device revealed a share of its self-mask seed (so its masked input stays masked)
+    details = [p.detail for p in participations]
+    assert len(transport.posted("/secure/consistency")) == DEVICES, details
+    refused = [p for p in participations if "signed the same survivors, globals and task" in p.detail]
+    assert len(refused) == 1 and refused[0].status == "refused", details
+    assert refused[0].assignment is not None
+    victim_at = transport.index[refused[0].assignment.assignment_id]
+    answers = revealed(transport)
+    assert len(answers) == DEVICES - 1, details
+    assert all(victim_at not in a.self_mask_shares for a in answers), answers
+    assert all(victim_at in a.mask_key_shares for a in answers), answers
+
+
+def _tripled(blob: bytes) -> bytes:
+    tensors = load(blob)
+    return save({name: (np.asarray(value) * 3).astype(value.dtype) for name, value in tensors.items()})
+
+
+def test_a_device_told_that_none_of_its_neighbours_shared_sends_no_masked_input(
+    server: Server, export: Callable[[ModelConfig], Path], movielens_users: UserData, tmp_path: Path
+) -> None:
+    # Prepare: the server withholds the shares addressed to one device (its masked input would
+    # then carry only its self mask, which the others' seed shares remove)
+    first: dict[str, str] = {}
+
+    def none_shared(path: str, answer: dict[str, Any], index: dict[str, int]) -> dict[str, Any]:
+        if path.endswith("/secure") and "ciphertexts" in answer:
+            assignment = path.split("/")[3]
+            first.setdefault("victim", assignment)
+            if first["victim"] == assignment:
+                return {**answer, "ciphertexts": {}}
+        return answer
+
+    # Execute
+    participations, transport = run_devices(server, export, movielens_users, tmp_path, DEVICES, none_shared)
+
+    # Assert: the victim refused before masking, naming why; it sent no masked input
+    victim = [p for p in participations if p.assignment and p.assignment.assignment_id == first["victim"]]
+    assert len(victim) == 1 and victim[0].status == "refused", victim
+    assert "neighbours shared keys" in victim[0].detail, victim[0].detail
+    assert all(first["victim"] not in s.path for s in transport.posted("/masked-input"))
