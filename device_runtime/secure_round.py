@@ -271,10 +271,10 @@ class SecureRoundDriver:
         task_sha256 = task_digest(self.assignment.artifact_sha256, self.assignment.task_config)
         context = params.context
         if self.identity is None:
-            mine = Confirmation(globals_sha256, task_sha256, None)
+            mine = Confirmation(globals_sha256, task_sha256, None, tuple(session.refused))
         else:
             key = self.identity.signing_key
-            mine = Confirmation.sign(key, context, survivors, globals_sha256, task_sha256)
+            mine = Confirmation.sign(key, context, survivors, globals_sha256, task_sha256, session.refused)
         await self._post("consistency", mine.to_json())
 
         state = await self._state("unmasking", "confirmed")

@@ -329,18 +329,38 @@ def _confirm(session: Session, round_id: int) -> set[int]:
         )
     )
     by_model: dict[tuple[str, str], set[int]] = {}
+    reported: set[int] = set()
     for index, confirmation in rows:
         key = (confirmation["globals_sha256"], confirmation["task_sha256"])
         by_model.setdefault(key, set()).add(index)
+        reported.update(confirmation["refused_shares"])
     if not by_model:
         return set()
-    confirmed = max(by_model.values(), key=lambda members: (len(members), -min(members)))
+    agreeing = max(by_model.values(), key=lambda members: (len(members), -min(members)))
+    # A device whose shares a neighbour could not authenticate counts as dropped: that neighbour
+    # masked nothing with it and holds none of its shares (server.unmask skips those pairs).
+    confirmed = agreeing - reported
     session.execute(
         update(SecureParticipant)
         .where(SecureParticipant.round_id == round_id, SecureParticipant.device_index.in_(confirmed))
         .values(confirmed=True)
     )
     return confirmed
+
+
+def refused_shares(session: Session, round_id: int, survivors: set[int]) -> dict[int, set[int]]:
+    """Owner -> the survivors that reported its shares as failing authentication."""
+    rows = session.execute(
+        select(SecureParticipant.device_index, SecureParticipant.consistency).where(
+            SecureParticipant.round_id == round_id, SecureParticipant.sent_consistency
+        )
+    )
+    refused: dict[int, set[int]] = {}
+    for holder, confirmation in rows:
+        if holder in survivors:
+            for owner in confirmation["refused_shares"]:
+                refused.setdefault(owner, set()).add(holder)
+    return refused
 
 
 def _be_patient(round_: Round, secure_round: SecureRound, settings: PopulationSettings) -> bool:
@@ -458,7 +478,8 @@ def _finish(
             )
         )
     }
-    problem = server.unmask_problem(parameters, graph, sharers, survivors, responses)
+    refused = refused_shares(session, round_.id, survivors)
+    problem = server.unmask_problem(parameters, graph, sharers, survivors, responses, refused)
     if problem is not None and not timed_out and set(responses) != survivors:
         return None  # more answers may still come
     _close_phase(round_, UNMASKING, now)
@@ -479,7 +500,14 @@ def _finish(
         total.add(decode_vector(blob, parameters))
     try:
         unmasked = server.unmask(
-            parameters, total.total, roster_of(session, round_.id), graph, sharers, survivors, responses
+            parameters,
+            total.total,
+            roster_of(session, round_.id),
+            graph,
+            sharers,
+            survivors,
+            responses,
+            refused,
         )
     except server.CannotUnmask as e:
         return _abandon(session, round_, secure_round, _failed_check(str(e), len(responses)), now)

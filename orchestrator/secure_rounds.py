@@ -290,7 +290,8 @@ def unmasking(
         commitments = {
             owner: {index: shares} for owner, shares in _shares_for(session, round_.id, graph, index).items()
         }
-        server.check_unmasking(parameters, index, graph, sharers, survivors, message, commitments)
+        refused = identity.Confirmation.from_json(participant.consistency).refused_shares
+        server.check_unmasking(parameters, index, graph, sharers, survivors, message, commitments, refused)
     except ProtocolError as e:
         return Refused(422, str(e))
     participant.unmasking, participant.sent_unmasking = message.to_json(), True

@@ -32,6 +32,8 @@ from secure_aggregation.messages import AdvertisedKeys, _object, b64, unb64
 PUBLIC_KEY_BYTES = 32
 SIGNATURE_BYTES = 64
 DIGEST_BYTES = 32
+# A report names at most this many neighbours (a neighbourhood is about 6 log2 n devices).
+MAX_REFUSED = 256
 CERTIFICATE_PURPOSE = b"secure-aggregation/device-certificate/v1"
 ADVERTISEMENT_PURPOSE = b"secure-aggregation/key-advertisement/v1"
 SURVIVORS_PURPOSE = b"secure-aggregation/survivor-set/v1"
@@ -244,6 +246,9 @@ class Confirmation:
     globals_sha256: bytes
     task_sha256: bytes
     signature: bytes | None
+    # The report of its neighbours whose shares failed authentication (not signed: it is for the
+    # server, which drops them; a false report only drops the accused, as a dropout would).
+    refused_shares: tuple[int, ...] = ()
 
     @classmethod
     def sign(
@@ -253,9 +258,10 @@ class Confirmation:
         survivors: Iterable[int],
         globals_sha256: bytes,
         task_sha256: bytes,
+        refused_shares: Iterable[int] = (),
     ) -> Confirmation:
         message = survivors_message(context, survivors, globals_sha256, task_sha256)
-        return cls(globals_sha256, task_sha256, key.sign(message))
+        return cls(globals_sha256, task_sha256, key.sign(message), tuple(sorted(refused_shares)))
 
     def verifies(self, device_key: bytes, context: str, survivors: Iterable[int]) -> bool:
         """Whether `device_key` signed this survivor set with these hashes for this round."""
@@ -269,14 +275,25 @@ class Confirmation:
             "globals_sha256": b64(self.globals_sha256),
             "task_sha256": b64(self.task_sha256),
             "signature": None if self.signature is None else b64(self.signature),
+            "refused_shares": list(self.refused_shares),
         }
 
     @classmethod
     def from_json(cls, data: Any) -> Confirmation:
-        data = _object(data, {"globals_sha256", "task_sha256", "signature"}, "a survivor-set confirmation")
-        signature = data["signature"]
+        keys = {"globals_sha256", "task_sha256", "signature", "refused_shares"}
+        data = _object(data, keys, "a survivor-set confirmation")
+        signature, refused = data["signature"], data["refused_shares"]
+        if (
+            not isinstance(refused, list)
+            or len(refused) > MAX_REFUSED
+            or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 1 for i in refused)
+        ):
+            raise ProtocolError(
+                f"refused_shares must be a list of at most {MAX_REFUSED} device indices (integers >= 1)"
+            )
         return cls(
             unb64(data["globals_sha256"], DIGEST_BYTES, "globals_sha256"),
             unb64(data["task_sha256"], DIGEST_BYTES, "task_sha256"),
             None if signature is None else unb64(signature, SIGNATURE_BYTES, "signature"),
+            tuple(sorted(set(refused))),
         )

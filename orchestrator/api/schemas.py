@@ -343,6 +343,9 @@ class SurvivorConfirmation(BaseModel):
     globals_sha256: Base64 = Field(description="SHA-256 of the globals (safetensors) as downloaded")
     task_sha256: Base64 = Field(description="SHA-256 of the model artifact and task config (canonical JSON)")
     signature: Base64 | None = Field(description="Ed25519 by its certified key; null without an identity")
+    refused_shares: list[int] = Field(
+        description="the neighbours whose shares failed authentication (not signed): they count as dropped"
+    )
 
 
 class UnmaskingShares(BaseModel):

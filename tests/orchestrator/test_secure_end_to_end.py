@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -232,3 +234,77 @@ def test_round_parameters_the_device_cannot_use_are_an_invalid_answer_and_it_abo
     assert "secure round parameters must have exactly" in participation.detail
     rounds = admin(server.url, "/v1/admin/populations/movies/rounds?kind=training&limit=10")
     assert rounds[-1]["counters"]["aborted"] == 1, rounds[-1]
+
+
+class GarbageShares(httpx.AsyncBaseTransport):
+    """A real connection on which the first device to send its shares sends random ciphertexts of
+    the right length in their place (an enrolled device that tries to stop every round it joins)."""
+
+    def __init__(self) -> None:
+        self.inner = httpx.AsyncHTTPTransport()
+        self.garbage_from: str | None = None
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path.endswith("/secure/shares") and self.garbage_from in (None, request.url.path):
+            self.garbage_from = request.url.path
+            shares = json.loads(await request.aread())
+            for message in shares.values():
+                size = len(base64.b64decode(message["ciphertext"]))
+                message["ciphertext"] = base64.b64encode(os.urandom(size)).decode()
+            headers = {k: v for k, v in request.headers.items() if k.lower() != "content-length"}
+            request = httpx.Request(request.method, request.url, headers=headers, json=shares)
+        return await self.inner.handle_async_request(request)
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+def test_a_secure_round_with_dropouts_and_a_device_sending_garbage_shares_commits(
+    server: Server, export: Callable[[ModelConfig], Path], movielens_users: UserData, tmp_path: Path
+) -> None:
+    # Prepare: 10 certified devices; one leaves before sharing keys, one before masking; one sends
+    # random ciphertexts as its shares
+    model_dir = export(MOVIELENS)
+    population = settings(
+        target_reports=10, oversampling=1.0, min_reports=5, aggregation="secure", secure=SECURE
+    )
+    created = admin_create_population(server.url, model_dir, "movies", population)
+    assert created.status_code == 201, created.text
+    leaves = {0: "share_keys", 1: "masked_input"}
+    transport = GarbageShares()
+
+    async def scenario() -> tuple[list[Participation], bytes]:
+        async with httpx.AsyncClient(timeout=60, transport=transport) as http:
+            fleet = await Fleet(
+                server.url, tmp_path, movielens_users, list(range(10)), http, authority=EnrollmentAuthority()
+            ).enroll()
+            runs = [
+                agent.participate(phase_continues=leaving_at(leaves.get(i)))
+                for i, agent in enumerate(fleet.agents)
+            ]
+            done = list(await asyncio.gather(*runs))
+            for _ in range(100):
+                if admin(server.url, "/v1/admin/populations/movies")["current_version"] == 1:
+                    break
+                await asyncio.sleep(0.1)
+            return done, await fleet.agents[5].client.global_params_at("movies", 1)
+
+    # Execute
+    participations, blob = asyncio.run(scenario())
+
+    # Assert: the garbage sender was reported by its neighbours and dropped, and the round
+    # committed with the seven others that sent their masked input: base + mean of their deltas
+    assert transport.garbage_from is not None
+    garbage = [
+        i
+        for i, p in enumerate(participations)
+        if p.assignment is not None and p.assignment.assignment_id in transport.garbage_from
+    ]
+    assert len(garbage) == 1
+    statuses = [p.status for p in participations]
+    honest = [i for i in range(10) if i not in leaves and i not in garbage]
+    assert [statuses[i] for i in honest] == ["reported"] * 7, [p.detail for p in participations]
+    assert statuses[garbage[0]] == "refused", participations[garbage[0]].detail
+    history = admin(server.url, "/v1/admin/populations/movies/rounds?kind=training&limit=10")
+    assert history[-1]["status"] == "committed" and history[-1]["counters"]["reported"] == 7
+    assert_base_plus_mean_of_clipped_deltas(model_dir, blob, [participations[i] for i in honest], 7)
