@@ -11,6 +11,7 @@ together with its mask key, and the refusing devices name why.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -24,7 +25,7 @@ from model_export.config import ModelConfig
 from secure_aggregation.messages import UnmaskingShares
 from tests.orchestrator.conftest import Server
 from tests.orchestrator.test_end_to_end import UserData
-from tests.privacy.test_malicious_server import DEVICES, MaliciousTransport, run_devices
+from tests.privacy.test_malicious_server import DEVICES, MaliciousTransport, Sent, run_devices
 from tests.privacy.test_malicious_server import server as server  # the fixture
 
 
@@ -113,3 +114,70 @@ def test_a_device_told_that_none_of_its_neighbours_shared_sends_no_masked_input(
     assert len(victim) == 1 and victim[0].status == "refused", victim
     assert "neighbours shared keys" in victim[0].detail, victim[0].detail
     assert all(first["victim"] not in s.path for s in transport.posted("/masked-input"))
+
+
+class InconsistentSurvivors(MaliciousTransport):
+    """Tells two devices and the victim (the lowest index) that all five survived, and the other
+    two that the victim dropped; then plays the unmasking phase itself, accepting every message
+    and relaying every confirmation, to collect the victim's seed from the first group and its
+    mask key from the second."""
+
+    def __init__(self) -> None:
+        super().__init__(self.split)
+        self.told: dict[str, list[int]] = {}  # assignment -> the survivor set it was shown
+        self.base: dict[str, dict[str, Any]] = {}  # assignment -> its consistency-phase state
+
+    def split(self, path: str, answer: dict[str, Any], index: dict[str, int]) -> dict[str, Any]:
+        if not (path.endswith("/secure") and answer["phase"] == "consistency" and "survivors" in answer):
+            return answer
+        assignment = path.split("/")[3]
+        survivors = sorted(answer["survivors"])
+        victim, others = survivors[0], survivors[1:]
+        shown = [i for i in survivors if i != victim] if index[assignment] in others[2:] else survivors
+        self.told[assignment], self.base[assignment] = shown, answer
+        return {**answer, "survivors": shown}
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        path = request.url.path
+        if request.method == "POST" and path.endswith(("/secure/consistency", "/secure/unmasking")):
+            self.sent.append(Sent(request.method, path, await request.aread()))
+            return httpx.Response(200, json={"accepted": True})
+        if path.endswith("/secure") and request.url.params.get("until") == "unmasking":
+            while len(self.posted("/secure/consistency")) < DEVICES:
+                await asyncio.sleep(0.05)
+            assignment = path.split("/")[3]
+            confirmations = {
+                str(self.index[s.path.split("/")[3]]): json.loads(s.body)
+                for s in self.posted("/secure/consistency")
+            }
+            shown = self.told[assignment]
+            fabricated = {**self.base[assignment], "phase": "unmasking", "survivors": shown}
+            return httpx.Response(
+                200, json={**fabricated, "confirmed": shown, "confirmations": confirmations}
+            )
+        return await super().handle_async_request(request)
+
+
+def test_inconsistent_survivor_lists_never_get_both_secrets_of_one_device(
+    server: Server, export: Callable[[ModelConfig], Path], movielens_users: UserData, tmp_path: Path
+) -> None:
+    # Execute
+    participations, transport = run_devices(
+        server, export, movielens_users, tmp_path, DEVICES, lambda p, a, i: a, InconsistentSurvivors()
+    )
+
+    # Assert: the two devices shown the smaller set found one neighbour (not their threshold of
+    # two) that signed it, and refused; the three others found that the two had not signed their
+    # set, so that the sum they would unmask holds 3 inputs, below their floor of 4: all named why.
+    # Of no device did the attacker get a threshold of seed shares and one of mask-key shares
+    details = [p.detail for p in participations]
+    refusing = [p for p in participations if "1 of this device's neighbours signed the same" in p.detail]
+    assert len(refusing) == 2 and all(p.status == "refused" for p in refusing), details
+    floor = [p for p in participations if "asks to unmask a sum of 3 devices' inputs" in p.detail]
+    assert len(floor) == 3 and all(p.status == "declined" for p in floor), details
+    answers = revealed(transport)
+    threshold = 2  # 0.4 of the 4 neighbours, and at least 2
+    for owner in sorted(transport.index.values()):
+        seeds = sum(owner in a.self_mask_shares for a in answers)
+        keys = sum(owner in a.mask_key_shares for a in answers)
+        assert seeds < threshold or keys < threshold, (owner, seeds, keys)
