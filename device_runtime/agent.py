@@ -36,7 +36,7 @@ from device_runtime.orchestrator_client import (
     RetryLater,
     ServerUnavailable,
 )
-from device_runtime.privacy_policy import ParticipationLog, PolicyRefusal, PrivacyPolicy
+from device_runtime.privacy_policy import ALL_POPULATIONS, ParticipationLog, PolicyRefusal, PrivacyPolicy
 from device_runtime.secure_round import SecureParticipation, SecureRoundDriver
 from device_runtime.task_runner import TaskRunner
 from model_runtime.tflite_model import ModelLoadError
@@ -177,7 +177,9 @@ class DeviceAgent:
         phase_continues: Callable[[str], bool] | None,
     ) -> Participation:
         log = ParticipationLog(self.store, self.population)
+        device_log = ParticipationLog(self.store, ALL_POPULATIONS)
         log.check(self.policy)  # at the day's cap, the device does not even check in
+        device_log.check(self.policy)
         answer = await self.client.checkin(self.population, self.store.count(), task, conditions)
         if isinstance(answer, Rejection):
             return Participation(
@@ -190,6 +192,7 @@ class DeviceAgent:
             with contextlib.suppress(SecureProtocolError):  # a malformed one: the driver says so
                 self.policy.check_parameters(RoundParameters.from_json(answer.secure_parameters))
         log.record()
+        device_log.record()
         if answer.kind == "training" and answer.aggregation == "secure":
             # Keys and shares do not depend on the update: they go out while the device trains.
             driver = SecureRoundDriver(
