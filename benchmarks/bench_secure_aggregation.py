@@ -180,6 +180,11 @@ async def over_http(url: str, model_dir: Path, devices: int, per_phase: int) -> 
         "down_kb": statistics.median(r.bytes_down for r in finished) / 1000,
         "plaintext_up_kb": plaintext / 1000,
         "statuses": {s: sum(r.status == s for r in results) for s in {r.status for r in results}},
+        "phases": {
+            p: round(first["metrics"][f"secure_{p}_seconds"], 2)
+            for p in (*PHASES[:3], "consistency", "unmasking")
+            if f"secure_{p}_seconds" in first["metrics"]
+        },
     }
 
 
@@ -232,7 +237,7 @@ def main() -> int:
         f"  over HTTP: round {h['status']} with {h['survivors']} survivors in {h['round_seconds']:.1f} s "
         f"(device outcomes {h['statuses']}); server unmask {h['server_unmask_s']:.2f} s; per device "
         f"up {h['up_kb']:.0f} KB, down {h['down_kb']:.0f} KB "
-        f"(a plaintext report: {h['plaintext_up_kb']:.0f} KB up)"
+        f"(a plaintext report: {h['plaintext_up_kb']:.0f} KB up); phases (s): {h['phases']}"
     )
     return 0 if h["status"] == "committed" else 1
 
