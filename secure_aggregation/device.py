@@ -8,6 +8,7 @@ It is dropped when the round ends, and the secrets with it.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Mapping, Sequence
 
@@ -57,8 +58,17 @@ def effective_neighbours(params: RoundParameters, roster_size: int) -> int:
 
 
 def round_graph(params: RoundParameters, roster: Sequence[int]) -> dict[int, list[int]]:
-    """The round's neighbour graph over the devices that advertised keys (U1)."""
-    return neighbour_graph(roster, effective_neighbours(params, len(roster)), params.context)
+    """The round's neighbour graph over the devices that advertised keys (U1). Shared between
+    callers (read it, never change it): the server needs it for nearly every message of a round,
+    and building it is O(n k) (8.6 ms at 1,000 devices), which made a round's server time grow
+    as n^2 k."""
+    members = tuple(sorted(roster))
+    return _graph(members, effective_neighbours(params, len(members)), params.context)
+
+
+@functools.lru_cache(maxsize=32)
+def _graph(roster: tuple[int, ...], k: int, context: str) -> dict[int, list[int]]:
+    return neighbour_graph(roster, k, context)
 
 
 class DeviceSession:
@@ -109,7 +119,7 @@ class DeviceSession:
             raise ProtocolError(f"a roster of {len(roster)} devices is too small (at least {smallest})")
         self._enter("share_keys", "masked_input")
         self.index, self._roster = index, dict(roster)
-        self._neighbours = round_graph(self.params, sorted(roster))[index]
+        self._neighbours = list(round_graph(self.params, sorted(roster))[index])
         t = self.params.shamir_threshold(len(self._neighbours))
         seed_shares = shamir.split(int.from_bytes(self._seed, "big"), t, self._neighbours)
         key_shares = shamir.split(
