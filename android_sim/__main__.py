@@ -74,6 +74,16 @@ def _run_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
         "--work-dir", type=Path, help="model, device stores, database, report (default: runs/run-<time>)"
     )
     run.add_argument("--workers", type=int, default=d.workers, help="interpreter threads (default: cores)")
+    run.add_argument(
+        "--shards",
+        type=int,
+        default=d.shards,
+        help="2 or more: the devices sharded over this many Ray actors, each its own process and event "
+        "loop (needs the ray extra; --workers threads shared among them)",
+    )
+    run.add_argument(
+        "--address", help="--shards: an existing Ray cluster (default: processes of this machine)"
+    )
     run.add_argument("--seed", type=int, default=d.seed)
     algorithm_arguments(run)
     _mixing_arguments(run)
@@ -204,6 +214,8 @@ def main(argv: list[str] | None = None) -> int:
         from android_sim.run import run
 
         task, server = algorithm(args)
+        if args.shards > 1:
+            simulate_command.require_ray("--shards")
         if args.data and (args.model_dir or args.model):
             raise ValueError(
                 f"--data {args.data} is a built-in data set with its own model; not with --model-dir/--model"
@@ -233,6 +245,8 @@ def main(argv: list[str] | None = None) -> int:
             admin_token=args.admin_token,
             population=args.population,
             workers=args.workers,
+            shards=args.shards,
+            ray_address=args.address,
             seed=args.seed,
             task=task,
             server_optimizer=server,

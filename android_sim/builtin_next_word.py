@@ -228,7 +228,7 @@ def link_bytes(fleet: Fleet) -> dict[str, float | int]:
     """What the training devices' links carried, per training task they reported."""
     training = [d for d in fleet.devices if d.role == TRAINING]
     reported = sum(d.outcomes["reported"] for d in training)
-    down, up = sum(d.link.bytes_down for d in training), sum(d.link.bytes_up for d in training)
+    down, up = sum(d.bytes_down for d in training), sum(d.bytes_up for d in training)
     return {
         "training_reports": reported,
         "downloaded": down,

@@ -14,7 +14,7 @@ import asyncio
 import collections
 import contextlib
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -44,26 +44,64 @@ class DeviceSpec:
     num_examples: int
 
 
-@dataclass
+class Connection:
+    """A device's way to the orchestrator while it talks to it: its simulated link over its own
+    transport, an HTTP client and the orchestrator client with the device's token."""
+
+    def __init__(self, device: SimDevice, base_url: str, connector: Connector) -> None:
+        device_class = device.profile.device_class
+        inner, owned = connector.transport()
+        self.link = SimulatedLink(
+            inner, device_class.bandwidth_mbps, device_class.latency_ms, owns_inner=owned
+        )
+        self.http = httpx.AsyncClient(transport=self.link, base_url=base_url, timeout=60.0)
+        self.client = OrchestratorClient(
+            base_url, device.token, http=self.http, attempts=6, backoff_seconds=0.2
+        )
+
+    async def close(self, device: SimDevice) -> None:
+        """Hang up: the device keeps its token and its traffic's count, nothing of the connection."""
+        device.token = self.client.token
+        device.bytes_up += self.link.bytes_up
+        device.bytes_down += self.link.bytes_down
+        await self.http.aclose()  # and the link's transport with it
+
+
+@dataclass(eq=False)
 class SimDevice:
+    """A simulated phone. Between its tasks it holds only these few fields (lean idle devices:
+    a fleet's memory grows with the devices in rounds, not with the population); its
+    connection exists while it talks to the orchestrator, its example store while it takes part."""
+
     index: int
     role: str  # TRAINING devices train; HELD_OUT devices only evaluate (ReconEval)
     profile: DeviceProfile
     store_path: Path
     num_examples: int
-    link: SimulatedLink
-    http: httpx.AsyncClient
-    client: OrchestratorClient
+    dial: Callable[[SimDevice], Connection] = field(repr=False)
     device_id: str = ""
-    # Its signing key, certified by the fleet's enrollment authority (when the policy asks for one).
+    token: str | None = None  # from enrollment: what identifies the device on each request
+    # Its signing key, certified by the fleet's enrollment authority when it first takes part
+    # (when the policy asks for one): an idle device holds none.
     identity: DeviceIdentity | None = None
     outcomes: collections.Counter[str] = field(default_factory=collections.Counter)
     trained: bool = False  # has reported a training task (a seen device, with kept locals if stateful)
     evaluated_round: int | None = None  # the last evaluation round it took part in (or tried to)
+    bytes_up: int = 0  # over all its connections
+    bytes_down: int = 0
+    connection: Connection | None = field(default=None, repr=False)
 
     @property
     def task(self) -> str:
         return "training" if self.role == TRAINING else "evaluation"
+
+    @property
+    def client(self) -> OrchestratorClient:
+        """The device's orchestrator client, connecting if it is not connected (e.g. to serve after
+        the run; the connection then lasts until the fleet closes)."""
+        if self.connection is None:
+            self.connection = self.dial(self)
+        return self.connection.client
 
 
 @dataclass
@@ -128,6 +166,11 @@ class Fleet:
         self.runner = runner
         self.clock = clock
         self.options = options
+        # Certifies the devices' signing keys: the options' (shared by a run's shards) or the
+        # fleet's own, when the policy requires certified rosters.
+        self.authority = options.enrollment_authority
+        if self.authority is None and options.privacy_policy.certified_roster:
+            self.authority = EnrollmentAuthority()
         self.stats = FleetStats()
         self._rng = random.Random(options.seed)
         self.devices = [self._device(i, d) for i, d in enumerate(devices)]
@@ -138,35 +181,45 @@ class Fleet:
         self._tasks: list[asyncio.Task[None]] = []
 
     def _device(self, index: int, spec: DeviceSpec) -> SimDevice:
-        device_class = spec.profile.device_class
-        inner, owned = self.connector.transport()
-        link = SimulatedLink(inner, device_class.bandwidth_mbps, device_class.latency_ms, owns_inner=owned)
-        http = httpx.AsyncClient(transport=link, base_url=self.base_url, timeout=60.0)
-        client = OrchestratorClient(self.base_url, http=http, attempts=6, backoff_seconds=0.2)
-        return SimDevice(
-            index, spec.role, spec.profile, spec.store_path, spec.num_examples, link, http, client
-        )
+        return SimDevice(index, spec.role, spec.profile, spec.store_path, spec.num_examples, self._dial)
+
+    def _dial(self, device: SimDevice) -> Connection:
+        return Connection(device, self.base_url, self.connector)
+
+    @contextlib.asynccontextmanager
+    async def connected(self, device: SimDevice) -> AsyncIterator[OrchestratorClient]:
+        """The device's client for one exchange (enrollment, a check-in and what follows it);
+        the device hangs up after it, unless it was connected already."""
+        if device.connection is not None:
+            yield device.connection.client
+            return
+        connection = device.connection = self._dial(device)
+        try:
+            yield connection.client
+        finally:
+            device.connection = None
+            await connection.close(device)
+
+    def _identity(self, device: SimDevice) -> DeviceIdentity | None:
+        """The device's certified signing key, made the first time it takes part."""
+        if device.identity is None and self.authority is not None:
+            device.identity = DeviceIdentity.enroll(self.authority.certify, self.authority.public_key)
+        return device.identity
 
     async def enroll(self, concurrency: int = 32) -> None:
         limit = asyncio.Semaphore(concurrency)
 
-        authority = self.options.enrollment_authority
-        if authority is None and self.options.privacy_policy.certified_roster:
-            authority = EnrollmentAuthority()
-        if authority is not None:
-            for device in self.devices:
-                if device.identity is None:
-                    device.identity = DeviceIdentity.enroll(authority.certify, authority.public_key)
-
         async def one(device: SimDevice) -> None:
-            async with limit:
-                device.device_id = await device.client.enroll()
+            async with limit, self.connected(device) as client:
+                device.device_id = await client.enroll()
 
         await asyncio.gather(*(one(d) for d in self.devices if not d.device_id))
 
     async def aclose(self) -> None:
         for device in self.devices:
-            await device.http.aclose()
+            if device.connection is not None:
+                connection, device.connection = device.connection, None
+                await connection.close(device)
 
     def stop(self, roles: Sequence[str] = (TRAINING, HELD_OUT)) -> None:
         """Stop the devices of `roles` (each finishes or abandons what it is doing)."""
@@ -292,25 +345,26 @@ class Fleet:
         """One attempt; None when the orchestrator could not be reached (the device waits)."""
         self.stats.in_task += 1
         try:
-            with ExampleStore(device.store_path) as store:
-                agent = DeviceAgent(
-                    device.client,
-                    store,
-                    self.cache_dir,
-                    self.options.population,
-                    runner=self.runner,
-                    policy=self.options.privacy_policy,
-                    identity=device.identity,
-                )
-                participation = await agent.participate(
-                    task,
-                    conditions,
-                    self._should_continue(device, drops),
-                    seed=self._rng.getrandbits(31),
-                    compute_slowdown=device.profile.device_class.compute_slowdown,
-                    abort_when_interrupted=not vanishes,
-                    phase_continues=self._phase_continues(device),
-                )
+            async with self.connected(device) as client:
+                with ExampleStore(device.store_path) as store:
+                    agent = DeviceAgent(
+                        client,
+                        store,
+                        self.cache_dir,
+                        self.options.population,
+                        runner=self.runner,
+                        policy=self.options.privacy_policy,
+                        identity=self._identity(device),
+                    )
+                    participation = await agent.participate(
+                        task,
+                        conditions,
+                        self._should_continue(device, drops),
+                        seed=self._rng.getrandbits(31),
+                        compute_slowdown=device.profile.device_class.compute_slowdown,
+                        abort_when_interrupted=not vanishes,
+                        phase_continues=self._phase_continues(device),
+                    )
             if participation.status == "unreachable":
                 self.stats.waiting_for_server += 1
                 self.stats.last_error = f"orchestrator unreachable: {participation.detail}"

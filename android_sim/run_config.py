@@ -73,6 +73,8 @@ class RunConfig:
     device_mix: tuple[DeviceClass, ...] = DEFAULT_MIX
     workers: int = field(default_factory=lambda: os.cpu_count() or 1)
     in_process: bool = False  # the orchestrator app in this process over ASGI (benchmarks)
+    shards: int = 1  # >= 2: the devices sharded over this many Ray actors (android_sim/ray_fleet.py)
+    ray_address: str | None = None  # with shards: an existing Ray cluster (None: local processes)
     stall_seconds: float = 120.0  # give up when no round commits for this long
     seed: int = 0
     show_devices: int = 3
@@ -138,6 +140,14 @@ class RunConfig:
         for name in ("rounds", "target_reports", "min_examples", "workers"):
             if getattr(self, name) < 1:
                 problems.append(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.shards < 1:
+            problems.append(f"shards must be >= 1, got {self.shards}")
+        if self.shards > 1 and self.in_process:
+            problems.append("a sharded fleet talks HTTP: not with the in-process transport")
+        if self.ray_address and self.shards < 2:
+            problems.append(
+                "--address is the Ray cluster of a sharded fleet: give it with --shards 2 or more"
+            )
         if self.aggregation not in ("plaintext", "secure"):
             problems.append(f"aggregation must be 'plaintext' or 'secure', got {self.aggregation!r}")
         if self.aggregation == "secure" and self.target_reports < 6:

@@ -24,6 +24,7 @@ from android_sim.profiles import SimClock
 from android_sim.run_config import RunConfig, RunError
 from device_runtime.privacy_policy import PrivacyPolicy
 from device_runtime.task_runner import TaskRunner
+from enrollment_authority.authority import EnrollmentAuthority
 from orchestrator.local import LocalOrchestrator
 from orchestrator.population_settings import PopulationSettings
 
@@ -203,6 +204,36 @@ class FleetRun(Generic[T]):
     attached: dict[str, Any] | None  # what `attach` returned (e.g. the mixing strategy attached)
 
 
+def make_fleet(
+    config: RunConfig,
+    url: str,
+    connector: Connector,
+    specs: list[DeviceSpec],
+    cache_dir: Path,
+    runner: TaskRunner,
+    clock: SimClock,
+    options: FleetOptions,
+) -> Fleet:
+    """The fleet in this process, or sharded over `config.shards` Ray actors."""
+    if config.shards < 2:
+        return Fleet(url, connector, specs, cache_dir, runner, clock, options)
+    from android_sim.ray_fleet import RayFleet  # Ray is an optional extra
+
+    threads = max(1, config.workers // config.shards)
+    return RayFleet(
+        url,
+        connector,
+        specs,
+        cache_dir,
+        runner,
+        clock,
+        options,
+        shards=config.shards,
+        threads=threads,
+        address=config.ray_address,
+    )
+
+
 async def run_fleet(
     config: RunConfig,
     name: str,
@@ -233,7 +264,8 @@ async def run_fleet(
             f"{start_committed} rounds committed before this run"
         )
         with TaskRunner(config.workers) as runner:
-            fleet = Fleet(
+            fleet = make_fleet(
+                config,
                 url,
                 connector,
                 specs,
@@ -248,6 +280,8 @@ async def run_fleet(
                     seed=config.seed,
                     seen_devices_evaluate=config.stateful,
                     privacy_policy=PrivacyPolicy.for_simulation(config.aggregation, certified_roster=True),
+                    # One authority for the run (its shards too): devices trust it, the server relays.
+                    enrollment_authority=EnrollmentAuthority(),
                 ),
             )
             fleet_task: asyncio.Task[None] | None = None

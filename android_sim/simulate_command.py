@@ -9,6 +9,7 @@ the export's `.tflite` signatures and the orchestrator's aggregation. Writes sim
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import time
@@ -58,7 +59,24 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     parser.add_argument("--sampling-seed", type=int, default=d.sampling_seed, help="client sampling")
     parser.add_argument("--split-seed", type=int, default=PROTOCOL_SEED, help="which devices are held out")
     parser.add_argument("--min-examples", type=int, default=1, help="devices with fewer examples sit out")
-    parser.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="interpreter threads")
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=os.cpu_count() or 1,
+        help="interpreter threads (--backend threads) or Ray worker processes (--backend ray)",
+    )
+    parser.add_argument(
+        "--backend",
+        choices=("threads", "ray"),
+        default="threads",
+        help="ray: each round's clients sharded over Ray worker processes, each holding its devices' "
+        "data (needs the ray extra)",
+    )
+    parser.add_argument(
+        "--address",
+        help="--backend ray: an existing Ray cluster (ray://host:10001 or host:6379); default: "
+        "worker processes on this machine",
+    )
     parser.add_argument("--seed", type=int, default=0, help="the synthetic data's seed")
     parser.add_argument("--out", type=Path, help="output directory (default: runs/simulate-<time>)")
     algorithm_arguments(parser)
@@ -75,6 +93,14 @@ def simulation_task(workload: Workload, overrides: dict[str, Any], min_examples:
     return algorithm_task(base, overrides)
 
 
+def require_ray(option: str = "--backend ray") -> None:
+    """Ray is an optional extra: say how to get it, before any work."""
+    if importlib.util.find_spec("ray") is None:
+        raise ValueError(
+            f"{option} needs Ray: pip install 'fedrecon-ondevice[ray]' (./dev setup installs it)"
+        )
+
+
 def main(args: argparse.Namespace, console: Console | None = None) -> dict[str, Any]:
     """Run the simulation the options describe; returns the report (also in `--out`)."""
     console = console or Console()
@@ -87,6 +113,10 @@ def main(args: argparse.Namespace, console: Console | None = None) -> dict[str, 
     rounds = Rounds(args.rounds, args.clients_per_round, args.evaluate_every, args.sampling_seed)
     if args.workers < 1:
         raise ValueError(f"workers must be >= 1, got {args.workers}")
+    if args.address and args.backend != "ray":
+        raise ValueError("--address is a Ray cluster's: give it with --backend ray")
+    if args.backend == "ray":
+        require_ray()
     config = RunConfig(
         work_dir=out,
         model_dir=args.model_dir,
@@ -110,7 +140,15 @@ def main(args: argparse.Namespace, console: Console | None = None) -> dict[str, 
     workload = load_workload(config, console, enough)
     task = simulation_task(workload, task_overrides, args.min_examples)
     server = ServerOptimizerConfig.from_json(optimizer_over(workload.server_optimizer, server_overrides))
-    options = SimulationOptions(rounds, task, server, workers=args.workers, split_seed=args.split_seed)
+    options = SimulationOptions(
+        rounds,
+        task,
+        server,
+        workers=args.workers,
+        split_seed=args.split_seed,
+        backend=args.backend,
+        ray_address=args.address,
+    )
     # A device with fewer examples than the task needs sits out, as it would at check-in.
     devices = [
         newest_first(d) if d.examples.num_examples >= task.min_examples else None for d in workload.devices
@@ -137,6 +175,7 @@ def main(args: argparse.Namespace, console: Console | None = None) -> dict[str, 
             "sampling_seed": rounds.sampling_seed,
             "split_seed": args.split_seed,
             "workers": args.workers,
+            "backend": args.backend,
             "task_config": task.to_json(),
             "server_optimizer": server.to_json(),
         },

@@ -18,14 +18,15 @@ The metrics are the model's own (`evaluate`'s sums, weighted by examples).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, Protocol
 
 import numpy as np
 
 from android_sim.bench.federated import (
+    ClientPool,
     ClientWork,
     Devices,
     EvaluationWork,
@@ -49,7 +50,7 @@ from contracts.task_config import LocalState, SplitPolicy, TaskConfig
 from device_runtime.client_task import shuffled
 from model_runtime.support_query import add_negatives, split_support_query
 from model_runtime.task_batches import TaskBatches
-from model_runtime.tflite_model import TFLiteModel
+from model_runtime.tflite_model import EvaluationSums, TFLiteModel
 from orchestrator.aggregation import RobustAggregation, ServerOptimizerConfig
 
 HELD_OUT = "held-out devices, ReconEval (reconstruct on support, measure on query)"
@@ -64,8 +65,10 @@ class SimulationOptions:
     task: TaskConfig = field(default_factory=TaskConfig)
     server: ServerOptimizerConfig = field(default_factory=lambda: ServerOptimizerConfig("sgd", 1.0))
     aggregation: RobustAggregation | None = None  # None: the weighted mean; else the robust one
-    workers: int = 2
+    workers: int = 2  # interpreter threads, or Ray worker processes
     split_seed: int = PROTOCOL_SEED  # which devices train, validate and are held out
+    backend: Literal["threads", "ray"] = "threads"  # ray: the clients sharded over Ray workers
+    ray_address: str | None = None  # an existing Ray cluster (None: local worker processes)
 
     @property
     def stateful(self) -> bool:
@@ -123,16 +126,22 @@ def samples_negatives(manifest: Manifest, config: TaskConfig) -> bool:
     return manifest.task.negative_sampling and config.negatives_per_positive > 0
 
 
-def packed_clients(devices: Sequence[Examples], manifest: Manifest, config: TaskConfig) -> list[SupportQuery]:
+def packed_clients(
+    devices: Mapping[int, Examples], manifest: Manifest, config: TaskConfig
+) -> dict[int, SupportQuery]:
     """Every device's batches packed once (negatives, if any, drawn once per device, seeded by it)."""
     negatives = samples_negatives(manifest, config)
-    return [
-        support_query(e, manifest, config, np.random.default_rng((PROTOCOL_SEED, i)) if negatives else None)
-        for i, e in enumerate(devices)
-    ]
+    return {
+        i: support_query(
+            e, manifest, config, np.random.default_rng((PROTOCOL_SEED, i)) if negatives else None
+        )
+        for i, e in devices.items()
+    }
 
 
-def fresh_negatives_work(devices: Sequence[Examples], manifest: Manifest, config: TaskConfig) -> ClientWork:
+def fresh_negatives_work(
+    devices: Mapping[int, Examples], manifest: Manifest, config: TaskConfig
+) -> ClientWork:
     """FedRecon's task with negatives sampled anew at each participation, as a device does."""
     per_item = per_item_names(manifest)
     participations: dict[int, int] = {}  # a device is in at most one task at a time
@@ -144,6 +153,95 @@ def fresh_negatives_work(devices: Sequence[Examples], manifest: Manifest, config
         return fedrecon_task(model, params, client.support, client.query, config, per_item)
 
     return work
+
+
+# The kinds of client tasks a simulation runs: a training round's, the learning curve's
+# validation, the held-out devices' ReconEval, the kept locals' StandardEval on the newest 10%.
+WorkKind = Literal["train", "validation", "evaluation", "seen"]
+
+
+@dataclass(frozen=True)
+class ClientWorks:
+    """What a device does in each kind of task, built from the devices' own examples where they
+    live: every device in this process, or a Ray worker's shard of them (`android_sim.ray_clients`).
+    A device's state (kept locals, its count of negative draws) stays with its examples."""
+
+    train: ClientWork
+    validation: EvaluationWork
+    evaluation: EvaluationWork
+    seen: EvaluationWork | None
+
+    def of(self, kind: WorkKind) -> Callable[[TFLiteModel, Params, int], Any]:
+        work = getattr(self, kind)
+        if work is None:
+            raise ValueError(f"no {kind!r} task in this simulation")
+        return work  # type: ignore[no-any-return]
+
+
+def client_works(devices: Mapping[int, Examples], manifest: Manifest, task: TaskConfig) -> ClientWorks:
+    """The tasks of `devices` (device index -> its examples, newest first), packed once."""
+    eval_task = evaluation_task(task)
+    held_out = packed_clients(devices, manifest, eval_task)
+    evaluation = recon_eval_work(held_out, task)
+    if task.local_state is LocalState.KEEP:
+        users = {i: time_split(e, manifest) for i, e in devices.items()}
+        kept = PrivateLocals(manifest)
+        return ClientWorks(
+            furl_work(users, kept, task, per_item_names(manifest)),
+            private_locals_eval_work(users, kept, "validation"),
+            evaluation,
+            private_locals_eval_work(users, kept, "test"),
+        )
+    if samples_negatives(manifest, task):
+        work = fresh_negatives_work(devices, manifest, task)
+    else:
+        clients = held_out if eval_task == task else packed_clients(devices, manifest, task)
+        work = fedrecon_work(clients, task, per_item_names(manifest))
+    return ClientWorks(work, evaluation, evaluation, None)
+
+
+class SimulationClients(ClientPool[WorkKind], Protocol):
+    """Where a simulation's client tasks run, named by kind: `LocalClients` (this process's
+    threads) or `ray_clients.RayClients` (Ray worker processes, each with its shard of the devices)."""
+
+    manifest: Manifest
+
+    def evaluate(self, kind: WorkKind, users: Sequence[int]) -> EvaluationSums: ...
+
+    def close(self) -> None: ...
+
+
+class LocalClients:
+    """Every device's tasks on this process's interpreter threads."""
+
+    def __init__(self, devices: Devices, works: ClientWorks) -> None:
+        self.devices = devices
+        self.works = works
+        self.manifest = devices.manifest
+
+    def set_global(self, params: Params) -> None:
+        self.devices.set_global(params)
+
+    def map(self, kind: WorkKind, users: Sequence[int]) -> list[Any]:
+        return self.devices.map(self.works.of(kind), users)
+
+    def evaluate(self, kind: WorkKind, users: Sequence[int]) -> EvaluationSums:
+        return self.devices.evaluate(self.works.of(kind), users)
+
+    def close(self) -> None:
+        self.devices.close()
+
+
+def simulation_clients(
+    model_dir: Path, devices: Sequence[Examples], options: SimulationOptions
+) -> SimulationClients:
+    """The backend `options` asks for, holding `devices`' tasks."""
+    if options.backend == "ray":
+        from android_sim.ray_clients import RayClients  # Ray is an optional extra
+
+        return RayClients(model_dir, devices, options.task, options.workers, options.ray_address)
+    pool = Devices(model_dir, options.workers)
+    return LocalClients(pool, client_works(dict(enumerate(devices)), pool.manifest, options.task))
 
 
 def simulate(
@@ -163,44 +261,30 @@ def simulate(
             f"got {len(devices)}"
         )
     split = split or split_users(len(devices), options.split_seed)
-    task = options.task
-    with Devices(model_dir, options.workers) as pool:
-        manifest = pool.manifest
+    pool = simulation_clients(model_dir, devices, options)
+    try:
         initial = TFLiteModel(model_dir).get_global()
         server = (
-            make_server(initial, manifest)
+            make_server(initial, pool.manifest)
             if make_server is not None
             else Server(initial, options.server, options.aggregation)
         )
-        eval_task = evaluation_task(task)
-        held_out = packed_clients(devices, manifest, eval_task)
-        evaluation = recon_eval_work(held_out, task)
-        seen: dict[str, float] | None = None
-        if options.stateful:
-            users = [time_split(e, manifest) for e in devices]
-            kept = PrivateLocals(manifest)
-            validation: EvaluationWork = private_locals_eval_work(users, kept, "validation")
-            validate_on = split.train
-            work = furl_work(users, kept, task, per_item_names(manifest))
-        else:
-            validation, validate_on = evaluation, split.validation
-            if samples_negatives(manifest, task):
-                work = fresh_negatives_work(devices, manifest, task)
-            else:
-                clients = held_out if eval_task == task else packed_clients(devices, manifest, task)
-                work = fedrecon_work(clients, task, per_item_names(manifest))
+        # A kept-locals population validates on its training devices' next 10%.
+        validate_on = split.train if options.stateful else split.validation
 
         def validate(params: Params) -> dict[str, float]:
-            return pool.metrics_of(params, validation, validate_on)
+            pool.set_global(params)
+            return pool.evaluate("validation", validate_on).metrics()
 
-        run = train_federated(pool, server, split.train, work, options.rounds, validate)
+        train: WorkKind = "train"
+        run = train_federated(pool, server, split.train, train, options.rounds, validate)
         pool.set_global(run.params)
-        test = pool.evaluate(evaluation, split.test).metrics()
+        test = pool.evaluate("evaluation", split.test).metrics()
+        seen: dict[str, float] | None = None
         if options.stateful:
-            seen = {
-                **pool.evaluate(private_locals_eval_work(users, kept, "test"), split.train).metrics(),
-                "devices": len(split.train),
-            }
+            seen = {**pool.evaluate("seen", split.train).metrics(), "devices": len(split.train)}
+    finally:
+        pool.close()
     return SimulationResult(
         {**test, "devices": len(split.test)}, seen, run.curve, run.seconds, run.refused, run.params, split
     )

@@ -216,6 +216,24 @@ class PrivacyView:
 
 
 @dataclass(frozen=True)
+class ModelVersionView:
+    """A model version the server keeps (older ones are pruned past `keep_model_versions`)."""
+
+    version: NonNegative
+    round_id: Annotated[NonNegative | None, Spec("the training round that committed it; null: the export")]
+    created_at: float
+
+
+@dataclass(frozen=True)
+class DevicesSeenView:
+    """The devices that took part in a population's rounds (had an assignment): counts only."""
+
+    total: Annotated[NonNegative, Spec("devices assigned to at least one of its rounds")] = 0
+    last_day: Annotated[NonNegative, Spec("of them, devices assigned in the last 24 hours")] = 0
+    last_seen_at: Annotated[float | None, Spec("the latest assignment's time; null: none yet")] = None
+
+
+@dataclass(frozen=True)
 class PopulationView:
     """A population as the admin API shows it: its model, settings, open rounds and privacy."""
 
@@ -240,6 +258,12 @@ class PopulationView:
     paused_at: Annotated[float | None, Spec("paused since (no new rounds open); null: running")] = None
     settings_version: Annotated[NonNegative, Spec("moved by each change of the settings")] = 0
     archived_at: Annotated[float | None, Spec("archived since (paused for good); null: not archived")] = None
+    devices_seen: Annotated[DevicesSeenView, Spec("the devices that took part in its rounds")] = field(
+        default_factory=DevicesSeenView
+    )
+    model_versions: Annotated[list[ModelVersionView], Spec("the model versions kept, newest first")] = field(
+        default_factory=list
+    )
 
 
 # ---- reading a message -------------------------------------------------------------------------

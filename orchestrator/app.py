@@ -35,6 +35,7 @@ from orchestrator.api.routes import (
     secure_aggregation,
 )
 from orchestrator.api.routes import metrics as metrics_route
+from orchestrator.dashboard import routes as dashboard
 from orchestrator.db import Population, make_engine
 from orchestrator.logs import log_request
 from orchestrator.migrate import migrate
@@ -148,6 +149,9 @@ def create_app(settings: Settings | None = None, clock: Callable[[], float] = ti
     app.state.clock = clock
     app.state.admin_token_digest = admin_token_digest
     app.state.verified_tokens = VerifiedTokens()
+    app.state.dashboard_sign_ins = dashboard.sign_in_buckets(
+        settings.dashboard_sign_in_burst, settings.dashboard_sign_in_interval_seconds
+    )
     app.add_exception_handler(RequestValidationError, request_validation_error)
     app.add_middleware(Edge, settings=settings)
     for module in (
@@ -159,6 +163,7 @@ def create_app(settings: Settings | None = None, clock: Callable[[], float] = ti
         admin,
         health,
         metrics_route,
+        dashboard,
     ):
         app.include_router(module.router)
     static_paths = frozenset(path for route in app.routes if "{" not in (path := getattr(route, "path", "{")))

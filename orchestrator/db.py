@@ -96,6 +96,17 @@ class Device(Base):
     created_at: Mapped[float]
 
 
+class DashboardSession(Base):
+    """A signed-in operator's dashboard session (orchestrator/dashboard/sessions.py). The cookie
+    holds a random secret; only its sha256 is kept, so a copy of the database opens no session."""
+
+    __tablename__ = "dashboard_sessions"
+    id_hash: Mapped[str] = mapped_column(String(64), primary_key=True)
+    created_at: Mapped[float]
+    expires_at: Mapped[float]
+    address: Mapped[str] = mapped_column(String(100))  # the signing-in client's, for the log
+
+
 class Round(Base):
     """A training or evaluation round; its counters are the participation funnel."""
 

@@ -7,10 +7,10 @@ import hmac
 import secrets
 from collections.abc import Sequence
 
-from sqlalchemy import bindparam, select
+from sqlalchemy import bindparam, func, select
 from sqlalchemy.orm import Session
 
-from orchestrator.db import Device
+from orchestrator.db import Assignment, Device, Round
 
 # Built once (building a statement costs more than running it); columns, not Device objects.
 _TOKEN_HASHES = select(Device.id, Device.token_hash).where(Device.id.in_(bindparam("ids", expanding=True)))
@@ -45,3 +45,27 @@ def authenticate_all(session: Session, tokens: Sequence[str]) -> list[str | None
 def authenticate(session: Session, token: str) -> str | None:
     """The token's device id, or None."""
     return authenticate_all(session, [token])[0]
+
+
+DAY_SECONDS = 86_400.0
+
+
+def seen(session: Session, population_id: int, now: float) -> tuple[int, int, float | None]:
+    """The devices that took part in a population's rounds (had an assignment): how many in all,
+    how many in the last day, and the latest assignment's time. Counts only: which devices took
+    part is nobody's business on an operator's screen."""
+    assigned = (
+        select(Assignment.device_id, Assignment.created_at)
+        .join(Round, Round.id == Assignment.round_id)
+        .where(Round.population_id == population_id)
+        .subquery()
+    )
+    total, latest = session.execute(
+        select(func.count(func.distinct(assigned.c.device_id)), func.max(assigned.c.created_at))
+    ).one()
+    recent = session.scalar(
+        select(func.count(func.distinct(assigned.c.device_id))).where(
+            assigned.c.created_at >= now - DAY_SECONDS
+        )
+    )
+    return int(total or 0), int(recent or 0), latest

@@ -43,6 +43,16 @@ def base_version(
     return params, dict(load(base.optimizer_state))
 
 
+def kept(session: Session, population: Population) -> list[tuple[int, int | None, float]]:
+    """The versions kept, newest first: (version, the round that committed it, when)."""
+    rows = session.execute(
+        select(ModelVersion.version, ModelVersion.round_id, ModelVersion.created_at)
+        .where(ModelVersion.population_id == population.id)
+        .order_by(ModelVersion.version.desc())
+    )
+    return [(int(v), r, float(t)) for v, r, t in rows]
+
+
 def prune_model_versions(session: Session, population: Population, keep: int) -> int:
     """Delete the versions older than the newest `keep`, except version 0 (the export) and any
     version an open round works from; returns how many went. Each version holds the dense

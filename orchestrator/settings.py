@@ -61,6 +61,12 @@ class Settings(BaseSettings):
     # SQLite work runs on the event loop, so this also bounds how long a stuck lock can stall
     # every other request.
     database_busy_seconds: float = Field(default=0.5, gt=0, le=60)
+    # How long a dashboard sign-in lasts before the operator signs in again (orchestrator/dashboard).
+    dashboard_session_seconds: float = Field(default=8 * 3600, ge=1, le=30 * 86400)
+    # Dashboard sign-ins per client address: a burst, then one per this many seconds, so that
+    # the admin token cannot be guessed through the sign-in form. Per server process.
+    dashboard_sign_in_burst: int = Field(default=5, ge=1, le=1000)
+    dashboard_sign_in_interval_seconds: float = Field(default=10.0, ge=0.001, le=3600)
 
     def admin_token_digest(self) -> bytes:
         """The sha256 of the admin token, compared in constant time with a caller's. Raises

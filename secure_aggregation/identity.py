@@ -107,6 +107,12 @@ class SigningKey:
     def sign(self, message: bytes) -> bytes:
         return self._private.sign(message)
 
+    def __getstate__(self) -> bytes:
+        return self.private_bytes()
+
+    def __setstate__(self, raw: bytes) -> None:
+        self.__init__(Ed25519PrivateKey.from_private_bytes(raw))  # type: ignore[misc]
+
     def private_bytes(self) -> bytes:
         """The raw private key, for the device's own storage only."""
         return self._private.private_bytes(

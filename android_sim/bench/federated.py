@@ -22,7 +22,7 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
@@ -50,11 +50,29 @@ from secure_aggregation.config import RoundParameters
 from secure_aggregation.quantization import Layout, dequantize_sum, quantize
 
 R = TypeVar("R")
+T_co = TypeVar("T_co", covariant=True)
+W_contra = TypeVar("W_contra", contravariant=True)
 
 # A client's report as the orchestrator stores it (sparse delta, weight); None when it diverged.
 Report = tuple[dict[str, SparseTensor], float] | None
 ClientWork = Callable[[TFLiteModel, Params, int], Report]
 EvaluationWork = Callable[[TFLiteModel, Params, int], EvaluationSums]
+
+
+class ByUser(Protocol[T_co]):
+    """Per-user data by user index: a list of every user's, or a dict of some users' (the shard
+    of the devices a simulation's Ray worker holds)."""
+
+    def __getitem__(self, user: int, /) -> T_co: ...
+
+
+class ClientPool(Protocol[W_contra]):
+    """Where a round's client tasks run: `Devices` (this process's threads, handed the work
+    itself), or a simulation's pool that names the work its workers hold (`android_sim.simulation`)."""
+
+    def set_global(self, params: Params) -> None: ...
+
+    def map(self, work: W_contra, users: Sequence[int]) -> list[Any]: ...
 
 
 @dataclass(frozen=True)
@@ -281,10 +299,10 @@ class TrainingRun:
 
 
 def train_federated(
-    devices: Devices,
+    devices: ClientPool[W_contra],
     server: Server,
     train_users: Sequence[int],
-    work: ClientWork,
+    work: W_contra,
     rounds: Rounds,
     validate: Callable[[Params], dict[str, float]],
 ) -> TrainingRun:
@@ -335,9 +353,7 @@ def fedrecon_task(
     return sparse_delta(update, shapes(params), per_item), float(query.num_examples)
 
 
-def fedrecon_work(
-    clients: Sequence[SupportQuery], config: TaskConfig, per_item: frozenset[str]
-) -> ClientWork:
+def fedrecon_work(clients: ByUser[SupportQuery], config: TaskConfig, per_item: frozenset[str]) -> ClientWork:
     """FedRecon on users whose batches were packed once."""
 
     def work(model: TFLiteModel, params: Params, user: int) -> Report:
@@ -347,7 +363,7 @@ def fedrecon_work(
     return work
 
 
-def recon_eval_work(clients: Sequence[SupportQuery], config: TaskConfig) -> EvaluationWork:
+def recon_eval_work(clients: ByUser[SupportQuery], config: TaskConfig) -> EvaluationWork:
     """ReconEval: reconstruct on support, measure on query."""
 
     def work(model: TFLiteModel, params: Params, user: int) -> EvaluationSums:
@@ -418,7 +434,7 @@ class PrivateLocals:
 
 
 def furl_work(
-    users: Sequence[TimeSplit], locals_: PrivateLocals, config: TaskConfig, per_item: frozenset[str]
+    users: ByUser[TimeSplit], locals_: PrivateLocals, config: TaskConfig, per_item: frozenset[str]
 ) -> ClientWork:
     """FURL (a population with `local_state: keep`): the device's own locals, trained jointly with
     the globals at `local_learning_rate` and kept on the device across rounds."""
@@ -443,7 +459,7 @@ def furl_work(
     return work
 
 
-def private_locals_eval_work(users: Sequence[TimeSplit], locals_: PrivateLocals, part: str) -> EvaluationWork:
+def private_locals_eval_work(users: ByUser[TimeSplit], locals_: PrivateLocals, part: str) -> EvaluationWork:
     """Seen users' StandardEval: their kept locals, measured on their `part` ("validation" or "test")."""
 
     def work(model: TFLiteModel, params: Params, user: int) -> EvaluationSums:

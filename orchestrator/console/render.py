@@ -120,17 +120,35 @@ def population(p: Mapping[str, Any], rounds: Sequence[Mapping[str, Any]], now: f
             f"{when(r['deadline'])} (in {duration(max(r['deadline'] - now, 0.0))})"
         )
     lines.append(privacy(p.get("privacy")))
-    versions = sorted({r["result_version"] for r in rounds if r.get("result_version") is not None})
-    shown = ", ".join(f"{v} (round #{_round_of(rounds, v)})" for v in reversed(versions[-5:]))
-    lines.append(f"model versions: current {p['current_version']}" + (f"; made by: {shown}" if shown else ""))
+    lines.append(model_versions(p))
+    lines.append(devices_seen(p.get("devices_seen"), now))
     lines.append("settings: " + json.dumps(p.get("settings", {}), sort_keys=True))
     lines.append(f"rounds (newest first, {len(rounds)}):" if rounds else "rounds: none yet")
     lines.extend("  " + round_line(r, now).replace("\n", "\n  ") for r in rounds)
     return "\n".join(lines)
 
 
-def _round_of(rounds: Sequence[Mapping[str, Any]], version: int) -> int:
-    return next(int(r["id"]) for r in rounds if r.get("result_version") == version)
+SHOWN_VERSIONS = 5
+
+
+def model_versions(p: Mapping[str, Any]) -> str:
+    """The current version and the newest versions kept, with the round that made each."""
+    kept = p.get("model_versions") or []
+    shown = ", ".join(
+        f"{v['version']} ({'export' if v.get('round_id') is None else 'round #' + str(v['round_id'])}, "
+        f"{when(v['created_at'])})"
+        for v in kept[:SHOWN_VERSIONS]
+    )
+    more = f" and {len(kept) - SHOWN_VERSIONS} older" if len(kept) > SHOWN_VERSIONS else ""
+    return f"model versions: current {p['current_version']}; kept: {shown or 'none'}{more}"
+
+
+def devices_seen(seen: Mapping[str, Any] | None, now: float) -> str:
+    if not seen or not seen.get("total"):
+        return "devices seen: none yet"
+    last = seen.get("last_seen_at")
+    ago = f", last {duration(max(now - last, 0.0))} ago" if last is not None else ""
+    return f"devices seen: {seen['total']} in all, {seen.get('last_day', 0)} in the last 24 h{ago}"
 
 
 def evaluation(round_: Mapping[str, Any], name: str) -> str:

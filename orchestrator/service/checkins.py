@@ -28,6 +28,10 @@ class CheckInCall:
     kind: str
 
 
+# How often a check-in transaction is tried: each retry after the first is lost to another
+# process admitting one more of the group's devices first, which needs a concurrent duplicate.
+CHECKIN_ATTEMPTS = 4
+
 CheckInGroups = GroupCommit[str, CheckInCall, Assignment | rounds.Refused]
 
 
@@ -47,12 +51,18 @@ def checkin_transaction(
 ) -> list[Assignment | rounds.Refused]:
     """One transaction for check-ins that arrived together; each call gets its own answer.
 
-    Retried once, with the population locked, when another server process closed the round or
-    gave one of these devices its assignment at the same time (rounds.checkin)."""
-    try:
-        return _checkin_once(factory, population, calls, now, lock=False)
-    except (rounds.RoundClosed, IntegrityError):
-        return _checkin_once(factory, population, calls, now, lock=True)
+    Retried, with the population locked, when another server process closed the round or gave one
+    of these devices its assignment at the same time (rounds.checkin). The lock keeps rounds from
+    closing but not another process's unlocked check-in from admitting the same device between
+    this transaction's read and its insert, so that race can repeat: each retry reads the
+    assignment the other one committed and answers with it."""
+    for attempt in range(CHECKIN_ATTEMPTS):
+        try:
+            return _checkin_once(factory, population, calls, now, lock=attempt > 0)
+        except (rounds.RoundClosed, IntegrityError):
+            if attempt == CHECKIN_ATTEMPTS - 1:
+                raise
+    raise AssertionError("unreachable")
 
 
 def _checkin_once(

@@ -70,3 +70,44 @@ def test_devices_stuck_in_a_request_are_switched_off_after_the_grace_period(tmp_
     assert switched_off == 2
     assert seconds < 5.0
     assert in_task == 0
+
+
+def test_devices_hang_up_after_enrolling_and_keep_only_their_token(tmp_path: Path) -> None:
+    # Prepare: the real orchestrator app in this process, three devices
+    from pydantic import SecretStr
+
+    from orchestrator.app import create_app
+    from orchestrator.settings import Settings
+
+    app = create_app(
+        Settings(database_url=f"sqlite:///{tmp_path / 'o.sqlite'}", admin_token=SecretStr("t" * 32))
+    )
+    profile = DeviceProfile(ALWAYS_ON, timezone_hours=0.0, bedtime_hours=0.0, has_wifi=True, salt=1)
+    specs = [DeviceSpec(TRAINING, profile, tmp_path / f"d{i}.sqlite", 10) for i in range(3)]
+
+    async def scenario() -> Fleet:
+        async with app.router.lifespan_context(app):
+            connector = Connector(app)
+            with TaskRunner(1) as runner:
+                fleet = Fleet(
+                    "http://orchestrator.local",
+                    connector,
+                    specs,
+                    tmp_path / "cache",
+                    runner,
+                    SimClock(60.0),
+                    FleetOptions(population="p", privacy_policy=DEVICE_POLICY),
+                )
+                # Execute
+                await fleet.enroll()
+                await fleet.aclose()
+            await connector.aclose()
+        return fleet
+
+    fleet = asyncio.run(scenario())
+
+    # Assert: each device is enrolled and holds its own token, and no connection (lean when idle)
+    assert all(d.device_id and d.token for d in fleet.devices)
+    assert len({d.token for d in fleet.devices}) == 3
+    assert all(d.connection is None for d in fleet.devices)
+    assert all(d.bytes_down > 0 for d in fleet.devices)  # the answers came through each one's link

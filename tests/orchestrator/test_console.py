@@ -153,3 +153,36 @@ def test_the_globals_and_manifest_take_the_admin_token_and_refuse_other_stranger
     assert admin.status_code == 200
     assert admin.content == (export(BIASED) / "global_params.safetensors").read_bytes()
     assert stranger.status_code == 401 and manifest.status_code == 200
+
+
+def test_show_counts_the_devices_seen_and_lists_the_model_versions_kept(
+    server: Server,
+    console: Callable[..., subprocess.CompletedProcess[str]],
+    export: Callable[[ModelConfig], Path],
+) -> None:
+    settings = {"target_reports": 3, "min_reports": 3, "round_duration_seconds": 30, "min_examples": 1}
+    created = admin_create_population(server.url, export(BIASED), "movies", json.dumps(settings))
+    assert created.status_code == 201, created.text
+    before = console("show", "movies")
+    accepted = 0
+    for _ in range(2):  # two devices check in and are assigned; a third enrolls and never does
+        device = httpx.post(f"{server.url}/v1/devices", timeout=10).json()
+        answer = httpx.post(
+            f"{server.url}/v1/populations/movies/checkin",
+            json={"example_count": 40, "task": "training"},
+            headers={"Authorization": f"Bearer {device['token']}"},
+            timeout=10,
+        )
+        accepted += answer.json()["accepted"]
+    httpx.post(f"{server.url}/v1/devices", timeout=10)
+
+    after = console("show", "movies")
+    as_json = json.loads(console("show", "movies", "--json").stdout)
+
+    assert "devices seen: none yet" in before.stdout
+    assert "model versions: current 0; kept: 0 (export, " in before.stdout
+    assert accepted == 2
+    assert "devices seen: 2 in all, 2 in the last 24 h, last " in after.stdout
+    assert as_json["devices_seen"]["total"] == 2 and as_json["devices_seen"]["last_day"] == 2
+    assert [v["version"] for v in as_json["model_versions"]] == [0]
+    assert as_json["model_versions"][0]["round_id"] is None

@@ -8,9 +8,11 @@ import re
 from typing import Any
 
 import pytest
+from fastapi.routing import APIRoute
 from pydantic import SecretStr
 
 from orchestrator.app import create_app
+from orchestrator.dashboard import routes as dashboard
 from orchestrator.settings import Settings
 from tests.conftest import ROOT
 from tests.orchestrator.conftest import ADMIN_TOKEN
@@ -91,3 +93,27 @@ def test_a_spent_privacy_budget_is_a_200_rejection_with_a_day_s_retry_everywhere
     assert "Retry-After" in checkin["responses"]["200"]["headers"]
     assert "409" not in checkin["responses"]
     assert "rejected with the budget's message and `Retry-After: 86400`" in page
+
+
+def test_the_dashboard_s_pages_are_in_their_own_table_and_not_in_the_openapi_document(
+    document: dict[str, Any],
+) -> None:
+    pages = {
+        (method, route.path): route.responses
+        for route in dashboard.router.routes
+        if isinstance(route, APIRoute)
+        for method in route.methods or ()
+    }
+    table = {}
+    for line in PAGE.read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 5 and cells[0] in ("GET", "POST"):
+            table[(cells[0], cells[1].strip("`"))] = (cells[3].split()[0], cells[4])
+
+    assert sorted(table) == sorted(pages), "the dashboard's routes differ between the page and the server"
+    for route, responses in pages.items():
+        statuses = sorted(int(s) for s in responses)
+        success, refusals = table[route]
+        assert success == str(statuses[0]), route
+        assert refusals == (", ".join(str(s) for s in statuses[1:]) or "-"), route
+    assert not any(path == "/" or path.startswith("/dashboard") for path in document["paths"])

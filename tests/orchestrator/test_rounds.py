@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 from safetensors.numpy import load, save
 from sqlalchemy import event, select
-from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
 from contracts.manifest import Manifest
 from contracts.params import decode_params, decode_sparse_delta, encode_params, encode_sparse_delta
+from contracts.protocol import Assignment as AssignmentAnswer
 from model_export.config import ModelConfig
 from orchestrator import rounds
 from orchestrator.aggregation import aggregate, known_bounds
@@ -28,6 +28,7 @@ from orchestrator.differential_privacy import epsilon
 from orchestrator.migrate import migrate
 from orchestrator.norm_reference import NormReference
 from orchestrator.populations import ExportedModel, PopulationError, create_population
+from orchestrator.service.checkins import CheckInCall, checkin_transaction
 from tests.conftest import IMPLICIT
 from tests.orchestrator.conftest import make_population
 
@@ -206,36 +207,35 @@ def test_a_group_beyond_capacity_admits_up_to_it_in_order(
 def test_concurrent_checkins_never_exceed_capacity_nor_give_a_device_two_assignments(
     db: sessionmaker[Session], biased_model: ExportedModel
 ) -> None:
-    # Eight transactions at once (on PostgreSQL, without the population lock), each with a group
-    # of devices; every device is in two groups, as when a client retries through another process.
+    # Eight check-in transactions at once, as the service runs them (on PostgreSQL, without the
+    # population lock first), each with a group of devices; every device is in three groups, as
+    # when a client retries through other processes, so that a locked retry can meet yet another
+    # process admitting one of its devices (CI once answered that race with a 500).
     make_population(db, biased_model, target_reports=10, oversampling=1.5)
-    devices = [device(db) for _ in range(32)]
+    tokens: dict[str, str] = {}
+    for _ in range(32):
+        with db.begin() as session:
+            device_id, token = enroll(session, 0.0)
+        tokens[device_id] = token
+    devices = list(tokens)
     groups = [devices[i * 4 : i * 4 + 4] for i in range(8)]
-    groups = [group + groups[(i + 1) % 8][:2] + groups[(i + 3) % 8][2:] for i, group in enumerate(groups)]
+    groups = [
+        group + groups[(i + 1) % 8][:2] + groups[(i + 3) % 8][2:] + groups[(i + 5) % 8]
+        for i, group in enumerate(groups)
+    ]
     start = threading.Barrier(len(groups))
 
-    def check_in(group: list[str]) -> list[tuple[str, rounds.Accepted | rounds.Refused]]:
+    def check_in(group: list[str]) -> list[tuple[str, AssignmentAnswer | rounds.Refused]]:
+        calls = [CheckInCall(tokens[d], 50, rounds.TRAINING) for d in group]
         start.wait()
-        for lock in (False, True):  # as the check-in route retries
-            try:
-                with db.begin() as session:
-                    population = rounds.find_population(session, "p")
-                    assert population is not None
-                    requests = [rounds.CheckIn(d, 50, rounds.TRAINING) for d in group]
-                    return list(
-                        zip(group, rounds.checkin(session, population, requests, 1.0, lock), strict=True)
-                    )
-            except (rounds.RoundClosed, IntegrityError):
-                if lock:
-                    raise
-        raise AssertionError("unreachable")
+        return list(zip(group, checkin_transaction(db, "p", calls, 1.0), strict=True))
 
     with ThreadPoolExecutor(len(groups)) as pool:
         answers = [a for group_answers in pool.map(check_in, groups) for a in group_answers]
 
     accepted: dict[str, set[str]] = {}
     for dev, answer in answers:
-        if isinstance(answer, rounds.Accepted):
+        if isinstance(answer, AssignmentAnswer):
             accepted.setdefault(dev, set()).add(answer.assignment_id)
         else:
             assert "full" in answer.message
@@ -246,6 +246,47 @@ def test_concurrent_checkins_never_exceed_capacity_nor_give_a_device_two_assignm
     with db() as session:
         assigned = session.scalars(select(Assignment.device_id).where(Assignment.round_id == r.id)).all()
     assert sorted(assigned) == sorted(accepted)
+
+
+def test_a_checkin_retries_while_other_processes_keep_admitting_its_devices_first(
+    db: sessionmaker[Session], biased_model: ExportedModel
+) -> None:
+    # On PostgreSQL another process's unlocked check-in can admit a device between this
+    # transaction's read of the devices' assignments and its own admission, once for each device
+    # of the group: here twice, the second time while this one holds the population lock.
+    if db.kw["bind"].dialect.name != "postgresql":
+        pytest.skip("SQLite serializes writers: no other transaction admits in between")
+    make_population(db, biased_model, target_reports=10, oversampling=1.5)
+    tokens = []
+    for _ in range(3):
+        with db.begin() as session:
+            tokens.append(enroll(session, 0.0)[1])
+    opener, first, second = tokens
+    checkin_transaction(db, "p", [CheckInCall(opener, 50, rounds.TRAINING)], 1.0)  # opens the round
+    rivals = [first, second]  # each admitted by "another process" just before this admission
+    rival_answers: list[AssignmentAnswer | rounds.Refused] = []
+    in_rival = threading.local()
+
+    def rival_first(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        if statement.lstrip().startswith("UPDATE rounds") and rivals and not getattr(in_rival, "on", False):
+            in_rival.on = True
+            try:
+                rival = CheckInCall(rivals.pop(0), 50, rounds.TRAINING)
+                rival_answers.extend(checkin_transaction(db, "p", [rival], 1.0))
+            finally:
+                in_rival.on = False
+
+    calls = [CheckInCall(t, 50, rounds.TRAINING) for t in (first, second)]
+    event.listen(db.kw["bind"], "before_cursor_execute", rival_first)
+    try:
+        answers = checkin_transaction(db, "p", calls, 1.0)
+    finally:
+        event.remove(db.kw["bind"], "before_cursor_execute", rival_first)
+    assert not rivals and all(isinstance(a, AssignmentAnswer) for a in rival_answers + answers)
+    # Each device got the assignment the other process gave it, and the round counted it once.
+    assert [a.assignment_id for a in answers] == [a.assignment_id for a in rival_answers]  # type: ignore[union-attr]
+    r = current_round(db)
+    assert r.accepted == 3
 
 
 def test_target_reports_commit_the_weighted_mean(

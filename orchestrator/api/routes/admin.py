@@ -9,8 +9,15 @@ from sqlalchemy import Select, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from contracts.mixing import MAX_CENTRAL_BYTES, MixingError
-from contracts.protocol import PopulationView, PrivacyView, RoundView, TaskKind
-from orchestrator import idle_backoff, pausing, rounds
+from contracts.protocol import (
+    DevicesSeenView,
+    ModelVersionView,
+    PopulationView,
+    PrivacyView,
+    RoundView,
+    TaskKind,
+)
+from orchestrator import devices, idle_backoff, model_versions, pausing, rounds
 from orchestrator import mixing as mixing_data
 from orchestrator.api import schemas
 from orchestrator.api.deps import AdminDep, ClockDep, SessionFactoryDep, run_db
@@ -92,6 +99,8 @@ def population_out(session: Any, p: Population, now: float | None = None) -> Pop
         paused_at=p.paused_at,
         settings_version=p.settings_version,
         archived_at=p.archived_at,
+        devices_seen=DevicesSeenView(*devices.seen(session, p.id, now)),
+        model_versions=[ModelVersionView(*kept) for kept in model_versions.kept(session, p)],
     )
 
 

@@ -1,0 +1,115 @@
+"""What the dashboard's pages show, read from the database in one short transaction each."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session, sessionmaker
+
+from contracts.protocol import PopulationView, RoundView
+from orchestrator.api.routes.admin import population_out, round_out
+from orchestrator.db import Population, Round
+
+ROUNDS_SHOWN = 60  # the rounds over time chart and table: the newest this many
+MAX_METRIC_CHARTS = 6
+# The funnel's stages, in order: a device checks in, is accepted, reports.
+FUNNEL = ("checked_in", "accepted", "reported")
+# Where the others went (RoundView.counters' names).
+LOST = ("rejected_capacity", "rejected_min_examples", "dropped", "late", "invalid", "aborted")
+
+
+@dataclass(frozen=True)
+class Series:
+    """One metric by model version: training rounds' (by the version they made) and evaluation
+    rounds' (by the version they evaluated)."""
+
+    name: str
+    training: list[tuple[int, float]] = field(default_factory=list)
+    evaluation: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class PopulationPage:
+    population: PopulationView
+    rounds: list[RoundView]  # newest first
+    funnel: dict[str, int]  # summed over `rounds`
+    why_abandoned: list[tuple[str, int]]  # "in <phase> by <cause>", how many, most first
+    metrics: list[Series]
+
+
+def populations(factory: sessionmaker[Session], now: float) -> list[PopulationView]:
+    with factory() as session:
+        return [
+            population_out(session, p, now)
+            for p in session.scalars(select(Population).order_by(Population.id))
+        ]
+
+
+def population_page(factory: sessionmaker[Session], name: str, now: float) -> PopulationPage | None:
+    with factory() as session:
+        found = session.scalars(select(Population).where(Population.name == name)).first()
+        if found is None:
+            return None
+        view = population_out(session, found, now)
+        rounds = [
+            round_out(r)
+            for r in session.scalars(
+                select(Round)
+                .where(Round.population_id == found.id)
+                .order_by(Round.id.desc())
+                .limit(ROUNDS_SHOWN)
+            )
+        ]
+    return PopulationPage(view, rounds, funnel(rounds), why_abandoned(rounds), metric_series(rounds))
+
+
+def funnel(rounds: list[RoundView]) -> dict[str, int]:
+    totals: Counter[str] = Counter()
+    for r in rounds:
+        totals.update({k: r.counters.get(k, 0) for k in (*FUNNEL, *LOST)})
+    return {k: totals[k] for k in (*FUNNEL, *LOST)}
+
+
+def why_abandoned(rounds: list[RoundView]) -> list[tuple[str, int]]:
+    causes = Counter(
+        f"in {r.stopped_phase or '?'} by {r.ended_by or '?'}" for r in rounds if r.status == "abandoned"
+    )
+    return causes.most_common()
+
+
+# The quality metrics first (training reports' losses, evaluation reports' loss, rmse and
+# accuracy), then whatever else a model reports; counts and sums are not charted.
+PREFERRED = ("update_loss", "reconstruction_loss", "loss", "rmse", "accuracy", "query_loss", "query_rmse")
+COUNTS = ("num_", "correct", "squared_error", "outside_catalog", "weight")
+
+
+def _shown_metric(name: str) -> bool:
+    # The means, not the sums they come from, nor counts, nor the secure phases' timings.
+    return (
+        not name.endswith("_sum")
+        and not name.startswith(COUNTS)
+        and not name.removeprefix("query_").startswith(COUNTS)
+        and not (name.startswith("secure_") and name.endswith("_seconds"))
+    )
+
+
+def _order(name: str) -> tuple[int, str]:
+    return (PREFERRED.index(name) if name in PREFERRED else len(PREFERRED), name)
+
+
+def metric_series(rounds: list[RoundView]) -> list[Series]:
+    """Each metric's values by model version, oldest version first."""
+    by_name: dict[str, Series] = {}
+    for r in sorted(rounds, key=lambda r: r.id):
+        if r.status != "committed":
+            continue
+        version = r.result_version if r.kind == "training" else r.base_version
+        if version is None:
+            continue
+        for name, value in r.metrics.items():
+            if _shown_metric(name):
+                series = by_name.setdefault(name, Series(name))
+                (series.training if r.kind == "training" else series.evaluation).append((version, value))
+    return [by_name[name] for name in sorted(by_name, key=_order)][:MAX_METRIC_CHARTS]

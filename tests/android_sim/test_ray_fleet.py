@@ -1,0 +1,62 @@
+"""`run --shards 2`: the fleet's devices in two Ray actors against one orchestrator over HTTP,
+their counters and devices merged into one run report."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+from android_sim.fleet import FleetStats
+from android_sim.run import run
+from tests.android_sim.test_run import reconcile, small, work  # noqa: F401 (the work fixture)
+
+ray = pytest.importorskip("ray")
+
+from android_sim.ray_fleet import merged  # noqa: E402
+
+
+@pytest.fixture
+def local_ray() -> Iterator[None]:
+    """Two CPUs on this machine for the shards, shut down after the test (no Ray process is left)."""
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, object_store_memory=100 * 1024**2)
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
+def test_the_shards_counters_add_up() -> None:
+    a, b = FleetStats(), FleetStats()
+    a.outcomes[("training", "reported")] = 3
+    b.outcomes[("training", "reported")] = 4
+    b.outcomes[("held-out", "reported")] = 1
+    a.task_seconds, b.task_seconds = [0.1], [0.2, 0.3]
+    a.switched_off, b.switched_off = 1, 2
+    b.last_error = "device 3: refused"
+
+    total = merged([a, b])
+
+    assert total.count("training", "reported") == 7 and total.total("reported") == 8
+    assert sorted(total.task_seconds) == [0.1, 0.2, 0.3]
+    assert total.switched_off == 3 and total.last_error == "device 3: refused"
+
+
+def test_a_fleet_sharded_over_two_ray_actors_trains_and_reports(local_ray: None, work: Path) -> None:  # noqa: F811
+    result = run(small(work, shards=2), Console(width=120, record=True))
+
+    assert result.rounds_committed >= 3
+    report = json.loads(result.report_path.read_text())
+    outcomes = report["fleet"]["device_side_outcomes"]
+    assert outcomes.get("training/reported", 0) >= 3 * 6
+    # What the two shards' devices did adds up to what the server counted.
+    reconcile(result)
+    assert any(r["kind"] == "evaluation" and r["counters"]["reported"] for r in report["rounds"])
+    # The driver serves from the shards' enrolled devices (their tokens came back).
+    assert result.hit_rates is not None and result.hit_rates.devices > 0
+    for plot in result.plots:
+        assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert ray.is_initialized()  # the fixture's Ray: the run shut down only what it started

@@ -1,0 +1,236 @@
+"""The dashboard in a real browser: Debian's Chromium, headless, driven by Playwright, against a
+real orchestrator on loopback with real devices (device_runtime agents, real TFLite) training.
+
+The browser comes from the system (`apt-get install chromium`; .ci/run installs it), never from
+Playwright's own download. Without it the test is skipped, except where FEDRECON_REQUIRE_BROWSER=1
+(CI), where it fails. FEDRECON_DASHBOARD_SCREENSHOTS=<folder> keeps the screenshots it takes
+there (the docs' are made so: docs/images/dashboard-*.png).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import re
+import shutil
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+
+from device_runtime.agent import DeviceAgent
+from device_runtime.example_store import Event, ExampleStore
+from device_runtime.orchestrator_client import OrchestratorClient
+from model_export.config import ModelConfig
+from orchestrator.dashboard import sessions
+from tests.conftest import BIASED, DEVICE_POLICY
+from tests.orchestrator.conftest import ADMIN_TOKEN, Server, admin_create_population
+
+CHROMIUM = Path("/usr/bin/chromium")
+DEVICES = 5
+TARGET = 3
+SETTINGS = {
+    "target_reports": TARGET,
+    "min_reports": 3,
+    "round_duration_seconds": 3,
+    "min_examples": 5,
+    "evaluation_every": 2,
+    "evaluation_target_reports": 3,
+    "evaluation_round_duration_seconds": 3,
+    "task_config": {"update_learning_rate": 0.5, "reconstruction_learning_rate": 0.1},
+    # Epsilon spent against a budget, for the privacy chart (a stated population of 1,000).
+    "differential_privacy": {
+        "clip_norm": 1.0,
+        "noise_multiplier": 0.3,
+        "population_size": 1000,
+        "epsilon_budget": 20.0,
+    },
+}
+
+
+def _browser_or_skip() -> Any:
+    """Playwright's sync API, or a skip (a failure under FEDRECON_REQUIRE_BROWSER=1)."""
+    missing = None
+    if not CHROMIUM.exists():
+        missing = f"no Chromium at {CHROMIUM} (apt-get install -y chromium)"
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        missing = missing or "the playwright package is not installed (./dev setup)"
+    if missing:
+        if os.environ.get("FEDRECON_REQUIRE_BROWSER") == "1":
+            pytest.fail(f"FEDRECON_REQUIRE_BROWSER=1 but {missing}")
+        pytest.skip(f"the dashboard's browser test needs a browser: {missing}")
+    return sync_playwright
+
+
+def _store(path: Path, seed: int) -> ExampleStore:
+    """A device's own examples: 30 ratings of random items of the model's catalog."""
+    rng = np.random.default_rng(seed)
+    store = ExampleStore(path, BIASED.features())
+    items = rng.choice(BIASED.num_items, 30, replace=False)
+    store.add(
+        Event({"item": int(item), "label": float(rng.integers(1, 6))}, float(t))
+        for t, item in enumerate(items)
+    )
+    return store
+
+
+@contextlib.contextmanager
+def devices_training(url: str, folder: Path) -> Iterator[None]:
+    """Devices that keep taking part (training, and evaluation when a round is open) until the
+    block ends, on their own event loop in a thread."""
+    stop = threading.Event()
+    failures: list[BaseException] = []
+
+    async def run() -> None:
+        async with httpx.AsyncClient(timeout=30) as http:
+            agents = []
+            for i in range(DEVICES):
+                client = OrchestratorClient(url, http=http)
+                await client.enroll()
+                store = _store(folder / f"device-{i}.sqlite", seed=i)
+                agents.append(DeviceAgent(client, store, folder / "cache", "movies", policy=DEVICE_POLICY))
+            while not stop.is_set():
+                for task in ("training", "evaluation"):
+                    await asyncio.gather(*(a.participate(task) for a in agents))
+                await asyncio.sleep(0.3)
+
+    def thread() -> None:
+        try:
+            asyncio.run(run())
+        except BaseException as error:  # reported by the test, not lost in the thread
+            failures.append(error)
+
+    worker = threading.Thread(target=thread, daemon=True)
+    worker.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        worker.join(timeout=60)
+    assert not failures, failures
+
+
+def screenshot(page: Any, path: Path, full_page: bool = False) -> None:
+    """A screenshot as PNG; in 256 colours (a third of the bytes) when kept for the docs."""
+    page.screenshot(path=path, full_page=full_page)
+    if os.environ.get("FEDRECON_DASHBOARD_SCREENSHOTS"):
+        from PIL import Image
+
+        with Image.open(path) as image:
+            image.convert("RGB").quantize(256).save(path, optimize=True)
+
+
+def admin_get(url: str, path: str) -> Any:
+    answer = httpx.get(f"{url}{path}", headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}, timeout=30)
+    assert answer.status_code == 200, answer.text
+    return answer.json()
+
+
+def number(page: Any, selector: str) -> int:
+    return int(page.locator(selector).inner_text().strip())
+
+
+def test_an_operator_watches_rounds_commit_and_pauses_the_population_in_a_browser(
+    export: Callable[[ModelConfig], Path], tmp_path: Path
+) -> None:
+    sync_playwright = _browser_or_skip()
+    shots = Path(os.environ.get("FEDRECON_DASHBOARD_SCREENSHOTS") or tmp_path / "screenshots")
+    shots.mkdir(parents=True, exist_ok=True)
+    (tmp_path / "devices").mkdir()
+
+    with Server(tmp_path / "orchestrator.sqlite") as server:
+        created = admin_create_population(server.url, export(BIASED), "movies", json.dumps(SETTINGS))
+        assert created.status_code == 201, created.text
+        time.sleep(3.5)  # the first round closes empty at its deadline: the chart shows why
+        with (
+            devices_training(server.url, tmp_path / "devices"),
+            sync_playwright() as playwright,
+        ):
+            browser = playwright.chromium.launch(executable_path=str(CHROMIUM), args=["--no-sandbox"])
+            context = browser.new_context(viewport={"width": 1280, "height": 900})
+            page = context.new_page()
+
+            # Signing in: the root leads to the form; the token goes in the form's body only.
+            page.goto(server.url + "/")
+            assert page.url == server.url + "/dashboard"
+            screenshot(page, shots / "dashboard-sign-in.png")
+            page.fill("#token", "not-the-admin-token-" + "x" * 20)
+            page.click("#sign-in")
+            refused = page.locator("#error").inner_text()
+            page.fill("#token", ADMIN_TOKEN)
+            page.click("#sign-in")
+            page.wait_for_selector("#populations")
+            overview_html = page.content()
+            (cookie,) = context.cookies()
+            script_sees = page.evaluate("document.cookie")
+
+            # Watching: the page refreshes itself, and committed rounds go up as devices report.
+            page.click("text=movies")
+            page.wait_for_selector("#committed")
+            first = number(page, "#committed")
+            deadline = time.monotonic() + 90
+            while number(page, "#committed") < first + 2 and time.monotonic() < deadline:
+                page.wait_for_timeout(1000)
+            later = number(page, "#committed")
+            screenshot(page, shots / "dashboard-population.png", full_page=True)
+            running_html = page.content()
+
+            # Pausing: no new rounds; the page says so.
+            page.click("#pause")
+            page.wait_for_selector("#resume")
+            state = page.locator("#state").inner_text()
+            paused_at = admin_get(server.url, "/v1/admin/populations/movies")["paused_at"]
+            time.sleep(4)  # longer than a round: an open one has run to its end by now
+            opened_after = [
+                r["id"]
+                for r in admin_get(server.url, "/v1/admin/populations/movies/rounds?limit=100")
+                if r["opened_at"] > paused_at
+            ]
+            page.reload()
+            screenshot(page, shots / "dashboard-paused.png")
+            paused_html = page.content()
+
+            # A change without the session's CSRF token, with the session's cookie: refused.
+            no_csrf = context.request.post(server.url + "/dashboard/populations/movies/resume", form={})
+            wrong_csrf = context.request.post(
+                server.url + "/dashboard/populations/movies/resume", form={"csrf": "0" * 64}
+            )
+            still_paused = admin_get(server.url, "/v1/admin/populations/movies")["paused_at"] is not None
+
+            # Signing out ends the session: the same cookie opens nothing afterwards.
+            page.click("#sign-out")
+            page.wait_for_selector("#token")
+            replayed = httpx.get(
+                server.url + "/dashboard", cookies={sessions.COOKIE: cookie["value"]}, timeout=30
+            )
+            urls = page.url
+            browser.close()
+
+    assert refused == "wrong admin token"
+    assert cookie["name"] == sessions.COOKIE and cookie["httpOnly"] and cookie["sameSite"] == "Strict"
+    assert not cookie["secure"]  # plain HTTP on loopback; tests/orchestrator/test_dashboard.py: HTTPS
+    assert cookie["expires"] > time.time() + 3600 and cookie["path"] == "/dashboard"
+    assert script_sees == ""  # HttpOnly: no script reads the session
+    for html in (overview_html, running_html, paused_html):
+        assert ADMIN_TOKEN not in html and "<script" not in html
+    assert ADMIN_TOKEN not in urls
+    assert later >= first + 2, f"committed rounds stayed at {later} (from {first}) for 90 s"
+    assert "abandoned in reporting by deadline" in running_html
+    assert 'class="spent"' in running_html and " of 20 at delta " in running_html
+    seen = re.search(r'id="devices-seen">(\d+) in all, (\d+) in the last 24 h', running_html)
+    assert seen and TARGET <= int(seen[1]) == int(seen[2]) <= DEVICES, seen
+    assert state == "paused" and paused_at is not None and opened_after == []
+    assert no_csrf.status == 403 and wrong_csrf.status == 403 and still_paused
+    assert 'action="/dashboard/sign-in"' in replayed.text
+    for name in ("dashboard-sign-in.png", "dashboard-population.png", "dashboard-paused.png"):
+        assert (shots / name).stat().st_size > 10_000
+    shutil.rmtree(tmp_path / "devices", ignore_errors=True)
