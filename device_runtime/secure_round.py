@@ -184,7 +184,9 @@ class SecureRoundDriver:
                 return state
             current = state["phase"]
             if phase == "unmasking" and current == "done" and state["round_status"] == "committed":
-                raise _Left("reported", "the round committed without needing this device's shares")
+                if state.get("assignment_status") == "reported":
+                    raise _Left("reported", "the round committed without needing this device's shares")
+                raise _Left("refused", "the round committed without this device's input (counted as dropped)")
             if current == "done" or PHASES.index(current) > PHASES.index(phase):
                 raise _Left(
                     "refused", f"the round moved on without this device ({state.get('outcome') or current})"

@@ -237,15 +237,17 @@ def test_round_parameters_the_device_cannot_use_are_an_invalid_answer_and_it_abo
 
 
 class GarbageShares(httpx.AsyncBaseTransport):
-    """A real connection on which the first device to send its shares sends random ciphertexts of
-    the right length in their place (an enrolled device that tries to stop every round it joins)."""
+    """A real connection on which the device holding `token` sends random ciphertexts of the right
+    length in place of its shares (an enrolled device that tries to stop every round it joins)."""
 
     def __init__(self) -> None:
         self.inner = httpx.AsyncHTTPTransport()
-        self.garbage_from: str | None = None
+        self.token: str | None = None
+        self.garbage_from: str | None = None  # the path of its shares
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        if request.url.path.endswith("/secure/shares") and self.garbage_from in (None, request.url.path):
+        sender = request.headers.get("authorization")
+        if request.url.path.endswith("/secure/shares") and sender == f"Bearer {self.token}":
             self.garbage_from = request.url.path
             shares = json.loads(await request.aread())
             for message in shares.values():
@@ -265,19 +267,23 @@ def test_a_secure_round_with_dropouts_and_a_device_sending_garbage_shares_commit
     # Prepare: 10 certified devices; one leaves before sharing keys, one before masking; one sends
     # random ciphertexts as its shares
     model_dir = export(MOVIELENS)
+    # (deadlines that a loaded machine's training and a confirmation round trip do not outrun)
+    secure = {**SECURE, "share_keys_seconds": 20, "masked_input_seconds": 20, "unmasking_seconds": 20}
     population = settings(
-        target_reports=10, oversampling=1.0, min_reports=5, aggregation="secure", secure=SECURE
+        target_reports=10, oversampling=1.0, min_reports=5, aggregation="secure", secure=secure
     )
     created = admin_create_population(server.url, model_dir, "movies", population)
     assert created.status_code == 201, created.text
     leaves = {0: "share_keys", 1: "masked_input"}
     transport = GarbageShares()
+    GARBAGE = 9
 
     async def scenario() -> tuple[list[Participation], bytes]:
         async with httpx.AsyncClient(timeout=60, transport=transport) as http:
             fleet = await Fleet(
                 server.url, tmp_path, movielens_users, list(range(10)), http, authority=EnrollmentAuthority()
             ).enroll()
+            transport.token = fleet.agents[GARBAGE].client.token  # a device that stays throughout
             runs = [
                 agent.participate(phase_continues=leaving_at(leaves.get(i)))
                 for i, agent in enumerate(fleet.agents)
@@ -294,17 +300,13 @@ def test_a_secure_round_with_dropouts_and_a_device_sending_garbage_shares_commit
 
     # Assert: the garbage sender was reported by its neighbours and dropped, and the round
     # committed with the seven others that sent their masked input: base + mean of their deltas
-    assert transport.garbage_from is not None
-    garbage = [
-        i
-        for i, p in enumerate(participations)
-        if p.assignment is not None and p.assignment.assignment_id in transport.garbage_from
-    ]
-    assert len(garbage) == 1
+    garbage = participations[GARBAGE]
+    assert garbage.assignment is not None and transport.garbage_from is not None
+    assert garbage.assignment.assignment_id in transport.garbage_from
     statuses = [p.status for p in participations]
-    honest = [i for i in range(10) if i not in leaves and i not in garbage]
+    honest = [i for i in range(10) if i not in leaves and i != GARBAGE]
     assert [statuses[i] for i in honest] == ["reported"] * 7, [p.detail for p in participations]
-    assert statuses[garbage[0]] == "refused", participations[garbage[0]].detail
+    assert garbage.status == "refused", garbage.detail
     history = admin(server.url, "/v1/admin/populations/movies/rounds?kind=training&limit=10")
     assert history[-1]["status"] == "committed" and history[-1]["counters"]["reported"] == 7
     assert_base_plus_mean_of_clipped_deltas(model_dir, blob, [participations[i] for i in honest], 7)
