@@ -54,14 +54,18 @@ class OtherGlobalsForOne(MaliciousTransport):
         return response
 
     def count_the_victim(self, path: str, answer: dict[str, Any], index: dict[str, int]) -> dict[str, Any]:
-        if not (path.endswith("/secure") and answer["phase"] == "unmasking"):
+        assignment = path.split("/")[-2] if path.endswith("/secure") else ""
+        confirmed_it = any(assignment in s.path for s in self.posted("/secure/consistency"))
+        # (the victim is held in the unmasking phase even if the others' round already committed)
+        if not (path.endswith("/secure") and confirmed_it and answer["phase"] in ("unmasking", "done")):
             return answer
         confirmations = {
             str(index[sent.path.split("/")[3]]): json.loads(sent.body)
             for sent in self.posted("/secure/consistency")
         }
         survivors = sorted(index.values())
-        return {**answer, "survivors": survivors, "confirmed": survivors, "confirmations": confirmations}
+        fabricated = {**answer, "phase": "unmasking", "round_status": "open", "survivors": survivors}
+        return {**fabricated, "confirmed": survivors, "confirmations": confirmations}
 
 
 def test_different_globals_for_one_device_get_its_seed_from_no_neighbour(
