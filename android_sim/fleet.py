@@ -24,10 +24,12 @@ from android_sim.network import Connector, SimulatedLink
 from android_sim.profiles import DeviceProfile, SimClock
 from contracts.features import FeatureSpec
 from device_runtime.agent import DeviceAgent, Participation
+from device_runtime.device_identity import DeviceIdentity
 from device_runtime.example_store import Event, ExampleStore
 from device_runtime.orchestrator_client import OrchestratorClient
 from device_runtime.privacy_policy import PrivacyPolicy
 from device_runtime.task_runner import TaskRunner
+from enrollment_authority.authority import EnrollmentAuthority
 
 TRAINING, HELD_OUT = "training", "held-out"
 
@@ -79,6 +81,9 @@ class SimDevice:
     dial: Callable[[SimDevice], Connection] = field(repr=False)
     device_id: str = ""
     token: str | None = None  # from enrollment: what identifies the device on each request
+    # Its signing key, certified by the fleet's enrollment authority when it first takes part
+    # (when the policy asks for one): an idle device holds none.
+    identity: DeviceIdentity | None = None
     outcomes: collections.Counter[str] = field(default_factory=collections.Counter)
     trained: bool = False  # has reported a training task (a seen device, with kept locals if stateful)
     evaluated_round: int | None = None  # the last evaluation round it took part in (or tried to)
@@ -130,6 +135,9 @@ class FleetOptions:
     seen_devices_evaluate: bool = False
     # The app's privacy policy on every simulated phone: small floors for a fleet of a few dozen.
     privacy_policy: PrivacyPolicy = field(default_factory=PrivacyPolicy.for_simulation)
+    # Certifies the simulated devices' signing keys (a new one per fleet when None): the fleet is
+    # its client, as an app is the platform attestation service's; the orchestrator only relays.
+    enrollment_authority: EnrollmentAuthority | None = None
 
 
 def write_store(path: Path, events: Sequence[Event], features: Sequence[FeatureSpec]) -> None:
@@ -158,6 +166,11 @@ class Fleet:
         self.runner = runner
         self.clock = clock
         self.options = options
+        # Certifies the devices' signing keys: the options' (shared by a run's shards) or the
+        # fleet's own, when the policy requires certified rosters.
+        self.authority = options.enrollment_authority
+        if self.authority is None and options.privacy_policy.certified_roster:
+            self.authority = EnrollmentAuthority()
         self.stats = FleetStats()
         self._rng = random.Random(options.seed)
         self.devices = [self._device(i, d) for i, d in enumerate(devices)]
@@ -186,6 +199,12 @@ class Fleet:
         finally:
             device.connection = None
             await connection.close(device)
+
+    def _identity(self, device: SimDevice) -> DeviceIdentity | None:
+        """The device's certified signing key, made the first time it takes part."""
+        if device.identity is None and self.authority is not None:
+            device.identity = DeviceIdentity.enroll(self.authority.certify, self.authority.public_key)
+        return device.identity
 
     async def enroll(self, concurrency: int = 32) -> None:
         limit = asyncio.Semaphore(concurrency)
@@ -335,6 +354,7 @@ class Fleet:
                         self.options.population,
                         runner=self.runner,
                         policy=self.options.privacy_policy,
+                        identity=self._identity(device),
                     )
                     participation = await agent.participate(
                         task,

@@ -24,6 +24,7 @@ from android_sim.profiles import SimClock
 from android_sim.run_config import RunConfig, RunError
 from device_runtime.privacy_policy import PrivacyPolicy
 from device_runtime.task_runner import TaskRunner
+from enrollment_authority.authority import EnrollmentAuthority
 from orchestrator.local import LocalOrchestrator
 from orchestrator.population_settings import PopulationSettings
 
@@ -278,7 +279,9 @@ async def run_fleet(
                     cooldown_hours=config.cooldown_hours,
                     seed=config.seed,
                     seen_devices_evaluate=config.stateful,
-                    privacy_policy=PrivacyPolicy.for_simulation(config.aggregation),
+                    privacy_policy=PrivacyPolicy.for_simulation(config.aggregation, certified_roster=True),
+                    # One authority for the run (its shards too): devices trust it, the server relays.
+                    enrollment_authority=EnrollmentAuthority(),
                 ),
             )
             fleet_task: asyncio.Task[None] | None = None

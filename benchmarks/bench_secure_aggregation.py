@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import statistics
 import sys
@@ -35,9 +36,11 @@ sys.path.insert(0, str(ROOT))
 from contracts.manifest import load_manifest  # noqa: E402
 from contracts.params import encode_sparse_delta  # noqa: E402
 from contracts.protocol import Assignment  # noqa: E402
+from device_runtime.device_identity import DeviceIdentity  # noqa: E402
 from device_runtime.orchestrator_client import OrchestratorClient  # noqa: E402
 from device_runtime.privacy_policy import PrivacyPolicy  # noqa: E402
 from device_runtime.secure_round import SecureRoundDriver  # noqa: E402
+from enrollment_authority.authority import EnrollmentAuthority  # noqa: E402
 from model_export.config import ModelConfig  # noqa: E402
 from model_export.in_subprocess import export_in_subprocess  # noqa: E402
 from secure_aggregation import server  # noqa: E402
@@ -142,8 +145,14 @@ def in_process(devices: int, neighbours: int, per_phase: int) -> dict[str, float
     }
 
 
-async def over_http(url: str, model_dir: Path, devices: int, per_phase: int) -> dict[str, object]:
-    """A secure round of `devices` real device drivers against the server at `url`."""
+async def over_http(
+    url: str, model_dir: Path, devices: int, per_phase: int, certified: bool
+) -> dict[str, object]:
+    """A secure round of `devices` real device drivers against the server at `url` (`certified`:
+    each with a signing key certified by an enrollment authority, checking the roster and its
+    neighbours' signatures, as the production policy requires)."""
+    authority = EnrollmentAuthority()
+    policy = dataclasses.replace(POLICY, certified_roster=certified)
     manifest = load_manifest(model_dir)
     leaves = leaving(devices, per_phase)
     rng = np.random.default_rng(1)
@@ -159,7 +168,15 @@ async def over_http(url: str, model_dir: Path, devices: int, per_phase: int) -> 
             return lambda current: current != phase
 
         drivers = [
-            SecureRoundDriver(c, a, POLICY, stays=stays_until(leaves.get(i)))  # type: ignore[arg-type]
+            SecureRoundDriver(
+                c,
+                a,  # type: ignore[arg-type]
+                policy,
+                stays=stays_until(leaves.get(i)),
+                identity=DeviceIdentity.enroll(authority.certify, authority.public_key)
+                if certified
+                else None,
+            )
             for i, (c, a) in enumerate(zip(clients, assignments, strict=True))
         ]
         results = await asyncio.gather(*(d.run(manifest, client_delta(rng)) for d in drivers))
@@ -180,6 +197,11 @@ async def over_http(url: str, model_dir: Path, devices: int, per_phase: int) -> 
         "down_kb": statistics.median(r.bytes_down for r in finished) / 1000,
         "plaintext_up_kb": plaintext / 1000,
         "statuses": {s: sum(r.status == s for r in results) for s in {r.status for r in results}},
+        "phases": {
+            p: round(first["metrics"][f"secure_{p}_seconds"], 2)
+            for p in (*PHASES[:3], "consistency", "unmasking")
+            if f"secure_{p}_seconds" in first["metrics"]
+        },
     }
 
 
@@ -190,6 +212,11 @@ def main() -> int:
     parser.add_argument("--devices", type=int, default=100)
     parser.add_argument(
         "--per-phase", type=int, default=5, help="devices leaving before each of the 4 phases"
+    )
+    parser.add_argument(
+        "--certified",
+        action="store_true",
+        help="devices with certified signing keys that check the roster and their neighbours' signatures",
     )
     args = parser.parse_args()
     print(
@@ -227,12 +254,12 @@ def main() -> int:
         with Server(Path(tmp) / "orchestrator.sqlite") as running:
             created = admin_create_population(running.url, model_dir, "movies", json.dumps(settings))
             assert created.status_code == 201, created.text
-            h = asyncio.run(over_http(running.url, model_dir, args.devices, args.per_phase))
+            h = asyncio.run(over_http(running.url, model_dir, args.devices, args.per_phase, args.certified))
     print(
         f"  over HTTP: round {h['status']} with {h['survivors']} survivors in {h['round_seconds']:.1f} s "
         f"(device outcomes {h['statuses']}); server unmask {h['server_unmask_s']:.2f} s; per device "
         f"up {h['up_kb']:.0f} KB, down {h['down_kb']:.0f} KB "
-        f"(a plaintext report: {h['plaintext_up_kb']:.0f} KB up)"
+        f"(a plaintext report: {h['plaintext_up_kb']:.0f} KB up); phases (s): {h['phases']}"
     )
     return 0 if h["status"] == "committed" else 1
 

@@ -20,7 +20,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-PHASES = ("advertise", "share_keys", "masked_input", "unmasking")
+PHASES = ("advertise", "share_keys", "masked_input", "consistency", "unmasking")
 
 
 def _phases(round_: dict[str, Any]) -> dict[str, float]:

@@ -26,6 +26,7 @@ from contracts.params import ParamsError
 from contracts.protocol import Assignment, Rejection
 from contracts.task_config import TaskConfig
 from device_runtime.client_task import Outcome, TaskResult
+from device_runtime.device_identity import DeviceIdentity
 from device_runtime.example_store import ExampleStore
 from device_runtime.local_state import LocalStateStore
 from device_runtime.orchestrator_client import (
@@ -35,7 +36,7 @@ from device_runtime.orchestrator_client import (
     RetryLater,
     ServerUnavailable,
 )
-from device_runtime.privacy_policy import ParticipationLog, PolicyRefusal, PrivacyPolicy
+from device_runtime.privacy_policy import ALL_POPULATIONS, ParticipationLog, PolicyRefusal, PrivacyPolicy
 from device_runtime.secure_round import SecureParticipation, SecureRoundDriver
 from device_runtime.task_runner import TaskRunner
 from model_runtime.tflite_model import ModelLoadError
@@ -77,10 +78,13 @@ class DeviceAgent:
         backend: str | None = None,
         runner: TaskRunner | None = None,
         policy: PrivacyPolicy | None = None,
+        identity: DeviceIdentity | None = None,
     ) -> None:
-        """`policy` is the app's (default: the production `PrivacyPolicy()`, secure rounds only)."""
+        """`policy` is the app's (default: the production `PrivacyPolicy()`, secure rounds only);
+        `identity` the device's certified signing key, which that policy requires in secure rounds."""
         self.client = client
         self.policy = policy or PrivacyPolicy()
+        self.identity = identity
         self.store = store
         self.cache_dir = Path(cache_dir)
         self.population = population
@@ -173,7 +177,9 @@ class DeviceAgent:
         phase_continues: Callable[[str], bool] | None,
     ) -> Participation:
         log = ParticipationLog(self.store, self.population)
+        device_log = ParticipationLog(self.store, ALL_POPULATIONS)
         log.check(self.policy)  # at the day's cap, the device does not even check in
+        device_log.check(self.policy)
         answer = await self.client.checkin(self.population, self.store.count(), task, conditions)
         if isinstance(answer, Rejection):
             return Participation(
@@ -186,6 +192,7 @@ class DeviceAgent:
             with contextlib.suppress(SecureProtocolError):  # a malformed one: the driver says so
                 self.policy.check_parameters(RoundParameters.from_json(answer.secure_parameters))
         log.record()
+        device_log.record()
         if answer.kind == "training" and answer.aggregation == "secure":
             # Keys and shares do not depend on the update: they go out while the device trains.
             driver = SecureRoundDriver(
@@ -194,6 +201,7 @@ class DeviceAgent:
                 self.policy,
                 stays=phase_continues or (lambda phase: should_continue()),
                 abort_when_leaving=abort_when_interrupted,
+                identity=self.identity,
             )
             sharing = asyncio.create_task(driver.share())
             try:
@@ -283,7 +291,7 @@ class DeviceAgent:
             assert result.delta is not None
             driver, sharing = secure
             manifest = load_manifest(model_dir, verify_model=False)
-            outcome = await sharing or await driver.finish(manifest, result.delta)
+            outcome = await sharing or await driver.finish(manifest, result.delta, blob)
             return _secure_participation(answer, result, seconds, outcome)
         try:
             if answer.kind == "training":

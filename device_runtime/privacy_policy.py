@@ -40,6 +40,13 @@ class PrivacyPolicy:
       announced minimum of survivors, its roster and the survivors it is asked to unmask for.
     - `min_threshold`: the lowest share of its neighbours that may reconstruct its secrets.
     - `max_participations_per_day`: assignments it takes per population and UTC day.
+    - `max_device_participations_per_day`: assignments it takes per UTC day over all the
+      populations that share its example store (each participation spends privacy budget in its
+      population, and a user's budgets add up across populations: this bounds the sum).
+    - `certified_roster`: join a secure round only with an identity certified by the enrollment
+      authority, and only with rosters whose every entry is certified by it and signed for the
+      round, and unmask only after its neighbours signed the same survivors, globals and task.
+      Without it the device trusts the server's roster, as against an honest-but-curious server.
     """
 
     aggregation: frozenset[str] = field(default_factory=lambda: frozenset({"secure"}))
@@ -47,6 +54,8 @@ class PrivacyPolicy:
     min_summands: int = 1_000
     min_threshold: float = 2 / 3
     max_participations_per_day: int = 1
+    max_device_participations_per_day: int = 2
+    certified_roster: bool = True
 
     def __post_init__(self) -> None:
         problems = []
@@ -63,6 +72,9 @@ class PrivacyPolicy:
             problems.append(f"min_threshold must be a fraction in (0, 1], got {self.min_threshold}")
         if self.max_participations_per_day < 1:
             problems.append(f"max_participations_per_day must be >= 1, got {self.max_participations_per_day}")
+        device_cap = self.max_device_participations_per_day
+        if device_cap < 1:
+            problems.append(f"max_device_participations_per_day must be >= 1, got {device_cap}")
         if problems:
             raise ValueError("invalid privacy policy: " + "; ".join(problems))
 
@@ -73,6 +85,7 @@ class PrivacyPolicy:
         min_summands: int = 3,
         min_threshold: float = 0.25,
         max_participations_per_day: int = 10_000,
+        certified_roster: bool = False,
     ) -> PrivacyPolicy:
         """Small floors for fleets of a few dozen devices and for tests (never for a real app)."""
         return cls(
@@ -81,6 +94,8 @@ class PrivacyPolicy:
             min_summands=min_summands,
             min_threshold=min_threshold,
             max_participations_per_day=max_participations_per_day,
+            max_device_participations_per_day=max_participations_per_day,
+            certified_roster=certified_roster,
         )
 
     def check_assignment(self, assignment: Assignment) -> None:
@@ -108,6 +123,13 @@ class PrivacyPolicy:
                 f"device's floor of {self.min_threshold:g}"
             )
 
+    def check_identity(self, has_identity: bool) -> None:
+        if self.certified_roster and not has_identity:
+            raise PolicyRefusal(
+                "this device joins secure rounds only with a key certified by the enrollment authority, "
+                "and it has none"
+            )
+
     def check_roster(self, size: int) -> None:
         if size < self.min_summands:
             raise PolicyRefusal(
@@ -123,13 +145,18 @@ class PrivacyPolicy:
             )
 
 
-class ParticipationLog:
-    """How many assignments the device took per population and UTC day, in its own example store
-    (a key of its private local_state table; never uploaded)."""
+ALL_POPULATIONS = None
 
-    def __init__(self, store: ExampleStore, population: str) -> None:
+
+class ParticipationLog:
+    """How many assignments the device took per population (or, for ALL_POPULATIONS, in all the
+    populations that share its store) and UTC day, in its own example store (a key of its private
+    local_state table; never uploaded)."""
+
+    def __init__(self, store: ExampleStore, population: str | None) -> None:
         self.store = store
-        self._key = _COUNT_PREFIX + population
+        self.population = population
+        self._key = _COUNT_PREFIX + ("*" if population is None else population)
 
     def today(self, now: float | None = None) -> int:
         day, count = self._read()
@@ -143,10 +170,13 @@ class ParticipationLog:
 
     def check(self, policy: PrivacyPolicy, now: float | None = None) -> None:
         taken = self.today(now)
-        if taken >= policy.max_participations_per_day:
+        if self.population is None:
+            cap, where = policy.max_device_participations_per_day, "in all its populations"
+        else:
+            cap, where = policy.max_participations_per_day, "in this population"
+        if taken >= cap:
             raise PolicyRefusal(
-                f"{taken} participations in this population today; this device takes at most "
-                f"{policy.max_participations_per_day} a day"
+                f"{taken} participations {where} today; this device takes at most {cap} a day"
             )
 
     def _read(self) -> tuple[int, int]:

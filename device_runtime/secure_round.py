@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import random
 import secrets
@@ -31,6 +32,7 @@ import numpy as np
 from contracts.manifest import Manifest
 from contracts.params import Params
 from contracts.protocol import Assignment
+from device_runtime.device_identity import DeviceIdentity
 from device_runtime.orchestrator_client import (
     InvalidAnswer,
     OrchestratorClient,
@@ -41,6 +43,14 @@ from device_runtime.privacy_policy import PolicyRefusal, PrivacyPolicy
 from secure_aggregation.config import ProtocolError as SecureProtocolError
 from secure_aggregation.config import RoundParameters
 from secure_aggregation.device import DeviceSession
+from secure_aggregation.identity import (
+    Confirmation,
+    SignedAdvertisement,
+    keys_of,
+    parse_advertisement,
+    task_digest,
+    verified_roster,
+)
 from secure_aggregation.messages import (
     AdvertisedKeys,
     ciphertexts_from_json,
@@ -49,7 +59,7 @@ from secure_aggregation.messages import (
 )
 from secure_aggregation.quantization import Layout, quantize
 
-PHASES = ("advertise", "share_keys", "masked_input", "unmasking")
+PHASES = ("advertise", "share_keys", "masked_input", "consistency", "unmasking")
 # Between two questions about the state when the server answers without holding the answer.
 MIN_POLL_SECONDS = 0.2
 
@@ -92,8 +102,10 @@ class SecureRoundDriver:
         *,
         stays: Callable[[str], bool] = lambda phase: True,
         abort_when_leaving: bool = True,
+        identity: DeviceIdentity | None = None,
     ) -> None:
         self.client = client
+        self.identity = identity
         self.assignment = assignment
         self.policy = policy
         self.stays = stays
@@ -105,18 +117,24 @@ class SecureRoundDriver:
         self.left = False
         self._session: DeviceSession | None = None
         self._ciphertexts: dict[int, bytes] = {}
+        # Each roster index's certified signing key (a device with an identity only).
+        self._signing_keys: dict[int, bytes] = {}
 
     async def share(self) -> SecureParticipation | None:
         """Advertise keys, send shares, receive the neighbours' shares. None when the device is
         ready for its masked input, else how it left the round (it then trains no further)."""
         return await self._guarded(self._share())
 
-    async def finish(self, manifest: Manifest, delta: Params) -> SecureParticipation:
-        """After `share` returned None: the masked input of `delta`, then the unmasking answer."""
-        return await self._guarded(self._finish(manifest, delta)) or self._result("reported")
+    async def finish(
+        self, manifest: Manifest, delta: Params, globals_blob: bytes = b""
+    ) -> SecureParticipation:
+        """After `share` returned None: the masked input of `delta` (trained from `globals_blob`, the
+        globals as downloaded), the consistency check, then the unmasking answer."""
+        globals_sha256 = hashlib.sha256(globals_blob).digest()
+        return await self._guarded(self._finish(manifest, delta, globals_sha256)) or self._result("reported")
 
-    async def run(self, manifest: Manifest, delta: Params) -> SecureParticipation:
-        return await self.share() or await self.finish(manifest, delta)
+    async def run(self, manifest: Manifest, delta: Params, globals_blob: bytes = b"") -> SecureParticipation:
+        return await self.share() or await self.finish(manifest, delta, globals_blob)
 
     async def _guarded(self, phases: Awaitable[None]) -> SecureParticipation | None:
         try:
@@ -166,7 +184,9 @@ class SecureRoundDriver:
                 return state
             current = state["phase"]
             if phase == "unmasking" and current == "done" and state["round_status"] == "committed":
-                raise _Left("reported", "the round committed without needing this device's shares")
+                if state.get("assignment_status") == "reported":
+                    raise _Left("reported", "the round committed without needing this device's shares")
+                raise _Left("refused", "the round committed without this device's input (counted as dropped)")
             if current == "done" or PHASES.index(current) > PHASES.index(phase):
                 raise _Left(
                     "refused", f"the round moved on without this device ({state.get('outcome') or current})"
@@ -188,13 +208,23 @@ class SecureRoundDriver:
         except SecureProtocolError as e:  # the server's answer, not this device's message: abort
             raise ValueError(str(e)) from None
         self.policy.check_parameters(params)
+        self.policy.check_identity(self.identity is not None)
         self._enter("advertise")
         session = self._session = DeviceSession(params)
-        index = int((await self._post("keys", session.advertise().to_json()))["index"])
+        keys = session.advertise()
+        if self.identity is None:
+            advertisement = keys.to_json()
+        else:
+            identity = self.identity
+            signed = SignedAdvertisement.sign(
+                identity.signing_key, identity.certificate, params.context, keys
+            )
+            advertisement = signed.to_json()
+        index = int((await self._post("keys", advertisement))["index"])
 
         state = await self._state("share_keys", "roster")
         self._enter("share_keys")
-        roster = {int(i): AdvertisedKeys.from_json(k) for i, k in state["roster"].items()}
+        roster = self._verified_roster(state["roster"], params)
         self.policy.check_roster(len(roster))
         shares = session.share_keys(index, roster)
         await self._post("shares", shares_to_json(shares))
@@ -206,7 +236,24 @@ class SecureRoundDriver:
         state = await self._state("masked_input", "ciphertexts")
         self._ciphertexts = ciphertexts_from_json(state["ciphertexts"], len(roster))
 
-    async def _finish(self, manifest: Manifest, delta: Params) -> None:
+    def _verified_roster(self, entries: dict[str, Any], params: RoundParameters) -> dict[int, AdvertisedKeys]:
+        """The roster's keys; with an identity, only once every entry is certified by the authority
+        this device trusts, signed for this round, and unique (else SecureProtocolError, naming it)."""
+        if self.identity is None:
+            return {int(i): keys_of(parse_advertisement(a)) for i, a in entries.items()}
+        uncertified = sorted(
+            int(i) for i, a in entries.items() if not (isinstance(a, dict) and "certificate" in a)
+        )
+        if uncertified:
+            raise SecureProtocolError(
+                f"the roster is refused: devices {uncertified} advertise keys without a certificate"
+            )
+        signed = {int(i): SignedAdvertisement.from_json(a) for i, a in entries.items()}
+        roster = verified_roster(signed, self.identity.authority_key, params.context, time.time())
+        self._signing_keys = {i: a.certificate.device_key for i, a in signed.items()}
+        return roster
+
+    async def _finish(self, manifest: Manifest, delta: Params, globals_sha256: bytes) -> None:
         session = self._session
         if session is None:
             raise RuntimeError("finish() before share() had the device ready for its masked input")
@@ -217,11 +264,27 @@ class SecureRoundDriver:
         self.bytes_up += len(body)
         await self.client.secure_masked_input(self.assignment, body)
 
-        state = await self._state("unmasking", "survivors")
+        state = await self._state("consistency", "survivors")
         self._enter("unmasking")
-        survivors = [int(i) for i in state["survivors"]]
-        self.policy.check_survivors(len(set(survivors)))
-        answer = session.unmask(survivors)
+        survivors = sorted({int(i) for i in state["survivors"]})
+        self.policy.check_survivors(len(survivors))
+        if session.index not in survivors:
+            raise SecureProtocolError("this device sent its masked input but is not among the survivors")
+        task_sha256 = task_digest(self.assignment.artifact_sha256, self.assignment.task_config)
+        context = params.context
+        if self.identity is None:
+            mine = Confirmation(globals_sha256, task_sha256, None, tuple(session.refused))
+        else:
+            key = self.identity.signing_key
+            mine = Confirmation.sign(key, context, survivors, globals_sha256, task_sha256, session.refused)
+        await self._post("consistency", mine.to_json())
+
+        state = await self._state("unmasking", "confirmed")
+        if sorted({int(i) for i in state["survivors"]}) != survivors:
+            raise SecureProtocolError("the survivor set changed after this device confirmed it")
+        alive = self._checked_survivors(session, survivors, state, mine)
+        self.policy.check_survivors(len(alive))
+        answer = session.unmask(sorted(alive))
         try:
             await self._post("unmasking", answer.to_json())
         except ProtocolError:
@@ -230,6 +293,41 @@ class SecureRoundDriver:
             state = await self.client.secure_state(self.assignment)
             if not (state["phase"] == "done" and state["round_status"] == "committed"):
                 raise
+
+    def _checked_survivors(
+        self, session: DeviceSession, survivors: list[int], state: dict[str, Any], mine: Confirmation
+    ) -> set[int]:
+        """The survivors whose inputs this device helps unmask. With an identity: the neighbours
+        whose certified keys signed the same survivor set, globals and task as this device (at
+        least its threshold of them, else it refuses), and not the other neighbours, whatever the
+        server says (it reveals their mask keys, never their self-mask seeds); without one, the
+        server's list."""
+        if self.identity is None:
+            confirmed = {int(i) for i in state["confirmed"]}
+            if session.index not in confirmed:
+                raise SecureProtocolError("the server did not count this device's confirmation")
+            return confirmed & set(survivors)
+        context = session.params.context
+        verified: set[int] = set()
+        for index, data in state["confirmations"].items():
+            v = int(index)
+            if v not in session.neighbours or v not in survivors or v not in self._signing_keys:
+                continue
+            try:
+                theirs = Confirmation.from_json(data)
+            except SecureProtocolError:
+                continue  # treated as a neighbour that did not confirm
+            same = (theirs.globals_sha256, theirs.task_sha256) == (mine.globals_sha256, mine.task_sha256)
+            if same and theirs.verifies(self._signing_keys[v], context, survivors):
+                verified.add(v)
+        needed = session.params.shamir_threshold(len(session.neighbours))
+        if len(verified) < needed:
+            raise SecureProtocolError(
+                f"{len(verified)} of this device's neighbours signed the same survivors, globals and task; "
+                f"it unmasks only when at least {needed} did"
+            )
+        unconfirmed = (set(session.neighbours) & set(survivors)) - verified
+        return set(survivors) - unconfirmed
 
     async def _post(self, phase: str, body: Any) -> dict[str, Any]:
         self.bytes_up += len(json.dumps(body))

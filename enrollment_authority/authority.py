@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
@@ -36,6 +37,16 @@ class EnrollmentAuthority:
         self._key = key or Ed25519PrivateKey.generate()
         self.validity_seconds = validity_seconds
         self.public_key = public_bytes(self._key)  # what devices are built to trust
+
+    def __getstate__(self) -> dict[str, object]:
+        """Pickled with its key (a simulation's shards certify as one authority)."""
+        raw = self._key.private_bytes(
+            serialization.Encoding.Raw, serialization.PrivateFormat.Raw, serialization.NoEncryption()
+        )
+        return {"key": raw, "validity_seconds": self.validity_seconds}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(Ed25519PrivateKey.from_private_bytes(state["key"]), state["validity_seconds"])  # type: ignore[misc]
 
     @classmethod
     def load_or_create(

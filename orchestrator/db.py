@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import JSON, Engine, ForeignKey, Index, LargeBinary, String, create_engine, event
+from sqlalchemy import JSON, Engine, ForeignKey, Index, LargeBinary, String, create_engine, event, false
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.pool import QueuePool
 
@@ -183,7 +183,7 @@ class SecureRound(Base):
 
     __tablename__ = "secure_rounds"
     round_id: Mapped[int] = mapped_column(ForeignKey("rounds.id"), primary_key=True)
-    # advertise | share_keys | masked_input | unmasking | done
+    # advertise | share_keys | masked_input | consistency | unmasking | done
     phase: Mapped[str] = mapped_column(String(16))
     phase_deadline: Mapped[float]
     parameters: Mapped[dict[str, Any]] = mapped_column(JSON)  # secure_aggregation RoundParameters
@@ -205,6 +205,11 @@ class SecureParticipant(Base):
     sent_shares: Mapped[bool] = mapped_column(default=False)
     masked_input: Mapped[bytes | None] = mapped_column(LargeBinary, deferred=True)
     sent_masked_input: Mapped[bool] = mapped_column(default=False)
+    # The consistency check: its signed confirmation of the survivor set, and whether it agrees
+    # with the others' (confirmed: its input is in the sum that is unmasked).
+    consistency: Mapped[dict[str, Any] | None] = mapped_column(JSON, deferred=True)
+    sent_consistency: Mapped[bool] = mapped_column(default=False, server_default=false())
+    confirmed: Mapped[bool] = mapped_column(default=False, server_default=false())
     unmasking: Mapped[dict[str, Any] | None] = mapped_column(JSON, deferred=True)
     sent_unmasking: Mapped[bool] = mapped_column(default=False)
 

@@ -5,8 +5,16 @@ whose reports are replaced by four phases, each with its own deadline:
 
     advertise --(capacity devices advertised keys, or stragglers, or deadline)--> share_keys
     share_keys --(every advertiser sent shares, or stragglers, or deadline)-----> masked_input
-    masked_input --(target inputs, every sharer's, or stragglers, or deadline)--> unmasking
+    masked_input --(target inputs, every sharer's, or stragglers, or deadline)--> consistency
+    consistency --(every survivor confirmed, or stragglers, or deadline)--------> unmasking
     unmasking --(enough shares to unmask, or deadline)--------------------------> done
+
+The consistency check (Bonawitz et al. 2017, with the globals and task of Pasquini et al. 2022):
+each survivor signs the survivor set with the hashes of the globals and task it trained on. The
+server keeps the signatures that verify and agree with most survivors' hashes (the others' senders
+count as dropped: their inputs leave the sum and their mask keys are reconstructed), and relays
+them; a device unmasks only after checking its neighbours' (device_runtime/secure_round.py). Its
+deadline is the unmasking phase's.
 
 Only the masked input needs the device's update, so a device advertises its keys right after it
 checks in and sends its shares while it trains: the advertise phase is the round's check-in time,
@@ -49,6 +57,7 @@ from orchestrator.population_settings import PopulationSettings
 from secure_aggregation import server
 from secure_aggregation.config import RoundParameters
 from secure_aggregation.device import round_graph
+from secure_aggregation.identity import SignedAdvertisement, keys_of, parse_advertisement
 from secure_aggregation.messages import (
     AdvertisedKeys,
     UnmaskingShares,
@@ -57,14 +66,15 @@ from secure_aggregation.messages import (
 from secure_aggregation.neighbours import suggested_neighbours
 from secure_aggregation.quantization import Layout, dequantize_sum
 
-ADVERTISE, SHARE_KEYS, MASKED_INPUT, UNMASKING, DONE = (
+ADVERTISE, SHARE_KEYS, MASKED_INPUT, CONSISTENCY, UNMASKING, DONE = (
     "advertise",
     "share_keys",
     "masked_input",
+    "consistency",
     "unmasking",
     "done",
 )
-PHASES = (ADVERTISE, SHARE_KEYS, MASKED_INPUT, UNMASKING)
+PHASES = (ADVERTISE, SHARE_KEYS, MASKED_INPUT, CONSISTENCY, UNMASKING)
 
 
 def phase_seconds_metric(phase: str) -> str:
@@ -149,6 +159,8 @@ class _Member:
     sent_shares: bool
     sent_masked_input: bool
     sent_unmasking: bool
+    sent_consistency: bool
+    confirmed: bool
 
 
 _MEMBERS = (
@@ -159,6 +171,8 @@ _MEMBERS = (
         SecureParticipant.sent_shares,
         SecureParticipant.sent_masked_input,
         SecureParticipant.sent_unmasking,
+        SecureParticipant.sent_consistency,
+        SecureParticipant.confirmed,
     )
     .join(Assignment, Assignment.id == SecureParticipant.assignment_id)
     .where(SecureParticipant.round_id == bindparam("round_id"))
@@ -187,8 +201,13 @@ def advertised_keys(session: Session, round_id: int) -> dict[int, dict[str, str]
     return {index: keys for index, keys in rows}
 
 
+def advertisements_of(session: Session, round_id: int) -> dict[int, AdvertisedKeys | SignedAdvertisement]:
+    """Every participant's advertisement (signed, or the bare keys of a device without an identity)."""
+    return {i: parse_advertisement(keys) for i, keys in advertised_keys(session, round_id).items()}
+
+
 def roster_of(session: Session, round_id: int) -> dict[int, AdvertisedKeys]:
-    return {i: AdvertisedKeys.from_json(keys) for i, keys in advertised_keys(session, round_id).items()}
+    return {i: keys_of(a) for i, a in advertisements_of(session, round_id).items()}
 
 
 def _drop_outstanding(session: Session, round_: Round, keep: set[str], now: float) -> None:
@@ -268,15 +287,80 @@ def advance(
             ):
                 return None
             _drop_outstanding(session, round_, {participants[i].assignment_id for i in senders}, now)
-            _next_phase(session, round_, secure_round, UNMASKING, settings.secure.unmasking_seconds, now)
+            _next_phase(session, round_, secure_round, CONSISTENCY, settings.secure.unmasking_seconds, now)
             problem = _too_few(
                 round_, secure_round, phase, len(senders), "sent their masked input", timed_out
+            )
+        elif phase == CONSISTENCY:
+            senders = {i for i, p in participants.items() if p.sent_masked_input}
+            signers = {i for i, p in participants.items() if p.sent_consistency}
+            if not (
+                timed_out
+                or (active & senders) <= signers
+                # (a confirmation is one round trip: none is a straggler at the phase's first instant)
+                or _stragglers_left(
+                    round_,
+                    secure_round,
+                    settings,
+                    len(signers) >= _enough(secure_round) and now > phase_started(round_),
+                    now,
+                )
+            ):
+                return None
+            confirmed = _confirm(session, round_.id)
+            _drop_outstanding(session, round_, {participants[i].assignment_id for i in confirmed}, now)
+            _next_phase(session, round_, secure_round, UNMASKING, settings.secure.unmasking_seconds, now)
+            problem = _too_few(
+                round_, secure_round, phase, len(confirmed), "confirmed the survivors", timed_out
             )
         else:  # UNMASKING
             return _finish(session, round_, secure_round, participants, layout(manifest), timed_out, now)
         if problem is not None:
             return _abandon(session, round_, secure_round, problem, now)
     return None
+
+
+def _confirm(session: Session, round_id: int) -> set[int]:
+    """Mark the survivors whose confirmations agree with most others' (the same globals and task;
+    their signatures were checked as they came), and return them: the inputs that are unmasked."""
+    rows = session.execute(
+        select(SecureParticipant.device_index, SecureParticipant.consistency).where(
+            SecureParticipant.round_id == round_id, SecureParticipant.sent_consistency
+        )
+    )
+    by_model: dict[tuple[str, str], set[int]] = {}
+    reported: set[int] = set()
+    for index, confirmation in rows:
+        key = (confirmation["globals_sha256"], confirmation["task_sha256"])
+        by_model.setdefault(key, set()).add(index)
+        reported.update(confirmation["refused_shares"])
+    if not by_model:
+        return set()
+    agreeing = max(by_model.values(), key=lambda members: (len(members), -min(members)))
+    # A device whose shares a neighbour could not authenticate counts as dropped: that neighbour
+    # masked nothing with it and holds none of its shares (server.unmask skips those pairs).
+    confirmed = agreeing - reported
+    session.execute(
+        update(SecureParticipant)
+        .where(SecureParticipant.round_id == round_id, SecureParticipant.device_index.in_(confirmed))
+        .values(confirmed=True)
+    )
+    return confirmed
+
+
+def refused_shares(session: Session, round_id: int, survivors: set[int]) -> dict[int, set[int]]:
+    """Owner -> the survivors that reported its shares as failing authentication."""
+    rows = session.execute(
+        select(SecureParticipant.device_index, SecureParticipant.consistency).where(
+            SecureParticipant.round_id == round_id, SecureParticipant.sent_consistency
+        )
+    )
+    refused: dict[int, set[int]] = {}
+    for holder, confirmation in rows:
+        if holder in survivors:
+            for owner in confirmation["refused_shares"]:
+                refused.setdefault(owner, set()).add(holder)
+    return refused
 
 
 def _be_patient(round_: Round, secure_round: SecureRound, settings: PopulationSettings) -> bool:
@@ -384,7 +468,8 @@ def _finish(
     parameters = round_parameters(secure_round)
     graph = round_graph(parameters, sorted(participants))
     sharers = {i for i, p in participants.items() if p.sent_shares}
-    survivors = {i for i, p in participants.items() if p.sent_masked_input}
+    # The confirmed survivors: a masked input whose sender did not confirm is left out of the sum.
+    survivors = {i for i, p in participants.items() if p.confirmed}
     responses = {
         i: UnmaskingShares.from_json(answer, len(participants))
         for i, answer in session.execute(
@@ -393,7 +478,8 @@ def _finish(
             )
         )
     }
-    problem = server.unmask_problem(parameters, graph, sharers, survivors, responses)
+    refused = refused_shares(session, round_.id, survivors)
+    problem = server.unmask_problem(parameters, graph, sharers, survivors, responses, refused)
     if problem is not None and not timed_out and set(responses) != survivors:
         return None  # more answers may still come
     _close_phase(round_, UNMASKING, now)
@@ -408,13 +494,20 @@ def _finish(
     # One masked input in memory at a time: memory is O(model), not O(devices x model).
     for (blob,) in session.execute(
         select(SecureParticipant.masked_input)
-        .where(SecureParticipant.round_id == round_.id, SecureParticipant.sent_masked_input)
+        .where(SecureParticipant.round_id == round_.id, SecureParticipant.confirmed)
         .execution_options(yield_per=8)
     ):
         total.add(decode_vector(blob, parameters))
     try:
         unmasked = server.unmask(
-            parameters, total.total, roster_of(session, round_.id), graph, sharers, survivors, responses
+            parameters,
+            total.total,
+            roster_of(session, round_.id),
+            graph,
+            sharers,
+            survivors,
+            responses,
+            refused,
         )
     except server.CannotUnmask as e:
         return _abandon(session, round_, secure_round, _failed_check(str(e), len(responses)), now)

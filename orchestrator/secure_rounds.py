@@ -20,13 +20,14 @@ from orchestrator.db import Round, SecureParticipant, SecureRound
 from orchestrator.refusals import Refused
 from orchestrator.secure_phases import (
     ADVERTISE,
+    CONSISTENCY,
     MASKED_INPUT,
     SHARE_KEYS,
     UNMASKING,
     advertised_keys,
+    advertisements_of,
     participants_of,
     phase_started,
-    roster_of,
     round_parameters,
 )
 from orchestrator.secure_phases import DONE as DONE
@@ -37,11 +38,10 @@ from orchestrator.secure_phases import advance as advance
 from orchestrator.secure_phases import layout as layout
 from orchestrator.secure_phases import phase_seconds_metric as phase_seconds_metric
 from orchestrator.secure_phases import start as start
-from secure_aggregation import server
+from secure_aggregation import identity, server
 from secure_aggregation.config import ProtocolError
 from secure_aggregation.device import round_graph
 from secure_aggregation.messages import (
-    AdvertisedKeys,
     EncryptedShares,
     UnmaskingShares,
     ciphertexts_to_json,
@@ -99,10 +99,33 @@ def state(session: Session, round_: Round, assignment_id: str, now: float) -> di
                 for owner, shares in _shares_for(session, round_.id, graph, index).items()
             }
         )
-    elif secure_round.phase == UNMASKING and participant.sent_masked_input:
+    elif (
+        secure_round.phase == CONSISTENCY
+        and participant.sent_masked_input
+        and not participant.sent_consistency
+    ):
         participants = participants_of(session, round_.id)
         out["survivors"] = sorted(i for i, p in participants.items() if p.sent_masked_input)
+    elif secure_round.phase == UNMASKING and participant.confirmed:
+        participants = participants_of(session, round_.id)
+        out["survivors"] = sorted(i for i, p in participants.items() if p.sent_masked_input)
+        confirmed = sorted(i for i, p in participants.items() if p.confirmed)
+        out["confirmed"] = confirmed
+        # The confirmations of this device's confirmed neighbours, for it to check before it unmasks.
+        graph = round_graph(round_parameters(secure_round), sorted(participants))
+        out["confirmations"] = _confirmations(
+            session, round_.id, sorted(set(graph[participant.device_index]) & set(confirmed))
+        )
     return out
+
+
+def _confirmations(session: Session, round_id: int, indices: list[int]) -> dict[str, Any]:
+    rows = session.execute(
+        select(SecureParticipant.device_index, SecureParticipant.consistency).where(
+            SecureParticipant.round_id == round_id, SecureParticipant.device_index.in_(indices)
+        )
+    )
+    return {str(index): confirmation for index, confirmation in rows}
 
 
 def _shares_for(
@@ -131,18 +154,24 @@ def advertise(
     if _participant(session, assignment_id) is not None:
         return Refused(409, "this assignment has already advertised its keys")
     try:
-        keys = AdvertisedKeys.from_json(body)
-        roster = roster_of(session, round_.id)
-        server.check_advertisement(keys, roster.values())
+        advertisement = identity.parse_advertisement(body)
+        advertised = advertisements_of(session, round_.id)
+        server.check_advertisement(
+            identity.keys_of(advertisement), [identity.keys_of(a) for a in advertised.values()]
+        )
+        if isinstance(advertisement, identity.SignedAdvertisement):
+            context = round_parameters(secure_round).context
+            identity.check_signed_advertisement(advertisement, context, advertised.values())
     except ProtocolError as e:
         return Refused(422, str(e))
-    index = max(roster, default=0) + 1
+    index = max(advertised, default=0) + 1
     session.add(
         SecureParticipant(
             assignment_id=assignment_id,
             round_id=round_.id,
             device_index=index,
-            keys=keys.to_json(),
+            # Signed, with its certificate, as the device sent it: the server relays it unchanged.
+            keys=advertisement.to_json(),
             shares=None,
             sent_shares=False,
             masked_input=None,
@@ -208,6 +237,37 @@ def masked_input(
     return {"received_bytes": len(body)}
 
 
+def consistency(
+    session: Session, round_: Round, assignment_id: str, body: Any, now: float
+) -> dict[str, Any] | Refused:
+    """A survivor's confirmation of the survivor set, with the hashes of what it trained on; signed
+    (and checked here) when its advertisement was. One that fails is refused: its sender counts as
+    dropped, and the round goes on without its input."""
+    found = _taking_part(session, round_, assignment_id, CONSISTENCY, now)
+    if isinstance(found, Refused):
+        return found
+    secure_round, participant = found
+    if not participant.sent_masked_input:
+        return Refused(409, "this assignment did not send a masked input, so it is not a survivor")
+    if participant.sent_consistency:
+        return Refused(409, "this assignment has already confirmed the survivors")
+    survivors = [i for i, p in participants_of(session, round_.id).items() if p.sent_masked_input]
+    try:
+        confirmation = identity.Confirmation.from_json(body)
+        advertisement = identity.parse_advertisement(participant.keys)
+        if isinstance(advertisement, identity.SignedAdvertisement):
+            context = round_parameters(secure_round).context
+            if not confirmation.verifies(advertisement.certificate.device_key, context, survivors):
+                raise ProtocolError(
+                    "the confirmation is not signed by this device's certified key over this round's "
+                    "survivors and the hashes it states"
+                )
+    except ProtocolError as e:
+        return Refused(422, str(e))
+    participant.consistency, participant.sent_consistency = confirmation.to_json(), True
+    return {"accepted": True}
+
+
 def unmasking(
     session: Session, round_: Round, assignment_id: str, body: Any, now: float
 ) -> dict[str, Any] | Refused:
@@ -215,8 +275,8 @@ def unmasking(
     if isinstance(found, Refused):
         return found
     secure_round, participant = found
-    if not participant.sent_masked_input:
-        return Refused(409, "this assignment did not send a masked input, so it is not a survivor")
+    if not participant.confirmed:
+        return Refused(409, "this assignment did not confirm the survivors, so it is not a survivor")
     if participant.sent_unmasking:
         return Refused(409, "this assignment has already sent its unmasking shares")
     participants = participants_of(session, round_.id)
@@ -224,13 +284,14 @@ def unmasking(
     graph = round_graph(parameters, sorted(participants))
     index = participant.device_index
     sharers = {i for i, p in participants.items() if p.sent_shares}
-    survivors = {i for i, p in participants.items() if p.sent_masked_input}
+    survivors = {i for i, p in participants.items() if p.confirmed}
     try:
         message = UnmaskingShares.from_json(body, len(participants))
         commitments = {
             owner: {index: shares} for owner, shares in _shares_for(session, round_.id, graph, index).items()
         }
-        server.check_unmasking(parameters, index, graph, sharers, survivors, message, commitments)
+        refused = identity.Confirmation.from_json(participant.consistency).refused_shares
+        server.check_unmasking(parameters, index, graph, sharers, survivors, message, commitments, refused)
     except ProtocolError as e:
         return Refused(422, str(e))
     participant.unmasking, participant.sent_unmasking = message.to_json(), True

@@ -74,11 +74,13 @@ def check_unmasking(
     survivors: Iterable[int],
     message: UnmaskingShares,
     commitments: Mapping[int, Mapping[int, EncryptedShares]],
+    refused: Iterable[int] = (),
 ) -> None:
     """A survivor's phase-4 message: self-mask shares for exactly its surviving neighbours in U2,
-    mask-key shares for exactly its dropped ones, each matching what the owner committed to."""
+    mask-key shares for exactly its dropped ones, each matching what the owner committed to (none
+    for the neighbours whose shares it `refused`: they failed authentication)."""
     u2, u3 = set(shared), set(survivors)
-    neighbours = set(graph[holder]) & u2
+    neighbours = (set(graph[holder]) & u2) - set(refused)
     expected = {"self_mask_shares": neighbours & u3, "mask_key_shares": neighbours - u3}
     got = {"self_mask_shares": message.self_mask_shares, "mask_key_shares": message.mask_key_shares}
     for key, owners in expected.items():
@@ -105,14 +107,21 @@ def unmask_problem(
     shared: Iterable[int],
     survivors: Iterable[int],
     responders: Iterable[int],
+    refused: Mapping[int, set[int]] | None = None,
 ) -> str | None:
-    """Why the sum cannot be unmasked with these sets (U2, U3, U4), or None when it can."""
+    """Why the sum cannot be unmasked with these sets (U2, U3, U4), or None when it can.
+    `refused`: owner -> the survivors that refused its shares (they hold none, and masked nothing
+    with it)."""
     u2, u3, u4 = set(shared), set(survivors), set(responders)
+    refused = refused or {}
     if len(u3) < params.min_survivors:
         return f"{len(u3)} masked inputs; the round needs at least {params.min_survivors}"
     for owner in sorted(u2):
+        refusers = refused.get(owner, set())
+        if owner not in u3 and not (set(graph[owner]) & u3) - refusers:
+            continue  # no survivor masked anything with it: nothing of it to remove
         t = params.shamir_threshold(len(graph[owner]))
-        holders = len(set(graph[owner]) & u4)
+        holders = len((set(graph[owner]) & u4) - refusers)
         if holders < t:
             what = "self-mask seed" if owner in u3 else "mask key"
             return f"only {holders} of device {owner}'s neighbours answered; its {what} needs {t} shares"
@@ -135,12 +144,14 @@ def unmask(
     shared: Iterable[int],
     survivors: Iterable[int],
     responses: Mapping[int, UnmaskingShares],
+    refused: Mapping[int, set[int]] | None = None,
 ) -> np.ndarray:
     """The sum of the survivors' quantized inputs (uint64 modulo 2^bits) from the sum of their
     masked inputs: remove each survivor's self mask and each pairwise mask a survivor shares with
     a device that dropped after sharing keys (pairs of survivors cancel by themselves)."""
     u2, u3 = set(shared), set(survivors)
-    problem = unmask_problem(params, graph, u2, u3, responses)
+    refused = refused or {}
+    problem = unmask_problem(params, graph, u2, u3, responses, refused)
     if problem is not None:
         raise CannotUnmask(problem)
     total = np.asarray(masked_sum, dtype=np.uint64).copy()
@@ -156,11 +167,14 @@ def unmask(
                 raise CannotUnmask(f"device {owner}'s shares do not reconstruct the seed it committed to")
             masks.add_into(total, masks.expand(crypto.derive_key(seed, SELF_MASK, context), params), -1)
         else:
+            masked_with = sorted((set(graph[owner]) & u3) - refused.get(owner, set()))
+            if not masked_with:
+                continue
             shares = {h: r.mask_key_shares[owner] for h, r in responses.items() if owner in r.mask_key_shares}
             private = crypto.private_from_bytes(_reconstruct(shares, t))
             if crypto.public_bytes(private) != roster[owner].mask_key:
                 raise CannotUnmask(f"device {owner}'s shares do not reconstruct the mask key it advertised")
-            for survivor in sorted(set(graph[owner]) & u3):
+            for survivor in masked_with:
                 seed = crypto.agree(
                     private, roster[survivor].mask_key, pairwise_purpose(owner, survivor), context
                 )

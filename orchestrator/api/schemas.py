@@ -301,6 +301,28 @@ class AdvertisedKeys(BaseModel):
     self_mask_commitment: Base64 = Field(description="32 bytes")
 
 
+class DeviceCertificate(BaseModel):
+    """The enrollment authority's Ed25519 signature on a device's signing key."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    device_key: Base64 = Field(description="the device's Ed25519 public key (32 bytes)")
+    not_after: int = Field(description="unix seconds after which the certificate is not valid")
+    signature: Base64 = Field(description="the authority's Ed25519 signature (64 bytes)")
+
+
+class SignedAdvertisement(BaseModel):
+    """Phase 1 from a device with an identity: its keys, its certificate, and its signature over
+    the round's context and the keys. The server relays it unchanged in the roster; devices check
+    the certificate against the authority they trust."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    keys: AdvertisedKeys
+    certificate: DeviceCertificate
+    signature: Base64 = Field(description="Ed25519 (64 bytes), by the certificate's key")
+
+
 class EncryptedShares(BaseModel):
     """Phase 2: one neighbour's shares, encrypted to it (AES-GCM: nonce, ciphertext, tag), and
     commitments the server keeps to check the shares it is later given in the clear."""
@@ -310,6 +332,20 @@ class EncryptedShares(BaseModel):
     ciphertext: Base64
     self_mask_share_commitment: Base64 = Field(description="32 bytes")
     mask_key_share_commitment: Base64 = Field(description="32 bytes")
+
+
+class SurvivorConfirmation(BaseModel):
+    """The consistency check (`POST .../secure/consistency`): the hashes of what the survivor
+    trained on, and its signature over the round's context, the survivor set and those hashes."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    globals_sha256: Base64 = Field(description="SHA-256 of the globals (safetensors) as downloaded")
+    task_sha256: Base64 = Field(description="SHA-256 of the model artifact and task config (canonical JSON)")
+    signature: Base64 | None = Field(description="Ed25519 by its certified key; null without an identity")
+    refused_shares: list[int] = Field(
+        description="the neighbours whose shares failed authentication (not signed): they count as dropped"
+    )
 
 
 class UnmaskingShares(BaseModel):
@@ -326,20 +362,29 @@ class SecureState(BaseModel):
     """`GET .../secure`: the round's phase and what this device needs in it."""
 
     assignment_status: str
-    phase: Literal["advertise", "share_keys", "masked_input", "unmasking", "done"]
+    phase: Literal["advertise", "share_keys", "masked_input", "consistency", "unmasking", "done"]
     phase_deadline: float = Field(description="server time (unix seconds)")
     seconds_left: float
     round_status: str
     outcome: str | None
     parameters: dict[str, Any] = Field(description="secure_aggregation.config.RoundParameters")
     index: int | None = Field(description="this device's index once it advertised its keys")
-    roster: dict[str, AdvertisedKeys] | None = Field(
-        None, description="share_keys, until this device sent its shares: index -> advertised keys"
+    roster: dict[str, SignedAdvertisement | AdvertisedKeys] | None = Field(
+        None,
+        description="share_keys, until this device sent its shares: index -> the advertisement as sent",
     )
     ciphertexts: dict[str, Base64] | None = Field(
         None, description="masked_input, once this device sent its shares: sender index -> ciphertext"
     )
-    survivors: list[int] | None = Field(None, description="unmasking: the indices that sent a masked input")
+    survivors: list[int] | None = Field(
+        None, description="consistency, unmasking: the indices that sent a masked input (the set signed)"
+    )
+    confirmed: list[int] | None = Field(
+        None, description="unmasking: the survivors whose confirmations agree (their inputs are summed)"
+    )
+    confirmations: dict[str, SurvivorConfirmation] | None = Field(
+        None, description="unmasking: this device's confirmed neighbours' confirmations, by index"
+    )
 
 
 class Advertised(BaseModel):
@@ -358,10 +403,16 @@ class UnmaskingAccepted(BaseModel):
     accepted: Literal[True]
 
 
+class ConfirmationAccepted(BaseModel):
+    accepted: Literal[True]
+
+
 # Bodies the routes read themselves, added to the document's components (api/openapi.py).
 REQUEST_BODIES: tuple[type[BaseModel], ...] = (
     EvaluationReport,
     AdvertisedKeys,
+    SignedAdvertisement,
     EncryptedShares,
+    SurvivorConfirmation,
     UnmaskingShares,
 )

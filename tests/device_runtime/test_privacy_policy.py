@@ -13,7 +13,7 @@ import pytest
 from device_runtime.agent import DeviceAgent, Participation
 from device_runtime.example_store import Event, ExampleStore
 from device_runtime.orchestrator_client import OrchestratorClient
-from device_runtime.privacy_policy import ParticipationLog, PolicyRefusal, PrivacyPolicy
+from device_runtime.privacy_policy import ALL_POPULATIONS, ParticipationLog, PolicyRefusal, PrivacyPolicy
 from device_runtime.task_runner import TaskRunner
 from model_export.config import ModelConfig
 from secure_aggregation.config import RoundParameters
@@ -112,6 +112,21 @@ def test_the_daily_cap_counts_per_population_and_utc_day(store: ExampleStore) ->
         log.check(policy, noon + 120)
     other.check(policy, noon)
     log.check(policy, noon + DAY)  # the next UTC day counts afresh
+
+
+def test_the_device_wide_cap_counts_every_population_sharing_the_store(store: ExampleStore) -> None:
+    policy = PrivacyPolicy(max_participations_per_day=5, max_device_participations_per_day=2)
+    device = ParticipationLog(store, ALL_POPULATIONS)
+    noon = 20_000 * DAY + DAY / 2
+
+    device.record(noon)  # a participation in population p
+    device.record(noon + 60)  # and one in q
+
+    with pytest.raises(
+        PolicyRefusal, match="2 participations in all its populations today; this device takes at most 2"
+    ):
+        device.check(policy, noon + 120)
+    device.check(policy, noon + DAY)
 
 
 def test_an_unreadable_count_is_taken_as_the_cap_reached(store: ExampleStore) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import sqlite3
 from collections.abc import Callable
@@ -17,8 +18,10 @@ from contracts.protocol import Assignment
 from contracts.task_config import TaskConfig
 from device_runtime.agent import DeviceAgent, Participation
 from device_runtime.client_task import prepare
+from device_runtime.device_identity import DeviceIdentity
 from device_runtime.example_store import Event, ExampleStore
 from device_runtime.orchestrator_client import OrchestratorClient, ProtocolError
+from enrollment_authority.authority import EnrollmentAuthority
 from model_export.config import ModelConfig
 from model_runtime.tflite_model import TFLiteModel
 from tests.conftest import DEVICE_POLICY, MOVIELENS
@@ -62,8 +65,12 @@ class Fleet:
         indices: list[int],
         http: httpx.AsyncClient,
         population: str = "movies",
+        authority: EnrollmentAuthority | None = None,
     ) -> None:
+        """With an `authority`, each device has a signing key it certified and accepts only
+        rosters of keys it certified (the production policy's rule)."""
         self.url, self.http, self.population = url, http, population
+        self.authority = authority
         self.agents: list[DeviceAgent] = []
         self.stores = [fill_store(tmp / f"device-{u}.sqlite", users[u]) for u in indices]
         self.cache = tmp / "model-cache"
@@ -72,7 +79,13 @@ class Fleet:
         for store in self.stores:
             client = OrchestratorClient(self.url, http=self.http)
             await client.enroll()
-            self.agents.append(DeviceAgent(client, store, self.cache, self.population, policy=DEVICE_POLICY))
+            policy, identity = DEVICE_POLICY, None
+            if self.authority is not None:
+                policy = dataclasses.replace(DEVICE_POLICY, certified_roster=True)
+                identity = DeviceIdentity.enroll(self.authority.certify, self.authority.public_key)
+            self.agents.append(
+                DeviceAgent(client, store, self.cache, self.population, policy=policy, identity=identity)
+            )
         return self
 
     async def participate(self, agents: list[DeviceAgent], task: str = "training") -> list[Participation]:

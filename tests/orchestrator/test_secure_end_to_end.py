@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -16,6 +18,7 @@ from sqlalchemy import create_engine, text
 from contracts.manifest import load_manifest
 from contracts.params import decode_params
 from device_runtime.agent import DeviceAgent, Participation
+from enrollment_authority.authority import EnrollmentAuthority
 from model_export.config import ModelConfig
 from secure_aggregation.quantization import Layout, clip
 from tests.conftest import MOVIELENS
@@ -83,7 +86,10 @@ def test_a_secure_round_with_dropouts_at_every_phase_commits_the_survivors_mean(
 
     async def scenario() -> tuple[list[Participation], bytes]:
         async with httpx.AsyncClient(timeout=60, transport=transport) as http:
-            fleet = await Fleet(server.url, tmp_path, movielens_users, list(range(12)), http).enroll()
+            # Certified devices: each checks every roster entry's certificate and signature
+            fleet = await Fleet(
+                server.url, tmp_path, movielens_users, list(range(12)), http, authority=EnrollmentAuthority()
+            ).enroll()
             runs = [
                 agent.participate(phase_continues=leaving_at(leaves.get(i)))
                 for i, agent in enumerate(fleet.agents)
@@ -98,18 +104,18 @@ def test_a_secure_round_with_dropouts_at_every_phase_commits_the_survivors_mean(
     # Execute
     participations, blob = asyncio.run(scenario())
 
-    # Assert: the round committed with the 9 devices that sent a masked input ...
-    # (the last one to leave may find the round committed before it could: its input is in it)
+    # Assert: the round committed with the 8 devices that confirmed the survivors (the one that
+    # left after its masked input, before confirming, counts as dropped: its input is masked out) ...
     assert transport.checkins == 12
     statuses = [p.status for p in participations]
-    assert statuses[:3] == ["aborted"] * 3 and statuses[3] in ("aborted", "reported"), statuses
+    assert statuses[:4] == ["aborted"] * 4, statuses
     assert statuses[4:] == ["reported"] * 8, [p.detail for p in participations]
     history = admin(server.url, "/v1/admin/populations/movies/rounds?kind=training&limit=10")
     first = history[-1]
-    assert first["status"] == "committed" and first["counters"]["reported"] == 9
+    assert first["status"] == "committed" and first["counters"]["reported"] == 8
     # ... and its model is the base plus the mean of their clipped deltas (server SGD, rate 1)
-    survivors = [p for i, p in enumerate(participations) if leaves.get(i) in (None, "unmasking")]
-    assert_base_plus_mean_of_clipped_deltas(model_dir, blob, survivors, 9)
+    survivors = [p for i, p in enumerate(participations) if leaves.get(i) is None]
+    assert_base_plus_mean_of_clipped_deltas(model_dir, blob, survivors, 8)
     # The server kept no masked input once the round closed, and never an unmasked one.
     engine = create_engine(server.database_url)
     with engine.connect() as conn:
@@ -228,3 +234,79 @@ def test_round_parameters_the_device_cannot_use_are_an_invalid_answer_and_it_abo
     assert "secure round parameters must have exactly" in participation.detail
     rounds = admin(server.url, "/v1/admin/populations/movies/rounds?kind=training&limit=10")
     assert rounds[-1]["counters"]["aborted"] == 1, rounds[-1]
+
+
+class GarbageShares(httpx.AsyncBaseTransport):
+    """A real connection on which the device holding `token` sends random ciphertexts of the right
+    length in place of its shares (an enrolled device that tries to stop every round it joins)."""
+
+    def __init__(self) -> None:
+        self.inner = httpx.AsyncHTTPTransport()
+        self.token: str | None = None
+        self.garbage_from: str | None = None  # the path of its shares
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        sender = request.headers.get("authorization")
+        if request.url.path.endswith("/secure/shares") and sender == f"Bearer {self.token}":
+            self.garbage_from = request.url.path
+            shares = json.loads(await request.aread())
+            for message in shares.values():
+                size = len(base64.b64decode(message["ciphertext"]))
+                message["ciphertext"] = base64.b64encode(os.urandom(size)).decode()
+            headers = {k: v for k, v in request.headers.items() if k.lower() != "content-length"}
+            request = httpx.Request(request.method, request.url, headers=headers, json=shares)
+        return await self.inner.handle_async_request(request)
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+def test_a_secure_round_with_dropouts_and_a_device_sending_garbage_shares_commits(
+    server: Server, export: Callable[[ModelConfig], Path], movielens_users: UserData, tmp_path: Path
+) -> None:
+    # Prepare: 10 certified devices; one leaves before sharing keys, one before masking; one sends
+    # random ciphertexts as its shares
+    model_dir = export(MOVIELENS)
+    # (deadlines that a loaded machine's training and a confirmation round trip do not outrun)
+    secure = {**SECURE, "share_keys_seconds": 20, "masked_input_seconds": 20, "unmasking_seconds": 20}
+    population = settings(
+        target_reports=10, oversampling=1.0, min_reports=5, aggregation="secure", secure=secure
+    )
+    created = admin_create_population(server.url, model_dir, "movies", population)
+    assert created.status_code == 201, created.text
+    leaves = {0: "share_keys", 1: "masked_input"}
+    transport = GarbageShares()
+    GARBAGE = 9
+
+    async def scenario() -> tuple[list[Participation], bytes]:
+        async with httpx.AsyncClient(timeout=60, transport=transport) as http:
+            fleet = await Fleet(
+                server.url, tmp_path, movielens_users, list(range(10)), http, authority=EnrollmentAuthority()
+            ).enroll()
+            transport.token = fleet.agents[GARBAGE].client.token  # a device that stays throughout
+            runs = [
+                agent.participate(phase_continues=leaving_at(leaves.get(i)))
+                for i, agent in enumerate(fleet.agents)
+            ]
+            done = list(await asyncio.gather(*runs))
+            for _ in range(100):
+                if admin(server.url, "/v1/admin/populations/movies")["current_version"] == 1:
+                    break
+                await asyncio.sleep(0.1)
+            return done, await fleet.agents[5].client.global_params_at("movies", 1)
+
+    # Execute
+    participations, blob = asyncio.run(scenario())
+
+    # Assert: the garbage sender was reported by its neighbours and dropped, and the round
+    # committed with the seven others that sent their masked input: base + mean of their deltas
+    garbage = participations[GARBAGE]
+    assert garbage.assignment is not None and transport.garbage_from is not None
+    assert garbage.assignment.assignment_id in transport.garbage_from
+    statuses = [p.status for p in participations]
+    honest = [i for i in range(10) if i not in leaves and i != GARBAGE]
+    assert [statuses[i] for i in honest] == ["reported"] * 7, [p.detail for p in participations]
+    assert garbage.status == "refused", garbage.detail
+    history = admin(server.url, "/v1/admin/populations/movies/rounds?kind=training&limit=10")
+    assert history[-1]["status"] == "committed" and history[-1]["counters"]["reported"] == 7
+    assert_base_plus_mean_of_clipped_deltas(model_dir, blob, [participations[i] for i in honest], 7)

@@ -19,6 +19,7 @@ from contracts.params import decode_params, encode_sparse_delta
 from model_export.config import ModelConfig
 from secure_aggregation.config import RoundParameters
 from secure_aggregation.device import DeviceSession
+from secure_aggregation.identity import Confirmation
 from secure_aggregation.messages import (
     AdvertisedKeys,
     UnmaskingShares,
@@ -47,6 +48,9 @@ SETTINGS = {
         "straggler_wait": None,
     },
 }
+
+# The consistency check of a device without an identity: the hashes of what it trained on, unsigned.
+UNSIGNED = Confirmation(bytes(32), bytes(32), None).to_json()
 
 
 class Device:
@@ -140,6 +144,9 @@ def test_lying_messages_are_refused_and_the_round_commits_without_harm(
             _refused(device.send("masked-input", masked), 409, "already sent")  # replayed
 
     survivors = honest[0].state()["survivors"]
+    _refused(liar.send("consistency", {"globals_sha256": "AA=="}), 422, "confirmation")
+    for device in devices:
+        assert device.send("consistency", UNSIGNED).status_code == 200
     answers = {d: d.session.unmask(survivors) for d in devices if d.session}
     forged = UnmaskingShares(
         dict(answers[honest[0]].self_mask_shares), dict(answers[honest[0]].mask_key_shares)
@@ -200,6 +207,8 @@ def test_a_round_whose_mean_is_longer_than_the_clip_norm_is_abandoned(
             == 200
         )
     survivors = devices[0].state()["survivors"]
+    for device in devices:
+        assert device.send("consistency", UNSIGNED).status_code == 200
     for device, session in zip(devices, sessions, strict=True):
         device.send("unmasking", session.unmask(survivors).to_json())
 

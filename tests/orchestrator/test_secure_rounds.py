@@ -14,6 +14,7 @@ from orchestrator.population_settings import PopulationSettings
 from orchestrator.populations import ExportedModel
 from secure_aggregation.config import RoundParameters
 from secure_aggregation.device import DeviceSession
+from secure_aggregation.identity import Confirmation
 from secure_aggregation.messages import AdvertisedKeys, ciphertexts_from_json, encode_vector, shares_to_json
 from tests.orchestrator.conftest import make_population
 from tests.orchestrator.test_rounds import checkin, current_round, device, round_by_id
@@ -40,6 +41,15 @@ def message(
         answer = getattr(secure_rounds, phase)(session, round_, assignment_id, body, now)
         rounds.advance_secure(session, population, round_, now)
         return answer
+
+
+def confirm(
+    factory: sessionmaker[Session], devices: list[str], answers: list[Any], ks: range | list[int], now: float
+) -> None:
+    """Devices `ks` confirm the survivors (unsigned: the devices of these tests have no identity)."""
+    unsigned = Confirmation(bytes(32), bytes(32), None).to_json()
+    for k in ks:
+        message(factory, devices[k], answers[k].assignment_id, "consistency", unsigned, now)
 
 
 def state(factory: sessionmaker[Session], dev: str, assignment_id: str, now: float) -> dict[str, Any]:
@@ -174,6 +184,7 @@ def test_once_enough_inputs_are_in_a_straggler_is_waited_for_as_long_again_and_c
     waiting = state(db, devices[0], answers[0].assignment_id, 5.9)
     moved_on = state(db, devices[0], answers[0].assignment_id, 6.0)
     late = message(db, devices[3], answers[3].assignment_id, "masked_input", inputs[3], 6.0)
+    confirm(db, devices, answers, range(3), 6.25)
     for k in range(3):
         message(
             db,
@@ -187,12 +198,18 @@ def test_once_enough_inputs_are_in_a_straggler_is_waited_for_as_long_again_and_c
     # Assert: at 4 + 2 s (straggler_wait 1 x the phase's pace) the phase went on without the
     # fourth, whose masks the others' shares removed: the round committed with three inputs
     assert waiting["phase"] == "masked_input"
-    assert moved_on["phase"] == "unmasking" and moved_on["survivors"] == sorted(indices[:3])
+    assert moved_on["phase"] == "consistency" and moved_on["survivors"] == sorted(indices[:3])
     assert isinstance(late, rounds.Refused) and late.status == 409
     closed = round_by_id(db, first.id)
     assert closed.status == "committed" and closed.metrics["secure_survivors"] == 3
     phases = {p: closed.metrics[f"secure_{p}_seconds"] for p in secure_rounds.PHASES}
-    assert phases == {"advertise": 1.0, "share_keys": 1.0, "masked_input": 4.0, "unmasking": 0.5}
+    assert phases == {
+        "advertise": 1.0,
+        "share_keys": 1.0,
+        "masked_input": 4.0,
+        "consistency": 0.25,
+        "unmasking": 0.25,
+    }
 
 
 def _one_round(db: sessionmaker[Session], start: float) -> list[str]:
@@ -210,6 +227,7 @@ def _one_round(db: sessionmaker[Session], start: float) -> list[str]:
             start + 3,
         )
     survivors = state(db, devices[0], answers[0].assignment_id, start + 3)["survivors"]
+    confirm(db, devices, answers, range(4), start + 3)
     for d, a, s in zip(devices, answers, sessions, strict=True):
         # Once enough shares are in, the round commits and the last answers are refused: no matter.
         message(db, d, a.assignment_id, "unmasking", s.unmask(survivors).to_json(), start + 7)
@@ -325,6 +343,7 @@ def test_the_masked_inputs_wait_for_stragglers_only_once_they_could_be_unmasked(
         message(db, devices[k], answers[k].assignment_id, "masked_input", inputs[k], 7.0)
     waiting = state(db, devices[0], answers[0].assignment_id, 11.9)
     moved_on = state(db, devices[0], answers[0].assignment_id, 12.0)
+    confirm(db, devices, answers, range(5), 12.25)
     for k in range(5):
         unmasking = sessions[k].unmask(moved_on["survivors"]).to_json()
         message(db, devices[k], answers[k].assignment_id, "unmasking", unmasking, 12.5)
@@ -334,6 +353,6 @@ def test_the_masked_inputs_wait_for_stragglers_only_once_they_could_be_unmasked(
     # round committed with them
     assert after_three["phase"] == "masked_input"
     assert waiting["phase"] == "masked_input"
-    assert moved_on["phase"] == "unmasking" and moved_on["survivors"] == sorted(indices[:5])
+    assert moved_on["phase"] == "consistency" and moved_on["survivors"] == sorted(indices[:5])
     closed = round_by_id(db, first.id)
     assert closed.status == "committed" and closed.metrics["secure_survivors"] == 5

@@ -23,8 +23,10 @@ import pytest
 
 from contracts.manifest import load_manifest
 from device_runtime.agent import DeviceAgent, Participation
+from device_runtime.device_identity import DeviceIdentity
 from device_runtime.orchestrator_client import OrchestratorClient
 from device_runtime.privacy_policy import PrivacyPolicy
+from enrollment_authority.authority import EnrollmentAuthority
 from model_export.config import ModelConfig
 from secure_aggregation.config import RoundParameters
 from secure_aggregation.messages import decode_vector
@@ -35,8 +37,10 @@ from tests.orchestrator.test_end_to_end import UserData, admin, fill_store, sett
 from tests.orchestrator.test_secure_end_to_end import SECURE
 from tests.privacy.test_attacks import cosine, recover_embedding
 
-# The devices' floors: sums of at least 4 inputs, a threshold of at least 0.4 of the neighbours.
-POLICY = PrivacyPolicy.for_simulation("secure", min_summands=4, min_threshold=0.4)
+# The devices' floors: sums of at least 4 inputs, a threshold of at least 0.4 of the neighbours;
+# rosters of keys certified by the enrollment authority they trust (which the server is not).
+POLICY = PrivacyPolicy.for_simulation("secure", min_summands=4, min_threshold=0.4, certified_roster=True)
+AUTHORITY = EnrollmentAuthority()
 DEVICES = 5
 # (path, answer, each assignment's index in its secure round) -> the answer the device gets
 Rewrite = Callable[[str, dict[str, Any], dict[str, int]], dict[str, Any]]
@@ -96,13 +100,14 @@ def run_devices(
     tmp_path: Path,
     devices: int,
     rewrite: Rewrite,
+    transport: MaliciousTransport | None = None,
 ) -> tuple[list[Participation], MaliciousTransport]:
     population = settings(
         target_reports=DEVICES, oversampling=1.0, min_reports=4, aggregation="secure", secure=SECURE
     )
     created = admin_create_population(server.url, export(MOVIELENS), "movies", population)
     assert created.status_code == 201, created.text
-    transport = MaliciousTransport(rewrite)
+    transport = transport or MaliciousTransport(rewrite)
 
     async def scenario() -> list[Participation]:
         async with httpx.AsyncClient(timeout=60, transport=transport) as http:
@@ -111,7 +116,10 @@ def run_devices(
                 client = OrchestratorClient(server.url, http=http)
                 await client.enroll()
                 store = fill_store(tmp_path / f"device-{u}.sqlite", users[u])
-                agents.append(DeviceAgent(client, store, tmp_path / "cache", "movies", policy=POLICY))
+                identity = DeviceIdentity.enroll(AUTHORITY.certify, AUTHORITY.public_key)
+                agents.append(
+                    DeviceAgent(client, store, tmp_path / "cache", "movies", policy=POLICY, identity=identity)
+                )
             return list(await asyncio.gather(*(a.participate() for a in agents)))
 
     return asyncio.run(scenario()), transport

@@ -12,7 +12,13 @@ import pytest
 from enrollment_authority.authority import EnrollmentAuthority, EnrollmentError
 from secure_aggregation.config import ProtocolError, RoundParameters
 from secure_aggregation.device import DeviceSession
-from secure_aggregation.identity import Certificate, SignedAdvertisement, SigningKey, verified_roster
+from secure_aggregation.identity import (
+    Certificate,
+    SignedAdvertisement,
+    SigningKey,
+    check_signed_advertisement,
+    verified_roster,
+)
 
 CONTEXT = "movies/7/00ff"
 NOW = 1_800_000_000.0
@@ -125,3 +131,16 @@ def test_the_authority_refuses_what_is_not_a_device_key_and_keeps_its_key(tmp_pa
     certificate = reloaded.certify(SigningKey().public, NOW)
     assert certificate.problem(authority.public_key, NOW) is None
     assert Certificate.from_json(certificate.to_json()) == certificate
+
+
+def test_the_server_refuses_an_advertisement_signed_for_another_round_or_a_device_key_twice() -> None:
+    authority = EnrollmentAuthority()
+    key, signed = _device(authority)
+    other_round = _device(authority, context="movies/8/00ff")[1]
+    again = SignedAdvertisement.sign(key, signed.certificate, CONTEXT, DeviceSession(_params()).advertise())
+
+    check_signed_advertisement(signed, CONTEXT, [])
+    with pytest.raises(ProtocolError, match="not signed by its certificate's key for this round"):
+        check_signed_advertisement(other_round, CONTEXT, [])
+    with pytest.raises(ProtocolError, match="this device key already advertised keys in this round"):
+        check_signed_advertisement(again, CONTEXT, [signed])

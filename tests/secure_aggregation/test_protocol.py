@@ -190,7 +190,7 @@ def test_a_wrong_share_is_refused_against_its_owners_commitment():
         server.check_unmasking(params, 2, r.graph, r.shares, r.masked, forged, r.shares)
 
 
-def test_shares_replayed_into_another_round_or_pair_do_not_decrypt():
+def test_shares_replayed_into_another_round_or_pair_do_not_decrypt_and_their_sender_is_refused():
     # Prepare: two rounds over the same devices' keys would differ by context; here: route device 2's
     # ciphertext for device 3 to device 4 instead
     params = _params(5)
@@ -200,9 +200,13 @@ def test_shares_replayed_into_another_round_or_pair_do_not_decrypt():
     ciphertexts = {owner: shares[owner][4].ciphertext for owner in (1, 3, 5)}
     ciphertexts[2] = shares[2][3].ciphertext
 
-    # Execute / Assert
-    with pytest.raises(ProtocolError, match="failed authentication"):
-        devices[4].masked_input(np.zeros(LENGTH, np.uint64), ciphertexts)
+    # Execute
+    devices[4].masked_input(np.zeros(LENGTH, np.uint64), ciphertexts)
+    answer = devices[4].unmask([1, 3, 4, 5])
+
+    # Assert: device 2 is reported and treated as not having shared: no share of it is revealed
+    assert devices[4].refused == [2]
+    assert set(answer.self_mask_shares) == {1, 3, 5} and answer.mask_key_shares == {}
 
 
 def test_another_devices_keys_are_refused():

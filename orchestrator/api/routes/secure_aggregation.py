@@ -149,8 +149,16 @@ async def state(
 
 @router.post(
     "/{assignment_id}/secure/keys",
-    summary="Phase 1: advertise two X25519 public keys",
-    openapi_extra=schemas.json_body("the device's keys", {"$ref": "#/components/schemas/AdvertisedKeys"}),
+    summary="Phase 1: advertise two X25519 public keys (signed, with the device's certificate)",
+    openapi_extra=schemas.json_body(
+        "the device's keys, signed with its certified key (or bare, from a device without an identity)",
+        {
+            "oneOf": [
+                {"$ref": "#/components/schemas/SignedAdvertisement"},
+                {"$ref": "#/components/schemas/AdvertisedKeys"},
+            ]
+        },
+    ),
     responses={
         200: {"model": schemas.Advertised},
         **schemas.refusals({**SECURE_REFUSALS, 413: "the body exceeds 4096 bytes"}, retry_after=(409,)),
@@ -194,6 +202,21 @@ async def masked_input(
     return await run_db(
         app, _message, factory, secure_rounds.masked_input, assignment_id, token, body, app.state.clock()
     )
+
+
+@router.post(
+    "/{assignment_id}/secure/consistency",
+    summary="The consistency check: the survivor set and the hashes of what it trained on, signed",
+    openapi_extra=schemas.json_body(
+        "the survivor's confirmation", {"$ref": "#/components/schemas/SurvivorConfirmation"}
+    ),
+    responses={
+        200: {"model": schemas.ConfirmationAccepted},
+        **schemas.refusals(SECURE_REFUSALS, retry_after=(409,)),
+    },
+)
+async def consistency(assignment_id: str, request: Request, token: TokenDep) -> Any:
+    return await _post_json(request, secure_rounds.consistency, assignment_id, token, 4096)
 
 
 @router.post(

@@ -1,0 +1,166 @@
+"""What certified participants and the consistency check cost a device in a secure round.
+
+    python benchmarks/bench_secure_identity.py [--devices 100]
+
+In process, over a round of `--devices` devices with SecAgg+ neighbours (k about 6 log2 n) on a
+3,706 x 50 model (the secure aggregation benchmark's), no dropouts. Per device (medians over the
+round's devices), it times and sizes:
+- the secure round as before: keys, shares and their encryption, the masks, the masked input, the
+  unmasking answer (what bench_secure_aggregation.py calls the device's extra CPU), and its bytes up
+  and down as the device driver counts them (JSON bodies, the raw masked input);
+- what the identity adds: signing its advertisement; checking every roster entry's certificate and
+  signature and that no key repeats; signing the survivor set; checking its neighbours'
+  signatures; and their bytes (certificates and signatures in the roster, the confirmation up,
+  the neighbours' confirmations down).
+Target (issue 28): at most 20 ms and 10% more bytes per device at 100 devices.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from enrollment_authority.authority import EnrollmentAuthority  # noqa: E402
+from secure_aggregation import server  # noqa: E402
+from secure_aggregation.config import RoundParameters  # noqa: E402
+from secure_aggregation.device import DeviceSession, round_graph  # noqa: E402
+from secure_aggregation.identity import (  # noqa: E402
+    Confirmation,
+    SignedAdvertisement,
+    SigningKey,
+    verified_roster,
+)
+from secure_aggregation.messages import (  # noqa: E402
+    ciphertexts_to_json,
+    encode_vector,
+    shares_to_json,
+)
+from secure_aggregation.neighbours import suggested_neighbours  # noqa: E402
+from secure_aggregation.quantization import Layout, quantize  # noqa: E402
+
+NUM_ITEMS, DIM = 3706, 50
+CONTEXT = "bench/1/identity"
+
+
+def size(document: object) -> int:
+    return len(json.dumps(document))
+
+
+def measure(devices: int) -> dict[str, float]:
+    layout = Layout([("item_embeddings", (NUM_ITEMS, DIM))])
+    k = suggested_neighbours(devices)
+    params = RoundParameters(CONTEXT, layout.length, 32, 1.0, devices, k, 0.4, devices // 2)
+    rng = np.random.default_rng(0)
+    authority = EnrollmentAuthority()
+    indices = list(range(1, devices + 1))
+    identities = {i: SigningKey() for i in indices}
+    certificates = {i: authority.certify(identities[i].public) for i in indices}
+    base: dict[int, float] = dict.fromkeys(indices, 0.0)
+    extra: dict[int, float] = dict.fromkeys(indices, 0.0)
+    roster_check: dict[int, float] = dict.fromkeys(indices, 0.0)  # part of the extra
+    up: dict[int, int] = dict.fromkeys(indices, 0)
+    down: dict[int, int] = dict.fromkeys(indices, 0)
+    extra_up: dict[int, int] = dict.fromkeys(indices, 0)
+    extra_down: dict[int, int] = dict.fromkeys(indices, 0)
+
+    def timed(i: int, into: dict[int, float], work):  # type: ignore[no-untyped-def]
+        start = time.process_time()
+        out = work()
+        into[i] += time.process_time() - start
+        return out
+
+    sessions = {i: DeviceSession(params) for i in indices}
+    keys = {i: timed(i, base, sessions[i].advertise) for i in indices}
+    signed = {
+        i: timed(
+            i, extra, lambda i=i: SignedAdvertisement.sign(identities[i], certificates[i], CONTEXT, keys[i])
+        )
+        for i in indices
+    }
+    bare_roster = {str(i): a.to_json() for i, a in keys.items()}
+    signed_roster = {str(i): a.to_json() for i, a in signed.items()}
+    for i in indices:
+        up[i] += size(keys[i].to_json())
+        extra_up[i] += size(signed[i].to_json()) - size(keys[i].to_json())
+        down[i] += size(bare_roster)
+        extra_down[i] += size(signed_roster) - size(bare_roster)
+        timed(i, roster_check, lambda: verified_roster(signed, authority.public_key, CONTEXT, time.time()))
+    graph = round_graph(params, indices)
+    shares = {}
+    for i in indices:
+        shares[i] = timed(i, base, lambda i=i: sessions[i].share_keys(i, keys))
+        up[i] += size(shares_to_json(shares[i]))
+    masked = {}
+    for i in indices:
+        ciphertexts = server.ciphertexts_for(i, graph, shares)
+        down[i] += size(ciphertexts_to_json(ciphertexts))
+        vector = quantize(
+            layout.flatten({"item_embeddings": rng.normal(0, 0.01, (NUM_ITEMS, DIM))}), params, rng
+        )
+        masked[i] = timed(i, base, lambda i=i, v=vector, c=ciphertexts: sessions[i].masked_input(v, c))
+        up[i] += len(encode_vector(masked[i], params))
+    survivors = sorted(masked)
+    globals_sha256, task_sha256 = hashlib.sha256(b"globals").digest(), hashlib.sha256(b"task").digest()
+    confirmations = {
+        i: timed(
+            i,
+            extra,
+            lambda i=i: Confirmation.sign(identities[i], CONTEXT, survivors, globals_sha256, task_sha256),
+        )
+        for i in indices
+    }
+    for i in indices:
+        extra_up[i] += size(confirmations[i].to_json())
+        relayed = {str(v): confirmations[v].to_json() for v in graph[i]}
+        extra_down[i] += size(relayed) + size(survivors)
+
+        def check(i: int = i, relayed: dict[str, object] = relayed) -> None:
+            for v, data in relayed.items():
+                assert Confirmation.from_json(data).verifies(identities[int(v)].public, CONTEXT, survivors)
+
+        timed(i, extra, check)
+        answer = timed(i, base, lambda i=i: sessions[i].unmask(survivors))
+        up[i] += size(answer.to_json())
+    return {
+        "neighbours": len(graph[1]),
+        "base_ms": 1000 * statistics.median(base.values()),
+        "extra_ms": 1000 * statistics.median(extra[i] + roster_check[i] for i in indices),
+        "roster_ms": 1000 * statistics.median(roster_check.values()),
+        "base_kb": statistics.median(up[i] + down[i] for i in indices) / 1000,
+        "extra_kb": statistics.median(extra_up[i] + extra_down[i] for i in indices) / 1000,
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--devices", type=int, default=100)
+    args = parser.parse_args()
+    if args.devices < 4:
+        print(f"--devices must be at least 4, got {args.devices}", file=sys.stderr)
+        return 2
+    r = measure(args.devices)
+    print(
+        f"{args.devices} devices, {r['neighbours']} neighbours each, {NUM_ITEMS} x {DIM} model "
+        "(medians per device):\n"
+        f"  secure round: {r['base_ms']:.1f} ms CPU, {r['base_kb']:.0f} KB up + down\n"
+        f"  identity and consistency check: +{r['extra_ms']:.1f} ms CPU, +{r['extra_kb']:.1f} KB "
+        f"({100 * r['extra_kb'] / r['base_kb']:.1f}% of the bytes); of the CPU, checking the roster's "
+        f"{args.devices} certificates and signatures {r['roster_ms']:.1f} ms"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
