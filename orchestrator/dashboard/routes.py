@@ -3,7 +3,9 @@ the OpenAPI document (docs/reference/http-protocol.md lists them in a table of t
 
 Signing in posts the admin token once (never in a URL); the answer sets the session cookie
 (sessions.py). Every page but the sign-in form needs the session; every form that changes
-something (pause, resume, sign out) needs the session's CSRF token as well.
+something (pause, resume, sign out) needs the session's CSRF token as well. A form posted from
+another site (the browser's `Sec-Fetch-Site`) is refused before anything else, sign-in included:
+a hostile page can neither sign an operator in nor use up their address's sign-in attempts.
 """
 
 from __future__ import annotations
@@ -55,7 +57,9 @@ def answers(success: int, media: str, refusals: dict[int, str] | None = None) ->
 # Every page and form may answer these as well: a body over the limit, the database unavailable.
 EDGE = {413: "the body is over max_request_bytes", 503: "the database is busy or unavailable"}
 FORM = {**EDGE, 422: "a form field over its length"}
-CHANGE = {**FORM, 401: "no valid session", 403: "a missing or wrong CSRF token"}
+CHANGE = {**FORM, 401: "no valid session", 403: "a missing or wrong CSRF token, or a form from another site"}
+# What a browser says of a form posted by a page of another origin (Fetch Metadata).
+OTHER_SITES = frozenset({"cross-site", "same-site"})
 
 
 def sign_in_buckets(burst: int, interval_seconds: float) -> TokenBuckets:
@@ -87,6 +91,16 @@ async def _session(request: Request) -> str | None:
     app = request.app
     found = await run_db(app, _expires_at, app.state.sessionmaker, secret, app.state.clock())
     return secret if found is not None else None
+
+
+def _from_another_site(request: Request) -> Response | None:
+    """The refusal of a form that a page of another origin made the browser post, or None."""
+    if request.headers.get("sec-fetch-site", "").lower() not in OTHER_SITES:
+        return None
+    log.warning("dashboard: a form from another site refused", extra={"address": _address(request)})
+    return _page(
+        "error.html", 403, error="a form posted from another site is refused: use the dashboard's own page"
+    )
 
 
 def _csrf(request: Request, secret: str) -> str:
@@ -123,9 +137,16 @@ def _start(factory: sessionmaker[Session], now: float, lifetime: float, address:
 
 @router.post(
     f"{HOME}/sign-in",
-    responses=answers(303, "to /dashboard", {**FORM, 401: "a wrong admin token", 429: "too many sign-ins"}),
+    responses=answers(
+        303,
+        "to /dashboard",
+        {**FORM, 401: "a wrong admin token", 403: "a form from another site", 429: "too many sign-ins"},
+    ),
 )
 async def sign_in(request: Request, token: Annotated[str, Form(max_length=1000)] = "") -> Response:
+    refusal = _from_another_site(request)  # before the rate limit: it must not use up attempts
+    if refusal is not None:
+        return refusal
     app, address = request.app, _address(request)
     buckets: TokenBuckets = app.state.dashboard_sign_ins
     wait = buckets.take(address, app.state.clock())
@@ -165,7 +186,10 @@ def _end(factory: sessionmaker[Session], secret: str) -> None:
 
 async def _checked(request: Request, csrf: str) -> tuple[str | None, Response | None]:
     """The caller's session, or the refusal of a change: no session (401), a missing or wrong
-    CSRF token (403)."""
+    CSRF token or a form from another site (403)."""
+    refusal = _from_another_site(request)
+    if refusal is not None:
+        return None, refusal
     secret = await _session(request)
     if secret is None:
         return None, _page("error.html", 401, error="sign in first: your session ended or never began")

@@ -102,6 +102,33 @@ def test_a_wrong_token_is_refused_and_sign_ins_are_rate_limited(tmp_path: Path) 
     assert "too many sign-in attempts" in limited.text and int(limited.headers["retry-after"]) >= 1
 
 
+def test_a_hostile_page_can_neither_use_up_sign_ins_nor_post_changes(tmp_path: Path) -> None:
+    # What a browser sends when a page of another origin submits a form to the dashboard.
+    hostile = {"Sec-Fetch-Site": "cross-site"}
+    settings = {"dashboard_sign_in_burst": 2, "dashboard_sign_in_interval_seconds": 60}
+    with Server(tmp_path / "o.sqlite", settings=settings) as server:
+        client = httpx.Client(base_url=server.url, timeout=30)
+        forged = [
+            client.post("/dashboard/sign-in", data={"token": t}, headers=hostile)
+            for t in ("x", "y", "z", ADMIN_TOKEN)
+        ]
+        operator = signed_in(server.url)  # the address's attempts are all still there
+        token = csrf_of(operator.get("/dashboard").text)
+        sibling = operator.post(
+            "/dashboard/sign-out", data={"csrf": token}, headers={"Sec-Fetch-Site": "same-site"}
+        )
+        still_in = operator.get("/dashboard")
+        own = operator.post(
+            "/dashboard/sign-out", data={"csrf": token}, headers={"Sec-Fetch-Site": "same-origin"}
+        )
+
+    for refused in (*forged, sibling):
+        assert refused.status_code == 403 and "from another site" in refused.text
+        assert "set-cookie" not in refused.headers
+    assert 'action="/dashboard/sign-out"' in still_in.text
+    assert own.status_code == 303
+
+
 def test_a_session_expires(tmp_path: Path) -> None:
     with Server(tmp_path / "o.sqlite", settings={"dashboard_session_seconds": 1}) as server:
         client = signed_in(server.url)
