@@ -182,6 +182,12 @@ def _parser() -> argparse.ArgumentParser:
         help="example transfer: centralized examples sent",
     )
     mixing.add_argument("--weights", default=_listed(GRADIENT_WEIGHTS), help="gradient transfer weights")
+    mixing.add_argument(
+        "--negative-popularity",
+        type=float,
+        default=0.0,
+        help="the task's negative_popularity: negatives drawn by exp(p x item bias), ranking corrected",
+    )
     mixing.add_argument("--out", type=Path, help="write the rows as JSON here")
     mixing.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="interpreter threads")
     return parser
@@ -254,6 +260,7 @@ def _mixing(args: argparse.Namespace) -> int:
         central_learning_rate=args.central_learning_rate,
         examples_per_pseudo_user=args.examples_per_pseudo_user,
         account_ids=not args.without_account_ids,
+        negative_popularity=args.negative_popularity,
     )
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -50,7 +50,7 @@ from device_runtime.client_task import shuffled
 from device_runtime.example_store import ExampleStore
 from device_runtime.recommender import Recommender
 from model_export.config import ITEM, LABEL, Feedback
-from model_runtime.support_query import add_negatives, split_support_query
+from model_runtime.support_query import add_negatives, negative_weights, split_support_query
 from model_runtime.task_batches import TaskBatches
 from model_runtime.tflite_model import TFLiteModel
 from orchestrator.aggregation import ServerOptimizerConfig
@@ -86,10 +86,14 @@ def _newest_first(device: DeviceData) -> Examples:
 
 
 def _with_negatives(
-    examples: Examples, manifest: Manifest, config: TaskConfig, rng: np.random.Generator
+    examples: Examples,
+    manifest: Manifest,
+    config: TaskConfig,
+    rng: np.random.Generator,
+    weights: np.ndarray | None = None,
 ) -> Examples:
     selected = shuffled(examples.select(slice(None, config.max_examples)), PROTOCOL_SEED)
-    return add_negatives(selected, manifest, config.negatives_per_positive, rng)
+    return add_negatives(selected, manifest, config.negatives_per_positive, rng, weights=weights)
 
 
 def implicit_work(
@@ -103,7 +107,8 @@ def implicit_work(
         count = participations.get(user, 0)
         participations[user] = count + 1
         rng = np.random.default_rng((seed, user, count))
-        examples = _with_negatives(histories[user], manifest, config, rng)
+        weights = negative_weights(manifest, config, params)
+        examples = _with_negatives(histories[user], manifest, config, rng, weights)
         support, query = split_support_query(examples, manifest, config)
         return fedrecon_task(
             model,
