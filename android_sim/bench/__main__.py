@@ -131,6 +131,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     nextword.add_argument("--server-learning-rate", type=float, default=NEXTWORD_SERVER.learning_rate)
     nextword.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="interpreter threads")
+    nextword.add_argument(
+        "--no-ceiling", action="store_true", help="leave out the centrally trained network (the ceiling)"
+    )
+    nextword.add_argument(
+        "--central-epochs", type=int, default=3, help="the ceiling: passes over the training roles' windows"
+    )
+    nextword.add_argument("--central-learning-rate", type=float, default=1.0, help="the ceiling's SGD rate")
     mixing = sub.add_parser(
         "mixing",
         help="mixing centralized data (Augenstein et al.): the skewed setup, new items no device holds",
@@ -319,6 +326,9 @@ def _nextword(args: argparse.Namespace) -> int:
         task,
         server,
         shape=shape,
+        ceiling=not args.no_ceiling,
+        central_epochs=args.central_epochs,
+        central_learning_rate=args.central_learning_rate,
     )
     print(table(rows))
     return 0

@@ -477,7 +477,7 @@ def describe(setup: SkewedSetup) -> str:
 
 
 TABLE_HEADER = (
-    f"| data | strategy | weight | new items HR@{K} | new items NDCG@{K} | overall HR@{K} | "
+    f"| data | strategy | weight | new items HR@{K} [95%] | new items NDCG@{K} | overall HR@{K} [95%] | "
     "extra bytes / assignment | seconds |\n| --- | --- | --- | --- | --- | --- | --- | --- |"
 )
 
@@ -485,10 +485,15 @@ TABLE_HEADER = (
 def table_line(row: dict[str, Any]) -> str:
     return (
         f"| {row['data']} | {row['strategy']} | {setting(row['strategy'], row['weight'])} | "
-        f"{row['new_items'][f'hit_rate@{K}']:.3f} | {row['new_items'][f'ndcg@{K}']:.3f} | "
-        f"{row['overall'][f'hit_rate@{K}']:.3f} | {_bytes(row['bytes_per_assignment'])} | "
+        f"{_shown(row['new_items'])} | {row['new_items'][f'ndcg@{K}']:.3f} | "
+        f"{_shown(row['overall'])} | {_bytes(row['bytes_per_assignment'])} | "
         f"{row['seconds']:.0f} |"
     )
+
+
+def _shown(scored: dict[str, Any]) -> str:
+    low, high = scored.get(f"hit_rate@{K}_95", (math.nan, math.nan))
+    return f"{scored[f'hit_rate@{K}']:.3f} [{low:.3f}, {high:.3f}]"
 
 
 def setting(strategy: str, weight: float | None) -> str:
