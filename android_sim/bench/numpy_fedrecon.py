@@ -28,25 +28,54 @@ from model_runtime.support_query import num_steps
 from model_runtime.task_batches import TaskBatches
 
 
-def _batch(batches: TaskBatches, b: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(task-row slots, labels, weights) of batch `b`."""
-    return batches.features[ITEM][b], batches.features[LABEL][b].reshape(-1), batches.weights[b]
+@dataclass(frozen=True)
+class _Batch:
+    slots: np.ndarray  # task-row slot of each example
+    labels: np.ndarray
+    weights: np.ndarray
+    total: float  # the weights' sum (0: an all-padding batch, skipped)
+    distinct: bool  # no slot twice: rows can be updated by plain indexing
+
+
+def _batches(batches: TaskBatches) -> list[_Batch]:
+    """The call's batches, read once (a step then costs a few small numpy operations)."""
+    out = []
+    for b in range(batches.num_batches):
+        slots = batches.features[ITEM][b]
+        weights = batches.weights[b]
+        out.append(
+            _Batch(
+                slots,
+                batches.features[LABEL][b].reshape(-1),
+                weights,
+                float(weights.sum()),
+                len(np.unique(slots)) == len(slots),
+            )
+        )
+    return out
+
+
+def _task_rows(items: np.ndarray, batches: TaskBatches) -> tuple[np.ndarray, np.ndarray]:
+    rows = batches.rows[ITEM][: batches.num_rows[ITEM]]
+    return rows, items[rows]
 
 
 def reconstruct(
     items: np.ndarray, batches: TaskBatches, steps: int, learning_rate: float, l2_local: float = 0.0
 ) -> np.ndarray:
     """The user vector fitted on `batches` with the item embeddings frozen."""
-    rows = items[batches.rows[ITEM][: batches.num_rows[ITEM]]]
+    _, rows = _task_rows(items, batches)
+    read = _batches(batches)
     user = np.zeros(items.shape[1], np.float32)
-    for step in range(steps if batches.num_batches else 0):
-        slots, labels, weights = _batch(batches, step % batches.num_batches)
-        total = float(weights.sum())
-        if total <= 0:
+    for step in range(steps if read else 0):
+        batch = read[step % len(read)]
+        if batch.total <= 0:
             continue
-        vectors = rows[slots]
-        error = vectors @ user - labels
-        gradient = (2.0 / total) * ((weights * error) @ vectors) + 2.0 * l2_local * user
+        vectors = rows[batch.slots]
+        error = vectors @ user - batch.labels
+        gradient = (2.0 / batch.total) * ((batch.weights * error) @ vectors)
+        if l2_local:
+            gradient += 2.0 * l2_local * user
         user = user - learning_rate * gradient
     return user
 
@@ -60,21 +89,23 @@ def update(
     l2_global: float = 0.0,
 ) -> tuple[np.ndarray, np.ndarray]:
     """(task rows, their delta): the item rows of the task trained with the user vector frozen."""
-    task_rows = batches.rows[ITEM][: batches.num_rows[ITEM]]
-    start = items[task_rows]
-    rows = start.copy()  # subtracted into in place
-    for step in range(steps if batches.num_batches else 0):
-        slots, labels, weights = _batch(batches, step % batches.num_batches)
-        total = float(weights.sum())
-        if total <= 0:
+    task_rows, start = _task_rows(items, batches)
+    rows = start.copy()  # updated in place
+    read = _batches(batches)
+    for step in range(steps if read else 0):
+        batch = read[step % len(read)]
+        if batch.total <= 0:
             continue
-        vectors = rows[slots]
-        error = vectors @ user - labels
-        per_example = (2.0 / total) * (weights * error)[:, None] * user[None, :]
+        vectors = rows[batch.slots]
+        error = vectors @ user - batch.labels
+        scale = (2.0 * learning_rate / batch.total) * batch.weights
+        change = (scale * error)[:, None] * user[None, :]
         if l2_global:
-            per_example += (2.0 * l2_global / total) * weights[:, None] * vectors
-        # A batch may hold a row twice: its gradients add up.
-        np.subtract.at(rows, slots, learning_rate * per_example)
+            change += (l2_global * scale)[:, None] * vectors
+        if batch.distinct:
+            rows[batch.slots] -= change
+        else:  # a row twice in the batch: its gradients add up
+            np.subtract.at(rows, batch.slots, change)
     return task_rows, rows - start
 
 
@@ -103,13 +134,11 @@ def recon_eval(items: np.ndarray, clients: Sequence[SupportQuery], config: TaskC
             client.support.num_batches, config.reconstruction_max_epochs, config.reconstruction_max_steps
         )
         user = reconstruct(items, client.support, steps, config.reconstruction_learning_rate, config.l2_local)
-        query = client.query
-        rows = items[query.rows[ITEM][: query.num_rows[ITEM]]]
-        for b in range(query.num_batches):
-            slots, labels, weights = _batch(query, b)
-            error = rows[slots] @ user - labels
-            squared += float((weights * error * error).sum())
-            weight += float(weights.sum())
+        _, rows = _task_rows(items, client.query)
+        for batch in _batches(client.query):
+            error = rows[batch.slots] @ user - batch.labels
+            squared += float((batch.weights * error * error).sum())
+            weight += batch.total
     return float(np.sqrt(squared / weight)) if weight > 0 else float("nan")
 
 
