@@ -48,7 +48,7 @@ def train_centrally(
     if epochs < 1 or not learning_rate > 0:
         raise ValueError(f"epochs must be >= 1 and learning_rate > 0, got {epochs}, {learning_rate}")
     manifest = model.manifest
-    pooled = Examples.concat(data.train, manifest.features)
+    pooled = Examples.concat([Examples(dict(role)) for role in data.train], manifest.features)
     if not pooled.num_examples:
         raise ValueError("no training windows to train on")
     rng = np.random.default_rng(seed)

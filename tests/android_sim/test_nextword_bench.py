@@ -173,7 +173,9 @@ def test_the_ceiling_trains_the_same_network_centrally_and_fits_its_training_win
     small = replace(data, train=data.train[:6], test=data.test[:5])
     model = TFLiteModel(next_word_model)
     manifest = model.manifest
-    pooled = pack(Examples.concat(small.train, manifest.features).columns, manifest)
+    pooled = pack(
+        Examples.concat([Examples(dict(r)) for r in small.train], manifest.features).columns, manifest
+    )
     model.reset_local()
     before = model.evaluate(pooled).metrics()["loss"]
 

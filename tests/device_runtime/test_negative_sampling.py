@@ -49,7 +49,9 @@ def test_weights_are_exp_of_p_times_the_bias_and_uniform_at_zero(
     assert weights is not None
     expected = np.exp(2.0 * params["item_bias"].astype(np.float64))
     np.testing.assert_allclose(weights, expected / expected.sum(), rtol=1e-9)
-    np.testing.assert_allclose(logq_correction(model.manifest, task, params), 2.0 * params["item_bias"])
+    correction = logq_correction(model.manifest, task, params)
+    assert correction is not None
+    np.testing.assert_allclose(correction, 2.0 * params["item_bias"])
     assert negative_weights(model.manifest, TaskConfig(), params) is None
     assert logq_correction(model.manifest, TaskConfig(), params) is None
     # The largest p on biases far apart: no overflow, every weight finite, the top item almost all.
@@ -75,7 +77,7 @@ def test_drawn_negatives_follow_the_weights_and_avoid_the_shares(
         assert len(negatives) == 8 * len(SHARED)
         np.add.at(counts, negatives, 1)
         draws += len(negatives)
-    never = SHARED + [5]
+    never = [*SHARED, 5]
     assert counts[never].sum() == 0
     expected = weights.copy()
     expected[never] = 0.0
