@@ -135,7 +135,7 @@ def _parser() -> argparse.ArgumentParser:
         "--no-ceiling", action="store_true", help="leave out the centrally trained network (the ceiling)"
     )
     nextword.add_argument(
-        "--central-epochs", type=int, default=3, help="the ceiling: passes over the training roles' windows"
+        "--central-epochs", type=int, default=12, help="the ceiling: passes over the training roles' windows"
     )
     nextword.add_argument("--central-learning-rate", type=float, default=1.0, help="the ceiling's SGD rate")
     mixing = sub.add_parser(

@@ -24,7 +24,7 @@ from contracts.params import Params
 from model_runtime.task_batches import TaskBatches, split_batches
 from model_runtime.tflite_model import EvaluationSums, TFLiteModel
 
-CENTRAL_EPOCHS = 3
+CENTRAL_EPOCHS = 12  # 6 epochs: 11.4%, 12: 12.9% without OOV at 1,000 words (still rising)
 CENTRAL_LEARNING_RATE = 1.0
 
 
