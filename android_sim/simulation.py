@@ -48,7 +48,7 @@ from contracts.manifest import Manifest
 from contracts.params import Params
 from contracts.task_config import LocalState, SplitPolicy, TaskConfig
 from device_runtime.client_task import shuffled
-from model_runtime.support_query import add_negatives, split_support_query
+from model_runtime.support_query import add_negatives, negative_weights, split_support_query
 from model_runtime.task_batches import TaskBatches
 from model_runtime.tflite_model import EvaluationSums, TFLiteModel
 from orchestrator.aggregation import RobustAggregation, ServerOptimizerConfig
@@ -112,12 +112,17 @@ def selected(examples: Examples, config: TaskConfig) -> Examples:
 
 
 def support_query(
-    examples: Examples, manifest: Manifest, config: TaskConfig, rng: np.random.Generator | None = None
+    examples: Examples,
+    manifest: Manifest,
+    config: TaskConfig,
+    rng: np.random.Generator | None = None,
+    weights: np.ndarray | None = None,
 ) -> SupportQuery:
-    """One device's batches as its task selects and splits them; `rng` samples its negatives."""
+    """One device's batches as its task selects and splits them; `rng` samples its negatives
+    (drawn by `weights`, `negative_weights`; None: uniformly)."""
     chosen = selected(examples, config)
     if rng is not None:
-        chosen = add_negatives(chosen, manifest, config.negatives_per_positive, rng)
+        chosen = add_negatives(chosen, manifest, config.negatives_per_positive, rng, weights=weights)
     support, query = split_support_query(chosen, manifest, config)
     return SupportQuery(TaskBatches.pack(support, manifest), TaskBatches.pack(query, manifest))
 
@@ -149,7 +154,10 @@ def fresh_negatives_work(
     def work(model: TFLiteModel, params: Params, user: int) -> Any:
         count = participations.get(user, 0)
         participations[user] = count + 1
-        client = support_query(devices[user], manifest, config, np.random.default_rng((0, user, count)))
+        rng = np.random.default_rng((0, user, count))
+        client = support_query(
+            devices[user], manifest, config, rng, negative_weights(manifest, config, params)
+        )
         return fedrecon_task(model, params, client.support, client.query, config, per_item)
 
     return work

@@ -41,6 +41,8 @@ TASK_CONFIG_MAXIMA: dict[str, int | float] = {
     "l2_global": 1_000.0,
     "l2_local": 1_000.0,
     "negatives_per_positive": 100,
+    # exp(10 x bias): a bias spread of 2 already makes the likeliest item e^20 times likelier.
+    "negative_popularity": 10.0,
 }
 
 
@@ -75,6 +77,9 @@ class TaskConfig:
     l2_global: float = 0.0
     l2_local: float = 0.0
     negatives_per_positive: int = 4  # implicit feedback: sampled non-shared items per share
+    # Implicit feedback: negatives drawn in proportion to exp(this x the model's popularity global,
+    # e.g. item biases), and ranking adds this x popularity back (logQ correction); 0: uniform.
+    negative_popularity: float = 0.0
     local_state: LocalState = LocalState.RECONSTRUCT
     local_learning_rate: float = 0.0  # locals train jointly during the update at this rate (FURL)
     clip_norm: float | None = None  # DP-FedAvg: the whole delta is clipped to this L2 norm before reporting

@@ -24,6 +24,7 @@ from device_runtime.example_store import ExampleStore, Selection
 from device_runtime.local_state import LocalStateStore
 from model_runtime.support_query import (
     add_negatives,
+    negative_weights,
     num_steps,
     reconstruct_locals,
     shares,
@@ -114,31 +115,41 @@ def shuffled(examples: Examples, seed: int) -> Examples:
 
 
 def with_central(
-    query: list[Examples], central: Examples, manifest: Manifest, config: TaskConfig, seed: int
+    query: list[Examples],
+    central: Examples,
+    manifest: Manifest,
+    config: TaskConfig,
+    seed: int,
+    weights: np.ndarray | None = None,
 ) -> list[Examples]:
     """Example transfer (Algorithm 3 of Augenstein et al.): the query batches with the centralized
     examples mixed in, shuffled, as many as fit one update call next to all of the device's own
     (which are never displaced). Only the update sees them: they are not in the store, not in the
     support set, and not in the reported weight. Under FedRecon they train the globals with this
     device's reconstructed locals, as its own examples do. Implicit labels: they get sampled
-    negatives as the device's shares do, never among the device's own shares."""
+    negatives as the device's shares do (drawn by `weights`, `negative_weights`), never among the
+    device's own shares."""
     own = Examples.concat(query, manifest.features)
     rng = np.random.default_rng(seed + 1)
     negatives = config.negatives_per_positive if manifest.task.negative_sampling else 0
     room = max(0, manifest.max_examples - own.num_examples) // (1 + negatives)
     taken = central.select(rng.permutation(central.num_examples)[:room])
     if negatives:
-        taken = add_negatives(taken, manifest, negatives, rng, also_shared=shares(own, manifest))
+        taken = add_negatives(taken, manifest, negatives, rng, shares(own, manifest), weights)
     mixed = Examples.concat([own, taken.validated(manifest.features)], manifest.features)
     return split_batches(mixed.select(rng.permutation(mixed.num_examples)), manifest.batch_size)
 
 
-def prepare(store: ExampleStore, manifest: Manifest, config: TaskConfig, seed: int) -> SupportQuery:
+def prepare(
+    store: ExampleStore, manifest: Manifest, config: TaskConfig, seed: int, weights: np.ndarray | None = None
+) -> SupportQuery:
+    """The task's examples split into support and query; implicit labels add sampled negatives,
+    drawn by `weights` (`negative_weights`; None: uniformly)."""
     examples, outside = select_examples(store, manifest, config)
     num_examples = examples.num_examples
     if manifest.task.negative_sampling and config.negatives_per_positive:
         examples = add_negatives(
-            examples, manifest, config.negatives_per_positive, np.random.default_rng(seed)
+            examples, manifest, config.negatives_per_positive, np.random.default_rng(seed), weights=weights
         )
     support, query = split_support_query(examples, manifest, config)
     return SupportQuery(support, query, num_examples, outside)
@@ -179,7 +190,9 @@ def _start(
 ) -> tuple[SupportQuery, TaskBatches, TaskBatches] | TaskResult:
     """What every task does first: select and split the examples, pack them, install the globals;
     or the INSUFFICIENT_DATA result when the device has too few."""
-    data = prepare(store, model.manifest, config, seed)
+    data = prepare(
+        store, model.manifest, config, seed, negative_weights(model.manifest, config, global_params)
+    )
     if data.num_examples < config.min_examples:
         return TaskResult(
             Outcome.INSUFFICIENT_DATA,
@@ -249,7 +262,15 @@ def run_training_task(
         trained = query
         if central is not None and central.num_examples:
             trained = TaskBatches.pack(
-                with_central(data.query, central, model.manifest, config, seed), model.manifest
+                with_central(
+                    data.query,
+                    central,
+                    model.manifest,
+                    config,
+                    seed,
+                    negative_weights(model.manifest, config, global_params),
+                ),
+                model.manifest,
             )
         steps = num_steps(trained.num_batches, config.update_max_epochs, config.update_max_steps)
         update = model.update(
@@ -349,13 +370,24 @@ def _stateful_start(
 
 
 def _pack(
-    examples: Examples, model: TFLiteModel, config: TaskConfig, seed: int, shared: np.ndarray | None = None
+    examples: Examples,
+    model: TFLiteModel,
+    config: TaskConfig,
+    seed: int,
+    global_params: Params,
+    shared: np.ndarray | None = None,
 ) -> TaskBatches:
-    """One call's batches; implicit labels add sampled negatives, never among `shared`."""
+    """One call's batches; implicit labels add sampled negatives (drawn as `negative_weights`
+    says for these globals), never among `shared`."""
     manifest = model.manifest
     if manifest.task.negative_sampling and config.negatives_per_positive:
         examples = add_negatives(
-            examples, manifest, config.negatives_per_positive, np.random.default_rng(seed), also_shared=shared
+            examples,
+            manifest,
+            config.negatives_per_positive,
+            np.random.default_rng(seed),
+            shared,
+            negative_weights(manifest, config, global_params),
         )
     return TaskBatches.pack(split_batches(examples, manifest.batch_size)[: manifest.max_batches], manifest)
 
@@ -381,7 +413,7 @@ def _stateful_training(
         train = shuffled(train, config.shuffle_seed)
     # The held-out shares stand for the future: training does not know them, not even to avoid
     # sampling them as negatives.
-    batches = _pack(train, model, config, seed)
+    batches = _pack(train, model, config, seed, global_params)
     model.set_global(global_params)
     if not should_continue():
         return TaskResult(Outcome.INTERRUPTED, message="conditions changed before the update")
@@ -450,7 +482,7 @@ def _stateful_evaluation(
             message=f"StandardEval measures kept local parameters and this device has none ({locals_.note})",
         )
     shared = shares(train, model.manifest) if model.manifest.task.negative_sampling else None
-    batches = _pack(held_out, model, config, seed, shared)
+    batches = _pack(held_out, model, config, seed, global_params, shared)
     model.set_global(global_params)
     model.set_local(locals_.params)
     sums = model.evaluate(batches)

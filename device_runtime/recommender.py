@@ -27,7 +27,7 @@ from contracts.task_config import TaskConfig
 from device_runtime.client_task import select_examples
 from device_runtime.example_store import ExampleStore, ExampleStoreError
 from device_runtime.local_state import LocalStateStore
-from model_runtime.support_query import add_negatives, num_steps
+from model_runtime.support_query import add_negatives, logq_correction, negative_weights, num_steps
 from model_runtime.task_batches import TaskBatches, split_batches
 from model_runtime.tflite_model import TFLiteModel
 
@@ -86,11 +86,16 @@ class PersonalModel:
         self.model.set_global(params)
         popularity = self.model.manifest.task.popularity
         self._popularity_scores = None if popularity is None else params[popularity]
+        self._negative_weights = negative_weights(self.model.manifest, self.config, params)
+        self._correction = logq_correction(self.model.manifest, self.config, params)
         self._global_version = version or params_fingerprint(params)
         self._loaded_key = None
 
     def _cache_key(self, revision: int) -> str:
-        return json.dumps([self.model.manifest.model_sha256, self._global_version, revision])
+        key: list[object] = [self.model.manifest.model_sha256, self._global_version, revision]
+        if self.config.negative_popularity > 0:  # reconstructed against other negatives
+            key.append(self.config.negative_popularity)
+        return json.dumps(key)
 
     def _ensure_local(self, revision: int) -> str:
         """Make the interpreter hold this device's local parameters: the kept ones when there are
@@ -121,7 +126,9 @@ class PersonalModel:
             # vector drifts toward whatever is popular. Seeded by the revision, so a cached
             # reconstruction is the one this store would give again.
             rng = np.random.default_rng(revision)
-            examples = add_negatives(examples, manifest, self.config.negatives_per_positive, rng)
+            examples = add_negatives(
+                examples, manifest, self.config.negatives_per_positive, rng, weights=self._negative_weights
+            )
         batches = split_batches(examples, manifest.batch_size)[: manifest.max_batches]
         support = TaskBatches.pack(batches, manifest)
         self.model.reset_local()
@@ -198,11 +205,16 @@ class Recommender(PersonalModel):
         if self.store.count() == 0:
             return self._popularity(k, mask)
         local_params = self._ensure_local(revision)
-        if k <= self.model.manifest.task.top_k:
+        if k <= self.model.manifest.task.top_k and self._correction is None:
             ranking = self.model.infer(mask, values)
             items, scores = ranking.top_items[:k], ranking.top_scores[:k]
         else:
-            scores_all = np.where(mask, -np.inf, self.model.infer(context=values).scores)
+            # Negatives drawn by popularity: the model's logits lack log q, added back here
+            # (`infer` returns every row's score, so the signature needs no input for it).
+            logits = self.model.infer(context=values).scores
+            if self._correction is not None:
+                logits = logits + self._correction
+            scores_all = np.where(mask, -np.inf, logits)
             items = np.argsort(-scores_all, kind="stable")[:k].astype(np.int32)
             scores = scores_all[items]
         keep = ~mask[items]  # fewer than k items left after exclusions

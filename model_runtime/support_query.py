@@ -11,6 +11,7 @@ import numpy as np
 
 from contracts.features import Examples, per_example
 from contracts.manifest import Manifest
+from contracts.params import Params
 from contracts.task_config import SplitPolicy, TaskConfig
 from model_runtime.task_batches import TaskBatches, split_batches
 from model_runtime.tflite_model import TFLiteModel
@@ -24,22 +25,63 @@ def shares(examples: Examples, manifest: Manifest) -> np.ndarray:
     return found
 
 
+def negative_weights(manifest: Manifest, config: TaskConfig, global_params: Params) -> np.ndarray | None:
+    """How likely each catalog row is to be drawn as a negative: proportional to
+    exp(negative_popularity x popularity), the popularity being the model's popularity global
+    (e.g. item biases) in `global_params`; None: uniform (negative_popularity 0, or a model
+    without a popularity global, which the server refuses a positive negative_popularity for).
+
+    Uniform negatives are drawn about as often for an item nobody holds as for the most shared
+    one, so an item known only from a few examples (e.g. centralized data) is pushed down every
+    round by hundreds of devices; drawn by popularity, it is a negative about as often as it
+    is a positive. Ranking adds negative_popularity x popularity back (`logq_correction`)."""
+    name = manifest.task.popularity
+    if not _by_popularity(manifest, config) or name is None or name not in global_params:
+        return None
+    logits = config.negative_popularity * np.asarray(global_params[name], np.float64).reshape(-1)
+    if not np.all(np.isfinite(logits)):
+        return None  # a diverged popularity: uniform rather than nothing
+    weights = np.exp(logits - logits.max())  # no overflow whatever the biases
+    total: np.ndarray = weights / weights.sum()
+    return total
+
+
+def logq_correction(manifest: Manifest, config: TaskConfig, global_params: Params) -> np.ndarray | None:
+    """What ranking adds to each catalog row's logit when negatives were drawn by popularity: the
+    log of its sampling weight, negative_popularity x popularity (the logQ correction). With
+    sampled negatives a logistic model learns log(P(item | user) / q(item)) up to a constant,
+    q being how often the item is drawn as a negative, so adding log q back ranks by P(item |
+    user). None: nothing to add (uniform negatives)."""
+    name = manifest.task.popularity
+    if not _by_popularity(manifest, config) or name is None or name not in global_params:
+        return None
+    correction: np.ndarray = config.negative_popularity * np.asarray(global_params[name], np.float32)
+    return correction.reshape(-1)
+
+
+def _by_popularity(manifest: Manifest, config: TaskConfig) -> bool:
+    return manifest.task.negative_sampling and config.negative_popularity > 0
+
+
 def add_negatives(
     examples: Examples,
     manifest: Manifest,
     per_positive: int,
     rng: np.random.Generator,
     also_shared: np.ndarray | None = None,
+    weights: np.ndarray | None = None,
 ) -> Examples:
     """A ranking model with implicit labels: each share gets `per_positive` catalog rows the user
     never shared, label 0 (never one of `examples`' shares nor of `also_shared`, e.g. shares
-    outside the examples).
+    outside the examples). `weights` (`negative_weights`): each row is drawn with probability
+    proportional to its weight, with replacement (so that the probability is exactly the
+    weight's, which the ranking's correction relies on); None: uniformly, without replacement.
 
     A model with context (e.g. the hour) ranks (item, context) pairs, so each share's negatives are
     in its context: "at 21h the user shared this, not those", those being any item not shared in
     that same context (an item shared only at 8h is a negative at 21h), nor in `also_shared`."""
     if manifest.context_features:
-        return _add_negatives_in_context(examples, manifest, per_positive, rng, also_shared)
+        return _add_negatives_in_context(examples, manifest, per_positive, rng, also_shared, weights)
     catalog, label = manifest.task.catalog_feature, manifest.label_features[0].name
     assert catalog is not None
     positives = shares(examples, manifest)
@@ -48,7 +90,10 @@ def add_negatives(
     candidates = np.setdiff1d(np.arange(manifest.catalog_size), shared, assume_unique=True)
     if count == 0 or candidates.size == 0:
         return examples
-    negatives = rng.choice(candidates, size=min(count, candidates.size), replace=False)
+    if weights is None:
+        negatives = rng.choice(candidates, size=min(count, candidates.size), replace=False)
+    else:
+        negatives = rng.choice(candidates, size=count, replace=True, p=_normalized(weights[candidates]))
     sampled = Examples(
         {catalog: negatives.astype(examples[catalog].dtype), label: np.zeros(len(negatives), np.float32)}
     )
@@ -62,6 +107,7 @@ def _add_negatives_in_context(
     per_positive: int,
     rng: np.random.Generator,
     also_shared: np.ndarray | None,
+    weights: np.ndarray | None,
 ) -> Examples:
     catalog, label = manifest.task.catalog_feature, manifest.label_features[0].name
     assert catalog is not None
@@ -85,7 +131,10 @@ def _add_negatives_in_context(
             continue
         count = rows.size * per_positive
         # An item may stand against several shares of a context when the catalog is short of them.
-        negatives = rng.choice(candidates, size=count, replace=count > candidates.size)
+        if weights is None:
+            negatives = rng.choice(candidates, size=count, replace=count > candidates.size)
+        else:
+            negatives = rng.choice(candidates, size=count, replace=True, p=_normalized(weights[candidates]))
         columns = {
             catalog: negatives.astype(examples[catalog].dtype),
             label: np.zeros(count, np.float32),
@@ -94,6 +143,14 @@ def _add_negatives_in_context(
         parts.append(Examples(columns))
     mixed = Examples.concat(parts, manifest.features)
     return mixed.select(rng.permutation(mixed.num_examples))
+
+
+def _normalized(weights: np.ndarray) -> np.ndarray:
+    total = float(weights.sum())
+    if not total > 0:  # every candidate's weight underflowed: uniform among them
+        return np.full(weights.size, 1.0 / weights.size)
+    normalized: np.ndarray = weights / total
+    return normalized
 
 
 def split_support_query(

@@ -36,7 +36,13 @@ from contracts.manifest import MANIFEST_FILE, MODEL_FILE, Manifest, ManifestErro
 from contracts.mixing import CentralDataset, MixingConfig
 from contracts.params import Params, SparseTensor, row_shape
 from contracts.task_config import SplitPolicy, TaskConfig
-from model_runtime.support_query import add_negatives, num_steps, reconstruct_locals, split_support_query
+from model_runtime.support_query import (
+    add_negatives,
+    negative_weights,
+    num_steps,
+    reconstruct_locals,
+    split_support_query,
+)
 from model_runtime.task_batches import TaskBatches, split_batches
 from model_runtime.tflite_model import ModelLoadError, SparseGradient, TFLiteModel
 from orchestrator.model_check import described
@@ -122,12 +128,16 @@ def groups_of(
 
 
 def pseudo_user_batches(
-    manifest: Manifest, group: Examples, task: TaskConfig, rng: np.random.Generator
+    manifest: Manifest,
+    group: Examples,
+    task: TaskConfig,
+    rng: np.random.Generator,
+    weights: np.ndarray | None = None,
 ) -> tuple[list[Examples], list[Examples]]:
-    """A group as a device would take it: negatives added (implicit labels), then split into
-    support and query batches."""
+    """A group as a device would take it: negatives added (implicit labels, drawn by `weights`,
+    `negative_weights`), then split into support and query batches."""
     if manifest.task.negative_sampling and task.negatives_per_positive:
-        group = add_negatives(group, manifest, task.negatives_per_positive, rng)
+        group = add_negatives(group, manifest, task.negatives_per_positive, rng, weights=weights)
     return split_support_query(group, manifest, task)
 
 
@@ -149,13 +159,15 @@ def train_on_central(
         raise ValueError("parallel training needs centralized examples; none are attached")
     rng = np.random.default_rng(seed)
     order = rng.permutation(len(groups))
+    # Negatives drawn as the round's devices draw them: by the round's globals.
+    weights = negative_weights(manifest, task, global_params)
     params = {k: np.array(v, np.float32, copy=True) for k, v in global_params.items()}
     steps_left, losses, turn = mixing.central_steps, [], 0
     try:
         while steps_left > 0:
             group = groups[order[turn % len(groups)]]
             turn += 1
-            batches = _as_pseudo_user(model, params, group, task, rng)
+            batches = _as_pseudo_user(model, params, group, task, rng, weights)
             steps = min(
                 steps_left, num_steps(batches.num_batches, task.update_max_epochs, task.update_max_steps)
             )
@@ -182,12 +194,17 @@ def train_on_central(
 
 
 def _as_pseudo_user(
-    model: TFLiteModel, params: Params, group: Examples, task: TaskConfig, rng: np.random.Generator
+    model: TFLiteModel,
+    params: Params,
+    group: Examples,
+    task: TaskConfig,
+    rng: np.random.Generator,
+    weights: np.ndarray | None,
 ) -> TaskBatches:
     """A group as a device would take it: negatives added (implicit labels), the globals set to
     `params`, the locals reconstructed on its support half; its query half's batches."""
     manifest = model.manifest
-    support, query = pseudo_user_batches(manifest, group, task, rng)
+    support, query = pseudo_user_batches(manifest, group, task, rng, weights)
     model.set_global(params)
     if manifest.local_params:
         reconstruct_locals(model, TaskBatches.pack(support, manifest), task)
@@ -217,12 +234,13 @@ def gradient_on_central(
     if not groups:
         raise ValueError("gradient transfer needs centralized examples; none are attached")
     rng = np.random.default_rng(seed)
+    weights = negative_weights(manifest, task, global_params)
     sums = {s.name: np.zeros(row_shape(s.shape), np.float64) for s in manifest.global_params}
     touched = {s.name: np.zeros(row_shape(s.shape)[0], bool) for s in manifest.global_params}
     total, loss = 0.0, 0.0
     try:
         for group in groups:
-            result = model.gradient(_as_pseudo_user(model, global_params, group, task, rng))
+            result = model.gradient(_as_pseudo_user(model, global_params, group, task, rng, weights))
             for name, tensor in result.gradient.items():
                 sums[name][tensor.rows] += np.asarray(tensor.values, np.float64) * result.weight_sum
                 touched[name][tensor.rows] = True

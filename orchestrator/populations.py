@@ -86,6 +86,12 @@ def create_population(
         checked = PopulationSettings.model_validate({**settings, "task_config": task.to_json()})
     except ValueError as e:
         raise PopulationError(f"invalid settings: {e}") from None
+    if task.negative_popularity > 0 and not (manifest.task.negative_sampling and manifest.task.popularity):
+        raise PopulationError(
+            f"invalid settings: task_config.negative_popularity ({task.negative_popularity:g}) draws "
+            "negatives by the model's popularity global; this model samples no negatives or has no "
+            "popularity global (e.g. item biases): leave it 0"
+        )
     try:
         check_model(model.tflite, manifest)
     except ModelUnusable as e:

@@ -131,6 +131,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     nextword.add_argument("--server-learning-rate", type=float, default=NEXTWORD_SERVER.learning_rate)
     nextword.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="interpreter threads")
+    nextword.add_argument(
+        "--no-ceiling", action="store_true", help="leave out the centrally trained network (the ceiling)"
+    )
+    nextword.add_argument(
+        "--central-epochs", type=int, default=12, help="the ceiling: passes over the training roles' windows"
+    )
+    nextword.add_argument("--central-learning-rate", type=float, default=1.0, help="the ceiling's SGD rate")
     mixing = sub.add_parser(
         "mixing",
         help="mixing centralized data (Augenstein et al.): the skewed setup, new items no device holds",
@@ -182,6 +189,12 @@ def _parser() -> argparse.ArgumentParser:
         help="example transfer: centralized examples sent",
     )
     mixing.add_argument("--weights", default=_listed(GRADIENT_WEIGHTS), help="gradient transfer weights")
+    mixing.add_argument(
+        "--negative-popularity",
+        type=float,
+        default=0.0,
+        help="the task's negative_popularity: negatives drawn by exp(p x item bias), ranking corrected",
+    )
     mixing.add_argument("--out", type=Path, help="write the rows as JSON here")
     mixing.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="interpreter threads")
     return parser
@@ -254,6 +267,7 @@ def _mixing(args: argparse.Namespace) -> int:
         central_learning_rate=args.central_learning_rate,
         examples_per_pseudo_user=args.examples_per_pseudo_user,
         account_ids=not args.without_account_ids,
+        negative_popularity=args.negative_popularity,
     )
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -312,6 +326,9 @@ def _nextword(args: argparse.Namespace) -> int:
         task,
         server,
         shape=shape,
+        ceiling=not args.no_ceiling,
+        central_epochs=args.central_epochs,
+        central_learning_rate=args.central_learning_rate,
     )
     print(table(rows))
     return 0

@@ -41,6 +41,7 @@ from android_sim.bench.protocol import PROTOCOL_SEED, split_users
 from android_sim.builtin_data import model_config, population_settings
 from android_sim.device_data import DeviceData, FleetData, movielens_fleet
 from android_sim.fleet import write_store
+from android_sim.intervals import bootstrap_means, resample_rows
 from android_sim.run_config import RunConfig
 from contracts.features import Examples
 from contracts.manifest import Manifest
@@ -50,7 +51,7 @@ from device_runtime.client_task import shuffled
 from device_runtime.example_store import ExampleStore
 from device_runtime.recommender import Recommender
 from model_export.config import ITEM, LABEL, Feedback
-from model_runtime.support_query import add_negatives, split_support_query
+from model_runtime.support_query import add_negatives, negative_weights, split_support_query
 from model_runtime.task_batches import TaskBatches
 from model_runtime.tflite_model import TFLiteModel
 from orchestrator.aggregation import ServerOptimizerConfig
@@ -86,10 +87,14 @@ def _newest_first(device: DeviceData) -> Examples:
 
 
 def _with_negatives(
-    examples: Examples, manifest: Manifest, config: TaskConfig, rng: np.random.Generator
+    examples: Examples,
+    manifest: Manifest,
+    config: TaskConfig,
+    rng: np.random.Generator,
+    weights: np.ndarray | None = None,
 ) -> Examples:
     selected = shuffled(examples.select(slice(None, config.max_examples)), PROTOCOL_SEED)
-    return add_negatives(selected, manifest, config.negatives_per_positive, rng)
+    return add_negatives(selected, manifest, config.negatives_per_positive, rng, weights=weights)
 
 
 def implicit_work(
@@ -103,7 +108,8 @@ def implicit_work(
         count = participations.get(user, 0)
         participations[user] = count + 1
         rng = np.random.default_rng((seed, user, count))
-        examples = _with_negatives(histories[user], manifest, config, rng)
+        weights = negative_weights(manifest, config, params)
+        examples = _with_negatives(histories[user], manifest, config, rng, weights)
         support, query = split_support_query(examples, manifest, config)
         return fedrecon_task(
             model,
@@ -121,21 +127,36 @@ def implicit_work(
 class TopK:
     hit_rate: float
     ndcg: float
+    # The hit rate's 95% interval over the scored devices (`android_sim.intervals`).
+    hit_rate_interval: tuple[float, float] = (math.nan, math.nan)
 
-    def to_json(self) -> dict[str, float]:
-        return {f"hit_rate@{K}": self.hit_rate, f"ndcg@{K}": self.ndcg}
+    def to_json(self) -> dict[str, float | list[float]]:
+        return {
+            f"hit_rate@{K}": self.hit_rate,
+            f"ndcg@{K}": self.ndcg,
+            f"hit_rate@{K}_95": list(self.hit_rate_interval),
+        }
+
+    def shown(self) -> str:
+        """The hit rate with its interval, e.g. `0.116 [0.053, 0.179]`."""
+        low, high = self.hit_rate_interval
+        return f"{self.hit_rate:.3f} [{low:.3f}, {high:.3f}]"
 
 
 def score(ranked: Sequence[np.ndarray], held_out: Sequence[int]) -> TopK:
-    """Hit rate@K and NDCG@K of one held-out item per device (ideal DCG is 1)."""
-    hits, gains = 0, 0.0
-    for items, target in zip(ranked, held_out, strict=True):
+    """Hit rate@K and NDCG@K of one held-out item per device (ideal DCG is 1), and the hit
+    rate's 95% interval (a bootstrap over the devices)."""
+    hits, gains = np.zeros(len(held_out)), 0.0
+    for i, (items, target) in enumerate(zip(ranked, held_out, strict=True)):
         position = np.flatnonzero(np.asarray(items)[:K] == target)
         if position.size:
-            hits += 1
+            hits[i] = 1.0
             gains += 1.0 / math.log2(int(position[0]) + 2)
     n = max(1, len(held_out))
-    return TopK(hits / n, gains / n)
+    if not len(held_out):
+        return TopK(0.0, 0.0)
+    interval = bootstrap_means(hits, resample_rows(len(hits), np.random.default_rng(0)))
+    return TopK(float(hits.sum()) / n, gains / n, (interval.low, interval.high))
 
 
 def popularity_top(counts: np.ndarray, used: np.ndarray | None) -> np.ndarray:

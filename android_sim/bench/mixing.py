@@ -60,7 +60,7 @@ from device_runtime.client_task import diverged, with_central
 from device_runtime.example_store import ExampleStore
 from device_runtime.recommender import Recommender
 from model_export.config import ITEM, LABEL
-from model_runtime.support_query import num_steps, reconstruct_locals, split_support_query
+from model_runtime.support_query import negative_weights, num_steps, reconstruct_locals, split_support_query
 from model_runtime.task_batches import TaskBatches
 from model_runtime.tflite_model import SparseGradient, TFLiteModel
 from orchestrator.aggregation import ServerOptimizerConfig
@@ -191,14 +191,16 @@ class Harness:
         central_learning_rate: float = CENTRAL_LEARNING_RATE,
         examples_per_pseudo_user: int | None = None,
         account_ids: bool = True,
+        negative_popularity: float = 0.0,
     ) -> Harness:
         model = model_config(setup.data)
         settings = population_settings(RunConfig(work_dir=Path(".")), setup.data, model)
         model_dir = models.get(model)
+        task = TaskConfig.from_json({**settings["task_config"], "negative_popularity": negative_popularity})
         return cls(
             setup,
             model_dir,
-            TaskConfig.from_json(settings["task_config"]),
+            task,
             ServerOptimizerConfig.from_json(settings["server_optimizer"]),
             rounds,
             workers,
@@ -215,11 +217,12 @@ class Harness:
         return users, devices
 
     def client_batches(
-        self, manifest: Manifest, history: DeviceData, user: int, round_: int
+        self, manifest: Manifest, history: DeviceData, user: int, round_: int, weights: np.ndarray | None
     ) -> tuple[list[Examples], list[Examples]]:
-        """A device's support and query batches for one participation: its shares plus fresh negatives."""
+        """A device's support and query batches for one participation: its shares plus fresh
+        negatives (drawn by `weights`, `negative_weights` of the round's globals)."""
         rng = np.random.default_rng((self.rounds.sampling_seed, user, round_))
-        examples = _with_negatives(_newest_first(history), manifest, self.config, rng)
+        examples = _with_negatives(_newest_first(history), manifest, self.config, rng, weights)
         return split_support_query(examples, manifest, self.config)
 
 
@@ -354,14 +357,17 @@ def _client_work(
     config = harness.config
 
     def work(model: TFLiteModel, params: Params, user: int) -> Report:
-        support, query = harness.client_batches(model.manifest, histories[user], user, round_)
         manifest = model.manifest
+        weights = negative_weights(manifest, config, params)
+        support, query = harness.client_batches(manifest, histories[user], user, round_, weights)
         reconstruct_locals(model, TaskBatches.pack(support, manifest), config)
         own = TaskBatches.pack(query, manifest)
         trained = own
         if user in central:
             seed = round_ * _SEED_STRIDE + user
-            trained = TaskBatches.pack(with_central(query, central[user], manifest, config, seed), manifest)
+            trained = TaskBatches.pack(
+                with_central(query, central[user], manifest, config, seed, weights), manifest
+            )
         update = model.update_rows(
             trained,
             num_steps(trained.num_batches, config.update_max_epochs, config.update_max_steps),
@@ -436,6 +442,7 @@ def run_mixing(
     central_learning_rate: float = CENTRAL_LEARNING_RATE,
     examples_per_pseudo_user: int | None = None,
     account_ids: bool = True,
+    negative_popularity: float = 0.0,
 ) -> list[dict[str, Any]]:
     """Every (strategy, weight) of `runs` on every setup; prints each row as it comes."""
     rows = []
@@ -449,6 +456,7 @@ def run_mixing(
             central_learning_rate,
             examples_per_pseudo_user,
             account_ids,
+            negative_popularity,
         )
         for strategy, weight in runs:
             result = run_strategy(harness, strategy, weight)
@@ -469,7 +477,7 @@ def describe(setup: SkewedSetup) -> str:
 
 
 TABLE_HEADER = (
-    f"| data | strategy | weight | new items HR@{K} | new items NDCG@{K} | overall HR@{K} | "
+    f"| data | strategy | weight | new items HR@{K} [95%] | new items NDCG@{K} | overall HR@{K} [95%] | "
     "extra bytes / assignment | seconds |\n| --- | --- | --- | --- | --- | --- | --- | --- |"
 )
 
@@ -477,10 +485,15 @@ TABLE_HEADER = (
 def table_line(row: dict[str, Any]) -> str:
     return (
         f"| {row['data']} | {row['strategy']} | {setting(row['strategy'], row['weight'])} | "
-        f"{row['new_items'][f'hit_rate@{K}']:.3f} | {row['new_items'][f'ndcg@{K}']:.3f} | "
-        f"{row['overall'][f'hit_rate@{K}']:.3f} | {_bytes(row['bytes_per_assignment'])} | "
+        f"{_shown(row['new_items'])} | {row['new_items'][f'ndcg@{K}']:.3f} | "
+        f"{_shown(row['overall'])} | {_bytes(row['bytes_per_assignment'])} | "
         f"{row['seconds']:.0f} |"
     )
+
+
+def _shown(scored: dict[str, Any]) -> str:
+    low, high = scored.get(f"hit_rate@{K}_95", (math.nan, math.nan))
+    return f"{scored[f'hit_rate@{K}']:.3f} [{low:.3f}, {high:.3f}]"
 
 
 def setting(strategy: str, weight: float | None) -> str:

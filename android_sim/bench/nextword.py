@@ -36,12 +36,18 @@ from android_sim.bench.federated import (
     shared_locals_eval_work,
     train_federated,
 )
+from android_sim.bench.nextword_ceiling import (
+    CENTRAL_EPOCHS,
+    CENTRAL_LEARNING_RATE,
+    Accuracies,
+    accuracies_with_intervals,
+    train_centrally,
+)
 from android_sim.next_word import (
     MIN_ROLE_EXAMPLES,
     SEQ_LEN,
     SERVER,
     TASK,
-    accuracies,
     model_args,
     parameter_bytes_per_round,
 )
@@ -102,6 +108,33 @@ class Row:
     bytes_per_round: int
     seconds: float
     baseline: tuple[float, float]  # (without, with OOV) of `most_frequent_baseline`
+    # 95% intervals over the held-out roles (`nextword_ceiling.accuracies_with_intervals`).
+    interval_without_oov: tuple[float, float] = (math.nan, math.nan)
+    interval_with_oov: tuple[float, float] = (math.nan, math.nan)
+
+
+CEILING = "ceiling: the same network trained centrally"
+
+
+def _row(
+    vocab_size: int,
+    method: str,
+    found: Accuracies,
+    bytes_per_round: int,
+    seconds: float,
+    baseline: tuple[float, float],
+) -> Row:
+    return Row(
+        vocab_size,
+        method,
+        found.without_oov.value,
+        found.with_oov.value,
+        bytes_per_round,
+        seconds,
+        baseline,
+        (found.without_oov.low, found.without_oov.high),
+        (found.with_oov.low, found.with_oov.high),
+    )
 
 
 def task_config(
@@ -245,19 +278,48 @@ def run_methods(
                 if oov_local
                 else shared_locals_eval_work(held_out)
             )
-            without_oov, with_oov = accuracies(devices.evaluate(evaluate, list(range(len(held_out)))).sums)
+            found = accuracies_with_intervals(devices, evaluate, range(len(held_out)))
             rows.append(
-                Row(
+                _row(
                     vocab_size,
                     method.name,
-                    without_oov,
-                    with_oov,
+                    found,
                     parameter_bytes_per_round(manifest, shared_locals=not oov_local),
                     trained + time.perf_counter() - evaluating,
                     baseline,
                 )
             )
     return rows
+
+
+def run_ceiling(
+    data: NextWordData,
+    model_dir: Path,
+    workers: int,
+    vocab_size: int,
+    task: TaskConfig = TASK,
+    epochs: int = CENTRAL_EPOCHS,
+    learning_rate: float = CENTRAL_LEARNING_RATE,
+) -> Row:
+    """The ceiling row: `model_dir`'s network trained centrally (`train_centrally`), then scored
+    on the held-out roles as the FedRecon rows are (OOV rows reconstructed on the older half)."""
+    started = time.perf_counter()
+    params, _ = train_centrally(TFLiteModel(model_dir), data, epochs, learning_rate)
+    with Devices(model_dir, workers) as devices:
+        manifest = devices.manifest
+        devices.set_global(params)
+        held_out = support_query(data.test, manifest)
+        found = accuracies_with_intervals(devices, held_out_work(held_out, task, False), range(len(held_out)))
+        baseline = most_frequent_baseline(data, manifest.batch_size * manifest.max_batches)
+    return _row(vocab_size, CEILING, found, 0, time.perf_counter() - started, baseline)
+
+
+def share_of_the_way(row: Row, ceiling: Row) -> float:
+    """How far `row` is from the most frequent token to the ceiling (without OOV): 0 at the
+    floor, 1 at the ceiling; the issue's target is 0.5."""
+    floor = row.baseline[0]
+    span = ceiling.accuracy_without_oov - floor
+    return (row.accuracy_without_oov - floor) / span if span > 0 else math.nan
 
 
 def run(
@@ -271,8 +333,13 @@ def run(
     server_optimizer: ServerOptimizerConfig = SERVER,
     folder: Path | None = None,
     shape: ModelShape = ModelShape(),
+    ceiling: bool = True,
+    central_epochs: int = CENTRAL_EPOCHS,
+    central_learning_rate: float = CENTRAL_LEARNING_RATE,
 ) -> list[Row]:
-    """Every method at every vocabulary size; a method and its fine-tuned variant share one training."""
+    """Every method at every vocabulary size; a method and its fine-tuned variant share one
+    training. With `ceiling`, each vocabulary's last model (the most OOV buckets) is also trained
+    centrally (`run_ceiling`), and every row of that vocabulary says how far it went toward it."""
     roles = read_roles() if folder is None else read_roles(folder)
     wanted = [m for m in methods(many_buckets) if fine_tune or not m.fine_tune]
     groups: dict[tuple[int, bool], list[Method]] = {}
@@ -280,31 +347,52 @@ def run(
         groups.setdefault((method.num_oov_buckets, method.oov_local), []).append(method)
     rows = []
     for vocab_size in vocab_sizes:
-        for group in groups.values():
+        for i, group in enumerate(groups.values()):
             data = next_word_data(roles, vocab_size, group[0].num_oov_buckets, SEQ_LEN, MIN_ROLE_EXAMPLES)
             model_dir = export(models_dir, data, group[0], shape)
-            for row in run_methods(
-                data, model_dir, group, rounds, workers, vocab_size, task, server_optimizer
-            ):
-                print(
-                    f"  {vocab_size:>6,}  {row.method:<50}  {row.accuracy_without_oov:6.2%}  "
-                    f"{row.accuracy_with_oov:6.2%}  {row.bytes_per_round:>11,}  ({row.seconds:.0f} s; most "
-                    f"frequent token {row.baseline[0]:.2%} / {row.baseline[1]:.2%})",
-                    flush=True,
+            found = run_methods(data, model_dir, group, rounds, workers, vocab_size, task, server_optimizer)
+            if ceiling and i == len(groups) - 1:
+                found.append(
+                    run_ceiling(
+                        data, model_dir, workers, vocab_size, task, central_epochs, central_learning_rate
+                    )
                 )
+            for row in found:
+                print(f"  {line(row)}", flush=True)
                 rows.append(row)
     return rows
 
 
+def line(row: Row) -> str:
+    return (
+        f"{row.vocab_size:>6,}  {row.method:<50}  "
+        f"{_with_interval(row.accuracy_without_oov, row.interval_without_oov)}  "
+        f"{_with_interval(row.accuracy_with_oov, row.interval_with_oov)}  {row.bytes_per_round:>11,}  "
+        f"({row.seconds:.0f} s; most frequent token {row.baseline[0]:.2%} / {row.baseline[1]:.2%})"
+    )
+
+
+def _with_interval(value: float, interval: tuple[float, float]) -> str:
+    return f"{value:6.2%} [{100 * interval[0]:.2f}, {100 * interval[1]:.2f}]"
+
+
 def table(rows: Sequence[Row]) -> str:
+    """The rows as Markdown, with 95% intervals and, beside each row, its share of the way from
+    the most frequent token to its vocabulary's ceiling (without OOV; target 0.5)."""
+    ceilings = {r.vocab_size: r for r in rows if r.method == CEILING}
     lines = [
-        "| vocabulary | method | accuracy without OOV | accuracy with OOV | "
-        "most frequent token (without / with OOV) | bytes per round per device |",
-        "|---:|---|---:|---:|---:|---:|",
+        "| vocabulary | method | accuracy without OOV [95%] | accuracy with OOV [95%] | "
+        "most frequent token (without / with OOV) | share of the way to the ceiling | "
+        "bytes per round per device |",
+        "|---:|---|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
+        top = ceilings.get(r.vocab_size)
+        share = "" if top is None or r is top else f"{share_of_the_way(r, top):.2f}"
         lines.append(
-            f"| {r.vocab_size:,} | {r.method} | {r.accuracy_without_oov:.2%} | "
-            f"{r.accuracy_with_oov:.2%} | {r.baseline[0]:.2%} / {r.baseline[1]:.2%} | {r.bytes_per_round:,} |"
+            f"| {r.vocab_size:,} | {r.method} | "
+            f"{_with_interval(r.accuracy_without_oov, r.interval_without_oov)} | "
+            f"{_with_interval(r.accuracy_with_oov, r.interval_with_oov)} | "
+            f"{r.baseline[0]:.2%} / {r.baseline[1]:.2%} | {share} | {r.bytes_per_round:,} |"
         )
     return "\n".join(lines)

@@ -4,14 +4,29 @@ round, FedRecon keeps them on the device; held-out accuracies are token ratios."
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from android_sim.bench.federated import Rounds
-from android_sim.bench.nextword import Method, ModelShape, most_frequent_baseline, run_methods, task_config
+from android_sim.bench.nextword import (
+    CEILING,
+    Method,
+    ModelShape,
+    Row,
+    most_frequent_baseline,
+    pack,
+    run_ceiling,
+    run_methods,
+    share_of_the_way,
+    table,
+    task_config,
+)
+from android_sim.bench.nextword_ceiling import train_centrally
 from android_sim.shakespeare import NextWordData, RoleSplit, Vocabulary, next_word_data, read_roles
+from contracts.features import Examples
 from model_runtime.tflite_model import TFLiteModel
 from tests.conftest import NEXT_WORD_SIZES
 
@@ -149,3 +164,41 @@ def test_model_shape_passes_only_the_sizes_given_and_refuses_non_positive_ones()
     assert ModelShape().builder_args() == {}
     with pytest.raises(ValueError, match="lstm_units is 0; expected at least 1"):
         ModelShape(lstm_units=0)
+
+
+def test_the_ceiling_trains_the_same_network_centrally_and_fits_its_training_windows(
+    next_word_model: Path, data: NextWordData
+) -> None:
+    # Prepare: a few training roles, so that three epochs run in seconds
+    small = replace(data, train=data.train[:6], test=data.test[:5])
+    model = TFLiteModel(next_word_model)
+    manifest = model.manifest
+    pooled = pack(
+        Examples.concat([Examples(dict(r)) for r in small.train], manifest.features).columns, manifest
+    )
+    model.reset_local()
+    before = model.evaluate(pooled).metrics()["loss"]
+
+    # Execute
+    params, _ = train_centrally(model, small, epochs=3, learning_rate=1.0)
+    row = run_ceiling(small, next_word_model, 1, VOCAB, epochs=2)
+
+    # Assert: the pooled windows' loss fell, and the row is scored with its interval around it
+    model.set_global(params)
+    assert model.evaluate(pooled).metrics()["loss"] < before
+    assert row.method == CEILING
+    assert row.interval_without_oov[0] <= row.accuracy_without_oov <= row.interval_without_oov[1]
+    assert row.interval_with_oov[0] <= row.accuracy_with_oov <= row.interval_with_oov[1]
+    with pytest.raises(ValueError, match="epochs"):
+        train_centrally(model, small, epochs=0)
+
+
+def test_share_of_the_way_is_zero_at_the_floor_and_one_at_the_ceiling() -> None:
+    def row(accuracy: float) -> Row:
+        return Row(1000, "m", accuracy, 0.0, 0, 0.0, (0.06, 0.05))
+
+    top = row(0.16)
+    assert share_of_the_way(row(0.06), top) == pytest.approx(0.0)
+    assert share_of_the_way(row(0.11), top) == pytest.approx(0.5)
+    assert share_of_the_way(top, top) == pytest.approx(1.0)
+    assert "share of the way" in table([row(0.11), replace(top, method=CEILING)])

@@ -39,6 +39,8 @@ CROSS_FIELD = {
     ("task_config.max_examples", "low"): "must be >= min_examples",
     ("differential_privacy.target_delta", "high"): "must be < 1 / population_size",
     ("differential_privacy.epsilon_budget", "low"): "does not allow one round",
+    # The tests' model rates (no sampled negatives): any positive value is refused.
+    ("task_config.negative_popularity", "high"): "samples no negatives",
 }
 
 
