@@ -7,16 +7,21 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 from rich.console import Console
 
-from android_sim.fleet import FleetStats
+from android_sim.fleet import TRAINING, DeviceSpec, FleetOptions, FleetStats
+from android_sim.network import Connector
+from android_sim.profiles import DEFAULT_MIX, SimClock, draw_profiles
 from android_sim.run import run
+from android_sim.run_config import RunError
+from device_runtime.task_runner import TaskRunner
 from tests.android_sim.test_run import reconcile, small, work  # noqa: F401 (the work fixture)
 
 ray = pytest.importorskip("ray")
 
-from android_sim.ray_fleet import merged  # noqa: E402
+from android_sim.ray_fleet import RayFleet, merged  # noqa: E402
 
 
 @pytest.fixture
@@ -60,3 +65,19 @@ def test_a_fleet_sharded_over_two_ray_actors_trains_and_reports(local_ray: None,
     for plot in result.plots:
         assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert ray.is_initialized()  # the fixture's Ray: the run shut down only what it started
+
+
+def test_a_shard_that_cannot_see_its_stores_stops_the_run_before_it_starts(
+    local_ray: None,
+    tmp_path: Path,
+) -> None:
+    # As on a cluster whose machines do not share the work directory: the path exists nowhere.
+    profiles = draw_profiles(4, DEFAULT_MIX, np.random.default_rng(0))
+    specs = [DeviceSpec(TRAINING, profiles[i], tmp_path / f"elsewhere/{i}.sqlite", 5) for i in range(4)]
+    with TaskRunner(1) as runner:
+        fleet = RayFleet(
+            "http://127.0.0.1:9", Connector(), specs, tmp_path, runner, SimClock(60.0), FleetOptions("p")
+        )
+        with pytest.raises(RunError, match=r"sees no example store at .*elsewhere/0\.sqlite.*--work-dir"):
+            fleet.start(shards=2, threads=1)
+    assert ray.is_initialized()  # the fixture's Ray is left running
