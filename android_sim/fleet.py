@@ -48,11 +48,17 @@ class Connection:
     """A device's way to the orchestrator while it talks to it: its simulated link over its own
     transport, an HTTP client and the orchestrator client with the device's token."""
 
-    def __init__(self, device: SimDevice, base_url: str, connector: Connector) -> None:
+    def __init__(
+        self, device: SimDevice, base_url: str, connector: Connector, on_checkin: Callable[[float], None]
+    ) -> None:
         device_class = device.profile.device_class
         inner, owned = connector.transport()
         self.link = SimulatedLink(
-            inner, device_class.bandwidth_mbps, device_class.latency_ms, owns_inner=owned
+            inner,
+            device_class.bandwidth_mbps,
+            device_class.latency_ms,
+            owns_inner=owned,
+            on_checkin=on_checkin,
         )
         self.http = httpx.AsyncClient(transport=self.link, base_url=base_url, timeout=60.0)
         self.client = OrchestratorClient(
@@ -116,6 +122,21 @@ class FleetStats:
     central_bytes: list[int] = field(default_factory=list)
     last_error: str = ""
     switched_off: int = 0  # devices still busy at the end of the run, cut off mid-request
+    # How long check-ins took the server to answer, in ms to 2 significant digits: a bounded
+    # histogram (shards send their counters often).
+    checkin_ms: collections.Counter[float] = field(default_factory=collections.Counter)
+
+    def time_checkin(self, seconds: float) -> None:
+        self.checkin_ms[float(f"{seconds * 1e3:.2g}")] += 1
+
+    def checkin_percentile(self, q: float) -> float:
+        """The check-ins' `q`-th percentile latency in ms (within 5%); 0 before any."""
+        total, seen = sum(self.checkin_ms.values()), 0
+        for ms in sorted(self.checkin_ms):
+            seen += self.checkin_ms[ms]
+            if seen >= q / 100 * total:
+                return ms
+        return 0.0
 
     def count(self, role: str, status: str) -> int:
         return self.outcomes[(role, status)]
@@ -184,7 +205,10 @@ class Fleet:
         return SimDevice(index, spec.role, spec.profile, spec.store_path, spec.num_examples, self._dial)
 
     def _dial(self, device: SimDevice) -> Connection:
-        return Connection(device, self.base_url, self.connector)
+        return Connection(device, self.base_url, self.connector, self._time_checkin)
+
+    def _time_checkin(self, seconds: float) -> None:
+        self.stats.time_checkin(seconds)  # the stats of now (a sharded fleet replaces its object)
 
     @contextlib.asynccontextmanager
     async def connected(self, device: SimDevice) -> AsyncIterator[OrchestratorClient]:

@@ -127,6 +127,7 @@ def merged(stats: Sequence[FleetStats]) -> FleetStats:
         total.central_bytes.extend(s.central_bytes)
         total.last_error = s.last_error or total.last_error
         total.switched_off += s.switched_off
+        total.checkin_ms.update(s.checkin_ms)
     return total
 
 

@@ -42,12 +42,17 @@ def test_the_shards_counters_add_up() -> None:
     a.task_seconds, b.task_seconds = [0.1], [0.2, 0.3]
     a.switched_off, b.switched_off = 1, 2
     b.last_error = "device 3: refused"
+    a.time_checkin(0.004)
+    b.time_checkin(0.004)
+    b.time_checkin(1.234)
 
     total = merged([a, b])
 
     assert total.count("training", "reported") == 7 and total.total("reported") == 8
     assert sorted(total.task_seconds) == [0.1, 0.2, 0.3]
     assert total.switched_off == 3 and total.last_error == "device 3: refused"
+    assert total.checkin_ms == {4.0: 2, 1200.0: 1}
+    assert total.checkin_percentile(50) == 4.0 and total.checkin_percentile(99) == 1200.0
 
 
 def test_a_fleet_sharded_over_two_ray_actors_trains_and_reports(local_ray: None, work: Path) -> None:  # noqa: F811
@@ -57,6 +62,10 @@ def test_a_fleet_sharded_over_two_ray_actors_trains_and_reports(local_ray: None,
     report = json.loads(result.report_path.read_text())
     outcomes = report["fleet"]["device_side_outcomes"]
     assert outcomes.get("training/reported", 0) >= 3 * 6
+    # Every shard's check-ins are timed, in one histogram.
+    fleet = report["fleet"]
+    assert fleet["checkins_timed"] >= outcomes["training/reported"]
+    assert 0 < fleet["checkin_p50_ms"] <= fleet["checkin_p99_ms"]
     # What the two shards' devices did adds up to what the server counted.
     reconcile(result)
     assert any(r["kind"] == "evaluation" and r["counters"]["reported"] for r in report["rounds"])
