@@ -122,27 +122,45 @@ class FleetStats:
     central_bytes: list[int] = field(default_factory=list)
     last_error: str = ""
     switched_off: int = 0  # devices still busy at the end of the run, cut off mid-request
-    # How long check-ins took the server to answer, in ms to 2 significant digits: a bounded
-    # histogram (shards send their counters often).
+    # How long check-ins took the server to answer, and how late the fleet's event loop woke from
+    # a 50 ms sleep: counts per ms to 2 significant digits (bounded: shards send them often).
     checkin_ms: collections.Counter[float] = field(default_factory=collections.Counter)
+    loop_lag_ms: collections.Counter[float] = field(default_factory=collections.Counter)
 
     def time_checkin(self, seconds: float) -> None:
-        self.checkin_ms[float(f"{seconds * 1e3:.2g}")] += 1
+        self.checkin_ms[_two_digits(seconds * 1e3)] += 1
 
     def checkin_percentile(self, q: float) -> float:
         """The check-ins' `q`-th percentile latency in ms (within 5%); 0 before any."""
-        total, seen = sum(self.checkin_ms.values()), 0
-        for ms in sorted(self.checkin_ms):
-            seen += self.checkin_ms[ms]
-            if seen >= q / 100 * total:
-                return ms
-        return 0.0
+        return percentile(self.checkin_ms, q)
+
+    def loop_lag_percentile(self, q: float) -> float:
+        """How late the event loop woke, `q`-th percentile in ms: a loop busy with too many
+        devices is late for all of them (their requests wait as long)."""
+        return percentile(self.loop_lag_ms, q)
 
     def count(self, role: str, status: str) -> int:
         return self.outcomes[(role, status)]
 
     def total(self, status: str) -> int:
         return sum(n for (_, s), n in self.outcomes.items() if s == status)
+
+
+def _two_digits(ms: float) -> float:
+    return float(f"{max(ms, 0.0):.2g}")
+
+
+def percentile(counts: collections.Counter[float], q: float) -> float:
+    """The `q`-th percentile of a histogram of values; 0 when it is empty."""
+    total, seen = sum(counts.values()), 0
+    for value in sorted(counts):
+        seen += counts[value]
+        if seen >= q / 100 * total:
+            return value
+    return 0.0
+
+
+LAG_PROBE_SECONDS = 0.05
 
 
 @dataclass(frozen=True)
@@ -261,10 +279,21 @@ class Fleet:
         for event in self._stop.values():
             event.clear()
         self._tasks = [asyncio.create_task(self._loop(d)) for d in self.devices]
-        outcomes = await asyncio.gather(*self._tasks, return_exceptions=True)
+        probe = asyncio.create_task(self._probe_loop_lag())
+        try:
+            outcomes = await asyncio.gather(*self._tasks, return_exceptions=True)
+        finally:
+            probe.cancel()
         for outcome in outcomes:
             if isinstance(outcome, BaseException) and not isinstance(outcome, asyncio.CancelledError):
                 raise outcome
+
+    async def _probe_loop_lag(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            asleep = loop.time()
+            await asyncio.sleep(LAG_PROBE_SECONDS)
+            self.stats.loop_lag_ms[_two_digits((loop.time() - asleep - LAG_PROBE_SECONDS) * 1e3)] += 1
 
     async def switch_off(self, grace_seconds: float) -> int:
         """Stop every device; those still busy after `grace_seconds` (e.g. waiting out a request's

@@ -128,6 +128,7 @@ def merged(stats: Sequence[FleetStats]) -> FleetStats:
         total.last_error = s.last_error or total.last_error
         total.switched_off += s.switched_off
         total.checkin_ms.update(s.checkin_ms)
+        total.loop_lag_ms.update(s.loop_lag_ms)
     return total
 
 

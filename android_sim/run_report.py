@@ -155,6 +155,8 @@ def report_header(config: RunConfig, status: dict[str, Any], fleet: Fleet, evalu
             "checkins_timed": sum(fleet.stats.checkin_ms.values()),
             "checkin_p50_ms": fleet.stats.checkin_percentile(50),
             "checkin_p99_ms": fleet.stats.checkin_percentile(99),
+            "event_loop_lag_p50_ms": fleet.stats.loop_lag_percentile(50),
+            "event_loop_lag_p99_ms": fleet.stats.loop_lag_percentile(99),
         },
         "algorithm": {
             "local_state": status["settings"]["task_config"]["local_state"],
