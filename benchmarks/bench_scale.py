@@ -385,13 +385,8 @@ def population_run(work: Path, devices: int, target: int, rounds: int) -> dict[s
     round included), and how long check-ins took."""
     from bench_fleet import bench_config, tasks_per_second
 
-    from android_sim.builtin_data import export, model_config
-    from android_sim.device_data import expression_fleet
-    from android_sim.expressions import SyntheticConfig
     from android_sim.run_config import RunConfig
 
-    data = expression_fleet(SyntheticConfig(num_expressions=1000, num_users=devices, seed=0))
-    export(model_config(data), work / "model")
     config = bench_config(
         work,
         devices,
