@@ -48,11 +48,17 @@ class Connection:
     """A device's way to the orchestrator while it talks to it: its simulated link over its own
     transport, an HTTP client and the orchestrator client with the device's token."""
 
-    def __init__(self, device: SimDevice, base_url: str, connector: Connector) -> None:
+    def __init__(
+        self, device: SimDevice, base_url: str, connector: Connector, on_checkin: Callable[[float], None]
+    ) -> None:
         device_class = device.profile.device_class
         inner, owned = connector.transport()
         self.link = SimulatedLink(
-            inner, device_class.bandwidth_mbps, device_class.latency_ms, owns_inner=owned
+            inner,
+            device_class.bandwidth_mbps,
+            device_class.latency_ms,
+            owns_inner=owned,
+            on_checkin=on_checkin,
         )
         self.http = httpx.AsyncClient(transport=self.link, base_url=base_url, timeout=60.0)
         self.client = OrchestratorClient(
@@ -116,12 +122,45 @@ class FleetStats:
     central_bytes: list[int] = field(default_factory=list)
     last_error: str = ""
     switched_off: int = 0  # devices still busy at the end of the run, cut off mid-request
+    # How long check-ins took the server to answer, and how late the fleet's event loop woke from
+    # a 50 ms sleep: counts per ms to 2 significant digits (bounded: shards send them often).
+    checkin_ms: collections.Counter[float] = field(default_factory=collections.Counter)
+    loop_lag_ms: collections.Counter[float] = field(default_factory=collections.Counter)
+
+    def time_checkin(self, seconds: float) -> None:
+        self.checkin_ms[_two_digits(seconds * 1e3)] += 1
+
+    def checkin_percentile(self, q: float) -> float:
+        """The check-ins' `q`-th percentile latency in ms (within 5%); 0 before any."""
+        return percentile(self.checkin_ms, q)
+
+    def loop_lag_percentile(self, q: float) -> float:
+        """How late the event loop woke, `q`-th percentile in ms: a loop busy with too many
+        devices is late for all of them (their requests wait as long)."""
+        return percentile(self.loop_lag_ms, q)
 
     def count(self, role: str, status: str) -> int:
         return self.outcomes[(role, status)]
 
     def total(self, status: str) -> int:
         return sum(n for (_, s), n in self.outcomes.items() if s == status)
+
+
+def _two_digits(ms: float) -> float:
+    return float(f"{max(ms, 0.0):.2g}")
+
+
+def percentile(counts: collections.Counter[float], q: float) -> float:
+    """The `q`-th percentile of a histogram of values; 0 when it is empty."""
+    total, seen = sum(counts.values()), 0
+    for value in sorted(counts):
+        seen += counts[value]
+        if seen >= q / 100 * total:
+            return value
+    return 0.0
+
+
+LAG_PROBE_SECONDS = 0.05
 
 
 @dataclass(frozen=True)
@@ -184,7 +223,10 @@ class Fleet:
         return SimDevice(index, spec.role, spec.profile, spec.store_path, spec.num_examples, self._dial)
 
     def _dial(self, device: SimDevice) -> Connection:
-        return Connection(device, self.base_url, self.connector)
+        return Connection(device, self.base_url, self.connector, self._time_checkin)
+
+    def _time_checkin(self, seconds: float) -> None:
+        self.stats.time_checkin(seconds)  # the stats of now (a sharded fleet replaces its object)
 
     @contextlib.asynccontextmanager
     async def connected(self, device: SimDevice) -> AsyncIterator[OrchestratorClient]:
@@ -237,10 +279,21 @@ class Fleet:
         for event in self._stop.values():
             event.clear()
         self._tasks = [asyncio.create_task(self._loop(d)) for d in self.devices]
-        outcomes = await asyncio.gather(*self._tasks, return_exceptions=True)
+        probe = asyncio.create_task(self._probe_loop_lag())
+        try:
+            outcomes = await asyncio.gather(*self._tasks, return_exceptions=True)
+        finally:
+            probe.cancel()
         for outcome in outcomes:
             if isinstance(outcome, BaseException) and not isinstance(outcome, asyncio.CancelledError):
                 raise outcome
+
+    async def _probe_loop_lag(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            asleep = loop.time()
+            await asyncio.sleep(LAG_PROBE_SECONDS)
+            self.stats.loop_lag_ms[_two_digits((loop.time() - asleep - LAG_PROBE_SECONDS) * 1e3)] += 1
 
     async def switch_off(self, grace_seconds: float) -> int:
         """Stop every device; those still busy after `grace_seconds` (e.g. waiting out a request's

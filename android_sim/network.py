@@ -8,6 +8,8 @@ link differs. `Connector` hands each device its inner transport.
 from __future__ import annotations
 
 import asyncio
+import time
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -43,7 +45,10 @@ class SimulatedLink(httpx.AsyncBaseTransport):
         latency_ms: float,
         *,
         owns_inner: bool = False,
+        on_checkin: Callable[[float], None] | None = None,
     ) -> None:
+        """`on_checkin(seconds)` hears how long each check-in took the server to answer (from
+        the request's sending to its answer's last byte, the simulated link's delays left out)."""
         if bandwidth_mbps <= 0 or latency_ms < 0:
             raise ValueError(
                 f"need bandwidth_mbps > 0 and latency_ms >= 0, got {bandwidth_mbps}, {latency_ms}"
@@ -54,13 +59,17 @@ class SimulatedLink(httpx.AsyncBaseTransport):
         self.latency_seconds = latency_ms / 1000
         self.bytes_up = 0
         self.bytes_down = 0
+        self.on_checkin = on_checkin
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         body = await request.aread()
         self.bytes_up += len(body)
         await asyncio.sleep(self.latency_seconds / 2 + len(body) / self.bytes_per_second)
+        started = time.perf_counter()
         response = await self.inner.handle_async_request(request)
         content = await response.aread()
+        if self.on_checkin is not None and request.url.path.endswith("/checkin"):
+            self.on_checkin(time.perf_counter() - started)
         self.bytes_down += len(content)
         await asyncio.sleep(self.latency_seconds / 2 + len(content) / self.bytes_per_second)
         return response

@@ -7,8 +7,9 @@ what the run needs of the whole fleet: the monitor's settings go to every shard 
 evaluation round, training paused, stop), and the shards' counters and devices come back, merged,
 for the monitor, the report and the plots, which read a `RayFleet` as they read a `Fleet`.
 
-The shards open the devices' example stores by path: they run on this machine (or on machines
-that share the work directory).
+The shards open the devices' example stores by path: they run on this machine, or on machines
+that mount the work directory at the same path (a shard that cannot see its stores stops the run
+before it starts, with one line that says so).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import os
+import socket
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -27,6 +29,7 @@ import ray
 from android_sim.fleet import HELD_OUT, TRAINING, DeviceSpec, Fleet, FleetOptions, FleetStats
 from android_sim.network import Connector
 from android_sim.profiles import DAY, SimClock
+from android_sim.run_config import RunError
 from device_runtime.task_runner import TaskRunner
 
 STATE_SECONDS = 0.5  # how often the driver refreshes the counters and pushes the monitor's settings
@@ -67,6 +70,13 @@ class FleetShard:
         )
         for device, index in zip(self.fleet.devices, indices, strict=True):
             device.index = index  # the fleet's numbering, in the shard's messages too
+
+    def unseen_store(self) -> str:
+        """'' when this shard sees its devices' example stores, else which one it does not."""
+        for device in self.fleet.devices:
+            if not device.store_path.is_file():
+                return f"shard on {socket.gethostname()} sees no example store at {device.store_path}"
+        return ""
 
     async def enroll(self) -> list[DeviceState]:
         await self.fleet.enroll()
@@ -117,31 +127,25 @@ def merged(stats: Sequence[FleetStats]) -> FleetStats:
         total.central_bytes.extend(s.central_bytes)
         total.last_error = s.last_error or total.last_error
         total.switched_off += s.switched_off
+        total.checkin_ms.update(s.checkin_ms)
+        total.loop_lag_ms.update(s.loop_lag_ms)
     return total
 
 
 class RayFleet(Fleet):
-    """A `Fleet` whose devices run in `shards` Ray actors; this object holds their merged counters
-    and, after enrollment and after the run, their devices' state (so that serving and the report
-    read it as one fleet's; a device the driver serves from connects from here)."""
+    """A `Fleet` whose devices run in Ray actors (`start` them after building it as a `Fleet`);
+    this object holds their merged counters and, after enrollment and after the run, their
+    devices' state (so that serving and the report read it as one fleet's; a device the driver
+    serves from connects from here)."""
 
-    def __init__(
-        self,
-        base_url: str,
-        connector: Connector,
-        devices: Sequence[DeviceSpec],
-        cache_dir: Path,
-        runner: TaskRunner,
-        clock: SimClock,
-        options: FleetOptions,
-        *,
-        shards: int,
-        threads: int,
-        address: str | None = None,
-    ) -> None:
+    _shards: Sequence[Any] = ()  # the actors, from `start`
+    _started = False
+
+    def start(self, shards: int, threads: int, address: str | None = None) -> RayFleet:
+        """Start the shards (this object is built as a `Fleet` is): `shards` actors of `threads`
+        task threads each, on a local Ray instance, or on the cluster at `address`."""
         if shards < 2:
             raise ValueError(f"a sharded fleet needs at least 2 shards, got {shards}")
-        super().__init__(base_url, connector, devices, cache_dir, runner, clock, options)
         self._started = not ray.is_initialized()
         if self._started:
             if address:
@@ -155,22 +159,35 @@ class RayFleet(Fleet):
                     _system_config={"worker_niceness": 0},  # see ray_clients.start
                 )
         actor = ray.remote(num_cpus=1)(FleetShard)
-        self._shards: list[Any] = []
-        for s in range(shards):
-            specs = list(devices[s::shards])
-            shard_options = replace(options, seed=options.seed * 1_000 + s)  # each shard its own draws
-            self._shards.append(
-                actor.remote(
-                    base_url,
-                    specs,
-                    list(range(s, len(devices), shards)),
-                    cache_dir,
-                    threads,
-                    clock.day_seconds,
-                    (clock.now(), time.time()),
-                    shard_options,
-                )
+        # Absolute paths: on a cluster the work directory is mounted at the same path everywhere.
+        specs = [DeviceSpec(d.role, d.profile, d.store_path.resolve(), d.num_examples) for d in self.devices]
+        clock = (self.clock.now(), time.time())
+        self._shards = [
+            actor.remote(
+                self.base_url,
+                specs[s::shards],
+                list(range(s, len(specs), shards)),
+                self.cache_dir.resolve(),
+                threads,
+                self.clock.day_seconds,
+                clock,
+                replace(self.options, seed=self.options.seed * 1_000 + s),  # each shard its own draws
             )
+            for s in range(shards)
+        ]
+        unseen = [m for m in ray.get([a.unseen_store.remote() for a in self._shards]) if m]
+        if unseen:
+            for a in self._shards:
+                ray.kill(a)
+            self._shards = ()
+            if self._started:
+                ray.shutdown()
+                self._started = False
+            raise RunError(
+                f"{unseen[0]}; the shards open the devices' example stores by path: on a cluster of "
+                "several machines, put --work-dir on storage that every machine mounts at the same path"
+            )
+        return self
 
     def _merge_devices(self, shard: int, states: Sequence[DeviceState]) -> None:
         for device, state in zip(self.devices[shard :: len(self._shards)], states, strict=True):
@@ -222,7 +239,7 @@ class RayFleet(Fleet):
             await asyncio.gather(*(a.close.remote() for a in self._shards), return_exceptions=True)
             for a in self._shards:
                 ray.kill(a)
-            self._shards = []
+            self._shards = ()
         await super().aclose()
         if self._started and ray.is_initialized():
             ray.shutdown()

@@ -152,6 +152,11 @@ def report_header(config: RunConfig, status: dict[str, Any], fleet: Fleet, evalu
             if fleet.stats.task_seconds
             else None,
             "switched_off": fleet.stats.switched_off,
+            "checkins_timed": sum(fleet.stats.checkin_ms.values()),
+            "checkin_p50_ms": fleet.stats.checkin_percentile(50),
+            "checkin_p99_ms": fleet.stats.checkin_percentile(99),
+            "event_loop_lag_p50_ms": fleet.stats.loop_lag_percentile(50),
+            "event_loop_lag_p99_ms": fleet.stats.loop_lag_percentile(99),
         },
         "algorithm": {
             "local_state": status["settings"]["task_config"]["local_state"],

@@ -219,19 +219,8 @@ def make_fleet(
         return Fleet(url, connector, specs, cache_dir, runner, clock, options)
     from android_sim.ray_fleet import RayFleet  # Ray is an optional extra
 
-    threads = max(1, config.workers // config.shards)
-    return RayFleet(
-        url,
-        connector,
-        specs,
-        cache_dir,
-        runner,
-        clock,
-        options,
-        shards=config.shards,
-        threads=threads,
-        address=config.ray_address,
-    )
+    fleet = RayFleet(url, connector, specs, cache_dir, runner, clock, options)
+    return fleet.start(config.shards, max(1, config.workers // config.shards), config.ray_address)
 
 
 async def run_fleet(

@@ -65,27 +65,29 @@ def tasks_per_second(rounds: list[dict[str, Any]]) -> float:
     return float(sum(r["counters"]["reported"] for r in training[1:] or training) / span)
 
 
+def bench_config(work_dir: Path, devices: int, rounds: int, **options: Any) -> RunConfig:
+    """A run of the benchmark's phones, kept busy (`options` override these)."""
+    defaults: dict[str, Any] = {
+        "target_reports": 40,
+        "min_examples": 2,
+        # Short rests keep the devices busy, so the rate is the system's, not the schedule's; more
+        # devices than this only add rejected check-ins (a thundering herd, not tasks).
+        "round_seconds": 10.0,
+        "cooldown_hours": 0.25,
+        "evaluation_every": 0,
+        "device_mix": BENCH_PHONE,
+        "held_out_fraction": 0.05,
+        "show_devices": 0,
+    }
+    return RunConfig(work_dir=work_dir, devices=devices, rounds=rounds, **{**defaults, **options})
+
+
 async def transport_comparison(work: Path, rounds: int, devices: int) -> dict[str, float]:
     rates = {}
     for label, in_process in (("http", False), ("in_process", True)):
-        config = RunConfig(
-            work_dir=work / label,
-            devices=devices,
-            rounds=rounds,
-            target_reports=40,
-            min_examples=2,
-            # Short rests keep the devices busy, so the rate is the system's, not the schedule's; more
-            # devices than this only add rejected check-ins (a thundering herd, not tasks).
-            round_seconds=10.0,
-            cooldown_hours=0.25,
-            evaluation_every=0,
-            device_mix=BENCH_PHONE,
-            held_out_fraction=0.05,
-            in_process=in_process,
-            show_devices=0,
-        )
         (work / label).mkdir(parents=True)
         (work / label / "model").symlink_to(work / "model", target_is_directory=True)
+        config = bench_config(work / label, devices, rounds, in_process=in_process)
         result = await run_async(config, Console(quiet=True))
         rates[label] = tasks_per_second(result.summary["rounds"])
     return rates
