@@ -54,7 +54,7 @@ def figures_of(devices: int) -> re.Pattern[str]:
     """One device's sums, the running sums of the first k, and their means over the examples."""
     sums = [sum(loss_sum(d) for d in range(1, k + 1)) for k in range(1, devices + 1)]
     means = [total / (10.0 * k) for k, total in enumerate(sums, start=1)]
-    shown = {f"{v:g}" for v in sums} | {f"{v:.2f}" for v in means} | {f"{v:.4g}" for v in means}
+    shown = {f"{v:{form}}" for v in [*sums, *means] for form in ("", "g", ".2f", ".4g")}
     return re.compile("(?<![0-9.])(" + "|".join(re.escape(s) for s in sorted(shown)) + ")(?![0-9])")
 
 
