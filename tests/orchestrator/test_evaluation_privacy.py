@@ -40,7 +40,8 @@ SETTINGS = {
     "target_reports": 50,  # no training round commits: the evaluation is all there is to read
     "evaluation_target_reports": 10,
     "min_evaluation_reports": FLOOR,
-    "evaluation_round_duration_seconds": 4,
+    # Long enough for the operator's reads (a console process, the dashboard) on a loaded machine.
+    "evaluation_round_duration_seconds": 15,
 }
 
 
@@ -121,7 +122,7 @@ def evaluation_rounds(server: Server) -> list[dict[str, Any]]:
 
 
 def wait_closed(server: Server, round_id: int) -> dict[str, Any]:
-    for _ in range(150):
+    for _ in range(600):
         found = next(r for r in evaluation_rounds(server) if r["id"] == round_id)
         if found["status"] != "open":
             return found
