@@ -83,6 +83,8 @@ def round_settings(
         "task_config": task.to_json(),
         "evaluation_every": config.evaluation_every,
         "evaluation_target_reports": config.target_reports,
+        # The server's floor (5) unless the run's rounds are smaller: half a round, as min_reports.
+        "min_evaluation_reports": min(5, max(1, config.target_reports // 2)),
         "evaluation_round_duration_seconds": config.round_seconds,
         "aggregation": config.aggregation,
         "secure": {

@@ -198,7 +198,10 @@ def _print_summary(
         name = _evaluation_name(config, workload.manifest)
         console.print(f"final {name}: {shown} (weight {final.get('weight_sum', 0):.0f})")
     else:
-        console.print("final evaluation: no device reported in time")
+        console.print(
+            "final evaluation: none released (fewer held-out devices than its floor reported in time, "
+            "or the privacy budget is spent)"
+        )
     if result.hit_rates:
         console.print(hit_rate_table(result.hit_rates))
         console.print(history_table(result.hit_rates))

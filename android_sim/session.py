@@ -159,10 +159,15 @@ class Monitor:
             await asyncio.sleep(0.5)
 
     async def final_evaluation(self, timeout: float) -> dict[str, Any] | None:
-        """Open an evaluation round on the held-out devices and wait for it to close."""
+        """Open an evaluation round on the held-out devices and wait for it to close. None when it
+        does not close in time, or cannot open (a DP population whose budget is spent: an
+        evaluation's sums are not noised, so the server runs none)."""
         try:
             evaluation = await self.admin.schedule_evaluation(self.population)
         except AdminError as e:
+            if "privacy budget is spent" in str(e):
+                self.progress.console.print("[yellow]no final evaluation: the privacy budget is spent[/]")
+                return None
             if "already open" not in str(e):
                 raise RunError(str(e)) from None
             status = await admin_call(self.admin.status(self.population))

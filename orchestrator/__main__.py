@@ -11,11 +11,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from pydantic import ValidationError
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from orchestrator.console import commands as console
-from orchestrator.settings import Settings
+from orchestrator.settings import Settings, server_settings_problem
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -68,7 +69,11 @@ def main(argv: list[str] | None = None) -> int:
     overrides = {k: v for k, v in (("database_url", args.database_url),) if v}
     if args.command == "serve":
         overrides.update({k: v for k, v in (("host", args.host), ("port", args.port)) if v})
-    settings = Settings(**overrides)
+    try:
+        settings = Settings(**overrides)
+    except ValidationError as e:
+        print(f"error: {server_settings_problem(e)}", file=sys.stderr)
+        return 2
 
     if args.command == "serve":
         from orchestrator.serve import serve as run_server

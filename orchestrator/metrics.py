@@ -48,7 +48,7 @@ ROUNDS = Counter(
 ROUNDS_ABANDONED = Counter(
     "orchestrator_rounds_abandoned",
     "Rounds that closed without committing, by the phase they stopped in and what ended them "
-    "(deadline, dropouts, refusals, failed_check)",
+    "(deadline, dropouts, refusals, failed_check, privacy_budget)",
     ["population", "kind", "phase", "ended_by"],
 )
 CHECKINS = Counter(

@@ -53,4 +53,6 @@ def resume(session: Session, population: Population, now: float) -> None:
         population=population.name,
         paused_seconds=now - (population.paused_at or now),
     )
-    population.paused_at = None
+    # The round open at the pause may have closed idle meanwhile and set a back-off: resuming is
+    # the operator asking for a round now, so it ends.
+    population.paused_at, population.idle_rounds, population.next_round_at = None, 0, None

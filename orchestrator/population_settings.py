@@ -159,6 +159,14 @@ class PopulationSettings(BaseModel):
         0, ge=0, le=MAX_ROUND_REPORTS, description="open an evaluation round after every k commits"
     )
     evaluation_target_reports: int = Field(10, ge=1, le=MAX_ROUND_REPORTS)
+    min_evaluation_reports: int = Field(
+        5,
+        ge=1,
+        le=MAX_ROUND_REPORTS,
+        description="an evaluation round releases its metric sums only when it commits with at least "
+        "this many devices' reports; with fewer it is abandoned at its deadline and its sums erased "
+        "(a sum of one or two devices' evaluation metrics is those devices' figures)",
+    )
     evaluation_round_duration_seconds: float = Field(60.0, gt=0, le=MAX_SECONDS)
     aggregation: Literal["plaintext", "secure"] = Field(
         "plaintext",
@@ -197,6 +205,12 @@ class PopulationSettings(BaseModel):
         if self.min_reports > self.target_reports:
             raise ValueError(
                 f"min_reports ({self.min_reports}) must be <= target_reports ({self.target_reports})"
+            )
+        if self.min_evaluation_reports > self.evaluation_target_reports:
+            raise ValueError(
+                f"min_evaluation_reports ({self.min_evaluation_reports}) must be <= "
+                f"evaluation_target_reports ({self.evaluation_target_reports}): an evaluation round "
+                "commits at its target, and must not release the sums of fewer devices than the floor"
             )
         # One minimum for check-in and device alike, so a device the server accepts never finds
         # itself below a different threshold on the phone.

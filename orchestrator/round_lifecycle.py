@@ -30,7 +30,16 @@ from contracts.params import (
     decode_sparse_delta,
     encode_params,
 )
-from orchestrator import central_training, idle_backoff, metrics, mixing, pausing, round_state, secure_rounds
+from orchestrator import (
+    central_training,
+    idle_backoff,
+    metrics,
+    mixing,
+    pausing,
+    round_release,
+    round_state,
+    secure_rounds,
+)
 from orchestrator.aggregation import apply_update
 from orchestrator.db import Assignment, ModelVersion, Population, Report, Round
 from orchestrator.logs import log_on_commit
@@ -73,7 +82,8 @@ def open_round(session: Session, population: Population, kind: str, now: float) 
     else:
         target = settings.evaluation_target_reports
         capacity = math.ceil(target * settings.oversampling)
-        min_reports, duration = 1, settings.evaluation_round_duration_seconds
+        # The floor: fewer devices' sums are theirs alone (round_release).
+        min_reports, duration = settings.min_evaluation_reports, settings.evaluation_round_duration_seconds
     dp = settings.dp()
     round_metrics = {}
     if kind == TRAINING and dp is not None and dp.adaptive:
@@ -140,6 +150,7 @@ def up_to_date(population: Population, current: Mapping[str, Round], now: float)
         (TRAINING in current or not _may_open_training(population, now))
         and all(now < r.deadline for r in current.values())
         and not population_settings(population).secure_training
+        and not (EVALUATION in current and privacy_budget_spent(population))
     )
 
 
@@ -158,17 +169,14 @@ def advance(session: Session, population: Population, now: float) -> dict[str, R
         if round_.kind == TRAINING and secure:
             advance_secure(session, population, round_, now)
             continue
+        if round_.kind == EVALUATION and privacy_budget_spent(population):
+            _drop_outstanding(session, population, round_, now)
+            _abandon(session, population, round_, round_release.BUDGET_SPENT, now)
+            continue
         if not round_state.past_deadline(round_, now):
             continue
-        dropped: CursorResult[Any] = session.execute(  # type: ignore[assignment]
-            update(Assignment)
-            .where(Assignment.round_id == round_.id, Assignment.status == "assigned")
-            .values(status="dropped", finished_at=now)
-        )
-        outstanding = dropped.rowcount
+        outstanding = _drop_outstanding(session, population, round_, now)
         closing = round_state.at_deadline(round_, outstanding)
-        if outstanding:
-            metrics.count(session, metrics.DROPPED, (population.name, round_.kind), outstanding)
         if closing.status == round_state.COMMITTED:
             commit(session, population, round_, now, closing=closing)
         else:
@@ -177,6 +185,18 @@ def advance(session: Session, population: Population, now: float) -> dict[str, R
     if TRAINING not in current and _may_open_training(population, now):
         current[TRAINING] = open_round(session, population, TRAINING, now)
     return current
+
+
+def _drop_outstanding(session: Session, population: Population, round_: Round, now: float) -> int:
+    """The round's assignments still outstanding are dropped (it closes); how many there were."""
+    dropped: CursorResult[Any] = session.execute(  # type: ignore[assignment]
+        update(Assignment)
+        .where(Assignment.round_id == round_.id, Assignment.status == "assigned")
+        .values(status="dropped", finished_at=now)
+    )
+    if dropped.rowcount:
+        metrics.count(session, metrics.DROPPED, (population.name, round_.kind), dropped.rowcount)
+    return int(dropped.rowcount)
 
 
 def _may_open_training(population: Population, now: float) -> bool:
@@ -297,12 +317,17 @@ def commit(
         open_round(session, population, TRAINING, now)
     if settings.keep_model_versions:
         prune_model_versions(session, population, settings.keep_model_versions)
+    evaluation = open_rounds(session, population).get(EVALUATION)
     every = settings.evaluation_every
-    if (
+    if evaluation is not None and privacy_budget_spent(population):
+        _drop_outstanding(session, population, evaluation, now)
+        _abandon(session, population, evaluation, round_release.BUDGET_SPENT, now)
+    elif (
         every
+        and evaluation is None
         and not pausing.paused(population)
         and population.training_rounds_committed % every == 0
-        and EVALUATION not in open_rounds(session, population)
+        and round_release.may_open_evaluation(population) is None
     ):
         open_round(session, population, EVALUATION, now)
 
@@ -340,6 +365,9 @@ def _abandon(
     session: Session, population: Population, round_: Round, closing: round_state.Closing, now: float
 ) -> None:
     round_state.close(round_, closing, now)
+    # What it gathered is never released: an evaluation's sums of fewer devices than its floor,
+    # a DP round's raw count of devices within the clip norm.
+    round_.metrics = round_release.kept_after_abandon(round_.kind, round_.metrics)
     labels = (population.name, round_.kind, closing.phase, closing.ended_by or "")
     metrics.count(session, metrics.ROUNDS_ABANDONED, labels)
     _count_closed(session, population, round_, "abandoned")
@@ -376,8 +404,9 @@ def _count_closed(session: Session, population: Population, round_: Round, trans
 
 def summarize_metrics(round_: Round) -> dict[str, float]:
     """Per-round metrics: the sums devices sent, and the example-weighted means they stand for
-    (`<name>` for each `<name>_sum`; also `rmse` from `squared_error` and `accuracy` from `correct`)."""
-    sums = dict(round_.metrics)
+    (`<name>` for each `<name>_sum`; also `rmse` from `squared_error` and `accuracy` from `correct`).
+    Only what the round may release (`round_release.released`)."""
+    sums = round_release.released(round_)
     out = dict(sums)
     for prefix in ("", "query_"):
         weight = sums.get(f"{prefix}weight_sum", 0.0)

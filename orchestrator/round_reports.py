@@ -340,7 +340,9 @@ def _report_row(step: _Step) -> dict[str, object]:
         "round_id": step.found.round.id,
         "weight": weight,
         "delta": delta,
-        "metrics": metric_sums,
+        # An evaluation's sums live only in its round's running sums, released with at least its
+        # floor of devices (round_release); one device's are never kept.
+        "metrics": metric_sums if step.found.round.kind == TRAINING else {},
     }
 
 

@@ -31,6 +31,8 @@ REPORTING = "reporting"
 # (aborted, vanished) before it; the server refused enough of their messages as invalid that the
 # rest fell short; or the aggregate failed a check (a secure round's unmasking).
 DEADLINE, DROPOUTS, REFUSALS, FAILED_CHECK = "deadline", "dropouts", "refusals", "failed_check"
+# An evaluation round open when its population's privacy budget ran out (round_release).
+PRIVACY_BUDGET = "privacy_budget"
 
 
 class RoundCounts(Protocol):
@@ -62,7 +64,7 @@ class Closing:
     """A round closes: COMMITTED (a new model version) or ABANDONED (the model kept), and why:
     the sentence an operator reads, and its parts (stored with the round, counted by the metrics):
     the phase it stopped in, the devices it had and needed there (None: no count says it), and
-    what ended it (DEADLINE, DROPOUTS, REFUSALS, FAILED_CHECK; None for a commit)."""
+    what ended it (DEADLINE, DROPOUTS, REFUSALS, FAILED_CHECK, PRIVACY_BUDGET; None for a commit)."""
 
     status: str
     reason: str

@@ -42,6 +42,7 @@ from secure_aggregation import identity, server
 from secure_aggregation.config import ProtocolError
 from secure_aggregation.device import round_graph
 from secure_aggregation.messages import (
+    AdvertisedKeys,
     EncryptedShares,
     UnmaskingShares,
     ciphertexts_to_json,
@@ -145,8 +146,15 @@ def _shares_for(
 
 
 def advertise(
-    session: Session, round_: Round, assignment_id: str, body: Any, now: float
+    session: Session,
+    round_: Round,
+    assignment_id: str,
+    body: Any,
+    now: float,
+    authority_key: bytes | None = None,
 ) -> dict[str, Any] | Refused:
+    """Phase 1: a device's keys. With the enrollment authority's `authority_key`, only an
+    advertisement that authority certified (`certified_by`)."""
     secure_round = _secure_round(session, round_)
     wrong_phase = _in_phase(secure_round, ADVERTISE, now)
     if wrong_phase is not None:
@@ -155,6 +163,8 @@ def advertise(
         return Refused(409, "this assignment has already advertised its keys")
     try:
         advertisement = identity.parse_advertisement(body)
+        if authority_key is not None:
+            certified_by(advertisement, authority_key, now)
         advertised = advertisements_of(session, round_.id)
         server.check_advertisement(
             identity.keys_of(advertisement), [identity.keys_of(a) for a in advertised.values()]
@@ -182,6 +192,28 @@ def advertise(
     )
     session.flush()
     return {"index": index}
+
+
+def certified_by(
+    advertisement: AdvertisedKeys | identity.SignedAdvertisement, authority_key: bytes, now: float
+) -> None:
+    """ProtocolError unless the advertisement carries a certificate of the enrollment authority
+    whose key the server was given, valid now. Devices check this themselves and refuse a whole
+    roster with one uncertified entry: refused here, one device cannot stop its round."""
+    if not isinstance(advertisement, identity.SignedAdvertisement):
+        raise ProtocolError(
+            "this server takes only key advertisements signed with a certificate of its enrollment "
+            "authority; this one has none (enroll the device's signing key first)"
+        )
+    certificate = advertisement.certificate
+    message = identity.Certificate.message(certificate.device_key, certificate.not_after)
+    if not identity.verify(authority_key, certificate.signature, message):
+        raise ProtocolError(
+            "the advertisement's certificate is not signed by the enrollment authority this server "
+            "and its devices trust"
+        )
+    if now > certificate.not_after:
+        raise ProtocolError(f"the advertisement's certificate expired at {certificate.not_after}")
 
 
 def _taking_part(

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import base64
+import binascii
 import hashlib
 from typing import Literal
 
-from pydantic import Field, SecretStr
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+from pydantic import Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 MIN_ADMIN_TOKEN_CHARS = 32
@@ -67,6 +70,29 @@ class Settings(BaseSettings):
     # the admin token cannot be guessed through the sign-in form. Per server process.
     dashboard_sign_in_burst: int = Field(default=5, ge=1, le=1000)
     dashboard_sign_in_interval_seconds: float = Field(default=10.0, ge=0.001, le=3600)
+    # The enrollment authority's Ed25519 public key (base64 of its 32 raw bytes), the one the app's
+    # devices trust. Set, the server refuses a key advertisement whose certificate that authority did
+    # not sign, so that one uncertified device cannot make every certified device of its round
+    # refuse the roster. Empty: the server relays certificates unchecked (the devices check them).
+    enrollment_authority_key: str = ""
+
+    @field_validator("enrollment_authority_key")
+    @classmethod
+    def _authority_key(cls, value: str) -> str:
+        value = value.strip()
+        if value:
+            try:
+                raw = base64.b64decode(value, validate=True)
+                Ed25519PublicKey.from_public_bytes(raw)
+            except (binascii.Error, ValueError):
+                raise ValueError(
+                    "must be the base64 of the enrollment authority's raw 32-byte Ed25519 public key"
+                ) from None
+        return value
+
+    def authority_key(self) -> bytes | None:
+        """The enrollment authority's public key, or None when none is configured."""
+        return base64.b64decode(self.enrollment_authority_key) if self.enrollment_authority_key else None
 
     def admin_token_digest(self) -> bytes:
         """The sha256 of the admin token, compared in constant time with a caller's. Raises
@@ -83,3 +109,13 @@ class Settings(BaseSettings):
                 f"characters; use a random secret, e.g. the output of {NEW_TOKEN_HINT}"
             )
         return hashlib.sha256(token.encode()).digest()
+
+
+def server_settings_problem(error: ValidationError) -> str:
+    """A ValidationError of `Settings` as one line: each bad ORCHESTRATOR_* value and what it must be
+    (never the value itself: it may be a secret)."""
+    return "; ".join(
+        f"ORCHESTRATOR_{'_'.join(str(p) for p in e['loc']).upper()}: "
+        + e["msg"].removeprefix("Value error, ")
+        for e in error.errors()
+    )

@@ -30,6 +30,7 @@ SAFE_TO_CHANGE = frozenset(
         "keep_model_versions",
         "evaluation_every",
         "evaluation_target_reports",
+        "min_evaluation_reports",
         "evaluation_round_duration_seconds",
     }
 )

@@ -185,7 +185,12 @@ def test_a_dp_fleet_reports_epsilon_and_stops_at_its_budget(work: Path) -> None:
     training = [r for r in result.summary["rounds"] if r["kind"] == "training"]
     epsilons = [r["metrics"]["dp_epsilon"] for r in training if r["status"] == "committed"]
     assert epsilons == sorted(epsilons) and epsilons[-1] == pytest.approx(budget)
-    assert result.final_evaluation  # evaluation goes on after training stopped
+    # No round of any kind after the budget: an evaluation's sums are not noised, so there is no
+    # final evaluation, and no evaluation round opened once the last training round committed.
+    assert not result.final_evaluation
+    spent_at = max(r["closed_at"] for r in training if r["status"] == "committed")
+    evaluations = [r for r in result.summary["rounds"] if r["kind"] == "evaluation"]
+    assert all(r["opened_at"] < spent_at for r in evaluations), evaluations
 
 
 def test_a_fleet_with_adaptive_clipping_moves_its_clip_norm(work: Path) -> None:

@@ -43,6 +43,7 @@ SETTINGS = {
     "min_examples": 5,
     "evaluation_every": 2,
     "evaluation_target_reports": 3,
+    "min_evaluation_reports": 3,
     "evaluation_round_duration_seconds": 3,
     "task_config": {"update_learning_rate": 0.5, "reconstruction_learning_rate": 0.1},
     # Epsilon spent against a budget, for the privacy chart (a stated population of 1,000).

@@ -78,3 +78,22 @@ def test_an_archived_population_opens_no_round_and_cannot_be_resumed(
         assert found is not None
         pausing.resume(session, found, 13.0)
     assert (population(db).archived_at, population(db).paused_at) == (2.0, 2.0)
+
+
+def test_resuming_opens_a_round_even_if_the_round_open_at_the_pause_closed_idle_meanwhile(
+    db: sessionmaker[Session], biased_model: ExportedModel
+) -> None:
+    # Prepare: the population is paused with a round open that no device checks in to; it closes
+    # idle while paused, which sets an idle back-off
+    make_population(db, biased_model, target_reports=2, min_reports=2, round_duration_seconds=10)
+    set_paused(db, True, 2.0)
+    tick(db, 11.0)
+    assert population(db).next_round_at is not None
+
+    # Execute: the operator resumes it before the back-off would end
+    set_paused(db, False, 12.0)
+
+    # Assert: a round opens at once (the operator asked for it), and the back-off is over
+    assert [r.status for r in training_rounds(db)] == ["abandoned", "open"]
+    assert training_rounds(db)[-1].opened_at == 12.0
+    assert (population(db).idle_rounds, population(db).next_round_at) == (0, None)

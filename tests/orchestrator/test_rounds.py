@@ -523,7 +523,7 @@ def test_ownership_unknown_repeated_and_aborted(
 def test_evaluation_round_aggregates_metrics_only(
     db: sessionmaker[Session], biased_model: ExportedModel
 ) -> None:
-    make_population(db, biased_model, evaluation_target_reports=2)
+    make_population(db, biased_model, evaluation_target_reports=2, min_evaluation_reports=2)
     with db.begin() as session:
         population = rounds.lock_population(session, "p")
         assert population is not None

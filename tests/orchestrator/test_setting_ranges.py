@@ -71,6 +71,11 @@ def settings_with(name: str, value: float) -> dict[str, Any]:
         settings["differential_privacy"] = dict(ADAPTIVE)
     if name == "min_reports":
         settings["target_reports"] = max(value, 1) if isinstance(value, int) else 1
+    # The evaluation floor is at most the evaluation round's target: each end walks with the other.
+    if name == "min_evaluation_reports":
+        settings["evaluation_target_reports"] = max(value, 1) if isinstance(value, int) else 1
+    if name == "evaluation_target_reports":
+        settings["min_evaluation_reports"] = min(max(value, 1), 5) if isinstance(value, int) else 1
     if name == "server_optimizer.momentum":
         settings["server_optimizer"] = {"name": "momentum"}
     if group:

@@ -39,7 +39,13 @@ def test_a_stateful_population_keeps_locals_on_devices_across_rounds_and_restart
         server.url,
         model_dir,
         "furl",
-        settings(target_reports=4, min_reports=1, evaluation_target_reports=4, task_config=KEEP_TASK),
+        settings(
+            target_reports=4,
+            min_reports=1,
+            evaluation_target_reports=4,
+            min_evaluation_reports=4,
+            task_config=KEEP_TASK,
+        ),
     )
     assert created.status_code == 201, created.text
     model = TFLiteModel(model_dir)

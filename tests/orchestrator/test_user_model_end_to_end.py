@@ -28,6 +28,7 @@ SETTINGS = {
     "min_examples": 5,
     "task_config": {"update_learning_rate": 0.2, "reconstruction_learning_rate": 0.2},
     "evaluation_target_reports": 2,
+    "min_evaluation_reports": 2,
 }
 
 

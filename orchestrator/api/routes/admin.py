@@ -17,7 +17,7 @@ from contracts.protocol import (
     RoundView,
     TaskKind,
 )
-from orchestrator import devices, idle_backoff, model_versions, pausing, rounds
+from orchestrator import devices, idle_backoff, model_versions, pausing, round_release, rounds
 from orchestrator import mixing as mixing_data
 from orchestrator.api import schemas
 from orchestrator.api.deps import AdminDep, ClockDep, SessionFactoryDep, run_db
@@ -239,7 +239,8 @@ def _locked(session: Session, name: str) -> Population:
     responses=schemas.refusals(
         {
             404: "no population of that name",
-            409: "an evaluation round is already open, or the population is paused or archived",
+            409: "an evaluation round is already open, the population is paused or archived, or its "
+            "privacy budget is spent (an evaluation's sums are not noised)",
         }
     ),
 )
@@ -248,6 +249,9 @@ def schedule_evaluation(name: str, _: AdminDep, factory: SessionFactoryDep, cloc
         population = _locked(session, name)
         if pausing.paused(population):
             raise HTTPException(409, "the population is paused: resume it first")
+        refusal = round_release.may_open_evaluation(population)
+        if refusal is not None:
+            raise HTTPException(409, refusal)
         if rounds.EVALUATION in rounds.open_rounds(session, population):
             raise HTTPException(409, "an evaluation round is already open")
         return round_out(rounds.open_round(session, population, rounds.EVALUATION, clock()))
@@ -306,8 +310,8 @@ def archive(name: str, _: AdminDep, factory: SessionFactoryDep, clock: ClockDep)
     description='A JSON body `{"settings": {...}, "operator": "who"}`: the settings to change '
     "(target_reports, oversampling, min_reports, round_duration_seconds, min_examples, "
     "retry_after_seconds, keep_model_versions, evaluation_every, evaluation_target_reports, "
-    "evaluation_round_duration_seconds), validated as at creation, and who changes them (kept with "
-    "the caller's address, the time and the new settings version).",
+    "min_evaluation_reports, evaluation_round_duration_seconds), validated as at creation, and who "
+    "changes them (kept with the caller's address, the time and the new settings version).",
     responses=schemas.refusals(
         {
             404: "no population of that name",

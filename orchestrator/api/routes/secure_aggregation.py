@@ -11,6 +11,7 @@ before, or that fails its checks is a 409 or 422 that changes nothing for the ot
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Callable
 from typing import Annotated, Any
 
@@ -36,7 +37,9 @@ SECURE_REFUSALS = {
     404: "no such assignment",
     409: "the round does not use secure aggregation, the message is out of phase (Retry-After: until "
     "the phase's deadline) or repeated, or the assignment or its round is closed",
-    422: "the message fails its checks (the detail says which); nothing changed for other devices",
+    422: "the message fails its checks (the detail says which; with ORCHESTRATOR_ENROLLMENT_AUTHORITY_KEY "
+    "set, a key advertisement without that authority's valid certificate); nothing changed for other "
+    "devices",
 }
 
 
@@ -165,7 +168,8 @@ async def state(
     },
 )
 async def keys(assignment_id: str, request: Request, token: TokenDep, settings: SettingsDep) -> Any:
-    return await _post_json(request, secure_rounds.advertise, assignment_id, token, 4096)
+    advertise = functools.partial(secure_rounds.advertise, authority_key=settings.authority_key())
+    return await _post_json(request, advertise, assignment_id, token, 4096)
 
 
 @router.post(
