@@ -256,10 +256,11 @@ def main() -> int:
             "aggregation": "secure",
             "secure": {
                 "clip_norm": 1.0,
-                "advertise_seconds": 120,
-                "share_keys_seconds": 60,
-                "masked_input_seconds": 60,
-                "unmasking_seconds": 60,
+                # Deadlines that grow with the round: a phase's length, not its deadline, is measured.
+                "advertise_seconds": max(120, 1.2 * args.devices),
+                "share_keys_seconds": max(60, 0.6 * args.devices),
+                "masked_input_seconds": max(60, 0.6 * args.devices),
+                "unmasking_seconds": max(60, 0.6 * args.devices),
                 # The devices here all run in this process at its pace: the protocol's cost, not
                 # a fleet's stragglers, is measured.
                 "straggler_wait": None,
