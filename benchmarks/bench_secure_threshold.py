@@ -21,10 +21,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from secure_aggregation import server  # noqa: E402
-from secure_aggregation.config import RoundParameters  # noqa: E402
-from secure_aggregation.device import round_graph  # noqa: E402
-from secure_aggregation.neighbours import suggested_neighbours  # noqa: E402
+from secure_aggregation import server
+from secure_aggregation.config import RoundParameters
+from secure_aggregation.device import round_graph
+from secure_aggregation.neighbours import suggested_neighbours
 
 THRESHOLDS = (0.4, 0.5, 2 / 3)
 DROPOUTS = (0.05, 0.1, 0.2, 0.3)
