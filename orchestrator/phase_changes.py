@@ -4,7 +4,10 @@ A device between two phases asks for the round's state with `?until=<phase>`, an
 holds the answer until the phase has changed. The state machine announces a change once its
 transaction has committed (`on_commit`), from whichever thread ran it; the waiting requests, on
 the event loop, then read the state again. A change made by another server process is not
-announced here: the waiters also read again every `recheck` seconds, which bounds the delay.
+announced here: while requests wait, one watcher per process reads the open secure rounds'
+phases every `recheck` seconds and announces any change (`watch`). One query a second for the
+process, not one state read per waiting device a second: with a thousand devices waiting those
+re-reads alone had the server busy, and grew with the devices times the phase's length.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
+from collections.abc import Awaitable, Callable, Hashable
 
 
 class PhaseChanges:
@@ -20,7 +24,10 @@ class PhaseChanges:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._generation = 0
-        self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
+        # A dict (insertion-ordered) rather than a list: a thousand waiters leave in O(1) each.
+        self._waiters: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = {}
+        # One watcher per event loop (tests run several apps, each on its own loop).
+        self._watchers: dict[asyncio.AbstractEventLoop, asyncio.Task[None]] = {}
 
     @property
     def generation(self) -> int:
@@ -31,8 +38,8 @@ class PhaseChanges:
         """A secure round's phase changed (its transaction committed); thread-safe."""
         with self._lock:
             self._generation += 1
-            waiters, self._waiters = self._waiters, []
-        for loop, future in waiters:
+            waiters, self._waiters = self._waiters, {}
+        for loop, future in waiters.values():
             with contextlib.suppress(RuntimeError):  # its loop has closed: nobody waits any more
                 loop.call_soon_threadsafe(_wake, future)
 
@@ -44,14 +51,41 @@ class PhaseChanges:
         with self._lock:
             if self._generation != seen:
                 return
-            self._waiters.append(entry)
+            self._waiters[id(future)] = entry
         try:
             await asyncio.wait_for(future, max(0.0, timeout))
         except TimeoutError:
             pass
         finally:
-            with self._lock, contextlib.suppress(ValueError):
-                self._waiters.remove(entry)
+            with self._lock:
+                self._waiters.pop(id(future), None)
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiters)
+
+    def watch(self, read_phases: Callable[[], Awaitable[Hashable]], recheck: float) -> None:
+        """Have one task on the running loop announce the changes other processes make: while
+        requests wait, it calls `read_phases` (the open rounds' phases) every `recheck` seconds
+        and notifies when the answer differs from the last. It ends once nobody waits; the next
+        waiter starts it again."""
+        loop = asyncio.get_running_loop()
+        watcher = self._watchers.get(loop)
+        if watcher is None or watcher.done():
+            for other in [other for other in self._watchers if other.is_closed()]:
+                del self._watchers[other]
+            self._watchers[loop] = loop.create_task(self._watch(read_phases, recheck))
+
+    async def _watch(self, read_phases: Callable[[], Awaitable[Hashable]], recheck: float) -> None:
+        last = await read_phases()
+        while True:
+            await asyncio.sleep(recheck)
+            if not self.waiting:
+                return
+            phases = await read_phases()
+            if phases != last:
+                self.notify()
+            last = phases
 
 
 def _wake(future: asyncio.Future[None]) -> None:

@@ -380,6 +380,12 @@ def parameters(session: Session, round_id: int) -> dict[str, Any]:
     return dict(secure_round.parameters)
 
 
+def open_phases(session: Session) -> frozenset[tuple[int, str]]:
+    """(round id, phase) of every secure round under way, in every population."""
+    rows = session.execute(select(SecureRound.round_id, SecureRound.phase).where(SecureRound.phase != DONE))
+    return frozenset((round_id, phase) for round_id, phase in rows)
+
+
 def accepting(session: Session, round_: Round) -> bool:
     """Whether the round still takes check-ins: only until its roster closes."""
     return _secure_round(session, round_).phase == ADVERTISE

@@ -39,3 +39,32 @@ def test_a_change_between_reading_the_state_and_waiting_is_not_missed() -> None:
 
     # Assert
     assert time.monotonic() - started < 5
+
+
+def test_a_change_made_by_another_process_wakes_the_waiters_through_one_watcher() -> None:
+    # Prepare: the phases as the database holds them; another process changes them (no notify here)
+    changes = PhaseChanges()
+    phases = {"round 1": "share_keys"}
+    reads = 0
+
+    async def read_phases() -> frozenset[tuple[str, str]]:
+        nonlocal reads
+        reads += 1
+        return frozenset(phases.items())
+
+    async def scenario() -> float:
+        seen = changes.generation
+        for _ in range(50):  # fifty devices waiting, each asking the watcher to run
+            changes.watch(read_phases, 0.05)
+        asyncio.get_running_loop().call_later(0.3, phases.update, {"round 1": "masked_input"})
+        started = time.monotonic()
+        await asyncio.gather(*(changes.wait(seen, 30.0) for _ in range(50)))
+        return time.monotonic() - started
+
+    # Execute
+    waited = asyncio.run(scenario())
+
+    # Assert: all woke at the change, and the phases were read once per recheck for the process
+    # (about 0.3 / 0.05 times), not once per waiting device
+    assert 0.2 < waited < 10
+    assert reads < 50

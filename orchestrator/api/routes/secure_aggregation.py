@@ -28,7 +28,8 @@ router = APIRouter(prefix="/v1/assignments", tags=["devices"])
 
 # A held state request answers within this, whatever happens: below the devices' HTTP timeouts.
 LONG_POLL_SECONDS = 10.0
-# Phase changes made by another server process are not announced here: read again this often.
+# Phase changes made by another server process are not announced here: one watcher per process
+# reads the open rounds' phases this often while devices wait (phase_changes).
 RECHECK_SECONDS = 1.0
 ORDER = (*secure_rounds.PHASES, secure_rounds.DONE)
 
@@ -147,7 +148,15 @@ async def state(
         left = give_up - loop.time()
         if until is None or ORDER.index(answer["phase"]) >= ORDER.index(until) or left <= 0:
             return answer
-        await PHASE_CHANGES.wait(seen, min(left, RECHECK_SECONDS))
+        PHASE_CHANGES.watch(lambda: run_db(request.app, _open_phases, factory), RECHECK_SECONDS)
+        await PHASE_CHANGES.wait(seen, left)
+
+
+def _open_phases(factory: sessionmaker[Session]) -> frozenset[tuple[int, str]]:
+    """The phases of the secure rounds under way, as the watcher compares them: a round that
+    opens, changes phase or ends changes the set."""
+    with factory.begin() as session:
+        return secure_rounds.open_phases(session)
 
 
 @router.post(
