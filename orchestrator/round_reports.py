@@ -206,7 +206,8 @@ def _read_and_parse(
         if now >= round_.deadline or config.secure_training:
             needs_lock = True
             continue
-        if event.abort or assignment.status != "assigned" or not _right_type(round_, event.content_type):
+        sent = event.content_type.split(";")[0].strip().lower()
+        if event.abort or assignment.status != "assigned" or sent != _expected_type(round_):
             continue
         if index not in parsed:
             parsed[index] = _parse(config, assignment, event.body)
@@ -214,10 +215,6 @@ def _read_and_parse(
             coming[round_.id] += 1
             needs_lock = needs_lock or round_.reported + coming[round_.id] >= round_.target
     return needs_lock
-
-
-def _right_type(round_: Round, content_type: str) -> bool:
-    return content_type.split(";")[0].strip().lower() == _expected_type(round_)
 
 
 def _expected_type(round_: Round) -> str:
