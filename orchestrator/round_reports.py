@@ -6,11 +6,13 @@ counted into its round in one statement (`round_counts`: the only lock it takes 
 row, held until the transaction ends), its assignment is marked and the report stored. A round that reaches
 its target commits in the same transaction (`round_lifecycle.commit`).
 
-Without its populations' locks (`lock=False`, the common case) a group raises `LockNeeded` when it
-would have to do more: commit a round, close one past its deadline, take part in a secure round's
-population, or when another server process finished one of its assignments meanwhile. The caller
-rolls back and runs the group again with `lock=True`: the populations locked, then every round the
-group may write to (`population_locks.lock_rounds`), the rounds past their deadline closed first.
+A group that would have to do more (commit a round, close one past its deadline, take part in a
+secure round's population) takes its populations' locks in the same pass, after the reads and the
+parsing and before anything is written: the populations, then every round the group may write to
+(`population_locks.lock_rounds`), the rounds past their deadline closed first, its assignments
+read again under them. Only a race with another server process (it finished one of the group's
+assignments meanwhile, or its reports took a round to its target after this group's count) raises
+`LockNeeded`: the caller rolls back and runs the group again with `lock=True`.
 """
 
 from __future__ import annotations
