@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
-from sqlalchemy import bindparam, delete, insert, select, update
+from sqlalchemy import bindparam, insert, select, update
 from sqlalchemy.orm import Session
 from sqlalchemy.orm.attributes import set_committed_value
 
@@ -50,7 +50,6 @@ _TAKEN = select(Assignment.id, Assignment.round_id, Assignment.device_id, Assign
     Assignment.device_id.in_(bindparam("device_ids", expanding=True)),
 )
 _INSERT_ASSIGNMENTS = insert(Assignment)
-_DELETE_ASSIGNMENTS = delete(Assignment).where(Assignment.id.in_(bindparam("ids", expanding=True)))
 # Admission: a round's check-in counters move by one statement on the round's row, which also
 # checks that the round is still open, so check-ins take no population lock (see `checkin`).
 _ADMIT = (
@@ -222,32 +221,7 @@ def checkin(
             repeats.append((len(answers), first))
         answers.append(None)
     by_id = {r.id: r for r in current.values()}
-    # The assignments are inserted before their rounds' admissions, so that a round's row, which
-    # every check-in and report of the round updates, is held only from its admission to the
-    # commit: the insert takes no lock that another transaction of the round waits for (its
-    # foreign key's share lock on the round's row does not conflict with their updates).
-    offered: dict[int, str] = {}  # request index -> its new assignment's id
-    rows: list[dict[str, Any]] = []
-    for round_id in sorted(candidates):
-        round_ = by_id[round_id]
-        for index in candidates[round_id]:
-            offered[index] = secrets.token_hex(16)
-            rows.append(
-                {
-                    "id": offered[index],
-                    "round_id": round_id,
-                    "device_id": requests[index].device_id,
-                    "status": "assigned",
-                    "example_count": requests[index].example_count,
-                    "created_at": now,
-                    "deadline": round_.deadline,
-                    "finished_at": None,
-                }
-            )
-    if rows:
-        # Plain rows on the connection, not ORM objects: they are not read back in this transaction.
-        session.connection().execute(_INSERT_ASSIGNMENTS, rows)
-    refused_full: list[str] = []
+    new_assignments: list[dict[str, Any]] = []
     for round_id in sorted(candidates.keys() | too_few.keys()):  # in id order: no deadlock between groups
         round_, waiting = by_id[round_id], candidates.get(round_id, [])
         admitted = _admit(session, round_, len(waiting), too_few[round_id])
@@ -257,16 +231,29 @@ def checkin(
                 tally[population.name, request.kind, "full"] += 1
                 retry_after = max(settings.retry_after_seconds, round_.deadline - now)
                 answers[index] = Refused(409, "this round is full", retry_after)
-                refused_full.append(offered[index])
                 continue
             tally[population.name, request.kind, "accepted"] += 1
-            answers[index] = _accepted(offered[index], round_)
-    if refused_full:  # the round filled up meanwhile: rare, at its end
-        session.connection().execute(_DELETE_ASSIGNMENTS, {"ids": refused_full})
+            assignment_id = secrets.token_hex(16)
+            new_assignments.append(
+                {
+                    "id": assignment_id,
+                    "round_id": round_id,
+                    "device_id": request.device_id,
+                    "status": "assigned",
+                    "example_count": request.example_count,
+                    "created_at": now,
+                    "deadline": round_.deadline,
+                    "finished_at": None,
+                }
+            )
+            answers[index] = _accepted(assignment_id, round_)
     for index, first in repeats:  # counted once in the round's counters, as the first
         answers[index] = answers[first]
         answer = "again" if isinstance(answers[first], Accepted) else "full"
         tally[population.name, requests[index].kind, answer] += 1
+    if new_assignments:
+        # Plain rows on the connection, not ORM objects: they are not read back in this transaction.
+        session.connection().execute(_INSERT_ASSIGNMENTS, new_assignments)
     metrics.count_all(session, metrics.CHECKINS, tally)
     return cast(list[Accepted | Refused], answers)  # every None was filled above
 

@@ -8,7 +8,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
-from sqlalchemy.exc import IntegrityError, OperationalError
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 from starlette.applications import Starlette
 
@@ -58,21 +58,14 @@ def checkin_transaction(
     is then found), then with it. The lock keeps rounds from closing but not another process's
     unlocked check-in from admitting the same device between this transaction's read and its
     insert, so that race can repeat: each retry reads the assignment the other one committed and
-    answers with it. (The same device checking in twice at once in two processes, one of them under
-    the lock, can deadlock on its assignment's unique index and its round's row: PostgreSQL breaks
-    it, and the loser runs again.)"""
+    answers with it."""
     for attempt in range(CHECKIN_ATTEMPTS):
         try:
             return _checkin_once(factory, population, calls, now, lock=attempt >= UNLOCKED_ATTEMPTS)
-        except (rounds.RoundClosed, IntegrityError, OperationalError) as e:
-            if isinstance(e, OperationalError) and getattr(e.orig, "sqlstate", None) != DEADLOCK:
-                raise
+        except (rounds.RoundClosed, IntegrityError):
             if attempt == CHECKIN_ATTEMPTS - 1:
                 raise
     raise AssertionError("unreachable")
-
-
-DEADLOCK = "40P01"  # PostgreSQL's deadlock_detected
 
 
 def _checkin_once(
