@@ -7,7 +7,11 @@ Prints:
 - reports/s: training reports (the sparse delta a device uploads: the 150 rows of 3,706 that a
   client changed), each validated, stored, and aggregated when its round commits (every 100th
   report commits a round: a new model version);
-- aggregation throughput: bytes of dense deltas per second through the streaming weighted mean;
+- aggregation throughput: bytes of deltas (dense-equivalent) per second through the server's own
+  aggregation pipeline (`Pipeline`, assembled from a population's default settings: robust
+  clipping and weight caps over the streaming weighted mean), in a round that starts from the
+  reference norms the round before left, as every round after a population's first does; a dense
+  delta is one with every row;
 - server RSS every 100 rounds across 1,000 committed rounds (target: flat).
 The load generator runs in this process and shares the 2 cores with the server, so the
 server-side rates are lower bounds; its CPU time per request is printed too. Targets (issue 3):
@@ -34,12 +38,14 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from contracts.params import (  # noqa: E402
+    SparseTensor,
     decode_sparse_delta,
     encode_sparse_delta,
 )
 from model_export.config import ModelConfig  # noqa: E402
 from model_export.in_subprocess import export_in_subprocess  # noqa: E402
-from orchestrator.aggregation import WeightedMean  # noqa: E402
+from orchestrator.pipeline.assemble import Pipeline, RoundInputs  # noqa: E402
+from orchestrator.population_settings import PopulationSettings  # noqa: E402
 from tests.orchestrator.conftest import Server, admin_create_population  # noqa: E402
 
 NUM_ITEMS, DIM = 3706, 50
@@ -173,20 +179,30 @@ class Load:
 
 
 def bench_aggregation(repeats: int) -> dict[str, float]:
+    """Dense-equivalent GB/s of `repeats` contributions through one round of the server's pipeline."""
+    shapes = {"item_embeddings": (NUM_ITEMS, DIM)}
+    pipeline = Pipeline(PopulationSettings.model_validate({}), shapes)
     rng = np.random.default_rng(0)
     deltas = [client_delta(rng) for _ in range(8)]
     nbytes = deltas[0]["item_embeddings"].nbytes
-    mean = WeightedMean({"item_embeddings": (NUM_ITEMS, DIM)})
-    start = time.perf_counter()
-    for i in range(repeats):
-        mean.add(deltas[i % 8], 10.0)
-    dense = repeats * nbytes / (time.perf_counter() - start)
-    sparse_blobs = [decode_sparse_delta(encode_sparse_delta(d)) for d in deltas]
-    start = time.perf_counter()
-    for i in range(repeats):
-        mean.add_sparse(sparse_blobs[i % 8], 10.0)
-    sparse = repeats * nbytes / (time.perf_counter() - start)
-    return {"dense_gb_s": dense / 1e9, "sparse_dense_equivalent_gb_s": sparse / 1e9}
+    every_row = np.arange(NUM_ITEMS, dtype=np.int32)
+    dense = [{k: SparseTensor(v.shape, every_row, v) for k, v in d.items()} for d in deltas]
+    sparse = [decode_sparse_delta(encode_sparse_delta(d)) for d in deltas]
+    # The round before: it leaves the reference norms a round's clipping starts from.
+    before = pipeline.plaintext_round(RoundInputs(rounds_committed=0, weights=[10.0] * len(sparse)))
+    for delta in sparse:
+        before.accept(delta, 10.0)
+    reference = before.finish().norm_reference
+    rates = {}
+    for name, contributions in (("dense_gb_s", dense), ("sparse_dense_equivalent_gb_s", sparse)):
+        inputs = RoundInputs(rounds_committed=1, weights=[10.0] * repeats, reference=reference)
+        start = time.perf_counter()
+        stage = pipeline.plaintext_round(inputs)
+        for i in range(repeats):
+            stage.accept(contributions[i % 8], 10.0)
+        stage.finish()
+        rates[name] = repeats * nbytes / (time.perf_counter() - start) / 1e9
+    return rates
 
 
 def load(url: str, model_dir: Path, args: argparse.Namespace) -> dict[str, object]:

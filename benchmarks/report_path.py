@@ -4,10 +4,16 @@
 
 Sets up a real SQLite population whose rounds commit at one report, commits one round, then
 traces (sys.setprofile) the transaction the report route hands the next report to
-(`report_transaction` in orchestrator/service/reports.py; `_report` in the routes before): its
-validation, storage, the round's commit, the aggregation and the new model version. Prints:
+(`report_transaction` in orchestrator/service/reports.py; `_report` in the routes before, which
+this tool also finds, so that older commits are measured the same way) from its start to the new
+model version: its validation, storage, the round's commit and the aggregation, up to the moment
+the new `ModelVersion` is made (what the commit does after it, such as opening the next round or
+pruning old versions, and the answer to the device are not on the path to it). Prints:
 - stops: the distinct project functions it enters (orchestrator, contracts, secure_aggregation,
-  model_runtime; comprehensions, lambdas and generated methods aside), in the order first entered;
+  model_runtime), in the order first entered. Only the report's own calls: a function that a
+  library calls back (SQLAlchemy's transaction event hooks) is not a stop; comprehensions,
+  lambdas and generated methods (a dataclass's `__init__`) are not stops themselves, but what they
+  call is;
 - module visits: how often that sequence of stops moves into another module than the last;
 - modules: the distinct modules of those stops, and how many stops each holds;
 - climbs: how often the next stop lies on a higher floor than the one before, where a module's
@@ -46,7 +52,6 @@ from orchestrator.db import make_engine  # noqa: E402
 from orchestrator.devices import enroll  # noqa: E402
 from orchestrator.migrate import migrate  # noqa: E402
 from orchestrator.populations import ExportedModel, create_population  # noqa: E402
-from orchestrator.service.reports import ReportCall, report_transaction  # noqa: E402
 
 PACKAGES = ("orchestrator", "contracts", "secure_aggregation", "model_runtime")
 MODEL = ModelConfig(num_items=200, embedding_dim=4, batch_size=5, max_batches=4)
@@ -108,33 +113,75 @@ class Stop:
     function: str
 
 
+GENERATED = "<generated>"  # code with no source file (a dataclass's __init__)
+
+
 @contextmanager
 def traced() -> Iterator[list[Stop]]:
+    """The stops of the calls made inside the block, until the new model version is made."""
+    from sqlalchemy import event
+
+    from orchestrator.db import ModelVersion
+
     stops: list[Stop] = []
     seen: set[Stop] = set()
     modules: dict[str, str | None] = {}
+    arrived = False
 
-    def profile(frame: FrameType, event: str, _: Any) -> None:
-        if event != "call":
+    def module(frame: FrameType) -> str | None:
+        filename = frame.f_code.co_filename
+        if filename not in modules:
+            modules[filename] = GENERATED if filename.startswith("<") else module_of(Path(filename))
+        return modules[filename]
+
+    def called_by_project(frame: FrameType) -> bool:
+        """Whether the nearest caller that is not a comprehension, lambda or generated method is
+        a project function (or the traced block itself): not a library calling back."""
+        caller = frame.f_back
+        while caller is not None and (module(caller) == GENERATED or caller.f_code.co_name.startswith("<")):
+            caller = caller.f_back
+        return caller is None or caller.f_code is block or module(caller) is not None
+
+    def version_made(*_: object) -> None:
+        nonlocal arrived
+        arrived = True
+
+    def profile(frame: FrameType, event_name: str, _: Any) -> None:
+        if event_name != "call" or arrived:
             return
         code = frame.f_code
-        if code.co_name.startswith("<"):
+        name = module(frame)
+        if name is None or name == GENERATED or code.co_name.startswith("<"):
             return
-        if code.co_filename not in modules:
-            modules[code.co_filename] = module_of(Path(code.co_filename))
-        module = modules[code.co_filename]
-        if module is None:
+        if not called_by_project(frame):
             return
-        stop = Stop(module, code.co_qualname)
+        stop = Stop(name, code.co_qualname)
         if stop not in seen:
             seen.add(stop)
             stops.append(stop)
 
+    block = sys._getframe(2).f_code  # the function whose `with traced()` block is traced
+    event.listen(ModelVersion, "init", version_made)
     sys.setprofile(profile)
     try:
         yield stops
     finally:
         sys.setprofile(None)
+        event.remove(ModelVersion, "init", version_made)
+        if not arrived:
+            raise AssertionError("the traced report made no new model version")
+
+
+def entry() -> tuple[Any, Any]:
+    """The function the report route hands a report to, and its call's type: the service layer's
+    since it exists, the route module's own `_report` before (to measure older commits alike)."""
+    try:
+        from orchestrator.service.reports import ReportCall, report_transaction
+    except ImportError:
+        from orchestrator.api.routes import assignments
+
+        return assignments._report, assignments._ReportCall  # type: ignore[attr-defined]
+    return report_transaction, ReportCall
 
 
 def one_report(model_dir: Path, database: Path) -> list[Stop]:
@@ -142,6 +189,7 @@ def one_report(model_dir: Path, database: Path) -> list[Stop]:
     round already (so that what is parsed or learnt once per population is not counted)."""
     from sqlalchemy.orm import sessionmaker
 
+    transaction, call_type = entry()
     url = f"sqlite:///{database}"
     migrate(url)
     factory = sessionmaker(make_engine(url), expire_on_commit=False)
@@ -163,11 +211,11 @@ def one_report(model_dir: Path, database: Path) -> list[Stop]:
         for array in delta.values():
             array.reshape(-1)[:2] = 0.01
         metadata = {"num_examples": "10", "metrics": json.dumps({"update_loss": 0.5})}
-        call = ReportCall(
+        call = call_type(
             accepted.assignment_id, token, encode_sparse_delta(delta, metadata), "application/octet-stream"
         )
         with traced() as stops:
-            (answer,) = report_transaction(factory, [call], now + 1.0)
+            (answer,) = transaction(factory, [call], now + 1.0)
         traced_stops.append(stops)
         assert not isinstance(answer, rounds.Refused), answer.message
         assert answer.round_status == "committed", answer

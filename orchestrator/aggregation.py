@@ -130,8 +130,14 @@ class WeightedMean:
         """Add a sparse delta: only its stored rows are touched, the rest are zero."""
         self._check("sparse delta", {name: t.shape for name, t in delta.items()}, weight)
         for name, tensor in delta.items():
-            # Rows are unique (SparseTensor checks it), so fancy-index += adds each row exactly once.
-            self._sums[name][tensor.rows] += float(weight) * tensor.values.astype(np.float64)
+            total = self._sums[name]
+            if len(tensor.rows) == len(total):  # every row (they are strictly increasing): as `add`
+                scratch = self._scratch[name]
+                np.multiply(tensor.values, float(weight), out=scratch, dtype=np.float64)
+                total += scratch
+            else:
+                # Rows are unique (SparseTensor checks it), so fancy-index += adds each row exactly once.
+                total[tensor.rows] += float(weight) * tensor.values.astype(np.float64)
         self._total_weight += float(weight)
         self._count += 1
 
@@ -208,8 +214,15 @@ class RobustAggregation:
 
 
 def tensor_norms(delta: Mapping[str, SparseTensor]) -> dict[str, float]:
-    """The L2 norm of each tensor of a sparse delta (absent rows are zero)."""
-    return {name: float(np.linalg.norm(t.values.astype(np.float64))) for name, t in delta.items()}
+    """The L2 norm of each tensor of a sparse delta (absent rows are zero), summed in float64."""
+    return {name: _norm(t.values) for name, t in delta.items()}
+
+
+def _norm(values: np.ndarray) -> float:
+    # einsum sums the float64 squares without a float64 copy of the values (np.linalg.norm of
+    # values.astype(float64) made one, and its BLAS call was most of a dense delta's clipping).
+    flat = values.reshape(-1)
+    return math.sqrt(float(np.einsum("i,i->", flat, flat, dtype=np.float64)))
 
 
 def cap_weights(weights: Sequence[float], multiple: float) -> list[float]:
@@ -268,11 +281,16 @@ def known_bounds(
     return {name: rule.norm_clip_multiple * known[name] for name in names}
 
 
-def clip_by_norm(delta: Mapping[str, SparseTensor], bounds: Mapping[str, float]) -> dict[str, SparseTensor]:
-    """Each tensor scaled down to L2 norm at most its bound (tensors within it are unchanged)."""
+def clip_by_norm(
+    delta: Mapping[str, SparseTensor],
+    bounds: Mapping[str, float],
+    norms: Mapping[str, float] | None = None,
+) -> dict[str, SparseTensor]:
+    """Each tensor scaled down to L2 norm at most its bound (tensors within it are unchanged);
+    `norms`: the tensors' norms (`tensor_norms`), when the caller has them already."""
     clipped: dict[str, SparseTensor] = {}
     for name, tensor in delta.items():
-        norm = float(np.linalg.norm(tensor.values.astype(np.float64)))
+        norm = norms[name] if norms is not None else _norm(tensor.values)
         bound = bounds.get(name, 0.0)
         if norm <= bound:
             clipped[name] = tensor

@@ -1,15 +1,19 @@
-"""A population's settings, manifest and aggregation pipeline, parsed once per process, and what
-its privacy budget still allows."""
+"""A population's settings, manifest and aggregation pipeline, parsed once per process as one
+`PopulationConfig`, and what its privacy budget still allows."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 
 from sqlalchemy.orm import object_session
 
 from contracts.manifest import Manifest
+from contracts.task_config import TaskConfig
+from orchestrator.aggregation import ServerOptimizerConfig
 from orchestrator.db import Population
+from orchestrator.differential_privacy import DPConfig
 from orchestrator.pipeline.assemble import Pipeline
 from orchestrator.population_settings import PopulationSettings
 
@@ -33,33 +37,72 @@ def parsed_once(population: Population, what: str, parse: Callable[[], T]) -> T:
     return cast(T, _parsed[key])
 
 
+@dataclass(frozen=True)
+class PopulationConfig:
+    """Everything a round reads of its population's settings and model, parsed and assembled once
+    per settings version, so that a report and a commit read fields instead of parsing again."""
+
+    settings: PopulationSettings
+    manifest: Manifest
+    pipeline: Pipeline  # the aggregation pipeline, assembled from the settings
+    task: TaskConfig
+    optimizer: ServerOptimizerConfig
+    dp: DPConfig | None
+    secure_training: bool
+    # A report's weight is at most min(examples checked in with, task.max_examples) x this: a
+    # ranking task with sampled negatives trains on them too.
+    weight_per_example: int
+
+    @classmethod
+    def parse(cls, population: Population) -> PopulationConfig:
+        settings = PopulationSettings.model_validate(population.settings)
+        manifest = Manifest.from_json(population.manifest)
+        task = settings.task()
+        return cls(
+            settings=settings,
+            manifest=manifest,
+            pipeline=Pipeline(settings, {s.name: s.shape for s in manifest.global_params}),
+            task=task,
+            optimizer=settings.optimizer(),
+            dp=settings.dp(),
+            secure_training=settings.secure_training,
+            weight_per_example=1 + (task.negatives_per_positive if manifest.task.negative_sampling else 0),
+        )
+
+
+def config_of(population: Population) -> PopulationConfig:
+    """The population's config, parsed once per process and settings version."""
+    session = object_session(population)
+    if session is None:
+        return PopulationConfig.parse(population)
+    key = (session.get_bind(), population.id, population.settings_version, "config")
+    found = _parsed.get(key)
+    if found is None:
+        found = _parsed[key] = PopulationConfig.parse(population)
+    return cast(PopulationConfig, found)
+
+
 def population_settings(population: Population) -> PopulationSettings:
-    return parsed_once(population, "settings", lambda: PopulationSettings.model_validate(population.settings))
+    return config_of(population).settings
 
 
 def population_manifest(population: Population) -> Manifest:
-    return parsed_once(population, "manifest", lambda: Manifest.from_json(population.manifest))
+    return config_of(population).manifest
 
 
 def population_pipeline(population: Population) -> Pipeline:
     """The population's aggregation pipeline, assembled once from its settings."""
-
-    def assemble() -> Pipeline:
-        shapes = {s.name: s.shape for s in population_manifest(population).global_params}
-        return Pipeline(population_settings(population), shapes)
-
-    return parsed_once(population, "pipeline", assemble)
+    return config_of(population).pipeline
 
 
 def _rounds_within_budget(population: Population) -> int | None:
     """How many training rounds the population's privacy budget allows; None without a budget."""
 
     def allowed() -> int | None:
-        settings = population_settings(population)
-        dp = settings.dp()
-        if dp is None or dp.epsilon_budget is None:
+        config = config_of(population)
+        if config.dp is None or config.dp.epsilon_budget is None:
             return None
-        return settings.privacy_spent(0).rounds_within_budget
+        return config.settings.privacy_spent(0).rounds_within_budget
 
     return parsed_once(population, "rounds_within_budget", allowed)
 

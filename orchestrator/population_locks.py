@@ -24,8 +24,11 @@ _POPULATIONS_OF_ASSIGNMENTS = (
 _POPULATIONS_BY_ID_UNLOCKED = (
     select(Population).where(Population.id.in_(bindparam("ids", expanding=True))).order_by(Population.id)
 )
-# Always in the same order, so two servers never deadlock.
-_POPULATIONS_BY_ID = _POPULATIONS_BY_ID_UNLOCKED.with_for_update(key_share=True)
+# Always in the same order, so two servers never deadlock; read afresh under the lock, even when the
+# transaction read them before it (reports read their populations first without it).
+_POPULATIONS_BY_ID = _POPULATIONS_BY_ID_UNLOCKED.with_for_update(key_share=True).execution_options(
+    populate_existing=True
+)
 # The rounds a transaction under its populations' locks may write to, locked at once in id order:
 # every transaction that holds several rounds' rows took them in that order, so none waits for
 # another in a cycle (a report counted into its round takes no population lock; see round_counts).

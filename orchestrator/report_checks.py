@@ -17,11 +17,10 @@ from contracts.params import (
     encode_sparse_delta,
     read_metadata,
 )
-from orchestrator.db import Population, Round
+from orchestrator.db import Round
 from orchestrator.limits import MAX_METRIC_MAGNITUDE, MAX_REPORT_HEADER_BYTES, json_document
 from orchestrator.pipeline.private import CLIP_NORM, WITHIN_CLIP
-from orchestrator.population_config import parsed_once, population_manifest, population_settings
-from orchestrator.population_settings import PopulationSettings
+from orchestrator.population_config import PopulationConfig
 from orchestrator.refusals import Refused
 
 MAX_METRICS = 64
@@ -30,14 +29,6 @@ MAX_METRICS = 64
 def evaluation_metrics(manifest: Manifest) -> tuple[str, ...]:
     """The sums an evaluation report holds: the model's loss, weight and declared metrics."""
     return ("loss_sum", "weight_sum", *(f"{m.name}_sum" for m in manifest.metrics))
-
-
-def _max_weight(population: Population, manifest: Manifest, example_count: int) -> int:
-    """The largest |query| a device that claimed `example_count` examples can honestly report."""
-    task = parsed_once(population, "task", lambda: population_settings(population).task())
-    # A ranking task with sampled negatives trains on them too.
-    per_example = 1 + (task.negatives_per_positive if manifest.task.negative_sampling else 0)
-    return min(example_count, task.max_examples) * per_example
 
 
 def _check_metrics(raw: Any) -> dict[str, float] | Refused:
@@ -102,9 +93,9 @@ def _check_dp_metrics(metrics: dict[str, float], adaptive: bool) -> Refused | No
 
 
 def parse_training_report(
-    population: Population, settings: PopulationSettings, round_: Round, example_count: int, body: bytes
+    config: PopulationConfig, round_: Round, example_count: int, body: bytes
 ) -> tuple[float, bytes, dict[str, float]] | Refused:
-    manifest = population_manifest(population)
+    manifest, settings = config.manifest, config.settings
     header = _header_size(body)
     if isinstance(header, Refused):
         return header
@@ -137,7 +128,7 @@ def parse_training_report(
         )
     # `min_examples` counts a device's examples (checked at check-in and on the device); the
     # weight is |query|, which an honest device's split makes smaller, so only >= 1 is required here.
-    limit = _max_weight(population, manifest, example_count)
+    limit = min(example_count, config.task.max_examples) * config.weight_per_example
     if not 1 <= weight <= limit:
         return Refused(
             422,
@@ -154,7 +145,7 @@ def parse_training_report(
             f"update norm {norm:.4g} exceeds the bound {settings.update_norm_bound:.4g}",
             reason="update_norm",
         )
-    dp = settings.dp()
+    dp = config.dp
     clip_norm = None if dp is None else float(round_.metrics.get(CLIP_NORM, dp.clip_norm))
     if clip_norm is not None and norm > clip_norm:
         return Refused(
@@ -175,7 +166,7 @@ def parse_training_report(
 
 
 def parse_evaluation_report(
-    population: Population, example_count: int, body: bytes
+    config: PopulationConfig, example_count: int, body: bytes
 ) -> tuple[float, None, dict[str, float]] | Refused:
     try:
         data = json_document(body, "evaluation report")
@@ -186,13 +177,13 @@ def parse_evaluation_report(
     metrics = _check_metrics(data["metrics"])
     if isinstance(metrics, Refused):
         return metrics
-    manifest = population_manifest(population)
+    manifest = config.manifest
     expected = evaluation_metrics(manifest)
     if set(metrics) != set(expected):
         return Refused(422, f"evaluation metrics must be exactly {list(expected)}", reason="metrics")
     weight = data["num_examples"]
     # The same bound as training reports: sampled negatives count too.
-    limit = _max_weight(population, manifest, example_count)
+    limit = min(example_count, config.task.max_examples) * config.weight_per_example
     if isinstance(weight, bool) or not isinstance(weight, int) or not 1 <= weight <= limit:
         return Refused(
             422, f"num_examples must be an integer in [1, {limit}], got {weight!r}", reason="num_examples"

@@ -50,8 +50,8 @@ from orchestrator.pipeline import Stage, apply_measurements
 from orchestrator.pipeline.assemble import CentralPart, RoundInputs
 from orchestrator.pipeline.private import CLIP_NORM, NEXT_CLIP_NORM
 from orchestrator.population_config import (
+    config_of,
     population_manifest,
-    population_pipeline,
     population_settings,
     privacy_budget_spent,
 )
@@ -149,7 +149,7 @@ def up_to_date(population: Population, current: Mapping[str, Round], now: float)
     return (
         (TRAINING in current or not _may_open_training(population, now))
         and all(now < r.deadline for r in current.values())
-        and not population_settings(population).secure_training
+        and not config_of(population).secure_training
         and not (EVALUATION in current and privacy_budget_spent(population))
     )
 
@@ -164,7 +164,7 @@ def advance(session: Session, population: Population, now: float) -> dict[str, R
     # a report counted into one (which take no population lock) has committed before its
     # assignments are dropped, and none is admitted or counted after.
     lock_rounds(session, [population.id], [])
-    secure = population_settings(population).secure_training
+    secure = config_of(population).secure_training
     for round_ in sorted(current.values(), key=lambda r: r.id):
         if round_.kind == TRAINING and secure:
             advance_secure(session, population, round_, now)
@@ -247,12 +247,11 @@ def commit(
         _count_closed(session, population, round_, "committed")
         return
     started = time.perf_counter()
-    manifest = population_manifest(population)
+    config = config_of(population)
+    manifest, pipeline = config.manifest, config.pipeline
     params, state = base_version(session, population, manifest, round_.base_version)
-    settings = population_settings(population)
-    pipeline = population_pipeline(population)
     job = mixing.central_job(
-        session, population, manifest, round_.base_version, params, settings.task(), "parallel_training"
+        session, population, manifest, round_.base_version, params, config.task, "parallel_training"
     )
     inputs = RoundInputs(
         rounds_committed=population.training_rounds_committed,
@@ -281,7 +280,7 @@ def commit(
     round_.metrics = apply_measurements(round_.metrics, aggregate)
     if aggregate.norm_reference is not None:
         round_.norm_reference = aggregate.norm_reference.to_json()
-    new_params, new_state = apply_update(settings.optimizer(), params, aggregate.mean_delta, state)
+    new_params, new_state = apply_update(config.optimizer, params, aggregate.mean_delta, state)
     check_params(new_params, manifest.global_params, "aggregated model")
     metrics.observe(session, metrics.AGGREGATION_SECONDS, (population.name,), time.perf_counter() - started)
     version = population.current_version + 1
@@ -301,13 +300,13 @@ def commit(
     on_commit(session, functools.partial(keep_latest, latest, version, new_params, new_state))
     if job is not None:  # the next round's central delta, computed while its devices train
         following = mixing.central_job(
-            session, population, manifest, version, new_params, settings.task(), "parallel_training"
+            session, population, manifest, version, new_params, config.task, "parallel_training"
         )
         if following is not None:
             on_commit(session, functools.partial(central_training.precompute, following))
     # Gradient transfer: the new version's central gradient, ready before its devices ask for it.
     gradient = mixing.central_job(
-        session, population, manifest, version, new_params, settings.task(), "gradient_transfer"
+        session, population, manifest, version, new_params, config.task, "gradient_transfer"
     )
     if gradient is not None:
         on_commit(session, functools.partial(central_training.precompute_gradient, gradient))
@@ -315,10 +314,10 @@ def commit(
     _count_closed(session, population, round_, "committed")
     if _may_open_training(population, now):
         open_round(session, population, TRAINING, now)
-    if settings.keep_model_versions:
-        prune_model_versions(session, population, settings.keep_model_versions)
+    if config.settings.keep_model_versions:
+        prune_model_versions(session, population, config.settings.keep_model_versions)
     evaluation = open_rounds(session, population).get(EVALUATION)
-    every = settings.evaluation_every
+    every = config.settings.evaluation_every
     if evaluation is not None and privacy_budget_spent(population):
         _drop_outstanding(session, population, evaluation, now)
         _abandon(session, population, evaluation, round_release.BUDGET_SPENT, now)

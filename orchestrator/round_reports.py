@@ -6,11 +6,13 @@ counted into its round in one statement (`round_counts`: the only lock it takes 
 row, held until the transaction ends), its assignment is marked and the report stored. A round that reaches
 its target commits in the same transaction (`round_lifecycle.commit`).
 
-Without its populations' locks (`lock=False`, the common case) a group raises `LockNeeded` when it
-would have to do more: commit a round, close one past its deadline, take part in a secure round's
-population, or when another server process finished one of its assignments meanwhile. The caller
-rolls back and runs the group again with `lock=True`: the populations locked, then every round the
-group may write to (`population_locks.lock_rounds`), the rounds past their deadline closed first.
+A group that would have to do more (commit a round, close one past its deadline, take part in a
+secure round's population) takes its populations' locks in the same pass, after the reads and the
+parsing and before anything is written: the populations, then every round the group may write to
+(`population_locks.lock_rounds`), the rounds past their deadline closed first, its assignments
+read again under them. Only a race with another server process (it finished one of the group's
+assignments meanwhile, or its reports took a round to its target after this group's count) raises
+`LockNeeded`: the caller rolls back and runs the group again with `lock=True`.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from sqlalchemy.orm import Session
 from orchestrator import metrics, round_counts, round_state
 from orchestrator.db import Assignment, Population, Report, Round
 from orchestrator.logs import log_on_commit
-from orchestrator.population_config import population_settings
+from orchestrator.population_config import PopulationConfig, config_of
 from orchestrator.population_locks import lock_rounds, where_assignments_are
 from orchestrator.refusals import Refused
 from orchestrator.report_checks import parse_evaluation_report, parse_training_report
@@ -127,11 +129,19 @@ def receive(
     session: Session, events: Sequence[Event], now: float, lock: bool, parsed: dict[int, Parsed] | None = None
 ) -> list[Counted | Refused]:
     """Answer each event, in order, in the caller's transaction (see the module's docstring).
-    `parsed` keeps the reports parsed by a run that raised LockNeeded for the run under the locks
-    (by the events' positions): parsing, the longest part, is then done once and outside them."""
+    Reports are parsed first, with no lock. A group that needs its populations' locks (it may
+    commit or close a round, or meets a secure population's) takes them there and then, before it
+    writes anything, and reads its assignments again under them: one pass, no rollback. `parsed`
+    keeps the reports parsed by a run that raised LockNeeded (a race with another process) for the
+    run under the locks (by the events' positions)."""
     parsed = {} if parsed is None else parsed
-    where = where_assignments_are(session, [e.assignment_id for e in events], lock)
+    where = where_assignments_are(session, [e.assignment_id for e in events], False)
+    found: dict[int, Found | Refused] = {}  # the first wave's assignments, as read without the locks
+    if not lock:
+        lock = _read_and_parse(session, events, where, now, found, parsed)
     if lock:
+        found.clear()  # read again under the locks: another process may have changed them
+        where = where_assignments_are(session, [e.assignment_id for e in events], True)
         populations = sorted({p.id: p for p, _ in where.values()}.values(), key=lambda p: p.id)
         lock_rounds(session, [p.id for p in populations], sorted({r for _, r in where.values()}))
         for population in populations:
@@ -154,7 +164,7 @@ def receive(
             if place is None:
                 answers[index] = Refused(404, f"no assignment {event.assignment_id!r}")
                 continue
-            step = _check(session, place[0], event, index, now, lock, coming, parsed)
+            step = _check(session, place[0], event, index, now, lock, coming, parsed, found.pop(index, None))
             if isinstance(step, _Step):
                 steps.append(step)
             else:
@@ -171,6 +181,54 @@ def receive(
     return cast(list[Counted | Refused], answers)
 
 
+def _read_and_parse(
+    session: Session,
+    events: Sequence[Event],
+    where: dict[str, tuple[Population, int]],
+    now: float,
+    found: dict[int, Found | Refused],
+    parsed: dict[int, Parsed],
+) -> bool:
+    """Without any lock, read each event's assignment (kept in `found` for the first wave) and parse
+    each report that may count (kept in `parsed`); True if the group needs its populations' locks:
+    a round it reports into is past its deadline, belongs to a secure population, or may reach its
+    target with the group's reports (it can only have more by now than were read, never fewer)."""
+    coming: Counter[int] = Counter()
+    first: set[str] = set()
+    needs_lock = False
+    for index, event in enumerate(events):
+        if event.assignment_id not in where or event.assignment_id in first:
+            continue  # unknown, or a later copy (read in its own wave)
+        first.add(event.assignment_id)
+        population = where[event.assignment_id][0]
+        assignment = found[index] = find_assignment(session, population, event.assignment_id, event.device_id)
+        if isinstance(assignment, Refused) or assignment.round.status != round_state.OPEN:
+            continue
+        round_, config = assignment.round, config_of(population)
+        if now >= round_.deadline or config.secure_training:
+            needs_lock = True
+            continue
+        sent = event.content_type.split(";")[0].strip().lower()
+        if event.abort or assignment.status != "assigned" or sent != _expected_type(round_):
+            continue
+        if index not in parsed:
+            parsed[index] = _parse(config, assignment, event.body)
+        if not isinstance(parsed[index], Refused):
+            coming[round_.id] += 1
+            needs_lock = needs_lock or round_.reported + coming[round_.id] >= round_.target
+    return needs_lock
+
+
+def _expected_type(round_: Round) -> str:
+    return "application/octet-stream" if round_.kind == TRAINING else "application/json"
+
+
+def _parse(config: PopulationConfig, found: Found, body: bytes) -> Parsed:
+    if found.round.kind == TRAINING:
+        return parse_training_report(config, found.round, found.example_count, body)
+    return parse_evaluation_report(config, found.example_count, body)
+
+
 def _check(
     session: Session,
     population: Population,
@@ -180,19 +238,24 @@ def _check(
     lock: bool,
     coming: Counter[int],
     parsed: dict[int, Parsed],
+    read: Found | Refused | None,
 ) -> _Step | Refused:
-    """The first step: read, check and parse, with no lock. Without the populations' locks, raises
-    LockNeeded if the round must be advanced, or once parsed if this wave's reports may reach its
-    target (it can only have more reports by now than were read, never fewer)."""
-    found = find_assignment(session, population, event.assignment_id, event.device_id)
+    """The first step: check (and parse, unless parsed already). Without the populations' locks,
+    raises LockNeeded if the round must be advanced, or if this wave's reports may reach its
+    target (`_read_and_parse` has seen to it that they do not, unless the group met a race)."""
+    found = (
+        read
+        if read is not None
+        else find_assignment(session, population, event.assignment_id, event.device_id)
+    )
     if isinstance(found, Refused):
         if not event.abort:
             count_report(session, population, "unknown", event.assignment_id, found)
         return found
     round_ = found.round
-    settings = population_settings(population)
+    config = config_of(population)
     open_ = round_.status == round_state.OPEN
-    if not lock and open_ and (round_state.past_deadline(round_, now) or settings.secure_training):
+    if not lock and open_ and (now >= round_.deadline or config.secure_training):
         raise LockNeeded(f"round {round_.id} must be advanced")
     closed = _closed(found, event.abort)
     if closed is not None:
@@ -204,13 +267,13 @@ def _check(
         return closed
     if event.abort:
         return _Step(index, population, found, round_state.ABORT)
-    if round_.kind == TRAINING and settings.secure_training:
+    if round_.kind == TRAINING and config.secure_training:
         return Refused(
             409, f"round {round_.id} uses secure aggregation: take part through /v1/assignments/{{id}}/secure"
         )
     # Checked before parsing, and the assignment stays open: the device may send its report again
     # with the right type.
-    expected = "application/octet-stream" if round_.kind == TRAINING else "application/json"
+    expected = _expected_type(round_)
     sent = event.content_type.split(";")[0].strip().lower()
     if sent != expected:
         refused = Refused(
@@ -223,11 +286,7 @@ def _check(
         count_report(session, population, round_, event.assignment_id, refused)
         return refused
     if index not in parsed:
-        parsed[index] = (
-            parse_training_report(population, settings, round_, found.example_count, event.body)
-            if round_.kind == TRAINING
-            else parse_evaluation_report(population, found.example_count, event.body)
-        )
+        parsed[index] = _parse(config, found, event.body)
     report = parsed[index]
     if isinstance(report, Refused):
         return _Step(index, population, found, round_state.INVALID, refused=report)

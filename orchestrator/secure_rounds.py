@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import select
@@ -216,28 +217,68 @@ def certified_by(
         raise ProtocolError(f"the advertisement's certificate expired at {certificate.not_after}")
 
 
+@dataclass(frozen=True)
+class _Step:
+    """What a device's message in a phase needs of its participant: the flag the step before set
+    (None: only its keys), and the flag this step sets (each step is taken once)."""
+
+    phase: str
+    after: str | None
+    not_after: str  # why a participant without `after` cannot take this step
+    done: str
+    again: str  # the refusal of a second message
+
+
+_SHARE = _Step(SHARE_KEYS, None, "", "sent_shares", "this assignment has already sent its shares")
+_MASK = _Step(
+    MASKED_INPUT,
+    "sent_shares",
+    "this assignment did not share keys in this round",
+    "sent_masked_input",
+    "this assignment has already sent its masked input",
+)
+_CONFIRM = _Step(
+    CONSISTENCY,
+    "sent_masked_input",
+    "this assignment did not send a masked input, so it is not a survivor",
+    "sent_consistency",
+    "this assignment has already confirmed the survivors",
+)
+_UNMASK = _Step(
+    UNMASKING,
+    "confirmed",
+    "this assignment did not confirm the survivors, so it is not a survivor",
+    "sent_unmasking",
+    "this assignment has already sent its unmasking shares",
+)
+
+
 def _taking_part(
-    session: Session, round_: Round, assignment_id: str, phase: str, now: float
+    session: Session, round_: Round, assignment_id: str, step: _Step, now: float
 ) -> tuple[SecureRound, SecureParticipant] | Refused:
+    """The round and the participant of a device's message in `step`'s phase; refused out of its
+    phase, without the step before, or a second time."""
     secure_round = _secure_round(session, round_)
-    wrong_phase = _in_phase(secure_round, phase, now)
+    wrong_phase = _in_phase(secure_round, step.phase, now)
     if wrong_phase is not None:
         return wrong_phase
     participant = _participant(session, assignment_id)
     if participant is None:
         return Refused(409, "this assignment did not advertise keys in this round")
+    if step.after is not None and not getattr(participant, step.after):
+        return Refused(409, step.not_after)
+    if getattr(participant, step.done):
+        return Refused(409, step.again)
     return secure_round, participant
 
 
 def share_keys(
     session: Session, round_: Round, assignment_id: str, body: Any, now: float
 ) -> dict[str, Any] | Refused:
-    found = _taking_part(session, round_, assignment_id, SHARE_KEYS, now)
+    found = _taking_part(session, round_, assignment_id, _SHARE, now)
     if isinstance(found, Refused):
         return found
     secure_round, participant = found
-    if participant.sent_shares:
-        return Refused(409, "this assignment has already sent its shares")
     participants = participants_of(session, round_.id)
     try:
         shares = shares_from_json(body, len(participants))
@@ -253,14 +294,10 @@ def share_keys(
 def masked_input(
     session: Session, round_: Round, assignment_id: str, body: bytes, now: float
 ) -> dict[str, Any] | Refused:
-    found = _taking_part(session, round_, assignment_id, MASKED_INPUT, now)
+    found = _taking_part(session, round_, assignment_id, _MASK, now)
     if isinstance(found, Refused):
         return found
     secure_round, participant = found
-    if not participant.sent_shares:
-        return Refused(409, "this assignment did not share keys in this round")
-    if participant.sent_masked_input:
-        return Refused(409, "this assignment has already sent its masked input")
     try:
         decode_vector(body, round_parameters(secure_round))
     except ProtocolError as e:
@@ -275,14 +312,10 @@ def consistency(
     """A survivor's confirmation of the survivor set, with the hashes of what it trained on; signed
     (and checked here) when its advertisement was. One that fails is refused: its sender counts as
     dropped, and the round goes on without its input."""
-    found = _taking_part(session, round_, assignment_id, CONSISTENCY, now)
+    found = _taking_part(session, round_, assignment_id, _CONFIRM, now)
     if isinstance(found, Refused):
         return found
     secure_round, participant = found
-    if not participant.sent_masked_input:
-        return Refused(409, "this assignment did not send a masked input, so it is not a survivor")
-    if participant.sent_consistency:
-        return Refused(409, "this assignment has already confirmed the survivors")
     survivors = [i for i, p in participants_of(session, round_.id).items() if p.sent_masked_input]
     try:
         confirmation = identity.Confirmation.from_json(body)
@@ -303,14 +336,10 @@ def consistency(
 def unmasking(
     session: Session, round_: Round, assignment_id: str, body: Any, now: float
 ) -> dict[str, Any] | Refused:
-    found = _taking_part(session, round_, assignment_id, UNMASKING, now)
+    found = _taking_part(session, round_, assignment_id, _UNMASK, now)
     if isinstance(found, Refused):
         return found
     secure_round, participant = found
-    if not participant.confirmed:
-        return Refused(409, "this assignment did not confirm the survivors, so it is not a survivor")
-    if participant.sent_unmasking:
-        return Refused(409, "this assignment has already sent its unmasking shares")
     participants = participants_of(session, round_.id)
     parameters = round_parameters(secure_round)
     graph = round_graph(parameters, sorted(participants))

@@ -54,19 +54,20 @@ class ClipAndCap:
                 f"contribution {index} has weight {weight!r}; the round's weights, in order, "
                 f"are {self._weights[:8]}{'...' if len(self._weights) > 8 else ''}"
             )
-        self._norms.append(tensor_norms(delta))
+        norms = tensor_norms(delta)
+        self._norms.append(norms)
         if self._bounds is None:
             self._held.append(delta)
         else:
-            self._inner.accept(clip_by_norm(delta, self._bounds), self._capped[index])
+            self._inner.accept(clip_by_norm(delta, self._bounds, norms), self._capped[index])
 
     def finish(self) -> Aggregate:
         if len(self._norms) != len(self._weights):
             raise ValueError(f"{len(self._norms)} contributions accepted of the round's {len(self._weights)}")
         plan = plan_round(self._weights, self._norms, self._reference, self._rule)
         if self._bounds is None:
-            for delta, weight in zip(self._held, self._capped, strict=True):
-                self._inner.accept(clip_by_norm(delta, plan.bounds), weight)
+            for delta, weight, norms in zip(self._held, self._capped, self._norms, strict=True):
+                self._inner.accept(clip_by_norm(delta, plan.bounds, norms), weight)
             self._held = []
         inner = self._inner.finish()
         return Aggregate(

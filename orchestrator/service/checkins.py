@@ -15,8 +15,8 @@ from starlette.applications import Starlette
 from contracts.mixing import MixingConfig
 from contracts.protocol import Assignment, TaskKind
 from orchestrator import mixing, rounds, secure_rounds
-from orchestrator.db import Population
 from orchestrator.devices import UNAUTHENTICATED, authenticate_all
+from orchestrator.population_settings import PopulationSettings
 from orchestrator.service.database import DATABASE_UNAVAILABLE, run_db
 from orchestrator.service.group_commit import GroupCommit
 
@@ -80,38 +80,55 @@ def _checkin_once(
         ]
         found = rounds.find_population(session, population)
         mixed = mixing.mixing_of(session, found) if found is not None else MixingConfig()
-        answers = iter(
+        answers = (
             rounds.checkin(session, found, known, now, lock)
             if found is not None
             else [rounds.Refused(404, f"no population {population!r}")] * len(known)
         )
-        return [
-            _assignment_out(found, next(answers), now, mixed, lambda r: secure_rounds.parameters(session, r))
-            if device_id is not None
-            else rounds.Refused(401, UNAUTHENTICATED)
-            for device_id in device_ids
-        ]
+        # What the answers need, read in the transaction; they are built after its commit, so that
+        # the round's row is not held meanwhile.
+        of = None
+        if found is not None:
+            of = _Of(found.name, found.artifact_sha256, rounds.population_settings(found))
+        secure = {
+            answer.round_id: secure_rounds.parameters(session, answer.round_id)
+            for answer in answers
+            if isinstance(answer, rounds.Accepted) and of is not None and _secure(of, answer)
+        }
+    out = iter(answers)
+    return [
+        _assignment_out(of, next(out), now, mixed, secure.get)
+        if device_id is not None
+        else rounds.Refused(401, UNAUTHENTICATED)
+        for device_id in device_ids
+    ]
 
 
-def _task_config(population: Population, clip_norm: float | None) -> dict[str, Any]:
-    """The population's task config; under adaptive clipping, with the round's clip norm."""
-    task_config = rounds.population_settings(population).task_config
-    return task_config if clip_norm is None else {**task_config, "clip_norm": clip_norm}
+@dataclass(frozen=True)
+class _Of:
+    """The population an answer is of: its name, model and settings."""
+
+    name: str
+    artifact_sha256: str
+    settings: PopulationSettings
+
+
+def _secure(of: _Of, answer: rounds.Accepted) -> bool:
+    return answer.kind == rounds.TRAINING and of.settings.secure_training
 
 
 def _assignment_out(
-    population: Population | None,
+    of: _Of | None,
     answer: rounds.Accepted | rounds.Refused,
     now: float,
     mixed: MixingConfig,
-    secure_parameters: Callable[[int], dict[str, Any]],
+    secure_parameters: Callable[[int], dict[str, Any] | None],
 ) -> Assignment | rounds.Refused:
     if isinstance(answer, rounds.Refused):
         return answer
-    assert population is not None  # only a population hands out assignments
-    sha, name = population.artifact_sha256, population.name
-    settings = rounds.population_settings(population)
-    secure = answer.kind == rounds.TRAINING and settings.secure_training
+    assert of is not None  # only a population hands out assignments
+    sha, name, settings = of.artifact_sha256, of.name, of.settings
+    secure = _secure(of, answer)
     version, assignment = answer.model_version, answer.assignment_id
     training = answer.kind == rounds.TRAINING
     gradient = training and mixed.strategy == "gradient_transfer"
@@ -128,7 +145,12 @@ def _assignment_out(
         manifest_url=f"/v1/populations/{name}/manifest",
         report_url=f"/v1/assignments/{assignment}/report",
         abort_url=f"/v1/assignments/{assignment}/abort",
-        task_config=_task_config(population, answer.clip_norm),
+        # Under adaptive clipping, with the round's clip norm.
+        task_config=(
+            settings.task_config
+            if answer.clip_norm is None
+            else {**settings.task_config, "clip_norm": answer.clip_norm}
+        ),
         aggregation="secure" if secure else "plaintext",
         secure_url=f"/v1/assignments/{assignment}/secure" if secure else None,
         # Saves the device a round trip before its keys: the advertise phase is the round's longest.

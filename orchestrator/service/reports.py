@@ -49,8 +49,9 @@ def report_transaction(
     """Each report or abort in turn, in one transaction; an answer is built as soon as its call is
     in, since a later report in the same transaction may commit the round.
 
-    First without the populations' locks; run again under them when the group needs them (it
-    commits or closes a round: `round_reports.LockNeeded`)."""
+    One pass: the group takes its populations' locks itself when it needs them (it commits or
+    closes a round); run again under them only after a race with another server process
+    (`round_reports.LockNeeded`)."""
     parsed: dict[int, round_reports.Parsed] = {}  # parsed once, outside the locks
     try:
         return _reports_once(factory, calls, now, False, parsed)
