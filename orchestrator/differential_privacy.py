@@ -31,8 +31,6 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any, ClassVar
 
 import numpy as np
-from dp_accounting import dp_event
-from dp_accounting.rdp import rdp_privacy_accountant
 
 from contracts.params import Params
 from orchestrator.setting_ranges import Range, check
@@ -271,6 +269,11 @@ def adapt_clip_norm(
 def _round_rdp(sampling_rate: float, noise_multiplier: float) -> tuple[np.ndarray, np.ndarray]:
     """Renyi DP of one round at each order: (orders, rdp). Computing it costs ~0.1 s, so it is
     done once per setting; RDP adds up over rounds, so k rounds cost nothing more."""
+    # Imported here: dp_accounting pulls in scipy, ~2 s of every server start that no
+    # population without DP needs.
+    from dp_accounting import dp_event
+    from dp_accounting.rdp import rdp_privacy_accountant
+
     accountant = rdp_privacy_accountant.RdpAccountant()
     gaussian = dp_event.GaussianDpEvent(noise_multiplier)
     accountant.compose(dp_event.PoissonSampledDpEvent(sampling_rate, gaussian))
@@ -285,6 +288,8 @@ def epsilon(noise_multiplier: float, sampling_rate: float, rounds: int, delta: f
         return 0.0
     if noise_multiplier == 0:
         return math.inf
+    from dp_accounting.rdp import rdp_privacy_accountant
+
     orders, rdp = _round_rdp(float(sampling_rate), float(noise_multiplier))
     eps, _ = rdp_privacy_accountant.compute_epsilon(orders, rdp * rounds, delta)
     return float(eps)
