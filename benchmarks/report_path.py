@@ -263,9 +263,8 @@ def one_report(model_dir: Path, database: Path) -> Measured:
             (answer,) = transaction(factory, calls[:1], now + 1.0)
         assert not isinstance(answer, rounds.Refused), answer.message
         assert answer.round_status == "open", answer
-        with statements(engine) as committing:
-            with traced() as stops:
-                (answer,) = transaction(factory, calls[1:], now + 1.0)
+        with statements(engine) as committing, traced() as stops:
+            (answer,) = transaction(factory, calls[1:], now + 1.0)
         assert not isinstance(answer, rounds.Refused), answer.message
         assert answer.round_status == "committed", answer
         measured.append(Measured(stops, committing, counting))

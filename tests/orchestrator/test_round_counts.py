@@ -60,7 +60,8 @@ def test_a_report_counted_into_the_round_as_read_adds_its_metric_sums_in_the_sam
         event.listen(engine, "before_cursor_execute", executed)
         try:
             for weight, loss in ((2.0, 1.0), (1.0, 0.5)):
-                assert round_counts.count(session, round_, round_state.report_count(weight, {"loss_sum": loss}))
+                report = round_state.report_count(weight, {"loss_sum": loss})
+                assert round_counts.count(session, round_, report)
         finally:
             event.remove(engine, "before_cursor_execute", executed)
 
