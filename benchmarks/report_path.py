@@ -18,7 +18,10 @@ pruning old versions, and the answer to the device are not on the path to it). P
 - modules: the distinct modules of those stops, and how many stops each holds;
 - climbs: how often the next stop lies on a higher floor than the one before, where a module's
   floor is 1 + the highest floor among the project modules it imports (contracts' leaves are 0):
-  each climb is control going back up the layers to be sent down again.
+  each climb is control going back up the layers to be sent down again;
+- SQL statements: how many the transaction of a report that is only counted runs (most reports:
+  here the first of a round of two), and of the report that commits the round (the second), with
+  how many of those run before the new `ModelVersion` is made; --show lists them.
 The first run exports a small model with TensorFlow (about a minute); --model-dir reuses one.
 """
 
@@ -184,42 +187,88 @@ def entry() -> tuple[Any, Any]:
     return report_transaction, ReportCall
 
 
-def one_report(model_dir: Path, database: Path) -> list[Stop]:
+@dataclass
+class Statements:
+    run: list[str]  # the SQL statements run, in order
+    to_version: int | None = None  # how many had run when the new model version was made
+
+
+@contextmanager
+def statements(engine: Any) -> Iterator[Statements]:
+    """The SQL statements run on `engine` inside the block (SQLite's BEGIN IMMEDIATE included: it
+    is a round trip), and how many before a new model version is made."""
+    from sqlalchemy import event
+
+    from orchestrator.db import ModelVersion
+
+    found = Statements([])
+
+    def executed(_conn: Any, _cursor: Any, statement: str, *_: object) -> None:
+        found.run.append(" ".join(statement.split()))
+
+    def version_made(*_: object) -> None:
+        found.to_version = len(found.run)
+
+    event.listen(engine, "before_cursor_execute", executed)
+    event.listen(ModelVersion, "init", version_made)
+    try:
+        yield found
+    finally:
+        event.remove(engine, "before_cursor_execute", executed)
+        event.remove(ModelVersion, "init", version_made)
+
+
+@dataclass
+class Measured:
+    stops: list[Stop]
+    committing: Statements  # the SQL statements of the transaction of a report that commits
+    counting: Statements  # those of a report that is only counted (most reports)
+
+
+def one_report(model_dir: Path, database: Path) -> Measured:
     """The stops of a report that commits a round, on a SQLite population that has committed one
-    round already (so that what is parsed or learnt once per population is not counted)."""
+    round already (so that what is parsed or learnt once per population is not counted), and the
+    SQL statements of that report's transaction and of the report before it, which is only
+    counted (rounds of two reports)."""
     from sqlalchemy.orm import sessionmaker
 
     transaction, call_type = entry()
     url = f"sqlite:///{database}"
     migrate(url)
-    factory = sessionmaker(make_engine(url), expire_on_commit=False)
+    engine = make_engine(url)
+    factory = sessionmaker(engine, expire_on_commit=False)
     model = ExportedModel.from_dir(model_dir)
     manifest = Manifest.from_json(model.manifest)
     with factory.begin() as session:
-        create_population(session, "p", model, {"target_reports": 1}, 0.0)
-    traced_stops: list[list[Stop]] = []
-    for now in (1.0, 3.0):  # the first report warms up, the second is traced
-        with factory.begin() as session:
-            device_id, token = enroll(session, now)
-            population = rounds.lock_population(session, "p")
-            assert population is not None
-            (accepted,) = rounds.checkin(
-                session, population, [rounds.CheckIn(device_id, 20, "training")], now
-            )
-        assert isinstance(accepted, rounds.Accepted), accepted
-        delta = {s.name: np.zeros(s.shape, np.float32) for s in manifest.global_params}
-        for array in delta.values():
-            array.reshape(-1)[:2] = 0.01
-        metadata = {"num_examples": "10", "metrics": json.dumps({"update_loss": 0.5})}
-        call = call_type(
-            accepted.assignment_id, token, encode_sparse_delta(delta, metadata), "application/octet-stream"
-        )
-        with traced() as stops:
-            (answer,) = transaction(factory, [call], now + 1.0)
-        traced_stops.append(stops)
+        create_population(session, "p", model, {"target_reports": 2}, 0.0)
+    measured: list[Measured] = []
+    for now in (1.0, 3.0):  # the first round warms up, the second is measured
+        calls = []
+        for _ in range(2):
+            with factory.begin() as session:
+                device_id, token = enroll(session, now)
+                population = rounds.lock_population(session, "p")
+                assert population is not None
+                (accepted,) = rounds.checkin(
+                    session, population, [rounds.CheckIn(device_id, 20, "training")], now
+                )
+            assert isinstance(accepted, rounds.Accepted), accepted
+            delta = {s.name: np.zeros(s.shape, np.float32) for s in manifest.global_params}
+            for array in delta.values():
+                array.reshape(-1)[:2] = 0.01
+            metadata = {"num_examples": "10", "metrics": json.dumps({"update_loss": 0.5})}
+            body = encode_sparse_delta(delta, metadata)
+            calls.append(call_type(accepted.assignment_id, token, body, "application/octet-stream"))
+        with statements(engine) as counting:
+            (answer,) = transaction(factory, calls[:1], now + 1.0)
+        assert not isinstance(answer, rounds.Refused), answer.message
+        assert answer.round_status == "open", answer
+        with statements(engine) as committing, traced() as stops:
+            (answer,) = transaction(factory, calls[1:], now + 1.0)
         assert not isinstance(answer, rounds.Refused), answer.message
         assert answer.round_status == "committed", answer
-    return traced_stops[-1]
+        measured.append(Measured(stops, committing, counting))
+    return measured[-1]
 
 
 def main() -> None:
@@ -231,8 +280,8 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = args.model_dir or export_in_subprocess(MODEL, Path(tmp) / "model")
-        stops = one_report(model_dir, Path(tmp) / "orchestrator.sqlite")
-    floor = floors()
+        measured = one_report(model_dir, Path(tmp) / "orchestrator.sqlite")
+    stops, floor = measured.stops, floors()
     climbs = sum(1 for a, b in itertools.pairwise(stops) if floor[b.module] > floor[a.module])
     if args.show:
         for stop in stops:
@@ -242,6 +291,15 @@ def main() -> None:
     print(f"stops: {len(stops)}  module visits: {visits}  modules: {len(per_module)}  climbs: {climbs}")
     for module, count in per_module.most_common():
         print(f"  {count:3d}  {module} (floor {floor[module]})")
+    print(
+        f"SQL statements: {len(measured.counting.run)} for a report that is counted, "
+        f"{len(measured.committing.run)} for one that commits its round "
+        f"({measured.committing.to_version} of them before the new version is made)"
+    )
+    if args.show:
+        for name, run in (("counted", measured.counting), ("commits", measured.committing)):
+            for statement in run.run:
+                print(f"  {name}: {statement[:120]}")
 
 
 if __name__ == "__main__":

@@ -147,6 +147,14 @@ def assignment_examples(examples: Examples, config: MixingConfig, assignment_id:
     )
 
 
+def strategy_of(session: Session, population: Population) -> Strategy | None:
+    """How the population mixes centralized data, None if it has none: read once by a commit, which
+    then asks for a central job only of a population that mixes."""
+    query = select(CentralizedData.mixing).where(CentralizedData.population_id == population.id)
+    found = session.scalar(query)
+    return None if found is None else MixingConfig.from_json(found).strategy
+
+
 def central_job(
     session: Session,
     population: Population,

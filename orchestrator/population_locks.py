@@ -87,25 +87,37 @@ def where_assignments_are(
     """The population (locked, with `lock`) and the round id of each known assignment."""
     # Only the population ids before the lock: they never change, while an assignment and its
     # round must be read after the lock (another server process may have just changed them).
-    found: dict[str, tuple[int, int]] = {}
-    if assignment_ids:
-        for assignment_id, population_id, round_id in session.connection().execute(
-            _POPULATIONS_OF_ASSIGNMENTS, {"assignment_ids": list(assignment_ids)}
-        ):
-            found[assignment_id] = population_id, round_id
+    found = rounds_of_assignments(session, assignment_ids)
     ids = sorted({population_id for population_id, _ in found.values()})
     query = _POPULATIONS_BY_ID if lock else _POPULATIONS_BY_ID_UNLOCKED
     populations = {p.id: p for p in session.scalars(query, {"ids": ids})} if ids else {}
     return {a: (populations[population_id], round_id) for a, (population_id, round_id) in found.items()}
 
 
-def lock_rounds(session: Session, population_ids: Sequence[int], round_ids: Sequence[int]) -> None:
+def rounds_of_assignments(session: Session, assignment_ids: Sequence[str]) -> dict[str, tuple[int, int]]:
+    """The population id and round id of each known assignment, read with no lock (they never
+    change)."""
+    if not assignment_ids:
+        return {}
+    rows = session.connection().execute(_POPULATIONS_OF_ASSIGNMENTS, {"assignment_ids": list(assignment_ids)})
+    return {assignment_id: (population_id, round_id) for assignment_id, population_id, round_id in rows}
+
+
+def lock_populations(session: Session, population_ids: Sequence[int]) -> list[Population]:
+    """These populations, locked in id order and read afresh."""
+    return list(session.scalars(_POPULATIONS_BY_ID, {"ids": list(population_ids)})) if population_ids else []
+
+
+def lock_rounds(session: Session, population_ids: Sequence[int], round_ids: Sequence[int]) -> list[Round]:
     """Lock, in id order, the open rounds of these (locked) populations and the rounds `round_ids`,
     and re-read them: what a transaction holding its populations' locks may then write to."""
-    if population_ids or round_ids:
+    if not (population_ids or round_ids):
+        return []
+    return list(
         session.scalars(
             _ROUNDS_TO_LOCK, {"population_ids": list(population_ids), "round_ids": list(round_ids)}
-        ).all()
+        )
+    )
 
 
 def population_of_assignment(session: Session, assignment_id: str) -> Population | None:

@@ -42,20 +42,35 @@ _SET_METRICS = update(Round).where(Round.id == bindparam("round_id")).values(met
 
 
 @functools.cache
-def _statement(names: tuple[str, ...], while_open: bool) -> Update:
-    """Built once per kind of count: building a statement costs more than running it."""
+def _statement(names: tuple[str, ...], while_open: bool, with_sums: bool = False) -> Update:
+    """Built once per kind of count: building a statement costs more than running it. `with_sums`:
+    the metric sums are written too, if no report was counted since the round was read."""
     where = [Round.id == bindparam("round_id")]
     if while_open:
         where.append(Round.status == round_state.OPEN)
-    values = {name: getattr(Round, name) + bindparam(f"add_{name}") for name in names}
+    values: dict[str, Any] = {name: getattr(Round, name) + bindparam(f"add_{name}") for name in names}
+    if with_sums:
+        where.append(Round.reported == bindparam("reported_read"))
+        values["metrics"] = bindparam("sums", type_=Round.metrics.type)
     return update(Round).where(*where).values(values).returning(*(getattr(Round, n) for n in FRESH))
 
 
 def count(session: Session, round_: Round, event: round_state.Count) -> bool:
-    """Apply `event` to the round's row in one statement (two with metric sums, the second under
-    the row lock the first took); False if the round had closed (`while_open`): nothing counted."""
+    """Apply `event` to the round's row in one statement; False if the round had closed
+    (`while_open`): nothing counted. A report's metric sums are added to the sums as the
+    transaction read them, in the same statement, if no report was counted into the round since
+    (only reports move its sums; always so with one writer, as on SQLite); else a second statement
+    adds them under the row lock the first took."""
     names = tuple(sorted(event.adds))
     params: dict[str, Any] = {"round_id": round_.id, **{f"add_{n}": event.adds[n] for n in names}}
+    if event.metric_sums and event.while_open and "reported" in event.adds:
+        sums = round_state.add_metric_sums(round_.metrics or {}, event.metric_sums)
+        at_once = {**params, "reported_read": round_.reported, "sums": sums}
+        row = session.connection().execute(_statement(names, True, True), at_once).first()
+        if row is not None:
+            for name, value in zip(FRESH, row, strict=True):
+                set_committed_value(round_, name, value)
+            return True
     row = session.connection().execute(_statement(names, event.while_open), params).first()
     if row is None:
         return False

@@ -154,10 +154,13 @@ def up_to_date(population: Population, current: Mapping[str, Round], now: float)
     )
 
 
-def advance(session: Session, population: Population, now: float) -> dict[str, Round]:
+def advance(
+    session: Session, population: Population, now: float, current: dict[str, Round] | None = None
+) -> dict[str, Round]:
     """Close rounds past their deadline (drop their outstanding assignments), open the next;
-    returns the open rounds by kind. The population must be locked."""
-    current = open_rounds(session, population)
+    returns the open rounds by kind. The population must be locked; `current`: its open rounds, if
+    the caller has just read them under the lock."""
+    current = open_rounds(session, population) if current is None else current
     if up_to_date(population, current, now):
         return current  # the common case: nothing to close, one query
     # The rounds' row locks, in id order, and their counts as they now are: a check-in admitted or
@@ -242,16 +245,19 @@ def commit(
     """Aggregate the round's reports into a new model version (training) or just close it.
     A secure round passes its unmasked `mean_delta` over its `survivors`, since it has no
     individual reports. How the reports combine is the population's pipeline's (`pipeline`)."""
-    round_state.close(round_, closing or _COMMITTED, now)
     if round_.kind == EVALUATION:
+        round_state.close(round_, closing or _COMMITTED, now)
         _count_closed(session, population, round_, "committed")
         return
     started = time.perf_counter()
     config = config_of(population)
     manifest, pipeline = config.manifest, config.pipeline
     params, state = base_version(session, population, manifest, round_.base_version)
-    job = mixing.central_job(
-        session, population, manifest, round_.base_version, params, config.task, "parallel_training"
+    mixes = mixing.strategy_of(session, population)  # one read; None for most populations
+    job = (
+        mixing.central_job(session, population, manifest, round_.base_version, params, config.task, mixes)
+        if mixes == "parallel_training"
+        else None
     )
     inputs = RoundInputs(
         rounds_committed=population.training_rounds_committed,
@@ -277,13 +283,16 @@ def commit(
     else:
         stage = pipeline.secure_round(mean_delta, survivors, inputs)
     aggregate = stage.finish()
-    round_.metrics = apply_measurements(round_.metrics, aggregate)
-    if aggregate.norm_reference is not None:
-        round_.norm_reference = aggregate.norm_reference.to_json()
     new_params, new_state = apply_update(config.optimizer, params, aggregate.mean_delta, state)
     check_params(new_params, manifest.global_params, "aggregated model")
     metrics.observe(session, metrics.AGGREGATION_SECONDS, (population.name,), time.perf_counter() - started)
     version = population.current_version + 1
+    # The round's changes after every read, so that they reach its row in one statement.
+    round_state.close(round_, closing or _COMMITTED, now)
+    round_.metrics = apply_measurements(round_.metrics, aggregate)
+    if aggregate.norm_reference is not None:
+        round_.norm_reference = aggregate.norm_reference.to_json()
+    round_.result_version = version
     session.add(
         ModelVersion(
             population_id=population.id,
@@ -305,12 +314,12 @@ def commit(
         if following is not None:
             on_commit(session, functools.partial(central_training.precompute, following))
     # Gradient transfer: the new version's central gradient, ready before its devices ask for it.
-    gradient = mixing.central_job(
-        session, population, manifest, version, new_params, config.task, "gradient_transfer"
-    )
-    if gradient is not None:
-        on_commit(session, functools.partial(central_training.precompute_gradient, gradient))
-    round_.result_version = version
+    if mixes == "gradient_transfer":
+        gradient = mixing.central_job(
+            session, population, manifest, version, new_params, config.task, "gradient_transfer"
+        )
+        if gradient is not None:
+            on_commit(session, functools.partial(central_training.precompute_gradient, gradient))
     _count_closed(session, population, round_, "committed")
     if _may_open_training(population, now):
         open_round(session, population, TRAINING, now)

@@ -30,7 +30,7 @@ from orchestrator import metrics, round_counts, round_state
 from orchestrator.db import Assignment, Population, Report, Round
 from orchestrator.logs import log_on_commit
 from orchestrator.population_config import PopulationConfig, config_of
-from orchestrator.population_locks import lock_rounds, where_assignments_are
+from orchestrator.population_locks import lock_populations, lock_rounds, rounds_of_assignments
 from orchestrator.refusals import Refused
 from orchestrator.report_checks import parse_evaluation_report, parse_training_report
 from orchestrator.round_lifecycle import TRAINING, advance, commit, log
@@ -38,6 +38,17 @@ from orchestrator.round_lifecycle import TRAINING, advance, commit, log
 _ASSIGNMENT = select(
     Assignment.device_id, Assignment.status, Assignment.example_count, Assignment.round_id
 ).where(Assignment.id == bindparam("assignment_id"))
+# A group's assignments with their rounds and populations: one statement for the whole group. Fresh
+# rounds and populations even if the session holds them: another process may have counted into them.
+_ASSIGNMENTS = (
+    select(
+        Assignment.id, Assignment.device_id, Assignment.status, Assignment.example_count, Round, Population
+    )
+    .join(Round, Assignment.round_id == Round.id)
+    .join(Population, Round.population_id == Population.id)
+    .where(Assignment.id.in_(bindparam("ids", expanding=True)))
+    .execution_options(populate_existing=True)
+)
 # Only an assignment still assigned: a count never follows another process's finish of it.
 _FINISH_ASSIGNMENT = (
     update(Assignment)
@@ -90,6 +101,19 @@ class Found:
     status: str
     example_count: int
     round: Round
+    population: Population
+    device_id: str = ""  # its owner
+
+
+def _read(session: Session, assignment_ids: Sequence[str]) -> dict[str, Found]:
+    """The known ones of these assignments, with their rounds and populations, in one statement."""
+    if not assignment_ids:
+        return {}
+    rows = session.execute(_ASSIGNMENTS, {"ids": sorted(set(assignment_ids))})
+    return {
+        id_: Found(id_, status, example_count, round_, population, owner)
+        for id_, owner, status, example_count, round_, population in rows
+    }
 
 
 def find_assignment(
@@ -110,7 +134,7 @@ def find_assignment(
             f"assignment {assignment_id!r} is not in population {population.name!r}",
             reason="unknown_assignment",
         )
-    return Found(assignment_id, status, example_count, round_)
+    return Found(assignment_id, status, example_count, round_, population, owner)
 
 
 @dataclass
@@ -129,23 +153,19 @@ def receive(
     session: Session, events: Sequence[Event], now: float, lock: bool, parsed: dict[int, Parsed] | None = None
 ) -> list[Counted | Refused]:
     """Answer each event, in order, in the caller's transaction (see the module's docstring).
-    Reports are parsed first, with no lock. A group that needs its populations' locks (it may
-    commit or close a round, or meets a secure population's) takes them there and then, before it
-    writes anything, and reads its assignments again under them: one pass, no rollback. `parsed`
-    keeps the reports parsed by a run that raised LockNeeded (a race with another process) for the
-    run under the locks (by the events' positions)."""
+    The group's assignments, rounds and populations are read in one statement and its reports
+    parsed, with no lock. A group that needs its populations' locks (it may commit or close a
+    round, or meets a secure population's) takes them there and then, before it writes anything,
+    and reads its assignments again under them: one pass, no rollback. `parsed` keeps the reports
+    parsed by a run that raised LockNeeded (a race with another process) for the run under the
+    locks (by the events' positions)."""
     parsed = {} if parsed is None else parsed
-    where = where_assignments_are(session, [e.assignment_id for e in events], False)
-    found: dict[int, Found | Refused] = {}  # the first wave's assignments, as read without the locks
-    if not lock:
-        lock = _read_and_parse(session, events, where, now, found, parsed)
-    if lock:
-        found.clear()  # read again under the locks: another process may have changed them
-        where = where_assignments_are(session, [e.assignment_id for e in events], True)
-        populations = sorted({p.id: p for p, _ in where.values()}.values(), key=lambda p: p.id)
-        lock_rounds(session, [p.id for p in populations], sorted({r for _, r in where.values()}))
-        for population in populations:
-            advance(session, population, now)
+    ids = [e.assignment_id for e in events]
+    read = {} if lock else _read(session, ids)
+    if lock or _parse_ahead(events, read, now, parsed):
+        lock = True
+        _lock(session, ids, read, now)
+        read = _read(session, ids)  # again under the locks: another process may have changed them
     answers: list[Counted | Refused | None] = [None] * len(events)
     # A group may hold one assignment twice (a replay): each later copy waits for the earlier's count.
     waves: list[list[int]] = []
@@ -156,15 +176,17 @@ def receive(
         if wave == len(waves):
             waves.append([])
         waves[wave].append(index)
-    for wave_indexes in waves:
+    for number, wave_indexes in enumerate(waves):
+        if number:  # the copies of assignments an earlier wave has just counted
+            read.update(_read(session, [events[i].assignment_id for i in wave_indexes]))
         steps: list[_Step] = []
         coming: Counter[int] = Counter()  # round id -> this wave's reports for it so far
         for index in wave_indexes:
-            event, place = events[index], where.get(events[index].assignment_id)
-            if place is None:
+            event, found = events[index], read.get(events[index].assignment_id)
+            if found is None:
                 answers[index] = Refused(404, f"no assignment {event.assignment_id!r}")
                 continue
-            step = _check(session, place[0], event, index, now, lock, coming, parsed, found.pop(index, None))
+            step = _check(session, found, event, index, now, lock, coming, parsed)
             if isinstance(step, _Step):
                 steps.append(step)
             else:
@@ -181,30 +203,39 @@ def receive(
     return cast(list[Counted | Refused], answers)
 
 
-def _read_and_parse(
-    session: Session,
-    events: Sequence[Event],
-    where: dict[str, tuple[Population, int]],
-    now: float,
-    found: dict[int, Found | Refused],
-    parsed: dict[int, Parsed],
+def _lock(session: Session, assignment_ids: Sequence[str], read: dict[str, Found], now: float) -> None:
+    """Take the group's populations' locks, then its rounds' (and their open rounds'), in id order,
+    and close the rounds past their deadline."""
+    if read:
+        places = {(f.population.id, f.round.id) for f in read.values()}
+    else:  # locked from the start: only the ids, read before the locks
+        places = set(rounds_of_assignments(session, assignment_ids).values())
+    population_ids = sorted({p for p, _ in places})
+    populations = lock_populations(session, population_ids)
+    locked = lock_rounds(session, population_ids, sorted({r for _, r in places}))
+    for population in populations:
+        mine = [r for r in locked if r.population_id == population.id and r.status == round_state.OPEN]
+        advance(session, population, now, {r.kind: r for r in mine})
+
+
+def _parse_ahead(
+    events: Sequence[Event], read: dict[str, Found], now: float, parsed: dict[int, Parsed]
 ) -> bool:
-    """Without any lock, read each event's assignment (kept in `found` for the first wave) and parse
-    each report that may count (kept in `parsed`); True if the group needs its populations' locks:
-    a round it reports into is past its deadline, belongs to a secure population, or may reach its
-    target with the group's reports (it can only have more by now than were read, never fewer)."""
+    """Without any lock, parse each report that may count (kept in `parsed`); True if the group
+    needs its populations' locks: a round it reports into is past its deadline, belongs to a
+    secure population, or may reach its target with the group's reports (it can only have more by
+    now than were read, never fewer)."""
     coming: Counter[int] = Counter()
     first: set[str] = set()
     needs_lock = False
     for index, event in enumerate(events):
-        if event.assignment_id not in where or event.assignment_id in first:
+        assignment = read.get(event.assignment_id)
+        if assignment is None or event.assignment_id in first:
             continue  # unknown, or a later copy (read in its own wave)
         first.add(event.assignment_id)
-        population = where[event.assignment_id][0]
-        assignment = found[index] = find_assignment(session, population, event.assignment_id, event.device_id)
-        if isinstance(assignment, Refused) or assignment.round.status != round_state.OPEN:
+        if assignment.device_id != event.device_id or assignment.round.status != round_state.OPEN:
             continue
-        round_, config = assignment.round, config_of(population)
+        round_, config = assignment.round, config_of(assignment.population)
         if now >= round_.deadline or config.secure_training:
             needs_lock = True
             continue
@@ -231,27 +262,23 @@ def _parse(config: PopulationConfig, found: Found, body: bytes) -> Parsed:
 
 def _check(
     session: Session,
-    population: Population,
+    found: Found,
     event: Event,
     index: int,
     now: float,
     lock: bool,
     coming: Counter[int],
     parsed: dict[int, Parsed],
-    read: Found | Refused | None,
 ) -> _Step | Refused:
     """The first step: check (and parse, unless parsed already). Without the populations' locks,
     raises LockNeeded if the round must be advanced, or if this wave's reports may reach its
-    target (`_read_and_parse` has seen to it that they do not, unless the group met a race)."""
-    found = (
-        read
-        if read is not None
-        else find_assignment(session, population, event.assignment_id, event.device_id)
-    )
-    if isinstance(found, Refused):
+    target (`_parse_ahead` has seen to it that they do not, unless the group met a race)."""
+    population = found.population
+    if found.device_id != event.device_id:
+        refused = Refused(403, "this assignment belongs to another device", reason="not_yours")
         if not event.abort:
-            count_report(session, population, "unknown", event.assignment_id, found)
-        return found
+            count_report(session, population, "unknown", event.assignment_id, refused)
+        return refused
     round_ = found.round
     config = config_of(population)
     open_ = round_.status == round_state.OPEN

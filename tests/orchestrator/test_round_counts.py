@@ -3,6 +3,9 @@ another transaction counted meanwhile is kept, and a closed round takes no count
 
 from __future__ import annotations
 
+from typing import Any
+
+from sqlalchemy import event
 from sqlalchemy.orm import Session, sessionmaker
 
 from orchestrator import round_counts, round_state
@@ -38,6 +41,33 @@ def test_a_count_adds_to_the_row_as_it_is_not_to_a_stale_copy(
 
     stored = round_by_id(db, round_id)
     assert (stored.reported, stored.total_weight, stored.metrics) == (2, 5.0, {"loss_sum": 1.5, "n": 1.0})
+
+
+def test_a_report_counted_into_the_round_as_read_adds_its_metric_sums_in_the_same_statement(
+    db: sessionmaker[Session], biased_model: ExportedModel
+) -> None:
+    make_population(db, biased_model, target_reports=5)
+    round_id = checkin(db, device(db)).round_id
+    run: list[str] = []
+
+    def executed(_conn: Any, _cursor: Any, statement: str, *_: object) -> None:
+        run.append(statement)
+
+    with db.begin() as session:
+        round_ = session.get(Round, round_id)
+        assert round_ is not None
+        engine = session.get_bind()
+        event.listen(engine, "before_cursor_execute", executed)
+        try:
+            for weight, loss in ((2.0, 1.0), (1.0, 0.5)):
+                report = round_state.report_count(weight, {"loss_sum": loss})
+                assert round_counts.count(session, round_, report)
+        finally:
+            event.remove(engine, "before_cursor_execute", executed)
+
+    assert len(run) == 2 and all(s.startswith("UPDATE rounds SET") and "metrics" in s for s in run), run
+    stored = round_by_id(db, round_id)
+    assert (stored.reported, stored.total_weight, stored.metrics) == (2, 3.0, {"loss_sum": 1.5})
 
 
 def test_a_closed_round_takes_no_count_but_a_late_one(
