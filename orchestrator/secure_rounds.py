@@ -72,9 +72,13 @@ def _in_phase(secure_round: SecureRound, phase: str, now: float) -> Refused | No
     )
 
 
-def state(session: Session, round_: Round, assignment_id: str, now: float) -> dict[str, Any]:
+def state(
+    session: Session, round_: Round, assignment_id: str, now: float, until: str | None = None
+) -> dict[str, Any]:
     """What one device may know now: the phase, and what that phase hands it (the roster, the
-    ciphertexts addressed to it, the survivors), only when it takes part in that phase."""
+    ciphertexts addressed to it, the survivors), only when it takes part in that phase; and with
+    `until`, only once the round has reached that phase (a device waiting for a later phase has
+    no use for the current one's roster or ciphertexts, and it may ask many times meanwhile)."""
     secure_round = _secure_round(session, round_)
     participant = _participant(session, assignment_id)
     out: dict[str, Any] = {
@@ -87,6 +91,8 @@ def state(session: Session, round_: Round, assignment_id: str, now: float) -> di
         "index": participant.device_index if participant is not None else None,
     }
     if participant is None or secure_round.phase in (ADVERTISE, DONE):
+        return out
+    if until is not None and PHASES.index(secure_round.phase) < _ORDER.index(until):
         return out
     # What the closed phases fixed, read once per server process: every device of the round asks.
     facts = participants.closed(session, secure_round)
@@ -120,6 +126,9 @@ def state(session: Session, round_: Round, assignment_id: str, now: float) -> di
             session, round_.id, sorted(set(graph[participant.device_index]) & facts.confirmed)
         )
     return out
+
+
+_ORDER = (*PHASES, DONE)
 
 
 def _confirmations(session: Session, round_id: int, indices: list[int]) -> dict[str, Any]:
