@@ -27,8 +27,11 @@ from orchestrator.phase_changes import PHASE_CHANGES
 
 router = APIRouter(prefix="/v1/assignments", tags=["devices"])
 
-# A held state request answers within this, whatever happens: below the devices' HTTP timeouts.
-LONG_POLL_SECONDS = 10.0
+# A held state request answers within this, whatever happens: below the devices' HTTP timeouts
+# (30 s by default, 60 s in the fleet). Each device waiting for a phase asks again after it, so a
+# phase costs the server (waiting devices x the phase's length / this) state reads: at 1,000
+# devices and 10 s, those reads alone had the server busy.
+LONG_POLL_SECONDS = 20.0
 # Phase changes made by another server process are not announced here: one watcher per process
 # reads the open rounds' phases this often while devices wait (phase_changes).
 RECHECK_SECONDS = 1.0
@@ -156,6 +159,10 @@ async def state(
             return answer
         PHASE_CHANGES.watch(lambda: run_db(request.app, _open_phases, factory), RECHECK_SECONDS)
         await PHASE_CHANGES.wait(seen, left)
+        if PHASE_CHANGES.generation == seen:
+            # Held to the end with no phase changed anywhere: the answer read before stands (a
+            # second read per wait would double the reads of a thousand waiting devices).
+            return {**answer, "seconds_left": max(0.0, answer["phase_deadline"] - clock())}
 
 
 def _open_phases(factory: sessionmaker[Session]) -> frozenset[tuple[int, str]]:
