@@ -203,8 +203,7 @@ class SecureParticipant(Base):
     # row on every request, while shares are ~6 KB and an input ~0.75 MB (3,706 x 50, 20 neighbours).
     shares: Mapped[dict[str, Any] | None] = mapped_column(JSON, deferred=True)
     sent_shares: Mapped[bool] = mapped_column(default=False)
-    masked_input: Mapped[bytes | None] = mapped_column(LargeBinary, deferred=True)
-    sent_masked_input: Mapped[bool] = mapped_column(default=False)
+    sent_masked_input: Mapped[bool] = mapped_column(default=False)  # the input: SecureMaskedInput
     # The consistency check: its signed confirmation of the survivor set, and whether it agrees
     # with the others' (confirmed: its input is in the sum that is unmasked).
     consistency: Mapped[dict[str, Any] | None] = mapped_column(JSON, deferred=True)
@@ -214,6 +213,29 @@ class SecureParticipant(Base):
     sent_unmasking: Mapped[bool] = mapped_column(default=False)
 
     __table_args__ = (Index("secure_participants_round_index", "round_id", "device_index", unique=True),)
+
+
+class SecureMaskedInput(Base):
+    """A participant's masked input (~0.75 MB), kept only until its round closes. A table of its
+    own: in SQLite a row's columns after a large value are read through its overflow pages, so
+    every read of a participant's flags walked the whole input."""
+
+    __tablename__ = "secure_masked_inputs"
+    assignment_id: Mapped[str] = mapped_column(ForeignKey("assignments.id"), primary_key=True)
+    round_id: Mapped[int] = mapped_column(ForeignKey("rounds.id"), index=True)
+    masked_input: Mapped[bytes] = mapped_column(LargeBinary)
+
+
+class SecureRoundKey(Base):
+    """A key advertised in a secure round, unique within it: an indexed lookup refuses a device
+    that repeats another's key (kind "agreement": its X25519 keys and self-mask commitment;
+    "device": its certified signing key), where comparing with every earlier advertisement made
+    a round's advertisements O(n^2)."""
+
+    __tablename__ = "secure_round_keys"
+    round_id: Mapped[int] = mapped_column(ForeignKey("rounds.id"), primary_key=True)
+    kind: Mapped[str] = mapped_column(String(16), primary_key=True)
+    key: Mapped[bytes] = mapped_column(LargeBinary(64), primary_key=True)
 
 
 def make_engine(url: str, busy_seconds: float = 30.0) -> Engine:

@@ -40,29 +40,24 @@ from __future__ import annotations
 
 import secrets
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
-from sqlalchemy import bindparam, select, update
+from sqlalchemy import and_, delete, select, true, update
 from sqlalchemy.orm import Session
 
 from contracts.manifest import Manifest
 from contracts.params import Params
 from orchestrator import round_state
-from orchestrator.db import Assignment, Round, SecureParticipant, SecureRound
+from orchestrator import secure_participants as participants
+from orchestrator.db import Assignment, Round, SecureMaskedInput, SecureParticipant, SecureRound
 from orchestrator.on_commit import on_commit
 from orchestrator.phase_changes import PHASE_CHANGES
 from orchestrator.population_settings import PopulationSettings
 from secure_aggregation import server
 from secure_aggregation.config import RoundParameters
 from secure_aggregation.device import round_graph
-from secure_aggregation.identity import SignedAdvertisement, keys_of, parse_advertisement
-from secure_aggregation.messages import (
-    AdvertisedKeys,
-    UnmaskingShares,
-    decode_vector,
-)
+from secure_aggregation.messages import UnmaskingShares, decode_vector
 from secure_aggregation.neighbours import suggested_neighbours
 from secure_aggregation.quantization import Layout, dequantize_sum
 
@@ -150,76 +145,20 @@ def round_parameters(secure_round: SecureRound) -> RoundParameters:
     return RoundParameters.from_json(secure_round.parameters)
 
 
-@dataclass(frozen=True)
-class _Member:
-    """One participant as the phases see it: which messages it sent, not what they hold."""
-
-    assignment_id: str
-    status: str  # its assignment's: assigned while it takes part
-    sent_shares: bool
-    sent_masked_input: bool
-    sent_unmasking: bool
-    sent_consistency: bool
-    confirmed: bool
-
-
-_MEMBERS = (
-    select(
-        SecureParticipant.device_index,
-        SecureParticipant.assignment_id,
-        Assignment.status,
-        SecureParticipant.sent_shares,
-        SecureParticipant.sent_masked_input,
-        SecureParticipant.sent_unmasking,
-        SecureParticipant.sent_consistency,
-        SecureParticipant.confirmed,
+def _drop_outstanding(session: Session, round_: Round, keeping: participants.Flag | None, now: float) -> None:
+    """Assignments still open whose participant does not have the flag `keeping` (None: all of
+    them) are dropped: those that did not take the phase just closed. One statement."""
+    still_open = and_(Assignment.round_id == round_.id, Assignment.status == "assigned")
+    if keeping is not None:
+        kept = select(SecureParticipant.assignment_id).where(SecureParticipant.round_id == round_.id, keeping)
+        still_open = and_(still_open, Assignment.id.not_in(kept))
+    dropped = session.execute(
+        update(Assignment)
+        .where(still_open)
+        .values(status="dropped", finished_at=now)
+        .execution_options(synchronize_session="fetch")
     )
-    .join(Assignment, Assignment.id == SecureParticipant.assignment_id)
-    .where(SecureParticipant.round_id == bindparam("round_id"))
-)
-
-
-def participants_of(session: Session, round_id: int) -> dict[int, _Member]:
-    """The round's participants by roster index, read as plain columns: every request of a round
-    reads them, and loading each row's keys (JSON) as an ORM object cost most of the server's time."""
-    rows = session.execute(_MEMBERS, {"round_id": round_id})
-    return {index: _Member(*rest) for index, *rest in rows}
-
-
-def _status(session: Session, round_id: int) -> dict[str, str]:
-    rows = session.execute(select(Assignment.id, Assignment.status).where(Assignment.round_id == round_id))
-    return {assignment_id: status for assignment_id, status in rows}
-
-
-def advertised_keys(session: Session, round_id: int) -> dict[int, dict[str, str]]:
-    """Every participant's advertised keys (JSON), by roster index."""
-    rows = session.execute(
-        select(SecureParticipant.device_index, SecureParticipant.keys).where(
-            SecureParticipant.round_id == round_id
-        )
-    )
-    return {index: keys for index, keys in rows}
-
-
-def advertisements_of(session: Session, round_id: int) -> dict[int, AdvertisedKeys | SignedAdvertisement]:
-    """Every participant's advertisement (signed, or the bare keys of a device without an identity)."""
-    return {i: parse_advertisement(keys) for i, keys in advertised_keys(session, round_id).items()}
-
-
-def roster_of(session: Session, round_id: int) -> dict[int, AdvertisedKeys]:
-    return {i: keys_of(a) for i, a in advertisements_of(session, round_id).items()}
-
-
-def _drop_outstanding(session: Session, round_: Round, keep: set[str], now: float) -> None:
-    """Assignments still open that did not take the phase just closed are dropped."""
-    outstanding = [
-        a for a, status in _status(session, round_.id).items() if status == "assigned" and a not in keep
-    ]
-    if outstanding:
-        session.execute(
-            update(Assignment).where(Assignment.id.in_(outstanding)).values(status="dropped", finished_at=now)
-        )
-        round_.dropped += len(outstanding)
+    round_.dropped += dropped.rowcount  # type: ignore[attr-defined]
 
 
 def advance(
@@ -229,92 +168,80 @@ def advance(
     secure_round = session.get(SecureRound, round_.id)
     assert secure_round is not None
     while secure_round.phase != DONE:
-        participants = participants_of(session, round_.id)
-        active = {i for i, p in participants.items() if p.status == "assigned"}
+        # The conditions counted in SQL: one row per message, however many devices take part.
+        n = participants.counts(session, round_.id)
         phase = secure_round.phase
         timed_out = now >= secure_round.phase_deadline
         if phase == ADVERTISE:
-            advertised = {p.assignment_id for p in participants.values()}
-            status = _status(session, round_.id)
-            waiting = any(status[a] == "assigned" and a not in advertised for a in status)
             # Devices advertise as they check in: the roster closes with the round's check-ins.
             full = round_.accepted >= round_.capacity
             # A device that vanished between its check-in and its keys holds a full roster open.
-            enough = full and len(participants) >= _enough(secure_round)
-            if timed_out and len(participants) < _enough(secure_round):
+            enough = full and n.advertised >= _enough(secure_round)
+            if timed_out and n.advertised < _enough(secure_round):
                 timed_out = not _be_patient(round_, secure_round, settings)
             if not (
                 timed_out
-                or (full and not waiting)
+                or (full and not n.waiting)
                 or _stragglers_left(round_, secure_round, settings, enough, now)
             ):
                 return None
-            _drop_outstanding(session, round_, {p.assignment_id for p in participants.values()}, now)
+            _drop_outstanding(session, round_, true(), now)
             _next_phase(session, round_, secure_round, SHARE_KEYS, settings.secure.share_keys_seconds, now)
-            problem = _too_few(round_, secure_round, phase, len(participants), "advertised keys", timed_out)
+            problem = _too_few(round_, secure_round, phase, n.advertised, "advertised keys", timed_out)
         elif phase == SHARE_KEYS:
-            sharers = {i for i, p in participants.items() if p.sent_shares}
             if not (
                 timed_out
-                or active <= sharers
-                or _stragglers_left(
-                    round_, secure_round, settings, len(sharers) >= _enough(secure_round), now
-                )
+                or not n.open_unshared
+                or _stragglers_left(round_, secure_round, settings, n.sharers >= _enough(secure_round), now)
             ):
                 return None
-            _drop_outstanding(session, round_, {participants[i].assignment_id for i in sharers}, now)
+            _drop_outstanding(session, round_, SecureParticipant.sent_shares, now)
             _next_phase(
                 session, round_, secure_round, MASKED_INPUT, settings.secure.masked_input_seconds, now
             )
             problem = _too_few(
-                round_, secure_round, phase, len(sharers), "shared keys", timed_out
-            ) or _unreachable(round_, secure_round, participants, sharers, timed_out)
+                round_, secure_round, phase, n.sharers, "shared keys", timed_out
+            ) or _unreachable(session, round_, secure_round, timed_out)
         elif phase == MASKED_INPUT:
-            sharers = {i for i, p in participants.items() if p.sent_shares}
-            senders = {i for i, p in participants.items() if p.sent_masked_input}
             # Enough to stop waiting for stragglers only if these inputs could be unmasked: were
             # every secret's holders among them to answer, each would have its threshold of shares.
             # Else the round would end abandoned at the unmasking however it went, while the
-            # slower phones still training might have made it.
-            enough = len(senders) >= _enough(secure_round) and _unmaskable(
-                secure_round, participants, sharers, senders
-            )
+            # slower phones still training might have made it. (Checked only when it matters.)
+            waits = settings.secure.straggler_wait is not None and n.senders >= _enough(secure_round)
             if not (
                 timed_out
-                or len(senders) >= round_.target
-                or (active & sharers) <= senders
-                or _stragglers_left(round_, secure_round, settings, enough, now)
+                or n.senders >= round_.target
+                or not n.open_unsent
+                or _stragglers_left(
+                    round_, secure_round, settings, waits and _unmaskable(session, secure_round), now
+                )
             ):
                 return None
-            _drop_outstanding(session, round_, {participants[i].assignment_id for i in senders}, now)
+            _drop_outstanding(session, round_, SecureParticipant.sent_masked_input, now)
             _next_phase(session, round_, secure_round, CONSISTENCY, settings.secure.unmasking_seconds, now)
-            problem = _too_few(
-                round_, secure_round, phase, len(senders), "sent their masked input", timed_out
-            )
+            problem = _too_few(round_, secure_round, phase, n.senders, "sent their masked input", timed_out)
         elif phase == CONSISTENCY:
-            senders = {i for i, p in participants.items() if p.sent_masked_input}
-            signers = {i for i, p in participants.items() if p.sent_consistency}
             if not (
                 timed_out
-                or (active & senders) <= signers
+                or not n.open_unsigned
                 # (a confirmation is one round trip: none is a straggler at the phase's first instant)
                 or _stragglers_left(
                     round_,
                     secure_round,
                     settings,
-                    len(signers) >= _enough(secure_round) and now > phase_started(round_),
+                    n.signers >= _enough(secure_round) and now > phase_started(round_),
                     now,
                 )
             ):
                 return None
             confirmed = _confirm(session, round_.id)
-            _drop_outstanding(session, round_, {participants[i].assignment_id for i in confirmed}, now)
+            _drop_outstanding(session, round_, SecureParticipant.confirmed, now)
             _next_phase(session, round_, secure_round, UNMASKING, settings.secure.unmasking_seconds, now)
             problem = _too_few(
                 round_, secure_round, phase, len(confirmed), "confirmed the survivors", timed_out
             )
         else:  # UNMASKING
-            return _finish(session, round_, secure_round, participants, layout(manifest), timed_out, now)
+            return _finish(session, round_, secure_round, n.responders, layout(manifest), timed_out, now)
         if problem is not None:
             return _abandon(session, round_, secure_round, problem, now)
     return None
@@ -346,21 +273,6 @@ def _confirm(session: Session, round_id: int) -> set[int]:
         .values(confirmed=True)
     )
     return confirmed
-
-
-def refused_shares(session: Session, round_id: int, survivors: set[int]) -> dict[int, set[int]]:
-    """Owner -> the survivors that reported its shares as failing authentication."""
-    rows = session.execute(
-        select(SecureParticipant.device_index, SecureParticipant.consistency).where(
-            SecureParticipant.round_id == round_id, SecureParticipant.sent_consistency
-        )
-    )
-    refused: dict[int, set[int]] = {}
-    for holder, confirmation in rows:
-        if holder in survivors:
-            for owner in confirmation["refused_shares"]:
-                refused.setdefault(owner, set()).add(holder)
-    return refused
 
 
 def _be_patient(round_: Round, secure_round: SecureRound, settings: PopulationSettings) -> bool:
@@ -416,43 +328,40 @@ def _too_few(
 
 
 def _unreachable(
-    round_: Round,
-    secure_round: SecureRound,
-    participants: Mapping[int, _Member],
-    sharers: set[int],
-    timed_out: bool,
+    session: Session, round_: Round, secure_round: SecureRound, timed_out: bool
 ) -> round_state.Closing | None:
     """A sharer whose secrets reached fewer neighbours than the threshold could never be unmasked."""
     parameters = round_parameters(secure_round)
-    graph = round_graph(parameters, sorted(participants))
-    for owner in sorted(sharers):
+    facts = participants.closed(session, secure_round)
+    assert facts.roster is not None and facts.sharers is not None
+    graph = round_graph(parameters, facts.roster)
+    for owner in sorted(facts.sharers):
         t = parameters.shamir_threshold(len(graph[owner]))
-        holders = len(set(graph[owner]) & sharers)
+        holders = len(set(graph[owner]) & facts.sharers)
         if holders < t:
             reason = f"device {owner}'s shares reached {holders} neighbours; its secrets need {t}"
             return round_state.shortfall(SHARE_KEYS, holders, t, round_.invalid, timed_out, reason)
     return None
 
 
-def _unmaskable(
-    secure_round: SecureRound, participants: Mapping[int, _Member], sharers: set[int], senders: set[int]
-) -> bool:
-    """Whether a round whose survivors are `senders` could be unmasked, at best (every survivor
-    answers the unmasking)."""
+def _unmaskable(session: Session, secure_round: SecureRound) -> bool:
+    """Whether a round whose survivors are the masked inputs' senders so far could be unmasked,
+    at best (every survivor answers the unmasking)."""
     parameters = round_parameters(secure_round)
-    graph = round_graph(parameters, sorted(participants))
-    return server.unmask_problem(parameters, graph, sharers, senders, senders) is None
+    facts = participants.closed(session, secure_round)
+    assert facts.roster is not None and facts.sharers is not None
+    senders = participants.indices_where(session, secure_round.round_id, SecureParticipant.sent_masked_input)
+    graph = round_graph(parameters, facts.roster)
+    return server.unmask_problem(parameters, graph, facts.sharers, senders, senders) is None
 
 
 def _abandon(
     session: Session, round_: Round, secure_round: SecureRound, closing: round_state.Closing, now: float
 ) -> Abandon:
-    _drop_outstanding(session, round_, set(), now)
+    _drop_outstanding(session, round_, None, now)
     on_commit(session, PHASE_CHANGES.notify)
     secure_round.phase, secure_round.outcome = DONE, closing.reason[:500]
-    session.execute(
-        update(SecureParticipant).where(SecureParticipant.round_id == round_.id).values(masked_input=None)
-    )
+    session.execute(delete(SecureMaskedInput).where(SecureMaskedInput.round_id == round_.id))
     return Abandon(closing)
 
 
@@ -460,41 +369,50 @@ def _finish(
     session: Session,
     round_: Round,
     secure_round: SecureRound,
-    participants: Mapping[int, _Member],
+    answered: int,
     flat: Layout,
     timed_out: bool,
     now: float,
 ) -> Commit | Abandon | None:
     parameters = round_parameters(secure_round)
-    graph = round_graph(parameters, sorted(participants))
-    sharers = {i for i, p in participants.items() if p.sent_shares}
+    facts = participants.closed(session, secure_round)
+    assert facts.roster is not None and facts.sharers is not None
+    assert facts.confirmed is not None and facts.refused is not None
+    graph = round_graph(parameters, facts.roster)
+    sharers, refused = facts.sharers, facts.refused
     # The confirmed survivors: a masked input whose sender did not confirm is left out of the sum.
-    survivors = {i for i, p in participants.items() if p.confirmed}
+    survivors = facts.confirmed
+    # Who answered decides whether the sum can be unmasked yet: their answers are read only then.
+    responders = (
+        participants.indices_where(session, round_.id, SecureParticipant.sent_unmasking)
+        if answered
+        else set()
+    )
+    problem = server.unmask_problem(parameters, graph, sharers, survivors, responders, refused)
+    if problem is not None and not timed_out and set(responders) != survivors:
+        return None  # more answers may still come
+    _close_phase(round_, UNMASKING, now)
+    if problem is not None:
+        ended_by = round_state.DEADLINE if timed_out else round_state.DROPOUTS
+        closing = round_state.Closing(
+            round_state.ABANDONED, problem, UNMASKING, len(responders), None, ended_by
+        )
+        return _abandon(session, round_, secure_round, closing, now)
+    started = time.perf_counter()
     responses = {
-        i: UnmaskingShares.from_json(answer, len(participants))
+        i: UnmaskingShares.from_json(answer, len(facts.roster))
         for i, answer in session.execute(
             select(SecureParticipant.device_index, SecureParticipant.unmasking).where(
                 SecureParticipant.round_id == round_.id, SecureParticipant.sent_unmasking
             )
         )
     }
-    refused = refused_shares(session, round_.id, survivors)
-    problem = server.unmask_problem(parameters, graph, sharers, survivors, responses, refused)
-    if problem is not None and not timed_out and set(responses) != survivors:
-        return None  # more answers may still come
-    _close_phase(round_, UNMASKING, now)
-    if problem is not None:
-        ended_by = round_state.DEADLINE if timed_out else round_state.DROPOUTS
-        closing = round_state.Closing(
-            round_state.ABANDONED, problem, UNMASKING, len(responses), None, ended_by
-        )
-        return _abandon(session, round_, secure_round, closing, now)
-    started = time.perf_counter()
     total = server.MaskedSum(parameters)
     # One masked input in memory at a time: memory is O(model), not O(devices x model).
     for (blob,) in session.execute(
-        select(SecureParticipant.masked_input)
-        .where(SecureParticipant.round_id == round_.id, SecureParticipant.confirmed)
+        select(SecureMaskedInput.masked_input)
+        .join(SecureParticipant, SecureParticipant.assignment_id == SecureMaskedInput.assignment_id)
+        .where(SecureMaskedInput.round_id == round_.id, SecureParticipant.confirmed)
         .execution_options(yield_per=8)
     ):
         total.add(decode_vector(blob, parameters))
@@ -502,7 +420,7 @@ def _finish(
         unmasked = server.unmask(
             parameters,
             total.total,
-            roster_of(session, round_.id),
+            participants.roster_of(session, round_.id),
             graph,
             sharers,
             survivors,
@@ -511,19 +429,20 @@ def _finish(
         )
     except server.CannotUnmask as e:
         return _abandon(session, round_, secure_round, _failed_check(str(e), len(responses)), now)
-    survivor_assignments = [participants[i].assignment_id for i in survivors]
+    confirmed = select(SecureParticipant.assignment_id).where(
+        SecureParticipant.round_id == round_.id, SecureParticipant.confirmed
+    )
     session.execute(
         update(Assignment)
-        .where(Assignment.id.in_(survivor_assignments))
+        .where(Assignment.id.in_(confirmed))
         .values(status="reported", finished_at=now)
+        .execution_options(synchronize_session="fetch")
     )
     round_.reported, round_.total_weight = len(survivors), float(len(survivors))
-    _drop_outstanding(session, round_, set(survivor_assignments), now)
+    _drop_outstanding(session, round_, SecureParticipant.confirmed, now)
     on_commit(session, PHASE_CHANGES.notify)
     secure_round.phase = DONE
-    session.execute(
-        update(SecureParticipant).where(SecureParticipant.round_id == round_.id).values(masked_input=None)
-    )
+    session.execute(delete(SecureMaskedInput).where(SecureMaskedInput.round_id == round_.id))
     mean = dequantize_sum(unmasked, parameters) / len(survivors)
     # A mean of vectors clipped to clip_norm is no longer than clip_norm (triangle inequality), up
     # to each coordinate's rounding of at most one step: anything longer comes from a device that

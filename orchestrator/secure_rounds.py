@@ -17,7 +17,8 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from orchestrator.db import Round, SecureParticipant, SecureRound
+from orchestrator import secure_participants as participants
+from orchestrator.db import Round, SecureMaskedInput, SecureParticipant, SecureRound
 from orchestrator.refusals import Refused
 from orchestrator.secure_phases import (
     ADVERTISE,
@@ -25,9 +26,6 @@ from orchestrator.secure_phases import (
     MASKED_INPUT,
     SHARE_KEYS,
     UNMASKING,
-    advertised_keys,
-    advertisements_of,
-    participants_of,
     phase_started,
     round_parameters,
 )
@@ -74,9 +72,13 @@ def _in_phase(secure_round: SecureRound, phase: str, now: float) -> Refused | No
     )
 
 
-def state(session: Session, round_: Round, assignment_id: str, now: float) -> dict[str, Any]:
+def state(
+    session: Session, round_: Round, assignment_id: str, now: float, until: str | None = None
+) -> dict[str, Any]:
     """What one device may know now: the phase, and what that phase hands it (the roster, the
-    ciphertexts addressed to it, the survivors), only when it takes part in that phase."""
+    ciphertexts addressed to it, the survivors), only when it takes part in that phase; and with
+    `until`, only once the round has reached that phase (a device waiting for a later phase has
+    no use for the current one's roster or ciphertexts, and it may ask many times meanwhile)."""
     secure_round = _secure_round(session, round_)
     participant = _participant(session, assignment_id)
     out: dict[str, Any] = {
@@ -90,10 +92,15 @@ def state(session: Session, round_: Round, assignment_id: str, now: float) -> di
     }
     if participant is None or secure_round.phase in (ADVERTISE, DONE):
         return out
+    if until is not None and PHASES.index(secure_round.phase) < _ORDER.index(until):
+        return out
+    # What the closed phases fixed, read once per server process: every device of the round asks.
+    facts = participants.closed(session, secure_round)
     if secure_round.phase == SHARE_KEYS and not participant.sent_shares:
-        out["roster"] = {str(i): keys for i, keys in sorted(advertised_keys(session, round_.id).items())}
+        out["roster"] = facts.roster_json
     elif secure_round.phase == MASKED_INPUT and participant.sent_shares:
-        graph = round_graph(round_parameters(secure_round), sorted(participants_of(session, round_.id)))
+        assert facts.roster is not None
+        graph = round_graph(round_parameters(secure_round), facts.roster)
         index = participant.device_index
         out["ciphertexts"] = ciphertexts_to_json(
             {
@@ -106,19 +113,22 @@ def state(session: Session, round_: Round, assignment_id: str, now: float) -> di
         and participant.sent_masked_input
         and not participant.sent_consistency
     ):
-        participants = participants_of(session, round_.id)
-        out["survivors"] = sorted(i for i, p in participants.items() if p.sent_masked_input)
+        assert facts.senders is not None
+        out["survivors"] = sorted(facts.senders)
     elif secure_round.phase == UNMASKING and participant.confirmed:
-        participants = participants_of(session, round_.id)
-        out["survivors"] = sorted(i for i, p in participants.items() if p.sent_masked_input)
-        confirmed = sorted(i for i, p in participants.items() if p.confirmed)
+        assert facts.roster is not None and facts.senders is not None and facts.confirmed is not None
+        out["survivors"] = sorted(facts.senders)
+        confirmed = sorted(facts.confirmed)
         out["confirmed"] = confirmed
         # The confirmations of this device's confirmed neighbours, for it to check before it unmasks.
-        graph = round_graph(round_parameters(secure_round), sorted(participants))
+        graph = round_graph(round_parameters(secure_round), facts.roster)
         out["confirmations"] = _confirmations(
-            session, round_.id, sorted(set(graph[participant.device_index]) & set(confirmed))
+            session, round_.id, sorted(set(graph[participant.device_index]) & facts.confirmed)
         )
     return out
+
+
+_ORDER = (*PHASES, DONE)
 
 
 def _confirmations(session: Session, round_id: int, indices: list[int]) -> dict[str, Any]:
@@ -166,16 +176,21 @@ def advertise(
         advertisement = identity.parse_advertisement(body)
         if authority_key is not None:
             certified_by(advertisement, authority_key, now)
-        advertised = advertisements_of(session, round_.id)
-        server.check_advertisement(
-            identity.keys_of(advertisement), [identity.keys_of(a) for a in advertised.values()]
-        )
+        # No key twice in a round: an indexed lookup of this advertisement's keys, not a
+        # comparison with every earlier advertisement (which made the phase O(n^2)).
+        taken = participants.taken_kinds(session, round_.id, advertisement)
+        server.check_advertisement(identity.keys_of(advertisement), [])
+        if "agreement" in taken:
+            raise ProtocolError("these keys were already advertised by another device of this round")
         if isinstance(advertisement, identity.SignedAdvertisement):
             context = round_parameters(secure_round).context
-            identity.check_signed_advertisement(advertisement, context, advertised.values())
+            identity.check_signed_advertisement(advertisement, context, [])
+            if "device" in taken:
+                raise ProtocolError("this device key already advertised keys in this round")
     except ProtocolError as e:
         return Refused(422, str(e))
-    index = max(advertised, default=0) + 1
+    participants.record_keys(session, round_.id, advertisement)
+    index = participants.next_index(session, round_.id)
     session.add(
         SecureParticipant(
             assignment_id=assignment_id,
@@ -185,7 +200,6 @@ def advertise(
             keys=advertisement.to_json(),
             shares=None,
             sent_shares=False,
-            masked_input=None,
             sent_masked_input=False,
             unmasking=None,
             sent_unmasking=False,
@@ -279,10 +293,11 @@ def share_keys(
     if isinstance(found, Refused):
         return found
     secure_round, participant = found
-    participants = participants_of(session, round_.id)
+    roster = participants.closed(session, secure_round).roster
+    assert roster is not None
     try:
-        shares = shares_from_json(body, len(participants))
-        graph = round_graph(round_parameters(secure_round), sorted(participants))
+        shares = shares_from_json(body, len(roster))
+        graph = round_graph(round_parameters(secure_round), roster)
         server.check_shares(participant.device_index, graph, shares)
     except ProtocolError as e:
         return Refused(422, str(e))
@@ -302,7 +317,8 @@ def masked_input(
         decode_vector(body, round_parameters(secure_round))
     except ProtocolError as e:
         return Refused(422, str(e))
-    participant.masked_input, participant.sent_masked_input = body, True
+    session.add(SecureMaskedInput(assignment_id=assignment_id, round_id=round_.id, masked_input=body))
+    participant.sent_masked_input = True
     return {"received_bytes": len(body)}
 
 
@@ -316,7 +332,9 @@ def consistency(
     if isinstance(found, Refused):
         return found
     secure_round, participant = found
-    survivors = [i for i, p in participants_of(session, round_.id).items() if p.sent_masked_input]
+    senders = participants.closed(session, secure_round).senders
+    assert senders is not None
+    survivors = sorted(senders)
     try:
         confirmation = identity.Confirmation.from_json(body)
         advertisement = identity.parse_advertisement(participant.keys)
@@ -340,14 +358,14 @@ def unmasking(
     if isinstance(found, Refused):
         return found
     secure_round, participant = found
-    participants = participants_of(session, round_.id)
+    facts = participants.closed(session, secure_round)
+    assert facts.roster is not None and facts.sharers is not None and facts.confirmed is not None
     parameters = round_parameters(secure_round)
-    graph = round_graph(parameters, sorted(participants))
+    graph = round_graph(parameters, facts.roster)
     index = participant.device_index
-    sharers = {i for i, p in participants.items() if p.sent_shares}
-    survivors = {i for i, p in participants.items() if p.confirmed}
+    sharers, survivors = facts.sharers, facts.confirmed
     try:
-        message = UnmaskingShares.from_json(body, len(participants))
+        message = UnmaskingShares.from_json(body, len(facts.roster))
         commitments = {
             owner: {index: shares} for owner, shares in _shares_for(session, round_.id, graph, index).items()
         }

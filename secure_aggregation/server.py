@@ -9,6 +9,7 @@ share per device: what reveals the survivors' sum and nothing more.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 
 import numpy as np
 
@@ -107,7 +108,7 @@ def unmask_problem(
     shared: Iterable[int],
     survivors: Iterable[int],
     responders: Iterable[int],
-    refused: Mapping[int, set[int]] | None = None,
+    refused: Mapping[int, AbstractSet[int]] | None = None,
 ) -> str | None:
     """Why the sum cannot be unmasked with these sets (U2, U3, U4), or None when it can.
     `refused`: owner -> the survivors that refused its shares (they hold none, and masked nothing
@@ -144,7 +145,7 @@ def unmask(
     shared: Iterable[int],
     survivors: Iterable[int],
     responses: Mapping[int, UnmaskingShares],
-    refused: Mapping[int, set[int]] | None = None,
+    refused: Mapping[int, AbstractSet[int]] | None = None,
 ) -> np.ndarray:
     """The sum of the survivors' quantized inputs (uint64 modulo 2^bits) from the sum of their
     masked inputs: remove each survivor's self mask and each pairwise mask a survivor shares with

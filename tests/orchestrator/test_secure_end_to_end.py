@@ -119,7 +119,7 @@ def test_a_secure_round_with_dropouts_at_every_phase_commits_the_survivors_mean(
     # The server kept no masked input once the round closed, and never an unmasked one.
     engine = create_engine(server.database_url)
     with engine.connect() as conn:
-        kept = conn.execute(text("SELECT count(*) FROM secure_participants WHERE masked_input IS NOT NULL"))
+        kept = conn.execute(text("SELECT count(*) FROM secure_masked_inputs"))
         assert kept.scalar() == 0
     engine.dispose()
 

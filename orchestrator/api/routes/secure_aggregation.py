@@ -2,7 +2,8 @@
 
 `GET /v1/assignments/{id}/secure` tells the device the phase and what it needs for it; with
 `?until=<phase>` the answer waits (long-polling, at most `LONG_POLL_SECONDS`) until the round has
-reached that phase or a later one, so a device learns of a phase as soon as it opens. The four
+reached that phase or a later one, so a device learns of a phase as soon as it opens (an answer
+that comes earlier, after `LONG_POLL_SECONDS`, says only the phase: not what it hands out). The four
 `POST`s carry its keys, its encrypted shares, its masked input (raw little-endian integers) and
 its unmasking shares. A message sent twice, out of phase, by a device that skipped the phase
 before, or that fails its checks is a 409 or 422 that changes nothing for the other devices.
@@ -26,8 +27,11 @@ from orchestrator.phase_changes import PHASE_CHANGES
 
 router = APIRouter(prefix="/v1/assignments", tags=["devices"])
 
-# A held state request answers within this, whatever happens: below the devices' HTTP timeouts.
-LONG_POLL_SECONDS = 10.0
+# A held state request answers within this, whatever happens: below the devices' HTTP timeouts
+# (30 s by default, 60 s in the fleet). Each device waiting for a phase asks again after it, so a
+# phase costs the server (waiting devices x the phase's length / this) state reads: at 1,000
+# devices and 10 s, those reads alone had the server busy.
+LONG_POLL_SECONDS = 20.0
 # Phase changes made by another server process are not announced here: one watcher per process
 # reads the open rounds' phases this often while devices wait (phase_changes).
 RECHECK_SECONDS = 1.0
@@ -67,7 +71,9 @@ def _callers_round(
     return (population, *found)
 
 
-def _state(factory: sessionmaker[Session], assignment_id: str, token: str, now: float) -> dict[str, Any]:
+def _state(
+    factory: sessionmaker[Session], assignment_id: str, token: str, now: float, until: str | None = None
+) -> dict[str, Any]:
     with factory.begin() as session:
         # A round's devices read its state at every phase change and send a message in each phase:
         # these requests advance the round before their own work only when its phase deadline has
@@ -76,7 +82,10 @@ def _state(factory: sessionmaker[Session], assignment_id: str, token: str, now: 
         population, status, round_ = _callers_round(session, assignment_id, token, now, advance_rounds=False)
         if round_.status == "open" and secure_rounds.deadline_passed(session, round_, now):
             rounds.advance_secure(session, population, round_, now)
-        return {"assignment_status": status, **secure_rounds.state(session, round_, assignment_id, now)}
+        return {
+            "assignment_status": status,
+            **secure_rounds.state(session, round_, assignment_id, now, until),
+        }
 
 
 def _message(
@@ -144,12 +153,16 @@ async def state(
     give_up = loop.time() + LONG_POLL_SECONDS
     while True:
         seen = PHASE_CHANGES.generation  # before reading: a change in between wakes the wait at once
-        answer = await run_db(request.app, _state, factory, assignment_id, token, clock())
+        answer = await run_db(request.app, _state, factory, assignment_id, token, clock(), until)
         left = give_up - loop.time()
         if until is None or ORDER.index(answer["phase"]) >= ORDER.index(until) or left <= 0:
             return answer
         PHASE_CHANGES.watch(lambda: run_db(request.app, _open_phases, factory), RECHECK_SECONDS)
         await PHASE_CHANGES.wait(seen, left)
+        if PHASE_CHANGES.generation == seen:
+            # Held to the end with no phase changed anywhere: the answer read before stands (a
+            # second read per wait would double the reads of a thousand waiting devices).
+            return {**answer, "seconds_left": max(0.0, answer["phase_deadline"] - clock())}
 
 
 def _open_phases(factory: sessionmaker[Session]) -> frozenset[tuple[int, str]]:

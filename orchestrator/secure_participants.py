@@ -1,0 +1,241 @@
+"""A secure round's participants as its phases read them, at a cost per message that does not grow
+with the round.
+
+- The open phase's conditions are counted in SQL (`counts`): one row per message, not every
+  participant's flags.
+- What a closed phase fixed (the roster, who shared keys, who sent a masked input, who confirmed,
+  whose shares were refused, the roster's keys as devices download them) never changes again, so
+  each server process reads it once per round (`closed`) instead of on every message.
+- A key may be advertised once in a round: an indexed lookup (`taken_kinds`), not a comparison
+  with every earlier advertisement.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import and_, bindparam, case, func, not_, or_, select
+from sqlalchemy.orm import InstrumentedAttribute, Session
+from sqlalchemy.sql import ColumnElement
+
+from orchestrator.db import Assignment, SecureParticipant, SecureRound, SecureRoundKey
+from orchestrator.on_commit import on_commit
+from secure_aggregation.identity import SignedAdvertisement, keys_of, parse_advertisement
+from secure_aggregation.messages import AdvertisedKeys
+
+# A participant's flag (a boolean column), or a condition on its row.
+Flag = ColumnElement[bool] | InstrumentedAttribute[bool]
+# The phases in order (secure_phases' names): a phase's facts are fixed once a later one opened.
+_ORDER = ("advertise", "share_keys", "masked_input", "consistency", "unmasking", "done")
+
+
+@dataclass(frozen=True)
+class Member:
+    """One participant as the phases see it: which messages it sent, not what they hold."""
+
+    assignment_id: str
+    status: str  # its assignment's: assigned while it takes part
+    sent_shares: bool
+    sent_masked_input: bool
+    sent_unmasking: bool
+    sent_consistency: bool
+    confirmed: bool
+
+
+_MEMBERS = (
+    select(
+        SecureParticipant.device_index,
+        SecureParticipant.assignment_id,
+        Assignment.status,
+        SecureParticipant.sent_shares,
+        SecureParticipant.sent_masked_input,
+        SecureParticipant.sent_unmasking,
+        SecureParticipant.sent_consistency,
+        SecureParticipant.confirmed,
+    )
+    .join(Assignment, Assignment.id == SecureParticipant.assignment_id)
+    .where(SecureParticipant.round_id == bindparam("round_id"))
+)
+
+
+def participants_of(session: Session, round_id: int) -> dict[int, Member]:
+    """Every participant by roster index, read as plain columns: for a phase's close (once a
+    phase), never per message."""
+    rows = session.execute(_MEMBERS, {"round_id": round_id})
+    return {index: Member(*rest) for index, *rest in rows}
+
+
+@dataclass(frozen=True)
+class Counts:
+    """A round's participants counted for its phase conditions ("open": an assignment still
+    assigned, i.e. neither dropped nor finished)."""
+
+    advertised: int
+    waiting: int  # open assignments that have not advertised keys
+    sharers: int
+    open_unshared: int  # open participants that have not sent shares
+    senders: int
+    open_unsent: int  # open sharers without a masked input
+    signers: int
+    open_unsigned: int  # open senders without a confirmation
+    responders: int
+
+
+def _count(condition: Flag) -> ColumnElement[int]:
+    return func.count(case((condition, 1)))
+
+
+_open = Assignment.status == "assigned"
+_joined = SecureParticipant.assignment_id.is_not(None)
+_COUNTS = (
+    select(
+        func.count(SecureParticipant.assignment_id),
+        _count(and_(_open, SecureParticipant.assignment_id.is_(None))),
+        _count(SecureParticipant.sent_shares),
+        _count(and_(_open, _joined, not_(SecureParticipant.sent_shares))),
+        _count(SecureParticipant.sent_masked_input),
+        _count(and_(_open, SecureParticipant.sent_shares, not_(SecureParticipant.sent_masked_input))),
+        _count(SecureParticipant.sent_consistency),
+        _count(and_(_open, SecureParticipant.sent_masked_input, not_(SecureParticipant.sent_consistency))),
+        _count(SecureParticipant.sent_unmasking),
+    )
+    .select_from(Assignment)
+    .outerjoin(SecureParticipant, SecureParticipant.assignment_id == Assignment.id)
+    .where(Assignment.round_id == bindparam("round_id"))
+)
+
+
+def counts(session: Session, round_id: int) -> Counts:
+    """The round's phase conditions, counted by the database: one row, however many devices."""
+    return Counts(*(int(n) for n in session.execute(_COUNTS, {"round_id": round_id}).one()))
+
+
+def indices_where(session: Session, round_id: int, flag: Flag) -> frozenset[int]:
+    rows = session.execute(
+        select(SecureParticipant.device_index).where(SecureParticipant.round_id == round_id, flag)
+    )
+    return frozenset(index for (index,) in rows)
+
+
+def advertised_keys(session: Session, round_id: int) -> dict[int, dict[str, Any]]:
+    """Every participant's advertisement (JSON, as its device sent it), by roster index."""
+    rows = session.execute(
+        select(SecureParticipant.device_index, SecureParticipant.keys).where(
+            SecureParticipant.round_id == round_id
+        )
+    )
+    return {index: keys for index, keys in rows}
+
+
+def roster_of(session: Session, round_id: int) -> dict[int, AdvertisedKeys]:
+    """Every participant's keys, by roster index (parsed: for the unmasking, once a round)."""
+    return {i: keys_of(parse_advertisement(k)) for i, k in advertised_keys(session, round_id).items()}
+
+
+def _claims(advertisement: AdvertisedKeys | SignedAdvertisement) -> set[tuple[str, bytes]]:
+    keys = keys_of(advertisement)
+    claims = {("agreement", k) for k in (keys.encryption_key, keys.mask_key, keys.self_mask_commitment)}
+    if isinstance(advertisement, SignedAdvertisement):
+        claims.add(("device", advertisement.certificate.device_key))
+    return claims
+
+
+def taken_kinds(
+    session: Session, round_id: int, advertisement: AdvertisedKeys | SignedAdvertisement
+) -> set[str]:
+    """Which kinds of the advertisement's keys ("agreement", "device") another device of the
+    round already advertised: an indexed lookup of at most four keys."""
+    claims = _claims(advertisement)
+    return set(
+        session.scalars(
+            select(SecureRoundKey.kind).where(
+                SecureRoundKey.round_id == round_id,
+                or_(*(and_(SecureRoundKey.kind == kind, SecureRoundKey.key == key) for kind, key in claims)),
+            )
+        )
+    )
+
+
+def record_keys(session: Session, round_id: int, advertisement: AdvertisedKeys | SignedAdvertisement) -> None:
+    """The advertisement's keys are taken in this round (its primary key refuses a second claim)."""
+    session.add_all(
+        SecureRoundKey(round_id=round_id, kind=k, key=v) for k, v in sorted(_claims(advertisement))
+    )
+
+
+def next_index(session: Session, round_id: int) -> int:
+    """The roster index of the round's next participant (from 1)."""
+    last = session.scalar(
+        select(func.max(SecureParticipant.device_index)).where(SecureParticipant.round_id == round_id)
+    )
+    return int(last or 0) + 1
+
+
+@dataclass(frozen=True)
+class Closed:
+    """What a round's closed phases fixed; None for what a phase still open may change."""
+
+    roster: tuple[int, ...] | None  # every participant's index, sorted (past the advertisements)
+    roster_json: dict[str, Any] | None  # the advertisements as devices download them
+    sharers: frozenset[int] | None  # sent shares (past share_keys)
+    senders: frozenset[int] | None  # sent a masked input (past masked_input)
+    confirmed: frozenset[int] | None  # confirmed the survivors: the unmasked inputs (past consistency)
+    refused: dict[int, frozenset[int]] | None  # owner -> confirmed survivors that refused its shares
+
+
+_CACHE: OrderedDict[tuple[int, str, str], Closed] = OrderedDict()
+_CACHE_ROUNDS = 8  # a server has a few secure rounds open at a time (one per population)
+_LOCK = threading.Lock()  # with PostgreSQL the transactions run on a thread pool
+
+
+def closed(session: Session, secure_round: SecureRound) -> Closed:
+    """The facts of the round's closed phases, read from the database once per phase and server
+    process once committed (keyed by the round's random context too: a round id may come back in
+    another database)."""
+    phase = secure_round.phase
+    key = (secure_round.round_id, str(secure_round.parameters.get("context", "")), phase)
+    with _LOCK:
+        found = _CACHE.get(key)
+    if found is not None:
+        return found
+    past = _ORDER.index(phase)
+    round_id = secure_round.round_id
+    advertised = advertised_keys(session, round_id) if past > 0 else None
+    confirmed = indices_where(session, round_id, SecureParticipant.confirmed) if past > 3 else None
+    facts = Closed(
+        roster=None if advertised is None else tuple(sorted(advertised)),
+        roster_json=None if advertised is None else {str(i): advertised[i] for i in sorted(advertised)},
+        sharers=indices_where(session, round_id, SecureParticipant.sent_shares) if past > 1 else None,
+        senders=indices_where(session, round_id, SecureParticipant.sent_masked_input) if past > 2 else None,
+        confirmed=confirmed,
+        refused=None if confirmed is None else refused_shares(session, round_id, confirmed),
+    )
+
+    def keep() -> None:
+        with _LOCK:
+            _CACHE[key] = facts
+            while len(_CACHE) > _CACHE_ROUNDS * len(_ORDER):
+                _CACHE.popitem(last=False)
+
+    # Kept once this transaction commits: a phase closed in a transaction that rolls back may
+    # close again later with other members.
+    on_commit(session, keep)
+    return facts
+
+
+def refused_shares(session: Session, round_id: int, survivors: frozenset[int]) -> dict[int, frozenset[int]]:
+    """Owner -> the survivors that reported its shares as failing authentication."""
+    rows = session.execute(
+        select(SecureParticipant.device_index, SecureParticipant.consistency).where(
+            SecureParticipant.round_id == round_id, SecureParticipant.sent_consistency
+        )
+    )
+    refused: dict[int, set[int]] = {}
+    for holder, confirmation in rows:
+        if holder in survivors:
+            for owner in confirmation["refused_shares"]:
+                refused.setdefault(owner, set()).add(holder)
+    return {owner: frozenset(holders) for owner, holders in refused.items()}
