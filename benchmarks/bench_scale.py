@@ -3,6 +3,7 @@ a projection to 10 million.
 
     ./dev bench-scale        (or: python benchmarks/bench_scale.py [--rounds N] [--repeats N])
     ./dev bench-scale --only-population --population 100000      (the large HTTP run alone; long)
+    ./dev bench-scale --only-fleet --fleet-runs 2x40               (one HTTP fleet run alone)
 
 Prints:
 1. The fast simulation (`simulate`), MovieLens 100K, the protocol's FedRecon (1,682 x 50),
@@ -306,7 +307,18 @@ FLEET_RUNS = (  # (shards, reports a round, devices per report a round)
 )
 
 
-def fleet_rates(work: Path, devices_per_report: float | None, rounds: int) -> dict[str, Any]:
+def fleet_runs(spec: str) -> tuple[tuple[int, int, float], ...]:
+    """`--fleet-runs`: SHARDSxREPORTS, comma-separated (e.g. "1x40,2x40"), of FLEET_RUNS."""
+    known = {f"{s}x{t}": (s, t, per) for s, t, per in FLEET_RUNS}
+    chosen = [known.get(name.strip()) for name in spec.split(",")]
+    if not spec or None in chosen:
+        raise argparse.ArgumentTypeError(f"expected some of {','.join(known)}, got {spec!r}")
+    return tuple(c for c in chosen if c is not None)
+
+
+def fleet_rates(
+    work: Path, devices_per_report: float | None, rounds: int, runs_of: tuple[tuple[int, int, float], ...]
+) -> dict[str, Any]:
     """The HTTP fleet in one process and over 2 Ray shards, and with a larger round: client tasks/s,
     where the time goes (the orchestrator's CPU per report, the fleet's CPU per task, the server's
     and the devices' view of a check-in, the fleet's event loop lag), and the device's own task
@@ -317,11 +329,11 @@ def fleet_rates(work: Path, devices_per_report: float | None, rounds: int) -> di
     from android_sim.device_data import expression_fleet
     from android_sim.expressions import SyntheticConfig
 
-    largest = max(round(target * (devices_per_report or per)) for _, target, per in FLEET_RUNS)
+    largest = max(round(target * (devices_per_report or per)) for _, target, per in runs_of)
     data = expression_fleet(SyntheticConfig(num_expressions=1000, num_users=largest, seed=0))
     model_dir = export(model_config(data), work / "model")
     runs: dict[str, dict[str, Any]] = {}
-    for shards, target, per in FLEET_RUNS:
+    for shards, target, per in runs_of:
         devices = round(target * (devices_per_report or per))
         label = f"{shards} shard(s), rounds of {target}, {devices} devices"
         folder = work / f"run-{len(runs)}"
@@ -513,6 +525,12 @@ def main() -> int:
     )
     parser.add_argument("--fleet-rounds", type=int, default=20, help="the HTTP fleet's rounds")
     parser.add_argument(
+        "--fleet-runs",
+        type=fleet_runs,
+        default=FLEET_RUNS,
+        help="which HTTP fleet runs, SHARDSxREPORTS comma-separated (default 1x40,2x40,2x200)",
+    )
+    parser.add_argument(
         "--population",
         type=int,
         default=0,
@@ -521,6 +539,9 @@ def main() -> int:
     parser.add_argument("--population-round", type=int, default=1_000, help="its rounds' reports")
     parser.add_argument("--population-rounds", type=int, default=10, help="its committed rounds")
     parser.add_argument("--only-population", action="store_true", help="run only the population")
+    parser.add_argument(
+        "--only-fleet", action="store_true", help="run only the HTTP fleet (part 3; no data set needed)"
+    )
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     if args.only_population:
@@ -528,6 +549,8 @@ def main() -> int:
             print("error: --only-population needs --population N", file=sys.stderr)
             return 2
         return print_population(args, load_average())
+    if args.only_fleet:
+        return only_fleet(args)
     try:
         ratings = folder_of("movielens-100k") / "u.data"
     except DatasetError as e:
@@ -556,7 +579,10 @@ def main() -> int:
     idle = idle_memory(args.idle_devices)
     print(f"HTTP fleet, {args.fleet_rounds} rounds a run:")
     fleet = fleet_rates(
-        Path(tempfile.mkdtemp(prefix="bench-scale-")), args.fleet_devices_per_report, args.fleet_rounds
+        Path(tempfile.mkdtemp(prefix="bench-scale-")),
+        args.fleet_devices_per_report,
+        args.fleet_rounds,
+        args.fleet_runs,
     )
     project = projection(sim, commit, bytes_per_device, fleet)
     load_after = load_average()
@@ -580,6 +606,25 @@ def main() -> int:
         }
         args.json.write_text(json.dumps({**results, "load": [load_before, load_after]}, indent=2))
     return print_population(args, load_after) if args.population else 0
+
+
+def only_fleet(args: argparse.Namespace) -> int:
+    """Part 3 alone: the HTTP fleet's runs, with the load before and after."""
+    load_before = load_average()
+    print(f"load average before: {load_before} (2 cores)")
+    print(f"HTTP fleet, {args.fleet_rounds} rounds a run:")
+    fleet = fleet_rates(
+        Path(tempfile.mkdtemp(prefix="bench-scale-")),
+        args.fleet_devices_per_report,
+        args.fleet_rounds,
+        args.fleet_runs,
+    )
+    load_after = load_average()
+    print_fleet(fleet)
+    print(f"load average after: {load_after}")
+    if args.json:
+        args.json.write_text(json.dumps({"fleet": fleet, "load": [load_before, load_after]}, indent=2))
+    return 0
 
 
 def print_simulation(sim: dict[str, Any], commit: float) -> None:
