@@ -66,7 +66,7 @@ from scale_simulation import (  # noqa: E402
 
 from android_sim.bench.models import ModelCache  # noqa: E402
 from android_sim.bench.quality import load_dataset, protocol_model  # noqa: E402
-from android_sim.datasets import DatasetError, folder_of  # noqa: E402
+from android_sim.datasets import DatasetError, cached_file  # noqa: E402
 
 
 def main() -> int:
@@ -111,15 +111,9 @@ def main() -> int:
     if args.only_fleet:
         return only_fleet(args)
     try:
-        ratings = folder_of("movielens-100k") / "u.data"
+        ratings = cached_file("movielens-100k")
     except DatasetError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
-    if not ratings.is_file():
-        print(
-            "error: MovieLens 100K is missing: python -m android_sim.datasets fetch movielens-100k",
-            file=sys.stderr,
-        )
         return 2
     load_before = load_average()
     data = load_dataset(ratings)
