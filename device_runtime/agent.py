@@ -194,9 +194,8 @@ class DeviceAgent:
         if answer.secure_parameters is not None:
             with contextlib.suppress(SecureProtocolError):  # a malformed one: the driver says so
                 self.policy.check_parameters(RoundParameters.from_json(answer.secure_parameters))
-        with self._opened() as store:  # an idle device's store opens for the round only
-            log.record()
-            device_log.record()
+        async with self._opened() as store:  # an idle device's store opens for the round only
+            await asyncio.to_thread(_record, log, device_log)  # off the event loop: a commit each
             return await self._take_part(
                 answer,
                 store,
@@ -207,9 +206,9 @@ class DeviceAgent:
                 phase_continues,
             )
 
-    def _opened(self) -> contextlib.AbstractContextManager[ExampleStore]:
+    def _opened(self) -> contextlib.AbstractAsyncContextManager[ExampleStore]:
         if isinstance(self.store, IdleStore):
-            return self.store.opened()
+            return self.store.session()
         return contextlib.nullcontext(self.store)
 
     async def _take_part(
@@ -362,6 +361,11 @@ class DeviceAgent:
             return check(blob, manifest), len(blob)
         except (InvalidExamples, ParamsError) as e:
             raise InvalidAnswer(str(e), assignment_id=answer.assignment_id) from None
+
+
+def _record(*logs: ParticipationLog) -> None:
+    for log in logs:
+        log.record()
 
 
 def _secure_participation(

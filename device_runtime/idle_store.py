@@ -14,8 +14,9 @@ read; each `opened()` reads it afresh, so examples the app adds count from the n
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
+import asyncio
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 
 from device_runtime.example_store import ExampleStore
@@ -56,11 +57,31 @@ class IdleStore:
         assert self._count is not None
         return self._count
 
+    @asynccontextmanager
+    async def session(self) -> AsyncIterator[ExampleStore]:
+        """`opened()` for an event loop: the file opens and closes on a worker thread (closing
+        it checkpoints its WAL, milliseconds of disk writes that would stall every device)."""
+        if self._open is not None:
+            yield self._open
+            return
+        store = self._open = await asyncio.to_thread(ExampleStore, self.path)
+        try:
+            self._count = await asyncio.to_thread(store.count)
+            yield store
+        finally:
+            self._open = None
+            await asyncio.to_thread(store.close)
+
     def load_local_state(self, key: str) -> bytes | None:
+        """An entry as last read or written; one not seen yet is read with every entry of its
+        namespace (the part of its key up to its first '/'), so that a device's first check-in
+        opens the file once for both of its participation counts."""
         state = self._state if self._state is not None else {}
         if key not in state:
+            namespace = key.partition("/")[0] + "/" if "/" in key else key
             with self.opened() as store:
-                state[key] = store.load_local_state(key)
+                state.update(store.local_state_under(namespace))
+            state.setdefault(key, None)
             self._state = state
         return state[key]
 
