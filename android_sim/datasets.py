@@ -134,6 +134,16 @@ def default_file(name: str) -> Path:
     return folder_of(name) / ds.main_file
 
 
+def cached_file(name: str, root: Path | None = None) -> Path:
+    """The data set's main file in the cache; DatasetError (which file is missing, how to fetch it)
+    when it is not there. For commands that read a data set only from the cache (benchmarks)."""
+    ds = dataset(name)
+    path = folder_of(name, root) / ds.main_file
+    if not path.is_file():
+        raise DatasetError(f"{ds.title} not found ({path} is missing); {ds.hint(path.parent)}")
+    return path
+
+
 def missing_hint(path: Path) -> str:
     """For a data file that is not there: how to get it, if it is one of the data sets' files."""
     for ds in DATASETS.values():

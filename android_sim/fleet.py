@@ -26,6 +26,7 @@ from contracts.features import FeatureSpec
 from device_runtime.agent import DeviceAgent, Participation
 from device_runtime.device_identity import DeviceIdentity
 from device_runtime.example_store import Event, ExampleStore
+from device_runtime.idle_store import IdleStore
 from device_runtime.orchestrator_client import OrchestratorClient
 from device_runtime.privacy_policy import PrivacyPolicy
 from device_runtime.task_runner import TaskRunner
@@ -77,7 +78,8 @@ class Connection:
 class SimDevice:
     """A simulated phone. Between its tasks it holds only these few fields (lean idle devices:
     a fleet's memory grows with the devices in rounds, not with the population); its
-    connection exists while it talks to the orchestrator, its example store while it takes part."""
+    connection exists while it talks to the orchestrator, its example store is open while it
+    takes part in a round."""
 
     index: int
     role: str  # TRAINING devices train; HELD_OUT devices only evaluate (ReconEval)
@@ -96,6 +98,11 @@ class SimDevice:
     bytes_up: int = 0  # over all its connections
     bytes_down: int = 0
     connection: Connection | None = field(default=None, repr=False)
+    # Its example store, closed between rounds: the count and participation log a check-in reads.
+    store: IdleStore = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.store = IdleStore(self.store_path, self.num_examples)
 
     @property
     def task(self) -> str:
@@ -399,25 +406,24 @@ class Fleet:
         self.stats.in_task += 1
         try:
             async with self.connected(device) as client:
-                with ExampleStore(device.store_path) as store:
-                    agent = DeviceAgent(
-                        client,
-                        store,
-                        self.cache_dir,
-                        self.options.population,
-                        runner=self.runner,
-                        policy=self.options.privacy_policy,
-                        identity=self._identity(device),
-                    )
-                    participation = await agent.participate(
-                        task,
-                        conditions,
-                        self._should_continue(device, drops),
-                        seed=self._rng.getrandbits(31),
-                        compute_slowdown=device.profile.device_class.compute_slowdown,
-                        abort_when_interrupted=not vanishes,
-                        phase_continues=self._phase_continues(device),
-                    )
+                agent = DeviceAgent(
+                    client,
+                    device.store,  # opened only if the device is accepted into a round
+                    self.cache_dir,
+                    self.options.population,
+                    runner=self.runner,
+                    policy=self.options.privacy_policy,
+                    identity=self._identity(device),
+                )
+                participation = await agent.participate(
+                    task,
+                    conditions,
+                    self._should_continue(device, drops),
+                    seed=self._rng.getrandbits(31),
+                    compute_slowdown=device.profile.device_class.compute_slowdown,
+                    abort_when_interrupted=not vanishes,
+                    phase_continues=self._phase_continues(device),
+                )
             if participation.status == "unreachable":
                 self.stats.waiting_for_server += 1
                 self.stats.last_error = f"orchestrator unreachable: {participation.detail}"

@@ -38,7 +38,7 @@ from android_sim.bench.federated import Rounds  # noqa: E402
 from android_sim.bench.models import ModelCache  # noqa: E402
 from android_sim.bench.protocol import PROTOCOL_SEED, pack_support_query, split_users  # noqa: E402
 from android_sim.bench.quality import FAITHFUL, load_dataset, protocol_model  # noqa: E402
-from android_sim.datasets import DatasetError, folder_of  # noqa: E402
+from android_sim.datasets import DatasetError, cached_file  # noqa: E402
 from android_sim.simulation import SimulationOptions, simulate  # noqa: E402
 from model_runtime.tflite_model import TFLiteModel  # noqa: E402
 
@@ -61,15 +61,9 @@ def main(argv: list[str] | None = None) -> int:
         print("error: --rounds, --clients-per-round, --repeats and --workers must be >= 1", file=sys.stderr)
         return 2
     try:
-        ratings = folder_of("movielens-100k") / "u.data"
+        ratings = cached_file("movielens-100k")
     except DatasetError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
-    if not ratings.is_file():
-        print(
-            "error: MovieLens 100K is missing: python -m android_sim.datasets fetch movielens-100k",
-            file=sys.stderr,
-        )
         return 2
     data = load_dataset(ratings)
     model_dir = ModelCache(Path(tempfile.gettempdir()) / "bench-scale-models").get(

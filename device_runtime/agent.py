@@ -28,6 +28,7 @@ from contracts.task_config import TaskConfig
 from device_runtime.client_task import Outcome, TaskResult
 from device_runtime.device_identity import DeviceIdentity
 from device_runtime.example_store import ExampleStore
+from device_runtime.idle_store import IdleStore
 from device_runtime.local_state import LocalStateStore
 from device_runtime.orchestrator_client import (
     InvalidAnswer,
@@ -71,7 +72,7 @@ class DeviceAgent:
     def __init__(
         self,
         client: OrchestratorClient,
-        store: ExampleStore,
+        store: ExampleStore | IdleStore,
         cache_dir: Path,
         population: str,
         *,
@@ -80,8 +81,10 @@ class DeviceAgent:
         policy: PrivacyPolicy | None = None,
         identity: DeviceIdentity | None = None,
     ) -> None:
-        """`policy` is the app's (default: the production `PrivacyPolicy()`, secure rounds only);
-        `identity` the device's certified signing key, which that policy requires in secure rounds."""
+        """`store` is the device's example store, open, or an `IdleStore` that the agent opens only
+        once the device is accepted into a round. `policy` is the app's (default: the production
+        `PrivacyPolicy()`, secure rounds only); `identity` the device's certified signing key, which
+        that policy requires in secure rounds."""
         self.client = client
         self.policy = policy or PrivacyPolicy()
         self.identity = identity
@@ -191,8 +194,34 @@ class DeviceAgent:
         if answer.secure_parameters is not None:
             with contextlib.suppress(SecureProtocolError):  # a malformed one: the driver says so
                 self.policy.check_parameters(RoundParameters.from_json(answer.secure_parameters))
-        log.record()
-        device_log.record()
+        async with self._opened() as store:  # an idle device's store opens for the round only
+            await asyncio.to_thread(_record, log, device_log)  # off the event loop: a commit each
+            return await self._take_part(
+                answer,
+                store,
+                should_continue,
+                seed,
+                compute_slowdown,
+                abort_when_interrupted,
+                phase_continues,
+            )
+
+    def _opened(self) -> contextlib.AbstractAsyncContextManager[ExampleStore]:
+        if isinstance(self.store, IdleStore):
+            return self.store.session()
+        return contextlib.nullcontext(self.store)
+
+    async def _take_part(
+        self,
+        answer: Assignment,
+        store: ExampleStore,
+        should_continue: Callable[[], bool],
+        seed: int,
+        compute_slowdown: float,
+        abort_when_interrupted: bool,
+        phase_continues: Callable[[str], bool] | None,
+    ) -> Participation:
+        """The round the device was accepted into: its task, then the report or the secure phases."""
         if answer.kind == "training" and answer.aggregation == "secure":
             # Keys and shares do not depend on the update: they go out while the device trains.
             driver = SecureRoundDriver(
@@ -207,6 +236,7 @@ class DeviceAgent:
             try:
                 return await self._train(
                     answer,
+                    store,
                     lambda: should_continue() and not driver.left,
                     seed,
                     compute_slowdown,
@@ -218,11 +248,14 @@ class DeviceAgent:
                 # error of theirs that an earlier one cut short is not left unread.
                 sharing.cancel()
                 await asyncio.gather(sharing, return_exceptions=True)
-        return await self._train(answer, should_continue, seed, compute_slowdown, abort_when_interrupted)
+        return await self._train(
+            answer, store, should_continue, seed, compute_slowdown, abort_when_interrupted
+        )
 
     async def _train(
         self,
         answer: Assignment,
+        store: ExampleStore,
         should_continue: Callable[[], bool],
         seed: int,
         compute_slowdown: float,
@@ -257,12 +290,12 @@ class DeviceAgent:
         timed = await self.runner.run(
             answer.kind,
             model_dir,
-            self.store,
+            store,
             blob,
             config,
             should_continue=should_continue,
             seed=seed,
-            kept=LocalStateStore(self.store, self.population),
+            kept=LocalStateStore(store, self.population),
             central=central,
             central_gradient=gradient,
             central_gradient_weight=answer.central_gradient_weight or 0.0,
@@ -328,6 +361,11 @@ class DeviceAgent:
             return check(blob, manifest), len(blob)
         except (InvalidExamples, ParamsError) as e:
             raise InvalidAnswer(str(e), assignment_id=answer.assignment_id) from None
+
+
+def _record(*logs: ParticipationLog) -> None:
+    for log in logs:
+        log.record()
 
 
 def _secure_participation(

@@ -391,6 +391,15 @@ class ExampleStore:
         row = self._connection().execute("SELECT value FROM local_state WHERE key = ?", (key,)).fetchone()
         return None if row is None else bytes(row[0])
 
+    def local_state_under(self, prefix: str) -> dict[str, bytes]:
+        """Every entry whose key starts with `prefix`, in one read."""
+        rows = (
+            self._connection()
+            .execute("SELECT key, value FROM local_state WHERE substr(key, 1, ?) = ?", (len(prefix), prefix))
+            .fetchall()
+        )
+        return {str(key): bytes(value) for key, value in rows}
+
     def integrity_ok(self) -> bool:
         return bool(self._connection().execute("PRAGMA integrity_check").fetchone()[0] == "ok")
 

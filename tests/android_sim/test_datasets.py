@@ -250,3 +250,20 @@ def test_a_command_without_its_data_set_says_in_one_line_how_to_fetch_it(
     assert len(lines) == 1 and lines[0].startswith("error:")
     assert f"python -m android_sim.datasets fetch {name}" in lines[0]
     assert DATASETS[name].url in lines[0]
+
+
+@pytest.mark.parametrize("script", ["bench_scale.py", "bench_speed_baseline.py"])
+def test_a_benchmark_without_movielens_says_in_one_line_how_to_fetch_it(script: str, tmp_path: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / script), "--rounds", "1"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=120,
+        env={**os.environ, ENV_DATA_DIR: str(tmp_path / "empty"), "TF_CPP_MIN_LOG_LEVEL": "2"},
+    )
+
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: MovieLens 100K not found")
+    assert "python -m android_sim.datasets fetch movielens-100k" in lines[0]

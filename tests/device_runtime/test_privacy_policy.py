@@ -12,6 +12,7 @@ import pytest
 
 from device_runtime.agent import DeviceAgent, Participation
 from device_runtime.example_store import Event, ExampleStore
+from device_runtime.idle_store import IdleStore
 from device_runtime.orchestrator_client import OrchestratorClient
 from device_runtime.privacy_policy import ALL_POPULATIONS, ParticipationLog, PolicyRefusal, PrivacyPolicy
 from device_runtime.task_runner import TaskRunner
@@ -53,7 +54,7 @@ def store(tmp_path: Path) -> Iterator[ExampleStore]:
 
 
 def participate(
-    server: HostileOrchestrator, store: ExampleStore, policy: PrivacyPolicy, cache: Path
+    server: HostileOrchestrator, store: ExampleStore | IdleStore, policy: PrivacyPolicy, cache: Path
 ) -> Participation:
     async def once() -> Participation:
         client = OrchestratorClient(server.url, TOKEN, attempts=2, backoff_seconds=0.01, timeout_seconds=5.0)
@@ -161,6 +162,46 @@ def test_at_the_daily_cap_the_device_does_not_even_check_in(
     assert first.status == "reported", first
     assert second.status == "declined" and "takes at most 1 a day" in second.detail
     assert [r.route for r in server.seen("checkin")] == ["checkin"]
+
+
+def test_an_idle_device_keeps_its_daily_cap_with_its_store_closed(
+    server: HostileOrchestrator, store: ExampleStore, tmp_path: Path
+) -> None:
+    server.reset()
+    policy = PrivacyPolicy.for_simulation("plaintext", max_participations_per_day=1)
+    idle = IdleStore(store.path, store.count())
+
+    first = participate(server, idle, policy, tmp_path)
+    second = participate(server, idle, policy, tmp_path)
+    # The participation went to the file: the same device after a restart (a new IdleStore) knows it
+    restarted = participate(server, IdleStore(store.path), policy, tmp_path)
+
+    assert first.status == "reported", first
+    assert second.status == "declined" and "takes at most 1 a day" in second.detail
+    assert restarted.status == "declined" and "takes at most 1 a day" in restarted.detail
+    assert [r.route for r in server.seen("checkin")] == ["checkin"]
+    assert ParticipationLog(store, POPULATION).today() == 1
+
+
+def test_an_idle_device_checks_in_with_its_example_count_and_opens_its_store_only_for_a_round(
+    server: HostileOrchestrator, store: ExampleStore, tmp_path: Path
+) -> None:
+    server.reset()
+    policy = PrivacyPolicy.for_simulation("plaintext")
+    idle = IdleStore(store.path, store.count())
+    assert participate(server, idle, policy, tmp_path).status == "reported"
+    # The file moved away: a device turned away at check-in never looks for it (an open would
+    # fail: a missing store is a new one, which needs the model's features)
+    store.path.rename(tmp_path / "elsewhere.sqlite")
+    server.craft(
+        "checkin", json_answer({"accepted": False, "reason": "this round is full", "retry_after_seconds": 3})
+    )
+
+    turned_away = participate(server, idle, policy, tmp_path)
+
+    assert turned_away.status == "rejected" and turned_away.retry_after_seconds == 3, turned_away
+    assert [r.route for r in server.seen("checkin")] == ["checkin", "checkin"]
+    assert idle.count() == 40
 
 
 @pytest.mark.parametrize(

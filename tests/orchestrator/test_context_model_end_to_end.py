@@ -79,6 +79,7 @@ def test_import_rounds_over_http_and_recommend_for_the_hour(
             ]
             latest = await agents[0].client.global_params_at("hourrec", ROUNDS)
             for agent in agents:
+                assert isinstance(agent.store, ExampleStore)
                 agent.store.close()
             return rounds, wrong, latest
 

@@ -68,13 +68,14 @@ def test_a_stateful_population_keeps_locals_on_devices_across_rounds_and_restart
             # The app restarts: new store handles and agents on the same files, the same credentials.
             for store in fleet.stores:
                 store.close()
-            restarted = []
+            restarted, reopened = [], []
             for agent in fleet.agents:
                 store = ExampleStore(agent.store.path)
+                reopened.append(store)
                 restarted.append(DeviceAgent(agent.client, store, fleet.cache, "furl", policy=DEVICE_POLICY))
             rounds.append(await fleet.participate(restarted))
-            tasks = [LocalStateStore(a.store, "furl").load(model).tasks for a in restarted]
-            kept_after.append(kept_bytes([a.store for a in restarted]))
+            tasks = [LocalStateStore(store, "furl").load(model).tasks for store in reopened]
+            kept_after.append(kept_bytes(reopened))
             admin(server.url, "/v1/admin/populations/furl/evaluations", "POST")
             # A device that never trained has no kept locals to measure: it aborts its evaluation.
             newcomer_store = Fleet(server.url, tmp_path / "new", movielens_users, [10], http).stores[0]

@@ -1,0 +1,94 @@
+"""A device's example store as an idle device keeps it: closed, with what a check-in reads.
+
+Between rounds a phone has no reason to hold its SQLite file open, and a simulated fleet of
+thousands cannot afford to open it for every check-in attempt (most of which a full round turns
+away). A check-in needs two things from the store: how many examples the device holds (the
+server's example floor) and the participation log (the privacy policy's daily caps).
+`IdleStore` keeps those in memory and opens the file only when the device is accepted into a
+round (`opened()`), and once to read a log entry it has not seen.
+
+It is the only writer of the log entries it holds (the device's agent writes them through it,
+to the file first), so its copies stay exact. Its example count is the one it was given or last
+read; each `opened()` reads it afresh, so examples the app adds count from the next round.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
+from pathlib import Path
+
+from device_runtime.example_store import ExampleStore
+
+
+class IdleStore:
+    __slots__ = ("_count", "_open", "_state", "path")
+
+    def __init__(self, path: Path, num_examples: int | None = None) -> None:
+        """`num_examples`: what the store holds, when the caller knows (it wrote the store);
+        otherwise the first `count()` opens the file to read it."""
+        self.path = path
+        self._count = num_examples
+        self._state: dict[str, bytes | None] | None = None  # local state entries read or written
+        self._open: ExampleStore | None = None
+
+    @contextmanager
+    def opened(self) -> Iterator[ExampleStore]:
+        """The store, open while the device takes part (nested calls share one open store)."""
+        if self._open is not None:
+            yield self._open
+            return
+        store = self._open = ExampleStore(self.path)
+        try:
+            self._count = store.count()
+            yield store
+        finally:
+            self._open = None
+            store.close()
+
+    def count(self) -> int:
+        """The examples the device holds (as last read, or as given)."""
+        if self._open is not None:
+            return self._count if self._count is not None else self._open.count()
+        if self._count is None:
+            with self.opened():
+                pass
+        assert self._count is not None
+        return self._count
+
+    @asynccontextmanager
+    async def session(self) -> AsyncIterator[ExampleStore]:
+        """`opened()` for an event loop: the file opens and closes on a worker thread (closing
+        it checkpoints its WAL, milliseconds of disk writes that would stall every device)."""
+        if self._open is not None:
+            yield self._open
+            return
+        store = self._open = await asyncio.to_thread(ExampleStore, self.path)
+        try:
+            self._count = await asyncio.to_thread(store.count)
+            yield store
+        finally:
+            self._open = None
+            await asyncio.to_thread(store.close)
+
+    def load_local_state(self, key: str) -> bytes | None:
+        """An entry as last read or written; one not seen yet is read with every entry of its
+        namespace (the part of its key up to its first '/'), so that a device's first check-in
+        opens the file once for both of its participation counts."""
+        state = self._state if self._state is not None else {}
+        if key not in state:
+            namespace = key.partition("/")[0] + "/" if "/" in key else key
+            with self.opened() as store:
+                state.update(store.local_state_under(namespace))
+            state.setdefault(key, None)
+            self._state = state
+        return state[key]
+
+    def save_local_state(self, key: str, value: bytes) -> None:
+        """Written to the file (opened for it, unless open), then kept."""
+        with self.opened() as store:
+            store.save_local_state(key, value)
+        if self._state is None:
+            self._state = {}
+        self._state[key] = value
