@@ -64,14 +64,21 @@ def work(tmp_path: Path, export: Callable[[ModelConfig], Path]) -> Path:
     return tmp_path
 
 
-def reconcile(result: RunResult) -> None:
-    """Server-side counters agree with what the devices saw."""
+def reconcile(result: RunResult, server_killed: bool = False) -> None:
+    """Server-side counters agree with what the devices saw. A server killed mid-run may have
+    counted an abort whose answer it never sent: the device then counts itself vanished (its
+    retry finds the assignment aborted), so only those can make the server's count larger."""
     rounds = result.summary["rounds"]
     device_side = result.summary["fleet"]["device_side_outcomes"]
     reported = sum(n for k, n in device_side.items() if k.endswith("/reported"))
     aborted = sum(n for k, n in device_side.items() if k.endswith("/aborted"))
+    vanished = sum(n for k, n in device_side.items() if k.endswith("/vanished"))
     assert sum(r["counters"]["reported"] for r in rounds) == reported
-    assert sum(r["counters"]["aborted"] for r in rounds) == aborted
+    server_aborted = sum(r["counters"]["aborted"] for r in rounds)
+    if server_killed:
+        assert aborted <= server_aborted <= aborted + vanished
+    else:
+        assert server_aborted == aborted
 
 
 def test_a_fleet_trains_under_secure_aggregation_with_dropouts_at_its_phases(work: Path) -> None:
@@ -159,7 +166,7 @@ def test_the_fleet_waits_for_an_orchestrator_that_restarts(work: Path) -> None:
 
     assert restarted.is_set()
     assert result.rounds_committed >= 4
-    reconcile(result)
+    reconcile(result, server_killed=True)
     assert again.summary["population"]["name"] == result.summary["population"]["name"]
     assert again.summary["population"]["current_version"] > result.summary["population"]["current_version"]
 
