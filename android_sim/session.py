@@ -162,19 +162,24 @@ class Monitor:
         """Open an evaluation round on the held-out devices and wait for it to close. None when it
         does not close in time, or cannot open (a DP population whose budget is spent: an
         evaluation's sums are not noised, so the server runs none)."""
-        try:
-            evaluation = await self.admin.schedule_evaluation(self.population)
-        except AdminError as e:
-            if "privacy budget is spent" in str(e):
-                self.progress.console.print("[yellow]no final evaluation: the privacy budget is spent[/]")
-                return None
-            if "already open" not in str(e):
-                raise RunError(str(e)) from None
-            status = await admin_call(self.admin.status(self.population))
-            evaluation = next(r for r in status["open_rounds"] if r["kind"] == "evaluation")
+        deadline = time.monotonic() + timeout
+        evaluation: dict[str, Any] | None = None
+        while evaluation is None:
+            try:
+                evaluation = await self.admin.schedule_evaluation(self.population)
+            except AdminError as e:
+                if "privacy budget is spent" in str(e):
+                    self.progress.console.print("[yellow]no final evaluation: the privacy budget is spent[/]")
+                    return None
+                if "already open" not in str(e):
+                    raise RunError(str(e)) from None
+                status = await admin_call(self.admin.status(self.population))
+                # None: the open one closed between the two requests; open another.
+                evaluation = next((r for r in status["open_rounds"] if r["kind"] == "evaluation"), None)
+                if evaluation is None and time.monotonic() >= deadline:
+                    return None
         self.fleet.evaluation_round = evaluation["id"]
         self.progress.update(self.task, description="final evaluation")
-        deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             for r in await admin_call(self.admin.rounds(self.population, kind="evaluation", limit=5)):
                 if r["id"] == evaluation["id"] and r["status"] != "open":
