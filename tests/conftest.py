@@ -7,6 +7,8 @@ be fetched (offline), unless FEDRECON_REQUIRE_DATA is set (CI, which has the dat
 from __future__ import annotations
 
 import functools
+import hashlib
+import json
 import os
 from collections.abc import Callable
 from dataclasses import replace
@@ -14,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from filelock import FileLock
 
 from android_sim.datasets import DATASETS, FETCH_COMMAND, DatasetError, fetch
 from device_runtime.privacy_policy import PrivacyPolicy
@@ -69,14 +72,28 @@ MOVIELENS = ModelConfig(
 @pytest.fixture(scope="session")
 def export(tmp_path_factory: pytest.TempPathFactory) -> Callable[[ModelConfig], Path]:
     """Export a config once per session; returns its model directory."""
-    cache: dict[ModelConfig, Path] = {}
 
     def get(config: ModelConfig) -> Path:
-        if config not in cache:
-            cache[config] = export_in_subprocess(config, tmp_path_factory.mktemp("model"))
-        return cache[config]
+        key = json.dumps(config.to_json(), sort_keys=True)
+        return exported_once(tmp_path_factory, key, lambda out: export_in_subprocess(config, out))
 
     return get
+
+
+def exported_once(
+    tmp_path_factory: pytest.TempPathFactory, key: str, build: Callable[[Path], Path]
+) -> Path:
+    """The model `build` exports for `key`, exported once per test run: under pytest-xdist the
+    workers share one folder (a TensorFlow export takes seconds; each worker would repeat it)."""
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent  # the run's folder, above each worker's own
+    out = base / "exported-models" / hashlib.sha256(key.encode()).hexdigest()[:16]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(out) + ".lock"):
+        if not (out / "manifest.json").exists():
+            build(out)
+    return out
 
 
 # A user's own Keras model (neither MF nor an LSTM), exported through `--model`.
@@ -86,7 +103,7 @@ GENRE_RATING = "tests.model_export.genre_rating:build"
 @pytest.fixture(scope="session")
 def genre_rating_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The exported `tests/model_export/genre_rating.py`, once per session."""
-    return export_spec_in_subprocess(GENRE_RATING, tmp_path_factory.mktemp("genre-rating"))
+    return _spec_once(tmp_path_factory, GENRE_RATING)
 
 
 # The next-word LSTM (`model_export.models.next_word:build`) at tiny sizes: 50 global tokens, 4
@@ -106,19 +123,22 @@ NEXT_WORD_SIZES: dict[str, int | bool] = {
 @pytest.fixture(scope="session")
 def next_word_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny next-word model (`NEXT_WORD_SIZES`), exported once per session."""
-    return export_spec_in_subprocess(
-        "model_export.models.next_word:build", tmp_path_factory.mktemp("next-word"), NEXT_WORD_SIZES
-    )
+    return _spec_once(tmp_path_factory, "model_export.models.next_word:build", NEXT_WORD_SIZES)
 
 
 @pytest.fixture(scope="session")
 def next_word_fedavg_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny next-word model with its OOV rows global too: a model without local variables."""
-    return export_spec_in_subprocess(
-        "model_export.models.next_word:build",
-        tmp_path_factory.mktemp("next-word-fedavg"),
-        {**NEXT_WORD_SIZES, "oov_local": False},
+    return _spec_once(
+        tmp_path_factory, "model_export.models.next_word:build", {**NEXT_WORD_SIZES, "oov_local": False}
     )
+
+
+def _spec_once(
+    tmp_path_factory: pytest.TempPathFactory, target: str, model_args: dict[str, int | bool] | None = None
+) -> Path:
+    key = json.dumps([target, model_args or {}], sort_keys=True)
+    return exported_once(tmp_path_factory, key, lambda out: export_spec_in_subprocess(target, out, model_args))
 
 
 @pytest.fixture(params=BACKENDS)
@@ -181,7 +201,7 @@ HOUR_RECOMMENDER = "tests.device_runtime.hour_recommender:build"
 @pytest.fixture(scope="session")
 def hour_recommender_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The exported hour-aware expression recommender, once per session."""
-    return export_spec_in_subprocess(HOUR_RECOMMENDER, tmp_path_factory.mktemp("hour-recommender"))
+    return _spec_once(tmp_path_factory, HOUR_RECOMMENDER)
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:

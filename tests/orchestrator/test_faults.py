@@ -206,6 +206,7 @@ POSTGRES_STOP = os.environ.get("TEST_POSTGRES_STOP")  # shell commands (.ci/run 
 POSTGRES_START = os.environ.get("TEST_POSTGRES_START")
 
 
+@pytest.mark.serial  # it stops the PostgreSQL server every other test shares
 @pytest.mark.skipif(
     not (POSTGRES_URL and POSTGRES_STOP and POSTGRES_START),
     reason="needs a PostgreSQL server the test may stop and start (TEST_POSTGRES_STOP, TEST_POSTGRES_START)",

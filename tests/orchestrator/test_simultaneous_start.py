@@ -19,6 +19,7 @@ from tests.orchestrator.conftest import ADMIN_TOKEN, POSTGRES_URL, fresh_postgre
 REPLICAS = 12
 
 
+@pytest.mark.serial  # twelve server processes at once: alone, so that their start-up race is the one tested
 @pytest.mark.skipif(not POSTGRES_URL, reason="needs a PostgreSQL server: set TEST_POSTGRES_URL (CI does)")
 def test_twelve_servers_started_at_once_on_an_empty_postgresql_all_come_up(tmp_path: Path) -> None:
     with fresh_postgres_database() as url, contextlib.ExitStack() as stack:
