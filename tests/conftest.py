@@ -138,7 +138,8 @@ def _spec_once(
     tmp_path_factory: pytest.TempPathFactory, target: str, model_args: dict[str, int | bool] | None = None
 ) -> Path:
     key = json.dumps([target, model_args or {}], sort_keys=True)
-    return exported_once(tmp_path_factory, key, lambda out: export_spec_in_subprocess(target, out, model_args))
+    build = functools.partial(export_spec_in_subprocess, target, model_args=model_args)
+    return exported_once(tmp_path_factory, key, lambda out: build(out=out))
 
 
 @pytest.fixture(params=BACKENDS)
