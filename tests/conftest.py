@@ -80,9 +80,7 @@ def export(tmp_path_factory: pytest.TempPathFactory) -> Callable[[ModelConfig], 
     return get
 
 
-def exported_once(
-    tmp_path_factory: pytest.TempPathFactory, key: str, build: Callable[[Path], Path]
-) -> Path:
+def exported_once(tmp_path_factory: pytest.TempPathFactory, key: str, build: Callable[[Path], Path]) -> Path:
     """The model `build` exports for `key`, exported once per test run: under pytest-xdist the
     workers share one folder (a TensorFlow export takes seconds; each worker would repeat it)."""
     base = tmp_path_factory.getbasetemp()
