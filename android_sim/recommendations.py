@@ -23,6 +23,7 @@ from android_sim.hit_rates import Evaluation, ScoredDevice, evaluate
 from android_sim.intervals import Interval
 from contracts.features import Examples
 from contracts.params import Params, decode_params
+from contracts.task_config import TaskConfig
 from device_runtime.example_store import ExampleStore
 from device_runtime.local_state import LocalStateStore
 from device_runtime.recommender import Recommender
@@ -144,6 +145,9 @@ async def held_out_hit_rates(
         workload,
         training,
         show,
+        # A device serves as it trains: the population's reconstruction (rate, steps, negatives,
+        # popularity correction), not the export's defaults.
+        await client.task_config(population),
     )
 
 
@@ -156,8 +160,10 @@ def score_held_out(
     workload: Workload,
     training: list[int],
     show: int,
+    task: TaskConfig,
 ) -> tuple[HitRates | None, list[dict[str, Any]]]:
-    """Each held-out device's top-10s (its own, on the device, with `params`; the baselines'; the
+    """Each held-out device's top-10s (its own, on the device, with `params` and the population's
+    `task`; the baselines'; the
     ceilings' when the data has ground truth) scored against its kept-aside shares `future`;
     and the first `show` devices' tables to print."""
     global_top = popularity_top(model, params)
@@ -169,7 +175,7 @@ def score_held_out(
     for device in held_out:
         coming = future.get(device.index)
         with ExampleStore(device.store_path) as store:
-            recommender = Recommender(model, store, params, global_version=version)
+            recommender = Recommender(model, store, params, task, global_version=version)
             newest = store.examples()
             # Expressions are re-shared, so keep what the user already used; ratings are not.
             context = context_of(model, coming if coming is not None else newest)
@@ -243,6 +249,7 @@ async def seen_device_examples(
     client = seen[0].client
     model_dir = await client.population_model(population, status["artifact_sha256"], fleet.cache_dir)
     blob = await client.global_params_at(population, int(status["current_version"]))
+    task = await client.task_config(population)
 
     def serve() -> list[dict[str, Any]]:
         model = TFLiteModel(model_dir)
@@ -253,7 +260,7 @@ async def seen_device_examples(
             with ExampleStore(device.store_path) as store:
                 kept = LocalStateStore(store, population)
                 version = str(status["current_version"])
-                recommender = Recommender(model, store, params, global_version=version, kept=kept)
+                recommender = Recommender(model, store, params, task, global_version=version, kept=kept)
                 top = recommender.recommend(K, context=context_of(model, store.examples()))
                 examples.append(
                     {

@@ -80,7 +80,7 @@ def run(spec: dict[str, Any], work: Path) -> HitRates:
         write_store(path, stored[i], workload)
         fleet.append(SimpleNamespace(index=i, store_path=path, num_examples=stored[i].examples.num_examples))
     found, _ = score_held_out(
-        TFLiteModel(model_dir), result.params, "final", fleet, future, workload, training, 0
+        TFLiteModel(model_dir), result.params, "final", fleet, future, workload, training, 0, task
     )
     assert found is not None
     return found

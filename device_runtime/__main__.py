@@ -27,6 +27,7 @@ import numpy as np
 from contracts.features import Examples, FeatureSpec
 from contracts.manifest import INITIAL_GLOBAL_FILE, ManifestError, load_manifest
 from contracts.params import Params, ParamsError, decode_params
+from contracts.task_config import TaskConfig
 from device_runtime.example_store import ExampleStore, ExampleStoreError
 from device_runtime.examples_table import (
     DEVICE_COLUMN,
@@ -172,6 +173,13 @@ def _personal_arguments(parser: argparse.ArgumentParser) -> None:
         help="reconstruct the user's parameters from the store, or use those kept by training (FURL)",
     )
     parser.add_argument("--population", metavar="NAME", help="whose kept parameters (with --locals kept)")
+    parser.add_argument(
+        "--task-config",
+        type=Path,
+        metavar="FILE",
+        help="the population's task config (JSON, as GET /v1/populations/NAME/task-config answers): "
+        "reconstruct as its training does; default: the export's training defaults",
+    )
 
 
 # ---- import -------------------------------------------------------------------------------
@@ -245,6 +253,24 @@ def _load_model(args: argparse.Namespace, ranking: bool) -> tuple[TFLiteModel, P
     return model, params
 
 
+def _task_config(args: argparse.Namespace, model: TFLiteModel) -> TaskConfig | None:
+    """The population's task config from `--task-config`, checked against the model; None without."""
+    if args.task_config is None:
+        return None
+    try:
+        document = json.loads(args.task_config.read_text())
+    except OSError as e:
+        raise CommandError(f"cannot read --task-config {args.task_config}: {e}") from None
+    except ValueError as e:
+        raise CommandError(f"--task-config {args.task_config} is not JSON: {e}") from None
+    if not isinstance(document, dict):
+        raise CommandError(f"--task-config {args.task_config}: expected a JSON object of task settings")
+    try:
+        return TaskConfig.from_manifest(model.manifest, **document)
+    except (TypeError, ValueError) as e:
+        raise CommandError(f"--task-config {args.task_config}: {e}") from None
+
+
 def _named_values(pairs: list[str], features: Sequence[FeatureSpec], flag: str, what: str) -> dict[str, Any]:
     """`NAME=VALUE` pairs as one checked value per feature of `features` (all of them, no other)."""
     by_name = {f.name: f for f in features}
@@ -302,11 +328,12 @@ def _exclusions(text: str) -> list[int]:
 
 def recommend(args: argparse.Namespace) -> dict[str, object]:
     model, params = _load_model(args, ranking=True)
+    task = _task_config(args, model)
     context = _named_values(args.context, model.manifest.context_features, "--context", "context feature")
     exclude = _exclusions(args.exclude)
     store = _open_store(args.store, model.manifest.features)
     try:
-        recommender = Recommender(model, store, params, kept=_locals(args, store, model))
+        recommender = Recommender(model, store, params, task, kept=_locals(args, store, model))
         try:
             found = recommender.recommend(
                 args.top_k, exclude=exclude, exclude_used=not args.include_used, context=context
@@ -334,10 +361,11 @@ def recommend(args: argparse.Namespace) -> dict[str, object]:
 
 def predict(args: argparse.Namespace) -> dict[str, object]:
     model, params = _load_model(args, ranking=False)
+    task = _task_config(args, model)
     inputs = _named_values(args.input, model.manifest.input_features, "--input", "input feature")
     store = _open_store(args.store, model.manifest.features)
     try:
-        predictor = Predictor(model, store, params, kept=_locals(args, store, model))
+        predictor = Predictor(model, store, params, task, kept=_locals(args, store, model))
         example = Examples({name: np.asarray(value)[None] for name, value in inputs.items()})
         try:
             found = predictor.predict(example)

@@ -344,6 +344,15 @@ class OrchestratorClient:
             sha256, f"/v1/artifacts/{sha256}", f"/v1/populations/{population}/manifest", cache_dir
         )
 
+    async def task_config(self, population: str) -> TaskConfig:
+        """The population's current task config: what to reconstruct with when serving outside a
+        round, as training does."""
+        data = await self._json("GET", f"/v1/populations/{population}/task-config", "the task config")
+        try:
+            return TaskConfig.from_json(data)
+        except ValueError as e:
+            raise InvalidAnswer(f"the population's task config is not usable: {e}") from None
+
     async def global_params_at(self, population: str, version: int) -> bytes:
         return await self._binary(
             f"/v1/populations/{population}/models/{int(version)}/global", "the global parameters"

@@ -92,10 +92,9 @@ class PersonalModel:
         self._loaded_key = None
 
     def _cache_key(self, revision: int) -> str:
-        key: list[object] = [self.model.manifest.model_sha256, self._global_version, revision]
-        if self.config.negative_popularity > 0:  # reconstructed against other negatives
-            key.append(self.config.negative_popularity)
-        return json.dumps(key)
+        # The task config too: another population's (or a changed) reconstruction gives other locals.
+        task = hashlib.sha256(json.dumps(self.config.to_json(), sort_keys=True).encode()).hexdigest()[:16]
+        return json.dumps([self.model.manifest.model_sha256, self._global_version, revision, task])
 
     def _ensure_local(self, revision: int) -> str:
         """Make the interpreter hold this device's local parameters: the kept ones when there are

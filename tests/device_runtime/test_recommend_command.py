@@ -70,6 +70,30 @@ def test_top_k_from_reconstructed_and_from_kept_locals(
     assert not set(kept["items"]) & set(range(0, 60, 2))  # used items left out by default
 
 
+def test_a_populations_task_config_reconstructs_as_its_training_does(
+    device: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Prepare: the task config a population's devices train with (GET .../task-config)
+    model_dir, path = device
+    task = {"reconstruction_learning_rate": 0.02, "reconstruction_max_epochs": 1, "shuffle_seed": 7}
+    (tmp_path / "task.json").write_text(json.dumps(task))
+    common = ["--store", str(path), "--model-dir", str(model_dir), "-k", "5"]
+
+    # Execute
+    default = run_json(capsys, *common)
+    served = run_json(capsys, *common, "--task-config", str(tmp_path / "task.json"))
+
+    # Assert: the population's reconstruction, not the export's defaults
+    model = TFLiteModel(model_dir)
+    params = decode_params((model_dir / INITIAL_GLOBAL_FILE).read_bytes(), model.manifest.global_params, "g")
+    with ExampleStore(path) as store:
+        config = TaskConfig.from_manifest(model.manifest, **task)
+        expected = Recommender(model, store, params, config).recommend(5)
+    assert served["items"] == expected.items.tolist()
+    assert np.allclose(served["scores"], expected.scores, atol=1e-5)
+    assert not np.allclose(served["scores"], default["scores"], atol=1e-3)
+
+
 def test_the_command_runs_as_a_module_and_prints_a_table(device: tuple[Path, Path]) -> None:
     model_dir, path = device
 
@@ -101,6 +125,10 @@ def test_the_command_runs_as_a_module_and_prints_a_table(device: tuple[Path, Pat
         ({"--locals": "kept", "--population": "other"}, "no kept local parameters for population 'other'"),
         ({"-k": "0"}, "k must be in [1, 200]"),
         ({"--exclude": "3,x"}, "comma-separated item ids"),
+        ({"--task-config": "missing.json"}, "cannot read --task-config"),
+        ({"--task-config": "garbage.sqlite"}, "is not JSON"),
+        ({"--task-config": "list.json"}, "expected a JSON object of task settings"),
+        ({"--task-config": "typo.json"}, "unknown task config fields ['reconstruction_rate']"),
     ],
 )
 def test_bad_input_is_one_clear_line(
@@ -113,9 +141,11 @@ def test_bad_input_is_one_clear_line(
     model_dir, path = device
     (tmp_path / "garbage.sqlite").write_bytes(b"this is not a database" * 100)
     (tmp_path / "empty-model").mkdir()
+    (tmp_path / "list.json").write_text("[1, 2]")
+    (tmp_path / "typo.json").write_text('{"reconstruction_rate": 0.1}')
     options = {"--store": str(path), "--model-dir": str(model_dir)}
     for flag, value in change.items():
-        options[flag] = str(tmp_path / value) if value.endswith(("sqlite", "model")) else value
+        options[flag] = str(tmp_path / value) if value.endswith(("sqlite", "model", "json")) else value
 
     code = main(["recommend", *[part for pair in options.items() for part in pair]])
 

@@ -17,6 +17,7 @@ import pytest
 
 from contracts.manifest import load_manifest
 from contracts.params import encode_sparse_delta
+from contracts.task_config import TaskConfig
 from device_runtime.orchestrator_client import OrchestratorClient, ProtocolError, ServerUnavailable
 from model_export.config import ModelConfig
 from orchestrator.local import free_port
@@ -433,3 +434,31 @@ def test_a_check_in_after_the_privacy_budget_is_spent_is_a_200_rejection_for_a_d
     )
     settings_doc = json.dumps(documented["components"]["schemas"])
     assert "Retry-After 86400" in settings_doc or "Retry-After: 86400" in settings_doc
+
+
+def test_a_device_reads_the_populations_task_config_to_serve_as_training_does(
+    server: Server, export: Callable[[ModelConfig], Path]
+) -> None:
+    # Prepare: a population whose devices reconstruct otherwise than the export's defaults
+    task = {"reconstruction_learning_rate": 0.25, "negatives_per_positive": 7}
+    created = admin_create_population(server.url, export(BIASED), "p", json.dumps({"task_config": task}))
+    assert created.status_code == 201, created.text
+
+    async def read() -> TaskConfig:
+        client = OrchestratorClient(server.url)
+        try:
+            await client.enroll()
+            return await client.task_config("p")
+        finally:
+            await client.aclose()
+
+    # Execute
+    found = asyncio.run(read())
+    anonymous = httpx.get(f"{server.url}/v1/populations/p/task-config", timeout=10)
+    admin = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+    unknown = httpx.get(f"{server.url}/v1/populations/nope/task-config", headers=admin, timeout=10)
+
+    # Assert: the population's settings, parsed as the device's task; a token is needed; 404 names it
+    assert (found.reconstruction_learning_rate, found.negatives_per_positive) == (0.25, 7)
+    assert anonymous.status_code == 401
+    assert unknown.status_code == 404 and "no population 'nope'" in unknown.json()["detail"]

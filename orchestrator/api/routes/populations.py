@@ -8,7 +8,7 @@ from fastapi import APIRouter, HTTPException, Path, Request, Response
 from fastapi.routing import APIRoute
 from pydantic_core import to_json
 from sqlalchemy import select
-from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.orm import Session, sessionmaker, undefer
 
 from contracts.protocol import Assignment, Rejection
 from orchestrator.api.deps import (
@@ -135,6 +135,32 @@ async def manifest(
     population: str, token: TokenDep, factory: SessionFactoryDep, request: Request
 ) -> dict[str, Any]:
     return await run_db(request.app, _manifest, factory, token, is_admin(request.app, token), population)
+
+
+def _task_config(factory: sessionmaker[Session], token: str, admin: bool, population: str) -> dict[str, Any]:
+    with factory() as session:
+        if not admin:
+            require_device(session, token)
+        query = select(Population).where(Population.name == population).options(undefer(Population.settings))
+        found = session.scalars(query).first()
+        if found is None:
+            raise HTTPException(404, f"no population {population!r}")
+        return dict(found.settings["task_config"])
+
+
+@router.get(
+    "/{population}/task-config",
+    summary="The population's current task config; a device's token or the admin token",
+    openapi_extra={ADMIN_TOO: True},
+    description="The hyperparameters the population's devices train with now (over the manifest's "
+    "`training_defaults`), as in an assignment's `task_config`. A device that serves recommendations "
+    "without a current assignment reconstructs its local parameters with these, as training does.",
+    responses={200: {"model": dict[str, Any]}, **refusals({404: "no population of that name"})},
+)
+async def task_config(
+    population: str, token: TokenDep, factory: SessionFactoryDep, request: Request
+) -> dict[str, Any]:
+    return await run_db(request.app, _task_config, factory, token, is_admin(request.app, token), population)
 
 
 def _global_params(
