@@ -189,18 +189,13 @@ def bench_aggregation(repeats: int) -> dict[str, float]:
     dense = [{k: SparseTensor(v.shape, every_row, v) for k, v in d.items()} for d in deltas]
     sparse = [decode_sparse_delta(encode_sparse_delta(d)) for d in deltas]
     # The round before: it leaves the reference norms a round's clipping starts from.
-    before = pipeline.plaintext_round(RoundInputs(rounds_committed=0, weights=[10.0] * len(sparse)))
-    for delta in sparse:
-        before.accept(delta, 10.0)
-    reference = before.finish().norm_reference
+    before = RoundInputs(rounds_committed=0, weights=[10.0] * len(sparse))
+    reference = pipeline.aggregate(before, [(delta, 10.0) for delta in sparse]).norm_reference
     rates = {}
     for name, contributions in (("dense_gb_s", dense), ("sparse_dense_equivalent_gb_s", sparse)):
         inputs = RoundInputs(rounds_committed=1, weights=[10.0] * repeats, reference=reference)
         start = time.perf_counter()
-        stage = pipeline.plaintext_round(inputs)
-        for i in range(repeats):
-            stage.accept(contributions[i % 8], 10.0)
-        stage.finish()
+        pipeline.aggregate(inputs, ((contributions[i % 8], 10.0) for i in range(repeats)))
         rates[name] = repeats * nbytes / (time.perf_counter() - start) / 1e9
     return rates
 

@@ -19,6 +19,11 @@ pruning old versions, and the answer to the device are not on the path to it). P
 - climbs: how often the next stop lies on a higher floor than the one before, where a module's
   floor is 1 + the highest floor among the project modules it imports (contracts' leaves are 0):
   each climb is control going back up the layers to be sent down again;
+- hops: the stops entered by a call from another module (the traced block counts as one), with
+  the aggregation pipeline (orchestrator/pipeline and orchestrator/aggregation, the maths its
+  stages run) as one part, since the commit hands it a round in one call; a module's own helpers
+  and the stages' calls among themselves are inside the hop that entered them. And the climbs
+  among the hops, counted as for stops;
 - SQL statements: how many the transaction of a report that is only counted runs (most reports:
   here the first of a round of two), and of the report that commits the round (the second), with
   how many of those run before the new `ModelVersion` is made; --show lists them.
@@ -119,8 +124,28 @@ class Stop:
 GENERATED = "<generated>"  # code with no source file (a dataclass's __init__)
 
 
+# The aggregation pipeline as one part: its package and the maths its stages run. The round's
+# commit hands it the round's contributions in one call (`Pipeline.aggregate`) and gets the mean
+# delta back, so what its stages call among themselves is inside that one hop.
+PIPELINE = ("orchestrator.pipeline", "orchestrator.aggregation")
+
+
+def part_of(module: str) -> str:
+    """The part a module belongs to for hops: the pipeline's modules are one, any other its own."""
+    for prefix in PIPELINE:
+        if module == prefix or module.startswith(prefix + "."):
+            return PIPELINE[0]
+    return module
+
+
+@dataclass
+class Trace:
+    stops: list[Stop]  # every project function entered, in the order first entered
+    hops: list[Stop]  # those entered by a call from another part (see `part_of`)
+
+
 @contextmanager
-def traced() -> Iterator[list[Stop]]:
+def traced() -> Iterator[Trace]:
     """The stops of the calls made inside the block, until the new model version is made."""
     from sqlalchemy import event
 
@@ -128,6 +153,8 @@ def traced() -> Iterator[list[Stop]]:
 
     stops: list[Stop] = []
     seen: set[Stop] = set()
+    hops: list[Stop] = []
+    seen_hops: set[Stop] = set()
     modules: dict[str, str | None] = {}
     arrived = False
 
@@ -162,12 +189,26 @@ def traced() -> Iterator[list[Stop]]:
         if stop not in seen:
             seen.add(stop)
             stops.append(stop)
+        if stop not in seen_hops and crosses(frame, name):
+            seen_hops.add(stop)
+            hops.append(stop)
+
+    def crosses(frame: FrameType, name: str) -> bool:
+        """Whether the call comes from another part (the traced block counts as one); a
+        comprehension or lambda calls from the module its source is in."""
+        caller = frame.f_back
+        while caller is not None and module(caller) == GENERATED:
+            caller = caller.f_back
+        if caller is None or caller.f_code is block:
+            return True
+        calling = module(caller)
+        return calling is None or part_of(calling) != part_of(name)
 
     block = sys._getframe(2).f_code  # the function whose `with traced()` block is traced
     event.listen(ModelVersion, "init", version_made)
     sys.setprofile(profile)
     try:
-        yield stops
+        yield Trace(stops, hops)
     finally:
         sys.setprofile(None)
         event.remove(ModelVersion, "init", version_made)
@@ -220,7 +261,7 @@ def statements(engine: Any) -> Iterator[Statements]:
 
 @dataclass
 class Measured:
-    stops: list[Stop]
+    trace: Trace
     committing: Statements  # the SQL statements of the transaction of a report that commits
     counting: Statements  # those of a report that is only counted (most reports)
 
@@ -263,11 +304,11 @@ def one_report(model_dir: Path, database: Path) -> Measured:
             (answer,) = transaction(factory, calls[:1], now + 1.0)
         assert not isinstance(answer, rounds.Refused), answer.message
         assert answer.round_status == "open", answer
-        with statements(engine) as committing, traced() as stops:
+        with statements(engine) as committing, traced() as trace:
             (answer,) = transaction(factory, calls[1:], now + 1.0)
         assert not isinstance(answer, rounds.Refused), answer.message
         assert answer.round_status == "committed", answer
-        measured.append(Measured(stops, committing, counting))
+        measured.append(Measured(trace, committing, counting))
     return measured[-1]
 
 
@@ -281,16 +322,22 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = args.model_dir or export_in_subprocess(MODEL, Path(tmp) / "model")
         measured = one_report(model_dir, Path(tmp) / "orchestrator.sqlite")
-    stops, floor = measured.stops, floors()
+    stops, hops, floor = measured.trace.stops, measured.trace.hops, floors()
     climbs = sum(1 for a, b in itertools.pairwise(stops) if floor[b.module] > floor[a.module])
+    hop_climbs = sum(1 for a, b in itertools.pairwise(hops) if floor[b.module] > floor[a.module])
     if args.show:
         for stop in stops:
-            print(f"  {floor[stop.module]:2d}  {stop.module}.{stop.function}")
+            hop = "hop" if stop in hops else ""
+            print(f"  {floor[stop.module]:2d} {hop:3s}  {stop.module}.{stop.function}")
     per_module = Counter(stop.module for stop in stops)
     visits = 1 + sum(1 for a, b in itertools.pairwise(stops) if a.module != b.module)
     print(f"stops: {len(stops)}  module visits: {visits}  modules: {len(per_module)}  climbs: {climbs}")
     for module, count in per_module.most_common():
         print(f"  {count:3d}  {module} (floor {floor[module]})")
+    print(
+        f"hops: {len(hops)}  climbs among them: {hop_climbs}  (the stops entered from another part; "
+        "the pipeline's modules are one part)"
+    )
     print(
         f"SQL statements: {len(measured.counting.run)} for a report that is counted, "
         f"{len(measured.committing.run)} for one that commits its round "

@@ -1,7 +1,8 @@
-"""Model versions: the one a round's commit starts from, and pruning the old ones."""
+"""Model versions: the one a round's commit starts from, the one it writes, and pruning the old ones."""
 
 from __future__ import annotations
 
+import functools
 from typing import Any, cast
 
 from safetensors.numpy import load
@@ -9,11 +10,9 @@ from sqlalchemy import CursorResult, delete, select
 from sqlalchemy.orm import Session
 
 from contracts.manifest import Manifest
-from contracts.params import (
-    Params,
-    decode_params,
-)
+from contracts.params import Params, decode_params, encode_params
 from orchestrator.db import ModelVersion, Population, Round
+from orchestrator.on_commit import on_commit
 
 # The model version this process committed last, per population: the next round's commit starts
 # from it. Reading it back and decoding it (parameters and optimizer state, 1.5 MB each for
@@ -41,6 +40,30 @@ def base_version(
     assert base is not None
     params = decode_params(base.params, manifest.global_params, "model version")
     return params, dict(load(base.optimizer_state))
+
+
+def write_version(
+    session: Session, population: Population, round_: Round, params: Params, state: Params, now: float
+) -> int:
+    """The population's next version, committed by `round_`: stored, made current, and kept in
+    this process once the transaction commits (`base_version`). Returns its number."""
+    version = population.current_version + 1
+    round_.result_version = version
+    session.add(
+        ModelVersion(
+            population_id=population.id,
+            version=version,
+            params=encode_params(params),
+            optimizer_state=encode_params(state),
+            round_id=round_.id,
+            created_at=now,
+        )
+    )
+    population.current_version = version
+    population.training_rounds_committed += 1
+    latest = (session.get_bind(), population.id)
+    on_commit(session, functools.partial(keep_latest, latest, version, params, state))
+    return version
 
 
 def kept(session: Session, population: Population) -> list[tuple[int, int | None, float]]:

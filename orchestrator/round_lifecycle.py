@@ -28,7 +28,6 @@ from contracts.params import (
     Params,
     check_params,
     decode_sparse_delta,
-    encode_params,
 )
 from orchestrator import (
     central_training,
@@ -41,12 +40,12 @@ from orchestrator import (
     secure_rounds,
 )
 from orchestrator.aggregation import apply_update
-from orchestrator.db import Assignment, ModelVersion, Population, Report, Round
+from orchestrator.db import Assignment, Population, Report, Round
 from orchestrator.logs import log_on_commit
-from orchestrator.model_versions import base_version, keep_latest, prune_model_versions
+from orchestrator.model_versions import base_version, prune_model_versions, write_version
 from orchestrator.norm_reference import NormReference
 from orchestrator.on_commit import on_commit
-from orchestrator.pipeline import Stage, apply_measurements
+from orchestrator.pipeline import apply_measurements
 from orchestrator.pipeline.assemble import CentralPart, RoundInputs
 from orchestrator.pipeline.private import CLIP_NORM, NEXT_CLIP_NORM
 from orchestrator.population_config import (
@@ -70,6 +69,12 @@ _OPEN_ROUNDS = (
 )
 _REPORT_WEIGHTS = (  # in the order the commit reads the reports
     select(Report.weight).where(Report.round_id == bindparam("round_id")).order_by(Report.assignment_id)
+)
+_REPORTS = (
+    select(Report.weight, Report.delta)
+    .where(Report.round_id == bindparam("round_id"))
+    .order_by(Report.assignment_id)
+    .execution_options(yield_per=16)
 )
 
 
@@ -264,49 +269,25 @@ def commit(
         metrics=round_.metrics,
         central=None if job is None else _central_part(job),
     )
-    stage: Stage
     if mean_delta is None:
         if not pipeline.private:  # robust clipping's inputs (under DP every report weighs the same)
             weights = list(session.scalars(_REPORT_WEIGHTS, {"round_id": round_.id}))
             inputs = replace(inputs, weights=weights, reference=_norm_reference(session, population))
-        stage = pipeline.plaintext_round(inputs)
         # One report's delta in memory at a time where the stages allow it: O(model), not
-        # O(reports x model).
-        reports = (
-            select(Report.weight, Report.delta)
-            .where(Report.round_id == round_.id)
-            .order_by(Report.assignment_id)
-            .execution_options(yield_per=16)
-        )
-        for weight, blob in session.execute(reports):
-            stage.accept(decode_sparse_delta(blob), weight)
+        # O(reports x model). The whole stack of stages runs inside this one call.
+        rows = session.execute(_REPORTS, {"round_id": round_.id})
+        aggregate = pipeline.aggregate(inputs, ((decode_sparse_delta(blob), weight) for weight, blob in rows))
     else:
-        stage = pipeline.secure_round(mean_delta, survivors, inputs)
-    aggregate = stage.finish()
+        aggregate = pipeline.aggregate(inputs, secure=(mean_delta, survivors))
     new_params, new_state = apply_update(config.optimizer, params, aggregate.mean_delta, state)
     check_params(new_params, manifest.global_params, "aggregated model")
     metrics.observe(session, metrics.AGGREGATION_SECONDS, (population.name,), time.perf_counter() - started)
-    version = population.current_version + 1
     # The round's changes after every read, so that they reach its row in one statement.
     round_state.close(round_, closing or _COMMITTED, now)
     round_.metrics = apply_measurements(round_.metrics, aggregate)
     if aggregate.norm_reference is not None:
         round_.norm_reference = aggregate.norm_reference.to_json()
-    round_.result_version = version
-    session.add(
-        ModelVersion(
-            population_id=population.id,
-            version=version,
-            params=encode_params(new_params),
-            optimizer_state=encode_params(new_state),
-            round_id=round_.id,
-            created_at=now,
-        )
-    )
-    population.current_version = version
-    population.training_rounds_committed += 1
-    latest = (session.get_bind(), population.id)
-    on_commit(session, functools.partial(keep_latest, latest, version, new_params, new_state))
+    version = write_version(session, population, round_, new_params, new_state, now)
     if job is not None:  # the next round's central delta, computed while its devices train
         following = mixing.central_job(
             session, population, manifest, version, new_params, config.task, "parallel_training"

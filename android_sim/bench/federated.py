@@ -231,15 +231,13 @@ class Server:
             return len(reports)
         if self.secure is not None:
             deltas = [delta for delta, _ in taken]
-            stage = self.pipeline.secure_round(self._secure_mean(deltas), len(deltas), RoundInputs(0))
+            aggregate = self.pipeline.aggregate(
+                RoundInputs(0), secure=(self._secure_mean(deltas), len(deltas))
+            )
         else:
             weights = [weight for _, weight in taken]
-            stage = self.pipeline.plaintext_round(
-                RoundInputs(0, weights=weights, reference=self.norm_reference)
-            )
-            for delta, weight in taken:
-                stage.accept(delta, weight)
-        aggregate = stage.finish()
+            inputs = RoundInputs(0, weights=weights, reference=self.norm_reference)
+            aggregate = self.pipeline.aggregate(inputs, taken)
         mean_delta = aggregate.mean_delta
         if aggregate.norm_reference is not None:
             self.norm_reference = aggregate.norm_reference

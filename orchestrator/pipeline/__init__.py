@@ -12,9 +12,10 @@ stage finishes with on the way out:
     secure (+ DP)    [GaussianNoise ->] SecureSum (the unmasked sum of the survivors)
     + mixing         CentralMerge -> any of the above
 
-No stage touches the database, HTTP or the clock: the round's commit (`rounds`) reads the
-reports and the inputs the stages need (weights, reference norms, the round's clip norm), feeds
-the stack, and stores what it finishes with. A new way of aggregating is one new stage module.
+No stage touches the database, HTTP or the clock: the round's commit (`round_lifecycle`) reads
+the inputs the stages need (weights, reference norms, the round's clip norm) and hands them with
+the round's reports to one call (`Pipeline.aggregate`), which builds the stack, feeds it and
+finishes it; the commit stores what comes back. A new way of aggregating is one new stage module.
 """
 
 from __future__ import annotations

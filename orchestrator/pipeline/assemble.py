@@ -3,17 +3,17 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from contracts.params import Params
+from contracts.params import Params, SparseTensor
 from orchestrator.aggregation import RobustAggregation
 from orchestrator.central_training import CentralUpdate
 from orchestrator.differential_privacy import DPConfig, secure_rng
 from orchestrator.norm_reference import NormReference
-from orchestrator.pipeline import Stage
+from orchestrator.pipeline import Aggregate, Stage
 from orchestrator.pipeline.central_merge import CentralMerge
 from orchestrator.pipeline.coordinate_wise import CoordinateWiseStage
 from orchestrator.pipeline.private import GaussianNoise
@@ -85,6 +85,23 @@ class Pipeline:
     @property
     def private(self) -> bool:
         return self._dp is not None
+
+    def aggregate(
+        self,
+        inputs: RoundInputs,
+        contributions: Iterable[tuple[Mapping[str, SparseTensor], float]] = (),
+        secure: tuple[Params, int] | None = None,
+    ) -> Aggregate:
+        """A round's whole aggregation in one call: its stack of stages assembled, every
+        contribution (sparse delta, weight) accepted in order, finished. `secure`: a secure round's
+        unmasked (mean delta, survivors) instead of contributions. The stages stay inside this call:
+        the caller hands over the round's inputs and gets the mean delta and measurements back."""
+        if secure is not None:
+            return self.secure_round(*secure, inputs).finish()
+        stage = self.plaintext_round(inputs)
+        for delta, weight in contributions:
+            stage.accept(delta, weight)
+        return stage.finish()
 
     def plaintext_round(self, inputs: RoundInputs) -> Stage:
         """A round whose reports are accepted one by one: under DP equally weighted and noised;

@@ -228,3 +228,24 @@ def test_a_secure_population_without_dp_commits_the_unmasked_mean_as_it_is() -> 
     result = pipeline.secure_round(mean, 3, RoundInputs(0)).finish()
 
     assert result.mean_delta is mean and dict(result.metrics) == {}
+
+
+def test_aggregate_runs_a_rounds_whole_stack_in_one_call() -> None:
+    contributions = [(g(1, 0), 1.0), (g(0, 1), 1.0), (g(2, 0), 1.0)]
+    pipeline = Pipeline(settings(robust_aggregation="median"), G)
+
+    result = pipeline.aggregate(RoundInputs(0, weights=[1.0, 1.0, 1.0]), iter(contributions))
+
+    # As its stages one by one (the robust test above): medians (1, 0), reference norm 1.
+    assert_close(result.mean_delta["g"], [1.0, 0.0])
+    assert result.count == 3
+    assert result.norm_reference is not None and result.norm_reference.reference == {"g": 1.0}
+
+
+def test_aggregate_of_a_secure_round_takes_the_unmasked_mean_and_no_contributions() -> None:
+    pipeline = Pipeline(settings(aggregation="secure", min_reports=3), G)
+    mean = {"g": np.array([0.25, 0.5], np.float32)}
+
+    result = pipeline.aggregate(RoundInputs(0), secure=(mean, 3))
+
+    assert result.mean_delta is mean and result.count == 3
