@@ -269,7 +269,7 @@ def _check(
     lock: bool,
     coming: Counter[int],
     parsed: dict[int, Parsed],
-) -> _Step | Refused:
+) -> _Step | Refused | Counted:
     """The first step: check (and parse, unless parsed already). Without the populations' locks,
     raises LockNeeded if the round must be advanced, or if this wave's reports may reach its
     target (`_parse_ahead` has seen to it that they do not, unless the group met a race)."""
@@ -284,6 +284,10 @@ def _check(
     open_ = round_.status == round_state.OPEN
     if not lock and open_ and (now >= round_.deadline or config.secure_training):
         raise LockNeeded(f"round {round_.id} must be advanced")
+    if event.abort and found.status == "aborted":
+        # Its own device again: the first answer was lost (a dropped connection, a killed
+        # process). Answered as the first was; nothing is counted twice.
+        return Counted(round_, round_.status, round_.reported)
     closed = _closed(found, event.abort)
     if closed is not None:
         if event.abort:

@@ -66,8 +66,9 @@ def work(tmp_path: Path, export: Callable[[ModelConfig], Path]) -> Path:
 
 def reconcile(result: RunResult, server_killed: bool = False) -> None:
     """Server-side counters agree with what the devices saw. A server killed mid-run may have
-    counted an abort whose answer it never sent: the device then counts itself vanished (its
-    retry finds the assignment aborted), so only those can make the server's count larger."""
+    counted an abort whose answer it never sent; the device's retry is answered as the first
+    (aborts are idempotent) unless its retries ran out while the server was down: it then counts
+    itself vanished, so only those can make the server's count larger."""
     rounds = result.summary["rounds"]
     device_side = result.summary["fleet"]["device_side_outcomes"]
     reported = sum(n for k, n in device_side.items() if k.endswith("/reported"))

@@ -514,8 +514,13 @@ def test_ownership_unknown_repeated_and_aborted(
         population = rounds.lock_population(session, "p")
         assert population is not None
         unknown = rounds.report(session, population, "nope", owner, b"", "", 3.0)
+        # The aborter's answer was lost and it aborts again; another device tries it too.
+        again = rounds.abort(session, population, aborted.assignment_id, aborter, 4.0)
+        not_its = rounds.abort(session, population, aborted.assignment_id, other, 4.0)
 
     assert (stolen.status, repeated.status, after_abort.status, unknown.status) == (403, 409, 409, 404)
+    assert not isinstance(again, rounds.Refused) and again.id == aborted.round_id
+    assert isinstance(not_its, rounds.Refused) and not_its.status == 403
     r = round_by_id(db, answer.round_id)
     assert (r.reported, r.aborted) == (1, 1)
 

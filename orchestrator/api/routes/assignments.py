@@ -75,7 +75,8 @@ async def report(assignment_id: str, request: Request, token: TokenDep) -> Repor
         {
             403: "the assignment belongs to another device",
             404: "no such assignment",
-            409: "the assignment has already reported or aborted, or its round has closed",
+            409: "the assignment has already reported, or its round has closed (an abort repeated "
+            "by its own device is answered 200 as the first was, and counted once)",
         }
     ),
 )
