@@ -23,6 +23,7 @@ from android_sim.hit_rates import Evaluation, ScoredDevice, evaluate
 from android_sim.intervals import Interval
 from contracts.features import Examples
 from contracts.params import Params, decode_params
+from contracts.task_config import TaskConfig
 from device_runtime.example_store import ExampleStore
 from device_runtime.local_state import LocalStateStore
 from device_runtime.recommender import Recommender
@@ -156,10 +157,12 @@ def score_held_out(
     workload: Workload,
     training: list[int],
     show: int,
+    config: TaskConfig | None = None,
 ) -> tuple[HitRates | None, list[dict[str, Any]]]:
     """Each held-out device's top-10s (its own, on the device, with `params`; the baselines'; the
     ceilings' when the data has ground truth) scored against its kept-aside shares `future`;
-    and the first `show` devices' tables to print."""
+    and the first `show` devices' tables to print. `config`: the task config the devices
+    reconstruct with (default: the model's, as a device serves)."""
     global_top = popularity_top(model, params)
     counts = shares_by_item(workload, training)
     most_shared = np.argsort(-counts, kind="stable")[:K]
@@ -169,7 +172,7 @@ def score_held_out(
     for device in held_out:
         coming = future.get(device.index)
         with ExampleStore(device.store_path) as store:
-            recommender = Recommender(model, store, params, global_version=version)
+            recommender = Recommender(model, store, params, config, global_version=version)
             newest = store.examples()
             # Expressions are re-shared, so keep what the user already used; ratings are not.
             context = context_of(model, coming if coming is not None else newest)
