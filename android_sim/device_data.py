@@ -64,6 +64,8 @@ class FleetData:
     devices: list[DeviceData]
     label_mean: float  # initial global mean for explicit ratings
     truth: ShareTruth | None = None  # synthetic data: the generator's ground truth
+    # Public catalog metadata: each item's group (the expressions' topics), or () for none.
+    item_groups: tuple[int, ...] = ()
 
     @property
     def num_events(self) -> int:
@@ -81,6 +83,7 @@ def expression_fleet(config: SyntheticConfig) -> FleetData:
         devices=devices,
         label_mean=1.0,
         truth=ShareTruth(data),
+        item_groups=tuple(int(t) for t in data.item_topics),
     )
 
 

@@ -6,7 +6,12 @@ with the rounds run in-process (`android_sim.simulation`) instead of by the flee
 Each argument is one configuration, a JSON object over the main job's defaults:
 `{"task": {...}}` task config fields, `{"server": {...}}` server optimizer fields,
 `{"model": {...}}` model config fields (a new export), `"rounds"` (60), `"clients"` (40 reports
-a round), `"seed"` (the data's, the held-out draw's and the client sampling's; 0). Prints one
+a round), `"seed"` (the data's, the held-out draw's and the client sampling's; 0), `"serve"`
+(task config fields the held-out devices reconstruct with, over the population's task config,
+which a device serves with), `"uniform"` (every report weighs the same, as under secure aggregation or
+DP) and `"secure"` (secure aggregation's arithmetic: deltas clipped to this L2 norm, quantized to
+32 bits, summed and dequantized, uniform weights; the main job's `--aggregation secure` clips to
+10). Prints one
 line per configuration: FedRecon's expected hit rate@10 with its 95% interval, its hit rate over
 the newest shares, by history size, and the ceilings on the same held-out devices. This is how
 the main job's defaults were tuned (docs/benchmarks.md, "Quality: the main job's held-out devices");
@@ -17,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import sys
 import tempfile
 from dataclasses import replace
@@ -30,8 +36,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from android_sim.algorithm import optimizer_over  # noqa: E402
-from android_sim.bench.federated import Rounds  # noqa: E402
+from android_sim.bench.federated import Rounds, Server  # noqa: E402
 from android_sim.bench.protocol import UserSplit  # noqa: E402
+from android_sim.bench.quality import SECURE_BITS, SECURE_OVERSAMPLING, SecureQuantization  # noqa: E402
 from android_sim.builtin_data import builtin_workload, export, load_data, model_config  # noqa: E402
 from android_sim.recommendations import HitRates, score_held_out  # noqa: E402
 from android_sim.run import future_count, write_store  # noqa: E402
@@ -39,9 +46,13 @@ from android_sim.run_config import RunConfig  # noqa: E402
 from android_sim.simulate_command import simulation_task  # noqa: E402
 from android_sim.simulation import SimulationOptions, simulate  # noqa: E402
 from android_sim.workload import newest_first, split_newest  # noqa: E402
+from contracts.manifest import Manifest  # noqa: E402
+from contracts.params import Params  # noqa: E402
+from contracts.task_config import TaskConfig  # noqa: E402
 from device_runtime.examples_table import store_path  # noqa: E402
 from model_runtime.tflite_model import TFLiteModel  # noqa: E402
 from orchestrator.aggregation import ServerOptimizerConfig  # noqa: E402
+from secure_aggregation.quantization import Layout  # noqa: E402
 
 
 def run(spec: dict[str, Any], work: Path) -> HitRates:
@@ -71,19 +82,46 @@ def run(spec: dict[str, Any], work: Path) -> HitRates:
     server = ServerOptimizerConfig.from_json(
         optimizer_over(workload.server_optimizer, config.server_optimizer)
     )
+    secure = None
+    if "secure" in spec:
+        secure = SecureQuantization(
+            float(spec["secure"]), SECURE_BITS, math.ceil(clients * SECURE_OVERSAMPLING)
+        )
+        task = replace(task, clip_norm=secure.clip_norm)
+
+    def make_server(initial: Params, manifest: Manifest) -> Server:
+        layout = Layout.of(manifest.global_params)
+        arithmetic = None if secure is None else (secure.parameters(layout.length), layout)
+        return (
+            UniformServer(initial, server, secure=arithmetic)
+            if spec.get("uniform")
+            else Server(initial, server, secure=arithmetic)
+        )
+
     options = SimulationOptions(Rounds(rounds, clients, rounds, seed), task, server, workers=2)
-    result = simulate(model_dir, devices, options, split=UserSplit(eligible, held[:10], held))
+    split = UserSplit(eligible, held[:10], held)
+    result = simulate(model_dir, devices, options, make_server, split)
     fleet = []
     for i in held:
         path = store_path(work / "stores" / f"{tag}-{seed}", stored[i].device_id)
         path.parent.mkdir(parents=True, exist_ok=True)
         write_store(path, stored[i], workload)
         fleet.append(SimpleNamespace(index=i, store_path=path, num_examples=stored[i].examples.num_examples))
+    # Held-out devices serve with the population's task config, as the main job's do; "serve"
+    # overrides fields of it (a serving-only trial).
+    serve = TaskConfig.from_json({**task.to_json(), **spec.get("serve", {})})
     found, _ = score_held_out(
-        TFLiteModel(model_dir), result.params, "final", fleet, future, workload, training, 0, task
+        TFLiteModel(model_dir), result.params, "final", fleet, future, workload, training, 0, serve
     )
     assert found is not None
     return found
+
+
+class UniformServer(Server):
+    """Every report weighs the same (secure aggregation's and DP's mean), in plaintext."""
+
+    def commit(self, reports: Any, merge: Any = None) -> int:
+        return super().commit([None if r is None else (r[0], 1.0) for r in reports], merge)
 
 
 def line(spec: dict[str, Any], found: HitRates) -> str:

@@ -60,6 +60,12 @@ class ModelConfig:
     # the parameters less (on MovieLens 100K: better RMSE and accuracy, README).
     huber_delta: float = 0.0
     init_stddev: float = 0.1  # item embeddings ~ N(0, init_stddev)
+    # Public catalog metadata: each item's group (e.g. its topic), or () for none. An item's
+    # embedding then starts at its group's random unit direction times `group_init_scale` (plus
+    # the N(0, init_stddev) noise), so an item few devices have shared starts beside its group's
+    # and a user vector fitted to one share of a group already ranks the group's popular items.
+    item_groups: tuple[int, ...] = ()
+    group_init_scale: float = 0.5
     seed: int = 0
     training: TrainingDefaults = TrainingDefaults()
 
@@ -78,6 +84,14 @@ class ModelConfig:
             problems.append("huber_delta applies to explicit feedback only; implicit trains a logistic loss")
         if self.init_stddev < 0:
             problems.append(f"init_stddev must be >= 0, got {self.init_stddev}")
+        if self.item_groups and len(self.item_groups) != self.num_items:
+            problems.append(
+                f"item_groups must give one group per item ({self.num_items}), got {len(self.item_groups)}"
+            )
+        if any(isinstance(g, bool) or not isinstance(g, int) or g < 0 for g in self.item_groups):
+            problems.append("item_groups must be integers >= 0 (each item's group)")
+        if not (math.isfinite(self.group_init_scale) and self.group_init_scale >= 0):
+            problems.append(f"group_init_scale must be finite and >= 0, got {self.group_init_scale}")
         if problems:
             raise ValueError("invalid model config: " + "; ".join(problems))
 
@@ -114,6 +128,7 @@ class ModelConfig:
     def to_json(self) -> dict[str, object]:
         data = asdict(self)
         data["feedback"] = self.feedback.value
+        data["item_groups"] = list(self.item_groups)  # as JSON reads it back
         return data
 
     @classmethod
@@ -126,6 +141,10 @@ class ModelConfig:
         values = dict(data)
         if "feedback" in values:
             values["feedback"] = Feedback(values["feedback"])
+        if "item_groups" in values:
+            if not isinstance(values["item_groups"], list | tuple):
+                raise ValueError("'item_groups' must be a list of integers (each item's group)")
+            values["item_groups"] = tuple(values["item_groups"])
         if "training" in values:
             training = values["training"]
             known_t = {f.name for f in fields(TrainingDefaults)}

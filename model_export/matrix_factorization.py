@@ -13,6 +13,7 @@ a predicted rating (explicit feedback) or a logit (implicit: shared or not).
 from __future__ import annotations
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 from contracts.manifest import TaskSpec
@@ -55,7 +56,21 @@ def build_model(config: ModelConfig) -> keras.Model:
         score = Offset(name="user_bias")(score)
     if config.global_mean:
         score = Offset(config.global_mean_init, name="global_mean")(score)
-    return keras.Model({ITEM: item}, score, name="matrix_factorization")
+    model = keras.Model({ITEM: item}, score, name="matrix_factorization")
+    if config.item_groups:
+        table = model.get_layer("item_embeddings")
+        table.set_weights([table.get_weights()[0] + group_directions(config)])
+    return model
+
+
+def group_directions(config: ModelConfig) -> np.ndarray:
+    """[num_items, dim]: each item's group's random unit direction times `group_init_scale`
+    (seeded by the config's seed), what an item embedding starts from beside its noise."""
+    groups = np.asarray(config.item_groups, np.int64)
+    rng = np.random.default_rng((config.seed, 1))
+    directions = rng.normal(size=(int(groups.max()) + 1, config.embedding_dim))
+    directions /= np.linalg.norm(directions, axis=1, keepdims=True)
+    return (config.group_init_scale * directions[groups]).astype(np.float32)
 
 
 def build_spec(config: ModelConfig) -> ExportSpec:
