@@ -109,6 +109,9 @@ class OrchestratorClient:
         self._owns_http = http is None
         self.attempts = attempts
         self.backoff_seconds = backoff_seconds
+        # The JSON answers' bytes as received: what a caller counts as downloaded (re-encoding an
+        # answer to measure it cost a thousand simulated devices O(n^2) for a secure round's roster).
+        self.received_json_bytes = 0
 
     async def aclose(self) -> None:
         if self._owns_http:
@@ -244,6 +247,7 @@ class OrchestratorClient:
         """A JSON object answer (at most `MAX_JSON_BYTES`)."""
         response = await self._request(method, path, max_bytes=MAX_JSON_BYTES, **kwargs)
         _require_content_type(response, "application/json", what)
+        self.received_json_bytes += len(response.content)
         try:
             data = json.loads(response.content)
         except (ValueError, RecursionError) as e:  # not UTF-8, not JSON, or nested beyond the parser

@@ -177,9 +177,9 @@ class SecureRoundDriver:
     async def _state(self, phase: str, needs: str | None) -> dict[str, Any]:
         """The state once the server is at `phase` (with the `needs` entry for this device)."""
         while True:
-            asked = time.monotonic()
+            asked, received = time.monotonic(), self.client.received_json_bytes
             state = await self.client.secure_state(self.assignment, until=phase)
-            self.bytes_down += len(json.dumps(state))
+            self.bytes_down += self.client.received_json_bytes - received
             if state["phase"] == phase and (needs is None or needs in state):
                 return state
             current = state["phase"]

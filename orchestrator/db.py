@@ -212,7 +212,23 @@ class SecureParticipant(Base):
     unmasking: Mapped[dict[str, Any] | None] = mapped_column(JSON, deferred=True)
     sent_unmasking: Mapped[bool] = mapped_column(default=False)
 
-    __table_args__ = (Index("secure_participants_round_index", "round_id", "device_index", unique=True),)
+    __table_args__ = (
+        Index("secure_participants_round_index", "round_id", "device_index", unique=True),
+        # The phases count and list the participants' flags at every message: in SQLite a row's
+        # flags come after its shares (~9 KB at 60 neighbours, in overflow pages), so they are read
+        # from this covering index instead (migration 0015).
+        Index(
+            "secure_participants_flags",
+            "round_id",
+            "assignment_id",
+            "device_index",
+            "sent_shares",
+            "sent_masked_input",
+            "sent_consistency",
+            "confirmed",
+            "sent_unmasking",
+        ),
+    )
 
 
 class SecureMaskedInput(Base):

@@ -103,7 +103,15 @@ _COUNTS = (
         _count(SecureParticipant.sent_unmasking),
     )
     .select_from(Assignment)
-    .outerjoin(SecureParticipant, SecureParticipant.assignment_id == Assignment.id)
+    # On the round as well as the assignment: SQLite then reads the flags from the covering index
+    # `secure_participants_flags`, not from rows whose shares run into overflow pages.
+    .outerjoin(
+        SecureParticipant,
+        and_(
+            SecureParticipant.round_id == Assignment.round_id,
+            SecureParticipant.assignment_id == Assignment.id,
+        ),
+    )
     .where(Assignment.round_id == bindparam("round_id"))
 )
 
@@ -224,6 +232,36 @@ def closed(session: Session, secure_round: SecureRound) -> Closed:
     # close again later with other members.
     on_commit(session, keep)
     return facts
+
+
+# Per round (id, context): the owners whose secrets already have enough holders among the
+# unmasking answers. Answers only add holders, so each is checked until it has them, not at
+# every answer (which made the unmasking phase O(n^2 k)). Kept once its transaction commits.
+_SETTLED: OrderedDict[tuple[int, str], frozenset[int]] = OrderedDict()
+
+
+def settled_owners(secure_round: SecureRound) -> frozenset[int]:
+    with _LOCK:
+        return _SETTLED.get(_round_key(secure_round), frozenset())
+
+
+def settle(session: Session, secure_round: SecureRound, owners: set[int]) -> None:
+    """`owners` have enough holders among the unmasking answers, once this transaction commits."""
+    key = _round_key(secure_round)
+
+    def keep() -> None:
+        with _LOCK:
+            _SETTLED[key] = _SETTLED.get(key, frozenset()) | owners
+            _SETTLED.move_to_end(key)
+            while len(_SETTLED) > _CACHE_ROUNDS:
+                _SETTLED.popitem(last=False)
+
+    if owners:
+        on_commit(session, keep)
+
+
+def _round_key(secure_round: SecureRound) -> tuple[int, str]:
+    return secure_round.round_id, str(secure_round.parameters.get("context", ""))
 
 
 def refused_shares(session: Session, round_id: int, survivors: frozenset[int]) -> dict[int, frozenset[int]]:

@@ -388,7 +388,18 @@ def _finish(
         if answered
         else set()
     )
-    problem = server.unmask_problem(parameters, graph, sharers, survivors, responders, refused)
+    settled: set[int] = set()
+    problem = server.unmask_problem(
+        parameters,
+        graph,
+        sharers,
+        survivors,
+        responders,
+        refused,
+        participants.settled_owners(secure_round),
+        settled,
+    )
+    participants.settle(session, secure_round, settled)
     if problem is not None and not timed_out and set(responders) != survivors:
         return None  # more answers may still come
     _close_phase(round_, UNMASKING, now)

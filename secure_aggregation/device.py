@@ -159,7 +159,7 @@ class DeviceSession:
             raise ProtocolError(f"masks are prepared after sharing keys; this device is at {self._phase!r}")
         if self._prepared is not None:
             return
-        total = np.zeros(self.params.vector_length, dtype=np.uint64)
+        total = np.zeros(self.params.vector_length, dtype=masks.sum_dtype(self.params))
         masks.add_into(
             total, masks.expand(crypto.derive_key(self._seed, SELF_MASK, self.params.context), self.params), 1
         )

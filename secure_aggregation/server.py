@@ -109,23 +109,32 @@ def unmask_problem(
     survivors: Iterable[int],
     responders: Iterable[int],
     refused: Mapping[int, AbstractSet[int]] | None = None,
+    settled: AbstractSet[int] = frozenset(),
+    newly_settled: set[int] | None = None,
 ) -> str | None:
     """Why the sum cannot be unmasked with these sets (U2, U3, U4), or None when it can.
     `refused`: owner -> the survivors that refused its shares (they hold none, and masked nothing
-    with it)."""
+    with it).
+
+    While answers come in, U2, U3 and `refused` are fixed and U4 only grows, so an owner whose
+    secret had enough holders keeps them: the caller may pass the owners found so before as
+    `settled` (skipped) and collect the ones found now in `newly_settled`. Checking every owner at
+    every answer made a round's unmasking O(n^2 k)."""
     u2, u3, u4 = set(shared), set(survivors), set(responders)
     refused = refused or {}
     if len(u3) < params.min_survivors:
         return f"{len(u3)} masked inputs; the round needs at least {params.min_survivors}"
-    for owner in sorted(u2):
+    for owner in sorted(u2 - set(settled)):
         refusers = refused.get(owner, set())
-        if owner not in u3 and not (set(graph[owner]) & u3) - refusers:
-            continue  # no survivor masked anything with it: nothing of it to remove
-        t = params.shamir_threshold(len(graph[owner]))
-        holders = len((set(graph[owner]) & u4) - refusers)
-        if holders < t:
-            what = "self-mask seed" if owner in u3 else "mask key"
-            return f"only {holders} of device {owner}'s neighbours answered; its {what} needs {t} shares"
+        if owner in u3 or (set(graph[owner]) & u3) - refusers:
+            t = params.shamir_threshold(len(graph[owner]))
+            holders = len((set(graph[owner]) & u4) - refusers)
+            if holders < t:
+                what = "self-mask seed" if owner in u3 else "mask key"
+                return f"only {holders} of device {owner}'s neighbours answered; its {what} needs {t} shares"
+        # (else no survivor masked anything with it: nothing of it to remove)
+        if newly_settled is not None:
+            newly_settled.add(owner)
     return None
 
 
@@ -155,7 +164,8 @@ def unmask(
     problem = unmask_problem(params, graph, u2, u3, responses, refused)
     if problem is not None:
         raise CannotUnmask(problem)
-    total = np.asarray(masked_sum, dtype=np.uint64).copy()
+    # Reduced to the masks' dtype first (its modulus is a multiple of 2^bits): same-dtype adds.
+    total = np.asarray(masked_sum).astype(masks.sum_dtype(params))
     context = params.context
     for owner in sorted(u2):
         t = params.shamir_threshold(len(graph[owner]))
@@ -181,7 +191,7 @@ def unmask(
                 )
                 # The survivor added sign(survivor, owner) x mask; take it away.
                 masks.add_into(total, masks.expand(seed, params), -pairwise_sign(survivor, owner))
-    return total & np.uint64(params.modulus_mask)
+    return total.astype(np.uint64) & np.uint64(params.modulus_mask)
 
 
 class MaskedSum:
