@@ -13,7 +13,7 @@ import hashlib
 import json
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -182,6 +182,13 @@ class SimClock:
 
     def now(self) -> float:
         return self.start + (time.monotonic() - self._wall_zero) * self.speedup
+
+    def in_task(self) -> Callable[[], float]:
+        """Simulated time for a task that starts now: from here it runs at 1x. The user's day is
+        compressed, a task's seconds are not (a phone spends them as seconds too); at the day's
+        pace, a secure round's four seconds on this machine would be 1.6 hours of the user's."""
+        checked_in, started = self.now(), time.monotonic()
+        return lambda: checked_in + (time.monotonic() - started)
 
     def wall_seconds_until(self, sim_time: float) -> float:
         return max(0.0, (sim_time - self.now()) / self.speedup)

@@ -121,6 +121,7 @@ def merged(stats: Sequence[FleetStats]) -> FleetStats:
     total = FleetStats()
     for s in stats:
         total.outcomes.update(s.outcomes)
+        total.left_because.update(s.left_because)
         total.in_task += s.in_task
         total.waiting_for_server = max(total.waiting_for_server, s.waiting_for_server)
         total.task_seconds.extend(s.task_seconds)

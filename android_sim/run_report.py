@@ -148,6 +148,11 @@ def report_header(config: RunConfig, status: dict[str, Any], fleet: Fleet, evalu
             "device_side_outcomes": {
                 f"{role}/{s}": n for (role, s), n in sorted(fleet.stats.outcomes.items())
             },
+            # The ten commonest reasons, most frequent first.
+            "left_because": [
+                {"status": status, "reason": why, "count": n}
+                for (status, why), n in fleet.stats.left_because.most_common(10)
+            ],
             "median_task_seconds": float(np.median(fleet.stats.task_seconds))
             if fleet.stats.task_seconds
             else None,

@@ -1,4 +1,5 @@
 import json
+import time
 from pathlib import Path
 
 import numpy as np
@@ -60,6 +61,19 @@ def test_sim_clock_compresses_a_day() -> None:
     assert clock.speedup == 1440.0
     assert 1000.0 <= clock.now() < 1000.0 + 1440.0
     assert clock.wall_seconds_until(clock.now() + 1440.0 * 2) == pytest.approx(2.0, abs=0.05)
+
+
+def test_a_tasks_seconds_are_not_compressed() -> None:
+    """A day in 86.4 ms: the run's clock passes 1,000 simulated seconds per wall millisecond, while
+    a task's clock passes its own seconds (a secure round's waits are not hours of the user's day)."""
+    clock = SimClock(day_seconds=0.0864)
+    task = clock.in_task()
+    started, day_started = task(), clock.now()
+    time.sleep(0.05)
+
+    assert clock.now() - day_started >= 0.05 * 1e6
+    assert 0.05 <= task() - started < 1.0
+    assert abs(started - day_started) < 1e3  # it starts at the check-in's simulated time
 
 
 def test_a_device_mix_file_is_checked(tmp_path: Path) -> None:

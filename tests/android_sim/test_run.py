@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import re
 import shutil
 import threading
 import time
@@ -110,6 +111,13 @@ def test_a_fleet_trains_evaluates_and_writes_its_report(work: Path) -> None:
     assert "loss" in result.final_evaluation and "accuracy" in result.final_evaluation
     outcomes = report["fleet"]["device_side_outcomes"]
     assert outcomes.get("training/reported", 0) >= 3 * 6
+    # Why participations ended short of a report: counted by reason, numbers out, no rejections.
+    left = report["fleet"]["left_because"]
+    short = sum(n for k, n in outcomes.items() if not k.endswith(("/reported", "/rejected")))
+    assert sum(e["count"] for e in left) <= short and (short == 0 or left)
+    assert all(
+        e["status"] not in ("reported", "rejected") and not re.search(r"\d", e["reason"]) for e in left
+    )
     # Devices with one example are filtered at check-in (min_examples 2).
     assert sum(r["counters"]["rejected_min_examples"] for r in report["rounds"]) > 0
     reconcile(result)
