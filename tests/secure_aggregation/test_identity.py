@@ -18,6 +18,7 @@ from secure_aggregation.identity import (
     SigningKey,
     check_signed_advertisement,
     verified_roster,
+    verify,
 )
 
 CONTEXT = "movies/7/00ff"
@@ -144,3 +145,19 @@ def test_the_server_refuses_an_advertisement_signed_for_another_round_or_a_devic
         check_signed_advertisement(other_round, CONTEXT, [])
     with pytest.raises(ProtocolError, match="this device key already advertised keys in this round"):
         check_signed_advertisement(again, CONTEXT, [signed])
+
+
+def test_a_remembered_verdict_is_for_the_same_bytes_only() -> None:
+    """Verdicts are memoized (a simulated fleet checks one roster once per phone): a signature that
+    verified must not make a forged one over the same message, or the same one over another, pass."""
+    key = SigningKey()
+    message = b"the survivors of round 7"
+    signature = key.sign(message)
+    forged = bytes([signature[0] ^ 1]) + signature[1:]
+
+    assert verify(key.public, signature, message)
+    assert verify(key.public, signature, message)  # remembered
+    assert not verify(key.public, forged, message)
+    assert not verify(key.public, signature, message + b".")
+    assert not verify(SigningKey().public, signature, message)
+    assert not verify(b"\x00" * 31, signature, message)  # not a key at all: False, not an error
