@@ -188,6 +188,12 @@ def _print_summary(
     console: Console,
 ) -> None:
     console.print(f"\n[bold]{result.rounds_committed} training rounds committed in {result.seconds:.0f} s[/]")
+    left = result.summary["fleet"]["left_because"][:3]
+    if left:
+        console.print(
+            "participations that ended short of a report, commonest first (report.json: "
+            "fleet.left_because): " + "; ".join(f"{e['count']} {e['status']}, {e['reason']}" for e in left)
+        )
     algorithm = result.summary["algorithm"]
     console.print(
         f"local parameters: {algorithm['local_state']} "

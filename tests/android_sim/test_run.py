@@ -100,7 +100,8 @@ def test_a_fleet_trains_under_secure_aggregation_with_dropouts_at_its_phases(wor
 
 
 def test_a_fleet_trains_evaluates_and_writes_its_report(work: Path) -> None:
-    result = run(small(work), Console(width=120, record=True))
+    console = Console(width=120, record=True)
+    result = run(small(work), console)
 
     assert result.rounds_committed >= 3
     report = json.loads(result.report_path.read_text())
@@ -118,6 +119,7 @@ def test_a_fleet_trains_evaluates_and_writes_its_report(work: Path) -> None:
     assert all(
         e["status"] not in ("reported", "rejected") and not re.search(r"\d", e["reason"]) for e in left
     )
+    assert ("ended short of a report" in console.export_text()) == bool(left)
     # Devices with one example are filtered at check-in (min_examples 2).
     assert sum(r["counters"]["rejected_min_examples"] for r in report["rounds"]) > 0
     reconcile(result)
