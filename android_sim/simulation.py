@@ -48,7 +48,14 @@ from contracts.manifest import Manifest
 from contracts.params import Params
 from contracts.task_config import LocalState, SplitPolicy, TaskConfig
 from device_runtime.client_task import shuffled
-from model_runtime.support_query import add_negatives, negative_weights, split_support_query
+from model_runtime.support_query import (
+    add_negatives,
+    negative_weights,
+    shares,
+    split_support_query,
+    support_negatives,
+    with_support_negatives,
+)
 from model_runtime.task_batches import TaskBatches
 from model_runtime.tflite_model import EvaluationSums, TFLiteModel
 from orchestrator.aggregation import RobustAggregation, ServerOptimizerConfig
@@ -121,14 +128,18 @@ def support_query(
     """One device's batches as its task selects and splits them; `rng` samples its negatives
     (drawn by `weights`, `negative_weights`; None: uniformly)."""
     chosen = selected(examples, config)
+    own = shares(chosen, manifest) if rng is not None and manifest.task.negative_sampling else None
     if rng is not None:
         chosen = add_negatives(chosen, manifest, config.negatives_per_positive, rng, weights=weights)
     support, query = split_support_query(chosen, manifest, config)
+    if rng is not None:
+        support = with_support_negatives(support, manifest, config, rng, own, weights)
     return SupportQuery(TaskBatches.pack(support, manifest), TaskBatches.pack(query, manifest))
 
 
 def samples_negatives(manifest: Manifest, config: TaskConfig) -> bool:
-    return manifest.task.negative_sampling and config.negatives_per_positive > 0
+    negatives = max(config.negatives_per_positive, support_negatives(config))
+    return manifest.task.negative_sampling and negatives > 0
 
 
 def packed_clients(

@@ -41,6 +41,7 @@ TASK_CONFIG_MAXIMA: dict[str, int | float] = {
     "l2_global": 1_000.0,
     "l2_local": 1_000.0,
     "negatives_per_positive": 100,
+    "reconstruction_negatives": 100,
     # exp(10 x bias): a bias spread of 2 already makes the likeliest item e^20 times likelier.
     "negative_popularity": 10.0,
 }
@@ -77,6 +78,9 @@ class TaskConfig:
     l2_global: float = 0.0
     l2_local: float = 0.0
     negatives_per_positive: int = 4  # implicit feedback: sampled non-shared items per share
+    # Implicit feedback: the negatives per share that reconstruction (the support set, and serving)
+    # fits the locals against; None: negatives_per_positive, as the update.
+    reconstruction_negatives: int | None = None
     # Implicit feedback: negatives drawn in proportion to exp(this x the model's popularity global,
     # e.g. item biases), and ranking adds this x popularity back (logQ correction); 0: uniform.
     negative_popularity: float = 0.0

@@ -29,6 +29,7 @@ from model_runtime.support_query import (
     reconstruct_locals,
     shares,
     split_support_query,
+    with_support_negatives,
 )
 from model_runtime.task_batches import TaskBatches, split_batches
 from model_runtime.tflite_model import EvaluationSums, RowUpdate, SparseGradient, TFLiteModel, Update
@@ -147,11 +148,12 @@ def prepare(
     drawn by `weights` (`negative_weights`; None: uniformly)."""
     examples, outside = select_examples(store, manifest, config)
     num_examples = examples.num_examples
+    rng = np.random.default_rng(seed)
+    own = shares(examples, manifest) if manifest.task.negative_sampling else None
     if manifest.task.negative_sampling and config.negatives_per_positive:
-        examples = add_negatives(
-            examples, manifest, config.negatives_per_positive, np.random.default_rng(seed), weights=weights
-        )
+        examples = add_negatives(examples, manifest, config.negatives_per_positive, rng, weights=weights)
     support, query = split_support_query(examples, manifest, config)
+    support = with_support_negatives(support, manifest, config, rng, own, weights)
     return SupportQuery(support, query, num_examples, outside)
 
 

@@ -27,7 +27,13 @@ from contracts.task_config import TaskConfig
 from device_runtime.client_task import select_examples
 from device_runtime.example_store import ExampleStore, ExampleStoreError
 from device_runtime.local_state import LocalStateStore
-from model_runtime.support_query import add_negatives, logq_correction, negative_weights, num_steps
+from model_runtime.support_query import (
+    add_negatives,
+    logq_correction,
+    negative_weights,
+    num_steps,
+    support_negatives,
+)
 from model_runtime.task_batches import TaskBatches, split_batches
 from model_runtime.tflite_model import TFLiteModel
 
@@ -120,14 +126,13 @@ class PersonalModel:
                 return "reconstructed"
         manifest = self.model.manifest
         examples, _ = select_examples(self.store, manifest, self.config)
-        if manifest.task.negative_sampling and self.config.negatives_per_positive:
+        negatives = support_negatives(self.config)
+        if manifest.task.negative_sampling and negatives:
             # Reconstruct as training does: from shares alone every item looks liked, and the user
             # vector drifts toward whatever is popular. Seeded by the revision, so a cached
             # reconstruction is the one this store would give again.
             rng = np.random.default_rng(revision)
-            examples = add_negatives(
-                examples, manifest, self.config.negatives_per_positive, rng, weights=self._negative_weights
-            )
+            examples = add_negatives(examples, manifest, negatives, rng, weights=self._negative_weights)
         batches = split_batches(examples, manifest.batch_size)[: manifest.max_batches]
         support = TaskBatches.pack(batches, manifest)
         self.model.reset_local()

@@ -153,6 +153,33 @@ def _normalized(weights: np.ndarray) -> np.ndarray:
     return normalized
 
 
+def support_negatives(config: TaskConfig) -> int:
+    """The sampled negatives per share that reconstruction fits the locals against."""
+    if config.reconstruction_negatives is None:
+        return config.negatives_per_positive
+    return config.reconstruction_negatives
+
+
+def with_support_negatives(
+    support: list[Examples],
+    manifest: Manifest,
+    config: TaskConfig,
+    rng: np.random.Generator,
+    also_shared: np.ndarray | None = None,
+    weights: np.ndarray | None = None,
+) -> list[Examples]:
+    """The support batches with their shares' negatives drawn anew, `reconstruction_negatives` a
+    share (never one of `also_shared`: give all of the device's shares), when the task sets it;
+    otherwise unchanged (the support keeps the update's count)."""
+    if config.reconstruction_negatives is None or not manifest.task.negative_sampling or not support:
+        return support
+    label = manifest.label_features[0].name
+    joined = Examples.concat(support, manifest.features)
+    positives = joined.select(joined[label] > 0)
+    resampled = add_negatives(positives, manifest, config.reconstruction_negatives, rng, also_shared, weights)
+    return split_batches(resampled, manifest.batch_size)[: manifest.max_batches]
+
+
 def split_support_query(
     examples: Examples, manifest: Manifest, config: TaskConfig
 ) -> tuple[list[Examples], list[Examples]]:
