@@ -11,9 +11,9 @@ a round), `"seed"` (the data's, the held-out draw's and the client sampling's; 0
 which a device serves with), `"uniform"` (every report weighs the same, as under secure aggregation or
 DP) and `"secure"` (secure aggregation's arithmetic: deltas clipped to this L2 norm, quantized to
 32 bits, summed and dequantized, uniform weights; the main job's `--aggregation secure` clips to
-10). Prints one
-line per configuration: FedRecon's expected hit rate@10 with its 95% interval, its hit rate over
-the newest shares, by history size, and the ceilings on the same held-out devices. This is how
+10). Prints one line per configuration: FedRecon's expected hit rate@10 with its 95% interval, its
+hit rate over the newest shares, by history size, the ceilings on the same held-out devices, and
+after a seed's first configuration FedRecon's paired difference from it (same devices). This is how
 the main job's defaults were tuned (docs/benchmarks.md, "Quality: the main job's held-out devices");
 the fleet adds device availability, dropouts and staleness, so confirm a change with `./dev main`.
 """
@@ -40,6 +40,8 @@ from android_sim.bench.federated import Rounds, Server  # noqa: E402
 from android_sim.bench.protocol import UserSplit  # noqa: E402
 from android_sim.bench.quality import SECURE_BITS, SECURE_OVERSAMPLING, SecureQuantization  # noqa: E402
 from android_sim.builtin_data import builtin_workload, export, load_data, model_config  # noqa: E402
+from android_sim.hit_rates import expected_hit_rate  # noqa: E402
+from android_sim.intervals import Interval, bootstrap_means, resample_rows  # noqa: E402
 from android_sim.recommendations import HitRates, score_held_out  # noqa: E402
 from android_sim.run import future_count, write_store  # noqa: E402
 from android_sim.run_config import RunConfig  # noqa: E402
@@ -141,11 +143,35 @@ def line(spec: dict[str, Any], found: HitRates) -> str:
     )
 
 
+def per_device_expected(found: HitRates) -> dict[int, float]:
+    """Each scored device's expected hit rate@10 of FedRecon's top-10, by the device's index."""
+    return {
+        d.index: expected_hit_rate(np.asarray(d.tops["personalized"]), d.probabilities)
+        for d in found.scored
+        if d.probabilities is not None
+    }
+
+
+def paired(first: dict[int, float], other: dict[int, float]) -> Interval:
+    """`other` minus `first` over the devices both scored (the same held-out draw: the same seed),
+    bootstrapped over devices: the draw's noise cancels, what is left is the change's."""
+    common = sorted(first.keys() & other.keys())
+    differences = np.array([other[i] - first[i] for i in common])
+    return bootstrap_means(differences, resample_rows(len(common), np.random.default_rng(0)))
+
+
 def main() -> None:
     specs = [json.loads(a) for a in sys.argv[1:]] or [{}]
+    baseline: dict[int, dict[int, float]] = {}  # the first configuration of each seed
     with tempfile.TemporaryDirectory() as work:
         for spec in specs:
-            print(line(spec, run(spec, Path(work))), flush=True)
+            found = run(spec, Path(work))
+            text = line(spec, found)
+            seed, mine = int(spec.get("seed", 0)), per_device_expected(found)
+            if seed in baseline:
+                text += f"; paired minus this seed's first configuration {paired(baseline[seed], mine)}"
+            baseline.setdefault(seed, mine)
+            print(text, flush=True)
 
 
 if __name__ == "__main__":
