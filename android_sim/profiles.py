@@ -3,8 +3,9 @@
 A phone trains only when it is idle, charging and on an unmetered network (the conditions
 federated learning on Android waits for). Here that happens in a nightly charging window in
 the phone's own time zone, on a daily cycle compressed into `SimClock.day_seconds` of wall
-time; the user picks the phone up now and then (it stops being idle), which is what makes
-tasks abort mid-way. Profiles are drawn from a mix of device classes.
+time; the user picks the phone up now and then (it stops being idle). Within a task the clock
+runs at 1x (`SimClock.in_task`), so what makes tasks abort mid-way is mostly the class's
+`dropout_probability`. Profiles are drawn from a mix of device classes.
 """
 
 from __future__ import annotations
