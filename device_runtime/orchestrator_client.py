@@ -436,19 +436,29 @@ class OrchestratorClient:
             "GET", self._secure_url(assignment), "the secure round's state", params=params
         )
 
-    async def secure_message(self, assignment: Assignment, phase: str, body: Any) -> dict[str, Any]:
-        """A JSON message of the `keys`, `shares` or `unmasking` phase."""
+    async def secure_message(
+        self, assignment: Assignment, phase: str, body: Any, until: str | None = None
+    ) -> dict[str, Any]:
+        """A JSON message of the `keys`, `shares`, `consistency` or `unmasking` phase; with `until`,
+        the answer also holds the round's `state` once it reached that phase (as `secure_state`)."""
         return await self._json(
-            "POST", f"{self._secure_url(assignment)}/{phase}", f"the answer to the {phase} message", json=body
+            "POST",
+            f"{self._secure_url(assignment)}/{phase}",
+            f"the answer to the {phase} message",
+            json=body,
+            params=None if until is None else {"until": until},
         )
 
-    async def secure_masked_input(self, assignment: Assignment, body: bytes) -> dict[str, Any]:
+    async def secure_masked_input(
+        self, assignment: Assignment, body: bytes, until: str | None = None
+    ) -> dict[str, Any]:
         return await self._json(
             "POST",
             f"{self._secure_url(assignment)}/masked-input",
             "the answer to the masked input",
             content=body,
             headers={"Content-Type": "application/octet-stream"},
+            params=None if until is None else {"until": until},
         )
 
 
