@@ -268,6 +268,10 @@ def test_a_message_with_until_is_answered_with_the_next_phase_once_it_opens(
     # Execute: a phase that does not exist is refused before the message counts; then the first
     # device advertises and waits for the roster, and the last device's keys complete it
     unknown = devices[0].call("POST", f"{devices[0].secure}/keys", json=keys[0], params={"until": "later"})
+    too_long = devices[0].call("GET", devices[0].secure, params={"until": "share_keys", "wait": 1000})
+    asked = time.monotonic()
+    short = devices[0].call("GET", devices[0].secure, params={"until": "share_keys", "wait": 0.5})
+    short_seconds = time.monotonic() - asked
     assert devices[1].send("keys", keys[1]).status_code == 200
     with ThreadPoolExecutor(1) as pool:
         waiting = pool.submit(
@@ -281,6 +285,9 @@ def test_a_message_with_until_is_answered_with_the_next_phase_once_it_opens(
     # Assert: each answer has the device's index and the roster's state; the first was held until
     # the roster was out, the last one completed it and was answered at once
     _refused(unknown, 422, "until must be one of the phases")
+    assert too_long.status_code == 422 and "wait" in too_long.text, too_long.text
+    # A hold as short as the device asked for, answered with the phase it is still in
+    assert short.status_code == 200 and short.json()["phase"] == "advertise" and 0.5 <= short_seconds < 5
     assert held
     for device, answer in ((devices[0], first), (devices[2], last)):
         assert answer.status_code == 200, answer.text

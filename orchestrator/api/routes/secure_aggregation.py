@@ -1,9 +1,10 @@
 """Secure aggregation's phases for one assignment: the device's state, then one message per phase.
 
 `GET /v1/assignments/{id}/secure` tells the device the phase and what it needs for it; with
-`?until=<phase>` the answer waits (long-polling, at most `LONG_POLL_SECONDS`) until the round has
-reached that phase or a later one, so a device learns of a phase as soon as it opens (an answer
-that comes earlier, after `LONG_POLL_SECONDS`, says only the phase: not what it hands out). The four
+`?until=<phase>` the answer waits (long-polling, `LONG_POLL_SECONDS` or the `wait` the device asks
+for, at most `MAX_WAIT_SECONDS`) until the round has reached that phase or a later one, so a device
+learns of a phase as soon as it opens (an answer that comes earlier says only the phase: not what
+it hands out). The four
 `POST`s carry its keys, its encrypted shares, its masked input (raw little-endian integers) and
 its unmasking shares. A message posted with `?until=<phase>` is answered with that state as well
 (`state`, held as the `GET` holds it, and read first in the message's own transaction): a device
@@ -35,6 +36,10 @@ router = APIRouter(prefix="/v1/assignments", tags=["devices"])
 # phase costs the server (waiting devices x the phase's length / this) state reads: at 1,000
 # devices and 10 s, those reads alone had the server busy.
 LONG_POLL_SECONDS = 20.0
+# A device whose HTTP timeout allows asks for a longer hold (`wait`): each waiting device asks
+# again after each hold, so a phase costs (waiting devices x its length / the hold) requests,
+# which grows as n^2 when phases grow with the round.
+MAX_WAIT_SECONDS = 120.0
 # Phase changes made by another server process are not announced here: one watcher per process
 # reads the open rounds' phases this often while devices wait (phase_changes).
 RECHECK_SECONDS = 1.0
@@ -135,22 +140,34 @@ async def _body(request: Request, limit: int) -> bytes:
 
 
 async def _post_json(
-    request: Request, handler: Handler, assignment_id: str, token: str, limit: int, until: str | None
+    request: Request,
+    handler: Handler,
+    assignment_id: str,
+    token: str,
+    limit: int,
+    until: str | None,
+    wait: float | None,
 ) -> Any:
     parsed = secure_rounds.json_body(await _body(request, limit))
     if isinstance(parsed, rounds.Refused):
         raise _raise(parsed)
-    return await _answer(request, handler, assignment_id, token, parsed, until)
+    return await _answer(request, handler, assignment_id, token, parsed, until, wait)
 
 
 async def _answer(
-    request: Request, handler: Handler, assignment_id: str, token: str, body: Any, until: str | None
+    request: Request,
+    handler: Handler,
+    assignment_id: str,
+    token: str,
+    body: Any,
+    until: str | None,
+    wait: float | None,
 ) -> Any:
     """The message's answer; with `until`, also the state once the round has reached that phase."""
     _check_until(until)
     app = request.app
     factory = app.state.sessionmaker
-    hold = _Hold(request, factory, assignment_id, token, until)
+    hold = _Hold(request, factory, assignment_id, token, until, wait)
     answer = await run_db(
         app, _message, factory, handler, assignment_id, token, body, app.state.clock(), until
     )
@@ -165,9 +182,9 @@ def _check_until(until: str | None) -> None:
 
 
 class _Hold:
-    """An answer held until the round reaches `until` (long-polling), at most `LONG_POLL_SECONDS`
-    from the request's start. Made before the first read: a phase change after it wakes the wait
-    at once."""
+    """An answer held until the round reaches `until` (long-polling), at most `wait` seconds
+    (`LONG_POLL_SECONDS` by default) from the request's start. Made before the first read: a phase
+    change after it wakes the wait at once."""
 
     def __init__(
         self,
@@ -176,11 +193,12 @@ class _Hold:
         assignment_id: str,
         token: str,
         until: str | None,
+        wait: float | None,
     ) -> None:
         self.app, self.factory, self.until = request.app, factory, until
         self.assignment_id, self.token = assignment_id, token
         self.loop = asyncio.get_running_loop()
-        self.give_up = self.loop.time() + LONG_POLL_SECONDS
+        self.give_up = self.loop.time() + (LONG_POLL_SECONDS if wait is None else wait)
         self.seen = PHASE_CHANGES.generation
 
     async def until_reached(self, answer: dict[str, Any]) -> dict[str, Any]:
@@ -201,9 +219,8 @@ class _Hold:
 
 _UNTIL_DOC = f"hold the answer until the round reaches this phase or a later one: {ORDER}"
 UntilQuery = Annotated[str | None, Query(description=_UNTIL_DOC)]
-_UNTIL_AFTER = (
-    "with `until`, the round's state once it reached that phase (as `GET .../secure?until=` answers)"
-)
+_WAIT_DOC = f"with `until`: hold the answer at most this many seconds (default {LONG_POLL_SECONDS:g})"
+WaitQuery = Annotated[float | None, Query(gt=0, le=MAX_WAIT_SECONDS, description=_WAIT_DOC)]
 
 
 @router.get(
@@ -221,9 +238,10 @@ async def state(
     factory: SessionFactoryDep,
     clock: ClockDep,
     until: UntilQuery = None,
+    wait: WaitQuery = None,
 ) -> dict[str, Any]:
     _check_until(until)
-    hold = _Hold(request, factory, assignment_id, token, until)
+    hold = _Hold(request, factory, assignment_id, token, until, wait)
     return await hold.until_reached(
         await run_db(request.app, _state, factory, assignment_id, token, clock(), until)
     )
@@ -254,10 +272,15 @@ def _open_phases(factory: sessionmaker[Session]) -> frozenset[tuple[int, str]]:
     },
 )
 async def keys(
-    assignment_id: str, request: Request, token: TokenDep, settings: SettingsDep, until: UntilQuery = None
+    assignment_id: str,
+    request: Request,
+    token: TokenDep,
+    settings: SettingsDep,
+    until: UntilQuery = None,
+    wait: WaitQuery = None,
 ) -> Any:
     advertise = functools.partial(secure_rounds.advertise, authority_key=settings.authority_key())
-    return await _post_json(request, advertise, assignment_id, token, 4096, until)
+    return await _post_json(request, advertise, assignment_id, token, 4096, until, wait)
 
 
 @router.post(
@@ -270,10 +293,15 @@ async def keys(
     responses={200: {"model": schemas.Shared}, **schemas.refusals(SECURE_REFUSALS, retry_after=(409,))},
 )
 async def shares(
-    assignment_id: str, request: Request, token: TokenDep, settings: SettingsDep, until: UntilQuery = None
+    assignment_id: str,
+    request: Request,
+    token: TokenDep,
+    settings: SettingsDep,
+    until: UntilQuery = None,
+    wait: WaitQuery = None,
 ) -> Any:
     return await _post_json(
-        request, secure_rounds.share_keys, assignment_id, token, settings.max_report_bytes, until
+        request, secure_rounds.share_keys, assignment_id, token, settings.max_report_bytes, until, wait
     )
 
 
@@ -289,10 +317,15 @@ async def shares(
     },
 )
 async def masked_input(
-    assignment_id: str, request: Request, token: TokenDep, settings: SettingsDep, until: UntilQuery = None
+    assignment_id: str,
+    request: Request,
+    token: TokenDep,
+    settings: SettingsDep,
+    until: UntilQuery = None,
+    wait: WaitQuery = None,
 ) -> Any:
     body = await _body(request, settings.max_report_bytes)
-    return await _answer(request, secure_rounds.masked_input, assignment_id, token, body, until)
+    return await _answer(request, secure_rounds.masked_input, assignment_id, token, body, until, wait)
 
 
 @router.post(
@@ -306,8 +339,10 @@ async def masked_input(
         **schemas.refusals(SECURE_REFUSALS, retry_after=(409,)),
     },
 )
-async def consistency(assignment_id: str, request: Request, token: TokenDep, until: UntilQuery = None) -> Any:
-    return await _post_json(request, secure_rounds.consistency, assignment_id, token, 4096, until)
+async def consistency(
+    assignment_id: str, request: Request, token: TokenDep, until: UntilQuery = None, wait: WaitQuery = None
+) -> Any:
+    return await _post_json(request, secure_rounds.consistency, assignment_id, token, 4096, until, wait)
 
 
 @router.post(
@@ -322,8 +357,13 @@ async def consistency(assignment_id: str, request: Request, token: TokenDep, unt
     },
 )
 async def unmasking(
-    assignment_id: str, request: Request, token: TokenDep, settings: SettingsDep, until: UntilQuery = None
+    assignment_id: str,
+    request: Request,
+    token: TokenDep,
+    settings: SettingsDep,
+    until: UntilQuery = None,
+    wait: WaitQuery = None,
 ) -> Any:
     return await _post_json(
-        request, secure_rounds.unmasking, assignment_id, token, settings.max_report_bytes, until
+        request, secure_rounds.unmasking, assignment_id, token, settings.max_report_bytes, until, wait
     )
