@@ -49,7 +49,13 @@ from contracts.task_config import TaskConfig
 
 MAX_JSON_BYTES = 1 << 20  # a control message; the largest real one (a manifest) is a few KB
 MAX_ANSWER_BYTES = 256 << 20  # any other answer: a bound against an endless stream
-MAX_WAIT_IN_REQUEST_SECONDS = 60.0  # a longer 503 window ends the request: the device comes back later
+MAX_WAIT_IN_REQUEST_SECONDS = 60.0
+# A held (long-polled) answer is asked for this much inside the request's read timeout, and at
+# most the server's bound: fewer, longer holds are fewer requests for the device and the server.
+HOLD_MARGIN_SECONDS, MAX_HOLD_SECONDS = (
+    5.0,
+    120.0,
+)  # a longer 503 window ends the request: the device comes back later
 ABORT_ATTEMPTS = 2  # the round's deadline covers an abort that never arrives; do not stall on it
 _ID = re.compile(ID_PATTERN)
 _SHA256 = re.compile(SHA256_PATTERN)
@@ -431,24 +437,43 @@ class OrchestratorClient:
     async def secure_state(self, assignment: Assignment, until: str | None = None) -> dict[str, Any]:
         """The secure round's phase and what this device needs for it; with `until`, the server
         holds the answer (for some seconds at most) until the round reaches that phase or a later one."""
-        params = None if until is None else {"until": until}
         return await self._json(
-            "GET", self._secure_url(assignment), "the secure round's state", params=params
+            "GET", self._secure_url(assignment), "the secure round's state", params=self._hold(until)
         )
 
-    async def secure_message(self, assignment: Assignment, phase: str, body: Any) -> dict[str, Any]:
-        """A JSON message of the `keys`, `shares` or `unmasking` phase."""
+    def _hold(self, until: str | None) -> dict[str, str] | None:
+        """The query that asks the server to hold an answer until `until`, as long as this client's
+        read timeout allows (the server's default hold when it has none)."""
+        if until is None:
+            return None
+        read = self._http.timeout.read
+        if read is None or read <= HOLD_MARGIN_SECONDS + 1:
+            return {"until": until}
+        return {"until": until, "wait": f"{min(MAX_HOLD_SECONDS, read - HOLD_MARGIN_SECONDS):g}"}
+
+    async def secure_message(
+        self, assignment: Assignment, phase: str, body: Any, until: str | None = None
+    ) -> dict[str, Any]:
+        """A JSON message of the `keys`, `shares`, `consistency` or `unmasking` phase; with `until`,
+        the answer also holds the round's `state` once it reached that phase (as `secure_state`)."""
         return await self._json(
-            "POST", f"{self._secure_url(assignment)}/{phase}", f"the answer to the {phase} message", json=body
+            "POST",
+            f"{self._secure_url(assignment)}/{phase}",
+            f"the answer to the {phase} message",
+            json=body,
+            params=self._hold(until),
         )
 
-    async def secure_masked_input(self, assignment: Assignment, body: bytes) -> dict[str, Any]:
+    async def secure_masked_input(
+        self, assignment: Assignment, body: bytes, until: str | None = None
+    ) -> dict[str, Any]:
         return await self._json(
             "POST",
             f"{self._secure_url(assignment)}/masked-input",
             "the answer to the masked input",
             content=body,
             headers={"Content-Type": "application/octet-stream"},
+            params=self._hold(until),
         )
 
 

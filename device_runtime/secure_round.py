@@ -5,8 +5,9 @@ from check-in on, while the device trains: it advertises the device's keys, send
 encrypted to its neighbours once the server announces the roster, and fetches the shares its
 neighbours encrypted to it once every device has shared. `finish` runs after training: it clips
 and quantizes the dense delta, sends the masked input, and then the shares that let the server
-unmask the survivors' sum. Between phases the device asks for the round's state with `until`, and
-the server answers as soon as the phase opens (long-polling). Its secrets live in one
+unmask the survivors' sum. Each message asks for the next phase's state with `until`, and the
+server answers it as soon as that phase opens (long-polling); a server that answers without it
+is asked with `GET`. Its secrets live in one
 `DeviceSession` and go with it. The cryptography runs on the event loop: it takes a few
 milliseconds a phase (shares ~2.4 ms, masks ~2.6 ms for 36 neighbours and 33,000 coordinates), and
 with many simulated devices in one process a worker thread made each such call wait for the GIL
@@ -174,12 +175,20 @@ class SecureRoundDriver:
         if not self.stays(phase):
             raise _Left("aborted", f"conditions changed before the {phase} phase")
 
-    async def _state(self, phase: str, needs: str | None) -> dict[str, Any]:
-        """The state once the server is at `phase` (with the `needs` entry for this device)."""
+    async def _state(self, phase: str, needs: str | None, held: Any = None) -> dict[str, Any]:
+        """The state once the server is at `phase` (with the `needs` entry for this device): `held`,
+        the state a message's answer brought, else asked for."""
         while True:
-            asked, received = time.monotonic(), self.client.received_json_bytes
-            state = await self.client.secure_state(self.assignment, until=phase)
-            self.bytes_down += self.client.received_json_bytes - received
+            if held is not None:
+                if not isinstance(held, dict):
+                    raise TypeError(
+                        f"the state in a message's answer is a {type(held).__name__}, not an object"
+                    )
+                asked, state, held = -MIN_POLL_SECONDS, held, None  # the server held it: ask again at once
+            else:
+                asked, received = time.monotonic(), self.client.received_json_bytes
+                state = await self.client.secure_state(self.assignment, until=phase)
+                self.bytes_down += self.client.received_json_bytes - received
             if state["phase"] == phase and (needs is None or needs in state):
                 return state
             current = state["phase"]
@@ -220,20 +229,27 @@ class SecureRoundDriver:
                 identity.signing_key, identity.certificate, params.context, keys
             )
             advertisement = signed.to_json()
-        index = int((await self._post("keys", advertisement))["index"])
+        answer = await self._post("keys", advertisement, until="share_keys")
+        index = int(answer["index"])
 
-        state = await self._state("share_keys", "roster")
+        state = await self._state("share_keys", "roster", answer.get("state"))
         self._enter("share_keys")
         roster = self._verified_roster(state["roster"], params)
         self.policy.check_roster(len(roster))
         shares = session.share_keys(index, roster)
-        await self._post("shares", shares_to_json(shares))
-        # The masks do not depend on the update: summed now, while the device trains and the
-        # others share, the masked input after training has only the neighbours who did not share
-        # to take out.
-        session.prepare_masks()
+        posting = asyncio.ensure_future(self._post("shares", shares_to_json(shares), until="masked_input"))
+        try:
+            await asyncio.sleep(0)  # the message on its way first
+            # The masks do not depend on the update: summed now, while the device trains and the
+            # others share, the masked input after training has only the neighbours who did not
+            # share to take out.
+            session.prepare_masks()
+        except BaseException:
+            posting.cancel()
+            raise
+        answer = await posting
 
-        state = await self._state("masked_input", "ciphertexts")
+        state = await self._state("masked_input", "ciphertexts", answer.get("state"))
         self._ciphertexts = ciphertexts_from_json(state["ciphertexts"], len(roster))
 
     def _verified_roster(self, entries: dict[str, Any], params: RoundParameters) -> dict[int, AdvertisedKeys]:
@@ -262,9 +278,11 @@ class SecureRoundDriver:
         masked = session.masked_input(quantized_update(manifest, delta, params), self._ciphertexts)
         body = encode_vector(masked, params)
         self.bytes_up += len(body)
-        await self.client.secure_masked_input(self.assignment, body)
+        received = self.client.received_json_bytes
+        answer = await self.client.secure_masked_input(self.assignment, body, until="consistency")
+        self.bytes_down += self.client.received_json_bytes - received
 
-        state = await self._state("consistency", "survivors")
+        state = await self._state("consistency", "survivors", answer.get("state"))
         self._enter("unmasking")
         survivors = sorted({int(i) for i in state["survivors"]})
         self.policy.check_survivors(len(survivors))
@@ -277,16 +295,16 @@ class SecureRoundDriver:
         else:
             key = self.identity.signing_key
             mine = Confirmation.sign(key, context, survivors, globals_sha256, task_sha256, session.refused)
-        await self._post("consistency", mine.to_json())
+        answer = await self._post("consistency", mine.to_json(), until="unmasking")
 
-        state = await self._state("unmasking", "confirmed")
+        state = await self._state("unmasking", "confirmed", answer.get("state"))
         if sorted({int(i) for i in state["survivors"]}) != survivors:
             raise SecureProtocolError("the survivor set changed after this device confirmed it")
         alive = self._checked_survivors(session, survivors, state, mine)
         self.policy.check_survivors(len(alive))
-        answer = session.unmask(sorted(alive))
+        unmasking = session.unmask(sorted(alive))
         try:
-            await self._post("unmasking", answer.to_json())
+            await self._post("unmasking", unmasking.to_json())
         except ProtocolError:
             # The server closes the phase as soon as it can unmask; a survivor whose shares were
             # not needed any more still has its input in the committed sum.
@@ -329,6 +347,9 @@ class SecureRoundDriver:
         unconfirmed = (set(session.neighbours) & set(survivors)) - verified
         return set(survivors) - unconfirmed
 
-    async def _post(self, phase: str, body: Any) -> dict[str, Any]:
+    async def _post(self, phase: str, body: Any, until: str | None = None) -> dict[str, Any]:
         self.bytes_up += len(json.dumps(body))
-        return await self.client.secure_message(self.assignment, phase, body)
+        received = self.client.received_json_bytes
+        answer = await self.client.secure_message(self.assignment, phase, body, until)
+        self.bytes_down += self.client.received_json_bytes - received
+        return answer

@@ -387,23 +387,32 @@ class SecureState(BaseModel):
     )
 
 
-class Advertised(BaseModel):
+_HELD_STATE = (
+    "with `?until=<phase>`: the round's state once it reached that phase, as `GET .../secure` holds it"
+)
+
+
+class _HeldState(BaseModel):
+    state: SecureState | None = Field(None, description=_HELD_STATE)
+
+
+class Advertised(_HeldState):
     index: int = Field(description="this device's index in the round")
 
 
-class Shared(BaseModel):
+class Shared(_HeldState):
     shared_with: list[int]
 
 
-class MaskedInputReceived(BaseModel):
+class MaskedInputReceived(_HeldState):
     received_bytes: int
 
 
-class UnmaskingAccepted(BaseModel):
+class UnmaskingAccepted(_HeldState):
     accepted: Literal[True]
 
 
-class ConfirmationAccepted(BaseModel):
+class ConfirmationAccepted(_HeldState):
     accepted: Literal[True]
 
 

@@ -252,6 +252,51 @@ def test_a_device_waiting_for_the_next_phase_is_answered_when_it_opens(
     assert [d.checkin["secure_parameters"] for d in devices] == [round_parameters] * 3
 
 
+def test_a_message_with_until_is_answered_with_the_next_phase_once_it_opens(
+    server: Server, export: Callable[[ModelConfig], Path]
+) -> None:
+    # Prepare: a round of three devices
+    created = admin_create_population(
+        server.url, export(BIASED), "p", json.dumps({**SETTINGS, "target_reports": 3})
+    )
+    assert created.status_code == 201, created.text
+    devices = [Device(server.url) for _ in range(3)]
+    params = RoundParameters.from_json(devices[0].checkin["secure_parameters"])
+    keys = [DeviceSession(params).advertise().to_json() for _ in devices]
+    until = {"until": "share_keys"}
+
+    # Execute: a phase that does not exist is refused before the message counts; then the first
+    # device advertises and waits for the roster, and the last device's keys complete it
+    unknown = devices[0].call("POST", f"{devices[0].secure}/keys", json=keys[0], params={"until": "later"})
+    too_long = devices[0].call("GET", devices[0].secure, params={"until": "share_keys", "wait": 1000})
+    asked = time.monotonic()
+    short = devices[0].call("GET", devices[0].secure, params={"until": "share_keys", "wait": 0.5})
+    short_seconds = time.monotonic() - asked
+    assert devices[1].send("keys", keys[1]).status_code == 200
+    with ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(
+            devices[0].call, "POST", f"{devices[0].secure}/keys", json=keys[0], params=until
+        )
+        time.sleep(0.5)
+        held = not waiting.done()
+        last = devices[2].call("POST", f"{devices[2].secure}/keys", json=keys[2], params=until)
+        first = waiting.result(timeout=30)
+
+    # Assert: each answer has the device's index and the roster's state; the first was held until
+    # the roster was out, the last one completed it and was answered at once
+    _refused(unknown, 422, "until must be one of the phases")
+    assert too_long.status_code == 422 and "wait" in too_long.text, too_long.text
+    # A hold as short as the device asked for, answered with the phase it is still in
+    assert short.status_code == 200 and short.json()["phase"] == "advertise" and 0.5 <= short_seconds < 5
+    assert held
+    for device, answer in ((devices[0], first), (devices[2], last)):
+        assert answer.status_code == 200, answer.text
+        state = answer.json()["state"]
+        assert state["phase"] == "share_keys" and len(state["roster"]) == 3
+        assert state["index"] == answer.json()["index"]
+        assert state == {**device.state(), "seconds_left": state["seconds_left"]}
+
+
 def _upload_half_and_hang_up(url: str, path: str, token: str, body: bytes) -> None:
     """A phone that loses its network mid-upload: the headers and half the body, then the
     connection closes."""

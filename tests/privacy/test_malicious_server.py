@@ -54,7 +54,8 @@ class Sent:
 
 
 class MaliciousTransport(httpx.AsyncBaseTransport):
-    """A real connection to the orchestrator whose JSON answers pass through `rewrite`, recording
+    """A real connection to the orchestrator whose JSON answers pass through `rewrite` (the round's
+    state wherever it comes: a `GET .../secure` answer or a message's answer), recording
     every request the devices send (the attacker's view) and the secure round's parameters."""
 
     def __init__(self, rewrite: Rewrite) -> None:
@@ -72,10 +73,16 @@ class MaliciousTransport(httpx.AsyncBaseTransport):
         ):
             return response
         answer = json.loads(await response.aread())
-        if request.url.path.endswith("/secure/keys"):
-            self.index[request.url.path.split("/")[3]] = int(answer["index"])
+        path = request.url.path
+        if path.endswith("/secure/keys"):
+            self.index[path.split("/")[3]] = int(answer["index"])
         self.parameters = answer.get("secure_parameters") or self.parameters
-        return httpx.Response(200, json=self.rewrite(request.url.path, answer, self.index))
+        rewritten = self.rewrite(path, answer, self.index)
+        if isinstance(answer.get("state"), dict):
+            # A message's answer that holds the round's state (`?until=`): rewritten as that state.
+            state_path = path[: path.rindex("/secure") + len("/secure")]
+            rewritten = {**rewritten, "state": self.rewrite(state_path, answer["state"], self.index)}
+        return httpx.Response(200, json=rewritten)
 
     def posted(self, suffix: str) -> list[Sent]:
         return [s for s in self.sent if s.method == "POST" and s.path.endswith(suffix)]

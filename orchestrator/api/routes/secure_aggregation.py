@@ -1,12 +1,16 @@
 """Secure aggregation's phases for one assignment: the device's state, then one message per phase.
 
 `GET /v1/assignments/{id}/secure` tells the device the phase and what it needs for it; with
-`?until=<phase>` the answer waits (long-polling, at most `LONG_POLL_SECONDS`) until the round has
-reached that phase or a later one, so a device learns of a phase as soon as it opens (an answer
-that comes earlier, after `LONG_POLL_SECONDS`, says only the phase: not what it hands out). The four
+`?until=<phase>` the answer waits (long-polling, `LONG_POLL_SECONDS` or the `wait` the device asks
+for, at most `MAX_WAIT_SECONDS`) until the round has reached that phase or a later one, so a device
+learns of a phase as soon as it opens (an answer that comes earlier says only the phase: not what
+it hands out). The four
 `POST`s carry its keys, its encrypted shares, its masked input (raw little-endian integers) and
-its unmasking shares. A message sent twice, out of phase, by a device that skipped the phase
-before, or that fails its checks is a 409 or 422 that changes nothing for the other devices.
+its unmasking shares. A message posted with `?until=<phase>` is answered with that state as well
+(`state`, held as the `GET` holds it, and read first in the message's own transaction): a device
+saves a request a phase, and the server a transaction. A message sent twice, out of phase, by a
+device that skipped the phase before, or that fails its checks is a 409 or 422 that changes
+nothing for the other devices.
 """
 
 from __future__ import annotations
@@ -32,6 +36,10 @@ router = APIRouter(prefix="/v1/assignments", tags=["devices"])
 # phase costs the server (waiting devices x the phase's length / this) state reads: at 1,000
 # devices and 10 s, those reads alone had the server busy.
 LONG_POLL_SECONDS = 20.0
+# A device whose HTTP timeout allows asks for a longer hold (`wait`): each waiting device asks
+# again after each hold, so a phase costs (waiting devices x its length / the hold) requests,
+# which grows as n^2 when phases grow with the round.
+MAX_WAIT_SECONDS = 120.0
 # Phase changes made by another server process are not announced here: one watcher per process
 # reads the open rounds' phases this often while devices wait (phase_changes).
 RECHECK_SECONDS = 1.0
@@ -82,14 +90,24 @@ def _state(
         population, status, round_ = _callers_round(session, assignment_id, token, now, advance_rounds=False)
         if round_.status == "open" and secure_rounds.deadline_passed(session, round_, now):
             rounds.advance_secure(session, population, round_, now)
-        return {
-            "assignment_status": status,
-            **secure_rounds.state(session, round_, assignment_id, now, until),
-        }
+            status = rounds.assignment_status(session, assignment_id)
+        return _state_of(session, status, round_, assignment_id, now, until)
+
+
+def _state_of(
+    session: Session, status: str, round_: Round, assignment_id: str, now: float, until: str | None
+) -> dict[str, Any]:
+    return {"assignment_status": status, **secure_rounds.state(session, round_, assignment_id, now, until)}
 
 
 def _message(
-    factory: sessionmaker[Session], handler: Handler, assignment_id: str, token: str, body: Any, now: float
+    factory: sessionmaker[Session],
+    handler: Handler,
+    assignment_id: str,
+    token: str,
+    body: Any,
+    now: float,
+    until: str | None = None,
 ) -> dict[str, Any]:
     with factory.begin() as session:
         population, status, round_ = _callers_round(session, assignment_id, token, now, advance_rounds=False)
@@ -105,7 +123,10 @@ def _message(
             raise _raise(answer)
         # The message may complete its phase: close it now rather than at the next tick.
         rounds.advance_secure(session, population, round_, now)
-        return answer
+        if until is None:
+            return answer
+        status = rounds.assignment_status(session, assignment_id)
+        return {**answer, "state": _state_of(session, status, round_, assignment_id, now, until)}
 
 
 async def _body(request: Request, limit: int) -> bytes:
@@ -118,14 +139,88 @@ async def _body(request: Request, limit: int) -> bytes:
     return body
 
 
-async def _post_json(request: Request, handler: Handler, assignment_id: str, token: str, limit: int) -> Any:
+async def _post_json(
+    request: Request,
+    handler: Handler,
+    assignment_id: str,
+    token: str,
+    limit: int,
+    until: str | None,
+    wait: float | None,
+) -> Any:
     parsed = secure_rounds.json_body(await _body(request, limit))
     if isinstance(parsed, rounds.Refused):
         raise _raise(parsed)
+    return await _answer(request, handler, assignment_id, token, parsed, until, wait)
+
+
+async def _answer(
+    request: Request,
+    handler: Handler,
+    assignment_id: str,
+    token: str,
+    body: Any,
+    until: str | None,
+    wait: float | None,
+) -> Any:
+    """The message's answer; with `until`, also the state once the round has reached that phase."""
+    _check_until(until)
     app = request.app
-    return await run_db(
-        app, _message, app.state.sessionmaker, handler, assignment_id, token, parsed, app.state.clock()
+    factory = app.state.sessionmaker
+    hold = _Hold(request, factory, assignment_id, token, until, wait)
+    answer = await run_db(
+        app, _message, factory, handler, assignment_id, token, body, app.state.clock(), until
     )
+    if until is None:
+        return answer
+    return {**answer, "state": await hold.until_reached(answer["state"])}
+
+
+def _check_until(until: str | None) -> None:
+    if until is not None and until not in ORDER:
+        raise HTTPException(422, f"until must be one of the phases {list(ORDER)}, got {until!r}")
+
+
+class _Hold:
+    """An answer held until the round reaches `until` (long-polling), at most `wait` seconds
+    (`LONG_POLL_SECONDS` by default) from the request's start. Made before the first read: a phase
+    change after it wakes the wait at once."""
+
+    def __init__(
+        self,
+        request: Request,
+        factory: sessionmaker[Session],
+        assignment_id: str,
+        token: str,
+        until: str | None,
+        wait: float | None,
+    ) -> None:
+        self.app, self.factory, self.until = request.app, factory, until
+        self.assignment_id, self.token = assignment_id, token
+        self.loop = asyncio.get_running_loop()
+        self.give_up = self.loop.time() + (LONG_POLL_SECONDS if wait is None else wait)
+        self.seen = PHASE_CHANGES.generation
+
+    async def until_reached(self, answer: dict[str, Any]) -> dict[str, Any]:
+        app, until, clock = self.app, self.until, self.app.state.clock
+        while True:
+            left = self.give_up - self.loop.time()
+            if until is None or ORDER.index(answer["phase"]) >= ORDER.index(until) or left <= 0:
+                return answer
+            PHASE_CHANGES.watch(lambda: run_db(app, _open_phases, self.factory), RECHECK_SECONDS)
+            await PHASE_CHANGES.wait(self.seen, left)
+            if PHASE_CHANGES.generation == self.seen:
+                # Held to the end with no phase changed anywhere: the answer read before stands (a
+                # second read per wait would double the reads of a thousand waiting devices).
+                return {**answer, "seconds_left": max(0.0, answer["phase_deadline"] - clock())}
+            self.seen = PHASE_CHANGES.generation  # before reading: a change in between is not missed
+            answer = await run_db(app, _state, self.factory, self.assignment_id, self.token, clock(), until)
+
+
+_UNTIL_DOC = f"hold the answer until the round reaches this phase or a later one: {ORDER}"
+UntilQuery = Annotated[str | None, Query(description=_UNTIL_DOC)]
+_WAIT_DOC = f"with `until`: hold the answer at most this many seconds (default {LONG_POLL_SECONDS:g})"
+WaitQuery = Annotated[float | None, Query(gt=0, le=MAX_WAIT_SECONDS, description=_WAIT_DOC)]
 
 
 @router.get(
@@ -142,27 +237,14 @@ async def state(
     token: TokenDep,
     factory: SessionFactoryDep,
     clock: ClockDep,
-    until: Annotated[
-        str | None,
-        Query(description=f"hold the answer until the round reaches this phase or a later one: {ORDER}"),
-    ] = None,
+    until: UntilQuery = None,
+    wait: WaitQuery = None,
 ) -> dict[str, Any]:
-    if until is not None and until not in ORDER:
-        raise HTTPException(422, f"until must be one of the phases {list(ORDER)}, got {until!r}")
-    loop = asyncio.get_running_loop()
-    give_up = loop.time() + LONG_POLL_SECONDS
-    while True:
-        seen = PHASE_CHANGES.generation  # before reading: a change in between wakes the wait at once
-        answer = await run_db(request.app, _state, factory, assignment_id, token, clock(), until)
-        left = give_up - loop.time()
-        if until is None or ORDER.index(answer["phase"]) >= ORDER.index(until) or left <= 0:
-            return answer
-        PHASE_CHANGES.watch(lambda: run_db(request.app, _open_phases, factory), RECHECK_SECONDS)
-        await PHASE_CHANGES.wait(seen, left)
-        if PHASE_CHANGES.generation == seen:
-            # Held to the end with no phase changed anywhere: the answer read before stands (a
-            # second read per wait would double the reads of a thousand waiting devices).
-            return {**answer, "seconds_left": max(0.0, answer["phase_deadline"] - clock())}
+    _check_until(until)
+    hold = _Hold(request, factory, assignment_id, token, until, wait)
+    return await hold.until_reached(
+        await run_db(request.app, _state, factory, assignment_id, token, clock(), until)
+    )
 
 
 def _open_phases(factory: sessionmaker[Session]) -> frozenset[tuple[int, str]]:
@@ -189,9 +271,16 @@ def _open_phases(factory: sessionmaker[Session]) -> frozenset[tuple[int, str]]:
         **schemas.refusals({**SECURE_REFUSALS, 413: "the body exceeds 4096 bytes"}, retry_after=(409,)),
     },
 )
-async def keys(assignment_id: str, request: Request, token: TokenDep, settings: SettingsDep) -> Any:
+async def keys(
+    assignment_id: str,
+    request: Request,
+    token: TokenDep,
+    settings: SettingsDep,
+    until: UntilQuery = None,
+    wait: WaitQuery = None,
+) -> Any:
     advertise = functools.partial(secure_rounds.advertise, authority_key=settings.authority_key())
-    return await _post_json(request, advertise, assignment_id, token, 4096)
+    return await _post_json(request, advertise, assignment_id, token, 4096, until, wait)
 
 
 @router.post(
@@ -203,9 +292,16 @@ async def keys(assignment_id: str, request: Request, token: TokenDep, settings: 
     ),
     responses={200: {"model": schemas.Shared}, **schemas.refusals(SECURE_REFUSALS, retry_after=(409,))},
 )
-async def shares(assignment_id: str, request: Request, token: TokenDep, settings: SettingsDep) -> Any:
+async def shares(
+    assignment_id: str,
+    request: Request,
+    token: TokenDep,
+    settings: SettingsDep,
+    until: UntilQuery = None,
+    wait: WaitQuery = None,
+) -> Any:
     return await _post_json(
-        request, secure_rounds.share_keys, assignment_id, token, settings.max_report_bytes
+        request, secure_rounds.share_keys, assignment_id, token, settings.max_report_bytes, until, wait
     )
 
 
@@ -221,13 +317,15 @@ async def shares(assignment_id: str, request: Request, token: TokenDep, settings
     },
 )
 async def masked_input(
-    assignment_id: str, request: Request, token: TokenDep, settings: SettingsDep, factory: SessionFactoryDep
+    assignment_id: str,
+    request: Request,
+    token: TokenDep,
+    settings: SettingsDep,
+    until: UntilQuery = None,
+    wait: WaitQuery = None,
 ) -> Any:
     body = await _body(request, settings.max_report_bytes)
-    app = request.app
-    return await run_db(
-        app, _message, factory, secure_rounds.masked_input, assignment_id, token, body, app.state.clock()
-    )
+    return await _answer(request, secure_rounds.masked_input, assignment_id, token, body, until, wait)
 
 
 @router.post(
@@ -241,8 +339,10 @@ async def masked_input(
         **schemas.refusals(SECURE_REFUSALS, retry_after=(409,)),
     },
 )
-async def consistency(assignment_id: str, request: Request, token: TokenDep) -> Any:
-    return await _post_json(request, secure_rounds.consistency, assignment_id, token, 4096)
+async def consistency(
+    assignment_id: str, request: Request, token: TokenDep, until: UntilQuery = None, wait: WaitQuery = None
+) -> Any:
+    return await _post_json(request, secure_rounds.consistency, assignment_id, token, 4096, until, wait)
 
 
 @router.post(
@@ -256,5 +356,14 @@ async def consistency(assignment_id: str, request: Request, token: TokenDep) -> 
         **schemas.refusals(SECURE_REFUSALS, retry_after=(409,)),
     },
 )
-async def unmasking(assignment_id: str, request: Request, token: TokenDep, settings: SettingsDep) -> Any:
-    return await _post_json(request, secure_rounds.unmasking, assignment_id, token, settings.max_report_bytes)
+async def unmasking(
+    assignment_id: str,
+    request: Request,
+    token: TokenDep,
+    settings: SettingsDep,
+    until: UntilQuery = None,
+    wait: WaitQuery = None,
+) -> Any:
+    return await _post_json(
+        request, secure_rounds.unmasking, assignment_id, token, settings.max_report_bytes, until, wait
+    )
