@@ -71,6 +71,7 @@ MODEL_CHOICES = (
     "global_mean_init",
     "init_stddev",
     "huber_delta",
+    "clip_predictions",
 )
 
 
