@@ -49,7 +49,9 @@ def setup_pair(model_dir: Path, backend: str, seed: int) -> tuple[TFLiteModel, R
     model.set_local(locals_)
     config = model.manifest.config
     huber_delta = float(config.get("huber_delta", 0.0))
-    clip = (float(config["rating_min"]), float(config["rating_max"])) if config.get("clip_predictions") else None
+    clip = None
+    if config.get("clip_predictions"):
+        clip = (float(config["rating_min"]), float(config["rating_max"]))
     return model, ReferenceModel(config["feedback"], globals_, locals_, huber_delta, clip)
 
 
