@@ -104,6 +104,7 @@ class FedReconSettings:
         unknown = sorted(set(self.model) - set(MODEL_CHOICES))
         if unknown:
             raise ValueError(f"unknown model settings {unknown}; a run may set {list(MODEL_CHOICES)}")
+        protocol_model(1, **self.model)  # a bad value fails here, before any run, in one line
 
     def model_config(self, num_items: int) -> ModelConfig:
         return protocol_model(num_items, **self.model)
