@@ -101,6 +101,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--huber-delta", type=float, default=d.huber_delta, metavar="X", help="0: squared error [%(default)s]"
     )
     mf.add_argument(
+        "--clip-predictions",
+        action=argparse.BooleanOptionalAction,
+        default=d.clip_predictions,
+        help="evaluate ratings clipped to [rating-min, rating-max]",
+    )
+    mf.add_argument(
         "--init-stddev",
         type=float,
         default=d.init_stddev,
@@ -139,6 +145,7 @@ def config_from_args(args: argparse.Namespace) -> ModelConfig:
         rating_min=args.rating_min,
         rating_max=args.rating_max,
         huber_delta=args.huber_delta,
+        clip_predictions=args.clip_predictions,
         init_stddev=args.init_stddev,
         seed=args.seed,
         training=TrainingDefaults(

@@ -60,6 +60,9 @@ class ModelConfig:
     # the parameters less (on MovieLens 100K: better RMSE and accuracy, README).
     huber_delta: float = 0.0
     init_stddev: float = 0.1  # item embeddings ~ N(0, init_stddev)
+    # Explicit feedback: `evaluate` scores a prediction clipped to [rating_min, rating_max] (no
+    # rating lies outside, so this can only lower the error); training and ranking are unchanged.
+    clip_predictions: bool = False
     # Public catalog metadata: each item's group (e.g. its topic), or () for none. An item's
     # embedding then starts at its group's random unit direction times `group_init_scale` (plus
     # the N(0, init_stddev) noise), so an item few devices have shared starts beside its group's
@@ -82,6 +85,10 @@ class ModelConfig:
             problems.append(f"huber_delta must be finite and >= 0, got {self.huber_delta}")
         elif self.huber_delta > 0 and self.feedback is Feedback.IMPLICIT:
             problems.append("huber_delta applies to explicit feedback only; implicit trains a logistic loss")
+        if not isinstance(self.clip_predictions, bool):
+            problems.append(f"clip_predictions must be true or false, got {self.clip_predictions!r}")
+        elif self.clip_predictions and self.feedback is Feedback.IMPLICIT:
+            problems.append("clip_predictions applies to explicit feedback only; implicit scores are logits")
         if self.init_stddev < 0:
             problems.append(f"init_stddev must be >= 0, got {self.init_stddev}")
         if self.item_groups and len(self.item_groups) != self.num_items:

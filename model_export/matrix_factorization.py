@@ -12,6 +12,8 @@ a predicted rating (explicit feedback) or a logit (implicit: shared or not).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import keras
 import numpy as np
 import tensorflow as tf
@@ -73,6 +75,14 @@ def group_directions(config: ModelConfig) -> np.ndarray:
     return (config.group_init_scale * directions[groups]).astype(np.float32)
 
 
+def rating_prediction(config: ModelConfig) -> Callable[[tf.Tensor], tf.Tensor]:
+    """The rating `evaluate` scores for a score: clipped to the rating scale if the config asks
+    (MINIMUM and MAXIMUM, TFLite builtins)."""
+    if not config.clip_predictions:
+        return lambda score: score
+    return lambda score: tf.clip_by_value(score, config.rating_min, config.rating_max)
+
+
 def build_spec(config: ModelConfig) -> ExportSpec:
     """MF as an `ExportSpec`: what `python -m model_export` exports by default."""
     implicit = config.feedback is Feedback.IMPLICIT
@@ -84,10 +94,12 @@ def build_spec(config: ModelConfig) -> ExportSpec:
             ),
         )
     else:
+        predicted = rating_prediction(config)
         metrics = (
-            Metric("squared_error", lambda y, s: tf.square(s - y)),  # RMSE, whatever the training loss
+            # RMSE, whatever the training loss
+            Metric("squared_error", lambda y, s: tf.square(predicted(s) - y)),
             # Within 0.5 inclusive, as TFF's RatingAccuracy: the prediction rounds to the rating.
-            Metric("correct", lambda y, s: tf.cast(tf.abs(s - y) <= 0.5, tf.float32), (0.0, 1.0)),
+            Metric("correct", lambda y, s: tf.cast(tf.abs(predicted(s) - y) <= 0.5, tf.float32), (0.0, 1.0)),
         )
     model = build_model(config)
     local = ["user_embedding"] + (["user_bias"] if config.user_bias else [])

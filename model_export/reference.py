@@ -20,6 +20,8 @@ class ReferenceModel:
     global_params: dict[str, np.ndarray]
     local_params: dict[str, np.ndarray] = field(default_factory=dict)
     huber_delta: float = 0.0  # explicit feedback: 0 is squared error
+    # Explicit feedback: the rating scale `evaluate` clips predictions to, or None (unclipped).
+    prediction_range: tuple[float, float] | None = None
 
     def __post_init__(self) -> None:
         self.global_params = {k: np.asarray(v, np.float64).copy() for k, v in self.global_params.items()}
@@ -154,8 +156,9 @@ class ReferenceModel:
         for items, labels, weights in batches:
             s = self.scores(items)
             if self.feedback == "explicit":
-                correct = np.abs(s - labels) <= 0.5
-                squared = (s - labels) ** 2
+                rating = s if self.prediction_range is None else np.clip(s, *self.prediction_range)
+                correct = np.abs(rating - labels) <= 0.5
+                squared = (rating - labels) ** 2
             else:
                 correct = (s > 0).astype(np.float64) == labels
                 squared = (1 / (1 + np.exp(-s)) - labels) ** 2

@@ -71,6 +71,7 @@ MODEL_CHOICES = (
     "global_mean_init",
     "init_stddev",
     "huber_delta",
+    "clip_predictions",
 )
 
 
@@ -84,9 +85,9 @@ def protocol_model(num_items: int, **changes: Any) -> ModelConfig:
     return replace(base, **changes)
 
 
-def whole_user_model(num_items: int) -> ModelConfig:
+def whole_user_model(num_items: int, **changes: Any) -> ModelConfig:
     """The protocol's model taking all of a user's 300 examples in one call (FedAvg, FURL, centralized)."""
-    return protocol_model(num_items, max_batches=60)
+    return protocol_model(num_items, **{**changes, "max_batches": 60})
 
 
 @dataclass(frozen=True)
@@ -103,6 +104,7 @@ class FedReconSettings:
         unknown = sorted(set(self.model) - set(MODEL_CHOICES))
         if unknown:
             raise ValueError(f"unknown model settings {unknown}; a run may set {list(MODEL_CHOICES)}")
+        protocol_model(1, **self.model)  # a bad value fails here, before any run, in one line
 
     def model_config(self, num_items: int) -> ModelConfig:
         return protocol_model(num_items, **self.model)
@@ -420,14 +422,24 @@ def train_centralized(
 
 
 def run_centralized_recon_eval(
-    data: Dataset, split: UserSplit, config: TaskConfig, epochs: int, models: ModelCache, workers: int
+    data: Dataset,
+    split: UserSplit,
+    config: TaskConfig,
+    epochs: int,
+    models: ModelCache,
+    workers: int,
+    like: FedReconSettings = FAITHFUL,
+    method: str = "centralized_recon_eval",
 ) -> MethodResult:
-    """Centralized MF on the training users' ratings, evaluated by ReconEval on held-out users."""
-    model_dir = models.get(whole_user_model(data.num_items))
+    """Centralized MF on the training users' ratings, evaluated by ReconEval on held-out users;
+    `like`: the FedRecon run whose model options and ReconEval (reconstruction) it shares, so
+    that it is that run's ceiling."""
+    model_dir = models.get(whole_user_model(data.num_items, **like.model))
     model = TFLiteModel(model_dir)
+    task = evaluation_task(like.task)
     with Devices(model_dir, workers) as devices:
-        clients = pack_support_query(data.examples, devices.manifest, FAITHFUL.task)
-        evaluation = recon_eval_work(clients, FAITHFUL.task)
+        clients = pack_support_query(data.examples, devices.manifest, task)
+        evaluation = recon_eval_work(clients, task)
 
         def validate(params: Params) -> dict[str, float]:
             return devices.metrics_of(params, evaluation, split.validation)
@@ -440,9 +452,8 @@ def run_centralized_recon_eval(
         devices.set_global(run.params)
         sums = devices.map(evaluation, split.test)
         test = sum(sums, EvaluationSums.zero()).metrics()
-    result = _result(
-        "centralized_recon_eval", HELD_OUT, test, run, len(split.test), _central_json(config, epochs)
-    )
+    settings = {**_central_json(config, epochs), "model": dict(like.model), "evaluation": task.to_json()}
+    result = _result(method, HELD_OUT, test, run, len(split.test), settings)
     return replace(result, intervals=test_intervals(sums))
 
 
@@ -494,6 +505,7 @@ METHODS = (
     "fedavg_recon_eval",
     "fedavg_shared_user",
     "centralized_recon_eval",
+    "centralized_better_recon_eval",
     "centralized_standard_eval",
     "kr_ablation",
     "ku_ablation",
@@ -613,6 +625,19 @@ def run_quality(options: QualityOptions, log: Callable[[str], None] = print) -> 
     if "centralized_recon_eval" in chosen:
         done(
             run_centralized_recon_eval(data, split, CENTRALIZED, options.centralized_epochs, models, workers)
+        )
+    if "centralized_better_recon_eval" in chosen:
+        done(
+            run_centralized_recon_eval(
+                data,
+                split,
+                CENTRALIZED,
+                options.centralized_epochs,
+                models,
+                workers,
+                like=options.better,
+                method="centralized_better_recon_eval",
+            )
         )
     if "centralized_standard_eval" in chosen:
         done(

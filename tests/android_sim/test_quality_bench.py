@@ -205,6 +205,29 @@ def test_cli_user_errors_are_one_line_and_exit_2(args: list[str], message: str) 
     assert len(result.stderr.strip().splitlines()) == 1
 
 
+def test_cli_bad_better_settings_are_one_line_before_any_run(tmp_path: Path) -> None:
+    settings = tmp_path / "better.json"
+    settings.write_text(json.dumps({"model": {"clip_predictions": 1}}))
+
+    ratings = _write_ratings(tmp_path / "u.data")
+
+    result = _bench(
+        "--ratings",
+        str(ratings),
+        "--better-settings",
+        str(settings),
+        "--methods",
+        "better",
+        "--out",
+        str(tmp_path),
+    )
+
+    assert result.returncode == 2
+    assert "clip_predictions must be true or false, got 1" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "quality.json").exists()
+
+
 def test_cli_unknown_format_is_a_user_error(tmp_path: Path) -> None:
     path = tmp_path / "ratings.csv"
     path.write_text("userId,movieId,rating,timestamp\n1,2,3.5,4\n")

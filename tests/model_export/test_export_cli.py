@@ -96,6 +96,19 @@ def test_huber_delta_is_for_explicit_feedback_and_non_negative(tmp_path: Path) -
     assert not (tmp_path / "model.tflite").exists()
 
 
+def test_clip_predictions_is_for_explicit_feedback_and_a_boolean(tmp_path: Path) -> None:
+    implicit = run_cli("--output-dir", str(tmp_path), "--feedback", "implicit", "--clip-predictions")
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"num_items": 10, "clip_predictions": 1}))
+    not_boolean = run_cli("--config", str(config), "--output-dir", str(tmp_path))
+
+    assert implicit.returncode == 2
+    assert "clip_predictions applies to explicit feedback only" in implicit.stderr
+    assert not_boolean.returncode == 2
+    assert "clip_predictions must be true or false, got 1" in not_boolean.stderr
+    assert not (tmp_path / "model.tflite").exists()
+
+
 def test_what_would_fail_after_the_export_is_refused_before_it(tmp_path: Path) -> None:
     a_file = tmp_path / "taken"
     a_file.write_text("")

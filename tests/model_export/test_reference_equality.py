@@ -6,6 +6,7 @@ Tolerance: float32 TFLite vs float64 reference, after up to 40 SGD steps: |a - b
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +20,9 @@ from model_runtime.tflite_model import TFLiteModel
 from tests.conftest import BIASED, IMPLICIT, ROBUST, SMALL, perturbed_globals
 
 ATOL, RTOL = 2e-5, 2e-4
-CONFIGS = {"small": SMALL, "biased": BIASED, "robust": ROBUST, "implicit": IMPLICIT}
+# Clipped: a mean near the top of the scale puts predictions above rating_max.
+CLIPPED = replace(ROBUST, num_items=110, global_mean_init=4.9, clip_predictions=True)
+CONFIGS = {"small": SMALL, "biased": BIASED, "robust": ROBUST, "clipped": CLIPPED, "implicit": IMPLICIT}
 
 
 def random_examples(config: ModelConfig, count: int, seed: int) -> Examples:
@@ -44,8 +47,12 @@ def setup_pair(model_dir: Path, backend: str, seed: int) -> tuple[TFLiteModel, R
     locals_ = {k: rng.normal(0, 0.2, v.shape).astype(np.float32) for k, v in model.get_local().items()}
     model.set_global(globals_)
     model.set_local(locals_)
-    huber_delta = float(model.manifest.config.get("huber_delta", 0.0))
-    return model, ReferenceModel(model.manifest.config["feedback"], globals_, locals_, huber_delta)
+    config = model.manifest.config
+    huber_delta = float(config.get("huber_delta", 0.0))
+    clip = None
+    if config.get("clip_predictions"):
+        clip = (float(config["rating_min"]), float(config["rating_max"]))
+    return model, ReferenceModel(config["feedback"], globals_, locals_, huber_delta, clip)
 
 
 def assert_close(actual: np.ndarray | float, expected: np.ndarray | float) -> None:
@@ -125,6 +132,9 @@ def test_evaluate_matches_reference(export: Callable[[ModelConfig], Path], backe
 
     for k in ref_sums:
         assert_close(sums[k], ref_sums[k])
+    if config.clip_predictions:  # the case clips something: unclipped, the error would be larger
+        unclipped = replace(ref, prediction_range=None).evaluate(reference_batches(batches))
+        assert unclipped["squared_error_sum"] > ref_sums["squared_error_sum"] + 1e-3
     assert sums["weight_sum"] == 3 * config.batch_size - 1  # padding carries no weight
 
 
