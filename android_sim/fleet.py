@@ -203,7 +203,7 @@ def write_store(path: Path, events: Sequence[Event], features: Sequence[FeatureS
     path.unlink(missing_ok=True)
     for suffix in ("-wal", "-shm"):
         path.with_name(path.name + suffix).unlink(missing_ok=True)
-    with ExampleStore(path, features) as store:
+    with ExampleStore(path, features, durable=False) as store:
         store.add(events)
 
 

@@ -190,7 +190,7 @@ def write_store(path: Path, device: Any, workload: Workload) -> None:
     path.unlink(missing_ok=True)
     for suffix in ("-wal", "-shm"):
         path.with_name(path.name + suffix).unlink(missing_ok=True)
-    with ExampleStore(path, workload.manifest.features) as store:
+    with ExampleStore(path, workload.manifest.features, durable=False) as store:
         store.add_examples(device.examples, device.timestamps)
 
 
