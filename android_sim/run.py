@@ -172,7 +172,7 @@ def prepare_devices(config: RunConfig, workload: Workload, store_dir: Path) -> D
         path = store_path(store_dir, device.device_id)
         write_store(path, stored, workload)
         role = HELD_OUT if i in held_out else TRAINING
-        specs.append(DeviceSpec(role, profiles[i], path, stored.examples.num_examples))
+        specs.append(DeviceSpec(role, profiles[i], path, stored.examples.num_examples, new_store=True))
     return Devices(specs, future)
 
 
