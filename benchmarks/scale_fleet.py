@@ -177,6 +177,7 @@ def population_run(
         rounds,
         target_reports=target,
         round_seconds=round_seconds,
+        stall_seconds=2 * round_seconds,  # a round may take up to its deadline
         cooldown_hours=RunConfig.cooldown_hours,
         device_mix=RunConfig.device_mix,
         workers=2,
