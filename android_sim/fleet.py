@@ -47,6 +47,8 @@ class DeviceSpec:
     profile: DeviceProfile
     store_path: Path
     num_examples: int
+    # The run wrote the store just now, examples only: it holds no participation log yet.
+    new_store: bool = False
 
 
 class Connection:
@@ -91,6 +93,7 @@ class SimDevice:
     store_path: Path
     num_examples: int
     dial: Callable[[SimDevice], Connection] = field(repr=False)
+    new_store: bool = False
     device_id: str = ""
     token: str | None = None  # from enrollment: what identifies the device on each request
     # Its signing key, certified by the fleet's enrollment authority when it first takes part
@@ -106,7 +109,7 @@ class SimDevice:
     store: IdleStore = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        self.store = IdleStore(self.store_path, self.num_examples)
+        self.store = IdleStore(self.store_path, self.num_examples, new=self.new_store)
 
     @property
     def task(self) -> str:
@@ -203,7 +206,7 @@ def write_store(path: Path, events: Sequence[Event], features: Sequence[FeatureS
     path.unlink(missing_ok=True)
     for suffix in ("-wal", "-shm"):
         path.with_name(path.name + suffix).unlink(missing_ok=True)
-    with ExampleStore(path, features) as store:
+    with ExampleStore(path, features, durable=False) as store:
         store.add(events)
 
 
@@ -239,7 +242,9 @@ class Fleet:
         self._tasks: list[asyncio.Task[None]] = []
 
     def _device(self, index: int, spec: DeviceSpec) -> SimDevice:
-        return SimDevice(index, spec.role, spec.profile, spec.store_path, spec.num_examples, self._dial)
+        return SimDevice(
+            index, spec.role, spec.profile, spec.store_path, spec.num_examples, self._dial, spec.new_store
+        )
 
     def _dial(self, device: SimDevice) -> Connection:
         return Connection(device, self.base_url, self.connector, self._time_checkin)

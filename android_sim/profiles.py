@@ -132,12 +132,22 @@ class DeviceProfile:
         )
 
     def next_eligible(self, sim_time: float, horizon: float = 2 * DAY) -> float | None:
-        """The first simulated time >= `sim_time` when the device may train (15-minute resolution)."""
+        """The first simulated time >= `sim_time` when the device may train (15-minute resolution):
+        `sim_time`, or the first 15-minute mark after it that is eligible."""
+        if not self.has_wifi:
+            return None  # never unmetered, so never eligible
         t = sim_time
         while t < sim_time + horizon:
-            if self.conditions(t).eligible:
-                return t
-            t = (t // 900 + 1) * 900
+            if self._charging(t):
+                if self.conditions(t).eligible:
+                    return t
+                t = (t // 900 + 1) * 900
+                continue
+            # Outside its charging window no mark is eligible: skip to the last mark a slot or
+            # more before the window opens (scanning every mark of two days, with a hash each, kept
+            # a fleet of 100,000 busy for minutes before its first check-in).
+            opens = t + DAY - (self._local_time(t) - self.bedtime_hours * 3_600.0) % DAY
+            t = max((t // 900 + 1) * 900, ((opens - 900) // 900) * 900)
         return None
 
     def to_json(self) -> dict[str, Any]:

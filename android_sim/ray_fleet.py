@@ -161,7 +161,10 @@ class RayFleet(Fleet):
                 )
         actor = ray.remote(num_cpus=1)(FleetShard)
         # Absolute paths: on a cluster the work directory is mounted at the same path everywhere.
-        specs = [DeviceSpec(d.role, d.profile, d.store_path.resolve(), d.num_examples) for d in self.devices]
+        specs = [
+            DeviceSpec(d.role, d.profile, d.store_path.resolve(), d.num_examples, d.new_store)
+            for d in self.devices
+        ]
         clock = (self.clock.now(), time.time())
         self._shards = [
             actor.remote(

@@ -172,7 +172,7 @@ def prepare_devices(config: RunConfig, workload: Workload, store_dir: Path) -> D
         path = store_path(store_dir, device.device_id)
         write_store(path, stored, workload)
         role = HELD_OUT if i in held_out else TRAINING
-        specs.append(DeviceSpec(role, profiles[i], path, stored.examples.num_examples))
+        specs.append(DeviceSpec(role, profiles[i], path, stored.examples.num_examples, new_store=True))
     return Devices(specs, future)
 
 
@@ -190,7 +190,7 @@ def write_store(path: Path, device: Any, workload: Workload) -> None:
     path.unlink(missing_ok=True)
     for suffix in ("-wal", "-shm"):
         path.with_name(path.name + suffix).unlink(missing_ok=True)
-    with ExampleStore(path, workload.manifest.features) as store:
+    with ExampleStore(path, workload.manifest.features, durable=False) as store:
         store.add_examples(device.examples, device.timestamps)
 
 

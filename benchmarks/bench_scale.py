@@ -97,6 +97,7 @@ def main() -> int:
     )
     parser.add_argument("--population-round", type=int, default=1_000, help="its rounds' reports")
     parser.add_argument("--population-rounds", type=int, default=10, help="its committed rounds")
+    parser.add_argument("--population-round-seconds", type=float, default=300.0, help="its rounds' deadline")
     parser.add_argument("--only-population", action="store_true", help="run only the population")
     parser.add_argument(
         "--only-fleet", action="store_true", help="run only the HTTP fleet (part 3; no data set needed)"
@@ -187,15 +188,21 @@ def print_population(args: argparse.Namespace, load: str) -> int:
         flush=True,
     )
     work = Path(tempfile.mkdtemp(prefix="bench-scale-population-"))
-    run = population_run(work, args.population, args.population_round, args.population_rounds)
-    print(
-        f"  {run['total_seconds']:.0f} s in all, {run['wall_seconds']:.0f} s of it the run (stores written, "
-        f"devices enrolled, rounds); {run['tasks_per_second']:.0f} client tasks/s in the rounds, "
-        f"a round {run['round_seconds_median']:.1f} s"
+    run = population_run(
+        work, args.population, args.population_round, args.population_rounds, args.population_round_seconds
     )
     print(
+        f"  {run['total_seconds']:.0f} s in all (data, model export, stores written, devices enrolled, "
+        f"rounds), {run['rounds_seconds']:.0f} s of it the rounds: {run['rounds_committed']} committed, "
+        f"{run['rounds_abandoned']} abandoned; {run['tasks_per_second']:.1f} client tasks/s in the rounds, "
+        f"a round {run['round_seconds_median']:.1f} s"
+    )
+    idle = run["idle"] = idle_memory(args.population)
+    print(
         f"  fleet memory: {run['rss_kb_per_device']:.1f} KB RSS per device (the 2 shards' whole RSS, "
-        f"{run['shards_rss_kb'] / 1024:.0f} MB)   target <= 20 KB"
+        f"{run['shards_rss_kb'] / 1024:.0f} MB); {args.population:,} devices not in a round: "
+        f"{idle['rss_kb_per_device']:.2f} KB RSS, {idle['traced_kb_per_device']:.2f} KB traced each   "
+        "target <= 20 KB"
     )
     print(
         f"  check-in: devices' p50 {run['device_checkin_p50_ms']:.0f} ms, "

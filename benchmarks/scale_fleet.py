@@ -130,7 +130,8 @@ def fleet_run(config: Any, rate: Any) -> dict[str, Any]:
             result = asyncio.run(run_async(config, Console(quiet=True)))
         server_cpu = process_cpu(server.process.pid) - server_cpu
         latency = _server_latency(server.url, server.admin_token)
-    rounds = [r for r in result.summary["rounds"] if r["kind"] == "training" and r["status"] == "committed"]
+    training = [r for r in result.summary["rounds"] if r["kind"] == "training"]
+    rounds = [r for r in training if r["status"] == "committed"]
     reported = sum(r["counters"]["reported"] for r in rounds)
     fleet = result.summary["fleet"]
     return {
@@ -147,17 +148,25 @@ def fleet_run(config: Any, rate: Any) -> dict[str, Any]:
         "device_checkin_p50_ms": fleet["checkin_p50_ms"],
         "device_checkin_p99_ms": fleet["checkin_p99_ms"],
         "wall_seconds": meter.wall,
+        # From the first round's opening to the last commit: the rest of the run is its setup.
+        "rounds_seconds": rounds[-1]["closed_at"] - training[0]["opened_at"],
+        "rounds_committed": len(rounds),
+        "rounds_abandoned": sum(r["status"] == "abandoned" for r in training),
         "shards_rss_kb": sum(meter.rss_kb.values()),
         "fleet_loop_lag_p50_ms": fleet["event_loop_lag_p50_ms"],
         "fleet_loop_lag_p99_ms": fleet["event_loop_lag_p99_ms"],
     }
 
 
-def population_run(work: Path, devices: int, target: int, rounds: int) -> dict[str, Any]:
+def population_run(
+    work: Path, devices: int, target: int, rounds: int, round_seconds: float = 300.0
+) -> dict[str, Any]:
     """A population of `devices` enrolled phones of the default mix (eligible at night, 2 simulated
     hours' rest after taking part) over 2 Ray shards, rounds of `target`: the run's wall time, the
     fleet's memory per device (the shards' whole RSS: imports, interpreters and the devices in a
-    round included), and how long check-ins took."""
+    round included), and how long check-ins took. `round_seconds`: the rounds' deadline, which
+    must fit `target` reports at the fleet's rate (5-15 tasks/s on this machine: a round of 1,000
+    with 60 s got 237 reports by its deadline and was abandoned)."""
     from bench_fleet import bench_config, tasks_per_second
 
     from android_sim.run_config import RunConfig
@@ -167,7 +176,8 @@ def population_run(work: Path, devices: int, target: int, rounds: int) -> dict[s
         devices,
         rounds,
         target_reports=target,
-        round_seconds=60.0,
+        round_seconds=round_seconds,
+        stall_seconds=2 * round_seconds,  # a round may take up to its deadline
         cooldown_hours=RunConfig.cooldown_hours,
         device_mix=RunConfig.device_mix,
         workers=2,

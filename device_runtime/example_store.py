@@ -125,8 +125,14 @@ class ExampleStore:
     (item, label) is migrated when opened with a spec of one integer input and one label.
     """
 
-    def __init__(self, path: Path, features: Sequence[FeatureSpec] | None = None) -> None:
+    def __init__(
+        self, path: Path, features: Sequence[FeatureSpec] | None = None, *, durable: bool = True
+    ) -> None:
+        """`durable=False`: writes do not wait for the disk (SQLite's `synchronous = OFF`), for a
+        store that is written in one go and can be written again (a simulation's fleet, whose
+        thousands of stores waited 35 ms each for the disk); a crash may lose such a store."""
         self.path = Path(path)
+        self._synchronous = "NORMAL" if durable else "OFF"
         self._local = threading.local()
         self._connections: list[sqlite3.Connection] = []
         self._lock = threading.Lock()
@@ -236,8 +242,9 @@ class ExampleStore:
             # isolation_level=None: transactions are explicit (`with conn` / BEGIN), never implied.
             conn = sqlite3.connect(self.path, timeout=30.0, isolation_level=None, check_same_thread=False)
             conn.execute("PRAGMA busy_timeout = 30000")
+            # Before the journal mode: switching a new file to WAL waits for the disk otherwise.
+            conn.execute(f"PRAGMA synchronous = {self._synchronous}")
             conn.execute("PRAGMA journal_mode = WAL")
-            conn.execute("PRAGMA synchronous = NORMAL")
             self._local.conn = conn
             with self._lock:
                 self._connections.append(conn)

@@ -23,14 +23,17 @@ from device_runtime.example_store import ExampleStore
 
 
 class IdleStore:
-    __slots__ = ("_count", "_open", "_state", "path")
+    __slots__ = ("_all_state", "_count", "_open", "_state", "path")
 
-    def __init__(self, path: Path, num_examples: int | None = None) -> None:
+    def __init__(self, path: Path, num_examples: int | None = None, *, new: bool = False) -> None:
         """`num_examples`: what the store holds, when the caller knows (it wrote the store);
-        otherwise the first `count()` opens the file to read it."""
+        otherwise the first `count()` opens the file to read it. `new`: the caller wrote the
+        store with examples only, so it holds no local state and a first check-in need not open
+        it (a fleet opened every device's file on its event loop for that)."""
         self.path = path
         self._count = num_examples
         self._state: dict[str, bytes | None] | None = None  # local state entries read or written
+        self._all_state = new  # `_state` holds every entry of the file (a key not in it has none)
         self._open: ExampleStore | None = None
 
     @contextmanager
@@ -77,13 +80,13 @@ class IdleStore:
         namespace (the part of its key up to its first '/'), so that a device's first check-in
         opens the file once for both of its participation counts."""
         state = self._state if self._state is not None else {}
-        if key not in state:
+        if key not in state and not self._all_state:
             namespace = key.partition("/")[0] + "/" if "/" in key else key
             with self.opened() as store:
                 state.update(store.local_state_under(namespace))
             state.setdefault(key, None)
             self._state = state
-        return state[key]
+        return state.get(key)
 
     def save_local_state(self, key: str, value: bytes) -> None:
         """Written to the file (opened for it, unless open), then kept."""

@@ -37,6 +37,26 @@ def test_next_eligible_finds_the_window_and_none_without_wifi() -> None:
     assert profile(wifi=False).next_eligible(0.0) is None
 
 
+def test_next_eligible_is_the_first_eligible_mark_of_a_slot_by_slot_scan() -> None:
+    def scanned(device: DeviceProfile, sim_time: float, horizon: float = 2 * DAY) -> float | None:
+        t = sim_time
+        while t < sim_time + horizon:
+            if device.conditions(t).eligible:
+                return t
+            t = (t // 900 + 1) * 900
+        return None
+
+    rng = np.random.default_rng(3)
+    devices = draw_profiles(300, DEFAULT_MIX, rng)
+    times = rng.uniform(0, 3 * DAY, size=300)
+    for device, sim_time in zip(devices, times, strict=True):
+        for t in (float(sim_time), float(sim_time // 900 * 900), 0.0):
+            assert device.next_eligible(t) == scanned(device, t)
+        assert device.next_eligible(float(sim_time), horizon=3600.0) == scanned(
+            device, float(sim_time), 3600.0
+        )
+
+
 def test_picking_up_the_phone_interrupts_idleness_at_its_rate() -> None:
     restless = DeviceClass("restless", 1.0, 1.0, 10.0, 50.0, 0.0, 0.5, 24.0, 1.0, 0.3)
     device = profile(restless)

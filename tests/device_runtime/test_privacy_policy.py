@@ -204,6 +204,26 @@ def test_an_idle_device_checks_in_with_its_example_count_and_opens_its_store_onl
     assert idle.count() == 40
 
 
+def test_a_device_whose_store_the_fleet_just_wrote_checks_in_without_opening_it(
+    server: HostileOrchestrator, store: ExampleStore, tmp_path: Path
+) -> None:
+    server.reset()
+    policy = PrivacyPolicy.for_simulation("plaintext")
+    moved = tmp_path / "elsewhere.sqlite"
+    # A new store holds no participation log: its first check-in reads none from the file (an
+    # open would fail: a missing store is a new one, which needs the model's features)
+    new = IdleStore(moved, 40, new=True)
+    server.craft(
+        "checkin", json_answer({"accepted": False, "reason": "this round is full", "retry_after_seconds": 3})
+    )
+
+    turned_away = participate(server, new, policy, tmp_path)
+
+    assert turned_away.status == "rejected", turned_away
+    assert not moved.exists()
+    assert [r.route for r in server.seen("checkin")] == ["checkin"]
+
+
 @pytest.mark.parametrize(
     ("changes", "reason"),
     [
