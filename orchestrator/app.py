@@ -15,11 +15,13 @@ from typing import Any
 import anyio.to_thread
 from fastapi import FastAPI, Request
 from fastapi.encoders import jsonable_encoder
+from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
 
 from orchestrator import metrics, rounds
 from orchestrator.api import openapi
@@ -99,6 +101,27 @@ async def request_validation_error(request: Request, exc: Exception) -> JSONResp
     )
 
 
+async def unreadable_json_body(request: Request, exc: Exception) -> Any:
+    """A JSON body that is not UTF-8, or nested too deep to parse, is content the route cannot
+    take: a 422 like any other JSON that fails, rather than FastAPI's bare 400 "There was an error
+    parsing the body" (which no route documents, as it says neither what nor what was expected).
+    Every other HTTPException goes to FastAPI's own handler. (Starlette's class: FastAPI raises
+    that one, and its own is a subclass.)"""
+    assert isinstance(exc, HTTPException)
+    cause = exc.__cause__
+    if exc.status_code != 400 or not isinstance(cause, UnicodeDecodeError | RecursionError):
+        return await http_exception_handler(request, exc)
+    if isinstance(cause, UnicodeDecodeError):
+        what = f"not UTF-8 (byte {cause.start} is 0x{cause.object[cause.start]:02x})"
+    else:
+        what = "nested too deep to parse"
+    issue = {"loc": ["body"], "msg": f"{what}; expected a JSON document in UTF-8", "type": "json_invalid"}
+    return JSONResponse(
+        status_code=422,
+        content={"detail": f"invalid request: body: {issue['msg']}", "errors": [{**issue, "input": None}]},
+    )
+
+
 def create_app(settings: Settings | None = None, clock: Callable[[], float] = time.time) -> FastAPI:
     """The server's application. Raises settings.AdminTokenError without a real admin secret."""
     settings = settings or Settings()
@@ -153,6 +176,7 @@ def create_app(settings: Settings | None = None, clock: Callable[[], float] = ti
         settings.dashboard_sign_in_burst, settings.dashboard_sign_in_interval_seconds
     )
     app.add_exception_handler(RequestValidationError, request_validation_error)
+    app.add_exception_handler(HTTPException, unreadable_json_body)
     app.add_middleware(Edge, settings=settings)
     for module in (
         devices,

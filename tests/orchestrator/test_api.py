@@ -91,6 +91,34 @@ def test_malformed_checkins_say_what_was_expected(server: Server, population: st
     assert int(too_few.headers["Retry-After"]) >= 1
 
 
+def test_a_json_body_that_is_not_utf8_is_refused_as_content(server: Server, population: str) -> None:
+    # FastAPI answers a body json.loads cannot decode (not UTF-8) with a bare 400 "There was an
+    # error parsing the body", which no route documents; it is content the route cannot take.
+    not_utf8 = b'{"example_count": "\xc9\xfe"}'
+    checkin = httpx.post(
+        f"{server.url}/v1/populations/{population}/checkin",
+        content=not_utf8,
+        headers={"Authorization": f"Bearer {enroll(server.url)}", "Content-Type": "application/json"},
+        timeout=10,
+    )
+    declared = httpx.post(  # FastAPI's own body handling rather than the route's shortcut
+        f"{server.url}/v1/populations/{population}/checkin",
+        content=b"\xff",
+        headers={
+            "Authorization": f"Bearer {enroll(server.url)}",
+            "Content-Type": "application/json; charset=utf-8",
+        },
+        timeout=10,
+    )
+
+    assert checkin.status_code == declared.status_code == 422, (checkin.text, declared.text)
+    assert checkin.json()["detail"] == (
+        "invalid request: body: not UTF-8 (byte 19 is 0xc9); expected a JSON document in UTF-8"
+    )
+    assert declared.json()["errors"][0]["loc"] == ["body"]
+    assert "byte 0 is 0xff" in declared.json()["detail"]
+
+
 def test_a_checkin_gets_the_same_answer_however_its_json_is_declared(server: Server, population: str) -> None:
     # A plain `application/json` check-in takes the route's shortcut; any other JSON content
     # type goes through FastAPI's own body handling.
