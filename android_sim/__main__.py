@@ -68,7 +68,11 @@ def _run_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     )
     run.add_argument("--device-mix", type=Path, help="JSON list of device classes (default: built-in mix)")
     run.add_argument("--orchestrator-url", help="use this orchestrator instead of starting one")
-    run.add_argument("--admin-token", help="its admin token")
+    run.add_argument(
+        "--admin-token",
+        help="the orchestrator's admin token: needed with --orchestrator-url; else the local "
+        "orchestrator's (default: a random one), e.g. to read its /metrics during the run",
+    )
     run.add_argument("--population", help="population name (default: <data>-<model sha>)")
     run.add_argument(
         "--work-dir", type=Path, help="model, device stores, database, report (default: runs/run-<time>)"

@@ -15,6 +15,7 @@ from android_sim.shakespeare import DEFAULT_FOLDER as DEFAULT_SHAKESPEARE
 from contracts.mixing import MixingConfig, MixingError
 from contracts.task_config import LocalState, TaskConfig
 from orchestrator.aggregation import ServerOptimizerConfig
+from orchestrator.settings import admin_token_problem
 
 DEFAULT_RATINGS = default_file("movielens-100k")
 SHAKESPEARE = "shakespeare"
@@ -175,6 +176,11 @@ class RunConfig:
             problems.append("--clip-norm needs --noise-multiplier (0 for clipping without noise)")
         if self.orchestrator_url and not self.admin_token:
             problems.append("an orchestrator URL needs its admin token (--admin-token)")
+        if self.admin_token is not None and not self.orchestrator_url:
+            # The local orchestrator's token: the server would refuse to start with a weak one.
+            problem = admin_token_problem(self.admin_token, "--admin-token")
+            if problem:
+                problems.append(problem)
         if not problems:
             # The round and DP settings as the server will check them, now: a combination it
             # would refuse must stop the run before anything is exported or started. (Without

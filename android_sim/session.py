@@ -46,7 +46,7 @@ async def orchestrator(
         assert config.admin_token
         yield config.orchestrator_url.rstrip("/"), config.admin_token, Connector()
         return
-    token = secrets.token_urlsafe(32)
+    token = config.admin_token or secrets.token_urlsafe(32)  # given: to read /metrics while it runs
     work = work.resolve()  # the orchestrator process runs elsewhere: a relative path would not be this one
     database_url = f"sqlite:///{work / 'orchestrator.sqlite'}"
     if config.in_process:

@@ -98,17 +98,25 @@ class Settings(BaseSettings):
         """The sha256 of the admin token, compared in constant time with a caller's. Raises
         AdminTokenError when no real secret is configured: a server must not start then."""
         token = self.admin_token.get_secret_value() if self.admin_token else ""
-        if not token.strip():
-            raise AdminTokenError(
-                f"no admin token: set ORCHESTRATOR_ADMIN_TOKEN to a secret of at least "
-                f"{MIN_ADMIN_TOKEN_CHARS} characters, e.g. the output of {NEW_TOKEN_HINT}"
-            )
-        if token.strip().lower() in WELL_KNOWN_ADMIN_TOKENS or len(token) < MIN_ADMIN_TOKEN_CHARS:
-            raise AdminTokenError(
-                f"ORCHESTRATOR_ADMIN_TOKEN is well known or shorter than {MIN_ADMIN_TOKEN_CHARS} "
-                f"characters; use a random secret, e.g. the output of {NEW_TOKEN_HINT}"
-            )
+        problem = admin_token_problem(token)
+        if problem:
+            raise AdminTokenError(problem)
         return hashlib.sha256(token.encode()).digest()
+
+
+def admin_token_problem(token: str, name: str = "ORCHESTRATOR_ADMIN_TOKEN") -> str | None:
+    """What is wrong with `token` as an admin token (`name` says where it was set), or None."""
+    if not token.strip():
+        return (
+            f"no admin token: set {name} to a secret of at least "
+            f"{MIN_ADMIN_TOKEN_CHARS} characters, e.g. the output of {NEW_TOKEN_HINT}"
+        )
+    if token.strip().lower() in WELL_KNOWN_ADMIN_TOKENS or len(token) < MIN_ADMIN_TOKEN_CHARS:
+        return (
+            f"{name} is well known or shorter than {MIN_ADMIN_TOKEN_CHARS} "
+            f"characters; use a random secret, e.g. the output of {NEW_TOKEN_HINT}"
+        )
+    return None
 
 
 def server_settings_problem(error: ValidationError) -> str:

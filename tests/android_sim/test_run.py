@@ -225,12 +225,32 @@ def test_a_fleet_with_adaptive_clipping_moves_its_clip_norm(work: Path) -> None:
     assert all(r["counters"]["invalid"] == 0 for r in training)  # devices clipped to each round's norm
 
 
+def test_the_local_orchestrator_takes_the_given_admin_token(work: Path) -> None:
+    # So that an operator can read a running job's /metrics and admin routes.
+    import httpx
+
+    from android_sim.session import orchestrator
+
+    token = "a-token-of-my-own-that-is-long-enough"
+
+    async def ask() -> tuple[int, int]:
+        async with orchestrator(small(work, admin_token=token), work, Console(width=120)) as (url, given, _):
+            assert given == token
+            async with httpx.AsyncClient(base_url=url, timeout=10) as client:
+                mine = await client.get("/metrics", headers={"Authorization": f"Bearer {token}"})
+                other = await client.get("/metrics", headers={"Authorization": f"Bearer {token}x"})
+                return mine.status_code, other.status_code
+
+    assert asyncio.run(ask()) == (200, 403)
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
         (["--data", "movielens", "--ratings", "/nonexistent/u.data"], "ratings file not found"),
         (["--orchestrator-url", "http://127.0.0.1:9"], "needs its admin token"),
         (["--orchestrator-url", "http://127.0.0.1:9", "--admin-token", "x"], "no orchestrator answers"),
+        (["--admin-token", "admin"], "--admin-token is well known or shorter than 32 characters"),
         (["--rounds", "0"], "rounds must be >= 1"),
         (["--noise-multiplier", "1"], "need --clip-norm"),
         (["--target-unclipped-quantile", "0.5"], "need --clip-norm"),
