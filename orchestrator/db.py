@@ -8,8 +8,19 @@ from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import JSON, Engine, ForeignKey, Index, LargeBinary, String, create_engine, event, false
-from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+from sqlalchemy import (
+    JSON,
+    Engine,
+    ForeignKey,
+    Index,
+    LargeBinary,
+    String,
+    create_engine,
+    event,
+    false,
+    select,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, column_property, mapped_column
 from sqlalchemy.pool import QueuePool
 
 
@@ -107,6 +118,26 @@ class DashboardSession(Base):
     address: Mapped[str] = mapped_column(String(100))  # the signing-in client's, for the log
 
 
+class RoundAdmission(Base):
+    """A round's check-in counters, on their own row: a check-in's admission locks this row, a
+    report's count the round's, so neither waits for the other (`round_admissions`). A round
+    reads them as its own (`Round.checked_in`, ...)."""
+
+    __tablename__ = "round_admissions"
+    round_id: Mapped[int] = mapped_column(ForeignKey("rounds.id"), primary_key=True)
+    checked_in: Mapped[int] = mapped_column(default=0)
+    accepted: Mapped[int] = mapped_column(default=0)
+    rejected_capacity: Mapped[int] = mapped_column(default=0)
+    rejected_min_examples: Mapped[int] = mapped_column(default=0)
+
+
+def _admission(name: str, round_id: Any) -> Any:
+    """A round's admission counter, read with the round; read-only there (written by one statement
+    on the admission row: `rounds.checkin`)."""
+    column = getattr(RoundAdmission, name)
+    return column_property(select(column).where(RoundAdmission.round_id == round_id).scalar_subquery())
+
+
 class Round(Base):
     """A training or evaluation round; its counters are the participation funnel."""
 
@@ -123,10 +154,10 @@ class Round(Base):
     opened_at: Mapped[float]
     deadline: Mapped[float]
     closed_at: Mapped[float | None]
-    checked_in: Mapped[int] = mapped_column(default=0)
-    accepted: Mapped[int] = mapped_column(default=0)
-    rejected_capacity: Mapped[int] = mapped_column(default=0)
-    rejected_min_examples: Mapped[int] = mapped_column(default=0)
+    checked_in: Mapped[int] = _admission("checked_in", id)
+    accepted: Mapped[int] = _admission("accepted", id)
+    rejected_capacity: Mapped[int] = _admission("rejected_capacity", id)
+    rejected_min_examples: Mapped[int] = _admission("rejected_min_examples", id)
     reported: Mapped[int] = mapped_column(default=0)
     dropped: Mapped[int] = mapped_column(default=0)
     late: Mapped[int] = mapped_column(default=0)

@@ -6,8 +6,9 @@ from collections.abc import Sequence
 
 from sqlalchemy import bindparam, select
 from sqlalchemy.orm import Session
+from sqlalchemy.orm.attributes import set_committed_value
 
-from orchestrator.db import Assignment, Population, Round
+from orchestrator.db import Assignment, Population, Round, RoundAdmission
 
 # Built once: building and hashing a statement costs several times more than SQLite takes to run it.
 _POPULATION_BY_NAME = select(Population).where(Population.name == bindparam("name"))
@@ -42,6 +43,22 @@ _ROUNDS_TO_LOCK = (
     .with_for_update(key_share=True)
     .execution_options(populate_existing=True)
 )
+
+# A round's admission row, locked after its round's: a check-in admitted into the round meanwhile
+# has committed, and none is admitted until this transaction ends (it closes the round, or not).
+_ADMISSIONS_TO_LOCK = (
+    select(
+        RoundAdmission.round_id,
+        RoundAdmission.checked_in,
+        RoundAdmission.rejected_min_examples,
+        RoundAdmission.rejected_capacity,
+        RoundAdmission.accepted,
+    )
+    .where(RoundAdmission.round_id.in_(bindparam("round_ids", expanding=True)))
+    .order_by(RoundAdmission.round_id)
+    .with_for_update(key_share=True)
+)
+ADMISSION_COUNTERS = ("checked_in", "rejected_min_examples", "rejected_capacity", "accepted")
 
 
 def lock_population(session: Session, name: str) -> Population | None:
@@ -113,11 +130,27 @@ def lock_rounds(session: Session, population_ids: Sequence[int], round_ids: Sequ
     and re-read them: what a transaction holding its populations' locks may then write to."""
     if not (population_ids or round_ids):
         return []
-    return list(
+    rounds = list(
         session.scalars(
             _ROUNDS_TO_LOCK, {"population_ids": list(population_ids), "round_ids": list(round_ids)}
         )
     )
+    lock_admissions(session, rounds)
+    return rounds
+
+
+def lock_admissions(session: Session, rounds: Sequence[Round]) -> None:
+    """Lock these (locked) rounds' admission rows, in id order, and read their counters afresh: a
+    transaction that may close a round holds them, so no check-in is admitted into it meanwhile
+    (`rounds.checkin`)."""
+    by_id = {r.id: r for r in rounds}
+    if not by_id:
+        return
+    for round_id, *counters in session.connection().execute(
+        _ADMISSIONS_TO_LOCK, {"round_ids": sorted(by_id)}
+    ):
+        for name, value in zip(ADMISSION_COUNTERS, counters, strict=True):
+            set_committed_value(by_id[round_id], name, value)
 
 
 def population_of_assignment(session: Session, assignment_id: str) -> Population | None:

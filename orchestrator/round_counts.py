@@ -26,10 +26,6 @@ from orchestrator.db import Round
 FRESH = (
     "status",
     "target",
-    "checked_in",
-    "rejected_min_examples",
-    "rejected_capacity",
-    "accepted",
     "reported",
     "total_weight",
     "dropped",

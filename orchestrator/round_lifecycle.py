@@ -40,7 +40,7 @@ from orchestrator import (
     secure_rounds,
 )
 from orchestrator.aggregation import apply_update
-from orchestrator.db import Assignment, Population, Report, Round
+from orchestrator.db import Assignment, Population, Report, Round, RoundAdmission
 from orchestrator.logs import log_on_commit
 from orchestrator.model_versions import base_version, prune_model_versions, write_version
 from orchestrator.norm_reference import NormReference
@@ -54,11 +54,10 @@ from orchestrator.population_config import (
     population_settings,
     privacy_budget_spent,
 )
-from orchestrator.population_locks import lock_rounds
+from orchestrator.population_locks import lock_admissions, lock_rounds
 
 TRAINING, EVALUATION = "training", "evaluation"
 log = logging.getLogger("orchestrator.rounds")  # one logger for the rounds, whichever module
-ROUND_COUNTERS = ("checked_in", "rejected_min_examples", "rejected_capacity", "accepted")
 
 # Fresh values even for rounds already in the session: a check-in reads them before it takes the
 # population's lock, and another server process may have reported into them meanwhile.
@@ -108,6 +107,12 @@ def open_round(session: Session, population: Population, kind: str, now: float) 
         metrics=round_metrics,
     )
     session.add(round_)
+    session.flush()
+    session.add(
+        RoundAdmission(
+            round_id=round_.id, checked_in=0, accepted=0, rejected_capacity=0, rejected_min_examples=0
+        )
+    )
     session.flush()
     if kind == TRAINING:
         population.next_round_at = None  # the back-off is over; idle_rounds counts on till a check-in
@@ -250,6 +255,7 @@ def commit(
     """Aggregate the round's reports into a new model version (training) or just close it.
     A secure round passes its unmasked `mean_delta` over its `survivors`, since it has no
     individual reports. How the reports combine is the population's pipeline's (`pipeline`)."""
+    lock_admissions(session, [round_])  # no check-in is admitted into it meanwhile
     if round_.kind == EVALUATION:
         round_state.close(round_, closing or _COMMITTED, now)
         _count_closed(session, population, round_, "committed")
@@ -353,6 +359,7 @@ _COMMITTED = round_state.Closing(round_state.COMMITTED, "")
 def _abandon(
     session: Session, population: Population, round_: Round, closing: round_state.Closing, now: float
 ) -> None:
+    lock_admissions(session, [round_])  # no check-in is admitted into it meanwhile
     round_state.close(round_, closing, now)
     # What it gathered is never released: an evaluation's sums of fewer devices than its floor,
     # a DP round's raw count of devices within the clip norm.

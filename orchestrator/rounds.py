@@ -21,26 +21,26 @@ from sqlalchemy.orm import Session
 from sqlalchemy.orm.attributes import set_committed_value
 
 from orchestrator import idle_backoff, metrics, pausing, round_state, secure_rounds
-from orchestrator.db import Assignment, Population, Round
+from orchestrator.db import Assignment, Population, Round, RoundAdmission
 from orchestrator.model_versions import _latest as _latest  # tests clear it, as a restart would
 from orchestrator.pipeline.private import CLIP_NORM
 from orchestrator.population_config import population_manifest as population_manifest
 from orchestrator.population_config import population_settings as population_settings
 from orchestrator.population_config import privacy_budget_spent as privacy_budget_spent
+from orchestrator.population_locks import ADMISSION_COUNTERS, relock
 from orchestrator.population_locks import find_population as find_population
 from orchestrator.population_locks import lock_population as lock_population
 from orchestrator.population_locks import population_of_assignment as population_of_assignment
 from orchestrator.population_locks import populations_of_assignments as populations_of_assignments
-from orchestrator.population_locks import relock
 from orchestrator.refusals import Refused as Refused  # re-exported: the routes answer with rounds.Refused
 from orchestrator.round_lifecycle import EVALUATION as EVALUATION
-from orchestrator.round_lifecycle import ROUND_COUNTERS, up_to_date
 from orchestrator.round_lifecycle import TRAINING as TRAINING
 from orchestrator.round_lifecycle import advance as advance
 from orchestrator.round_lifecycle import advance_secure as advance_secure
 from orchestrator.round_lifecycle import open_round as open_round
 from orchestrator.round_lifecycle import open_rounds as open_rounds
 from orchestrator.round_lifecycle import summarize_metrics as summarize_metrics
+from orchestrator.round_lifecycle import up_to_date
 from orchestrator.round_reports import Event, Found, find_assignment, receive
 
 # The statements of check-ins and reports are built once: building and hashing a statement
@@ -50,30 +50,37 @@ _TAKEN = select(Assignment.id, Assignment.round_id, Assignment.device_id, Assign
     Assignment.device_id.in_(bindparam("device_ids", expanding=True)),
 )
 _INSERT_ASSIGNMENTS = insert(Assignment)
-# Admission: a round's check-in counters move by one statement on the round's row, which also
-# checks that the round is still open, so check-ins take no population lock (see `checkin`).
+# Admission: a round's check-in counters move by one statement on its admission row (not the
+# round's, which reports' counts lock), so check-ins take no population lock and wait for no
+# report (see `checkin`).
 _ADMIT = (
-    update(Round)
-    .where(Round.id == bindparam("round_id"), Round.status == "open")
+    update(RoundAdmission)
+    .where(RoundAdmission.round_id == bindparam("admitted_round"))
     .values(
-        checked_in=Round.checked_in + bindparam("more_checked_in"),
-        rejected_min_examples=Round.rejected_min_examples + bindparam("more_too_few"),
-        rejected_capacity=Round.rejected_capacity + bindparam("more_full"),
-        accepted=Round.accepted + bindparam("wanted"),
+        checked_in=RoundAdmission.checked_in + bindparam("more_checked_in"),
+        rejected_min_examples=RoundAdmission.rejected_min_examples + bindparam("more_too_few"),
+        rejected_capacity=RoundAdmission.rejected_capacity + bindparam("more_full"),
+        accepted=RoundAdmission.accepted + bindparam("wanted"),
     )
     .returning(
-        Round.capacity, Round.checked_in, Round.rejected_min_examples, Round.rejected_capacity, Round.accepted
+        RoundAdmission.checked_in,
+        RoundAdmission.rejected_min_examples,
+        RoundAdmission.rejected_capacity,
+        RoundAdmission.accepted,
     )
 )
 _GIVE_BACK = (  # the part of `wanted` beyond the round's capacity, refused as full
-    update(Round)
-    .where(Round.id == bindparam("round_id"))
+    update(RoundAdmission)
+    .where(RoundAdmission.round_id == bindparam("admitted_round"))
     .values(
-        accepted=Round.accepted - bindparam("over"),
-        rejected_capacity=Round.rejected_capacity + bindparam("over"),
+        accepted=RoundAdmission.accepted - bindparam("over"),
+        rejected_capacity=RoundAdmission.rejected_capacity + bindparam("over"),
     )
-    .returning(Round.rejected_capacity, Round.accepted)
+    .returning(RoundAdmission.rejected_capacity, RoundAdmission.accepted)
 )
+# Read after the admission's statement, so in a statement of its own (a fresh snapshot on
+# PostgreSQL): a round closed by a transaction that held the admission row meanwhile shows closed.
+_STATUS = select(Round.status).where(Round.id == bindparam("round_id"))
 _ASSIGNMENT = select(
     Assignment.device_id, Assignment.status, Assignment.example_count, Assignment.round_id
 ).where(Assignment.id == bindparam("assignment_id"))
@@ -263,34 +270,32 @@ def _admit(session: Session, round_: Round, wanted: int, too_few: int) -> int:
     capacity; returns how many were admitted. Raises RoundClosed if the round is no longer open."""
     # `accepted` only grows while a round is open: a round already full stays full.
     wanted_now = 0 if round_.accepted >= round_.capacity else wanted
-    admitted = (
-        session.connection()
-        .execute(
-            _ADMIT,
-            {
-                "round_id": round_.id,
-                "more_checked_in": wanted + too_few,
-                "more_too_few": too_few,
-                "more_full": wanted - wanted_now,
-                "wanted": wanted_now,
-            },
-        )
-        .first()
-    )
-    if admitted is None:
+    connection = session.connection()
+    params = {
+        "admitted_round": round_.id,
+        "more_checked_in": wanted + too_few,
+        "more_too_few": too_few,
+        "more_full": wanted - wanted_now,
+        "wanted": wanted_now,
+    }
+    admitted = connection.execute(_ADMIT, params).first()
+    # A round closes with its admission row locked (`population_locks.lock_rounds`): if it closed
+    # before this admission took the row, its status now says so; if after, it waits for this
+    # transaction and drops the assignments made here.
+    if admitted is None or connection.execute(_STATUS, {"round_id": round_.id}).scalar() != round_state.OPEN:
         raise RoundClosed(f"round {round_.id} closed during a check-in")
-    capacity, *counters = admitted
+    capacity, counters = round_.capacity, list(admitted)
     accepted_before = int(counters[-1]) - wanted_now
     granted = round_state.admissible(accepted_before, int(capacity), wanted_now)
     if granted < wanted_now:  # the group overfilled the round: the rest is refused as full
         given_back = (
             session.connection()
-            .execute(_GIVE_BACK, {"round_id": round_.id, "over": wanted_now - granted})
+            .execute(_GIVE_BACK, {"admitted_round": round_.id, "over": wanted_now - granted})
             .one()
         )
         counters[2:] = given_back
     # The session's copy of the round shows the counters as they now are in this transaction.
-    for name, value in zip(ROUND_COUNTERS, counters, strict=True):
+    for name, value in zip(ADMISSION_COUNTERS, counters, strict=True):
         set_committed_value(round_, name, value)
     return granted
 

@@ -53,6 +53,7 @@ from orchestrator import secure_participants as participants
 from orchestrator.db import Assignment, Round, SecureMaskedInput, SecureParticipant, SecureRound
 from orchestrator.on_commit import on_commit
 from orchestrator.phase_changes import PHASE_CHANGES
+from orchestrator.population_locks import lock_admissions
 from orchestrator.population_settings import PopulationSettings
 from secure_aggregation import server
 from secure_aggregation.config import RoundParameters
@@ -358,6 +359,7 @@ def _unmaskable(session: Session, secure_round: SecureRound) -> bool:
 def _abandon(
     session: Session, round_: Round, secure_round: SecureRound, closing: round_state.Closing, now: float
 ) -> Abandon:
+    lock_admissions(session, [round_])  # its check-ins admitted so far have committed; no more
     _drop_outstanding(session, round_, None, now)
     on_commit(session, PHASE_CHANGES.notify)
     secure_round.phase, secure_round.outcome = DONE, closing.reason[:500]

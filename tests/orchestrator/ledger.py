@@ -44,7 +44,8 @@ def check_ledger(database_url: str, manifest: Manifest) -> Ledger:
             db.execute(
                 text(
                     "SELECT id, status, base_version, result_version, capacity, accepted, reported, "
-                    "total_weight FROM rounds WHERE kind = 'training' ORDER BY id"
+                    "total_weight FROM rounds JOIN round_admissions ON round_id = id "
+                    "WHERE kind = 'training' ORDER BY id"
                 )
             ).all()
         )

@@ -268,7 +268,11 @@ def test_a_checkin_retries_while_other_processes_keep_admitting_its_devices_firs
     in_rival = threading.local()
 
     def rival_first(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
-        if statement.lstrip().startswith("UPDATE rounds") and rivals and not getattr(in_rival, "on", False):
+        if (
+            statement.lstrip().startswith("UPDATE round_admissions")
+            and rivals
+            and not getattr(in_rival, "on", False)
+        ):
             in_rival.on = True
             try:
                 rival = CheckInCall(rivals.pop(0), 50, rounds.TRAINING)
