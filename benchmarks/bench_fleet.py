@@ -206,11 +206,12 @@ async def scale(work: Path, enrolled: int, concurrent: int, waves: int) -> dict[
 
 
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
-    work = Path(tempfile.mkdtemp(prefix="bench-fleet-"))
-    data = expression_fleet(SyntheticConfig(num_expressions=1000, num_users=args.devices, seed=0))
-    export(model_config(data), work / "model")
-    rates = await transport_comparison(work, args.rounds, args.devices)
-    at_scale = await scale(work, args.enrolled, args.concurrent, args.waves)
+    with tempfile.TemporaryDirectory(prefix="bench-fleet-") as scratch:  # 10,000 stores: deleted after
+        work = Path(scratch)
+        data = expression_fleet(SyntheticConfig(num_expressions=1000, num_users=args.devices, seed=0))
+        export(model_config(data), work / "model")
+        rates = await transport_comparison(work, args.rounds, args.devices)
+        at_scale = await scale(work, args.enrolled, args.concurrent, args.waves)
     return {"tasks_per_second": rates, "scale": at_scale}
 
 

@@ -132,12 +132,8 @@ def main() -> int:
     bytes_per_device = packed_bytes_per_device(data)
     idle = idle_memory(args.idle_devices)
     print(f"HTTP fleet, {args.fleet_rounds} rounds a run:")
-    fleet = fleet_rates(
-        Path(tempfile.mkdtemp(prefix="bench-scale-")),
-        args.fleet_devices_per_report,
-        args.fleet_rounds,
-        args.fleet_runs,
-    )
+    with tempfile.TemporaryDirectory(prefix="bench-scale-") as scratch:
+        fleet = fleet_rates(Path(scratch), args.fleet_devices_per_report, args.fleet_rounds, args.fleet_runs)
     project = projection(sim, commit, bytes_per_device, fleet)
     load_after = load_average()
     print_simulation(sim, commit)
@@ -167,12 +163,8 @@ def only_fleet(args: argparse.Namespace) -> int:
     load_before = load_average()
     print(f"load average before: {load_before} (2 cores)")
     print(f"HTTP fleet, {args.fleet_rounds} rounds a run:")
-    fleet = fleet_rates(
-        Path(tempfile.mkdtemp(prefix="bench-scale-")),
-        args.fleet_devices_per_report,
-        args.fleet_rounds,
-        args.fleet_runs,
-    )
+    with tempfile.TemporaryDirectory(prefix="bench-scale-") as scratch:
+        fleet = fleet_rates(Path(scratch), args.fleet_devices_per_report, args.fleet_rounds, args.fleet_runs)
     load_after = load_average()
     print_fleet(fleet)
     print(f"load average after: {load_after}")
@@ -187,10 +179,15 @@ def print_population(args: argparse.Namespace, load: str) -> int:
         f"{args.population_rounds} rounds (load average {load}):",
         flush=True,
     )
-    work = Path(tempfile.mkdtemp(prefix="bench-scale-population-"))
-    run = population_run(
-        work, args.population, args.population_round, args.population_rounds, args.population_round_seconds
-    )
+    # Its 100,000 stores take gigabytes: deleted once the run is measured.
+    with tempfile.TemporaryDirectory(prefix="bench-scale-population-") as work:
+        run = population_run(
+            Path(work),
+            args.population,
+            args.population_round,
+            args.population_rounds,
+            args.population_round_seconds,
+        )
     print(
         f"  {run['total_seconds']:.0f} s in all (data, model export, stores written, devices enrolled, "
         f"rounds), {run['rounds_seconds']:.0f} s of it the rounds: {run['rounds_committed']} committed, "
