@@ -1,8 +1,8 @@
-"""A secure round's participants as its phases read them, at a cost per message that does not grow
-with the round.
+"""A secure round's participants as its phases read them, at a small cost per message.
 
-- The open phase's conditions are counted in SQL (`counts`): one row per message, not every
-  participant's flags.
+- The open phase's conditions are counted in SQL (`counts`): one query a message, which reads
+  every participant's flags from a covering index (never a row of shares) and returns one row.
+  Still O(n) a message: ~3 ms at 1,000 participants, ~10% of the server's time in such a round.
 - What a closed phase fixed (the roster, who shared keys, who sent a masked input, who confirmed,
   whose shares were refused, the roster's keys as devices download them) never changes again, so
   each server process reads it once per round (`closed`) instead of on every message.
