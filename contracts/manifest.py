@@ -341,7 +341,9 @@ class Manifest:
             )
         task_row_features = data.get("task_row_features", [])
         if not isinstance(task_row_features, list) or not all(isinstance(f, str) for f in task_row_features):
-            raise ManifestError(f"'task_row_features' must be a list of feature names, got {task_row_features!r}")
+            raise ManifestError(
+                f"'task_row_features' must be a list of feature names, got {task_row_features!r}"
+            )
         manifest = cls(
             format_version=version,
             model_sha256=_require(model, "sha256", str),
@@ -378,8 +380,8 @@ class Manifest:
                 expected[p.name] = ((self.max_rows(p.row_sparse), *p.shape[1:]), p.dtype)
             else:
                 expected[p.name] = (p.shape, p.dtype)
-        for f in self.task_row_features:
-            expected[task_rows_input(f)] = ((self.max_rows(f),), "int32")
+        for feature in self.task_row_features:
+            expected[task_rows_input(feature)] = ((self.max_rows(feature),), "int32")
         expected[WEIGHTS] = ((s, b), "float32")
         expected[NUM_BATCHES] = ((), "int32")
         for h in HYPERPARAMETERS[signature]:

@@ -51,7 +51,7 @@ class ReferenceModel:
 
     def _groups(self, items: np.ndarray) -> np.ndarray:
         assert self.item_groups is not None, "a model with group tables needs item_groups"
-        return np.asarray(self.item_groups)[items]
+        return np.asarray(np.asarray(self.item_groups)[items])
 
     def _item_vectors(self, items: np.ndarray) -> np.ndarray:
         """Each item's embedding, plus its group's if the model has group embeddings."""

@@ -254,7 +254,8 @@ class Trainer(tf.Module):  # type: ignore[misc]
                 continue  # on another input it is a plain lookup, the same in every signature
             if len(layer._inbound_nodes) != 1:
                 raise ExportError(
-                    f"catalog attribute {layer.name!r} must be called once, directly on input {called_on[0]!r}"
+                    f"catalog attribute {layer.name!r} must be called once, directly on input "
+                    f"{called_on[0]!r}"
                 )
             rows = features[called_on[0]].num_values
             if layer.values.shape[0] != rows:
@@ -534,7 +535,10 @@ class Trainer(tf.Module):  # type: ignore[misc]
             **{n: v.read_value() for n, v in self.local_vars.items()},
         }
         outputs = self._forward(
-            self._keras.twin, values, {f.name: flat[f.name] for f in self.inputs}, self._task_constants(inputs)
+            self._keras.twin,
+            values,
+            {f.name: flat[f.name] for f in self.inputs},
+            self._task_constants(inputs),
         )
         label = flat[self.label.name]
         sums = {
