@@ -54,12 +54,18 @@ def model_config(data: FleetData) -> ModelConfig:
             # main job's held-out devices").
             item_groups=data.item_groups,
             group_init_scale=0.5,
+            # A global embedding and bias per topic that every item's score uses, stepping at
+            # 0.03 of the items' rate, with items' L2 3e-3 (their own part shrinks toward their
+            # topic's): +0.7 to +1.1 points paired over seeds 0-2, each interval above zero.
+            group_embeddings=bool(data.item_groups),
+            group_bias=bool(data.item_groups),
+            group_rate=0.03,
             # Tuned on the synthetic data (held-out hit rate@10 after 80-160 rounds of 40 clients).
             training=TrainingDefaults(
                 reconstruction_learning_rate=0.5,
                 update_learning_rate=1.0,
                 update_max_epochs=5,
-                l2_global=1e-4,
+                l2_global=3e-3 if data.item_groups else 1e-4,
                 l2_local=1e-3,
             ),
         )

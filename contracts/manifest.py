@@ -50,6 +50,12 @@ GRADIENT_SIGNATURE = "gradient"
 CENTRAL_GRADIENT_WEIGHT = "central_gradient_weight"
 
 
+def task_rows_input(feature: str) -> str:
+    """The training signatures' input with the catalog values of `feature`'s task rows, which a
+    model with per-row constants (`Manifest.task_row_features`) takes."""
+    return f"{feature}_task_rows"
+
+
 def central_gradient_input(name: str) -> str:
     """The `update` input that takes the central gradient of global `name`."""
     return f"{name}_central_gradient"
@@ -212,6 +218,10 @@ class Manifest:
     training_defaults: dict[str, float | int]
     config: dict[str, Any] = field(default_factory=dict)
     exported_with: dict[str, str] = field(default_factory=dict)
+    # Row-sparse features whose task rows the training signatures also take by their catalog
+    # values (`<feature>_task_rows`, [max_rows] int32): the model looks up constants of each
+    # catalog row (`model_export.layers.CatalogAttribute`, e.g. an item's topic) at them.
+    task_row_features: tuple[str, ...] = ()
 
     @property
     def max_examples(self) -> int:
@@ -288,6 +298,7 @@ class Manifest:
             "training_defaults": self.training_defaults,
             "config": self.config,
             "exported_with": self.exported_with,
+            **({"task_row_features": list(self.task_row_features)} if self.task_row_features else {}),
         }
 
     @classmethod
@@ -328,6 +339,11 @@ class Manifest:
                 f"manifest lacks required signatures {missing}"
                 + ("" if has_locals else " (a model without local parameters needs no local signatures)")
             )
+        task_row_features = data.get("task_row_features", [])
+        if not isinstance(task_row_features, list) or not all(isinstance(f, str) for f in task_row_features):
+            raise ManifestError(
+                f"'task_row_features' must be a list of feature names, got {task_row_features!r}"
+            )
         manifest = cls(
             format_version=version,
             model_sha256=_require(model, "sha256", str),
@@ -345,6 +361,7 @@ class Manifest:
             training_defaults=_require(data, "training_defaults", dict),
             config=data.get("config", {}),
             exported_with=data.get("exported_with", {}),
+            task_row_features=tuple(task_row_features),
             **ints,
         )
         manifest.check_consistency()
@@ -363,6 +380,8 @@ class Manifest:
                 expected[p.name] = ((self.max_rows(p.row_sparse), *p.shape[1:]), p.dtype)
             else:
                 expected[p.name] = (p.shape, p.dtype)
+        for feature in self.task_row_features:
+            expected[task_rows_input(feature)] = ((self.max_rows(feature),), "int32")
         expected[WEIGHTS] = ((s, b), "float32")
         expected[NUM_BATCHES] = ((), "int32")
         for h in HYPERPARAMETERS[signature]:
@@ -395,6 +414,11 @@ class Manifest:
                 raise ManifestError(
                     f"row-sparse global {p.name!r} has shape {list(p.shape)}; feature {feature.name!r} "
                     f"indexes {feature.num_values} rows"
+                )
+        for f in self.task_row_features:
+            if f not in self.row_sparse_features:
+                raise ManifestError(
+                    f"task_row_features: {f!r} indexes no row-sparse global, so it has no task rows"
                 )
         if self.task.kind == "ranking":
             catalog = self.task.catalog_feature

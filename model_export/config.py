@@ -69,6 +69,18 @@ class ModelConfig:
     # and a user vector fitted to one share of a group already ranks the group's popular items.
     item_groups: tuple[int, ...] = ()
     group_init_scale: float = 0.5
+    # With item_groups: a global embedding per group added to each of its items' embeddings
+    # (`group_embeddings`, dense: every task trains it), and/or a global bias per group added to
+    # each of its items' scores (`group_bias`). Every item's score then uses what all the
+    # group's shares taught, so an item few devices shared ranks with its group's. The group
+    # directions start `group_embeddings` instead of the items'.
+    group_embeddings: bool = False
+    group_bias: bool = False
+    # The group tables' SGD step relative to the other globals' (device and server alike): a
+    # group table is trained by every task, not diluted like a sparse row in the server's
+    # mean, so the server step that makes up for that dilution overshoots it. Realized as
+    # `value = sqrt(group_rate) * stored` (the stored table is what is trained and sent).
+    group_rate: float = 1.0
     seed: int = 0
     training: TrainingDefaults = TrainingDefaults()
 
@@ -97,10 +109,23 @@ class ModelConfig:
             )
         if any(isinstance(g, bool) or not isinstance(g, int) or g < 0 for g in self.item_groups):
             problems.append("item_groups must be integers >= 0 (each item's group)")
+        for name in ("group_embeddings", "group_bias"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                problems.append(f"{name} must be true or false, got {value!r}")
+            elif value and not self.item_groups:
+                problems.append(f"{name} needs item_groups (each item's group)")
+        if not (math.isfinite(self.group_rate) and self.group_rate > 0):
+            problems.append(f"group_rate must be finite and > 0, got {self.group_rate}")
         if not (math.isfinite(self.group_init_scale) and self.group_init_scale >= 0):
             problems.append(f"group_init_scale must be finite and >= 0, got {self.group_init_scale}")
         if problems:
             raise ValueError("invalid model config: " + "; ".join(problems))
+
+    @property
+    def num_groups(self) -> int:
+        """Rows of the group tables: the largest group + 1 (0 without item_groups)."""
+        return max(self.item_groups) + 1 if self.item_groups else 0
 
     @property
     def max_examples(self) -> int:

@@ -159,6 +159,7 @@ def export_spec(spec: ExportSpec, model_dir: Path) -> ExportResult:
         training_defaults=dict(spec.training_defaults),
         config=dict(spec.config),
         exported_with={"tensorflow": tf.__version__},
+        task_row_features=tuple(trainer.task_row_features),
     )
     try:
         manifest.check_consistency()

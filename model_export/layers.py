@@ -4,13 +4,17 @@
   an integer feature, like `Embedding`; it can be row-sparse.
 - `LocalVector`: the dot product of its input with a learnt vector (e.g. a user embedding).
 - `Offset`: adds a learnt scalar (a user bias, a global mean).
+- `CatalogAttribute`: a constant per catalog row (public metadata such as each item's topic),
+  looked up by the catalog feature, e.g. to index a dense table shared by the items of a topic.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import keras
+import numpy as np
 
 
 @keras.saving.register_keras_serializable(package="model_export")
@@ -83,3 +87,41 @@ class Offset(keras.layers.Layer):  # type: ignore[misc]
 
     def get_config(self) -> dict[str, Any]:
         return {**super().get_config(), "initial": self.initial}
+
+
+@keras.saving.register_keras_serializable(package="model_export")
+class CatalogAttribute(keras.layers.Layer):  # type: ignore[misc]
+    """`values[inputs]`: a constant of each catalog row (e.g. each item's topic), exported inside
+    the model. It is public metadata, fixed at export: never trained, never sent.
+
+    Called on a feature that indexes a row-sparse table, it is what lets a model use a catalog
+    row's metadata inside the training signatures, where the feature arrives as slots into the
+    task's rows: the signatures then also take the task rows' catalog values
+    (`<feature>_task_rows`) and look the attribute up at those (`model_export.trainer`)."""
+
+    def __init__(self, values: Sequence[int] | Sequence[float] | np.ndarray, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        array = np.asarray(values)
+        if array.ndim != 1 or array.size == 0:
+            raise ValueError(f"a catalog attribute needs one value per catalog row, got shape {array.shape}")
+        integral = np.issubdtype(array.dtype, np.integer) or np.issubdtype(array.dtype, np.bool_)
+        self.values = array.astype(np.int32 if integral else np.float32)
+        self.table = self.add_weight(
+            shape=self.values.shape,
+            dtype="int32" if integral else "float32",
+            initializer=keras.initializers.Constant(self.values),
+            trainable=False,
+            name="values",
+        )
+
+    def call(self, inputs: Any) -> Any:
+        return keras.ops.take(self.table, keras.ops.cast(inputs, "int32"), axis=0)
+
+    def compute_output_shape(self, input_shape: tuple[int | None, ...]) -> tuple[int | None, ...]:
+        return tuple(input_shape)
+
+    def compute_output_spec(self, inputs: Any) -> Any:
+        return keras.KerasTensor(inputs.shape, dtype=self.table.dtype)
+
+    def get_config(self) -> dict[str, Any]:
+        return {**super().get_config(), "values": self.values.tolist()}

@@ -3,15 +3,20 @@
 Parameters are split as in Federated Reconstruction:
 
 - global: `item_embeddings` [num_items, dim], optional `item_bias` [num_items] (both row-sparse
-  by the `item` feature: a task trains only its items' rows) and `global_mean` [1];
+  by the `item` feature: a task trains only its items' rows) and `global_mean` [1]; with the
+  catalog's item groups, optional `group_embeddings` [groups, dim] and `group_bias` [groups]
+  (dense: every task trains them);
 - local: `user_embedding` [dim], optional `user_bias` [1], reconstructed on the device.
 
-A score is `<item_embeddings[item], user_embedding> + item_bias[item] + user_bias + global_mean`:
-a predicted rating (explicit feedback) or a logit (implicit: shared or not).
+A score is `<item_embeddings[item] + group_embeddings[group], user_embedding> + item_bias[item]
++ group_bias[group] + user_bias + global_mean`, `group` being the item's group (a constant of the
+model, `CatalogAttribute`): a predicted rating (explicit feedback) or a logit (implicit: shared
+or not).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import keras
@@ -20,7 +25,7 @@ import tensorflow as tf
 
 from contracts.manifest import TaskSpec
 from model_export.config import ITEM, Feedback, ModelConfig
-from model_export.layers import LocalVector, Offset, RowTable
+from model_export.layers import CatalogAttribute, LocalVector, Offset, RowTable
 from model_export.spec import ExportSpec, Metric, PerExample
 
 
@@ -49,30 +54,50 @@ def build_model(config: ModelConfig) -> keras.Model:
     rows = keras.layers.Embedding(
         config.num_items, config.embedding_dim, embeddings_initializer=init, name="item_embeddings"
     )(item)
+    if config.group_embeddings or config.group_bias:
+        group = CatalogAttribute(config.item_groups, name="item_group")(item)
+    # A group table's values are sqrt(group_rate) times the stored (trained) ones: its SGD steps
+    # are group_rate times the others'.
+    scale = math.sqrt(config.group_rate)
+    if config.group_embeddings:
+        shared = keras.layers.Embedding(
+            config.num_groups,
+            config.embedding_dim,
+            embeddings_initializer=keras.initializers.Constant(group_directions(config) / scale),
+            name="group_embeddings",
+        )(group)
+        shared = keras.layers.Rescaling(scale, name="group_embedding_rate")(shared)
+        rows = keras.layers.Add(name="plus_group_embedding")([rows, shared])
     score = LocalVector(config.embedding_dim, name="user_embedding")(rows)
     if config.item_bias:
         score = keras.layers.Add(name="plus_item_bias")(
             [score, RowTable(config.num_items, name="item_bias")(item)]
+        )
+    if config.group_bias:
+        bias = RowTable(config.num_groups, name="group_bias")(group)
+        score = keras.layers.Add(name="plus_group_bias")(
+            [score, keras.layers.Rescaling(scale, name="group_bias_rate")(bias)]
         )
     if config.user_bias:
         score = Offset(name="user_bias")(score)
     if config.global_mean:
         score = Offset(config.global_mean_init, name="global_mean")(score)
     model = keras.Model({ITEM: item}, score, name="matrix_factorization")
-    if config.item_groups:
+    if config.item_groups and not config.group_embeddings:
         table = model.get_layer("item_embeddings")
-        table.set_weights([table.get_weights()[0] + group_directions(config)])
+        groups = np.asarray(config.item_groups, np.int64)
+        table.set_weights([table.get_weights()[0] + group_directions(config)[groups]])
     return model
 
 
 def group_directions(config: ModelConfig) -> np.ndarray:
-    """[num_items, dim]: each item's group's random unit direction times `group_init_scale`
-    (seeded by the config's seed), what an item embedding starts from beside its noise."""
-    groups = np.asarray(config.item_groups, np.int64)
+    """[groups, dim]: each group's random unit direction times `group_init_scale` (seeded by the
+    config's seed), what the group's items start from (beside their noise), or with
+    `group_embeddings`, what the group's embedding starts at."""
     rng = np.random.default_rng((config.seed, 1))
-    directions = rng.normal(size=(int(groups.max()) + 1, config.embedding_dim))
+    directions = rng.normal(size=(config.num_groups, config.embedding_dim))
     directions /= np.linalg.norm(directions, axis=1, keepdims=True)
-    return (config.group_init_scale * directions[groups]).astype(np.float32)
+    return (config.group_init_scale * directions).astype(np.float32)
 
 
 def rating_prediction(config: ModelConfig) -> Callable[[tf.Tensor], tf.Tensor]:

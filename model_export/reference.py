@@ -22,6 +22,9 @@ class ReferenceModel:
     huber_delta: float = 0.0  # explicit feedback: 0 is squared error
     # Explicit feedback: the rating scale `evaluate` clips predictions to, or None (unclipped).
     prediction_range: tuple[float, float] | None = None
+    # Each item's group, when the model has `group_embeddings` / `group_bias` (dense, by group).
+    item_groups: np.ndarray | None = None
+    group_rate: float = 1.0  # the group tables' values are sqrt(group_rate) times the stored ones
 
     def __post_init__(self) -> None:
         self.global_params = {k: np.asarray(v, np.float64).copy() for k, v in self.global_params.items()}
@@ -31,14 +34,31 @@ class ReferenceModel:
 
     def scores(self, items: np.ndarray) -> np.ndarray:
         g, loc = self.global_params, self.local_params
-        out = g["item_embeddings"][items] @ loc["user_embedding"]
+        out = self._item_vectors(items) @ loc["user_embedding"]
         if "item_bias" in g:
             out = out + g["item_bias"][items]
+        if "group_bias" in g:
+            out = out + self._group_scale * g["group_bias"][self._groups(items)]
         if "user_bias" in loc:
             out = out + loc["user_bias"][0]
         if "global_mean" in g:
             out = out + g["global_mean"][0]
         return np.asarray(out)
+
+    @property
+    def _group_scale(self) -> float:
+        return float(np.sqrt(self.group_rate))
+
+    def _groups(self, items: np.ndarray) -> np.ndarray:
+        assert self.item_groups is not None, "a model with group tables needs item_groups"
+        return np.asarray(np.asarray(self.item_groups)[items])
+
+    def _item_vectors(self, items: np.ndarray) -> np.ndarray:
+        """Each item's embedding, plus its group's if the model has group embeddings."""
+        rows = self.global_params["item_embeddings"][items]
+        if "group_embeddings" in self.global_params:
+            rows = rows + self._group_scale * self.global_params["group_embeddings"][self._groups(items)]
+        return np.asarray(rows)
 
     def example_losses(self, scores: np.ndarray, labels: np.ndarray) -> np.ndarray:
         if self.feedback == "explicit":
@@ -75,7 +95,7 @@ class ReferenceModel:
         data_loss = float((weights * self.example_losses(s, labels)).sum() / total)
         d_score = weights * self._dloss_dscore(s, labels) / total
         rows = g["item_embeddings"][items]
-        grads_l["user_embedding"] = d_score @ rows + 2 * l2_local * loc["user_embedding"]
+        grads_l["user_embedding"] = d_score @ self._item_vectors(items) + 2 * l2_local * loc["user_embedding"]
         if "user_bias" in loc:
             grads_l["user_bias"] = np.array([d_score.sum()]) + 2 * l2_local * loc["user_bias"]
         item_grad = (
@@ -85,6 +105,15 @@ class ReferenceModel:
         if "item_bias" in g:
             bias_grad = d_score + 2 * l2_global * (weights / total) * g["item_bias"][items]
             np.add.at(grads_g["item_bias"], items, bias_grad)
+        # The group tables are dense globals: no L2 (it applies to the rows a task uses).
+        if "group_embeddings" in g:
+            np.add.at(
+                grads_g["group_embeddings"],
+                self._groups(items),
+                self._group_scale * np.outer(d_score, loc["user_embedding"]),
+            )
+        if "group_bias" in g:
+            np.add.at(grads_g["group_bias"], self._groups(items), self._group_scale * d_score)
         if "global_mean" in g:
             grads_g["global_mean"] = np.array([d_score.sum()])
         return grads_g, grads_l, data_loss

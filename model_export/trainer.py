@@ -6,6 +6,9 @@ Every signature that trains or evaluates takes one call's worth of padded, weigh
   arrives as *slots* (int32) into that table's task rows;
 - per row-sparse global, its *task rows* `[max_rows, *row_shape]` (the rows the examples use,
   gathered by the runtime, then padding); every dense global whole;
+- for a row-sparse feature that also feeds `CatalogAttribute` layers (constants of each catalog
+  row, e.g. an item's topic), `<feature>_task_rows [max_rows]`: the catalog values of its task
+  rows, at which the signature looks the constants up (so a topic can index a dense table);
 - `weights [max_batches, batch_size]` (0 pads) and `num_batches`;
 - hyperparameters: `num_steps`, `learning_rate`, `local_learning_rate`, `l2_global`, `l2_local`.
 
@@ -54,8 +57,9 @@ from contracts.manifest import (
     NUM_BATCHES,
     WEIGHTS,
     central_gradient_input,
+    task_rows_input,
 )
-from model_export.layers import RowTable
+from model_export.layers import CatalogAttribute, RowTable
 from model_export.spec import ExportError, ExportSpec
 
 _RESERVED = {
@@ -121,6 +125,9 @@ class Trainer(tf.Module):  # type: ignore[misc]
         self.names = parameter_names(paths)
         self.features = self._checked_features(spec, model)
         self.row_sparse = self._checked_row_sparse(spec, model)  # param name -> feature
+        # Catalog attributes on a row-sparse feature: their constant's path -> that feature.
+        self.attributes = self._attributes_on_row_sparse(model)
+        self.task_row_features = [f.name for f in self.features if f.name in set(self.attributes.values())]
         local_paths = self._resolve_locals(spec.local_variables, paths)
         local_layers = {p.split("/", 1)[0] for p in local_paths}
         clash = sorted(local_layers & set(spec.row_sparse))
@@ -203,12 +210,15 @@ class Trainer(tf.Module):  # type: ignore[misc]
                     f"row_sparse table {layer_name!r} must be called once, directly on input {feature_name!r}"
                 )
             others = [
-                op.name for op in consumers[id(feature_input)] if not isinstance(op, _ROW_SPARSE_LAYERS)
+                op.name
+                for op in consumers[id(feature_input)]
+                if not isinstance(op, (*_ROW_SPARSE_LAYERS, CatalogAttribute))
             ]
             if others:
                 raise ExportError(
                     f"input {feature_name!r} indexes a row-sparse table, so training sees it as slots into "
-                    f"the task's rows; it may feed only row-sparse tables, but also feeds {others}"
+                    f"the task's rows; it may feed only row-sparse tables and CatalogAttribute layers (a "
+                    f"catalog row's constants, e.g. its topic), but also feeds {others}"
                 )
             (variable,) = layer.trainable_variables
             rows = int(variable.shape[0])
@@ -223,6 +233,38 @@ class Trainer(tf.Module):  # type: ignore[misc]
             out[name] = feature_name
         self.features = [features[f.name] for f in self.features]
         return out
+
+    def _attributes_on_row_sparse(self, model: Any) -> dict[str, str]:
+        """Each CatalogAttribute called on a row-sparse feature: its constant's path -> the feature,
+        checked to have one value per row of the feature's tables."""
+        sparse_features = set(self.row_sparse.values())
+        features = {f.name: f for f in self.features}
+        found: dict[str, str] = {}
+        for layer in model.layers:
+            if not isinstance(layer, CatalogAttribute):
+                continue
+            called_on = [
+                name
+                for node in layer._inbound_nodes
+                for tensor in node.arguments.keras_tensors
+                for name, feature_input in model.input.items()
+                if tensor is feature_input and name in sparse_features
+            ]
+            if not called_on:
+                continue  # on another input it is a plain lookup, the same in every signature
+            if len(layer._inbound_nodes) != 1:
+                raise ExportError(
+                    f"catalog attribute {layer.name!r} must be called once, directly on input "
+                    f"{called_on[0]!r}"
+                )
+            rows = features[called_on[0]].num_values
+            if layer.values.shape[0] != rows:
+                raise ExportError(
+                    f"catalog attribute {layer.name!r} has {layer.values.shape[0]} values; the feature "
+                    f"{called_on[0]!r} it is called on has {rows} rows, so it needs one value per row"
+                )
+            found[layer.table.path] = called_on[0]
+        return found
 
     def _resolve_locals(self, wanted: Any, paths: list[str]) -> set[str]:
         if isinstance(wanted, str):
@@ -244,6 +286,7 @@ class Trainer(tf.Module):  # type: ignore[misc]
             [f.name for f in self.features]
             + list(self.names.values())
             + [central_gradient_input(n) for n in globals_]
+            + [task_rows_input(f) for f in self.task_row_features]
         )
         clash = sorted({n for n in taken if taken.count(n) > 1 or n in _RESERVED})
         if clash:
@@ -277,11 +320,15 @@ class Trainer(tf.Module):  # type: ignore[misc]
                 raise ExportError(f"ranking popularity {task.popularity!r} is not a global parameter")
 
     def _training_twin(self, model: Any) -> Any:
-        """The model with each row-sparse table sized to the task rows (`max_rows`); other layers shared."""
+        """The model with each row-sparse table and catalog attribute on a row-sparse feature sized
+        to the task rows (`max_rows`); other layers shared."""
         max_rows = self.spec.batch_size * self.spec.max_batches
         sparse_layers = set(self.spec.row_sparse)
 
         def clone(layer: Any) -> Any:
+            if isinstance(layer, CatalogAttribute) and layer.table.path in self.attributes:
+                # Its values at the task rows are given per call (`_task_constants`).
+                return CatalogAttribute(np.zeros(max_rows, layer.values.dtype), name=layer.name)
             if layer.name not in sparse_layers:
                 return layer
             config = layer.get_config()
@@ -308,10 +355,25 @@ class Trainer(tf.Module):  # type: ignore[misc]
 
     # ---- maths shared by the signatures -------------------------------------------------
 
-    def _forward(self, model: Any, values: dict[str, tf.Tensor], inputs: dict[str, tf.Tensor]) -> tf.Tensor:
-        """The model's outputs for `inputs` with the variables at `values` (by manifest name)."""
+    def _task_constants(self, inputs: dict[str, tf.Tensor]) -> dict[str, tf.Tensor]:
+        """The training twin's catalog attributes: each constant at its feature's task rows."""
+        return {
+            path: tf.gather(self._constants[path], inputs[task_rows_input(feature)])
+            for path, feature in self.attributes.items()
+        }
+
+    def _forward(
+        self,
+        model: Any,
+        values: dict[str, tf.Tensor],
+        inputs: dict[str, tf.Tensor],
+        constants: dict[str, tf.Tensor] | None = None,
+    ) -> tf.Tensor:
+        """The model's outputs for `inputs` with the variables at `values` (by manifest name) and
+        the constants at `constants` (by path) where given, else as exported."""
         trainable = [values[self.names[v.path]] for v in model.trainable_variables]
-        non_trainable = [self._constants[v.path] for v in model.non_trainable_variables]
+        given = constants or {}
+        non_trainable = [given.get(v.path, self._constants[v.path]) for v in model.non_trainable_variables]
         outputs, _ = model.stateless_call(trainable, non_trainable, inputs, training=False)
         return outputs
 
@@ -332,10 +394,13 @@ class Trainer(tf.Module):  # type: ignore[misc]
         weights: tf.Tensor,
         l2_global: tf.Tensor,
         l2_local: tf.Tensor,
+        constants: dict[str, tf.Tensor],
     ) -> tuple[tf.Tensor, tf.Tensor]:
         """(objective with L2, data loss) of one padded batch; both 0 for an all-padding batch."""
         total = tf.reduce_sum(weights)
-        outputs = self._forward(self._keras.twin, values, {f.name: batch[f.name] for f in self.inputs})
+        outputs = self._forward(
+            self._keras.twin, values, {f.name: batch[f.name] for f in self.inputs}, constants
+        )
         losses = self._per_example(self.spec.loss, batch[self.label.name], outputs)
         data_loss = tf.math.divide_no_nan(tf.reduce_sum(weights * losses), total)
         objective = data_loss
@@ -381,6 +446,7 @@ class Trainer(tf.Module):  # type: ignore[misc]
         added = added or [None] * len(trained)
         modulus, num_steps = self._loop_bounds(inputs[NUM_BATCHES], inputs["num_steps"])
         features = [f.name for f in self.features]
+        constants = self._task_constants(inputs)
 
         def body(step: tf.Tensor, loss_sum: tf.Tensor, *current: tf.Tensor) -> Any:
             b = tf.math.floormod(step, modulus)
@@ -389,7 +455,7 @@ class Trainer(tf.Module):  # type: ignore[misc]
                 tape.watch(current)
                 values = {**frozen, **dict(zip(trained, current, strict=True))}
                 objective, data_loss = self._batch_objective(
-                    values, batch, inputs[WEIGHTS][b], l2_global, l2_local
+                    values, batch, inputs[WEIGHTS][b], l2_global, l2_local, constants
                 )
             grads = [
                 g if a is None else a if g is None else tf.convert_to_tensor(g) + a
@@ -468,7 +534,12 @@ class Trainer(tf.Module):  # type: ignore[misc]
             **{n: inputs[n] for n in self.global_vars},
             **{n: v.read_value() for n, v in self.local_vars.items()},
         }
-        outputs = self._forward(self._keras.twin, values, {f.name: flat[f.name] for f in self.inputs})
+        outputs = self._forward(
+            self._keras.twin,
+            values,
+            {f.name: flat[f.name] for f in self.inputs},
+            self._task_constants(inputs),
+        )
         label = flat[self.label.name]
         sums = {
             "loss_sum": tf.reduce_sum(weights * self._per_example(self.spec.loss, label, outputs)),
@@ -493,7 +564,12 @@ class Trainer(tf.Module):  # type: ignore[misc]
                 **dict(zip(names, given, strict=True)),
                 **{n: v.read_value() for n, v in self.local_vars.items()},
             }
-            outputs = self._forward(self._keras.twin, values, {f.name: flat[f.name] for f in self.inputs})
+            outputs = self._forward(
+                self._keras.twin,
+                values,
+                {f.name: flat[f.name] for f in self.inputs},
+                self._task_constants(inputs),
+            )
             losses = self._per_example(self.spec.loss, flat[self.label.name], outputs)
             total = tf.reduce_sum(weights)
             loss = tf.math.divide_no_nan(tf.reduce_sum(weights * losses), total)
@@ -573,6 +649,9 @@ class Trainer(tf.Module):  # type: ignore[misc]
         for name, var in self.global_vars.items():
             shape = [s * b, *var.shape[1:]] if name in self.row_sparse else var.shape
             specs[name] = tf.TensorSpec(shape, var.dtype, name=name)
+        for feature in self.task_row_features:
+            key = task_rows_input(feature)
+            specs[key] = tf.TensorSpec([s * b], tf.int32, name=key)
         specs[WEIGHTS] = tf.TensorSpec([s, b], tf.float32, name=WEIGHTS)
         specs[NUM_BATCHES] = tf.TensorSpec([], tf.int32, name=NUM_BATCHES)
         for h in HYPERPARAMETERS[signature]:

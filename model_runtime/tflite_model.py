@@ -22,6 +22,7 @@ from contracts.manifest import (
     ManifestError,
     central_gradient_input,
     load_manifest,
+    task_rows_input,
 )
 from contracts.params import Params, ParamsError, SparseTensor, check_params, row_shape
 from model_runtime.interpreter import interpreter_class
@@ -250,6 +251,12 @@ class TFLiteModel:
     def get_global(self) -> Params:
         return {k: v.copy() for k, v in self._globals().items()}
 
+    def _batch_inputs(self, batches: TaskBatches) -> dict[str, np.ndarray]:
+        """A training signature's inputs of `batches`: the batches, the catalog values of the task
+        rows where the model looks catalog constants up at them, and the task's globals."""
+        rows = {task_rows_input(f): batches.rows[f] for f in self.manifest.task_row_features}
+        return {**batches.inputs(), **rows, **self._task_globals(batches)}
+
     def _task_globals(self, batches: TaskBatches) -> Params:
         """The task's rows of the row-sparse globals, and the other globals whole."""
         rows = self._row_sparse
@@ -282,8 +289,7 @@ class TFLiteModel:
             raise ValueError("this model has no local parameters to reconstruct")
         out = self._call(
             "reconstruct",
-            **batches.inputs(),
-            **self._task_globals(batches),
+            **self._batch_inputs(batches),
             num_steps=_int32("num_steps", num_steps),
             learning_rate=_float32("learning_rate", learning_rate),
             l2_local=_float32("l2_local", l2_local),
@@ -321,8 +327,7 @@ class TFLiteModel:
             mixing[CENTRAL_GRADIENT_WEIGHT] = np.asarray(weight if central else 0.0, np.float32)
         out = self._call(
             "update",
-            **batches.inputs(),
-            **self._task_globals(batches),
+            **self._batch_inputs(batches),
             **mixing,
             num_steps=steps,
             learning_rate=rate,
@@ -428,7 +433,7 @@ class TFLiteModel:
                 "this model was exported without the 'gradient' signature; export it again with "
                 "`python -m model_export`"
             )
-        out = self._call(GRADIENT_SIGNATURE, **batches.inputs(), **self._task_globals(batches))
+        out = self._call(GRADIENT_SIGNATURE, **self._batch_inputs(batches))
         gradient: SparseGradient = {}
         for spec in self.manifest.global_params:
             values = out[f"{spec.name}_gradient"]
@@ -476,7 +481,7 @@ class TFLiteModel:
         return Update(delta, rows.loss, rows.max_abs_change)
 
     def evaluate(self, batches: TaskBatches) -> EvaluationSums:
-        out = self._call("evaluate", **batches.inputs(), **self._task_globals(batches))
+        out = self._call("evaluate", **self._batch_inputs(batches))
         return EvaluationSums({k: float(out[k]) for k in sorted(out)})
 
     def _install_globals(self) -> None:

@@ -282,6 +282,11 @@ class ManifestOut(BaseModel):
     training_defaults: dict[str, float] = Field(description="hyperparameters a task_config may override")
     config: dict[str, Any] = Field(default_factory=dict, description="the model's configuration, as exported")
     exported_with: dict[str, str] = Field(default_factory=dict, description="library versions")
+    task_row_features: list[str] = Field(
+        default_factory=list,
+        description="row-sparse features whose task rows' catalog values the training signatures "
+        "also take (`<feature>_task_rows`), for the model's per-row constants such as an item's topic",
+    )
 
 
 # ---- secure aggregation's messages (secure_aggregation/messages.py), as documentation ----------

@@ -12,7 +12,7 @@ import tensorflow as tf
 
 from contracts.features import FeatureSpec
 from contracts.manifest import TaskSpec
-from model_export.layers import LocalVector
+from model_export.layers import CatalogAttribute, LocalVector
 from model_export.spec import ExportSpec, Metric
 from tests.model_export import genre_rating
 
@@ -63,6 +63,32 @@ class Middle(keras.layers.Layer):  # type: ignore[misc]
 
     def call(self, inputs: Any) -> Any:
         return inputs[:, 1:3]
+
+
+def catalog_attribute_of_another_length() -> ExportSpec:
+    """A movie's catalog attribute (its decade) with a value for 10 movies of the catalog's 40."""
+    spec = genre_rating.build()
+    movie = keras.Input(shape=(), dtype="int32", name="movie")
+    genre = keras.Input(shape=(), dtype="int32", name="genre")
+    m = keras.layers.Embedding(genre_rating.NUM_MOVIES, 4, name="movie_embeddings")(movie)
+    decade = CatalogAttribute([i % 3 for i in range(10)], name="decade")(movie)
+    d = keras.layers.Embedding(3, 4, name="decade_embeddings")(decade)
+    g = keras.layers.Embedding(genre_rating.NUM_GENRES, 3, name="genre_embeddings")(genre)
+    joined = keras.layers.Concatenate()([keras.layers.Add()([m, d]), g])
+    rating = LocalVector(7, name="user_embedding")(joined)
+    return replace(spec, model=keras.Model({"movie": movie, "genre": genre}, rating))
+
+
+def catalog_feature_into_another_layer() -> ExportSpec:
+    """The movie id, which training sees as slots into the task's rows, used as a number."""
+    spec = genre_rating.build()
+    movie = keras.Input(shape=(), dtype="int32", name="movie")
+    genre = keras.Input(shape=(), dtype="int32", name="genre")
+    m = keras.layers.Embedding(genre_rating.NUM_MOVIES, 4, name="movie_embeddings")(movie)
+    as_number = keras.layers.Reshape((1,), name="movie_number")(keras.ops.cast(movie, "float32"))
+    g = keras.layers.Embedding(genre_rating.NUM_GENRES, 3, name="genre_embeddings")(genre)
+    rating = LocalVector(8, name="user_embedding")(keras.layers.Concatenate()([m, as_number, g]))
+    return replace(spec, model=keras.Model({"movie": movie, "genre": genre}, rating))
 
 
 def ranking_catalog_without_a_table() -> ExportSpec:
@@ -123,6 +149,8 @@ CASES = (
     "row_sparse_layer_that_is_not_a_table",
     "unsupported_gradient",
     "ranking_catalog_without_a_table",
+    "catalog_attribute_of_another_length",
+    "catalog_feature_into_another_layer",
 )
 
 

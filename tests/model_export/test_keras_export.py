@@ -214,6 +214,10 @@ EXPECTED_ERRORS = {
     r"- EluGrad \(from layer 'smooth'\); fix: ",
     "ranking_catalog_without_a_table": r"the catalog feature \('hour'\) must be an input that indexes a "
     r"row-sparse table; the model's other inputs are its context",
+    "catalog_attribute_of_another_length": r"catalog attribute 'decade' has 10 values; the feature 'movie' "
+    r"it is called on has 40 rows, so it needs one value per row",
+    "catalog_feature_into_another_layer": r"it may feed only row-sparse tables and CatalogAttribute layers "
+    r"\(a catalog row's constants, e.g. its topic\), but also feeds \[",
 }
 
 

@@ -22,7 +22,24 @@ from tests.conftest import BIASED, IMPLICIT, ROBUST, SMALL, perturbed_globals
 ATOL, RTOL = 2e-5, 2e-4
 # Clipped: a mean near the top of the scale puts predictions above rating_max.
 CLIPPED = replace(ROBUST, num_items=110, global_mean_init=4.9, clip_predictions=True)
-CONFIGS = {"small": SMALL, "biased": BIASED, "robust": ROBUST, "clipped": CLIPPED, "implicit": IMPLICIT}
+# Group tables: the item's group is looked up inside the signatures at the task rows' catalog ids
+# (groups out of id order, so that a slot taken for an id gives another group).
+GROUPED = replace(
+    IMPLICIT,
+    num_items=140,
+    item_groups=tuple(int(g) for g in np.random.default_rng(0).integers(0, 5, 140)),
+    group_embeddings=True,
+    group_bias=True,
+    group_rate=0.3,
+)
+CONFIGS = {
+    "small": SMALL,
+    "biased": BIASED,
+    "robust": ROBUST,
+    "clipped": CLIPPED,
+    "implicit": IMPLICIT,
+    "grouped": GROUPED,
+}
 
 
 def random_examples(config: ModelConfig, count: int, seed: int) -> Examples:
@@ -52,7 +69,10 @@ def setup_pair(model_dir: Path, backend: str, seed: int) -> tuple[TFLiteModel, R
     clip = None
     if config.get("clip_predictions"):
         clip = (float(config["rating_min"]), float(config["rating_max"]))
-    return model, ReferenceModel(config["feedback"], globals_, locals_, huber_delta, clip)
+    groups = np.asarray(config["item_groups"]) if config.get("item_groups") else None
+    return model, ReferenceModel(
+        config["feedback"], globals_, locals_, huber_delta, clip, groups, float(config.get("group_rate", 1.0))
+    )
 
 
 def assert_close(actual: np.ndarray | float, expected: np.ndarray | float) -> None:
