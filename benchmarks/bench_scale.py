@@ -67,6 +67,7 @@ from scale_simulation import (  # noqa: E402
 from android_sim.bench.models import ModelCache  # noqa: E402
 from android_sim.bench.quality import load_dataset, protocol_model  # noqa: E402
 from android_sim.datasets import DatasetError, cached_file  # noqa: E402
+from android_sim.run_config import RunError  # noqa: E402
 
 
 def main() -> int:
@@ -181,13 +182,17 @@ def print_population(args: argparse.Namespace, load: str) -> int:
     )
     # Its 100,000 stores take gigabytes: deleted once the run is measured.
     with tempfile.TemporaryDirectory(prefix="bench-scale-population-") as work:
-        run = population_run(
-            Path(work),
-            args.population,
-            args.population_round,
-            args.population_rounds,
-            args.population_round_seconds,
-        )
+        try:
+            run = population_run(
+                Path(work),
+                args.population,
+                args.population_round,
+                args.population_rounds,
+                args.population_round_seconds,
+            )
+        except RunError as e:  # e.g. no round committed: the run's own one-line reason
+            print(f"error: the population run stopped: {e} (load average {load_average()})", file=sys.stderr)
+            return 1
     print(
         f"  {run['total_seconds']:.0f} s in all (data, model export, stores written, devices enrolled, "
         f"rounds), {run['rounds_seconds']:.0f} s of it the rounds: {run['rounds_committed']} committed, "
