@@ -61,7 +61,11 @@ def test_a_fleet_sharded_over_two_ray_actors_trains_and_reports(local_ray: None,
     assert result.rounds_committed >= 3
     report = json.loads(result.report_path.read_text())
     outcomes = report["fleet"]["device_side_outcomes"]
-    assert outcomes.get("training/reported", 0) >= 3 * 6
+    # Every report a committed round holds came from a shard's device (a round may commit at its
+    # deadline with its minimum, 3, rather than its target, 6, on a loaded machine).
+    committed = [r for r in report["rounds"] if r["kind"] == "training" and r["status"] == "committed"]
+    held = sum(r["counters"]["reported"] for r in committed)
+    assert held >= 3 * 3 and outcomes.get("training/reported", 0) >= held
     # Every shard's check-ins are timed, in one histogram.
     fleet = report["fleet"]
     assert fleet["checkins_timed"] >= outcomes["training/reported"]
