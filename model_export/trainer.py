@@ -22,6 +22,8 @@ table) at the given globals and the current locals, and `update` takes a central
 global (`<name>_central_gradient`, the same shape) that every step adds, times
 `central_gradient_weight`, to that global's gradient (weight 0: exactly the plain update).
 
+`model_export.signatures` traces them with these static inputs for the converter.
+
 Whole reconstructions and updates run in one call (a `tf.while_loop` over the batches,
 cycling). Why the task rows: a step costs O(batch), not O(table), and a signature that reads a
 whole variable keeps its own full-size copy of it (TFLite's READ_VARIABLE copies into the
@@ -48,12 +50,9 @@ import tensorflow as tf
 
 from contracts.manifest import (
     CENTRAL_GRADIENT_WEIGHT,
-    GRADIENT_SIGNATURE,
-    HYPERPARAMETERS,
     NUM_BATCHES,
     WEIGHTS,
     central_gradient_input,
-    task_rows_input,
 )
 from model_export.spec import ExportError, ExportSpec
 from model_export.spec_checks import (
@@ -398,80 +397,3 @@ class Trainer(tf.Module):  # type: ignore[misc]
         for k, v in self.local_vars.items():
             v.assign(tf.constant(self._initial_local[k]))
         return {"ok": tf.constant(1)}
-
-    # ---- the concrete functions the converter sees --------------------------------------
-
-    def training_specs(self, signature: str) -> dict[str, tf.TensorSpec]:
-        """The generic layout's inputs of a training/evaluation signature."""
-        s, b = self.spec.max_batches, self.spec.batch_size
-        sparse_features = set(self.row_sparse.values())
-        specs = {
-            f.name: tf.TensorSpec(
-                [s, b, *f.shape], tf.int32 if f.name in sparse_features else f.dtype, name=f.name
-            )
-            for f in self.features
-        }
-        for name, var in self.global_vars.items():
-            shape = [s * b, *var.shape[1:]] if name in self.row_sparse else var.shape
-            specs[name] = tf.TensorSpec(shape, var.dtype, name=name)
-        for feature in self.task_row_features:
-            key = task_rows_input(feature)
-            specs[key] = tf.TensorSpec([s * b], tf.int32, name=key)
-        specs[WEIGHTS] = tf.TensorSpec([s, b], tf.float32, name=WEIGHTS)
-        specs[NUM_BATCHES] = tf.TensorSpec([], tf.int32, name=NUM_BATCHES)
-        for h in HYPERPARAMETERS[signature]:
-            specs[h] = tf.TensorSpec([], tf.int32 if h == "num_steps" else tf.float32, name=h)
-        if signature == "update":
-            for name in self.global_vars:
-                key = central_gradient_input(name)
-                specs[key] = tf.TensorSpec(specs[name].shape, tf.float32, name=key)
-            specs[CENTRAL_GRADIENT_WEIGHT] = tf.TensorSpec([], tf.float32, name=CENTRAL_GRADIENT_WEIGHT)
-        return specs
-
-    def signatures(self) -> dict[str, Any]:
-        """Named concrete functions with static input signatures, ready for conversion."""
-
-        def keyword_fn(method: Any, specs: dict[str, tf.TensorSpec]) -> Any:
-            # TFLite signature inputs are named after keyword arguments.
-            return tf.function(lambda **kw: method(**kw)).get_concrete_function(**specs)
-
-        global_specs = {k: tf.TensorSpec(v.shape, v.dtype, name=k) for k, v in self.global_vars.items()}
-        local_specs = {k: tf.TensorSpec(v.shape, v.dtype, name=k) for k, v in self.local_vars.items()}
-        if self.spec.task.kind == "ranking":
-            catalog = next(f for f in self.features if f.name == self.spec.task.catalog_feature)
-            exclude = tf.TensorSpec([catalog.num_values], tf.float32, name="exclude")
-            context = [f for f in self.inputs if f.name != catalog.name]
-            if context:
-                infer = keyword_fn(
-                    self.infer_ranking,
-                    {
-                        "exclude": exclude,
-                        **{f.name: tf.TensorSpec(f.shape, f.dtype, name=f.name) for f in context},
-                    },
-                )
-            else:
-                infer = tf.function(self.infer_ranking).get_concrete_function(exclude)
-        else:
-            b = self.spec.batch_size
-            infer = keyword_fn(
-                self.infer_batch,
-                {f.name: tf.TensorSpec([b, *f.shape], f.dtype, name=f.name) for f in self.inputs},
-            )
-        signatures = {
-            "update": keyword_fn(self.update, self.training_specs("update")),
-            "evaluate": keyword_fn(self.evaluate, self.training_specs("evaluate")),
-            GRADIENT_SIGNATURE: keyword_fn(self.gradient, self.training_specs("evaluate")),
-            "infer": infer,
-            "get_global": tf.function(self.get_global).get_concrete_function(),
-            "set_global": keyword_fn(self.set_global, global_specs),
-        }
-        if self.local_vars:
-            # Without local variables there is nothing to reconstruct, read or reset (and a
-            # signature without outputs would not even convert): plain FedAvg on the model.
-            signatures |= {
-                "reconstruct": keyword_fn(self.reconstruct, self.training_specs("reconstruct")),
-                "get_local": tf.function(self.get_local).get_concrete_function(),
-                "set_local": keyword_fn(self.set_local, local_specs),
-                "reset_local": tf.function(self.reset_local).get_concrete_function(),
-            }
-        return signatures
