@@ -26,7 +26,7 @@ from contracts.params import Params, decode_params
 from contracts.task_config import TaskConfig
 from device_runtime.example_store import ExampleStore
 from device_runtime.local_state import LocalStateStore
-from device_runtime.recommender import Recommender
+from device_runtime.recommender import Recommender, cold_start_scores
 from model_runtime.tflite_model import TFLiteModel
 
 if TYPE_CHECKING:
@@ -102,11 +102,16 @@ def context_of(model: TFLiteModel, examples: Examples) -> dict[str, Any] | None:
 
 
 def popularity_top(model: TFLiteModel, params: Params) -> np.ndarray:
-    """The model's global top-k: what a device with no data is shown (none without a popularity)."""
+    """The model's global top-k: what a device with no data is shown (`Recommender`'s cold start:
+    the scores with the initial locals), none without a popularity. A model that ranks in a context
+    shows each context its own; this is the popularity global's order."""
     popularity = model.manifest.task.popularity
     if popularity is None or popularity not in params:
         return np.zeros(0, np.int64)
-    return np.argsort(-params[popularity], kind="stable")[:K]
+    if model.manifest.context_features:
+        return np.argsort(-params[popularity], kind="stable")[:K]
+    model.set_global(params)
+    return np.argsort(-cold_start_scores(model), kind="stable")[:K]
 
 
 def shares_by_item(workload: Workload, training: list[int]) -> np.ndarray:

@@ -13,7 +13,8 @@ DP) and `"secure"` (secure aggregation's arithmetic: deltas clipped to this L2 n
 32 bits, summed and dequantized, uniform weights; the main job's `--aggregation secure` clips to
 10). Prints one line per configuration: FedRecon's expected hit rate@10 with its 95% interval, its
 hit rate over the newest shares, by history size, the ceilings on the same held-out devices, and
-after a seed's first configuration FedRecon's paired difference from it (same devices). This is how
+after a seed's first configuration FedRecon's paired difference from it (same devices), over
+every device and per history size. This is how
 the main job's defaults were tuned (docs/benchmarks.md, "Quality: the main job's held-out devices");
 the fleet adds device availability, dropouts and staleness, so confirm a change with `./dev main`.
 """
@@ -40,7 +41,7 @@ from android_sim.bench.federated import Rounds, Server  # noqa: E402
 from android_sim.bench.protocol import UserSplit  # noqa: E402
 from android_sim.bench.quality import SECURE_BITS, SECURE_OVERSAMPLING, SecureQuantization  # noqa: E402
 from android_sim.builtin_data import builtin_workload, export, load_data, model_config  # noqa: E402
-from android_sim.hit_rates import expected_hit_rate  # noqa: E402
+from android_sim.hit_rates import HISTORY_BUCKETS, expected_hit_rate, history_bucket  # noqa: E402
 from android_sim.intervals import Interval, bootstrap_means, resample_rows  # noqa: E402
 from android_sim.recommendations import HitRates, score_held_out  # noqa: E402
 from android_sim.run import future_count, write_store  # noqa: E402
@@ -129,9 +130,11 @@ class UniformServer(Server):
 def line(spec: dict[str, Any], found: HitRates) -> str:
     methods = found.evaluation.methods
     mine = methods["personalized"]
+    rule = methods["topic_rule"]
     by_size = " / ".join(
         f"{b} {mine.by_history[b]['expected'].value:.1%}"  # type: ignore[union-attr]
-        for b in ("1", "2-4", "5+")
+        f" (topic rule {rule.by_history[b]['expected'].value:.1%})"  # type: ignore[union-attr]
+        for b in HISTORY_BUCKETS
     )
     ceilings = ", ".join(
         f"{m} {methods[m].expected.value:.1%}"  # type: ignore[union-attr]
@@ -152,12 +155,26 @@ def per_device_expected(found: HitRates) -> dict[int, float]:
     }
 
 
-def paired(first: dict[int, float], other: dict[int, float]) -> Interval:
+def history_buckets(found: HitRates) -> dict[int, str]:
+    """Each scored device's history size bucket (1, 2-4, 5+), by the device's index."""
+    return {d.index: history_bucket(d.history) for d in found.scored}
+
+
+def paired(first: dict[int, float], other: dict[int, float], only: set[int] | None = None) -> Interval:
     """`other` minus `first` over the devices both scored (the same held-out draw: the same seed),
-    bootstrapped over devices: the draw's noise cancels, what is left is the change's."""
-    common = sorted(first.keys() & other.keys())
+    bootstrapped over devices: the draw's noise cancels, what is left is the change's. `only`:
+    over these devices alone (e.g. one history size)."""
+    common = sorted(first.keys() & other.keys() & (first.keys() if only is None else only))
     differences = np.array([other[i] - first[i] for i in common])
     return bootstrap_means(differences, resample_rows(len(common), np.random.default_rng(0)))
+
+
+def paired_text(first: dict[int, float], other: dict[int, float], buckets: dict[int, str]) -> str:
+    """The paired difference over every device and per history size."""
+    by_size = ", ".join(
+        f"{b} {paired(first, other, {i for i, s in buckets.items() if s == b})}" for b in HISTORY_BUCKETS
+    )
+    return f"{paired(first, other)} (by history {by_size})"
 
 
 def main() -> None:
@@ -169,7 +186,9 @@ def main() -> None:
             text = line(spec, found)
             seed, mine = int(spec.get("seed", 0)), per_device_expected(found)
             if seed in baseline:
-                text += f"; paired minus this seed's first configuration {paired(baseline[seed], mine)}"
+                text += "; paired minus this seed's first configuration " + paired_text(
+                    baseline[seed], mine, history_buckets(found)
+                )
             baseline.setdefault(seed, mine)
             print(text, flush=True)
 

@@ -207,7 +207,7 @@ class Recommender(PersonalModel):
             used = self._used_items(revision)
             mask[used[(used >= 0) & (used < n)]] = True
         if self.store.count() == 0:
-            return self._popularity(k, mask)
+            return self._popularity(k, mask, values)
         local_params = self._ensure_local(revision)
         if k <= self.model.manifest.task.top_k and self._correction is None:
             ranking = self.model.infer(mask, values)
@@ -224,20 +224,33 @@ class Recommender(PersonalModel):
         keep = ~mask[items]  # fewer than k items left after exclusions
         return Recommendation(items[keep], scores[keep], "personalized", local_params=local_params)
 
-    def _popularity(self, k: int, mask: np.ndarray) -> Recommendation:
-        """No examples yet: rank by the model's popularity global (e.g. item biases, which learn it)."""
-        bias = self._popularity_scores
-        if bias is None:
+    def _popularity(self, k: int, mask: np.ndarray, context: dict[str, np.ndarray]) -> Recommendation:
+        """No examples yet: rank as the model does for a user it knows nothing about, i.e. its scores
+        with the initial locals (for MF, each item's bias plus its topic's, which learn popularity)."""
+        if self._popularity_scores is None:
             return Recommendation(
                 np.zeros(0, np.int32),
                 np.zeros(0, np.float32),
                 "unavailable",
                 "no local examples and the model has no popularity parameter (e.g. item biases) to rank by",
             )
-        scores = np.where(mask, -np.inf, bias)
+        logits = cold_start_scores(self.model, context, self._correction)
+        self._loaded_key = None  # the interpreter now holds the initial locals, not a cached user's
+        scores = np.where(mask, -np.inf, logits)
         items = np.argsort(-scores, kind="stable")[:k]
         items = items[~mask[items]]
-        return Recommendation(items.astype(np.int32), bias[items], "popularity")
+        return Recommendation(items.astype(np.int32), logits[items], "popularity")
+
+
+def cold_start_scores(
+    model: TFLiteModel, context: Mapping[str, Any] | None = None, correction: np.ndarray | None = None
+) -> np.ndarray:
+    """A ranking model's scores over its catalog for a user with no examples: `infer` with the
+    model's initial (exported) locals and its installed globals, plus the logQ `correction` of
+    popularity-drawn negatives when given. Leaves the interpreter holding the initial locals."""
+    model.reset_local()
+    logits = model.infer(context=context).scores
+    return logits if correction is None else logits + correction
 
 
 class Predictor(PersonalModel):

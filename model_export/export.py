@@ -31,6 +31,7 @@ from contracts.manifest import (
     sha256_file,
 )
 from model_export.gradients import builtin_gradients
+from model_export.signatures import concrete_signatures
 from model_export.spec import ExportError, ExportSpec
 from model_export.trainer import Trainer
 
@@ -97,7 +98,7 @@ def _unsupported_op_error(message: str, signatures: dict[str, Any], layer_names:
 def convert(trainer: Trainer) -> bytes:
     """TFLite flatbuffer with every signature; builtin ops only, so it trains on any interpreter."""
     with builtin_gradients():
-        signatures = trainer.signatures()
+        signatures = concrete_signatures(trainer)
     with tempfile.TemporaryDirectory() as saved:
         tf.saved_model.save(trainer, saved, signatures=signatures)
         converter = tf.lite.TFLiteConverter.from_saved_model(saved, signature_keys=list(signatures))

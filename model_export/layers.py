@@ -97,7 +97,7 @@ class CatalogAttribute(keras.layers.Layer):  # type: ignore[misc]
     Called on a feature that indexes a row-sparse table, it is what lets a model use a catalog
     row's metadata inside the training signatures, where the feature arrives as slots into the
     task's rows: the signatures then also take the task rows' catalog values
-    (`<feature>_task_rows`) and look the attribute up at those (`model_export.trainer`)."""
+    (`<feature>_task_rows`) and look the attribute up at those (`model_export.task_rows`)."""
 
     def __init__(self, values: Sequence[int] | Sequence[float] | np.ndarray, **kwargs: Any) -> None:
         super().__init__(**kwargs)

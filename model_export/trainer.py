@@ -22,6 +22,8 @@ table) at the given globals and the current locals, and `update` takes a central
 global (`<name>_central_gradient`, the same shape) that every step adds, times
 `central_gradient_weight`, to that global's gradient (weight 0: exactly the plain update).
 
+`model_export.signatures` traces them with these static inputs for the converter.
+
 Whole reconstructions and updates run in one call (a `tf.while_loop` over the batches,
 cycling). Why the task rows: a step costs O(batch), not O(table), and a signature that reads a
 whole variable keeps its own full-size copy of it (TFLite's READ_VARIABLE copies into the
@@ -40,61 +42,36 @@ that is not all padding).
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
-from dataclasses import replace
 from typing import Any
 
-import keras
 import numpy as np
 import tensorflow as tf
 
-from contracts.features import FeatureSpec, FeatureSpecError, check_feature_specs
 from contracts.manifest import (
     CENTRAL_GRADIENT_WEIGHT,
-    GRADIENT_SIGNATURE,
-    HYPERPARAMETERS,
     NUM_BATCHES,
     WEIGHTS,
     central_gradient_input,
-    task_rows_input,
 )
-from model_export.layers import CatalogAttribute, RowTable
 from model_export.spec import ExportError, ExportSpec
-
-_RESERVED = {
-    WEIGHTS,
-    NUM_BATCHES,
-    "exclude",
-    CENTRAL_GRADIENT_WEIGHT,
-    *(h for names in HYPERPARAMETERS.values() for h in names),
-}
-_ROW_SPARSE_LAYERS = (keras.layers.Embedding, RowTable)
-
-
-def parameter_names(paths: list[str]) -> dict[str, str]:
-    """Variable path -> its name in the manifest: the layer's name when the layer has one
-    variable (`item_embeddings/embeddings` -> `item_embeddings`), else the path with `_`."""
-    layers = [p.split("/", 1)[0] for p in paths]
-    return {
-        p: layer if layers.count(layer) == 1 else re.sub(r"\W", "_", p)
-        for p, layer in zip(paths, layers, strict=True)
-    }
-
-
-class _WholeTable(keras.layers.Layer):  # type: ignore[misc]
-    """A row-sparse table in the ranking twin: ranking looks up every catalog row in order, which
-    is the table itself, so this returns it without a catalog-sized gather (its input is ignored)."""
-
-    def __init__(self, shape: tuple[int, ...], weight_name: str, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.table = self.add_weight(shape=shape, initializer="zeros", name=weight_name)
-
-    def call(self, inputs: Any) -> Any:
-        return keras.ops.convert_to_tensor(self.table)
-
-    def compute_output_shape(self, input_shape: tuple[int | None, ...]) -> tuple[int, ...]:
-        return tuple(self.table.shape)
+from model_export.spec_checks import (
+    check_locals_not_row_sparse,
+    check_model,
+    check_names,
+    check_task,
+    checked_features,
+    parameter_names,
+    resolve_locals,
+)
+from model_export.task_rows import (
+    attributes_on_row_sparse,
+    checked_row_sparse,
+    ranking_twin,
+    task_constants,
+    task_row_features,
+    training_twin,
+)
 
 
 class _Hidden:
@@ -111,31 +88,23 @@ class Trainer(tf.Module):  # type: ignore[misc]
     def __init__(self, spec: ExportSpec) -> None:
         super().__init__(name="trainer")
         self.spec = spec
+        check_model(spec)
         model = spec.model
-        if not isinstance(model, keras.Model) or not isinstance(model.input, dict):
-            raise ExportError(
-                "the model must be a functional keras.Model whose inputs are a dict keyed by feature "
-                "name, e.g. keras.Model({'item': item_input}, outputs)"
-            )
-        if spec.batch_size < 1 or spec.max_batches < 1:
-            raise ExportError(
-                f"batch_size and max_batches must be >= 1, got {spec.batch_size}, {spec.max_batches}"
-            )
         paths = [v.path for v in model.trainable_variables]
         self.names = parameter_names(paths)
-        self.features = self._checked_features(spec, model)
-        self.row_sparse = self._checked_row_sparse(spec, model)  # param name -> feature
+        features = checked_features(spec, model)
+        # param name -> the feature that indexes it; the features with their tables filled in
+        self.row_sparse, self.features = checked_row_sparse(spec, model, features, self.names)
         # Catalog attributes on a row-sparse feature: their constant's path -> that feature.
-        self.attributes = self._attributes_on_row_sparse(model)
-        self.task_row_features = [f.name for f in self.features if f.name in set(self.attributes.values())]
-        local_paths = self._resolve_locals(spec.local_variables, paths)
-        local_layers = {p.split("/", 1)[0] for p in local_paths}
-        clash = sorted(local_layers & set(spec.row_sparse))
-        if clash:
-            raise ExportError(f"row-sparse tables are global; {clash} are also listed as local variables")
+        self.attributes = attributes_on_row_sparse(model, self.features, self.row_sparse)
+        self.task_row_features = task_row_features(self.features, self.attributes)
+        local_paths = resolve_locals(spec.local_variables, paths, self.names)
+        check_locals_not_row_sparse(local_paths, set(spec.row_sparse))
         self.local_paths = [p for p in paths if p in local_paths]
         self.global_paths = [p for p in paths if p not in local_paths]
-        self._check_names()
+        check_names(
+            self.features, self.names, [self.names[p] for p in self.global_paths], self.task_row_features
+        )
         self.label = next(f for f in self.features if f.role == "label")
         self.inputs = [f for f in self.features if f.role == "input"]
         by_path = {v.path: v for v in model.trainable_variables}
@@ -149,218 +118,13 @@ class Trainer(tf.Module):  # type: ignore[misc]
         }
         self._initial_local = {n: v.numpy().copy() for n, v in self.local_vars.items()}
         self._constants = {v.path: tf.constant(np.asarray(v.numpy())) for v in model.non_trainable_variables}
-        self._check_task()
-        self._keras = _Hidden(model, self._training_twin(model), self._ranking_twin(model))
-
-    # ---- checks of the spec --------------------------------------------------------------
-
-    @staticmethod
-    def _checked_features(spec: ExportSpec, model: Any) -> list[FeatureSpec]:
-        try:
-            check_feature_specs(list(spec.features))
-        except FeatureSpecError as e:
-            raise ExportError(str(e)) from None
-        inputs = {f.name: f for f in spec.features if f.role == "input"}
-        labels = [f.name for f in spec.features if f.role == "label"]
-        if len(labels) != 1:
-            raise ExportError(f"the features must include exactly one label (role 'label'), got {labels}")
-        model_inputs = model.input
-        if set(inputs) != set(model_inputs):
-            raise ExportError(
-                "the feature spec disagrees with the model's inputs: the model takes "
-                f"{sorted(model_inputs)}, the spec declares inputs {sorted(inputs)}"
-            )
-        for name, tensor in model_inputs.items():
-            feature = inputs[name]
-            shape = tuple(tensor.shape[1:])
-            if shape != feature.shape or str(tensor.dtype) != feature.dtype:
-                raise ExportError(
-                    f"the feature spec disagrees with the model's input {name!r}: the model takes "
-                    f"{tensor.dtype}{list(shape)} per example, the spec says "
-                    f"{feature.dtype}{list(feature.shape)}"
-                )
-        return list(spec.features)
-
-    def _checked_row_sparse(self, spec: ExportSpec, model: Any) -> dict[str, str]:
-        """Fill each indexing feature's `tables` and range from its layer; param name -> feature."""
-        layers = {layer.name: layer for layer in model.layers}
-        out: dict[str, str] = {}
-        features = {f.name: f for f in self.features}
-        consumers: dict[int, list[Any]] = {}
-        for op in model.operations:
-            for node in op._inbound_nodes:
-                for tensor in node.arguments.keras_tensors:
-                    consumers.setdefault(id(tensor), []).append(op)
-        for layer_name, feature_name in spec.row_sparse.items():
-            layer = layers.get(layer_name)
-            if not isinstance(layer, _ROW_SPARSE_LAYERS):
-                raise ExportError(
-                    f"row_sparse names {layer_name!r}: expected an Embedding or RowTable layer of the model; "
-                    f"its layers are {sorted(layers)}"
-                )
-            feature = features.get(feature_name)
-            if feature is None or feature.role != "input" or feature.dtype != "int32" or feature.shape:
-                raise ExportError(
-                    f"row_sparse table {layer_name!r} must be indexed by a scalar int32 input feature, "
-                    f"got {feature_name!r}"
-                )
-            feature_input = model.input[feature_name]
-            if layer not in consumers.get(id(feature_input), []) or len(layer._inbound_nodes) != 1:
-                raise ExportError(
-                    f"row_sparse table {layer_name!r} must be called once, directly on input {feature_name!r}"
-                )
-            others = [
-                op.name
-                for op in consumers[id(feature_input)]
-                if not isinstance(op, (*_ROW_SPARSE_LAYERS, CatalogAttribute))
-            ]
-            if others:
-                raise ExportError(
-                    f"input {feature_name!r} indexes a row-sparse table, so training sees it as slots into "
-                    f"the task's rows; it may feed only row-sparse tables and CatalogAttribute layers (a "
-                    f"catalog row's constants, e.g. its topic), but also feeds {others}"
-                )
-            (variable,) = layer.trainable_variables
-            rows = int(variable.shape[0])
-            name = self.names[variable.path]
-            if feature.value_range not in (None, (0.0, rows - 1.0)):
-                raise ExportError(
-                    f"feature {feature_name!r} declares the range {feature.value_range}; the model's "
-                    f"{layer_name!r} that it indexes has {rows} rows, so it takes [0, {rows - 1}]"
-                )
-            tables = feature.tables if name in feature.tables else (*feature.tables, name)
-            features[feature_name] = replace(feature, tables=tables, value_range=(0.0, rows - 1.0))
-            out[name] = feature_name
-        self.features = [features[f.name] for f in self.features]
-        return out
-
-    def _attributes_on_row_sparse(self, model: Any) -> dict[str, str]:
-        """Each CatalogAttribute called on a row-sparse feature: its constant's path -> the feature,
-        checked to have one value per row of the feature's tables."""
-        sparse_features = set(self.row_sparse.values())
-        features = {f.name: f for f in self.features}
-        found: dict[str, str] = {}
-        for layer in model.layers:
-            if not isinstance(layer, CatalogAttribute):
-                continue
-            called_on = [
-                name
-                for node in layer._inbound_nodes
-                for tensor in node.arguments.keras_tensors
-                for name, feature_input in model.input.items()
-                if tensor is feature_input and name in sparse_features
-            ]
-            if not called_on:
-                continue  # on another input it is a plain lookup, the same in every signature
-            if len(layer._inbound_nodes) != 1:
-                raise ExportError(
-                    f"catalog attribute {layer.name!r} must be called once, directly on input "
-                    f"{called_on[0]!r}"
-                )
-            rows = features[called_on[0]].num_values
-            if layer.values.shape[0] != rows:
-                raise ExportError(
-                    f"catalog attribute {layer.name!r} has {layer.values.shape[0]} values; the feature "
-                    f"{called_on[0]!r} it is called on has {rows} rows, so it needs one value per row"
-                )
-            found[layer.table.path] = called_on[0]
-        return found
-
-    def _resolve_locals(self, wanted: Any, paths: list[str]) -> set[str]:
-        if isinstance(wanted, str):
-            raise ExportError(f"local_variables must be a list of names, got the string {wanted!r}")
-        found: set[str] = set()
-        for name in wanted:
-            matches = {p for p in paths if name in (p, self.names[p], p.split("/", 1)[0])}
-            if not matches:
-                raise ExportError(
-                    f"local variable {name!r} does not exist; the model's trainable variables are "
-                    f"{sorted(self.names.values())} (paths {paths})"
-                )
-            found |= matches
-        return found
-
-    def _check_names(self) -> None:
-        globals_ = [self.names[p] for p in self.global_paths]
-        taken = (
-            [f.name for f in self.features]
-            + list(self.names.values())
-            + [central_gradient_input(n) for n in globals_]
-            + [task_rows_input(f) for f in self.task_row_features]
-        )
-        clash = sorted({n for n in taken if taken.count(n) > 1 or n in _RESERVED})
-        if clash:
-            raise ExportError(
-                f"signature inputs would share the names {clash}: rename the features or layers "
-                f"(reserved: {sorted(_RESERVED)})"
-            )
-
-    def _check_task(self) -> None:
-        task = self.spec.task
-        if task.kind == "classification" and not 1 <= task.top_k <= task.num_classes:
-            raise ExportError(
-                f"a classification task's top_k must be in [1, num_classes = {task.num_classes}], "
-                f"got {task.top_k}"
-            )
-        if task.kind == "ranking":
-            catalog = task.catalog_feature
-            if catalog not in self.row_sparse.values():
-                raise ExportError(
-                    f"a ranking task scores every row of its catalog feature's table, so the catalog feature "
-                    f"({catalog!r}) must be an input that indexes a row-sparse table; the model's other "
-                    "inputs are its context (e.g. the hour), one value per ranking"
-                )
-            rows = next(f for f in self.features if f.name == catalog).num_values
-            if not 1 <= task.top_k <= rows:
-                raise ExportError(
-                    f"a ranking task's top_k must be in [1, {rows}] (the rows of its catalog feature "
-                    f"{catalog!r}), got {task.top_k}"
-                )
-            if task.popularity is not None and task.popularity not in self.global_vars:
-                raise ExportError(f"ranking popularity {task.popularity!r} is not a global parameter")
-
-    def _training_twin(self, model: Any) -> Any:
-        """The model with each row-sparse table and catalog attribute on a row-sparse feature sized
-        to the task rows (`max_rows`); other layers shared."""
-        max_rows = self.spec.batch_size * self.spec.max_batches
-        sparse_layers = set(self.spec.row_sparse)
-
-        def clone(layer: Any) -> Any:
-            if isinstance(layer, CatalogAttribute) and layer.table.path in self.attributes:
-                # Its values at the task rows are given per call (`_task_constants`).
-                return CatalogAttribute(np.zeros(max_rows, layer.values.dtype), name=layer.name)
-            if layer.name not in sparse_layers:
-                return layer
-            config = layer.get_config()
-            config["input_dim" if isinstance(layer, keras.layers.Embedding) else "rows"] = max_rows
-            return layer.__class__.from_config(config)
-
-        return keras.models.clone_model(model, clone_function=clone)
-
-    def _ranking_twin(self, model: Any) -> Any:
-        """For a ranking task, the model with the catalog feature's tables returned whole."""
-        if self.spec.task.kind != "ranking":
-            return None
-        catalog_tables = {
-            name for name, f in self.spec.row_sparse.items() if f == self.spec.task.catalog_feature
-        }
-
-        def clone(layer: Any) -> Any:
-            if layer.name not in catalog_tables:
-                return layer
-            (variable,) = layer.trainable_variables
-            return _WholeTable(tuple(variable.shape), variable.name, name=layer.name)
-
-        return keras.models.clone_model(model, clone_function=clone)
+        check_task(spec.task, self.features, self.row_sparse, list(self.global_vars))
+        self._keras = _Hidden(model, training_twin(model, spec, self.attributes), ranking_twin(model, spec))
 
     # ---- maths shared by the signatures -------------------------------------------------
 
     def _task_constants(self, inputs: dict[str, tf.Tensor]) -> dict[str, tf.Tensor]:
-        """The training twin's catalog attributes: each constant at its feature's task rows."""
-        return {
-            path: tf.gather(self._constants[path], inputs[task_rows_input(feature)])
-            for path, feature in self.attributes.items()
-        }
+        return task_constants(self._constants, self.attributes, inputs)
 
     def _forward(
         self,
@@ -633,80 +397,3 @@ class Trainer(tf.Module):  # type: ignore[misc]
         for k, v in self.local_vars.items():
             v.assign(tf.constant(self._initial_local[k]))
         return {"ok": tf.constant(1)}
-
-    # ---- the concrete functions the converter sees --------------------------------------
-
-    def training_specs(self, signature: str) -> dict[str, tf.TensorSpec]:
-        """The generic layout's inputs of a training/evaluation signature."""
-        s, b = self.spec.max_batches, self.spec.batch_size
-        sparse_features = set(self.row_sparse.values())
-        specs = {
-            f.name: tf.TensorSpec(
-                [s, b, *f.shape], tf.int32 if f.name in sparse_features else f.dtype, name=f.name
-            )
-            for f in self.features
-        }
-        for name, var in self.global_vars.items():
-            shape = [s * b, *var.shape[1:]] if name in self.row_sparse else var.shape
-            specs[name] = tf.TensorSpec(shape, var.dtype, name=name)
-        for feature in self.task_row_features:
-            key = task_rows_input(feature)
-            specs[key] = tf.TensorSpec([s * b], tf.int32, name=key)
-        specs[WEIGHTS] = tf.TensorSpec([s, b], tf.float32, name=WEIGHTS)
-        specs[NUM_BATCHES] = tf.TensorSpec([], tf.int32, name=NUM_BATCHES)
-        for h in HYPERPARAMETERS[signature]:
-            specs[h] = tf.TensorSpec([], tf.int32 if h == "num_steps" else tf.float32, name=h)
-        if signature == "update":
-            for name in self.global_vars:
-                key = central_gradient_input(name)
-                specs[key] = tf.TensorSpec(specs[name].shape, tf.float32, name=key)
-            specs[CENTRAL_GRADIENT_WEIGHT] = tf.TensorSpec([], tf.float32, name=CENTRAL_GRADIENT_WEIGHT)
-        return specs
-
-    def signatures(self) -> dict[str, Any]:
-        """Named concrete functions with static input signatures, ready for conversion."""
-
-        def keyword_fn(method: Any, specs: dict[str, tf.TensorSpec]) -> Any:
-            # TFLite signature inputs are named after keyword arguments.
-            return tf.function(lambda **kw: method(**kw)).get_concrete_function(**specs)
-
-        global_specs = {k: tf.TensorSpec(v.shape, v.dtype, name=k) for k, v in self.global_vars.items()}
-        local_specs = {k: tf.TensorSpec(v.shape, v.dtype, name=k) for k, v in self.local_vars.items()}
-        if self.spec.task.kind == "ranking":
-            catalog = next(f for f in self.features if f.name == self.spec.task.catalog_feature)
-            exclude = tf.TensorSpec([catalog.num_values], tf.float32, name="exclude")
-            context = [f for f in self.inputs if f.name != catalog.name]
-            if context:
-                infer = keyword_fn(
-                    self.infer_ranking,
-                    {
-                        "exclude": exclude,
-                        **{f.name: tf.TensorSpec(f.shape, f.dtype, name=f.name) for f in context},
-                    },
-                )
-            else:
-                infer = tf.function(self.infer_ranking).get_concrete_function(exclude)
-        else:
-            b = self.spec.batch_size
-            infer = keyword_fn(
-                self.infer_batch,
-                {f.name: tf.TensorSpec([b, *f.shape], f.dtype, name=f.name) for f in self.inputs},
-            )
-        signatures = {
-            "update": keyword_fn(self.update, self.training_specs("update")),
-            "evaluate": keyword_fn(self.evaluate, self.training_specs("evaluate")),
-            GRADIENT_SIGNATURE: keyword_fn(self.gradient, self.training_specs("evaluate")),
-            "infer": infer,
-            "get_global": tf.function(self.get_global).get_concrete_function(),
-            "set_global": keyword_fn(self.set_global, global_specs),
-        }
-        if self.local_vars:
-            # Without local variables there is nothing to reconstruct, read or reset (and a
-            # signature without outputs would not even convert): plain FedAvg on the model.
-            signatures |= {
-                "reconstruct": keyword_fn(self.reconstruct, self.training_specs("reconstruct")),
-                "get_local": tf.function(self.get_local).get_concrete_function(),
-                "set_local": keyword_fn(self.set_local, local_specs),
-                "reset_local": tf.function(self.reset_local).get_concrete_function(),
-            }
-        return signatures

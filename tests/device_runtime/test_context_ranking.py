@@ -19,6 +19,7 @@ from device_runtime.client_task import Outcome, run_evaluation_task, run_trainin
 from device_runtime.example_store import Event, ExampleStore
 from device_runtime.examples_table import store_path
 from device_runtime.local_state import LocalStateStore
+from device_runtime.recommender import Recommender
 from model_export.config import ModelConfig
 from model_runtime.support_query import add_negatives
 from model_runtime.tflite_model import TFLiteModel
@@ -286,3 +287,19 @@ def test_the_catalog_is_scored_in_the_context_given(hour_recommender_model: Path
         np.testing.assert_allclose(ranking.scores, expected, rtol=1e-5, atol=1e-5)
         best = [i for i in np.argsort(-expected, kind="stable") if i not in (1, 2)][:10]
         assert ranking.top_items.tolist() == best
+
+
+def test_a_phone_without_examples_is_shown_the_popular_ones_in_its_context(
+    hour_recommender_model: Path, tmp_path: Path
+) -> None:
+    """The cold start ranks by the model's scores with its initial locals, in the context asked."""
+    model = TFLiteModel(hour_recommender_model)
+    params = model.get_global()
+    bias = np.zeros_like(params["expression_bias"])
+    bias[[7, 3, 5]] = [3.0, 2.0, 1.0]
+    params["expression_bias"] = bias
+    with ExampleStore(tmp_path / "new.sqlite", model.manifest.features) as store:
+        top = Recommender(model, store, params).recommend(3, context={"hour": 21})
+
+    assert top.source == "popularity"
+    assert top.items.tolist() == [7, 3, 5]

@@ -10,7 +10,7 @@ import pytest
 
 from device_runtime.example_store import Event, ExampleStore
 from device_runtime.recommender import Recommender
-from model_export.config import ModelConfig
+from model_export.config import Feedback, ModelConfig
 from model_runtime.tflite_model import TFLiteModel
 from tests.conftest import BIASED, IMPLICIT, SMALL, perturbed_globals
 
@@ -105,6 +105,40 @@ def test_cold_start_ranks_by_item_bias(setup, tmp_path: Path) -> None:  # type: 
     assert top.source == "popularity"
     assert list(top.items) == list(np.argsort(-globals_["item_bias"])[1:6])
     assert model.reconstructions == 0
+
+
+TOPICS = tuple(i % 3 for i in range(60))
+TOPICAL = ModelConfig(
+    num_items=60,
+    embedding_dim=8,
+    batch_size=4,
+    max_batches=6,
+    top_k=20,
+    feedback=Feedback.IMPLICIT,
+    item_bias=True,
+    item_groups=TOPICS,
+    group_embeddings=True,
+    group_bias=True,
+    group_rate=0.25,
+)
+
+
+def test_cold_start_ranks_by_item_and_topic_bias(
+    export: Callable[[ModelConfig], Path], backend: str, tmp_path: Path
+) -> None:
+    """A user with no examples sees what the model scores for a user it knows nothing about: each
+    item's bias plus its topic's, not the item biases alone."""
+    model = TFLiteModel(export(TOPICAL), backend=backend)
+    globals_ = model.get_global()
+    globals_["item_bias"] = np.linspace(1.0, 0.0, 60, dtype=np.float32)  # item 0 the most popular alone
+    globals_["group_bias"] = np.array([0.0, 0.0, 6.0], np.float32)  # x sqrt(0.25): topic 2 +3
+    empty = ExampleStore(tmp_path / "new-phone.sqlite", model.manifest.features)
+
+    top = Recommender(model, empty, globals_).recommend(5)
+
+    assert top.source == "popularity"
+    assert list(top.items) == [2, 5, 8, 11, 14]  # topic 2's items, by their own bias
+    np.testing.assert_allclose(top.scores, globals_["item_bias"][top.items] + 3.0, rtol=1e-5)
 
 
 def test_cold_start_without_item_bias_says_so(export: Callable[[ModelConfig], Path], tmp_path: Path) -> None:
