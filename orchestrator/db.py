@@ -219,6 +219,17 @@ class SecureRound(Base):
     phase_deadline: Mapped[float]
     parameters: Mapped[dict[str, Any]] = mapped_column(JSON)  # secure_aggregation RoundParameters
     outcome: Mapped[str] = mapped_column(String(500), default="")  # why it was abandoned, or ""
+    # The phases' counters (secure_round_state): devices that reached each stage, and that left
+    # at each stage; each event moves them in one statement (round_counts.count_secure).
+    advertised: Mapped[int] = mapped_column(default=0, server_default="0")
+    sharers: Mapped[int] = mapped_column(default=0, server_default="0")
+    senders: Mapped[int] = mapped_column(default=0, server_default="0")
+    signers: Mapped[int] = mapped_column(default=0, server_default="0")
+    responders: Mapped[int] = mapped_column(default=0, server_default="0")
+    left_before_keys: Mapped[int] = mapped_column(default=0, server_default="0")
+    left_before_shares: Mapped[int] = mapped_column(default=0, server_default="0")
+    left_before_input: Mapped[int] = mapped_column(default=0, server_default="0")
+    left_before_confirmation: Mapped[int] = mapped_column(default=0, server_default="0")
 
 
 class SecureParticipant(Base):
