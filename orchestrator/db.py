@@ -256,7 +256,7 @@ class SecureParticipant(Base):
 
     __table_args__ = (
         Index("secure_participants_round_index", "round_id", "device_index", unique=True),
-        # The phases count and list the participants' flags at every message: in SQLite a row's
+        # A phase's close lists the participants' flags (and drops by them): in SQLite a row's
         # flags come after its shares (~9 KB at 60 neighbours, in overflow pages), so they are read
         # from this covering index instead (migration 0015).
         Index(

@@ -98,16 +98,16 @@ def test_the_counters_on_the_round_follow_every_message_abort_drop_and_deadline(
     # Execute: five advertise (the roster is then full); one aborts after its keys, four share
     indices = []
     for k in range(5):
-        body = sessions[k].advertise().to_json()
-        indices.append(message(db, devices[k], answers[k].assignment_id, "advertise", body, 1.0)["index"])
+        keys = sessions[k].advertise().to_json()
+        indices.append(message(db, devices[k], answers[k].assignment_id, "advertise", keys, 1.0)["index"])
         seen.append(check(db, round_id))
     roster_json = state(db, devices[0], answers[0].assignment_id, 1.5)["roster"]
     roster = {int(i): AdvertisedKeys.from_json(k) for i, k in roster_json.items()}
     abort(db, devices[4], answers[4].assignment_id, 1.6)
     seen.append(check(db, round_id))
     for k in range(4):
-        body = shares_to_json(sessions[k].share_keys(indices[k], roster))
-        message(db, devices[k], answers[k].assignment_id, "share_keys", body, 2.0)
+        shares = shares_to_json(sessions[k].share_keys(indices[k], roster))
+        message(db, devices[k], answers[k].assignment_id, "share_keys", shares, 2.0)
         seen.append(check(db, round_id))
     # three send their masked input; the fourth is dropped at the phase's deadline (2 + 60 s)
     zero = np.zeros(params.vector_length, np.uint64)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from orchestrator import round_state, secure_round_state
+from orchestrator import secure_round_state
 from orchestrator.round_state import ABANDONED, DEADLINE, DROPOUTS, REFUSALS
 from orchestrator.secure_round_state import (
     ADVERTISE,
@@ -67,7 +67,7 @@ def test_each_message_moves_its_stage_and_the_open_devices_follow() -> None:
         (UNMASKING, 1),
     ):
         for _ in range(times):
-            round_state.apply(row, secure_round_state.message(phase))
+            secure_round_state.apply(row, secure_round_state.message(phase))
 
     counts = secure_round_state.counts_of(row, accepted=6)
 
@@ -81,8 +81,8 @@ def test_a_device_leaving_is_counted_at_the_stage_it_had_reached() -> None:
     sent = {SHARE_KEYS: True, MASKED_INPUT: False}
     at = secure_round_state.stage(True, sent)
 
-    round_state.apply(row, secure_round_state.leaving(at))
-    round_state.apply(row, secure_round_state.leaving(secure_round_state.stage(False, {})))
+    secure_round_state.apply(row, secure_round_state.leaving(at))
+    secure_round_state.apply(row, secure_round_state.leaving(secure_round_state.stage(False, {})))
 
     assert at == 2
     assert (row.left_before_input, row.left_before_keys) == (1, 1)
@@ -95,7 +95,7 @@ def test_a_phase_close_drops_every_open_device_below_the_stage_it_keeps() -> Non
     row = Row(advertised=5, sharers=4, senders=2, left_before_shares=1)
     accepted = 7
 
-    round_state.apply(row, secure_round_state.dropped_below(row, accepted, kept=3))
+    secure_round_state.apply(row, secure_round_state.dropped_below(row, accepted, kept=3))
 
     assert secure_round_state.open_at(row, accepted)[:3] == [0, 0, 0]
     assert (row.left_before_keys, row.left_before_shares, row.left_before_input) == (2, 1, 2)
