@@ -219,6 +219,17 @@ class SecureRound(Base):
     phase_deadline: Mapped[float]
     parameters: Mapped[dict[str, Any]] = mapped_column(JSON)  # secure_aggregation RoundParameters
     outcome: Mapped[str] = mapped_column(String(500), default="")  # why it was abandoned, or ""
+    # The phases' counters (secure_round_state): devices that reached each stage, and that left
+    # at each stage; each event moves them in one statement (round_counts.count_secure).
+    advertised: Mapped[int] = mapped_column(default=0, server_default="0")
+    sharers: Mapped[int] = mapped_column(default=0, server_default="0")
+    senders: Mapped[int] = mapped_column(default=0, server_default="0")
+    signers: Mapped[int] = mapped_column(default=0, server_default="0")
+    responders: Mapped[int] = mapped_column(default=0, server_default="0")
+    left_before_keys: Mapped[int] = mapped_column(default=0, server_default="0")
+    left_before_shares: Mapped[int] = mapped_column(default=0, server_default="0")
+    left_before_input: Mapped[int] = mapped_column(default=0, server_default="0")
+    left_before_confirmation: Mapped[int] = mapped_column(default=0, server_default="0")
 
 
 class SecureParticipant(Base):
@@ -245,7 +256,7 @@ class SecureParticipant(Base):
 
     __table_args__ = (
         Index("secure_participants_round_index", "round_id", "device_index", unique=True),
-        # The phases count and list the participants' flags at every message: in SQLite a row's
+        # A phase's close lists the participants' flags (and drops by them): in SQLite a row's
         # flags come after its shares (~9 KB at 60 neighbours, in overflow pages), so they are read
         # from this covering index instead (migration 0015).
         Index(

@@ -8,6 +8,8 @@ report, an abort or a check-in's admission needs no population lock: two reports
 two processes wait for each other only for that statement's row, never for each other's parsing.
 The session's copy of the round then shows the row as this transaction now holds it, which the
 target check and a commit read.
+
+A secure round's phase counters move the same way, on its secure round's row (`count_secure`).
 """
 
 from __future__ import annotations
@@ -19,8 +21,8 @@ from sqlalchemy import Update, bindparam, update
 from sqlalchemy.orm import Session
 from sqlalchemy.orm.attributes import set_committed_value
 
-from orchestrator import round_state
-from orchestrator.db import Round
+from orchestrator import round_state, secure_round_state
+from orchestrator.db import Round, SecureRound
 
 # Everything the state machine reads of a round, returned by every count.
 FRESH = (
@@ -77,3 +79,30 @@ def count(session: Session, round_: Round, event: round_state.Count) -> bool:
     for name, value in fresh.items():
         set_committed_value(round_, name, value)
     return True
+
+
+@functools.cache
+def _secure_statement(names: tuple[str, ...]) -> Update:
+    values: dict[str, Any] = {name: getattr(SecureRound, name) + bindparam(f"add_{name}") for name in names}
+    fresh = (getattr(SecureRound, n) for n in secure_round_state.COUNTERS)
+    return (
+        update(SecureRound)
+        .where(SecureRound.round_id == bindparam("secure_round_id"))
+        .values(values)
+        .returning(*fresh)
+    )
+
+
+def count_secure(session: Session, secure_round: SecureRound, event: round_state.Count) -> None:
+    """Apply a secure round's `event` (`secure_round_state`) to its row in one statement; the
+    session's copy then shows every counter as this transaction now holds it."""
+    names = tuple(sorted(event.adds))
+    if not names:
+        return
+    params: dict[str, Any] = {
+        "secure_round_id": secure_round.round_id,
+        **{f"add_{n}": event.adds[n] for n in names},
+    }
+    row = session.connection().execute(_secure_statement(names), params).one()
+    for name, value in zip(secure_round_state.COUNTERS, row, strict=True):
+        set_committed_value(secure_round, name, value)

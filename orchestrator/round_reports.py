@@ -26,7 +26,7 @@ from typing import cast
 from sqlalchemy import bindparam, insert, select, update
 from sqlalchemy.orm import Session
 
-from orchestrator import metrics, round_counts, round_state
+from orchestrator import metrics, round_counts, round_state, secure_rounds
 from orchestrator.db import Assignment, Population, Report, Round
 from orchestrator.logs import log_on_commit
 from orchestrator.population_config import PopulationConfig, config_of
@@ -351,6 +351,8 @@ def _count(session: Session, step: _Step, event: Event, now: float, lock: bool) 
         assert not lock, f"assignment {found.id} changed under its round's lock"
         raise LockNeeded(f"assignment {found.id} was finished meanwhile")
     if event.abort:
+        if round_.kind == TRAINING and config_of(population).secure_training:
+            secure_rounds.count_leaving(session, round_.id, found.id)  # its phase's open devices
         metrics.count(session, metrics.ABORTS, (population.name, round_.kind))
         return Counted(round_, round_.status, round_.reported)
     if step.report is None:

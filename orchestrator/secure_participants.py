@@ -1,8 +1,9 @@
 """A secure round's participants as its phases read them, at a small cost per message.
 
-- The open phase's conditions are counted in SQL (`counts`): one query a message, which reads
-  every participant's flags from a covering index (never a row of shares) and returns one row.
-  Still O(n) a message: ~3 ms at 1,000 participants, ~10% of the server's time in such a round.
+- The open phase's conditions are not counted here: counters on the secure round's row say them
+  (`secure_round_state`), moved by one statement per message, so a message costs the same however
+  many devices the round has. The flags below are read once per phase's close (`indices_where`,
+  from a covering index, never a row of shares).
 - What a closed phase fixed (the roster, who shared keys, who sent a masked input, who confirmed,
   whose shares were refused, the roster's keys as devices download them) never changes again, so
   each server process reads it once per round (`closed`) instead of on every message.
@@ -17,7 +18,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import and_, bindparam, case, func, not_, or_, select
+from sqlalchemy import and_, bindparam, func, or_, select
 from sqlalchemy.orm import InstrumentedAttribute, Session
 from sqlalchemy.sql import ColumnElement
 
@@ -66,59 +67,6 @@ def participants_of(session: Session, round_id: int) -> dict[int, Member]:
     phase), never per message."""
     rows = session.execute(_MEMBERS, {"round_id": round_id})
     return {index: Member(*rest) for index, *rest in rows}
-
-
-@dataclass(frozen=True)
-class Counts:
-    """A round's participants counted for its phase conditions ("open": an assignment still
-    assigned, i.e. neither dropped nor finished)."""
-
-    advertised: int
-    waiting: int  # open assignments that have not advertised keys
-    sharers: int
-    open_unshared: int  # open participants that have not sent shares
-    senders: int
-    open_unsent: int  # open sharers without a masked input
-    signers: int
-    open_unsigned: int  # open senders without a confirmation
-    responders: int
-
-
-def _count(condition: Flag) -> ColumnElement[int]:
-    return func.count(case((condition, 1)))
-
-
-_open = Assignment.status == "assigned"
-_joined = SecureParticipant.assignment_id.is_not(None)
-_COUNTS = (
-    select(
-        func.count(SecureParticipant.assignment_id),
-        _count(and_(_open, SecureParticipant.assignment_id.is_(None))),
-        _count(SecureParticipant.sent_shares),
-        _count(and_(_open, _joined, not_(SecureParticipant.sent_shares))),
-        _count(SecureParticipant.sent_masked_input),
-        _count(and_(_open, SecureParticipant.sent_shares, not_(SecureParticipant.sent_masked_input))),
-        _count(SecureParticipant.sent_consistency),
-        _count(and_(_open, SecureParticipant.sent_masked_input, not_(SecureParticipant.sent_consistency))),
-        _count(SecureParticipant.sent_unmasking),
-    )
-    .select_from(Assignment)
-    # On the round as well as the assignment: SQLite then reads the flags from the covering index
-    # `secure_participants_flags`, not from rows whose shares run into overflow pages.
-    .outerjoin(
-        SecureParticipant,
-        and_(
-            SecureParticipant.round_id == Assignment.round_id,
-            SecureParticipant.assignment_id == Assignment.id,
-        ),
-    )
-    .where(Assignment.round_id == bindparam("round_id"))
-)
-
-
-def counts(session: Session, round_id: int) -> Counts:
-    """The round's phase conditions, counted by the database: one row, however many devices."""
-    return Counts(*(int(n) for n in session.execute(_COUNTS, {"round_id": round_id}).one()))
 
 
 def indices_where(session: Session, round_id: int, flag: Flag) -> frozenset[int]:

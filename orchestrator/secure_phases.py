@@ -1,13 +1,11 @@
-"""The state machine of a training round under secure aggregation (Bonawitz et al. 2017; SecAgg+).
+"""A training round under secure aggregation (Bonawitz et al. 2017; SecAgg+): its phases acted on.
 
 A secure round is an ordinary round (check-in, assignments, capacity = target x oversampling)
-whose reports are replaced by four phases, each with its own deadline:
-
-    advertise --(capacity devices advertised keys, or stragglers, or deadline)--> share_keys
-    share_keys --(every advertiser sent shares, or stragglers, or deadline)-----> masked_input
-    masked_input --(target inputs, every sharer's, or stragglers, or deadline)--> consistency
-    consistency --(every survivor confirmed, or stragglers, or deadline)--------> unmasking
-    unmasking --(enough shares to unmask, or deadline)--------------------------> done
+whose reports are replaced by phases, each with its own deadline: advertise, share keys, masked
+input, consistency, unmasking. Which phase a round is in, when a phase closes and whether it had
+enough devices is the round state machine's (`secure_round_state`, pure, from the counters on the
+secure round's row); this module acts on its verdicts: it drops the devices a closed phase left
+behind, opens the next phase, confirms the survivors, and unmasks the sum.
 
 The consistency check (Bonawitz et al. 2017, with the globals and task of Pasquini et al. 2022):
 each survivor signs the survivor set with the hashes of the globals and task it trained on. The
@@ -33,7 +31,7 @@ round's metrics.
 
 Like `rounds`, every function runs in the caller's transaction with an explicit `now`, and
 refusals are returned as `Refused` values. The cryptography and the checks of each message are the
-pure `secure_aggregation` package, the messages are stored by `secure_rounds`; this module decides phases.
+pure `secure_aggregation` package, the messages are stored by `secure_rounds`.
 """
 
 from __future__ import annotations
@@ -48,8 +46,9 @@ from sqlalchemy.orm import Session
 
 from contracts.manifest import Manifest
 from contracts.params import Params
-from orchestrator import round_state
+from orchestrator import round_counts, round_state
 from orchestrator import secure_participants as participants
+from orchestrator import secure_round_state as machine
 from orchestrator.db import Assignment, Round, SecureMaskedInput, SecureParticipant, SecureRound
 from orchestrator.on_commit import on_commit
 from orchestrator.phase_changes import PHASE_CHANGES
@@ -62,15 +61,9 @@ from secure_aggregation.messages import UnmaskingShares, decode_vector
 from secure_aggregation.neighbours import suggested_neighbours
 from secure_aggregation.quantization import Layout, dequantize_sum
 
-ADVERTISE, SHARE_KEYS, MASKED_INPUT, CONSISTENCY, UNMASKING, DONE = (
-    "advertise",
-    "share_keys",
-    "masked_input",
-    "consistency",
-    "unmasking",
-    "done",
-)
-PHASES = (ADVERTISE, SHARE_KEYS, MASKED_INPUT, CONSISTENCY, UNMASKING)
+# The phases' names are the state machine's (re-exported: the routes and tests name them from here).
+ADVERTISE, SHARE_KEYS, MASKED_INPUT = machine.ADVERTISE, machine.SHARE_KEYS, machine.MASKED_INPUT
+CONSISTENCY, UNMASKING, DONE, PHASES = machine.CONSISTENCY, machine.UNMASKING, machine.DONE, machine.PHASES
 
 
 def phase_seconds_metric(phase: str) -> str:
@@ -137,6 +130,7 @@ def start(
         phase_deadline=round_.opened_at + secure.advertise_seconds,
         parameters=parameters.to_json(),
         outcome="",
+        **dict.fromkeys(machine.COUNTERS, 0),
     )
     session.add(secure_round)
     return secure_round
@@ -146,13 +140,23 @@ def round_parameters(secure_round: SecureRound) -> RoundParameters:
     return RoundParameters.from_json(secure_round.parameters)
 
 
-def _drop_outstanding(session: Session, round_: Round, keeping: participants.Flag | None, now: float) -> None:
+def _drop_outstanding(
+    session: Session,
+    round_: Round,
+    secure_round: SecureRound,
+    keeping: participants.Flag | None,
+    kept: int,
+    now: float,
+) -> None:
     """Assignments still open whose participant does not have the flag `keeping` (None: all of
-    them) are dropped: those that did not take the phase just closed. One statement."""
+    them) are dropped: those that did not take the phase just closed (every open device below
+    stage `kept`, as the machine counts them). Two statements: the drop and its count."""
     still_open = and_(Assignment.round_id == round_.id, Assignment.status == "assigned")
     if keeping is not None:
-        kept = select(SecureParticipant.assignment_id).where(SecureParticipant.round_id == round_.id, keeping)
-        still_open = and_(still_open, Assignment.id.not_in(kept))
+        kept_ids = select(SecureParticipant.assignment_id).where(
+            SecureParticipant.round_id == round_.id, keeping
+        )
+        still_open = and_(still_open, Assignment.id.not_in(kept_ids))
     dropped = session.execute(
         update(Assignment)
         .where(still_open)
@@ -160,89 +164,70 @@ def _drop_outstanding(session: Session, round_: Round, keeping: participants.Fla
         .execution_options(synchronize_session="fetch")
     )
     round_.dropped += dropped.rowcount  # type: ignore[attr-defined]
+    round_counts.count_secure(
+        session, secure_round, machine.dropped_below(secure_round, round_.accepted, kept)
+    )
+
+
+# The flag a phase's close keeps (KEPT_AT_CLOSE says which stage that is).
+_KEEPING: dict[str, participants.Flag] = {
+    ADVERTISE: true(),
+    SHARE_KEYS: SecureParticipant.sent_shares,
+    MASKED_INPUT: SecureParticipant.sent_masked_input,
+    CONSISTENCY: SecureParticipant.confirmed,
+}
+
+
+def rules(round_: Round, secure_round: SecureRound, settings: PopulationSettings) -> machine.Rules:
+    secure = settings.secure
+    return machine.Rules(
+        enough=_enough(secure_round),
+        capacity=round_.capacity,
+        target=round_.target,
+        straggler_wait=secure.straggler_wait,
+        patient_until=round_.opened_at + secure.advertise_seconds + secure.advertise_patience_seconds,
+        seconds={
+            SHARE_KEYS: secure.share_keys_seconds,
+            MASKED_INPUT: secure.masked_input_seconds,
+            CONSISTENCY: secure.unmasking_seconds,
+            UNMASKING: secure.unmasking_seconds,
+        },
+    )
 
 
 def advance(
     session: Session, round_: Round, settings: PopulationSettings, manifest: Manifest, now: float
 ) -> Commit | Abandon | None:
-    """Close the phases that are over; a Commit or Abandon when the round ends, else None."""
+    """Close the phases that are over (the state machine's verdicts, from the counters on the
+    secure round's row); a Commit or Abandon when the round ends, else None."""
     secure_round = session.get(SecureRound, round_.id)
     assert secure_round is not None
+    laws = rules(round_, secure_round, settings)
     while secure_round.phase != DONE:
-        # The conditions counted in SQL: one row per message, however many devices take part.
-        n = participants.counts(session, round_.id)
         phase = secure_round.phase
-        timed_out = now >= secure_round.phase_deadline
-        if phase == ADVERTISE:
-            # Devices advertise as they check in: the roster closes with the round's check-ins.
-            full = round_.accepted >= round_.capacity
-            # A device that vanished between its check-in and its keys holds a full roster open.
-            enough = full and n.advertised >= _enough(secure_round)
-            if timed_out and n.advertised < _enough(secure_round):
-                timed_out = not _be_patient(round_, secure_round, settings)
-            if not (
-                timed_out
-                or (full and not n.waiting)
-                or _stragglers_left(round_, secure_round, settings, enough, now)
-            ):
-                return None
-            _drop_outstanding(session, round_, true(), now)
-            _next_phase(session, round_, secure_round, SHARE_KEYS, settings.secure.share_keys_seconds, now)
-            problem = _too_few(round_, secure_round, phase, n.advertised, "advertised keys", timed_out)
-        elif phase == SHARE_KEYS:
-            if not (
-                timed_out
-                or not n.open_unshared
-                or _stragglers_left(round_, secure_round, settings, n.sharers >= _enough(secure_round), now)
-            ):
-                return None
-            _drop_outstanding(session, round_, SecureParticipant.sent_shares, now)
-            _next_phase(
-                session, round_, secure_round, MASKED_INPUT, settings.secure.masked_input_seconds, now
-            )
-            problem = _too_few(
-                round_, secure_round, phase, n.sharers, "shared keys", timed_out
-            ) or _unreachable(session, round_, secure_round, timed_out)
-        elif phase == MASKED_INPUT:
-            # Enough to stop waiting for stragglers only if these inputs could be unmasked: were
-            # every secret's holders among them to answer, each would have its threshold of shares.
-            # Else the round would end abandoned at the unmasking however it went, while the
-            # slower phones still training might have made it. (Checked only when it matters.)
-            waits = settings.secure.straggler_wait is not None and n.senders >= _enough(secure_round)
-            if not (
-                timed_out
-                or n.senders >= round_.target
-                or not n.open_unsent
-                or _stragglers_left(
-                    round_, secure_round, settings, waits and _unmaskable(session, secure_round), now
-                )
-            ):
-                return None
-            _drop_outstanding(session, round_, SecureParticipant.sent_masked_input, now)
-            _next_phase(session, round_, secure_round, CONSISTENCY, settings.secure.unmasking_seconds, now)
-            problem = _too_few(round_, secure_round, phase, n.senders, "sent their masked input", timed_out)
-        elif phase == CONSISTENCY:
-            if not (
-                timed_out
-                or not n.open_unsigned
-                # (a confirmation is one round trip: none is a straggler at the phase's first instant)
-                or _stragglers_left(
-                    round_,
-                    secure_round,
-                    settings,
-                    n.signers >= _enough(secure_round) and now > phase_started(round_),
-                    now,
-                )
-            ):
-                return None
-            confirmed = _confirm(session, round_.id)
-            _drop_outstanding(session, round_, SecureParticipant.confirmed, now)
-            _next_phase(session, round_, secure_round, UNMASKING, settings.secure.unmasking_seconds, now)
-            problem = _too_few(
-                round_, secure_round, phase, len(confirmed), "confirmed the survivors", timed_out
-            )
-        else:  # UNMASKING
-            return _finish(session, round_, secure_round, n.responders, layout(manifest), timed_out, now)
+        if phase == UNMASKING:
+            return _finish(session, round_, secure_round, layout(manifest), now)
+        n = machine.counts_of(secure_round, round_.accepted)
+        verdict = machine.phase_over(
+            phase,
+            n,
+            round_.accepted,
+            laws,
+            now,
+            secure_round.phase_deadline,
+            phase_started(round_),
+            lambda: _unmaskable(session, secure_round),
+        )
+        if verdict.deadline != secure_round.phase_deadline:
+            secure_round.phase_deadline = verdict.deadline
+        if not verdict.over:
+            return None
+        had = len(_confirm(session, round_.id)) if phase == CONSISTENCY else machine.had(phase, n)
+        _drop_outstanding(session, round_, secure_round, _KEEPING[phase], machine.KEPT_AT_CLOSE[phase], now)
+        _next_phase(session, round_, secure_round, laws, now)
+        problem = machine.too_few(phase, had, laws, round_.invalid, verdict.timed_out)
+        if problem is None and phase == SHARE_KEYS:
+            problem = _unreachable(session, round_, secure_round, verdict.timed_out)
         if problem is not None:
             return _abandon(session, round_, secure_round, problem, now)
     return None
@@ -276,56 +261,17 @@ def _confirm(session: Session, round_id: int) -> set[int]:
     return confirmed
 
 
-def _be_patient(round_: Round, secure_round: SecureRound, settings: PopulationSettings) -> bool:
-    """At the advertise deadline with too few devices: whether the roster stays open longer
-    (`advertise_patience_seconds` past the deadline, once), so that the check-ins of a slow
-    hour add up to one round instead of several abandoned ones."""
-    secure = settings.secure
-    patient_until = round_.opened_at + secure.advertise_seconds + secure.advertise_patience_seconds
-    if secure_round.phase_deadline >= patient_until:
-        return False
-    secure_round.phase_deadline = patient_until
-    return True
-
-
-def _stragglers_left(
-    round_: Round, secure_round: SecureRound, settings: PopulationSettings, enough: bool, now: float
-) -> bool:
-    """Whether the phase stops waiting for the devices that have not answered yet.
-
-    A device that vanished silently is still active until the phase's deadline, which must
-    leave room for the slowest phone. Once `enough` devices have answered to go on, the phase
-    waits for the rest at most `straggler_wait` times as long as it took to get there (a deadline
-    sized from this round's own pace); the configured deadline still applies."""
-    wait = settings.secure.straggler_wait
-    if wait is None or not enough:
-        return False
-    pace = now - phase_started(round_)
-    secure_round.phase_deadline = min(secure_round.phase_deadline, now + wait * pace)
-    return now >= secure_round.phase_deadline
-
-
 def _next_phase(
-    session: Session, round_: Round, secure_round: SecureRound, phase: str, seconds: float, now: float
+    session: Session, round_: Round, secure_round: SecureRound, laws: machine.Rules, now: float
 ) -> None:
     _close_phase(round_, secure_round.phase, now)
     on_commit(session, PHASE_CHANGES.notify)
-    secure_round.phase, secure_round.phase_deadline = phase, now + seconds
+    secure_round.phase, secure_round.phase_deadline = machine.next_deadline(secure_round.phase, laws, now)
 
 
 def _enough(secure_round: SecureRound) -> int:
     """Devices a phase needs to go on: the round's minimum, and never fewer than 3."""
     return max(3, round_parameters(secure_round).min_survivors)
-
-
-def _too_few(
-    round_: Round, secure_round: SecureRound, phase: str, count: int, what: str, timed_out: bool
-) -> round_state.Closing | None:
-    needed = _enough(secure_round)
-    if count < needed:
-        reason = f"only {count} devices {what} in the {phase} phase; a secure round needs at least {needed}"
-        return round_state.shortfall(phase, count, needed, round_.invalid, timed_out, reason)
-    return None
 
 
 def _unreachable(
@@ -360,7 +306,7 @@ def _abandon(
     session: Session, round_: Round, secure_round: SecureRound, closing: round_state.Closing, now: float
 ) -> Abandon:
     lock_admissions(session, [round_])  # its check-ins admitted so far have committed; no more
-    _drop_outstanding(session, round_, None, now)
+    _drop_outstanding(session, round_, secure_round, None, machine.ALL, now)
     on_commit(session, PHASE_CHANGES.notify)
     secure_round.phase, secure_round.outcome = DONE, closing.reason[:500]
     session.execute(delete(SecureMaskedInput).where(SecureMaskedInput.round_id == round_.id))
@@ -371,11 +317,10 @@ def _finish(
     session: Session,
     round_: Round,
     secure_round: SecureRound,
-    answered: int,
     flat: Layout,
-    timed_out: bool,
     now: float,
 ) -> Commit | Abandon | None:
+    timed_out = now >= secure_round.phase_deadline
     parameters = round_parameters(secure_round)
     facts = participants.closed(session, secure_round)
     assert facts.roster is not None and facts.sharers is not None
@@ -387,7 +332,7 @@ def _finish(
     # Who answered decides whether the sum can be unmasked yet: their answers are read only then.
     responders = (
         participants.indices_where(session, round_.id, SecureParticipant.sent_unmasking)
-        if answered
+        if secure_round.responders
         else set()
     )
     settled: set[int] = set()
@@ -402,7 +347,7 @@ def _finish(
         settled,
     )
     participants.settle(session, secure_round, settled)
-    if problem is not None and not timed_out and set(responders) != survivors:
+    if not machine.unmasking_over(problem is None, timed_out, set(responders) == survivors):
         return None  # more answers may still come
     _close_phase(round_, UNMASKING, now)
     if problem is not None:
@@ -452,7 +397,7 @@ def _finish(
         .execution_options(synchronize_session="fetch")
     )
     round_.reported, round_.total_weight = len(survivors), float(len(survivors))
-    _drop_outstanding(session, round_, SecureParticipant.confirmed, now)
+    _drop_outstanding(session, round_, secure_round, SecureParticipant.confirmed, machine.ALL, now)
     on_commit(session, PHASE_CHANGES.notify)
     secure_round.phase = DONE
     session.execute(delete(SecureMaskedInput).where(SecureMaskedInput.round_id == round_.id))

@@ -17,6 +17,7 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from orchestrator import round_counts, secure_round_state
 from orchestrator import secure_participants as participants
 from orchestrator.db import Round, SecureMaskedInput, SecureParticipant, SecureRound
 from orchestrator.refusals import Refused
@@ -206,6 +207,7 @@ def advertise(
         )
     )
     session.flush()
+    _counted(session, secure_round, ADVERTISE)
     return {"index": index}
 
 
@@ -303,6 +305,7 @@ def share_keys(
         return Refused(422, str(e))
     participant.shares = {str(holder): message.to_json() for holder, message in shares.items()}
     participant.sent_shares = True
+    _counted(session, secure_round, SHARE_KEYS)
     return {"shared_with": sorted(shares)}
 
 
@@ -319,6 +322,7 @@ def masked_input(
         return Refused(422, str(e))
     session.add(SecureMaskedInput(assignment_id=assignment_id, round_id=round_.id, masked_input=body))
     participant.sent_masked_input = True
+    _counted(session, secure_round, MASKED_INPUT)
     return {"received_bytes": len(body)}
 
 
@@ -348,6 +352,7 @@ def consistency(
     except ProtocolError as e:
         return Refused(422, str(e))
     participant.consistency, participant.sent_consistency = confirmation.to_json(), True
+    _counted(session, secure_round, CONSISTENCY)
     return {"accepted": True}
 
 
@@ -374,7 +379,34 @@ def unmasking(
     except ProtocolError as e:
         return Refused(422, str(e))
     participant.unmasking, participant.sent_unmasking = message.to_json(), True
+    _counted(session, secure_round, UNMASKING)
     return {"accepted": True}
+
+
+def _counted(session: Session, secure_round: SecureRound, phase: str) -> None:
+    """A message of `phase` accepted: counted on the secure round's row, in one statement."""
+    round_counts.count_secure(session, secure_round, secure_round_state.message(phase))
+
+
+def count_leaving(session: Session, round_id: int, assignment_id: str) -> None:
+    """A device's assignment in a secure round closed on its own (it aborted): one fewer open at
+    the stage it had reached, on the secure round's row."""
+    secure_round = session.get(SecureRound, round_id)
+    if secure_round is None or secure_round.phase == DONE:
+        return
+    participant = _participant(session, assignment_id)
+    sent = (
+        {}
+        if participant is None
+        else {
+            SHARE_KEYS: participant.sent_shares,
+            MASKED_INPUT: participant.sent_masked_input,
+            CONSISTENCY: participant.sent_consistency,
+            UNMASKING: participant.sent_unmasking,
+        }
+    )
+    at = secure_round_state.stage(participant is not None, sent)
+    round_counts.count_secure(session, secure_round, secure_round_state.leaving(at))
 
 
 def json_body(body: bytes) -> Any | Refused:
