@@ -9,7 +9,8 @@ way: randomized reconnection times, so that devices connect as often as the roun
 
 The window is a small controller over rounds. A round opens with its predecessor's window
 scaled by how far that round's check-ins were from the wanted number (a square root of the
-ratio, since the devices turned away in one round return over the next few); the first round's
+ratio, since the devices turned away in one round return over the next few; at most 2x either
+way); the first round's
 window is its own duration. It is kept on the round's row (`Round.checkin_window`), written when
 the round opens and read with it: a refusal adds no statement.
 """
@@ -22,6 +23,10 @@ import math
 # fraction of its time (about 1/4 of it if they arrive evenly), few enough that the server and
 # the devices spend little on refusals.
 CHECKINS_PER_SLOT = 4.0
+# At most this factor a round, either way: a round no device checked in to (a fleet still
+# starting, a quiet night) once collapsed the window from 300 s to 4 s, and the next round's
+# crowd then came back all at once.
+MAX_STEP = 2.0
 MIN_WINDOW_SECONDS = 1.0
 MAX_WINDOW_SECONDS = 7 * 86_400.0  # a week: a device of a very large population takes part rarely
 
@@ -33,7 +38,8 @@ def next_window(previous: float | None, checked_in: int, capacity: int, duration
     if previous is None:
         return _bounded(duration)
     wanted = CHECKINS_PER_SLOT * max(capacity, 1)
-    return _bounded(previous * math.sqrt(max(checked_in, 1) / wanted))
+    step = min(MAX_STEP, max(1.0 / MAX_STEP, math.sqrt(max(checked_in, 1) / wanted)))
+    return _bounded(previous * step)
 
 
 def come_back_in(window: float | None, floor: float, until_deadline: float, draw: float) -> float:
