@@ -197,6 +197,10 @@ class RoundView:
     ended_by: Annotated[
         str | None, Spec("a round that did not commit: deadline, dropouts, refusals or failed_check")
     ] = None
+    checkin_window: Annotated[
+        float | None,
+        Spec("pace steering: a device turned away as the round is full comes back within this many seconds"),
+    ] = None
 
 
 @dataclass(frozen=True)

@@ -23,14 +23,19 @@ from device_runtime.example_store import ExampleStore
 
 
 class IdleStore:
-    __slots__ = ("_all_state", "_count", "_open", "_state", "path")
+    __slots__ = ("_all_state", "_count", "_durable", "_open", "_state", "path")
 
-    def __init__(self, path: Path, num_examples: int | None = None, *, new: bool = False) -> None:
+    def __init__(
+        self, path: Path, num_examples: int | None = None, *, new: bool = False, durable: bool = True
+    ) -> None:
         """`num_examples`: what the store holds, when the caller knows (it wrote the store);
         otherwise the first `count()` opens the file to read it. `new`: the caller wrote the
         store with examples only, so it holds no local state and a first check-in need not open
-        it (a fleet opened every device's file on its event loop for that)."""
+        it (a fleet opened every device's file on its event loop for that). `durable=False`: the
+        file is opened without waiting for the disk (`ExampleStore(durable=False)`), for a
+        simulated device whose store is the run's own scratch file."""
         self.path = path
+        self._durable = durable
         self._count = num_examples
         self._state: dict[str, bytes | None] | None = None  # local state entries read or written
         self._all_state = new  # `_state` holds every entry of the file (a key not in it has none)
@@ -42,7 +47,7 @@ class IdleStore:
         if self._open is not None:
             yield self._open
             return
-        store = self._open = ExampleStore(self.path)
+        store = self._open = ExampleStore(self.path, durable=self._durable)
         try:
             self._count = store.count()
             yield store
@@ -67,7 +72,7 @@ class IdleStore:
         if self._open is not None:
             yield self._open
             return
-        store = self._open = await asyncio.to_thread(ExampleStore, self.path)
+        store = self._open = await asyncio.to_thread(ExampleStore, self.path, durable=self._durable)
         try:
             self._count = await asyncio.to_thread(store.count)
             yield store

@@ -154,6 +154,8 @@ class Round(Base):
     opened_at: Mapped[float]
     deadline: Mapped[float]
     closed_at: Mapped[float | None]
+    # Pace steering: a device turned away as the round is full comes back within this many seconds.
+    checkin_window: Mapped[float | None] = mapped_column(default=None)
     checked_in: Mapped[int] = _admission("checked_in", id)
     accepted: Mapped[int] = _admission("accepted", id)
     rejected_capacity: Mapped[int] = _admission("rejected_capacity", id)

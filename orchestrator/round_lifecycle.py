@@ -34,6 +34,7 @@ from orchestrator import (
     idle_backoff,
     metrics,
     mixing,
+    pace_steering,
     pausing,
     round_release,
     round_state,
@@ -89,9 +90,16 @@ def open_round(session: Session, population: Population, kind: str, now: float) 
         # The floor: fewer devices' sums are theirs alone (round_release).
         min_reports, duration = settings.min_evaluation_reports, settings.evaluation_round_duration_seconds
     dp = settings.dp()
+    previous = _previous_round(session, population, kind)
+    window = pace_steering.next_window(
+        None if previous is None else previous.checkin_window,
+        0 if previous is None else previous.checked_in,
+        capacity,
+        duration,
+    )
     round_metrics = {}
     if kind == TRAINING and dp is not None and dp.adaptive:
-        round_metrics[CLIP_NORM] = _next_clip_norm(session, population, dp.clip_norm)
+        round_metrics[CLIP_NORM] = _next_clip_norm(previous, dp.clip_norm)
     round_ = Round(
         population_id=population.id,
         kind=kind,
@@ -104,6 +112,7 @@ def open_round(session: Session, population: Population, kind: str, now: float) 
         opened_at=now,
         deadline=now + duration,
         closed_at=None,
+        checkin_window=window,
         metrics=round_metrics,
     )
     session.add(round_)
@@ -134,15 +143,19 @@ def open_round(session: Session, population: Population, kind: str, now: float) 
     return round_
 
 
-def _next_clip_norm(session: Session, population: Population, initial: float) -> float:
-    """Adaptive clipping: the clip norm the last committed training round chose for its successor
-    (an abandoned round passes its own on), or the configured one before any round."""
-    last = session.scalars(
+def _previous_round(session: Session, population: Population, kind: str) -> Round | None:
+    """The population's last closed round of this kind: what the next one carries on from."""
+    return session.scalars(
         select(Round)
-        .where(Round.population_id == population.id, Round.kind == TRAINING, Round.status != "open")
+        .where(Round.population_id == population.id, Round.kind == kind, Round.status != "open")
         .order_by(Round.id.desc())
         .limit(1)
     ).first()
+
+
+def _next_clip_norm(last: Round | None, initial: float) -> float:
+    """Adaptive clipping: the clip norm the last committed training round chose for its successor
+    (an abandoned round passes its own on), or the configured one before any round."""
     if last is None:
         return initial
     key = NEXT_CLIP_NORM if last.status == "committed" else CLIP_NORM

@@ -10,6 +10,7 @@ re-exported here for the routes.
 
 from __future__ import annotations
 
+import random
 import secrets
 from collections import Counter
 from collections.abc import Sequence
@@ -20,7 +21,7 @@ from sqlalchemy import bindparam, insert, select, update
 from sqlalchemy.orm import Session
 from sqlalchemy.orm.attributes import set_committed_value
 
-from orchestrator import idle_backoff, metrics, pausing, round_state, secure_rounds
+from orchestrator import idle_backoff, metrics, pace_steering, pausing, round_state, secure_rounds
 from orchestrator.db import Assignment, Population, Round, RoundAdmission
 from orchestrator.model_versions import _latest as _latest  # tests clear it, as a restart would
 from orchestrator.pipeline.private import CLIP_NORM
@@ -49,6 +50,8 @@ _TAKEN = select(Assignment.id, Assignment.round_id, Assignment.device_id, Assign
     Assignment.round_id.in_(bindparam("round_ids", expanding=True)),
     Assignment.device_id.in_(bindparam("device_ids", expanding=True)),
 )
+# When a device turned away comes back (pace steering): spread, not secret.
+_draw = random.Random()
 _INSERT_ASSIGNMENTS = insert(Assignment)
 # Admission: a round's check-in counters move by one statement on its admission row (not the
 # round's, which reports' counts lock), so check-ins take no population lock and wait for no
@@ -236,7 +239,9 @@ def checkin(
             request = requests[index]
             if position >= admitted:
                 tally[population.name, request.kind, "full"] += 1
-                retry_after = max(settings.retry_after_seconds, round_.deadline - now)
+                retry_after = pace_steering.come_back_in(
+                    round_.checkin_window, settings.retry_after_seconds, round_.deadline - now, _draw.random()
+                )
                 answers[index] = Refused(409, "this round is full", retry_after)
                 continue
             tally[population.name, request.kind, "accepted"] += 1

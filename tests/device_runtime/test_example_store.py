@@ -13,6 +13,7 @@ import pytest
 
 from contracts.features import FeatureSpec, InvalidExamples
 from device_runtime.example_store import Event, ExampleStore, ExampleStoreError, Selection
+from device_runtime.idle_store import IdleStore
 from model_export.config import ModelConfig
 
 RATINGS = ModelConfig(num_items=50, top_k=10).features()
@@ -215,3 +216,18 @@ def test_two_processes_writing_at_once(tmp_path: Path) -> None:
     assert store.count() == 200
     assert store.integrity_ok()
     assert sqlite3.connect(path).execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+
+
+def test_an_idle_store_opens_durable_unless_told_the_file_is_scratch(tmp_path: Path) -> None:
+    # Arrange: a store with examples, as a fleet writes it.
+    path = tmp_path / "s.sqlite"
+    with ExampleStore(path, RATINGS, durable=False) as written:
+        written.add(events(3))
+
+    # Act / Assert: a phone's idle store waits for the disk (NORMAL = 1); a simulated device's
+    # scratch store does not (OFF = 0), and both read the same examples.
+    for durable, synchronous in ((True, 1), (False, 0)):
+        idle = IdleStore(path, durable=durable)
+        with idle.opened() as store:
+            assert store._connection().execute("PRAGMA synchronous").fetchone()[0] == synchronous
+            assert store.count() == 3

@@ -62,6 +62,7 @@ def round_out(r: Round) -> RoundView:
         devices_had=r.devices_had,
         devices_needed=r.devices_needed,
         ended_by=r.ended_by,
+        checkin_window=r.checkin_window,
     )
 
 
