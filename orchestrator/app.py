@@ -41,6 +41,7 @@ from orchestrator.dashboard import routes as dashboard
 from orchestrator.db import Population, make_engine
 from orchestrator.logs import log_request
 from orchestrator.migrate import migrate
+from orchestrator.phase_changes import PHASE_CHANGES
 from orchestrator.service import checkins, reports
 from orchestrator.settings import Settings
 
@@ -153,7 +154,8 @@ def create_app(settings: Settings | None = None, clock: Callable[[], float] = ti
         task = asyncio.create_task(ticker())
         _freeze_start_up_objects()
         try:
-            yield
+            with PHASE_CHANGES.released_on_exit_signals():
+                yield
         finally:
             task.cancel()
             engine.dispose()

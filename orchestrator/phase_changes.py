@@ -14,8 +14,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import signal
 import threading
-from collections.abc import Awaitable, Callable, Hashable
+from collections.abc import Awaitable, Callable, Hashable, Iterator
+from types import FrameType
+from typing import Any
 
 
 class PhaseChanges:
@@ -28,6 +31,8 @@ class PhaseChanges:
         self._waiters: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = {}
         # One watcher per event loop (tests run several apps, each on its own loop).
         self._watchers: dict[asyncio.AbstractEventLoop, asyncio.Task[None]] = {}
+        # Loops whose server is stopping: their waits end at once.
+        self._released: set[asyncio.AbstractEventLoop] = set()
 
     @property
     def generation(self) -> int:
@@ -49,7 +54,7 @@ class PhaseChanges:
         future: asyncio.Future[None] = loop.create_future()
         entry = (loop, future)
         with self._lock:
-            if self._generation != seen:
+            if self._generation != seen or loop in self._released:
                 return
             self._waiters[id(future)] = entry
         try:
@@ -59,6 +64,47 @@ class PhaseChanges:
         finally:
             with self._lock:
                 self._waiters.pop(id(future), None)
+
+    def release(self, loop: asyncio.AbstractEventLoop) -> None:
+        """The server on `loop` is stopping: wake its waiters, and let no new wait hold. Each held
+        request then answers the state it read, and the server need not wait out the holds (up to
+        the devices' own `wait`, 120 s) before it exits."""
+        with self._lock:
+            self._released.add(loop)
+            mine = {key: entry for key, entry in self._waiters.items() if entry[0] is loop}
+            for key in mine:
+                del self._waiters[key]
+        for _, future in mine.values():
+            _wake(future)
+
+    @contextlib.contextmanager
+    def released_on_exit_signals(self) -> Iterator[None]:
+        """While inside, SIGTERM and SIGINT also release the running loop's holds (after the
+        handler in place, uvicorn's, has begun its graceful shutdown, which waits for every
+        request in flight). Only the main thread receives signals; elsewhere this does nothing."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        loop = asyncio.get_running_loop()
+        before: dict[int, Any] = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+
+        def on_exit(sig: int, frame: FrameType | None) -> None:
+            previous = before[sig]
+            if callable(previous):
+                previous(sig, frame)
+            # A signal handler may run while this thread holds the lock: hand over to the loop.
+            with contextlib.suppress(RuntimeError):  # the loop has closed already
+                loop.call_soon_threadsafe(self.release, loop)
+
+        for sig in before:
+            signal.signal(sig, on_exit)
+        try:
+            yield
+        finally:
+            for sig, handler in before.items():
+                signal.signal(sig, handler)
+            with self._lock:
+                self._released.discard(loop)
 
     @property
     def waiting(self) -> int:

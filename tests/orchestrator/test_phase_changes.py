@@ -68,3 +68,26 @@ def test_a_change_made_by_another_process_wakes_the_waiters_through_one_watcher(
     # (about 0.3 / 0.05 times), not once per waiting device
     assert 0.2 < waited < 10
     assert reads < 50
+
+
+def test_a_stopping_server_releases_its_waiters_and_no_new_wait_holds() -> None:
+    # Prepare
+    changes = PhaseChanges()
+
+    async def scenario() -> tuple[float, float]:
+        loop = asyncio.get_running_loop()
+        seen = changes.generation
+        loop.call_later(0.2, changes.release, loop)  # the server was told to stop
+        started = time.monotonic()
+        await asyncio.gather(changes.wait(seen, 30.0), changes.wait(seen, 30.0))
+        released_after = time.monotonic() - started
+        started = time.monotonic()
+        await changes.wait(seen, 30.0)  # a request that arrives after the signal
+        return released_after, time.monotonic() - started
+
+    # Execute
+    released_after, new_wait = asyncio.run(scenario())
+
+    # Assert: the held waits ended at the release, not at their 30 s limit; a new one does not hold
+    assert 0.1 < released_after < 10
+    assert new_wait < 1

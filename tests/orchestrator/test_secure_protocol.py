@@ -4,6 +4,7 @@ other devices finish it as if nothing happened."""
 from __future__ import annotations
 
 import json
+import signal
 import socket
 import time
 from collections.abc import Callable
@@ -365,3 +366,36 @@ def test_a_device_that_goes_away_while_uploading_its_shares_leaves_nothing_behin
     assert not [line for line in lines if line["level"] in ("error", "critical")], lines
     went_away = [line for line in lines if line["message"] == "client went away before its request was read"]
     assert [line["path"] for line in went_away] == [f"{devices[0].secure}/shares"]
+
+
+def test_stopping_the_server_answers_the_devices_it_holds_and_exits_at_once(
+    server: Server, export: Callable[[ModelConfig], Path]
+) -> None:
+    # Prepare: a round of three devices; the first waits (up to 100 s) for the roster
+    created = admin_create_population(
+        server.url, export(BIASED), "p", json.dumps({**SETTINGS, "target_reports": 3})
+    )
+    assert created.status_code == 201, created.text
+    devices = [Device(server.url) for _ in range(3)]
+    assert server.process is not None
+    with ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(
+            devices[0].call, "GET", devices[0].secure, params={"until": "share_keys", "wait": 100}
+        )
+        time.sleep(0.5)
+        held = not waiting.done()
+
+        # Execute: the operator stops the server (SIGTERM, as systemd or `kill` does)
+        stopping = time.monotonic()
+        server.process.terminate()
+        exit_code = server.process.wait(timeout=60)
+        stopped_in = time.monotonic() - stopping
+        answer = waiting.result(timeout=30)
+
+    # Assert: the held device got the phase it is still in rather than a cut connection, and the
+    # server did not wait out the device's hold before exiting
+    assert held
+    assert answer.status_code == 200 and answer.json()["phase"] == "advertise", answer.text
+    assert stopped_in < 10, stopped_in
+    # uvicorn re-raises the signal once it has shut down gracefully: killed by SIGTERM, not an error
+    assert exit_code in (0, -signal.SIGTERM), exit_code
