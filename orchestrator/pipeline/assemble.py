@@ -81,10 +81,8 @@ class Pipeline:
         rng: Callable[[], np.random.Generator],
     ) -> None:
         self._shapes, self._rule, self._dp, self._settings, self._rng = dict(shapes), rule, dp, settings, rng
-
-    @property
-    def private(self) -> bool:
-        return self._dp is not None
+        # Under DP every report weighs the same: the commit reads no weights or reference norms.
+        self.private = dp is not None
 
     def aggregate(
         self,
