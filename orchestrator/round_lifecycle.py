@@ -17,9 +17,9 @@ import functools
 import logging
 import math
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import replace
-from typing import Any
+from typing import Any, cast
 
 from sqlalchemy import CursorResult, bindparam, func, select, update
 from sqlalchemy.orm import Session
@@ -292,7 +292,8 @@ def commit(
         # O(reports x model). The whole stack of stages runs inside this one call, which reads
         # the stored reports from the cursor itself: no call back into this module.
         rows = session.execute(_REPORTS, {"round_id": round_.id}).tuples()
-        aggregate = pipeline.aggregate(inputs, stored=rows)
+        # A training report always has its delta (only an evaluation report's is NULL).
+        aggregate = pipeline.aggregate(inputs, stored=cast(Iterable[tuple[float, bytes]], rows))
     else:
         aggregate = pipeline.aggregate(inputs, secure=(mean_delta, survivors))
     new_params, new_state = apply_update(config.optimizer, params, aggregate.mean_delta, state)
