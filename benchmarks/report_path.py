@@ -24,6 +24,10 @@ pruning old versions, and the answer to the device are not on the path to it). P
   stages run) as one part, since the commit hands it a round in one call; a module's own helpers
   and the stages' calls among themselves are inside the hop that entered them. And the climbs
   among the hops, counted as for stops;
+- calls back up: the distinct calls on the path from a project function into one on a higher
+  floor than its own (a callback, or a generator of a higher module that a lower one pulls from;
+  comprehensions and lambdas count here, as the code they run in): the only way control can
+  climb back up without returning first, since no module imports one above it;
 - SQL statements: how many the transaction of a report that is only counted runs (most reports:
   here the first of a round of two), and of the report that commits the round (the second), with
   how many of those run before the new `ModelVersion` is made; --show lists them.
@@ -142,6 +146,7 @@ def part_of(module: str) -> str:
 class Trace:
     stops: list[Stop]  # every project function entered, in the order first entered
     hops: list[Stop]  # those entered by a call from another part (see `part_of`)
+    up: list[tuple[Stop, Stop]]  # calls from a project function into a higher floor's (caller, callee)
 
 
 @contextmanager
@@ -155,6 +160,8 @@ def traced() -> Iterator[Trace]:
     seen: set[Stop] = set()
     hops: list[Stop] = []
     seen_hops: set[Stop] = set()
+    up: list[tuple[Stop, Stop]] = []
+    floor = floors()
     modules: dict[str, str | None] = {}
     arrived = False
 
@@ -181,7 +188,14 @@ def traced() -> Iterator[Trace]:
             return
         code = frame.f_code
         name = module(frame)
-        if name is None or name == GENERATED or code.co_name.startswith("<"):
+        if name is None or name == GENERATED:
+            return
+        calling = caller_of(frame)
+        if calling is not None and floor[name] > floor[calling[0]]:
+            call = (Stop(*calling), Stop(name, code.co_qualname))
+            if call not in up:
+                up.append(call)
+        if code.co_name.startswith("<"):
             return
         if not called_by_project(frame):
             return
@@ -192,6 +206,17 @@ def traced() -> Iterator[Trace]:
         if stop not in seen_hops and crosses(frame, name):
             seen_hops.add(stop)
             hops.append(stop)
+
+    def caller_of(frame: FrameType) -> tuple[str, str] | None:
+        """The project function (module, name) that made this call, None if not one (a library,
+        or the traced block)."""
+        caller = frame.f_back
+        while caller is not None and module(caller) == GENERATED:
+            caller = caller.f_back
+        if caller is None or caller.f_code is block:
+            return None
+        calling = module(caller)
+        return None if calling is None else (calling, caller.f_code.co_qualname)
 
     def crosses(frame: FrameType, name: str) -> bool:
         """Whether the call comes from another part (the traced block counts as one); a
@@ -208,7 +233,7 @@ def traced() -> Iterator[Trace]:
     event.listen(ModelVersion, "init", version_made)
     sys.setprofile(profile)
     try:
-        yield Trace(stops, hops)
+        yield Trace(stops, hops, up)
     finally:
         sys.setprofile(None)
         event.remove(ModelVersion, "init", version_made)
@@ -343,6 +368,9 @@ def main() -> None:
         f"{len(measured.committing.run)} for one that commits its round "
         f"({measured.committing.to_version} of them before the new version is made)"
     )
+    print(f"calls back up a floor: {len(measured.trace.up)}")
+    for caller, callee in measured.trace.up:
+        print(f"  {caller.module}.{caller.function} -> {callee.module}.{callee.function}")
     if args.show:
         for name, run in (("counted", measured.counting), ("commits", measured.committing)):
             for statement in run.run:

@@ -17,6 +17,7 @@ so all of this is testable with hand-computed numbers.
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 from collections.abc import Iterable, Mapping, Sequence
@@ -202,9 +203,11 @@ class RobustAggregation:
         ):
             if not 1 <= getattr(self, name) <= 1e6:
                 raise ValueError(f"{name} must be in [1, 1e6], got {getattr(self, name)}")
-        self.norm_rule()  # checks the history and the window
+        _ = self.norm_rule  # checks the history and the window
 
+    @functools.cached_property
     def norm_rule(self) -> NormRule:
+        """Built once per rule (a population's is built once per settings version), not per round."""
         return NormRule(
             history_rounds=self.reference_history_rounds,
             window_rounds=self.reference_window_rounds,
@@ -264,7 +267,7 @@ def plan_round(
     return RoundPlan(
         weights=cap_weights(weights, rule.max_weight_multiple),
         bounds={name: rule.norm_clip_multiple * used[name] for name in names},
-        next_reference=next_reference(state, used, medians, rule.norm_clip_multiple, rule.norm_rule()),
+        next_reference=next_reference(state, used, medians, rule.norm_clip_multiple, rule.norm_rule),
     )
 
 

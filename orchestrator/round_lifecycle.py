@@ -17,18 +17,14 @@ import functools
 import logging
 import math
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import replace
-from typing import Any
+from typing import Any, cast
 
 from sqlalchemy import CursorResult, bindparam, func, select, update
 from sqlalchemy.orm import Session
 
-from contracts.params import (
-    Params,
-    check_params,
-    decode_sparse_delta,
-)
+from contracts.params import Params, check_params
 from orchestrator import (
     central_training,
     idle_backoff,
@@ -293,9 +289,11 @@ def commit(
             weights = list(session.scalars(_REPORT_WEIGHTS, {"round_id": round_.id}))
             inputs = replace(inputs, weights=weights, reference=_norm_reference(session, population))
         # One report's delta in memory at a time where the stages allow it: O(model), not
-        # O(reports x model). The whole stack of stages runs inside this one call.
-        rows = session.execute(_REPORTS, {"round_id": round_.id})
-        aggregate = pipeline.aggregate(inputs, ((decode_sparse_delta(blob), weight) for weight, blob in rows))
+        # O(reports x model). The whole stack of stages runs inside this one call, which reads
+        # the stored reports from the cursor itself: no call back into this module.
+        rows = session.execute(_REPORTS, {"round_id": round_.id}).tuples()
+        # A training report always has its delta (only an evaluation report's is NULL).
+        aggregate = pipeline.aggregate(inputs, stored=cast(Iterable[tuple[float, bytes]], rows))
     else:
         aggregate = pipeline.aggregate(inputs, secure=(mean_delta, survivors))
     new_params, new_state = apply_update(config.optimizer, params, aggregate.mean_delta, state)

@@ -33,7 +33,7 @@ from orchestrator.population_config import PopulationConfig, config_of
 from orchestrator.population_locks import lock_populations, lock_rounds, rounds_of_assignments
 from orchestrator.refusals import Refused
 from orchestrator.report_checks import parse_evaluation_report, parse_training_report
-from orchestrator.round_lifecycle import TRAINING, advance, commit, log
+from orchestrator.round_lifecycle import EVALUATION, TRAINING, advance, commit, log
 
 _ASSIGNMENT = select(
     Assignment.device_id, Assignment.status, Assignment.example_count, Assignment.round_id
@@ -62,6 +62,8 @@ _FINISH_ASSIGNMENTS = (
     .returning(Assignment.id)
 )
 _INSERT_REPORT = insert(Report)
+# The Content-Type a report of each kind of round is sent with.
+_CONTENT_TYPES = {TRAINING: "application/octet-stream", EVALUATION: "application/json"}
 
 
 # A report as parsed (`report_checks`): weight, delta (None for evaluation), metric sums; or why not.
@@ -240,7 +242,7 @@ def _parse_ahead(
             needs_lock = True
             continue
         sent = event.content_type.split(";")[0].strip().lower()
-        if event.abort or assignment.status != "assigned" or sent != _expected_type(round_):
+        if event.abort or assignment.status != "assigned" or sent != _CONTENT_TYPES[round_.kind]:
             continue
         if index not in parsed:
             parsed[index] = _parse(config, assignment, event.body)
@@ -248,10 +250,6 @@ def _parse_ahead(
             coming[round_.id] += 1
             needs_lock = needs_lock or round_.reported + coming[round_.id] >= round_.target
     return needs_lock
-
-
-def _expected_type(round_: Round) -> str:
-    return "application/octet-stream" if round_.kind == TRAINING else "application/json"
 
 
 def _parse(config: PopulationConfig, found: Found, body: bytes) -> Parsed:
@@ -304,7 +302,7 @@ def _check(
         )
     # Checked before parsing, and the assignment stays open: the device may send its report again
     # with the right type.
-    expected = _expected_type(round_)
+    expected = _CONTENT_TYPES[round_.kind]
     sent = event.content_type.split(";")[0].strip().lower()
     if sent != expected:
         refused = Refused(

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from contracts.params import Params, SparseTensor
+from contracts.params import Params, SparseTensor, decode_sparse_delta
 from orchestrator.aggregation import RobustAggregation
 from orchestrator.central_training import CentralUpdate
 from orchestrator.differential_privacy import DPConfig, secure_rng
@@ -81,26 +81,30 @@ class Pipeline:
         rng: Callable[[], np.random.Generator],
     ) -> None:
         self._shapes, self._rule, self._dp, self._settings, self._rng = dict(shapes), rule, dp, settings, rng
-
-    @property
-    def private(self) -> bool:
-        return self._dp is not None
+        # Under DP every report weighs the same: the commit reads no weights or reference norms.
+        self.private = dp is not None
 
     def aggregate(
         self,
         inputs: RoundInputs,
         contributions: Iterable[tuple[Mapping[str, SparseTensor], float]] = (),
         secure: tuple[Params, int] | None = None,
+        stored: Iterable[tuple[float, bytes]] = (),
     ) -> Aggregate:
         """A round's whole aggregation in one call: its stack of stages assembled, every
-        contribution (sparse delta, weight) accepted in order, finished. `secure`: a secure round's
-        unmasked (mean delta, survivors) instead of contributions. The stages stay inside this call:
-        the caller hands over the round's inputs and gets the mean delta and measurements back."""
+        contribution (sparse delta, weight) accepted in order, finished. `stored`: the
+        contributions as the server stores them, (weight, encoded sparse delta), decoded one at a
+        time as they are read (the server's commit passes its database cursor). `secure`: a secure
+        round's unmasked (mean delta, survivors) instead of contributions. The stages stay inside
+        this call: the caller hands over the round's inputs and gets the mean delta and
+        measurements back."""
         if secure is not None:
             return self.secure_round(*secure, inputs).finish()
         stage = self.plaintext_round(inputs)
         for delta, weight in contributions:
             stage.accept(delta, weight)
+        for weight, blob in stored:
+            stage.accept(decode_sparse_delta(blob), weight)
         return stage.finish()
 
     def plaintext_round(self, inputs: RoundInputs) -> Stage:
