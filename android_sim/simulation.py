@@ -51,6 +51,7 @@ from device_runtime.client_task import shuffled
 from model_runtime.support_query import (
     add_negatives,
     negative_weights,
+    not_negatives,
     shares,
     split_support_query,
     support_negatives,
@@ -130,10 +131,12 @@ def support_query(
     chosen = selected(examples, config)
     own = shares(chosen, manifest) if rng is not None and manifest.task.negative_sampling else None
     if rng is not None:
-        chosen = add_negatives(chosen, manifest, config.negatives_per_positive, rng, weights=weights)
+        chosen = add_negatives(
+            chosen, manifest, config.negatives_per_positive, rng, not_negatives(config), weights
+        )
     support, query = split_support_query(chosen, manifest, config)
     if rng is not None:
-        support = with_support_negatives(support, manifest, config, rng, own, weights)
+        support = with_support_negatives(support, manifest, config, rng, not_negatives(config, own), weights)
     return SupportQuery(TaskBatches.pack(support, manifest), TaskBatches.pack(query, manifest))
 
 

@@ -47,6 +47,10 @@ TASK_CONFIG_MAXIMA: dict[str, int | float] = {
 }
 
 
+# central_only_items travels in every assignment: a bound on its length keeps that small.
+MAX_CENTRAL_ONLY_ITEMS = 100_000
+
+
 class LocalState(enum.StrEnum):
     """What becomes of a device's local parameters between rounds."""
 
@@ -84,6 +88,13 @@ class TaskConfig:
     # Implicit feedback: negatives drawn in proportion to exp(this x the model's popularity global,
     # e.g. item biases), and ranking adds this x popularity back (logQ correction); 0: uniform.
     negative_popularity: float = 0.0
+    # Implicit feedback, mixing centralized data: catalog rows only the centralized data holds (e.g.
+    # items released after the devices' data). A device never draws them as negatives for its own
+    # shares: it could not have shared them, so its not sharing them says nothing about its taste,
+    # and hundreds of devices a round would push them down against the few centralized examples
+    # that hold them. The centralized examples (example transfer, the server's central training)
+    # still contrast against them.
+    central_only_items: tuple[int, ...] = ()
     local_state: LocalState = LocalState.RECONSTRUCT
     local_learning_rate: float = 0.0  # locals train jointly during the update at this rate (FURL)
     clip_norm: float | None = None  # DP-FedAvg: the whole delta is clipped to this L2 norm before reporting
@@ -101,8 +112,11 @@ class TaskConfig:
                 problems.append(
                     f"local_state must be one of {[k.value for k in LocalState]}, got {self.local_state!r}"
                 )
+        problems.extend(self._check_central_only_items())
         for f in fields(self):
             value = getattr(self, f.name)
+            if f.name == "central_only_items":
+                continue
             if f.type in _ENUM_FIELDS or (value is None and f.type.endswith("| None")):
                 continue
             if f.type == "bool":
@@ -133,8 +147,22 @@ class TaskConfig:
         if problems:
             raise ValueError("invalid task config: " + "; ".join(problems))
 
+    def _check_central_only_items(self) -> list[str]:
+        items = self.central_only_items
+        if not isinstance(items, (list, tuple)):
+            return [f"central_only_items must be a list of catalog rows, got {type(items).__name__}"]
+        bad = [i for i in items if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i <= INT32_MAX]
+        if bad:
+            return [f"central_only_items must be catalog rows (integers >= 0), got {bad[0]!r}"]
+        if len(items) > MAX_CENTRAL_ONLY_ITEMS:
+            return [f"central_only_items may list at most {MAX_CENTRAL_ONLY_ITEMS} rows, got {len(items)}"]
+        # A sorted tuple of distinct rows: hashable, and one JSON form for one set.
+        object.__setattr__(self, "central_only_items", tuple(sorted(set(items))))
+        return []
+
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
+        data["central_only_items"] = list(self.central_only_items)
         data["split"] = self.split.value
         data["local_state"] = self.local_state.value
         return data

@@ -25,6 +25,7 @@ from device_runtime.local_state import LocalStateStore
 from model_runtime.support_query import (
     add_negatives,
     negative_weights,
+    not_negatives,
     num_steps,
     reconstruct_locals,
     shares,
@@ -124,19 +125,26 @@ def with_central(
     weights: np.ndarray | None = None,
 ) -> list[Examples]:
     """Example transfer (Algorithm 3 of Augenstein et al.): the query batches with the centralized
-    examples mixed in, shuffled, as many as fit one update call next to all of the device's own
-    (which are never displaced). Only the update sees them: they are not in the store, not in the
-    support set, and not in the reported weight. Under FedRecon they train the globals with this
+    examples mixed in, shuffled, as many as fit one update call next to the device's own, and at
+    least half of the call (the device's own examples beyond the rest sit out this update). Only
+    the update sees them: they are not in the store, not in the support set, and not in the
+    reported weight. Under FedRecon they train the globals with this
     device's reconstructed locals, as its own examples do. Implicit labels: they get sampled
     negatives as the device's shares do (drawn by `weights`, `negative_weights`), never among the
     device's own shares."""
     own = Examples.concat(query, manifest.features)
     rng = np.random.default_rng(seed + 1)
     negatives = config.negatives_per_positive if manifest.task.negative_sampling else 0
-    room = max(0, manifest.max_examples - own.num_examples) // (1 + negatives)
+    # The room left by the device's own examples, and at least half of the call: a device whose
+    # own examples fill the call (a third of MovieLens' devices) would otherwise mix in none.
+    free = max(0, manifest.max_examples - own.num_examples)
+    room = max(free, manifest.max_examples // 2) // (1 + negatives)
     taken = central.select(rng.permutation(central.num_examples)[:room])
     if negatives:
         taken = add_negatives(taken, manifest, negatives, rng, shares(own, manifest), weights)
+    # The device's own examples (shuffled) beyond what the call takes next to them: dropped, as
+    # split_support_query drops those beyond one call.
+    own = own.select(slice(None, manifest.max_examples - taken.num_examples))
     mixed = Examples.concat([own, taken.validated(manifest.features)], manifest.features)
     return split_batches(mixed.select(rng.permutation(mixed.num_examples)), manifest.batch_size)
 
@@ -151,9 +159,11 @@ def prepare(
     rng = np.random.default_rng(seed)
     own = shares(examples, manifest) if manifest.task.negative_sampling else None
     if manifest.task.negative_sampling and config.negatives_per_positive:
-        examples = add_negatives(examples, manifest, config.negatives_per_positive, rng, weights=weights)
+        examples = add_negatives(
+            examples, manifest, config.negatives_per_positive, rng, not_negatives(config), weights
+        )
     support, query = split_support_query(examples, manifest, config)
-    support = with_support_negatives(support, manifest, config, rng, own, weights)
+    support = with_support_negatives(support, manifest, config, rng, not_negatives(config, own), weights)
     return SupportQuery(support, query, num_examples, outside)
 
 
@@ -388,7 +398,7 @@ def _pack(
             manifest,
             config.negatives_per_positive,
             np.random.default_rng(seed),
-            shared,
+            not_negatives(config, shared),
             negative_weights(manifest, config, global_params),
         )
     return TaskBatches.pack(split_batches(examples, manifest.batch_size)[: manifest.max_batches], manifest)

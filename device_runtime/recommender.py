@@ -31,6 +31,7 @@ from model_runtime.support_query import (
     add_negatives,
     logq_correction,
     negative_weights,
+    not_negatives,
     num_steps,
     support_negatives,
 )
@@ -132,7 +133,9 @@ class PersonalModel:
             # vector drifts toward whatever is popular. Seeded by the revision, so a cached
             # reconstruction is the one this store would give again.
             rng = np.random.default_rng(revision)
-            examples = add_negatives(examples, manifest, negatives, rng, weights=self._negative_weights)
+            examples = add_negatives(
+                examples, manifest, negatives, rng, not_negatives(self.config), self._negative_weights
+            )
         batches = split_batches(examples, manifest.batch_size)[: manifest.max_batches]
         support = TaskBatches.pack(batches, manifest)
         self.model.reset_local()

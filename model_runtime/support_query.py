@@ -59,6 +59,15 @@ def logq_correction(manifest: Manifest, config: TaskConfig, global_params: Param
     return correction.reshape(-1)
 
 
+def not_negatives(config: TaskConfig, shared: np.ndarray | None = None) -> np.ndarray | None:
+    """What a device never draws as a negative for its own shares: `shared` (e.g. all of its
+    shares) and the task's `central_only_items`, which it could not have shared; None: nothing."""
+    if not config.central_only_items:
+        return shared
+    central_only = np.asarray(config.central_only_items, np.int64)
+    return central_only if shared is None else np.union1d(np.asarray(shared, np.int64), central_only)
+
+
 def _by_popularity(manifest: Manifest, config: TaskConfig) -> bool:
     return manifest.task.negative_sampling and config.negative_popularity > 0
 

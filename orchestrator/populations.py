@@ -92,6 +92,17 @@ def create_population(
             "negatives by the model's popularity global; this model samples no negatives or has no "
             "popularity global (e.g. item biases): leave it 0"
         )
+    central_only = task.central_only_items
+    if central_only and not manifest.task.negative_sampling:
+        raise PopulationError(
+            "invalid settings: task_config.central_only_items keeps catalog rows out of sampled negatives; "
+            "this model samples no negatives: leave it empty"
+        )
+    if central_only and central_only[-1] >= manifest.catalog_size:
+        raise PopulationError(
+            f"invalid settings: task_config.central_only_items lists row {central_only[-1]}; the "
+            f"model's catalog has rows 0-{manifest.catalog_size - 1}"
+        )
     try:
         check_model(model.tflite, manifest)
     except ModelUnusable as e:

@@ -195,6 +195,12 @@ def _parser() -> argparse.ArgumentParser:
         default=0.0,
         help="the task's negative_popularity: negatives drawn by exp(p x item bias), ranking corrected",
     )
+    mixing.add_argument(
+        "--undeclared-new-items",
+        action="store_true",
+        help="the mixing strategies' task leaves central_only_items empty: devices draw the new items "
+        "as negatives like any row",
+    )
     mixing.add_argument("--out", type=Path, help="write the rows as JSON here")
     mixing.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="interpreter threads")
     return parser
@@ -268,6 +274,7 @@ def _mixing(args: argparse.Namespace) -> int:
         examples_per_pseudo_user=args.examples_per_pseudo_user,
         account_ids=not args.without_account_ids,
         negative_popularity=args.negative_popularity,
+        declare_new_items=not args.undeclared_new_items,
     )
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)

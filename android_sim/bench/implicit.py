@@ -51,7 +51,7 @@ from device_runtime.client_task import shuffled
 from device_runtime.example_store import ExampleStore
 from device_runtime.recommender import Recommender
 from model_export.config import ITEM, LABEL, Feedback
-from model_runtime.support_query import add_negatives, negative_weights, split_support_query
+from model_runtime.support_query import add_negatives, negative_weights, not_negatives, split_support_query
 from model_runtime.task_batches import TaskBatches
 from model_runtime.tflite_model import TFLiteModel
 from orchestrator.aggregation import ServerOptimizerConfig
@@ -94,7 +94,8 @@ def _with_negatives(
     weights: np.ndarray | None = None,
 ) -> Examples:
     selected = shuffled(examples.select(slice(None, config.max_examples)), PROTOCOL_SEED)
-    return add_negatives(selected, manifest, config.negatives_per_positive, rng, weights=weights)
+    per_share = config.negatives_per_positive
+    return add_negatives(selected, manifest, per_share, rng, not_negatives(config), weights)
 
 
 def implicit_work(

@@ -31,6 +31,7 @@ Strategies, one function call each (`run_strategy`), the system's own functions 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import tempfile
@@ -179,6 +180,10 @@ class Harness:
     central_learning_rate: float = CENTRAL_LEARNING_RATE
     # Parallel and gradient transfer, for a dataset without account ids; None: the default.
     examples_per_pseudo_user: int | None = None
+    # The mixing strategies' task declares the new items central-only (`central_only_items`: the
+    # devices never draw them as negatives for their own shares), as an operator who knows which
+    # catalog rows are new would; False: it does not (they are sampled negatives like any row).
+    declare_new_items: bool = True
 
     @classmethod
     def build(
@@ -192,6 +197,7 @@ class Harness:
         examples_per_pseudo_user: int | None = None,
         account_ids: bool = True,
         negative_popularity: float = 0.0,
+        declare_new_items: bool = True,
     ) -> Harness:
         model = model_config(setup.data)
         settings = population_settings(RunConfig(work_dir=Path(".")), setup.data, model)
@@ -208,7 +214,17 @@ class Harness:
             central_steps,
             central_learning_rate,
             examples_per_pseudo_user,
+            declare_new_items,
         )
+
+    def for_strategy(self, strategy: str) -> Harness:
+        """The harness a strategy trains and is scored with: a mixing strategy's task declares the
+        new items central-only (unless not `declare_new_items`); `none` and `all_data` never do
+        (with all data the devices hold them)."""
+        if strategy not in WEIGHTED or not self.declare_new_items:
+            return self
+        rows = tuple(int(i) for i in self.setup.new_items)
+        return dataclasses.replace(self, config=dataclasses.replace(self.config, central_only_items=rows))
 
     def trainers(self, keep_new: bool) -> tuple[list[int], list[DeviceData]]:
         """The training users with at least `min_examples` shares, and every user's device data."""
@@ -260,6 +276,7 @@ def mixing_config(harness: Harness, strategy: str, weight: float | None) -> Mixi
 def run_strategy(harness: Harness, strategy: str, weight: float | None = None) -> StrategyResult:
     """Train with one strategy and score the held-out devices."""
     mixing = mixing_config(harness, strategy, weight)
+    harness = harness.for_strategy(strategy)
     started = time.perf_counter()
     trained = train(harness, mixing, keep_new=strategy == "all_data")
     new_items, overall = evaluate(harness, trained.params)
@@ -443,6 +460,7 @@ def run_mixing(
     examples_per_pseudo_user: int | None = None,
     account_ids: bool = True,
     negative_popularity: float = 0.0,
+    declare_new_items: bool = True,
 ) -> list[dict[str, Any]]:
     """Every (strategy, weight) of `runs` on every setup; prints each row as it comes."""
     rows = []
@@ -457,6 +475,7 @@ def run_mixing(
             examples_per_pseudo_user,
             account_ids,
             negative_popularity,
+            declare_new_items,
         )
         for strategy, weight in runs:
             result = run_strategy(harness, strategy, weight)

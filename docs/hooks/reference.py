@@ -140,6 +140,7 @@ def _task_config_table() -> str:
     from contracts.task_config import (
         FLOAT32_MAX,
         INT32_MAX,
+        MAX_CENTRAL_ONLY_ITEMS,
         TASK_CONFIG_MAXIMA,
         LocalState,
         SplitPolicy,
@@ -156,6 +157,9 @@ def _task_config_table() -> str:
             rng = " or ".join(f"`{s.value}`" for s in LocalState)
         elif kind == "bool":
             rng = "`true` or `false`"
+        elif kind.startswith("tuple"):
+            kind = "list[int]"
+            rng = f"at most {MAX_CENTRAL_ONLY_ITEMS:,} rows of the model's catalog"
         else:
             highest = TASK_CONFIG_MAXIMA.get(f.name, INT32_MAX if kind.startswith("int") else FLOAT32_MAX)
             low = 1 if f.name == "min_examples" else 0
@@ -165,6 +169,8 @@ def _task_config_table() -> str:
         default = f.default if f.default is not MISSING else None
         if isinstance(default, SplitPolicy | LocalState):
             default = default.value
+        if isinstance(default, tuple):
+            default = list(default)
         what = (comments.get(f.name) or _TASK_CONFIG_NOTES.get(f.name, "")).replace("|", "\\|")
         rows.append(f"| `task_config.{f.name}` | `{kind}` | {rng} | {_shown(default)} | {what} |")
     return "\n".join(rows)

@@ -175,3 +175,24 @@ def test_the_bench_refuses_a_pseudo_user_size_it_would_ignore(capsys: pytest.Cap
 
     assert code == 2
     assert "add --without-account-ids" in capsys.readouterr().err
+
+
+def test_mixing_strategies_declare_the_new_items_central_only_and_the_ceiling_does_not(
+    harness: Harness,
+) -> None:
+    new = tuple(int(i) for i in harness.setup.new_items)
+
+    for strategy in ("parallel_training", "example_transfer", "gradient_transfer"):
+        assert harness.for_strategy(strategy).config.central_only_items == new
+    for strategy in ("none", "all_data"):  # with all data the devices hold them
+        assert harness.for_strategy(strategy).config.central_only_items == ()
+    assert replace(harness, declare_new_items=False).for_strategy("example_transfer").config == harness.config
+
+    # A device's batches of a declaring strategy never hold a new item, as a share or a negative.
+    declaring = harness.for_strategy("example_transfer")
+    users, histories = declaring.trainers(keep_new=False)
+    manifest = TFLiteModel(harness.model_dir).manifest
+    for user in users[:20]:
+        support, query = declaring.client_batches(manifest, histories[user], user, 1, None)
+        for batch in (*support, *query):
+            assert not np.isin(batch["item"], harness.setup.new_items).any()

@@ -34,3 +34,20 @@ def test_a_model_without_sampled_negatives_refuses_it_in_one_line(
 
     assert "\n" not in str(refused.value)
     make_population(db, biased_model, task_config={"negative_popularity": 0.0})  # 0: as before
+
+
+def test_central_only_items_are_taken_within_the_catalog_and_refused_outside_it(
+    db: sessionmaker[Session], export: Callable[[ModelConfig], Path], biased_model: ExportedModel
+) -> None:
+    implicit = ExportedModel.from_dir(export(IMPLICIT))
+    with pytest.raises(PopulationError, match="catalog has rows 0-149") as refused:
+        make_population(db, implicit, task_config={"central_only_items": [3, 150]})
+    assert "\n" not in str(refused.value)
+    with pytest.raises(PopulationError, match="samples no negatives"):
+        make_population(db, biased_model, task_config={"central_only_items": [3]})
+
+    make_population(db, implicit, task_config={"central_only_items": [9, 3]})
+
+    with db() as session:
+        population = session.query(Population).one()
+        assert population.settings["task_config"]["central_only_items"] == [3, 9]
