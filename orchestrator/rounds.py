@@ -166,7 +166,7 @@ def checkin(
     too_few: Counter[int] = Counter()  # round id -> check-ins refused for too few examples
     pending: dict[tuple[int, str], int] = {}  # (round id, device) -> index of its candidate request
     repeats: list[tuple[int, int]] = []  # (index, index of the same device's candidate request)
-    steered: dict[int, float] = {}  # secure round id -> when a refused device should come back
+    steered: dict[int, secure_rounds.ComeBack] = {}  # secure round id -> when its refused come back
     for request in requests:
         round_ = current.get(request.kind)
         if round_ is None and request.kind == TRAINING and privacy_budget_spent(population):
@@ -209,12 +209,14 @@ def checkin(
             and not secure_rounds.accepting(session, round_)
         ):
             # Its deadline adds up every phase's bound, but a secure round whose roster is full
-            # usually ends within seconds, and the next one opens then: come back about then.
+            # usually ends within seconds, and the next one opens then: come back during the next
+            # round (each device at its own time in it: pace steering).
             if round_.id not in steered:
                 steered[round_.id] = secure_rounds.next_round_in(
                     session, round_, now, settings.retry_after_seconds
                 )
-            answers.append(Refused(409, "the secure round has closed its check-ins", steered[round_.id]))
+            comes_back = steered[round_.id].at(_draw.random())
+            answers.append(Refused(409, "the secure round has closed its check-ins", comes_back))
             continue
         if request.example_count < settings.min_examples:
             too_few[round_.id] += 1
