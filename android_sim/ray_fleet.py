@@ -169,7 +169,7 @@ class RayFleet(Fleet):
         # The whole fleet's start spread: each shard's devices start over it, as one fleet's would.
         start = self.options.start_seconds
         if start is None:
-            start = start_seconds(len(self.devices), self.clock.day_seconds)
+            start = start_seconds(len(self.devices))
         self._shards = [
             actor.remote(
                 self.base_url,
