@@ -26,7 +26,7 @@ from typing import Any
 
 import ray
 
-from android_sim.fleet import HELD_OUT, TRAINING, DeviceSpec, Fleet, FleetOptions, FleetStats
+from android_sim.fleet import HELD_OUT, TRAINING, DeviceSpec, Fleet, FleetOptions, FleetStats, start_seconds
 from android_sim.network import Connector
 from android_sim.profiles import DAY, SimClock
 from android_sim.run_config import RunError
@@ -166,6 +166,10 @@ class RayFleet(Fleet):
             for d in self.devices
         ]
         clock = (self.clock.now(), time.time())
+        # The whole fleet's start spread: each shard's devices start over it, as one fleet's would.
+        start = self.options.start_seconds
+        if start is None:
+            start = start_seconds(len(self.devices))
         self._shards = [
             actor.remote(
                 self.base_url,
@@ -175,7 +179,8 @@ class RayFleet(Fleet):
                 threads,
                 self.clock.day_seconds,
                 clock,
-                replace(self.options, seed=self.options.seed * 1_000 + s),  # each shard its own draws
+                # Each shard its own draws.
+                replace(self.options, seed=self.options.seed * 1_000 + s, start_seconds=start),
             )
             for s in range(shards)
         ]

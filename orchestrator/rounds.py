@@ -224,7 +224,10 @@ def checkin(
             message = (
                 f"{request.example_count} examples; this population needs at least {settings.min_examples}"
             )
-            answers.append(Refused(409, message, retry_after))
+            come_back = pace_steering.come_back_after_round(
+                round_.checkin_window, settings.retry_after_seconds, round_.deadline - now, _draw.random()
+            )
+            answers.append(Refused(409, message, come_back))
             continue
         first = pending.setdefault((round_.id, request.device_id), len(answers))
         if first == len(answers):

@@ -1,4 +1,5 @@
-"""The fleet's end of a run: devices stuck in a request do not hold the run up."""
+"""The fleet's end of a run: devices stuck in a request do not hold the run up; sleeping devices
+cost their event loop the same whatever their number; a large fleet starts over a while."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
-from android_sim.fleet import TRAINING, DeviceSpec, Fleet, FleetOptions
+from android_sim.fleet import TRAINING, DeviceSpec, Fleet, FleetOptions, StopSwitch, start_seconds
 from android_sim.network import Connector
 from android_sim.profiles import DeviceClass, DeviceProfile, SimClock
 from contracts.features import FeatureSpec
@@ -111,3 +112,55 @@ def test_devices_hang_up_after_enrolling_and_keep_only_their_token(tmp_path: Pat
     assert len({d.token for d in fleet.devices}) == 3
     assert all(d.connection is None for d in fleet.devices)
     assert all(d.bytes_down > 0 for d in fleet.devices)  # the answers came through each one's link
+
+
+def test_sleeping_devices_each_wait_on_their_own_timer_and_a_stop_wakes_them_all(tmp_path: Path) -> None:
+    # A sleep on one shared asyncio.Event with a timeout scanned every other sleeper when it woke
+    # (the event's list of waiters): 50,000 devices a shard saturated its event loop.
+    profile = DeviceProfile(ALWAYS_ON, timezone_hours=0.0, bedtime_hours=0.0, has_wifi=True, salt=1)
+    specs = [DeviceSpec(TRAINING, profile, tmp_path / f"d{i}.sqlite", 10) for i in range(200)]
+
+    async def scenario() -> tuple[int, int, int, float]:
+        with TaskRunner(1) as runner:
+            fleet = Fleet(
+                "http://orchestrator.local",
+                Connector(),
+                specs,
+                tmp_path / "cache",
+                runner,
+                SimClock(60.0),
+                FleetOptions(population="p", privacy_policy=DEVICE_POLICY),
+            )
+            stop = fleet._stop[TRAINING]
+            short = [asyncio.create_task(fleet._sleep(d, 0.05)) for d in fleet.devices[:100]]
+            long = [asyncio.create_task(fleet._sleep(d, 3_600.0)) for d in fleet.devices[100:]]
+            await asyncio.sleep(0.01)
+            asleep = stop.sleepers()
+            await asyncio.gather(*short)  # their timers ended their sleeps alone
+            after_short = stop.sleepers()
+            loop = asyncio.get_running_loop()
+            started = loop.time()
+            fleet.stop()
+            await asyncio.gather(*long)
+            return asleep, after_short, stop.sleepers(), loop.time() - started
+
+    asleep, after_short, after_stop, stop_took = asyncio.run(scenario())
+
+    assert (asleep, after_short, after_stop) == (200, 100, 0)
+    assert stop_took < 60.0  # woken by the stop, not by their hour's timers
+
+
+def test_a_stop_switch_set_before_a_sleep_does_not_sleep() -> None:
+    async def scenario() -> int:
+        switch = StopSwitch()
+        switch.set()
+        await asyncio.wait_for(switch.sleep(3_600.0), timeout=5.0)
+        return switch.sleepers()
+
+    assert asyncio.run(scenario()) == 0
+
+
+def test_a_large_fleet_starts_over_a_while_and_a_small_one_within_seconds() -> None:
+    assert start_seconds(100) == 2.0  # a test's or a demo's fleet: as before
+    assert start_seconds(1_000) == 10.0
+    assert start_seconds(100_000) == 1_000.0

@@ -82,3 +82,34 @@ def test_devices_turned_away_from_a_full_round_come_back_spread_over_its_window(
     assert second.checkin_window == pytest.approx(
         100.0 * math.sqrt(30 / (pace_steering.CHECKINS_PER_SLOT * 2))
     )
+
+
+def test_a_device_with_too_few_examples_comes_back_after_the_round_spread_over_its_window() -> None:
+    assert pace_steering.come_back_after_round(100.0, 10.0, 250.0, 0.5) == 300.0
+    assert pace_steering.come_back_after_round(100.0, 10.0, 0.0, 0.0) == 10.0
+    assert pace_steering.come_back_after_round(None, 10.0, 250.0, 0.5) == 250.0
+
+
+def test_devices_with_too_few_examples_do_not_all_come_back_at_the_next_round_s_opening(
+    db: sessionmaker[Session], biased_model: ExportedModel
+) -> None:
+    # Arrange: rounds that last 100 s and need 5 examples; 30 devices with 2 each.
+    make_population(
+        db,
+        biased_model,
+        target_reports=2,
+        round_duration_seconds=100.0,
+        retry_after_seconds=1.0,
+        min_examples=5,
+    )
+    devices = [device(db) for _ in range(30)]
+
+    # Act: they check in to the first round at its 1st second.
+    answers = [checkin(db, d, count=2, now=1.0) for d in devices]
+
+    # Assert: all refused, told to come back after the round's deadline (99 s away), spread over
+    # its 100 s window rather than all at the next round's opening.
+    waits = [a.retry_after for a in answers if isinstance(a, rounds.Refused) and a.retry_after is not None]
+    assert len(waits) == 30
+    assert all(99.0 <= w <= 199.0 for w in waits)
+    assert len({round(w, 3) for w in waits}) > 20 and max(waits) - min(waits) > 50.0
