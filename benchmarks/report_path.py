@@ -207,12 +207,17 @@ def traced() -> Iterator[Trace]:
             seen_hops.add(stop)
             hops.append(stop)
 
-    def caller_of(frame: FrameType) -> tuple[str, str] | None:
-        """The project function (module, name) that made this call, None if not one (a library,
-        or the traced block)."""
+    def nearest_caller(frame: FrameType) -> FrameType | None:
+        """The frame that made this call, past generated methods (they have no source to stop in)."""
         caller = frame.f_back
         while caller is not None and module(caller) == GENERATED:
             caller = caller.f_back
+        return caller
+
+    def caller_of(frame: FrameType) -> tuple[str, str] | None:
+        """The project function (module, name) that made this call, None if not one (a library,
+        or the traced block)."""
+        caller = nearest_caller(frame)
         if caller is None or caller.f_code is block:
             return None
         calling = module(caller)
@@ -221,9 +226,7 @@ def traced() -> Iterator[Trace]:
     def crosses(frame: FrameType, name: str) -> bool:
         """Whether the call comes from another part (the traced block counts as one); a
         comprehension or lambda calls from the module its source is in."""
-        caller = frame.f_back
-        while caller is not None and module(caller) == GENERATED:
-            caller = caller.f_back
+        caller = nearest_caller(frame)
         if caller is None or caller.f_code is block:
             return True
         calling = module(caller)
