@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from android_sim.ceilings import SoftmaxMF, TopicRule, oracle_tops, top_k
+from android_sim.ceilings import SoftmaxMF, TopicRule, ceiling_tops, mf_training_sample, oracle_tops, top_k
 from android_sim.expressions import SyntheticConfig, generate_expressions
 from android_sim.hit_rates import ScoredDevice, evaluate, expected_hit_rate, future_hit_rate, history_bucket
 from android_sim.intervals import bootstrap_means, bootstrap_ratio, per_device_sums_interval, resample_rows
@@ -139,3 +139,20 @@ def test_generator_probabilities_are_what_the_shares_were_drawn_from() -> None:
     # The drawn shares sit where the probability is: far above a uniform guess on average.
     assert p[rows, items].mean() > 5 / 100
     assert top_k(p).shape == (300, 10)
+
+
+def test_the_centralized_mf_of_a_large_fleet_is_fitted_on_a_seeded_sample() -> None:
+    rng = np.random.default_rng(4)
+    training = [rng.integers(0, 40, size=rng.integers(1, 6)) for _ in range(30)]
+    assert mf_training_sample(training, 30) == training  # a fleet under the limit: every device
+    sample = mf_training_sample(training, 10)
+    assert len(sample) == 10 and sample == mf_training_sample(training, 10)  # seeded
+    ids = [next(i for i, t in enumerate(training) if t is s) for s in sample]
+    assert ids == sorted(ids) and len(set(ids)) == 10  # distinct devices, in their order
+    probabilities = np.full((2, 40), 1 / 40)
+    topics = np.arange(40) % 4
+    held = [np.array([1, 2]), np.array([3])]
+    mf = SoftmaxMF()
+    items, bias = mf.fit(sample, 40)
+    capped = ceiling_tops(held, probabilities, topics, training, mf_devices=10)
+    assert np.array_equal(capped["central_mf"], mf.tops(items, bias, held))
