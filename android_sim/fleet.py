@@ -16,7 +16,7 @@ import contextlib
 import random
 import re
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 from pathlib import Path
 
 import httpx
@@ -27,7 +27,7 @@ from contracts.features import FeatureSpec
 from device_runtime.agent import DeviceAgent, Participation
 from device_runtime.device_identity import DeviceIdentity
 from device_runtime.example_store import Event, ExampleStore
-from device_runtime.idle_store import IdleStore
+from device_runtime.idle_store import IdleStore, store_slots
 from device_runtime.orchestrator_client import OrchestratorClient
 from device_runtime.privacy_policy import PrivacyPolicy
 from device_runtime.task_runner import TaskRunner
@@ -94,6 +94,8 @@ class SimDevice:
     num_examples: int
     dial: Callable[[SimDevice], Connection] = field(repr=False)
     new_store: bool = False
+    # The fleet's bound on stores open at once (`store_slots()`), kept by the device's store only.
+    store_slots: InitVar[asyncio.Semaphore | None] = None
     device_id: str = ""
     token: str | None = None  # from enrollment: what identifies the device on each request
     # Its signing key, certified by the fleet's enrollment authority when it first takes part
@@ -108,10 +110,12 @@ class SimDevice:
     # Its example store, closed between rounds: the count and participation log a check-in reads.
     store: IdleStore = field(init=False, repr=False)
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, store_slots: asyncio.Semaphore | None) -> None:
         # The run's own scratch files: a phone's store waits for the disk at each commit and close
         # (a WAL checkpoint with fsyncs), which here cost the fleet's threads ~20% of a shard's samples.
-        self.store = IdleStore(self.store_path, self.num_examples, new=self.new_store, durable=False)
+        self.store = IdleStore(
+            self.store_path, self.num_examples, new=self.new_store, durable=False, slots=store_slots
+        )
 
     @property
     def task(self) -> str:
@@ -297,6 +301,8 @@ class Fleet:
             self.authority = EnrollmentAuthority()
         self.stats = FleetStats()
         self._rng = random.Random(options.seed)
+        # Devices accepted into rounds wait for a store beyond this (the process's open files).
+        self._store_slots = asyncio.Semaphore(store_slots())
         self.devices = [self._device(i, d) for i, d in enumerate(devices)]
         self._stop = {TRAINING: StopSwitch(), HELD_OUT: StopSwitch()}
         # The open evaluation round, as the run's monitor sees it through the admin API.
@@ -306,7 +312,14 @@ class Fleet:
 
     def _device(self, index: int, spec: DeviceSpec) -> SimDevice:
         return SimDevice(
-            index, spec.role, spec.profile, spec.store_path, spec.num_examples, self._dial, spec.new_store
+            index,
+            spec.role,
+            spec.profile,
+            spec.store_path,
+            spec.num_examples,
+            self._dial,
+            spec.new_store,
+            self._store_slots,
         )
 
     def _dial(self, device: SimDevice) -> Connection:

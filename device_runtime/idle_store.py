@@ -15,26 +15,58 @@ read; each `opened()` reads it afresh, so examples the app adds count from the n
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import resource
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 
 from device_runtime.example_store import ExampleStore
 
+# Open files an open store holds in a fleet: a connection (the file and its WAL) for each thread
+# that touched it (the event loop's worker threads, the task runner's) and the shared -shm;
+# measured 8.5 (tests/device_runtime/test_idle_store_slots.py).
+FILES_PER_OPEN_STORE = 10
+
+
+def store_slots() -> int:
+    """How many stores one process of a simulated fleet may hold open at once: half its
+    open-files limit, the other half left to the devices' connections. The soft limit is raised
+    to the hard one first (a fleet process holds thousands of files; the soft limit is the
+    default for a process that holds a few). Without a bound, devices piling up in rounds (an
+    abandoned round's still waiting for the task runner while the next one's are accepted) ran a
+    100,000-device shard out of files: `sqlite3.OperationalError: unable to open database file`."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or soft < hard:
+        wanted = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+        with contextlib.suppress(ValueError, OSError):  # not allowed here: keep the soft limit
+            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    return max(1, soft // 2 // FILES_PER_OPEN_STORE)
+
 
 class IdleStore:
-    __slots__ = ("_all_state", "_count", "_durable", "_open", "_state", "path")
+    __slots__ = ("_all_state", "_count", "_durable", "_open", "_slots", "_state", "path")
 
     def __init__(
-        self, path: Path, num_examples: int | None = None, *, new: bool = False, durable: bool = True
+        self,
+        path: Path,
+        num_examples: int | None = None,
+        *,
+        new: bool = False,
+        durable: bool = True,
+        slots: asyncio.Semaphore | None = None,
     ) -> None:
         """`num_examples`: what the store holds, when the caller knows (it wrote the store);
         otherwise the first `count()` opens the file to read it. `new`: the caller wrote the
         store with examples only, so it holds no local state and a first check-in need not open
         it (a fleet opened every device's file on its event loop for that). `durable=False`: the
         file is opened without waiting for the disk (`ExampleStore(durable=False)`), for a
-        simulated device whose store is the run's own scratch file."""
+        simulated device whose store is the run's own scratch file. `slots`: shared by a
+        fleet's devices, bounds the stores its rounds hold open (`session()`) at once
+        (`store_slots()`); a device accepted into a round waits for one."""
         self.path = path
+        self._slots = slots
         self._durable = durable
         self._count = num_examples
         self._state: dict[str, bytes | None] | None = None  # local state entries read or written
@@ -72,13 +104,14 @@ class IdleStore:
         if self._open is not None:
             yield self._open
             return
-        store = self._open = await asyncio.to_thread(ExampleStore, self.path, durable=self._durable)
-        try:
-            self._count = await asyncio.to_thread(store.count)
-            yield store
-        finally:
-            self._open = None
-            await asyncio.to_thread(store.close)
+        async with self._slots if self._slots is not None else contextlib.nullcontext():
+            store = self._open = await asyncio.to_thread(ExampleStore, self.path, durable=self._durable)
+            try:
+                self._count = await asyncio.to_thread(store.count)
+                yield store
+            finally:
+                self._open = None
+                await asyncio.to_thread(store.close)
 
     def load_local_state(self, key: str) -> bytes | None:
         """An entry as last read or written; one not seen yet is read with every entry of its
