@@ -105,6 +105,8 @@ def test_a_fleet_trains_evaluates_and_writes_its_report(work: Path) -> None:
 
     assert result.rounds_committed >= 3
     report = json.loads(result.report_path.read_text())
+    # Without mixing no item is central-only: the devices may draw every catalog row as a negative.
+    assert report["algorithm"]["task_config"]["central_only_items"] == []
     training = [r for r in report["rounds"] if r["kind"] == "training" and r["status"] == "committed"]
     assert all(r["counters"]["reported"] >= 1 for r in training)
     assert all("query_loss" in r["metrics"] for r in training)
