@@ -15,7 +15,11 @@ import numpy as np
 
 from android_sim.device_data import DeviceData, FleetData
 from contracts.features import Examples
+from contracts.mixing import STRATEGIES
 from model_export.config import ITEM, LABEL, Feedback
+
+# The strategies that mix centralized data in (all but "none").
+MIXING_STRATEGIES = tuple(s for s in STRATEGIES if s != "none")
 
 # Each new expression appears this many times in the public data.
 SHARES_PER_NEW_EXPRESSION = 4
@@ -60,3 +64,15 @@ def centralized_examples(
         values = np.round(mean[items]).astype(np.float32)
     order = np.lexsort((items, accounts))
     return CentralData(Examples({ITEM: items[order], LABEL: values[order]}), new_items, accounts[order])
+
+
+def central_only_rows(strategy: str, new_items: np.ndarray, samples_negatives: bool) -> tuple[int, ...]:
+    """The catalog rows a run's task declares central-only (`task_config.central_only_items`): with a
+    mixing strategy, the items only the centralized data holds, as an operator who knows which rows
+    are new would declare them, so that no device draws them as negatives against its own shares
+    (each would otherwise be a sampled negative several times a round, unlearning what mixing
+    teaches). Without mixing (`none`, or the benchmarks' `all_data`), or for a model that samples no
+    negatives: none."""
+    if strategy not in MIXING_STRATEGIES or not samples_negatives:
+        return ()
+    return tuple(int(i) for i in np.unique(np.asarray(new_items, np.int64)))

@@ -28,6 +28,7 @@ from android_sim.admin import AdminClient
 from android_sim.algorithm import algorithm_task, optimizer_over, round_settings, settings_problem
 from android_sim.builtin_data import builtin_workload, export, load_data, model_config
 from android_sim.builtin_next_word import next_word_workload
+from android_sim.central_data import central_only_rows
 from android_sim.fleet import HELD_OUT, TRAINING, DeviceSpec, Fleet
 from android_sim.profiles import draw_profiles
 from android_sim.recommendations import held_out_hit_rates, seen_device_examples
@@ -204,7 +205,12 @@ async def run_async(config: RunConfig, console: Console) -> RunResult:
     held_out = sum(1 for spec in devices.specs if spec.role == HELD_OUT)
     console.print(f"fleet: {len(devices.specs) - held_out} training devices, {held_out} held-out devices")
     name = config.population or f"{workload.name}-{manifest.model_sha256[:8]}"
+    central = central_dataset(config, workload, devices)
     settings = population_settings(config, workload, len(devices.specs) - held_out)
+    if central is not None:
+        strategy = MixingConfig.from_json(config.mixing).strategy
+        rows = central_only_rows(strategy, central[2], manifest.task.negative_sampling)
+        settings["task_config"] = {**settings["task_config"], "central_only_items": list(rows)}
     problem = settings_problem(settings)  # the whole settings, before the server starts
     if problem:
         raise RunError(problem)
@@ -220,7 +226,7 @@ async def run_async(config: RunConfig, console: Console) -> RunResult:
         return await held_out_hit_rates(fleet, devices.future, name, status, workload, config.show_devices)
 
     async def attach(admin: AdminClient) -> dict[str, Any] | None:
-        return await attach_mixing(config, workload, devices, admin, name, console)
+        return await attach_mixing(config, workload, central, admin, name, console)
 
     session = await run_fleet(
         config, name, workload.model_dir, devices.specs, settings, serve, console, attach
@@ -251,16 +257,30 @@ async def save_globals(fleet: Fleet, population: str, status: dict[str, Any], pa
         path.write_bytes(blob)
 
 
-async def attach_mixing(
-    config: RunConfig, workload: Workload, devices: Devices, admin: AdminClient, name: str, console: Console
-) -> dict[str, Any] | None:
-    """Attach the run's mixing strategy and the data's centralized dataset to the population."""
+def central_dataset(
+    config: RunConfig, workload: Workload, devices: Devices
+) -> tuple[Examples, np.ndarray, np.ndarray] | None:
+    """The data's centralized dataset for the run's mixing (examples, their public accounts, the
+    items no training device holds); None without mixing."""
     if MixingConfig.from_json(config.mixing).strategy == "none":
         return None
     if workload.central is None:
         raise RunError("mixing needs a centralized dataset: run it with a built-in data set (--data)")
-    training = [i for i, spec in enumerate(devices.specs) if spec.role == TRAINING]
-    examples, accounts, new_items = workload.central(training)
+    return workload.central([i for i, spec in enumerate(devices.specs) if spec.role == TRAINING])
+
+
+async def attach_mixing(
+    config: RunConfig,
+    workload: Workload,
+    central: tuple[Examples, np.ndarray, np.ndarray] | None,
+    admin: AdminClient,
+    name: str,
+    console: Console,
+) -> dict[str, Any] | None:
+    """Attach the run's mixing strategy and the data's centralized dataset to the population."""
+    if central is None:
+        return None
+    examples, accounts, new_items = central
     blob = encode_examples(examples, workload.manifest.features, accounts)
     attached = await admin_call(admin.attach_mixing(name, config.mixing, blob))
     console.print(

@@ -48,12 +48,13 @@ from android_sim.bench.implicit import K, TopK, _newest_first, _with_negatives, 
 from android_sim.bench.models import ModelCache
 from android_sim.bench.protocol import split_users
 from android_sim.builtin_data import model_config, population_settings
+from android_sim.central_data import MIXING_STRATEGIES, central_only_rows
 from android_sim.device_data import DeviceData, FleetData, expression_fleet
 from android_sim.expressions import SyntheticConfig
 from android_sim.fleet import write_store
 from android_sim.run_config import RunConfig
 from contracts.features import Examples
-from contracts.manifest import Manifest
+from contracts.manifest import Manifest, load_manifest
 from contracts.mixing import CentralDataset, MixingConfig, encode_examples
 from contracts.params import Params, encode_sparse_delta
 from contracts.task_config import TaskConfig
@@ -69,7 +70,7 @@ from orchestrator.central_training import CentralTrainingError, gradient_on_cent
 from orchestrator.mixing import assignment_examples
 
 STRATEGIES = ("none", "all_data", "parallel_training", "example_transfer", "gradient_transfer")
-WEIGHTED = ("parallel_training", "example_transfer", "gradient_transfer")
+WEIGHTED = MIXING_STRATEGIES
 PARALLEL_WEIGHTS = (0.1, 0.3, 0.5)  # alpha
 EXAMPLES_PER_ASSIGNMENT = (8, 16, 64)
 GRADIENT_WEIGHTS = (0.1, 0.3, 1.0)
@@ -221,9 +222,10 @@ class Harness:
         """The harness a strategy trains and is scored with: a mixing strategy's task declares the
         new items central-only (unless not `declare_new_items`); `none` and `all_data` never do
         (with all data the devices hold them)."""
-        if strategy not in WEIGHTED or not self.declare_new_items:
+        if not self.declare_new_items:
             return self
-        rows = tuple(int(i) for i in self.setup.new_items)
+        samples_negatives = load_manifest(self.model_dir).task.negative_sampling
+        rows = central_only_rows(strategy, self.setup.new_items, samples_negatives)
         return dataclasses.replace(self, config=dataclasses.replace(self.config, central_only_items=rows))
 
     def trainers(self, keep_new: bool) -> tuple[list[int], list[DeviceData]]:

@@ -105,6 +105,8 @@ def test_a_fleet_trains_evaluates_and_writes_its_report(work: Path) -> None:
 
     assert result.rounds_committed >= 3
     report = json.loads(result.report_path.read_text())
+    # Without mixing no item is central-only: the devices may draw every catalog row as a negative.
+    assert report["algorithm"]["task_config"]["central_only_items"] == []
     training = [r for r in report["rounds"] if r["kind"] == "training" and r["status"] == "committed"]
     assert all(r["counters"]["reported"] >= 1 for r in training)
     assert all("query_loss" in r["metrics"] for r in training)
@@ -411,6 +413,10 @@ def test_a_fleet_mixes_centralized_data_and_counts_its_bytes(work: Path, strateg
     mixed = report["mixing"]
     assert result.rounds_committed >= 2 and mixed["mixing"]["strategy"] == strategy
     assert mixed["num_examples"] >= 200  # the public shares, and the new expressions' shares
+    # The items only the centralized data holds are declared central-only, as the mixing
+    # benchmark declares its held-back items: no device draws them as negatives.
+    declared = report["algorithm"]["task_config"]["central_only_items"]
+    assert len(declared) == mixed["new_items"] > 0 and declared == sorted(set(declared))
     training = [r for r in report["rounds"] if r["kind"] == "training" and r["status"] == "committed"]
     if strategy == "parallel_training":
         assert all(r["metrics"]["central_steps"] == 4 for r in training)
