@@ -33,7 +33,7 @@ def feature_of_another_dtype() -> ExportSpec:
 
 
 def local_start_of_another_shape() -> ExportSpec:
-    """The user vector has 8 values, a genre embedding 4."""
+    """The user vector has 6 values, a genre embedding 3."""
     return replace(genre_rating.build(), local_start=LocalStart("user_embedding", "genre_embeddings"))
 
 
