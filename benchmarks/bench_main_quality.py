@@ -8,11 +8,14 @@ Each argument is one configuration, a JSON object over the main job's defaults:
 `{"model": {...}}` model config fields (a new export), `"rounds"` (60), `"clients"` (40 reports
 a round), `"seed"` (the data's, the held-out draw's and the client sampling's; 0), `"serve"`
 (task config fields the held-out devices reconstruct with, over the population's task config,
-which a device serves with), `"uniform"` (every report weighs the same, as under secure aggregation or
-DP) and `"secure"` (secure aggregation's arithmetic: deltas clipped to this L2 norm, quantized to
-32 bits, summed and dequantized, uniform weights; the main job's `--aggregation secure` clips to
-10). Prints one line per configuration: FedRecon's expected hit rate@10 with its 95% interval, its
-hit rate over the newest shares, by history size, the ceilings on the same held-out devices, and
+which a device serves with), `"serve_model"` (model config fields of the export the held-out
+devices reconstruct and rank with, over the trained one's: the same parameters, e.g. another
+`history_start`; a serving-only trial of a model change), `"uniform"` (every report weighs the
+same, as under secure aggregation or DP) and `"secure"` (secure aggregation's arithmetic:
+deltas clipped to this L2 norm, quantized to 32 bits, summed and dequantized, uniform weights;
+the main job's `--aggregation secure` clips to 10). Prints one line per configuration:
+FedRecon's expected hit rate@10 with its 95% interval, its hit rate over the newest shares, by
+history size, the ceilings on the same held-out devices, and
 after a seed's first configuration FedRecon's paired difference from it (same devices), over
 every device and per history size. This is how
 the main job's defaults were tuned (docs/benchmarks.md, "Quality: the main job's held-out devices");
@@ -113,8 +116,13 @@ def run(spec: dict[str, Any], work: Path) -> HitRates:
     # Held-out devices serve with the population's task config, as the main job's do; "serve"
     # overrides fields of it (a serving-only trial).
     serve = TaskConfig.from_json({**task.to_json(), **spec.get("serve", {})})
+    serving_dir = model_dir
+    if "serve_model" in spec:
+        serving = replace(model, **spec["serve_model"])
+        serving_tag = hashlib.sha256(json.dumps(serving.to_json(), sort_keys=True).encode()).hexdigest()[:12]
+        serving_dir = export(serving, work / "models" / serving_tag)
     found, _ = score_held_out(
-        TFLiteModel(model_dir), result.params, "final", fleet, future, workload, training, 0, serve
+        TFLiteModel(serving_dir), result.params, "final", fleet, future, workload, training, 0, serve
     )
     assert found is not None
     return found

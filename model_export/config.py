@@ -81,6 +81,14 @@ class ModelConfig:
     # mean, so the server step that makes up for that dilution overshoots it. Realized as
     # `value = sqrt(group_rate) * stored` (the stored table is what is trained and sent).
     group_rate: float = 1.0
+    # Implicit feedback: > 0 starts the reconstruction's user vector at this times the mean of the
+    # device's shared items' vectors (their embedding plus, with group_embeddings, their group's;
+    # `history_start_groups`: their group's alone) instead of zeros, so each share weighs the same
+    # in where it starts and the SGD steps refine it. 0: from zeros. `history_start_contrast`:
+    # minus the mean of the support's sampled negatives' vectors.
+    history_start: float = 0.0
+    history_start_groups: bool = False
+    history_start_contrast: bool = False
     seed: int = 0
     training: TrainingDefaults = TrainingDefaults()
 
@@ -119,6 +127,20 @@ class ModelConfig:
             problems.append(f"group_rate must be finite and > 0, got {self.group_rate}")
         if not (math.isfinite(self.group_init_scale) and self.group_init_scale >= 0):
             problems.append(f"group_init_scale must be finite and >= 0, got {self.group_init_scale}")
+        if not (math.isfinite(self.history_start) and self.history_start >= 0):
+            problems.append(f"history_start must be finite and >= 0, got {self.history_start}")
+        elif self.history_start > 0 and self.feedback is not Feedback.IMPLICIT:
+            problems.append("history_start applies to implicit feedback only (the mean of the shared items)")
+        if not isinstance(self.history_start_groups, bool):
+            problems.append(f"history_start_groups must be true or false, got {self.history_start_groups!r}")
+        elif self.history_start_groups and not (self.group_embeddings and self.history_start > 0):
+            problems.append("history_start_groups needs group_embeddings and history_start > 0")
+        if not isinstance(self.history_start_contrast, bool):
+            problems.append(
+                f"history_start_contrast must be true or false, got {self.history_start_contrast!r}"
+            )
+        elif self.history_start_contrast and not self.history_start > 0:
+            problems.append("history_start_contrast needs history_start > 0")
         if problems:
             raise ValueError("invalid model config: " + "; ".join(problems))
 

@@ -6,7 +6,9 @@ Parameters are split as in Federated Reconstruction:
   by the `item` feature: a task trains only its items' rows) and `global_mean` [1]; with the
   catalog's item groups, optional `group_embeddings` [groups, dim] and `group_bias` [groups]
   (dense: every task trains them);
-- local: `user_embedding` [dim], optional `user_bias` [1], reconstructed on the device.
+- local: `user_embedding` [dim], optional `user_bias` [1], reconstructed on the device (with
+  `history_start`, the user vector's reconstruction starts at the scaled mean of the shared
+  items' vectors, `model_export.local_start`).
 
 A score is `<item_embeddings[item] + group_embeddings[group], user_embedding> + item_bias[item]
 + group_bias[group] + user_bias + global_mean`, `group` being the item's group (a constant of the
@@ -26,7 +28,7 @@ import tensorflow as tf
 from contracts.manifest import TaskSpec
 from model_export.config import ITEM, Feedback, ModelConfig
 from model_export.layers import CatalogAttribute, LocalVector, Offset, RowTable
-from model_export.spec import ExportSpec, Metric, PerExample
+from model_export.spec import ExportSpec, LocalStart, Metric, PerExample
 
 
 def explicit_loss(huber_delta: float) -> PerExample:
@@ -146,4 +148,17 @@ def build_spec(config: ModelConfig) -> ExportSpec:
         max_batches=config.max_batches,
         training_defaults=config.to_json()["training"],  # type: ignore[arg-type]
         config=config.to_json(),
+        local_start=history_start(config),
     )
+
+
+def history_start(config: ModelConfig) -> LocalStart | None:
+    """With `history_start` > 0: the user vector starts at that times the mean of the shared
+    items' vectors (the layer whose output it is dotted with), or of their groups' embeddings."""
+    if config.history_start <= 0:
+        return None
+    if config.history_start_groups:
+        layer = "group_embedding_rate"
+    else:
+        layer = "plus_group_embedding" if config.group_embeddings else "item_embeddings"
+    return LocalStart("user_embedding", layer, config.history_start, config.history_start_contrast)

@@ -25,6 +25,11 @@ class ReferenceModel:
     # Each item's group, when the model has `group_embeddings` / `group_bias` (dense, by group).
     item_groups: np.ndarray | None = None
     group_rate: float = 1.0  # the group tables' values are sqrt(group_rate) times the stored ones
+    # > 0: `reconstruct` starts the user vector at this times the label-weighted mean of the
+    # batches' item vectors (`history_start_groups`: their groups' embeddings alone).
+    history_start: float = 0.0
+    history_start_groups: bool = False
+    history_start_contrast: bool = False  # minus the mean of the other examples' vectors
 
     def __post_init__(self) -> None:
         self.global_params = {k: np.asarray(v, np.float64).copy() for k, v in self.global_params.items()}
@@ -127,6 +132,8 @@ class ReferenceModel:
         self, batches: list[Batch], num_steps: int, learning_rate: float, l2_local: float
     ) -> float:
         """SGD on the local params only, cycling over `batches`; returns the mean data loss."""
+        if self.history_start > 0:
+            self._start_from_history(batches)
         losses = []
         for step in range(num_steps if batches else 0):
             _, grads_l, loss = self.batch_gradients(batches[step % len(batches)], 0.0, l2_local)
@@ -134,6 +141,32 @@ class ReferenceModel:
                 self.local_params[k] = self.local_params[k] - learning_rate * grads_l[k]
             losses.append(loss)
         return float(np.mean(losses)) if losses else 0.0
+
+    def _start_from_history(self, batches: list[Batch]) -> None:
+        """The user vector at `history_start` x the mean of the shares' vectors, if any."""
+
+        def mean(share: float) -> tuple[np.ndarray, float]:
+            weighted = [
+                (items, weights * (labels if share else 1.0 - labels)) for items, labels, weights in batches
+            ]
+            total = sum(float(w.sum()) for _, w in weighted)
+            vectors = sum(w @ self._start_vectors(items) for items, w in weighted)
+            return (np.asarray(vectors) / total if total > 0 else np.zeros(0)), total
+
+        shared, total = mean(1.0)
+        if total <= 0:
+            return
+        if self.history_start_contrast:
+            others, rest = mean(0.0)
+            if rest > 0:
+                shared = shared - others
+        self.local_params["user_embedding"] = self.history_start * shared
+
+    def _start_vectors(self, items: np.ndarray) -> np.ndarray:
+        if self.history_start_groups:
+            groups = self.global_params["group_embeddings"][self._groups(items)]
+            return np.asarray(self._group_scale * groups)
+        return self._item_vectors(items)
 
     def update(
         self,

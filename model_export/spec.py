@@ -63,6 +63,22 @@ class Metric:
 
 
 @dataclass(frozen=True)
+class LocalStart:
+    """Where `reconstruct` starts a local vector: at `scale` times the mean, over the support
+    examples weighted by example weight x label (implicit feedback: the device's shares), of
+    `layer`'s output for each example, which has the local's shape (e.g. the item vector a user
+    vector is dotted with). So the vector starts at what the device's history already says and
+    the reconstruction's steps refine it; without such examples it starts where `reset_local`
+    put it. `contrast`: minus the mean over the other support examples (weight x (1 - label):
+    the sampled negatives), so what every item's vector shares cancels."""
+
+    local: str  # a local variable's manifest name
+    layer: str  # a layer of the model called once, whose per-example output has the local's shape
+    scale: float = 1.0
+    contrast: bool = False
+
+
+@dataclass(frozen=True)
 class ExportSpec:
     """A Keras model and what federated training needs to know about it.
 
@@ -79,7 +95,8 @@ class ExportSpec:
       output is not it as is (e.g. the last position of a sequence model's logits);
     - `batch_size`, `max_batches`: the static shapes of one signature call;
     - `training_defaults`: the task-config defaults recorded in the manifest;
-    - `config`: anything worth recording in the manifest (how the model was built).
+    - `config`: anything worth recording in the manifest (how the model was built);
+    - `local_start`: optional, where `reconstruct` starts a local vector (`LocalStart`).
     """
 
     model: Any
@@ -94,6 +111,7 @@ class ExportSpec:
     infer_scores: Callable[[Mapping[str, Any], Any], Any] | None = None
     training_defaults: Mapping[str, float | int] = field(default_factory=dict)
     config: Mapping[str, Any] = field(default_factory=dict)
+    local_start: LocalStart | None = None
 
 
 class ExportError(ValueError):

@@ -54,6 +54,7 @@ from contracts.manifest import (
     WEIGHTS,
     central_gradient_input,
 )
+from model_export.local_start import history_mean, start_model, started
 from model_export.spec import ExportError, ExportSpec
 from model_export.spec_checks import (
     check_locals_not_row_sparse,
@@ -78,8 +79,8 @@ class _Hidden:
     """Keeps the Keras models out of the tf.Module's tracked state (their own variables are
     not part of the export; the module's are)."""
 
-    def __init__(self, model: Any, twin: Any, ranking_twin: Any) -> None:
-        self.model, self.twin, self.ranking_twin = model, twin, ranking_twin
+    def __init__(self, model: Any, twin: Any, ranking_twin: Any, start: Any = None) -> None:
+        self.model, self.twin, self.ranking_twin, self.start = model, twin, ranking_twin, start
 
 
 class Trainer(tf.Module):  # type: ignore[misc]
@@ -119,7 +120,12 @@ class Trainer(tf.Module):  # type: ignore[misc]
         self._initial_local = {n: v.numpy().copy() for n, v in self.local_vars.items()}
         self._constants = {v.path: tf.constant(np.asarray(v.numpy())) for v in model.non_trainable_variables}
         check_task(spec.task, self.features, self.row_sparse, list(self.global_vars))
-        self._keras = _Hidden(model, training_twin(model, spec, self.attributes), ranking_twin(model, spec))
+        twin = training_twin(model, spec, self.attributes)
+        start = None
+        if spec.local_start is not None:
+            shapes = {n: tuple(v.shape.as_list()) for n, v in self.local_vars.items()}
+            start = start_model(twin, spec.local_start, shapes)
+        self._keras = _Hidden(model, twin, ranking_twin(model, spec), start)
 
     # ---- maths shared by the signatures -------------------------------------------------
 
@@ -238,16 +244,37 @@ class Trainer(tf.Module):  # type: ignore[misc]
 
     # ---- signatures ----------------------------------------------------------------------
 
+    def _local_start(
+        self, inputs: dict[str, tf.Tensor], current: dict[str, tf.Tensor]
+    ) -> dict[str, tf.Tensor]:
+        """The locals `reconstruct` starts from: `current`, with `spec.local_start`'s local at
+        its scaled history mean (`model_export.local_start`) when the spec asks for one."""
+        start = self.spec.local_start
+        if start is None:
+            return current
+        weights, flat = self._flat(inputs)
+        values = {**{n: inputs[n] for n in self.global_vars}, **current}
+        vectors = self._forward(
+            self._keras.start,
+            values,
+            {f.name: flat[f.name] for f in self.inputs},
+            self._task_constants(inputs),
+        )
+        mean, total = history_mean(vectors, weights, flat[self.label.name], start.contrast)
+        return {**current, start.local: started(current[start.local], mean, total, float(start.scale))}
+
     def reconstruct(self, **inputs: tf.Tensor) -> dict[str, tf.Tensor]:
-        """`num_steps` SGD steps on the local parameters; globals frozen."""
+        """`num_steps` SGD steps on the local parameters, globals frozen, from their current values
+        (or, with `spec.local_start`, from the support's history mean)."""
         names = list(self.local_vars)
         frozen = {n: inputs[n] for n in self.global_vars}
+        begin = self._local_start(inputs, {n: self.local_vars[n].read_value() for n in names})
         loss, final = self._train(
             inputs,
             names,
             [inputs["learning_rate"]] * len(names),
             frozen,
-            [self.local_vars[n].read_value() for n in names],
+            [begin[n] for n in names],
             tf.constant(0.0),
             inputs["l2_local"],
         )

@@ -13,7 +13,7 @@ import tensorflow as tf
 from contracts.features import FeatureSpec
 from contracts.manifest import TaskSpec
 from model_export.layers import CatalogAttribute, LocalVector
-from model_export.spec import ExportSpec, Metric
+from model_export.spec import ExportSpec, LocalStart, Metric
 from tests.model_export import genre_rating
 
 
@@ -30,6 +30,15 @@ def feature_of_another_dtype() -> ExportSpec:
     spec = genre_rating.build()
     features = [replace(f, dtype="float32") if f.name == "genre" else f for f in spec.features]
     return replace(spec, features=features)
+
+
+def local_start_of_another_shape() -> ExportSpec:
+    """The user vector has 6 values, a genre embedding 3."""
+    return replace(genre_rating.build(), local_start=LocalStart("user_embedding", "genre_embeddings"))
+
+
+def local_start_of_an_unknown_local() -> ExportSpec:
+    return replace(genre_rating.build(), local_start=LocalStart("user_vector", "hidden"))
 
 
 def row_sparse_layer_that_is_not_a_table() -> ExportSpec:
@@ -151,6 +160,8 @@ CASES = (
     "ranking_catalog_without_a_table",
     "catalog_attribute_of_another_length",
     "catalog_feature_into_another_layer",
+    "local_start_of_another_shape",
+    "local_start_of_an_unknown_local",
 )
 
 

@@ -218,6 +218,10 @@ EXPECTED_ERRORS = {
     r"it is called on has 40 rows, so it needs one value per row",
     "catalog_feature_into_another_layer": r"it may feed only row-sparse tables and CatalogAttribute layers "
     r"\(a catalog row's constants, e.g. its topic\), but also feeds \[",
+    "local_start_of_another_shape": r"local_start's layer 'genre_embeddings' gives per-example outputs "
+    r"of shape \(3,\); the local 'user_embedding' has shape \(6,\)",
+    "local_start_of_an_unknown_local": r"local_start names the local 'user_vector'; "
+    r"the model's locals are \['user_embedding'\]",
 }
 
 
