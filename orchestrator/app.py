@@ -38,7 +38,7 @@ from orchestrator.api.routes import (
 )
 from orchestrator.api.routes import metrics as metrics_route
 from orchestrator.dashboard import routes as dashboard
-from orchestrator.db import Population, make_engine
+from orchestrator.db import Population, make_engine, sessions_that_keep_what_they_load
 from orchestrator.logs import log_request
 from orchestrator.migrate import migrate
 from orchestrator.phase_changes import PHASE_CHANGES
@@ -136,7 +136,7 @@ def create_app(settings: Settings | None = None, clock: Callable[[], float] = ti
         await run_in_threadpool(migrate, settings.database_url)
         engine = make_engine(settings.database_url, busy_seconds=0.0)  # run_db waits, off the loop
         metrics.count_database_errors(engine)
-        app.state.sessionmaker = sessionmaker(engine, expire_on_commit=False)
+        app.state.sessionmaker = sessions_that_keep_what_they_load(engine)
         app.state.db_inline = engine.dialect.name == "sqlite"
         app.state.checkin_groups = checkins.checkin_groups(app, settings.group_commit_seconds)
         app.state.report_groups = reports.report_groups(app, settings.group_commit_seconds)
