@@ -38,11 +38,11 @@ from orchestrator.api.routes import (
 )
 from orchestrator.api.routes import metrics as metrics_route
 from orchestrator.dashboard import routes as dashboard
-from orchestrator.db import Population, make_engine
+from orchestrator.db import Population, make_engine, sessions_that_keep_what_they_load
 from orchestrator.logs import log_request
 from orchestrator.migrate import migrate
 from orchestrator.phase_changes import PHASE_CHANGES
-from orchestrator.service import checkins, reports
+from orchestrator.service import checkins, reports, secure_states
 from orchestrator.settings import Settings
 
 log = logging.getLogger("orchestrator")
@@ -136,10 +136,11 @@ def create_app(settings: Settings | None = None, clock: Callable[[], float] = ti
         await run_in_threadpool(migrate, settings.database_url)
         engine = make_engine(settings.database_url, busy_seconds=0.0)  # run_db waits, off the loop
         metrics.count_database_errors(engine)
-        app.state.sessionmaker = sessionmaker(engine, expire_on_commit=False)
+        app.state.sessionmaker = sessions_that_keep_what_they_load(engine)
         app.state.db_inline = engine.dialect.name == "sqlite"
         app.state.checkin_groups = checkins.checkin_groups(app, settings.group_commit_seconds)
         app.state.report_groups = reports.report_groups(app, settings.group_commit_seconds)
+        app.state.secure_state_reads = secure_states.state_reads(app, settings.group_commit_seconds)
 
         async def ticker() -> None:
             while True:

@@ -20,7 +20,7 @@ from sqlalchemy import (
     false,
     select,
 )
-from sqlalchemy.orm import DeclarativeBase, Mapped, column_property, mapped_column
+from sqlalchemy.orm import DeclarativeBase, Mapped, Session, column_property, mapped_column, sessionmaker
 from sqlalchemy.pool import QueuePool
 
 
@@ -341,3 +341,33 @@ def make_engine(url: str, busy_seconds: float = 30.0) -> Engine:
 
         return engine
     return create_engine(url, pool_size=10, max_overflow=20, pool_pre_ping=True, hide_parameters=True)
+
+
+def sessions_that_keep_what_they_load(engine: Engine) -> sessionmaker[Session]:
+    """Sessions whose objects stay in their identity map for the whole transaction.
+
+    SQLAlchemy's identity map holds objects weakly: an object that no caller holds any more is
+    collected, and the next `session.get` of it in the same transaction reads it again. A secure
+    round's message read its round's row four times so (to check the deadline, in the handler, to
+    advance the round, for the answer's state), and each check-in of a group read it again: a
+    fifth of the server's time in the secure main job went to those reads. Transactions here are
+    short and load few objects (bulk reads select columns), so holding them costs little memory.
+    (SQLAlchemy's documented recipe, "Session Referencing Behavior".)"""
+    factory = sessionmaker(engine, expire_on_commit=False)
+
+    @event.listens_for(factory, "loaded_as_persistent")
+    @event.listens_for(factory, "pending_to_persistent")
+    @event.listens_for(factory, "detached_to_persistent")
+    def _hold(session: Session, instance: object) -> None:
+        session.info.setdefault(_HELD, set()).add(instance)
+
+    @event.listens_for(factory, "persistent_to_detached")
+    @event.listens_for(factory, "persistent_to_deleted")
+    @event.listens_for(factory, "persistent_to_transient")
+    def _release(session: Session, instance: object) -> None:
+        session.info.get(_HELD, set()).discard(instance)
+
+    return factory
+
+
+_HELD = "objects held for the transaction"

@@ -153,8 +153,11 @@ def closed(session: Session, secure_round: SecureRound) -> Closed:
     another database)."""
     phase = secure_round.phase
     key = (secure_round.round_id, str(secure_round.parameters.get("context", "")), phase)
+    # Devices read together in one transaction (service.secure_states) share its facts before it
+    # commits.
+    in_transaction = _facts_of_this_transaction(session)
     with _LOCK:
-        found = _CACHE.get(key)
+        found = _CACHE.get(key) or in_transaction.get(key)
     if found is not None:
         return found
     past = _ORDER.index(phase)
@@ -179,6 +182,21 @@ def closed(session: Session, secure_round: SecureRound) -> Closed:
     # Kept once this transaction commits: a phase closed in a transaction that rolls back may
     # close again later with other members.
     on_commit(session, keep)
+    in_transaction[key] = facts
+    return facts
+
+
+_FACTS = "secure rounds' closed facts read in this transaction"
+
+
+def _facts_of_this_transaction(session: Session) -> dict[tuple[int, str, str], Closed]:
+    """The facts read so far in the session's current transaction (none from an earlier one: a
+    transaction that rolled back may have closed a phase that closes again with other members)."""
+    transaction = session.get_transaction()
+    held = session.info.get(_FACTS)
+    if held is None or held[0] is not transaction:
+        held = session.info[_FACTS] = (transaction, {})
+    facts: dict[tuple[int, str, str], Closed] = held[1]
     return facts
 
 

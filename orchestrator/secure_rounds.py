@@ -45,7 +45,6 @@ from secure_aggregation.messages import (
     AdvertisedKeys,
     EncryptedShares,
     UnmaskingShares,
-    ciphertexts_to_json,
     decode_vector,
     shares_from_json,
 )
@@ -103,12 +102,7 @@ def state(
         assert facts.roster is not None
         graph = round_graph(round_parameters(secure_round), facts.roster)
         index = participant.device_index
-        out["ciphertexts"] = ciphertexts_to_json(
-            {
-                owner: shares.ciphertext
-                for owner, shares in _shares_for(session, round_.id, graph, index).items()
-            }
-        )
+        out["ciphertexts"] = _ciphertexts_for(session, round_.id, graph, index)
     elif (
         secure_round.phase == CONSISTENCY
         and participant.sent_masked_input
@@ -139,6 +133,26 @@ def _confirmations(session: Session, round_id: int, indices: list[int]) -> dict[
         )
     )
     return {str(index): confirmation for index, confirmation in rows}
+
+
+def _ciphertexts_for(
+    session: Session, round_id: int, graph: Mapping[int, list[int]], holder: int
+) -> dict[str, str]:
+    """The ciphertexts `holder`'s neighbours that shared keys sent for it, as they sent them (each
+    message was checked as it came): decoding and re-encoding each was a third of the server's
+    state reads at 1,000 devices, 60 neighbours each."""
+    rows = session.execute(
+        select(
+            SecureParticipant.device_index, SecureParticipant.shares[(str(holder), "ciphertext")].as_string()
+        )
+        .where(
+            SecureParticipant.round_id == round_id,
+            SecureParticipant.sent_shares,
+            SecureParticipant.device_index.in_(graph[holder]),
+        )
+        .order_by(SecureParticipant.device_index)
+    )
+    return {str(owner): ciphertext for owner, ciphertext in rows if ciphertext is not None}
 
 
 def _shares_for(

@@ -15,7 +15,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from sqlalchemy.pool import NullPool
 
 from model_export.config import ModelConfig
-from orchestrator.db import make_engine
+from orchestrator.db import make_engine, sessions_that_keep_what_they_load
 from orchestrator.local import LocalOrchestrator
 from orchestrator.migrate import migrate
 from orchestrator.populations import ExportedModel, create_population
@@ -58,7 +58,7 @@ def db(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[sessionmaker[
             url = stack.enter_context(fresh_postgres_database())
         migrate(url)
         engine = make_engine(url)
-        yield sessionmaker(engine, expire_on_commit=False)
+        yield sessions_that_keep_what_they_load(engine)  # as the server's
         engine.dispose()
 
 

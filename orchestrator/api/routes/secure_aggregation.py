@@ -25,9 +25,10 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from orchestrator import rounds, secure_rounds
 from orchestrator.api import schemas
-from orchestrator.api.deps import ClockDep, SessionFactoryDep, SettingsDep, TokenDep, require_device, run_db
-from orchestrator.db import Population, Round
+from orchestrator.api.deps import SessionFactoryDep, SettingsDep, TokenDep, run_db
+from orchestrator.db import Round
 from orchestrator.phase_changes import PHASE_CHANGES
+from orchestrator.service.secure_states import StateCall, callers_round, read_state, refusal, state_of
 
 router = APIRouter(prefix="/v1/assignments", tags=["devices"])
 
@@ -59,47 +60,6 @@ SECURE_REFUSALS = {
 Handler = Callable[[Session, Round, str, Any, float], dict[str, Any] | rounds.Refused]
 
 
-def _raise(refused: rounds.Refused) -> HTTPException:
-    headers = None if refused.retry_after is None else {"Retry-After": str(int(refused.retry_after + 0.999))}
-    return HTTPException(refused.status, refused.message, headers=headers)
-
-
-def _callers_round(
-    session: Session, assignment_id: str, token: str, now: float, advance_rounds: bool = True
-) -> tuple[Population, str, Round]:
-    """The caller's (locked) population, assignment status and secure round; 401/403/404/409
-    otherwise."""
-    device_id = require_device(session, token)
-    population = rounds.population_of_assignment(session, assignment_id)
-    if population is None:
-        raise HTTPException(404, f"no assignment {assignment_id!r}")
-    found = rounds.secure_round_of(session, population, assignment_id, device_id, now, advance_rounds)
-    if isinstance(found, rounds.Refused):
-        raise _raise(found)
-    return (population, *found)
-
-
-def _state(
-    factory: sessionmaker[Session], assignment_id: str, token: str, now: float, until: str | None = None
-) -> dict[str, Any]:
-    with factory.begin() as session:
-        # A round's devices read its state at every phase change and send a message in each phase:
-        # these requests advance the round before their own work only when its phase deadline has
-        # passed (every other change of phase comes after a message, which advances the round, or
-        # with the ticker).
-        population, status, round_ = _callers_round(session, assignment_id, token, now, advance_rounds=False)
-        if round_.status == "open" and secure_rounds.deadline_passed(session, round_, now):
-            rounds.advance_secure(session, population, round_, now)
-            status = rounds.assignment_status(session, assignment_id)
-        return _state_of(session, status, round_, assignment_id, now, until)
-
-
-def _state_of(
-    session: Session, status: str, round_: Round, assignment_id: str, now: float, until: str | None
-) -> dict[str, Any]:
-    return {"assignment_status": status, **secure_rounds.state(session, round_, assignment_id, now, until)}
-
-
 def _message(
     factory: sessionmaker[Session],
     handler: Handler,
@@ -110,7 +70,7 @@ def _message(
     until: str | None = None,
 ) -> dict[str, Any]:
     with factory.begin() as session:
-        population, status, round_ = _callers_round(session, assignment_id, token, now, advance_rounds=False)
+        population, status, round_ = callers_round(session, assignment_id, token, now, advance_rounds=False)
         if round_.status == "open" and secure_rounds.deadline_passed(session, round_, now):
             # The phase ran out before this message: close it first (the message is then out of
             # phase, or its device was dropped with it).
@@ -120,13 +80,13 @@ def _message(
             raise HTTPException(409, f"this assignment is {status} and its round {round_.status}")
         answer = handler(session, round_, assignment_id, body, now)
         if isinstance(answer, rounds.Refused):
-            raise _raise(answer)
+            raise refusal(answer)
         # The message may complete its phase: close it now rather than at the next tick.
         rounds.advance_secure(session, population, round_, now)
         if until is None:
             return answer
         status = rounds.assignment_status(session, assignment_id)
-        return {**answer, "state": _state_of(session, status, round_, assignment_id, now, until)}
+        return {**answer, "state": state_of(session, status, round_, assignment_id, now, until)}
 
 
 async def _body(request: Request, limit: int) -> bytes:
@@ -150,7 +110,7 @@ async def _post_json(
 ) -> Any:
     parsed = secure_rounds.json_body(await _body(request, limit))
     if isinstance(parsed, rounds.Refused):
-        raise _raise(parsed)
+        raise refusal(parsed)
     return await _answer(request, handler, assignment_id, token, parsed, until, wait)
 
 
@@ -214,7 +174,8 @@ class _Hold:
                 # second read per wait would double the reads of a thousand waiting devices).
                 return {**answer, "seconds_left": max(0.0, answer["phase_deadline"] - clock())}
             self.seen = PHASE_CHANGES.generation  # before reading: a change in between is not missed
-            answer = await run_db(app, _state, self.factory, self.assignment_id, self.token, clock(), until)
+            # Every device held for this phase wakes now: their reads share a transaction.
+            answer = await read_state(app, StateCall(self.assignment_id, self.token, until))
 
 
 _UNTIL_DOC = f"hold the answer until the round reaches this phase or a later one: {ORDER}"
@@ -236,15 +197,12 @@ async def state(
     request: Request,
     token: TokenDep,
     factory: SessionFactoryDep,
-    clock: ClockDep,
     until: UntilQuery = None,
     wait: WaitQuery = None,
 ) -> dict[str, Any]:
     _check_until(until)
     hold = _Hold(request, factory, assignment_id, token, until, wait)
-    return await hold.until_reached(
-        await run_db(request.app, _state, factory, assignment_id, token, clock(), until)
-    )
+    return await hold.until_reached(await read_state(request.app, StateCall(assignment_id, token, until)))
 
 
 def _open_phases(factory: sessionmaker[Session]) -> frozenset[tuple[int, str]]:
