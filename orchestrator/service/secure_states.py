@@ -9,7 +9,8 @@ server's 51 busy seconds. Read together, the tokens and the populations are one 
 round's rows are read once, and every device hears of the phase in the same answer batch.
 
 The caller's checks (`callers_round`) and the answer (`state_of`) are shared with the phase
-messages, which read their state in their own transaction.
+messages, which read their state in their own transaction. Refusals are `Refused` values; the
+routes turn them into HTTP answers.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from fastapi import HTTPException
 from sqlalchemy.orm import Session, sessionmaker
 from starlette.applications import Starlette
 
@@ -37,52 +37,49 @@ class StateCall:
     until: str | None  # a phase: the state says what that phase hands out only once it is reached
 
 
-StateReads = GroupCommit[None, StateCall, dict[str, Any] | HTTPException]
+StateReads = GroupCommit[None, StateCall, dict[str, Any] | rounds.Refused]
 
 
 def state_reads(app: Starlette, window_seconds: float) -> StateReads:
     """The group commit of state reads (one group for all populations: they only read, and lock
     their populations in id order)."""
 
-    async def transaction(_key: None, calls: Sequence[StateCall]) -> list[dict[str, Any] | HTTPException]:
+    async def transaction(_key: None, calls: Sequence[StateCall]) -> list[dict[str, Any] | rounds.Refused]:
         return await run_db(app, read_states, app.state.sessionmaker, calls, app.state.clock())
 
     return GroupCommit(transaction, window_seconds, fail_together=DATABASE_UNAVAILABLE, name="secure_state")
 
 
-async def read_state(app: Starlette, call: StateCall) -> dict[str, Any]:
+async def read_state(app: Starlette, call: StateCall) -> dict[str, Any] | rounds.Refused:
     """One device's state, read with whichever devices ask at the same moment."""
     groups: StateReads = app.state.secure_state_reads
-    answer = await groups.submit(None, call)
-    if isinstance(answer, HTTPException):
-        raise answer
-    return answer
+    return await groups.submit(None, call)
 
 
 def read_states(
     factory: sessionmaker[Session], calls: Sequence[StateCall], now: float
-) -> list[dict[str, Any] | HTTPException]:
+) -> list[dict[str, Any] | rounds.Refused]:
     """Each call's state, or the refusal it gets (401, 403, 404, 409), in one transaction."""
     with factory.begin() as session:
         device_ids = authenticate_all(session, [call.token for call in calls])
         populations = populations_of_assignments(session, [call.assignment_id for call in calls])
-        answers: list[dict[str, Any] | HTTPException] = []
-        for call, device_id in zip(calls, device_ids, strict=True):
-            try:
-                answers.append(_state(session, call, device_id, populations.get(call.assignment_id), now))
-            except HTTPException as refused:
-                answers.append(refused)
-        return answers
+        return [
+            _state(session, call, device_id, populations.get(call.assignment_id), now)
+            for call, device_id in zip(calls, device_ids, strict=True)
+        ]
 
 
 def _state(
     session: Session, call: StateCall, device_id: str | None, population: Population | None, now: float
-) -> dict[str, Any]:
+) -> dict[str, Any] | rounds.Refused:
     # A round's devices read its state at every phase change and send a message in each phase:
     # these reads advance the round before their own work only when its phase deadline has
     # passed (every other change of phase comes after a message, which advances the round, or
     # with the ticker).
-    population, status, round_ = _checked(session, call.assignment_id, device_id, population, now, False)
+    found = _checked(session, call.assignment_id, device_id, population, now, False)
+    if isinstance(found, rounds.Refused):
+        return found
+    population, status, round_ = found
     if round_.status == "open" and secure_rounds.deadline_passed(session, round_, now):
         rounds.advance_secure(session, population, round_, now)
         status = rounds.assignment_status(session, call.assignment_id)
@@ -91,9 +88,9 @@ def _state(
 
 def callers_round(
     session: Session, assignment_id: str, token: str, now: float, advance_rounds: bool = True
-) -> tuple[Population, str, Round]:
-    """The caller's (locked) population, assignment status and secure round; 401/403/404/409
-    otherwise."""
+) -> tuple[Population, str, Round] | rounds.Refused:
+    """The caller's (locked) population, assignment status and secure round; refused with
+    401/403/404/409 otherwise."""
     device_id = authenticate_all(session, [token])[0]
     population = populations_of_assignments(session, [assignment_id]).get(assignment_id)
     return _checked(session, assignment_id, device_id, population, now, advance_rounds)
@@ -106,20 +103,15 @@ def _checked(
     population: Population | None,
     now: float,
     advance_rounds: bool,
-) -> tuple[Population, str, Round]:
+) -> tuple[Population, str, Round] | rounds.Refused:
     if device_id is None:
-        raise HTTPException(401, UNAUTHENTICATED, headers={"WWW-Authenticate": "Bearer"})
+        return rounds.Refused(401, UNAUTHENTICATED)
     if population is None:
-        raise HTTPException(404, f"no assignment {assignment_id!r}")
+        return rounds.Refused(404, f"no assignment {assignment_id!r}")
     found = rounds.secure_round_of(session, population, assignment_id, device_id, now, advance_rounds)
     if isinstance(found, rounds.Refused):
-        raise refusal(found)
+        return found
     return (population, *found)
-
-
-def refusal(refused: rounds.Refused) -> HTTPException:
-    headers = None if refused.retry_after is None else {"Retry-After": str(int(refused.retry_after + 0.999))}
-    return HTTPException(refused.status, refused.message, headers=headers)
 
 
 def state_of(

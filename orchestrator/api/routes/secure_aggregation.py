@@ -28,7 +28,7 @@ from orchestrator.api import schemas
 from orchestrator.api.deps import SessionFactoryDep, SettingsDep, TokenDep, run_db
 from orchestrator.db import Round
 from orchestrator.phase_changes import PHASE_CHANGES
-from orchestrator.service.secure_states import StateCall, callers_round, read_state, refusal, state_of
+from orchestrator.service.secure_states import StateCall, callers_round, read_state, state_of
 
 router = APIRouter(prefix="/v1/assignments", tags=["devices"])
 
@@ -60,6 +60,19 @@ SECURE_REFUSALS = {
 Handler = Callable[[Session, Round, str, Any, float], dict[str, Any] | rounds.Refused]
 
 
+def refusal(refused: rounds.Refused) -> HTTPException:
+    headers = {"WWW-Authenticate": "Bearer"} if refused.status == 401 else None
+    if refused.retry_after is not None:
+        headers = {"Retry-After": str(int(refused.retry_after + 0.999))}
+    return HTTPException(refused.status, refused.message, headers=headers)
+
+
+def _answered(answer: dict[str, Any] | rounds.Refused) -> dict[str, Any]:
+    if isinstance(answer, rounds.Refused):
+        raise refusal(answer)
+    return answer
+
+
 def _message(
     factory: sessionmaker[Session],
     handler: Handler,
@@ -70,7 +83,10 @@ def _message(
     until: str | None = None,
 ) -> dict[str, Any]:
     with factory.begin() as session:
-        population, status, round_ = callers_round(session, assignment_id, token, now, advance_rounds=False)
+        found = callers_round(session, assignment_id, token, now, advance_rounds=False)
+        if isinstance(found, rounds.Refused):
+            raise refusal(found)
+        population, status, round_ = found
         if round_.status == "open" and secure_rounds.deadline_passed(session, round_, now):
             # The phase ran out before this message: close it first (the message is then out of
             # phase, or its device was dropped with it).
@@ -175,7 +191,7 @@ class _Hold:
                 return {**answer, "seconds_left": max(0.0, answer["phase_deadline"] - clock())}
             self.seen = PHASE_CHANGES.generation  # before reading: a change in between is not missed
             # Every device held for this phase wakes now: their reads share a transaction.
-            answer = await read_state(app, StateCall(self.assignment_id, self.token, until))
+            answer = _answered(await read_state(app, StateCall(self.assignment_id, self.token, until)))
 
 
 _UNTIL_DOC = f"hold the answer until the round reaches this phase or a later one: {ORDER}"
@@ -202,7 +218,9 @@ async def state(
 ) -> dict[str, Any]:
     _check_until(until)
     hold = _Hold(request, factory, assignment_id, token, until, wait)
-    return await hold.until_reached(await read_state(request.app, StateCall(assignment_id, token, until)))
+    return await hold.until_reached(
+        _answered(await read_state(request.app, StateCall(assignment_id, token, until)))
+    )
 
 
 def _open_phases(factory: sessionmaker[Session]) -> frozenset[tuple[int, str]]:
