@@ -54,7 +54,7 @@ ROUNDS_ABANDONED = Counter(
 CHECKINS = Counter(
     "orchestrator_checkins",
     "Check-ins of authenticated devices by answer: accepted, again (the same assignment back), "
-    "full, too_few_examples, already_took_part, no_round",
+    "full, too_few_examples, already_took_part, no_round, roster_closed (a secure round past its keys)",
     ["population", "kind", "answer"],
 )
 REPORTS = Counter(

@@ -216,6 +216,7 @@ def checkin(
                     session, round_, now, settings.retry_after_seconds
                 )
             comes_back = steered[round_.id].at(_draw.random())
+            tally[population.name, request.kind, "roster_closed"] += 1
             answers.append(Refused(409, "the secure round has closed its check-ins", comes_back))
             continue
         if request.example_count < settings.min_examples:

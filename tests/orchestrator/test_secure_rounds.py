@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from prometheus_client import REGISTRY
 from pydantic import ValidationError
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -251,6 +252,8 @@ def test_a_device_refused_by_a_closed_roster_is_told_to_come_back_during_the_nex
         message(db, d, a.assignment_id, "advertise", DeviceSession(params).advertise().to_json(), 21.0)
 
     # Execute: the second round's roster closed at 21 s; 20 devices check in at 21.5 s, one at 22.5 s
+    counted = {"population": "p", "kind": "training", "answer": "roster_closed"}
+    before = REGISTRY.get_sample_value("orchestrator_checkins_total", counted) or 0.0
     soon = [checkin(db, device(db), now=21.5) for _ in range(20)]
     later = checkin(db, device(db), now=22.5)
 
@@ -266,6 +269,8 @@ def test_a_device_refused_by_a_closed_roster_is_told_to_come_back_during_the_nex
     assert times[-1] - times[0] > took / 2 and len(set(times)) == 20
     assert isinstance(later, rounds.Refused) and later.retry_after is not None
     assert 1.0 + 4.0 <= later.retry_after < 1.0 + 4.0 + took
+    # the operator's metrics count these refusals apart
+    assert REGISTRY.get_sample_value("orchestrator_checkins_total", counted) == before + 21
 
 
 def test_a_roster_short_of_min_reports_waits_its_patience_and_then_is_abandoned_or_goes_on(
