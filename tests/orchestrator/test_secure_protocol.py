@@ -120,6 +120,8 @@ def test_lying_messages_are_refused_and_the_round_commits_without_harm(
     _refused(liar.send("keys", keys[4], honest[0].secure), 403, "another device")  # not its assignment
     assert liar.send("keys", keys[4]).status_code == 200  # the fifth: the roster closes
 
+    stranger = httpx.get(f"{server.url}{liar.secure}", headers={"Authorization": "Bearer x.y"}, timeout=30)
+    assert stranger.status_code == 401 and stranger.headers["WWW-Authenticate"] == "Bearer", stranger.text
     roster_json = liar.state()["roster"]
     roster = {int(i): AdvertisedKeys.from_json(k) for i, k in roster_json.items()}
     index = {
