@@ -60,7 +60,7 @@ SECURE_REFUSALS = {
 Handler = Callable[[Session, Round, str, Any, float], dict[str, Any] | rounds.Refused]
 
 
-def refusal(refused: rounds.Refused) -> HTTPException:
+def _refusal(refused: rounds.Refused) -> HTTPException:
     headers = {"WWW-Authenticate": "Bearer"} if refused.status == 401 else None
     if refused.retry_after is not None:
         headers = {"Retry-After": str(int(refused.retry_after + 0.999))}
@@ -69,7 +69,7 @@ def refusal(refused: rounds.Refused) -> HTTPException:
 
 def _answered(answer: dict[str, Any] | rounds.Refused) -> dict[str, Any]:
     if isinstance(answer, rounds.Refused):
-        raise refusal(answer)
+        raise _refusal(answer)
     return answer
 
 
@@ -85,7 +85,7 @@ def _message(
     with factory.begin() as session:
         found = callers_round(session, assignment_id, token, now, advance_rounds=False)
         if isinstance(found, rounds.Refused):
-            raise refusal(found)
+            raise _refusal(found)
         population, status, round_ = found
         if round_.status == "open" and secure_rounds.deadline_passed(session, round_, now):
             # The phase ran out before this message: close it first (the message is then out of
@@ -96,7 +96,7 @@ def _message(
             raise HTTPException(409, f"this assignment is {status} and its round {round_.status}")
         answer = handler(session, round_, assignment_id, body, now)
         if isinstance(answer, rounds.Refused):
-            raise refusal(answer)
+            raise _refusal(answer)
         # The message may complete its phase: close it now rather than at the next tick.
         rounds.advance_secure(session, population, round_, now)
         if until is None:
@@ -126,7 +126,7 @@ async def _post_json(
 ) -> Any:
     parsed = secure_rounds.json_body(await _body(request, limit))
     if isinstance(parsed, rounds.Refused):
-        raise refusal(parsed)
+        raise _refusal(parsed)
     return await _answer(request, handler, assignment_id, token, parsed, until, wait)
 
 
