@@ -24,8 +24,8 @@ from starlette.applications import Starlette
 
 from orchestrator import rounds, secure_rounds
 from orchestrator.db import Population, Round
-from orchestrator.devices import UNAUTHENTICATED, authenticate_all
-from orchestrator.population_locks import populations_of_assignments
+from orchestrator.devices import UNAUTHENTICATED, authenticate, authenticate_all
+from orchestrator.population_locks import population_of_assignment, populations_of_assignments
 from orchestrator.service.database import DATABASE_UNAVAILABLE, run_db
 from orchestrator.service.group_commit import GroupCommit
 
@@ -91,8 +91,8 @@ def callers_round(
 ) -> tuple[Population, str, Round] | rounds.Refused:
     """The caller's (locked) population, assignment status and secure round; refused with
     401/403/404/409 otherwise."""
-    device_id = authenticate_all(session, [token])[0]
-    population = populations_of_assignments(session, [assignment_id]).get(assignment_id)
+    device_id = authenticate(session, token)
+    population = population_of_assignment(session, assignment_id)
     return _checked(session, assignment_id, device_id, population, now, advance_rounds)
 
 
