@@ -56,6 +56,17 @@ async def read_state(app: Starlette, call: StateCall) -> dict[str, Any] | rounds
     return await groups.submit(None, call)
 
 
+async def open_phases(app: Starlette) -> frozenset[tuple[int, str]]:
+    """The phases of the secure rounds under way, as the phase-change watcher compares them: a
+    round that opens, changes phase or ends changes the set."""
+    return await run_db(app, _open_phases, app.state.sessionmaker)
+
+
+def _open_phases(factory: sessionmaker[Session]) -> frozenset[tuple[int, str]]:
+    with factory.begin() as session:
+        return secure_rounds.open_phases(session)
+
+
 def read_states(
     factory: sessionmaker[Session], calls: Sequence[StateCall], now: float
 ) -> list[dict[str, Any] | rounds.Refused]:

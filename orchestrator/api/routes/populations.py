@@ -1,7 +1,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Annotated, Any
 
 from fastapi import APIRouter, HTTPException, Path, Request, Response
@@ -11,6 +11,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker, undefer
 
 from contracts.protocol import Assignment, Rejection
+from orchestrator import rounds
 from orchestrator.api.deps import (
     SessionFactoryDep,
     TokenDep,
@@ -32,6 +33,7 @@ from orchestrator.api.schemas import (
 from orchestrator.db import ModelVersion, Population
 from orchestrator.limits import MAX_COUNT, MAX_JSON_DEPTH
 from orchestrator.service.checkins import CheckInCall, CheckInGroups
+from orchestrator.service.waiting_room import WaitingRoom
 
 router = APIRouter(prefix="/v1/populations", tags=["devices"])
 
@@ -74,7 +76,13 @@ class _CheckInRoute(APIRoute):
 
 async def checkin(population: str, body: CheckInBody, token: TokenDep, request: Request) -> Response:
     groups: CheckInGroups = request.app.state.checkin_groups
-    result = await groups.submit(population, CheckInCall(token, body.example_count, body.task))
+    room: WaitingRoom = request.app.state.waiting_room
+
+    def check_in(held: bool) -> Awaitable[Assignment | rounds.Refused]:
+        return groups.submit(population, CheckInCall(token, body.example_count, body.task, held))
+
+    # Refused by a secure round's closed roster: perhaps held for the next round first.
+    result = await room.check_in(population, check_in)
     if isinstance(result, Assignment):
         return Response(to_json(result), media_type="application/json")
     if result.status in (401, 404):

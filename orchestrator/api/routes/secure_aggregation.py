@@ -24,10 +24,10 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from orchestrator import rounds, secure_rounds
 from orchestrator.api import schemas
-from orchestrator.api.deps import SessionFactoryDep, SettingsDep, TokenDep, run_db
+from orchestrator.api.deps import SessionFactoryDep, SettingsDep, TokenDep
 from orchestrator.phase_changes import PHASE_CHANGES
 from orchestrator.service.secure_messages import Handler, MessageCall, send_message
-from orchestrator.service.secure_states import StateCall, read_state
+from orchestrator.service.secure_states import StateCall, open_phases, read_state
 
 router = APIRouter(prefix="/v1/assignments", tags=["devices"])
 
@@ -145,7 +145,7 @@ class _Hold:
             left = self.give_up - self.loop.time()
             if until is None or ORDER.index(answer["phase"]) >= ORDER.index(until) or left <= 0:
                 return answer
-            PHASE_CHANGES.watch(lambda: run_db(app, _open_phases, self.factory), RECHECK_SECONDS)
+            PHASE_CHANGES.watch(lambda: open_phases(app), RECHECK_SECONDS)
             await PHASE_CHANGES.wait(self.seen, left)
             if PHASE_CHANGES.generation == self.seen:
                 # Held to the end with no phase changed anywhere: the answer read before stands (a
@@ -183,13 +183,6 @@ async def state(
     return await hold.until_reached(
         _answered(await read_state(request.app, StateCall(assignment_id, token, until)))
     )
-
-
-def _open_phases(factory: sessionmaker[Session]) -> frozenset[tuple[int, str]]:
-    """The phases of the secure rounds under way, as the watcher compares them: a round that
-    opens, changes phase or ends changes the set."""
-    with factory.begin() as session:
-        return secure_rounds.open_phases(session)
 
 
 @router.post(
