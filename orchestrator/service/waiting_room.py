@@ -12,8 +12,9 @@ instead, as the selectors of Bonawitz et al. (2019, section 4) hold connected de
 round needs them. A held check-in is a long poll like the phases' state reads: at each phase
 change (`PHASE_CHANGES`, which a round's end announces) it checks in again, with whichever held
 check-ins woke with it in one transaction, and is answered once it is admitted or refused for
-another reason, or when its wait ends (`MAX_HOLD_SECONDS`, or sooner when it was told to come
-back sooner): then with a fresh answer. Check-ins beyond the room's places are refused as before.
+another reason, or when its wait ends (the `wait` the device asked for, at most
+`MAX_HOLD_SECONDS`, and not past the time it was told to come back): then with a fresh answer.
+A device that asks for no wait, and check-ins beyond the room's places, are refused as before.
 """
 
 from __future__ import annotations
@@ -30,8 +31,8 @@ from orchestrator import rounds
 from orchestrator.phase_changes import PHASE_CHANGES
 from orchestrator.service.secure_states import open_phases
 
-# Below a device's HTTP timeout (30 s by default, 60 s in the fleet), as the phases' long polls.
-MAX_HOLD_SECONDS = 20.0
+# However long a device says it can wait: the next round opens within seconds of a closed roster.
+MAX_HOLD_SECONDS = 60.0
 # Phase changes made by another server process are read this often while check-ins are held.
 RECHECK_SECONDS = 1.0
 
@@ -49,15 +50,18 @@ class WaitingRoom:
     def held(self, population: str) -> int:
         return self._held[population]
 
-    async def check_in(self, population: str, check_in: Callable[[bool], Awaitable[Answer]]) -> Answer:
+    async def check_in(
+        self, population: str, check_in: Callable[[bool], Awaitable[Answer]], wait: float
+    ) -> Answer:
         """`check_in(held)`'s answer; a refusal by a closed roster, while the room has a place for
-        it, only after the device was held for the next round (`held`: checked in again)."""
+        it and the device can `wait` (seconds), only after the device was held for the next round
+        (`held`: checked in again)."""
         seen = PHASE_CHANGES.generation  # before the first answer: a change after it is not missed
         answer = await check_in(False)
-        if not _waits(answer) or self._held[population] >= answer.waiting_places:
+        if not _waits(answer) or wait <= 0 or self._held[population] >= answer.waiting_places:
             return answer
         loop = asyncio.get_running_loop()
-        give_up = loop.time() + min(self._max_hold, answer.retry_after or 0.0)
+        give_up = loop.time() + min(self._max_hold, wait, answer.retry_after or 0.0)
         self._held[population] += 1
         try:
             while (left := give_up - loop.time()) > 0:

@@ -33,11 +33,13 @@ def _enrolled(url: str) -> str:
     return str(httpx.post(f"{url}/v1/devices", timeout=10).json()["token"])
 
 
-def _check_in(url: str, token: str) -> tuple[httpx.Response, float]:
-    """The answer, and how long it took."""
+def _check_in(url: str, token: str, wait: float | str | None = 30.0) -> tuple[httpx.Response, float]:
+    """The answer to a check-in that can wait `wait` seconds (None: says nothing), and how long it
+    took."""
     start = time.monotonic()
     answer = httpx.post(
         f"{url}/v1/populations/p/checkin",
+        params=None if wait is None else {"wait": wait},
         json={"example_count": 50},
         headers={"Authorization": f"Bearer {token}"},
         timeout=60,
@@ -75,15 +77,21 @@ def test_check_ins_refused_by_a_closed_roster_are_held_for_the_next_round_up_to_
     tokens = [_enrolled(server.url) for _ in range(4)]
     before = _roster_closed_total(server.url)
 
-    # Execute: four more devices check in while the roster is closed (the round is then
-    # abandoned at its share-keys deadline: nobody sends shares)
+    # Execute: a device that says nothing of waiting checks in while the roster is closed, then
+    # four that can wait 30 s (the round is then abandoned at its share-keys deadline: nobody
+    # sends shares); and check-ins that ask for a wait out of range
+    impatient, impatient_seconds = _check_in(server.url, _enrolled(server.url), None)
+    out_of_range = [_check_in(server.url, tokens[0], wait)[0] for wait in (0, 121, "soon")]
     with ThreadPoolExecutor(4) as pool:
         answers = list(pool.map(lambda token: _check_in(server.url, token), tokens))
     after = _roster_closed_total(server.url)
 
-    # Assert: three were held (a round's capacity) and admitted into the next round once the
+    # Assert: the device that could not wait was refused at once, places free or not; of the four
+    # that could, three were held (a round's capacity) and admitted into the next round once the
     # first was abandoned; the fourth was refused at once and told when to come back; each
-    # device's refusal counted once, however often a held one was checked in again
+    # device's refusal counted once, however often a held one was checked in again; the waits
+    # out of range refused with a clear 422
+    assert not impatient.json()["accepted"] and impatient_seconds < 1.0
     accepted = [(answer.json(), seconds) for answer, seconds in answers if answer.json()["accepted"]]
     refused = [(answer, seconds) for answer, seconds in answers if not answer.json()["accepted"]]
     assert len(accepted) == 3 and len(refused) == 1, [answer.text for answer, _ in answers]
@@ -92,4 +100,6 @@ def test_check_ins_refused_by_a_closed_roster_are_held_for_the_next_round_up_to_
     ((rejection, seconds),) = refused
     assert "closed its check-ins" in rejection.json()["reason"] and seconds < 1.0
     assert int(rejection.headers["Retry-After"]) >= 1
-    assert after - before == 4
+    assert after - before == 5
+    assert [answer.status_code for answer in out_of_range] == [422] * 3
+    assert all("wait" in json.dumps(answer.json()["detail"]) for answer in out_of_range)
