@@ -47,9 +47,6 @@ class WaitingRoom:
         self._max_hold = max_hold_seconds
         self._held: Counter[str] = Counter()
 
-    def held(self, population: str) -> int:
-        return self._held[population]
-
     async def check_in(
         self, population: str, check_in: Callable[[bool], Awaitable[Answer]], wait: float
     ) -> Answer:
