@@ -283,8 +283,15 @@ class OrchestratorClient:
         conditions: Mapping[str, bool] | None = None,
     ) -> Assignment | Rejection:
         body = {"example_count": int(example_count), "task": task, "conditions": dict(conditions or {})}
+        # As long as this client waits for an answer: a check-in that finds a secure round's roster
+        # closed may then be held for the next round instead of refused.
+        wait = self._wait()
         data = await self._json(
-            "POST", f"/v1/populations/{population}/checkin", "the check-in answer", json=body
+            "POST",
+            f"/v1/populations/{population}/checkin",
+            "the check-in answer",
+            json=body,
+            params=None if wait is None else {"wait": wait},
         )
         accepted = data.get("accepted")
         if accepted is True:
@@ -446,10 +453,16 @@ class OrchestratorClient:
         read timeout allows (the server's default hold when it has none)."""
         if until is None:
             return None
+        wait = self._wait()
+        return {"until": until} if wait is None else {"until": until, "wait": wait}
+
+    def _wait(self) -> str | None:
+        """How long the server may hold an answer, inside this client's read timeout (None: too
+        short a timeout to say; the server's default hold)."""
         read = self._http.timeout.read
         if read is None or read <= HOLD_MARGIN_SECONDS + 1:
-            return {"until": until}
-        return {"until": until, "wait": f"{min(MAX_HOLD_SECONDS, read - HOLD_MARGIN_SECONDS):g}"}
+            return None
+        return f"{min(MAX_HOLD_SECONDS, read - HOLD_MARGIN_SECONDS):g}"
 
     async def secure_message(
         self, assignment: Assignment, phase: str, body: Any, until: str | None = None

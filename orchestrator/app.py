@@ -42,7 +42,7 @@ from orchestrator.db import Population, make_engine, sessions_that_keep_what_the
 from orchestrator.logs import log_request
 from orchestrator.migrate import migrate
 from orchestrator.phase_changes import PHASE_CHANGES
-from orchestrator.service import checkins, reports, secure_states
+from orchestrator.service import checkins, reports, secure_messages, secure_states, waiting_room
 from orchestrator.settings import Settings
 
 log = logging.getLogger("orchestrator")
@@ -141,6 +141,8 @@ def create_app(settings: Settings | None = None, clock: Callable[[], float] = ti
         app.state.checkin_groups = checkins.checkin_groups(app, settings.group_commit_seconds)
         app.state.report_groups = reports.report_groups(app, settings.group_commit_seconds)
         app.state.secure_state_reads = secure_states.state_reads(app, settings.group_commit_seconds)
+        app.state.secure_messages = secure_messages.message_groups(app, settings.group_commit_seconds)
+        app.state.waiting_room = waiting_room.WaitingRoom(app)
 
         async def ticker() -> None:
             while True:

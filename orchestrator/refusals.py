@@ -15,3 +15,6 @@ class Refused:
     retry_after: float | None = None
     # A short class of the refusal for metrics and logs (the message may quote the request).
     reason: str = ""
+    # How many check-ins refused like this one the server may hold for the round that opens next
+    # (service.waiting_room); 0: none.
+    waiting_places: int = 0

@@ -44,6 +44,8 @@ from orchestrator.round_lifecycle import summarize_metrics as summarize_metrics
 from orchestrator.round_lifecycle import up_to_date
 from orchestrator.round_reports import Event, Found, find_assignment, receive
 
+# The refusal of a check-in into a secure round whose roster has closed (its `reason`).
+ROSTER_CLOSED = "roster_closed"
 # The statements of check-ins and reports are built once: building and hashing a statement
 # costs several times more than SQLite takes to run it.
 _TAKEN = select(Assignment.id, Assignment.round_id, Assignment.device_id, Assignment.status).where(
@@ -96,6 +98,8 @@ class CheckIn:
     device_id: str
     example_count: int
     kind: str
+    # Checked in again from the waiting room: its refusals were counted when it first came.
+    held: bool = False
 
 
 @dataclass(frozen=True)
@@ -216,8 +220,17 @@ def checkin(
                     session, round_, now, settings.retry_after_seconds
                 )
             comes_back = steered[round_.id].at(_draw.random())
-            tally[population.name, request.kind, "roster_closed"] += 1
-            answers.append(Refused(409, "the secure round has closed its check-ins", comes_back))
+            if not request.held:
+                tally[population.name, request.kind, ROSTER_CLOSED] += 1
+            answers.append(
+                Refused(
+                    409,
+                    "the secure round has closed its check-ins",
+                    comes_back,
+                    reason=ROSTER_CLOSED,
+                    waiting_places=round_.capacity,
+                )
+            )
             continue
         if request.example_count < settings.min_examples:
             too_few[round_.id] += 1

@@ -26,6 +26,7 @@ class CheckInCall:
     token: str
     example_count: int
     kind: str
+    held: bool = False  # again, from the waiting room
 
 
 # How often a check-in transaction is tried, the first ones without the population's lock: each
@@ -74,7 +75,7 @@ def _checkin_once(
     with factory.begin() as session:
         device_ids = authenticate_all(session, [call.token for call in calls])
         known = [
-            rounds.CheckIn(device_id, call.example_count, call.kind)
+            rounds.CheckIn(device_id, call.example_count, call.kind, call.held)
             for call, device_id in zip(calls, device_ids, strict=True)
             if device_id is not None
         ]

@@ -8,9 +8,9 @@ round took 0.58 s at the median and 2.1 s at p90 to hear that a phase had opened
 server's 51 busy seconds. Read together, the tokens and the populations are one query each, the
 round's rows are read once, and every device hears of the phase in the same answer batch.
 
-The caller's checks (`callers_round`) and the answer (`state_of`) are shared with the phase
-messages, which read their state in their own transaction. Refusals are `Refused` values; the
-routes turn them into HTTP answers.
+The caller's checks (`checked`) and the answer (`state_of`) are shared with the phase messages
+(`secure_messages`), which read their state in their own group's transaction. Refusals are
+`Refused` values; the routes turn them into HTTP answers.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from starlette.applications import Starlette
 
 from orchestrator import rounds, secure_rounds
 from orchestrator.db import Population, Round
-from orchestrator.devices import UNAUTHENTICATED, authenticate, authenticate_all
-from orchestrator.population_locks import population_of_assignment, populations_of_assignments
+from orchestrator.devices import UNAUTHENTICATED, authenticate_all
+from orchestrator.population_locks import populations_of_assignments
 from orchestrator.service.database import DATABASE_UNAVAILABLE, run_db
 from orchestrator.service.group_commit import GroupCommit
 
@@ -56,6 +56,17 @@ async def read_state(app: Starlette, call: StateCall) -> dict[str, Any] | rounds
     return await groups.submit(None, call)
 
 
+async def open_phases(app: Starlette) -> frozenset[tuple[int, str]]:
+    """The phases of the secure rounds under way, as the phase-change watcher compares them: a
+    round that opens, changes phase or ends changes the set."""
+    return await run_db(app, _open_phases, app.state.sessionmaker)
+
+
+def _open_phases(factory: sessionmaker[Session]) -> frozenset[tuple[int, str]]:
+    with factory.begin() as session:
+        return secure_rounds.open_phases(session)
+
+
 def read_states(
     factory: sessionmaker[Session], calls: Sequence[StateCall], now: float
 ) -> list[dict[str, Any] | rounds.Refused]:
@@ -76,7 +87,7 @@ def _state(
     # these reads advance the round before their own work only when its phase deadline has
     # passed (every other change of phase comes after a message, which advances the round, or
     # with the ticker).
-    found = _checked(session, call.assignment_id, device_id, population, now, False)
+    found = checked(session, call.assignment_id, device_id, population, now, False)
     if isinstance(found, rounds.Refused):
         return found
     population, status, round_ = found
@@ -86,17 +97,7 @@ def _state(
     return state_of(session, status, round_, call.assignment_id, now, call.until)
 
 
-def callers_round(
-    session: Session, assignment_id: str, token: str, now: float, advance_rounds: bool = True
-) -> tuple[Population, str, Round] | rounds.Refused:
-    """The caller's (locked) population, assignment status and secure round; refused with
-    401/403/404/409 otherwise."""
-    device_id = authenticate(session, token)
-    population = population_of_assignment(session, assignment_id)
-    return _checked(session, assignment_id, device_id, population, now, advance_rounds)
-
-
-def _checked(
+def checked(
     session: Session,
     assignment_id: str,
     device_id: str | None,
@@ -104,6 +105,8 @@ def _checked(
     now: float,
     advance_rounds: bool,
 ) -> tuple[Population, str, Round] | rounds.Refused:
+    """The caller's (locked) `population`, assignment status and secure round, from its
+    authenticated `device_id`; refused with 401/403/404/409 otherwise."""
     if device_id is None:
         return rounds.Refused(401, UNAUTHENTICATED)
     if population is None:

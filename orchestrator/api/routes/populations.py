@@ -1,16 +1,17 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Coroutine
-from typing import Annotated, Any
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, HTTPException, Path, Request, Response
+from fastapi import APIRouter, HTTPException, Path, Query, Request, Response
 from fastapi.routing import APIRoute
 from pydantic_core import to_json
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker, undefer
 
 from contracts.protocol import Assignment, Rejection
+from orchestrator import rounds
 from orchestrator.api.deps import (
     SessionFactoryDep,
     TokenDep,
@@ -32,6 +33,7 @@ from orchestrator.api.schemas import (
 from orchestrator.db import ModelVersion, Population
 from orchestrator.limits import MAX_COUNT, MAX_JSON_DEPTH
 from orchestrator.service.checkins import CheckInCall, CheckInGroups
+from orchestrator.service.waiting_room import WaitingRoom
 
 router = APIRouter(prefix="/v1/populations", tags=["devices"])
 
@@ -65,16 +67,47 @@ class _CheckInRoute(APIRoute):
                     except ValueError:  # as above
                         pass
                     else:
-                        population: str = request.path_params["population"]
-                        return await checkin(population, body, token_of(authorization), request)
+                        wait = _wait_of(request)
+                        if wait is not False:  # else FastAPI's handler refuses the query
+                            population: str = request.path_params["population"]
+                            return await checkin(population, body, token_of(authorization), request, wait)
             return await fastapi_handler(request)
 
         return handler
 
 
-async def checkin(population: str, body: CheckInBody, token: TokenDep, request: Request) -> Response:
+def _wait_of(request: Request) -> float | Literal[False] | None:
+    """The check-in's `wait` as `WaitQuery` validates it: None when absent, False when invalid."""
+    given = request.query_params.get("wait")
+    if given is None:
+        return None
+    try:
+        wait = float(given)
+    except ValueError:
+        return False
+    return wait if 0 < wait <= MAX_CHECKIN_WAIT_SECONDS else False
+
+
+MAX_CHECKIN_WAIT_SECONDS = 120.0
+_WAIT_DOC = (
+    "seconds this device can wait for its answer: a check-in that finds a secure round's roster "
+    "closed may then be held for the next round, up to its capacity (at most 60 s, and not past "
+    "the time it would be told to come back); without it, such a check-in is refused at once"
+)
+WaitQuery = Annotated[float | None, Query(gt=0, le=MAX_CHECKIN_WAIT_SECONDS, description=_WAIT_DOC)]
+
+
+async def checkin(
+    population: str, body: CheckInBody, token: TokenDep, request: Request, wait: WaitQuery = None
+) -> Response:
     groups: CheckInGroups = request.app.state.checkin_groups
-    result = await groups.submit(population, CheckInCall(token, body.example_count, body.task))
+    room: WaitingRoom = request.app.state.waiting_room
+
+    def check_in(held: bool) -> Awaitable[Assignment | rounds.Refused]:
+        return groups.submit(population, CheckInCall(token, body.example_count, body.task, held))
+
+    # Refused by a secure round's closed roster: held for the next round first, if it may wait.
+    result = await room.check_in(population, check_in, wait or 0.0)
     if isinstance(result, Assignment):
         return Response(to_json(result), media_type="application/json")
     if result.status in (401, 404):

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from collections.abc import Callable
 from typing import Annotated, Any
 
 from fastapi import APIRouter, HTTPException, Query, Request
@@ -25,10 +24,10 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from orchestrator import rounds, secure_rounds
 from orchestrator.api import schemas
-from orchestrator.api.deps import SessionFactoryDep, SettingsDep, TokenDep, run_db
-from orchestrator.db import Round
+from orchestrator.api.deps import SessionFactoryDep, SettingsDep, TokenDep
 from orchestrator.phase_changes import PHASE_CHANGES
-from orchestrator.service.secure_states import StateCall, callers_round, read_state, state_of
+from orchestrator.service.secure_messages import Handler, MessageCall, send_message
+from orchestrator.service.secure_states import StateCall, open_phases, read_state
 
 router = APIRouter(prefix="/v1/assignments", tags=["devices"])
 
@@ -57,9 +56,6 @@ SECURE_REFUSALS = {
 }
 
 
-Handler = Callable[[Session, Round, str, Any, float], dict[str, Any] | rounds.Refused]
-
-
 def _refusal(refused: rounds.Refused) -> HTTPException:
     headers = {"WWW-Authenticate": "Bearer"} if refused.status == 401 else None
     if refused.retry_after is not None:
@@ -71,38 +67,6 @@ def _answered(answer: dict[str, Any] | rounds.Refused) -> dict[str, Any]:
     if isinstance(answer, rounds.Refused):
         raise _refusal(answer)
     return answer
-
-
-def _message(
-    factory: sessionmaker[Session],
-    handler: Handler,
-    assignment_id: str,
-    token: str,
-    body: Any,
-    now: float,
-    until: str | None = None,
-) -> dict[str, Any]:
-    with factory.begin() as session:
-        found = callers_round(session, assignment_id, token, now, advance_rounds=False)
-        if isinstance(found, rounds.Refused):
-            raise _refusal(found)
-        population, status, round_ = found
-        if round_.status == "open" and secure_rounds.deadline_passed(session, round_, now):
-            # The phase ran out before this message: close it first (the message is then out of
-            # phase, or its device was dropped with it).
-            rounds.advance_secure(session, population, round_, now)
-            status = rounds.assignment_status(session, assignment_id)
-        if status != "assigned" or round_.status != "open":
-            raise HTTPException(409, f"this assignment is {status} and its round {round_.status}")
-        answer = handler(session, round_, assignment_id, body, now)
-        if isinstance(answer, rounds.Refused):
-            raise _refusal(answer)
-        # The message may complete its phase: close it now rather than at the next tick.
-        rounds.advance_secure(session, population, round_, now)
-        if until is None:
-            return answer
-        status = rounds.assignment_status(session, assignment_id)
-        return {**answer, "state": state_of(session, status, round_, assignment_id, now, until)}
 
 
 async def _body(request: Request, limit: int) -> bytes:
@@ -144,9 +108,7 @@ async def _answer(
     app = request.app
     factory = app.state.sessionmaker
     hold = _Hold(request, factory, assignment_id, token, until, wait)
-    answer = await run_db(
-        app, _message, factory, handler, assignment_id, token, body, app.state.clock(), until
-    )
+    answer = _answered(await send_message(app, MessageCall(handler, assignment_id, token, body, until)))
     if until is None:
         return answer
     return {**answer, "state": await hold.until_reached(answer["state"])}
@@ -183,7 +145,7 @@ class _Hold:
             left = self.give_up - self.loop.time()
             if until is None or ORDER.index(answer["phase"]) >= ORDER.index(until) or left <= 0:
                 return answer
-            PHASE_CHANGES.watch(lambda: run_db(app, _open_phases, self.factory), RECHECK_SECONDS)
+            PHASE_CHANGES.watch(lambda: open_phases(app), RECHECK_SECONDS)
             await PHASE_CHANGES.wait(self.seen, left)
             if PHASE_CHANGES.generation == self.seen:
                 # Held to the end with no phase changed anywhere: the answer read before stands (a
@@ -221,13 +183,6 @@ async def state(
     return await hold.until_reached(
         _answered(await read_state(request.app, StateCall(assignment_id, token, until)))
     )
-
-
-def _open_phases(factory: sessionmaker[Session]) -> frozenset[tuple[int, str]]:
-    """The phases of the secure rounds under way, as the watcher compares them: a round that
-    opens, changes phase or ends changes the set."""
-    with factory.begin() as session:
-        return secure_rounds.open_phases(session)
 
 
 @router.post(
