@@ -8,6 +8,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any, cast
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
@@ -20,12 +21,12 @@ from tests.orchestrator.conftest import ADMIN_TOKEN, Server, admin_create_popula
 from tests.orchestrator.test_secure_protocol import SETTINGS
 
 # Rounds of three; a roster whose devices send no shares is abandoned 2 s after it closes.
-ROUNDS_OF_THREE = {
+ROUNDS_OF_THREE: dict[str, Any] = {
     **SETTINGS,
     "target_reports": 3,
     "min_reports": 3,
     "retry_after_seconds": 30.0,
-    "secure": {**SETTINGS["secure"], "share_keys_seconds": 2},
+    "secure": {**cast(dict[str, Any], SETTINGS["secure"]), "share_keys_seconds": 2},
 }
 
 
