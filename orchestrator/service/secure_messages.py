@@ -23,13 +23,11 @@ from typing import Any
 from sqlalchemy.orm import Session, sessionmaker
 from starlette.applications import Starlette
 
-from orchestrator import rounds, secure_rounds
+from orchestrator import rounds
 from orchestrator.db import Population, Round
-from orchestrator.devices import authenticate_all
-from orchestrator.population_locks import populations_of_assignments
 from orchestrator.service.database import DATABASE_UNAVAILABLE, run_db
 from orchestrator.service.group_commit import GroupCommit
-from orchestrator.service.secure_states import checked, state_of
+from orchestrator.service.secure_states import in_their_rounds, state_of
 
 # A phase's handler (`secure_rounds.advertise`, `share_keys`, ...): its answer, or why it is refused.
 Handler = Callable[[Session, Round, str, Any, float], dict[str, Any] | rounds.Refused]
@@ -68,26 +66,19 @@ def handle_messages(
 ) -> list[dict[str, Any] | rounds.Refused]:
     """Each call's answer, or the refusal it gets (401, 403, 404, 409, 422), in one transaction."""
     with factory.begin() as session:
-        device_ids = authenticate_all(session, [call.token for call in calls])
-        populations = populations_of_assignments(session, [call.assignment_id for call in calls])
-        return [
-            _message(session, call, device_id, populations.get(call.assignment_id), now)
-            for call, device_id in zip(calls, device_ids, strict=True)
-        ]
+        # A round whose phase ran out before its message is advanced first: the message is then
+        # out of phase, or its device was dropped with it.
+        return in_their_rounds(
+            session,
+            calls,
+            now,
+            lambda call, population, status, round_: _message(session, call, population, status, round_, now),
+        )
 
 
 def _message(
-    session: Session, call: MessageCall, device_id: str | None, population: Population | None, now: float
+    session: Session, call: MessageCall, population: Population, status: str, round_: Round, now: float
 ) -> dict[str, Any] | rounds.Refused:
-    found = checked(session, call.assignment_id, device_id, population, now, False)
-    if isinstance(found, rounds.Refused):
-        return found
-    population, status, round_ = found
-    if round_.status == "open" and secure_rounds.deadline_passed(session, round_, now):
-        # The phase ran out before this message: close it first (the message is then out of
-        # phase, or its device was dropped with it).
-        rounds.advance_secure(session, population, round_, now)
-        status = rounds.assignment_status(session, call.assignment_id)
     if status != "assigned" or round_.status != "open":
         return rounds.Refused(409, f"this assignment is {status} and its round {round_.status}")
     answer = call.handler(session, round_, call.assignment_id, call.body, now)

@@ -8,16 +8,16 @@ round took 0.58 s at the median and 2.1 s at p90 to hear that a phase had opened
 server's 51 busy seconds. Read together, the tokens and the populations are one query each, the
 round's rows are read once, and every device hears of the phase in the same answer batch.
 
-The caller's checks (`checked`) and the answer (`state_of`) are shared with the phase messages
+The caller's checks (`in_their_rounds`) and the answer (`state_of`) are shared with the phase messages
 (`secure_messages`), which read their state in their own group's transaction. Refusals are
 `Refused` values; the routes turn them into HTTP answers.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 from sqlalchemy.orm import Session, sessionmaker
 from starlette.applications import Starlette
@@ -72,32 +72,56 @@ def read_states(
 ) -> list[dict[str, Any] | rounds.Refused]:
     """Each call's state, or the refusal it gets (401, 403, 404, 409), in one transaction."""
     with factory.begin() as session:
-        device_ids = authenticate_all(session, [call.token for call in calls])
-        populations = populations_of_assignments(session, [call.assignment_id for call in calls])
-        return [
-            _state(session, call, device_id, populations.get(call.assignment_id), now)
-            for call, device_id in zip(calls, device_ids, strict=True)
-        ]
+        return in_their_rounds(
+            session,
+            calls,
+            now,
+            lambda call, _population, status, round_: state_of(
+                session, status, round_, call.assignment_id, now, call.until
+            ),
+        )
 
 
-def _state(
-    session: Session, call: StateCall, device_id: str | None, population: Population | None, now: float
-) -> dict[str, Any] | rounds.Refused:
-    # A round's devices read its state at every phase change and send a message in each phase:
-    # these reads advance the round before their own work only when its phase deadline has
-    # passed (every other change of phase comes after a message, which advances the round, or
-    # with the ticker).
-    found = checked(session, call.assignment_id, device_id, population, now, False)
-    if isinstance(found, rounds.Refused):
-        return found
-    population, status, round_ = found
-    if round_.status == "open" and secure_rounds.deadline_passed(session, round_, now):
-        rounds.advance_secure(session, population, round_, now)
-        status = rounds.assignment_status(session, call.assignment_id)
-    return state_of(session, status, round_, call.assignment_id, now, call.until)
+class Caller(Protocol):
+    @property
+    def assignment_id(self) -> str: ...
+
+    @property
+    def token(self) -> str: ...
 
 
-def checked(
+C = TypeVar("C", bound=Caller)
+
+
+def in_their_rounds(
+    session: Session,
+    calls: Sequence[C],
+    now: float,
+    answer: Callable[[C, Population, str, Round], dict[str, Any] | rounds.Refused],
+) -> list[dict[str, Any] | rounds.Refused]:
+    """Each call's `answer(call, population, assignment status, round)` once its caller is checked
+    (refused with 401/403/404/409 otherwise), in the session's transaction: the tokens and the
+    populations one query each. A round whose phase deadline has passed is advanced first (every
+    other change of phase comes after a message, which advances the round, or with the ticker)."""
+    device_ids = authenticate_all(session, [call.token for call in calls])
+    populations = populations_of_assignments(session, [call.assignment_id for call in calls])
+    answers: list[dict[str, Any] | rounds.Refused] = []
+    for call, device_id in zip(calls, device_ids, strict=True):
+        found = _checked(
+            session, call.assignment_id, device_id, populations.get(call.assignment_id), now, False
+        )
+        if isinstance(found, rounds.Refused):
+            answers.append(found)
+            continue
+        population, status, round_ = found
+        if round_.status == "open" and secure_rounds.deadline_passed(session, round_, now):
+            rounds.advance_secure(session, population, round_, now)
+            status = rounds.assignment_status(session, call.assignment_id)
+        answers.append(answer(call, population, status, round_))
+    return answers
+
+
+def _checked(
     session: Session,
     assignment_id: str,
     device_id: str | None,
