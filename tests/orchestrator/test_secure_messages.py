@@ -24,18 +24,25 @@ def _enrolled(db: sessionmaker[Session]) -> tuple[str, str]:
         return enroll(session, 0.0)
 
 
-def _handled(db: sessionmaker[Session], calls: list[MessageCall], now: float) -> tuple[list[Any], list[str]]:
-    """The answers, and the SQL statements run for them."""
-    statements: list[str] = []
+def _handled(db: sessionmaker[Session], calls: list[MessageCall], now: float) -> tuple[list[Any], int, int]:
+    """The answers, how many transactions and how many SQL statements were run for them."""
+    transactions = statements = 0
 
-    def counted(_connection: Any, _cursor: Any, statement: str, *_args: Any) -> None:
-        statements.append(statement)
+    def began(*_args: Any) -> None:
+        nonlocal transactions
+        transactions += 1
+
+    def counted(*_args: Any) -> None:
+        nonlocal statements
+        statements += 1
 
     engine = db.kw["bind"]
+    event.listen(engine, "begin", began)
     event.listen(engine, "before_cursor_execute", counted)
     try:
-        return handle_messages(db, calls, now), statements
+        return handle_messages(db, calls, now), transactions, statements
     finally:
+        event.remove(engine, "begin", began)
         event.remove(engine, "before_cursor_execute", counted)
 
 
@@ -67,9 +74,11 @@ def test_keys_sent_together_close_the_roster_in_one_transaction_and_refusals_cha
     # Execute: the first device alone; then three more with a device using another's assignment,
     # an unknown assignment and a malformed advertisement (from the fifth device); then the fifth
     # device's keys and a repeat of the first device's
-    (alone,), statements_alone = _handled(db, calls[:1], 2.0)
-    together, statements_together = _handled(db, [*calls[1:4], wrong_token, unknown, malformed], 2.0)
-    last, _ = _handled(db, [calls[4], calls[0]], 2.0)
+    (alone,), _, statements_alone = _handled(db, calls[:1], 2.0)
+    together, transactions, statements_together = _handled(
+        db, [*calls[1:4], wrong_token, unknown, malformed], 2.0
+    )
+    last, _, _ = _handled(db, [calls[4], calls[0]], 2.0)
 
     # Assert: each device its own index in arrival order, the refused ones refused as the route
     # refuses them and counted nowhere (the fifth device then advertises and closes the roster:
@@ -81,5 +90,5 @@ def test_keys_sent_together_close_the_roster_in_one_transaction_and_refusals_cha
     assert last[0]["index"] == 5
     assert last[0]["state"]["phase"] == "share_keys" and len(last[0]["state"]["roster"]) == 5
     assert _status(last[1]) == 409  # the first device's keys a second time
-    assert sum(s.startswith("BEGIN") for s in statements_together) == 1
-    assert len(statements_together) < 3 * len(statements_alone), (statements_together, statements_alone)
+    assert transactions == 1
+    assert statements_together < 3 * statements_alone, (statements_together, statements_alone)
