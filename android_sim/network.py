@@ -14,6 +14,8 @@ from typing import Any
 
 import httpx
 
+from android_sim.aiohttp_transport import AiohttpTransport
+
 
 class Connector:
     """Each device's way to the orchestrator: its own TCP connection to a real server, as a phone
@@ -29,8 +31,7 @@ class Connector:
         if self._shared is not None:
             return self._shared, False
         # Idle connections are dropped before uvicorn's 5 s keep-alive timeout closes them under us.
-        limits = httpx.Limits(max_connections=1, max_keepalive_connections=1, keepalive_expiry=4.0)
-        return httpx.AsyncHTTPTransport(verify=self._ssl, limits=limits), True
+        return AiohttpTransport(self._ssl, keepalive_seconds=4.0), True
 
     async def aclose(self) -> None:
         if self._shared is not None:

@@ -23,7 +23,6 @@ import contextlib
 import dataclasses
 import json
 import os
-import ssl
 import statistics
 import sys
 import tempfile
@@ -37,6 +36,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from android_sim.network import Connector  # noqa: E402
 from contracts.manifest import load_manifest  # noqa: E402
 from contracts.params import encode_sparse_delta  # noqa: E402
 from contracts.protocol import Assignment  # noqa: E402
@@ -160,15 +160,16 @@ async def over_http(
     manifest = load_manifest(model_dir)
     leaves = leaving(devices, per_phase)
     rng = np.random.default_rng(1)
-    # One connection per device, as on a phone. One client shared by all the devices made each
-    # request scan the whole pool (httpcore's pool is O(connections x waiting requests) a request):
-    # at 100 devices a third of the drivers' CPU, growing quadratically; and a capped pool queued
-    # the long polls behind each other.
-    tls = ssl.create_default_context()  # unused on loopback; one, not one per device
-    one = httpx.Limits(max_connections=1, max_keepalive_connections=1)
+    # One connection per device, as on a phone, made as the fleet makes its phones' (aiohttp's
+    # client: httpcore's cost the drivers ~1.6x the CPU a request). One client shared by all the
+    # devices made each request scan the whole pool (httpcore's pool is O(connections x waiting
+    # requests) a request); a capped pool queued the long polls behind each other.
+    connector = Connector()
     async with contextlib.AsyncExitStack() as stack:
         https = [
-            await stack.enter_async_context(httpx.AsyncClient(timeout=120, limits=one, verify=tls))
+            await stack.enter_async_context(
+                httpx.AsyncClient(timeout=120, transport=connector.transport()[0])
+            )
             for _ in range(devices)
         ]
         clients = [OrchestratorClient(url, http=http) for http in https]

@@ -532,6 +532,7 @@ async def _read_prefix(response: httpx.Response, max_bytes: int) -> bytes:
 
 # httpcore's trace events that open and close the stretches where a cancel is safe (see
 # `_cancellable_exchange`): connecting, and sending the request until its answer's headers are in.
+# A transport of another make reports the same events for the same stretches (the fleet's does).
 # In between (the new connection made, the request not yet started on it) a cancel loses the
 # connection too.
 _SAFE_FROM = frozenset({"connection.connect_tcp.started", "http11.send_request_headers.started"})
