@@ -29,6 +29,8 @@ MAX_COUNT = 2**31 - 1
 INT64_MAX = 2**63 - 1
 MAX_TEXT = 2_000  # a string that declares no other bound (a reason, a URL)
 MAX_RETRY_AFTER_SECONDS = 30 * 86_400.0
+# The longest `wait` a request may ask to be held for (a check-in, a secure round's state or message).
+MAX_WAIT_SECONDS = 120.0
 MAX_CONDITIONS = 32  # training conditions a device states (idle, charging, unmetered, ...)
 MAX_CONDITION_NAME = 64
 ID_PATTERN = r"^[A-Za-z0-9_-]{1,128}$"  # ids go into URL paths: nothing that could change one

@@ -37,6 +37,7 @@ from contracts.params import Params, encode_sparse_delta
 from contracts.protocol import (
     ID_PATTERN,
     MAX_RETRY_AFTER_SECONDS,
+    MAX_WAIT_SECONDS,
     SHA256_PATTERN,
     Assignment,
     Enrolled,
@@ -49,13 +50,10 @@ from contracts.task_config import TaskConfig
 
 MAX_JSON_BYTES = 1 << 20  # a control message; the largest real one (a manifest) is a few KB
 MAX_ANSWER_BYTES = 256 << 20  # any other answer: a bound against an endless stream
-MAX_WAIT_IN_REQUEST_SECONDS = 60.0
+MAX_WAIT_IN_REQUEST_SECONDS = 60.0  # a longer 503 window ends the request: the device comes back later
 # A held (long-polled) answer is asked for this much inside the request's read timeout, and at
 # most the server's bound: fewer, longer holds are fewer requests for the device and the server.
-HOLD_MARGIN_SECONDS, MAX_HOLD_SECONDS = (
-    5.0,
-    120.0,
-)  # a longer 503 window ends the request: the device comes back later
+HOLD_MARGIN_SECONDS = 5.0
 ABORT_ATTEMPTS = 2  # the round's deadline covers an abort that never arrives; do not stall on it
 _ID = re.compile(ID_PATTERN)
 _SHA256 = re.compile(SHA256_PATTERN)
@@ -462,7 +460,7 @@ class OrchestratorClient:
         read = self._http.timeout.read
         if read is None or read <= HOLD_MARGIN_SECONDS + 1:
             return None
-        return f"{min(MAX_HOLD_SECONDS, read - HOLD_MARGIN_SECONDS):g}"
+        return f"{min(MAX_WAIT_SECONDS, read - HOLD_MARGIN_SECONDS):g}"
 
     async def secure_message(
         self, assignment: Assignment, phase: str, body: Any, until: str | None = None

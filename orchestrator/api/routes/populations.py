@@ -10,7 +10,7 @@ from pydantic_core import to_json
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker, undefer
 
-from contracts.protocol import Assignment, Rejection
+from contracts.protocol import MAX_WAIT_SECONDS, Assignment, Rejection
 from orchestrator import rounds
 from orchestrator.api.deps import (
     SessionFactoryDep,
@@ -85,16 +85,15 @@ def _wait_of(request: Request) -> float | Literal[False] | None:
         wait = float(given)
     except ValueError:
         return False
-    return wait if 0 < wait <= MAX_CHECKIN_WAIT_SECONDS else False
+    return wait if 0 < wait <= MAX_WAIT_SECONDS else False
 
 
-MAX_CHECKIN_WAIT_SECONDS = 120.0
 _WAIT_DOC = (
     "seconds this device can wait for its answer: a check-in that finds a secure round's roster "
     "closed may then be held for the next round, up to its capacity (at most 60 s, and not past "
     "the time it would be told to come back); without it, such a check-in is refused at once"
 )
-WaitQuery = Annotated[float | None, Query(gt=0, le=MAX_CHECKIN_WAIT_SECONDS, description=_WAIT_DOC)]
+WaitQuery = Annotated[float | None, Query(gt=0, le=MAX_WAIT_SECONDS, description=_WAIT_DOC)]
 
 
 async def checkin(

@@ -22,6 +22,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, HTTPException, Query, Request
 from sqlalchemy.orm import Session, sessionmaker
 
+from contracts.protocol import MAX_WAIT_SECONDS
 from orchestrator import rounds, secure_rounds
 from orchestrator.api import schemas
 from orchestrator.api.deps import SessionFactoryDep, SettingsDep, TokenDep
@@ -38,8 +39,7 @@ router = APIRouter(prefix="/v1/assignments", tags=["devices"])
 LONG_POLL_SECONDS = 20.0
 # A device whose HTTP timeout allows asks for a longer hold (`wait`): each waiting device asks
 # again after each hold, so a phase costs (waiting devices x its length / the hold) requests,
-# which grows as n^2 when phases grow with the round.
-MAX_WAIT_SECONDS = 120.0
+# which grows as n^2 when phases grow with the round (at most `MAX_WAIT_SECONDS`, contracts.protocol).
 # Phase changes made by another server process are not announced here: one watcher per process
 # reads the open rounds' phases this often while devices wait (phase_changes).
 RECHECK_SECONDS = 1.0
