@@ -1,10 +1,10 @@
 """A simulated phone's TCP connection to the orchestrator: an httpx transport on aiohttp's client.
 
 The device runtime speaks httpx; a phone runs one device, but the fleet runs thousands on one event
-loop, where httpcore's pure-Python HTTP/1.1 (h11 over anyio) cost the fleet ~2.7 ms of CPU a
-request with 200 devices at once, against ~0.7 ms through this transport (aiohttp's C parser,
-asyncio streams; `benchmarks/bench_fleet_http.py`). The device code is unchanged: only what
-carries its bytes differs, as with `SimulatedLink`.
+loop, where httpx's client cost ~1.4x the CPU a request over httpcore's pure-Python HTTP/1.1 (h11
+over anyio) that it costs over this transport (aiohttp's C parser, asyncio streams;
+`benchmarks/bench_phone_connections.py`). The device code is unchanged: only what carries its
+bytes differs, as with `SimulatedLink`.
 
 It keeps httpx's contract: the request's `timeout` extension (connect, read), errors raised as
 httpx's (`ConnectError`, `ReadTimeout`, ...), the body handed on as read (httpx decodes it), and

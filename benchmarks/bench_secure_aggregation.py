@@ -161,7 +161,7 @@ async def over_http(
     leaves = leaving(devices, per_phase)
     rng = np.random.default_rng(1)
     # One connection per device, as on a phone, made as the fleet makes its phones' (aiohttp's
-    # client: httpcore's cost the drivers ~1.6x the CPU a request). One client shared by all the
+    # client: httpcore's cost the drivers ~1.4x the CPU a request). One client shared by all the
     # devices made each request scan the whole pool (httpcore's pool is O(connections x waiting
     # requests) a request); a capped pool queued the long polls behind each other.
     connector = Connector()
