@@ -155,7 +155,7 @@ def main() -> int:
         f"idle devices: {idle['devices']:,} not in a round: {idle['rss_kb_per_device']:.2f} KB RSS, "
         f"{idle['traced_kb_per_device']:.2f} KB traced each   target <= 20 KB"
     )
-    print_projection(project, sim, bytes_per_device)
+    print_projection(project, sim, commit, bytes_per_device)
     print(f"load average after: {load_after}")
     print(f"peak RSS of this process: {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MB")
     if args.json:

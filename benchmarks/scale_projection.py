@@ -48,11 +48,15 @@ def projection(
     }
 
 
-def print_projection(project: dict[str, Any], sim: dict[str, Any], bytes_per_device: float) -> None:
+def print_projection(
+    project: dict[str, Any], sim: dict[str, Any], commit: dict[str, float], bytes_per_device: float
+) -> None:
     print(
         f"projection, 10 million devices ({project['data_gb']:.0f} GB of examples across the workers, "
         f"{bytes_per_device / 1e3:.1f} KB a device), {project['per_worker_tasks_per_second']:.0f} tasks/s "
-        f"a worker on a core of its own, {sim['round_trip_seconds'] * 1e3:.1f} ms a round trip:"
+        f"a worker on a core of its own, {sim['round_trip_seconds'] * 1e3:.1f} ms a round trip, the "
+        f"driver's commit {commit['partials_base'] * 1e3:.1f} ms + {commit['per_partial'] * 1e3:.2f} ms "
+        f"a worker's partial sum ({commit['partial_bytes'] / 1e6:.2f} MB each, its transfer not counted):"
     )
     for row in project["rows"]:
         print(
