@@ -4,9 +4,12 @@ Each Ray worker is a process with its own interpreter and a shard of the devices
 worker i mod workers): it gets the export's files and its devices' examples once, packs their
 batches itself and keeps their state (kept locals, negative draws) for the whole run. A round
 sends each worker the round's globals (put once in the object store) and the names of its
-sampled devices; the reports come back and are handed to the server in the sampled order, so
-the commit is the single-process run's, sum for sum. The server (aggregation, optimizer) stays
-in the driver, as in the single-process run.
+sampled devices. Where the server's aggregation is the plain weighted mean, each worker adds up
+its devices' reports itself and sends one partial sum (`federated.SummingPool`): the server's part
+of a round then grows with the workers, not with the round's clients, and the sum differs from the
+single-process run's only in float64 summation order. Otherwise (clipping, robust means, DP,
+secure aggregation's arithmetic) the reports come back and are handed to the server in the sampled
+order, as in the single-process run. The server (aggregation, optimizer) stays in the driver.
 
 Ray runs locally (worker processes of this machine) unless given a cluster's address; a cluster's
 nodes need this project installed at the driver's version (docs/how-to/simulate-on-ray.md).
@@ -18,20 +21,21 @@ import contextlib
 import os
 import shutil
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import ray
 
-from android_sim.bench.federated import Devices
+from android_sim.bench.federated import Devices, summed
 from android_sim.simulation import LocalClients, WorkKind, client_works
 from contracts.features import Examples
 from contracts.manifest import Manifest, load_manifest
 from contracts.params import Params
 from contracts.task_config import TaskConfig
 from model_runtime.tflite_model import EvaluationSums
+from orchestrator.aggregation import PartialSum
 
 # How long the workers may take to start (a cluster may have to free or add CPUs first).
 START_SECONDS = 300.0
@@ -62,6 +66,17 @@ class ShardWorker:
     def map(self, kind: WorkKind, users: list[int], version: int, params: list[ray.ObjectRef]) -> list[Any]:
         self._install(version, params)
         return self._clients.map(kind, users)
+
+    def map_summed(
+        self,
+        kind: WorkKind,
+        users: list[int],
+        version: int,
+        params: list[ray.ObjectRef],
+        shapes: dict[str, tuple[int, ...]],
+    ) -> tuple[PartialSum | None, int]:
+        self._install(version, params)
+        return summed(self._clients.map(kind, users), shapes)
 
     def evaluate(
         self, kind: WorkKind, users: list[int], version: int, params: list[ray.ObjectRef]
@@ -139,6 +154,25 @@ class RayClients:
         for shard, results in zip([s for s in shards if s], ray.get(calls), strict=True):
             by_user.update(zip(shard, results, strict=True))
         return [by_user[int(u)] for u in users]
+
+    def map_summed(
+        self, kind: WorkKind, users: Sequence[int], shapes: Mapping[str, tuple[int, ...]]
+    ) -> tuple[list[PartialSum], int]:
+        """Each worker's reports added up where they were made, in the workers' order: the
+        server adds a partial a worker, not a report a client (its sum differs from adding the
+        reports one by one only in float64 summation order)."""
+        calls = [
+            actor.map_summed.remote(kind, shard, self._version, self._params, dict(shapes))
+            for actor, shard in zip(self._actors, self._shards(users), strict=True)
+            if shard
+        ]
+        partials: list[PartialSum] = []
+        refused = 0
+        for part, diverged in ray.get(calls):
+            if part is not None:
+                partials.append(part)
+            refused += diverged
+        return partials, refused
 
     def evaluate(self, kind: WorkKind, users: Sequence[int]) -> EvaluationSums:
         calls = [

@@ -4,6 +4,7 @@ a projection to 10 million.
     ./dev bench-scale        (or: python benchmarks/bench_scale.py [--rounds N] [--repeats N])
     ./dev bench-scale --only-population --population 100000      (the large HTTP run alone; long)
     ./dev bench-scale --only-fleet --fleet-runs 2x40               (one HTTP fleet run alone)
+    ./dev bench-scale --only-simulation --repeats 3                (the fast simulation alone)
 
 Prints:
 1. The fast simulation (`simulate`), MovieLens 100K, the protocol's FedRecon (1,682 x 50),
@@ -103,6 +104,9 @@ def main() -> int:
     parser.add_argument(
         "--only-fleet", action="store_true", help="run only the HTTP fleet (part 3; no data set needed)"
     )
+    parser.add_argument(
+        "--only-simulation", action="store_true", help="run only the fast simulation (parts 1 and 2)"
+    )
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     if args.only_population:
@@ -130,6 +134,14 @@ def main() -> int:
     )
     sim = simulation(data, model_dir, args.rounds, args.repeats)
     commit = commit_seconds(data, model_dir)
+    if args.only_simulation:
+        print_simulation(sim, commit)
+        print(f"load average after: {load_average()}")
+        if args.json:
+            args.json.write_text(
+                json.dumps({"cpu_probe": probe, "simulation": sim, "commit_seconds": commit}, indent=2)
+            )
+        return 0
     bytes_per_device = packed_bytes_per_device(data)
     idle = idle_memory(args.idle_devices)
     print(f"HTTP fleet, {args.fleet_rounds} rounds a run:")
@@ -143,7 +155,7 @@ def main() -> int:
         f"idle devices: {idle['devices']:,} not in a round: {idle['rss_kb_per_device']:.2f} KB RSS, "
         f"{idle['traced_kb_per_device']:.2f} KB traced each   target <= 20 KB"
     )
-    print_projection(project, sim, bytes_per_device)
+    print_projection(project, sim, commit, bytes_per_device)
     print(f"load average after: {load_after}")
     print(f"peak RSS of this process: {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MB")
     if args.json:

@@ -11,21 +11,24 @@ TEN_MILLION = 10_000_000
 
 
 def projection(
-    sim: dict[str, Any], commit: float, bytes_per_device: float, fleet: dict[str, Any]
+    sim: dict[str, Any], commit: dict[str, float], bytes_per_device: float, fleet: dict[str, Any]
 ) -> dict[str, Any]:
     """10 million devices on a cluster of `workers` Ray workers (a core each): a round costs the
     round trip, the largest worker's share of the clients at one worker's rate on a core of its
-    own (the 1-worker run's tasks over its worker's CPU seconds), and the driver's commit, which
-    takes each round alone. Not counted: the driver's cost of one call per worker, which grows
-    with the workers. Beside it, the HTTP orchestrator's bound: a core's worth of its CPU per
-    report (measured in the fleet runs, check-ins and downloads included)."""
+    own (the 1-worker run's tasks over its worker's CPU seconds, their adding up included), and
+    the driver's commit of the workers' partial sums, which takes each round alone. Not counted:
+    the driver's cost of one call per worker and the partials' transfer (a dense float64 copy of
+    the globals a worker), which grow with the workers. Beside it, the HTTP orchestrator's bound:
+    a core's worth of its CPU per report (measured in the fleet runs, check-ins and downloads
+    included)."""
     rounds = sim["rounds"]
     trip = sim["round_trip_seconds"]
     per_worker = rounds * CLIENTS / sim["cpu"]["ray 1"]["worker_cpu_seconds"]
     rows = []
     for workers in (64, 256, 1024):
         for clients in (1_000, 10_000, 100_000):
-            round_seconds = trip + math.ceil(clients / workers) / per_worker + commit * clients / CLIENTS
+            merged = commit["partials_base"] + commit["per_partial"] * min(workers, clients)
+            round_seconds = trip + math.ceil(clients / workers) / per_worker + merged
             rows.append(
                 {
                     "workers": workers,
@@ -45,11 +48,15 @@ def projection(
     }
 
 
-def print_projection(project: dict[str, Any], sim: dict[str, Any], bytes_per_device: float) -> None:
+def print_projection(
+    project: dict[str, Any], sim: dict[str, Any], commit: dict[str, float], bytes_per_device: float
+) -> None:
     print(
         f"projection, 10 million devices ({project['data_gb']:.0f} GB of examples across the workers, "
         f"{bytes_per_device / 1e3:.1f} KB a device), {project['per_worker_tasks_per_second']:.0f} tasks/s "
-        f"a worker on a core of its own, {sim['round_trip_seconds'] * 1e3:.1f} ms a round trip:"
+        f"a worker on a core of its own, {sim['round_trip_seconds'] * 1e3:.1f} ms a round trip, the "
+        f"driver's commit {commit['partials_base'] * 1e3:.1f} ms + {commit['per_partial'] * 1e3:.2f} ms "
+        f"a worker's partial sum ({commit['partial_bytes'] / 1e6:.2f} MB each, its transfer not counted):"
     )
     for row in project["rows"]:
         print(

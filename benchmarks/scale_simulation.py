@@ -6,6 +6,7 @@ from __future__ import annotations
 import pickle
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Literal
@@ -13,7 +14,7 @@ from typing import Any, Literal
 import numpy as np
 from scale_cores import CpuMeter
 
-from android_sim.bench.federated import Rounds, Server
+from android_sim.bench.federated import Rounds, Server, summed
 from android_sim.bench.protocol import split_users
 from android_sim.bench.quality import FAITHFUL, Dataset
 from android_sim.simulation import SimulationOptions, simulate, simulation_clients
@@ -98,8 +99,11 @@ def simulation(data: Dataset, model_dir: Path, rounds: int, repeats: int) -> dic
     }
 
 
-def commit_seconds(data: Dataset, model_dir: Path, repeats: int = 20) -> float:
-    """The server's commit of one round of `CLIENTS` reports (the driver's share of a round)."""
+def commit_seconds(data: Dataset, model_dir: Path, repeats: int = 20) -> dict[str, float]:
+    """The server's commit (the driver's share of a round), the two ways it is handed a round:
+    `CLIENTS` reports one by one (`reports`: clipping, robust means and DP need each), and
+    the workers' partial sums (the plain weighted mean on Ray): a base (`partials_base`: the
+    optimizer and the mean) plus `per_partial` for each worker's partial."""
     split = split_users(len(data.examples))
     options = SimulationOptions(Rounds(1, CLIENTS), FAITHFUL.task, FAITHFUL.server, workers=2)
     pool = simulation_clients(model_dir, data.examples, options)
@@ -110,13 +114,28 @@ def commit_seconds(data: Dataset, model_dir: Path, repeats: int = 20) -> float:
         reports = pool.map("train", users)
     finally:
         pool.close()
-    times = []
-    for _ in range(repeats):
-        server = Server(initial, FAITHFUL.server, FAITHFUL.aggregation)
-        t0 = time.perf_counter()
-        server.commit(reports)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    shapes = {k: tuple(v.shape) for k, v in initial.items()}
+    part = summed(reports, shapes)[0]
+    assert part is not None
+
+    def median_commit(commit: Callable[[Server], object]) -> float:
+        times = []
+        for _ in range(repeats):
+            server = Server(initial, FAITHFUL.server, FAITHFUL.aggregation)
+            t0 = time.perf_counter()
+            commit(server)
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+    one = median_commit(lambda server: server.commit_partials([part], 0))
+    eight = median_commit(lambda server: server.commit_partials([part] * 8, 0))
+    per_partial = max(0.0, (eight - one) / 7)
+    return {
+        "reports": median_commit(lambda server: server.commit(reports)),
+        "partials_base": max(0.0, one - per_partial),
+        "per_partial": per_partial,
+        "partial_bytes": float(sum(v.nbytes for v in part.sums.values())),
+    }
 
 
 def packed_bytes_per_device(data: Dataset) -> float:
@@ -124,7 +143,7 @@ def packed_bytes_per_device(data: Dataset) -> float:
     return len(pickle.dumps(data.examples, protocol=5)) / len(data.examples)
 
 
-def print_simulation(sim: dict[str, Any], commit: float) -> None:
+def print_simulation(sim: dict[str, Any], commit: dict[str, float]) -> None:
     m, rate, cpu = sim["median_seconds"], sim["tasks_per_second"], sim["cpu"]
     tasks = sim["rounds"] * CLIENTS
     print(f"  Ray started in {sim['ray_start_seconds']:.1f} s (not counted)")
@@ -143,4 +162,9 @@ def print_simulation(sim: dict[str, Any], commit: float) -> None:
     )
     print(f"  2 Ray workers / 2 threads: {m['threads 2'] / m['ray 2']:.2f}x")
     print(f"  Ray round trip per round, beyond the tasks: {sim['round_trip_seconds'] * 1e3:.1f} ms")
-    print(f"server commit of a round of {CLIENTS} reports (in the driver): {commit * 1e3:.1f} ms")
+    print(
+        f"server commit of a round of {CLIENTS} reports (in the driver): "
+        f"one by one {commit['reports'] * 1e3:.1f} ms; "
+        f"as the workers' partial sums {commit['partials_base'] * 1e3:.1f} ms + "
+        f"{commit['per_partial'] * 1e3:.2f} ms a worker"
+    )

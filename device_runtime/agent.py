@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -194,8 +194,9 @@ class DeviceAgent:
         if answer.secure_parameters is not None:
             with contextlib.suppress(SecureProtocolError):  # a malformed one: the driver says so
                 self.policy.check_parameters(RoundParameters.from_json(answer.secure_parameters))
-        async with self._opened() as store:  # an idle device's store opens for the round only
-            await asyncio.to_thread(_record, log, device_log)  # off the event loop: a commit each
+        # An idle device's store opens for the round only; the participation is recorded before
+        # anything of the round goes out, off the event loop (a commit each).
+        async with self._opened(lambda: _record(log, device_log)) as store:
             return await self._take_part(
                 answer,
                 store,
@@ -206,10 +207,15 @@ class DeviceAgent:
                 phase_continues,
             )
 
-    def _opened(self) -> contextlib.AbstractAsyncContextManager[ExampleStore]:
+    @contextlib.asynccontextmanager
+    async def _opened(self, then: Callable[[], None]) -> AsyncIterator[ExampleStore]:
+        """The store, open for the round, with `then` run on it first (off the event loop)."""
         if isinstance(self.store, IdleStore):
-            return self.store.session()
-        return contextlib.nullcontext(self.store)
+            async with self.store.session(then) as store:
+                yield store
+        else:
+            await asyncio.to_thread(then)
+            yield self.store
 
     async def _take_part(
         self,

@@ -76,6 +76,17 @@ def _shapes(tensors: Mapping[str, np.ndarray]) -> dict[str, tuple[int, ...]]:
 # Streaming weighted mean
 
 
+@dataclass(frozen=True)
+class PartialSum:
+    """Part of a round's weighted sum, added up where its deltas were made (a simulation worker's
+    shard of the round): the float64 weighted sum per tensor (in row form), the weights' total and
+    how many deltas it holds. Adding partials gives the round's sum up to float64 summation order."""
+
+    sums: Mapping[str, np.ndarray]
+    total_weight: float
+    count: int
+
+
 class WeightedMean:
     """Weighted mean of client deltas, added one at a time.
 
@@ -141,6 +152,23 @@ class WeightedMean:
                 total[tensor.rows] += float(weight) * tensor.values.astype(np.float64)
         self._total_weight += float(weight)
         self._count += 1
+
+    def partial(self) -> PartialSum:
+        """What was added so far, to be added to another `WeightedMean` (`add_partial`)."""
+        return PartialSum(dict(self._sums), self._total_weight, self._count)
+
+    def add_partial(self, part: PartialSum) -> None:
+        """Add another mean's deltas at once, as if each had been added here."""
+        if part.count < 1 or not math.isfinite(part.total_weight) or part.total_weight <= 0:
+            raise ValueError(
+                f"partial sum: expected at least one delta and a total weight > 0, got {part.count} "
+                f"deltas weighing {part.total_weight!r}"
+            )
+        _check_shapes("partial sum", _shapes(part.sums), _shapes(self._sums))
+        for name, total in self._sums.items():
+            total += part.sums[name]
+        self._total_weight += part.total_weight
+        self._count += part.count
 
     def weighted_sum(self) -> Params:
         """The weighted sum so far, float64, in the template's shapes (DP-FedAvg noises the sum)."""

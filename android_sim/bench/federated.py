@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import numpy as np
 
@@ -33,13 +33,16 @@ from model_runtime.support_query import num_steps, reconstruct_locals
 from model_runtime.task_batches import TaskBatches
 from model_runtime.tflite_model import EvaluationSums, RowUpdate, TFLiteModel
 from orchestrator.aggregation import (
+    PartialSum,
     RobustAggregation,
     ServerOptimizerConfig,
+    WeightedMean,
     apply_update,
     init_state,
 )
 from orchestrator.differential_privacy import DPConfig
 from orchestrator.norm_reference import NormReference
+from orchestrator.pipeline import Aggregate
 from orchestrator.pipeline.assemble import Pipeline, RoundInputs
 from secure_aggregation.config import RoundParameters
 from secure_aggregation.quantization import Layout, dequantize_sum, quantize
@@ -68,6 +71,32 @@ class ClientPool(Protocol[W_contra]):
     def set_global(self, params: Params) -> None: ...
 
     def map(self, work: W_contra, users: Sequence[int]) -> list[Any]: ...
+
+
+@runtime_checkable
+class SummingPool(Protocol[W_contra]):
+    """A pool whose workers add up their share of a round's reports themselves (`summed`), so that
+    the server gets one partial sum a worker instead of every report: what keeps the server's part
+    of a round from growing with the round's clients (`android_sim.ray_clients.RayClients`)."""
+
+    def map_summed(
+        self, work: W_contra, users: Sequence[int], shapes: Mapping[str, tuple[int, ...]]
+    ) -> tuple[list[PartialSum], int]:
+        """The partial sums of `users`' reports (one a worker that has any) and how many diverged."""
+        ...
+
+
+def summed(reports: Iterable[Report], shapes: Mapping[str, tuple[int, ...]]) -> tuple[PartialSum | None, int]:
+    """Reports added up as the server's weighted mean adds them (None: none to add), and how many
+    diverged (left out, as the server leaves them out)."""
+    mean = WeightedMean(shapes)
+    refused = 0
+    for report in reports:
+        if report is None:
+            refused += 1
+        else:
+            mean.add_sparse(*report)
+    return (mean.partial() if mean.count else None), refused
 
 
 @dataclass(frozen=True)
@@ -238,13 +267,28 @@ class Server:
             weights = [weight for _, weight in taken]
             inputs = RoundInputs(0, weights=weights, reference=self.norm_reference)
             aggregate = self.pipeline.aggregate(inputs, taken)
+        self._apply(aggregate, merge)
+        return len(reports) - len(taken)
+
+    @property
+    def sums_in_parts(self) -> bool:
+        """Whether a round may come as partial sums (`commit_partials`): the plain weighted mean."""
+        return self.secure is None and self.pipeline.sums_in_parts
+
+    def commit_partials(self, partials: Sequence[PartialSum], refused: int) -> int:
+        """Apply one round whose reports were added up where they were made (`summed`); returns
+        `refused`, the diverged reports left out there."""
+        if partials:
+            self._apply(self.pipeline.aggregate(RoundInputs(0), partials=partials), None)
+        return refused
+
+    def _apply(self, aggregate: Aggregate, merge: Callable[[Params], Params] | None) -> None:
         mean_delta = aggregate.mean_delta
         if aggregate.norm_reference is not None:
             self.norm_reference = aggregate.norm_reference
         if merge is not None:
             mean_delta = merge(mean_delta)
         self.params, self.state = apply_update(self.optimizer, self.params, mean_delta, self.state)
-        return len(reports) - len(taken)
 
     def _secure_mean(self, deltas: Sequence[dict[str, SparseTensor]]) -> Params:
         assert self.secure is not None
@@ -299,7 +343,11 @@ def train_federated(
     for r in range(1, rounds.rounds + 1):
         clients = rng.choice(population, size=per_round, replace=False)
         devices.set_global(server.params)
-        run.refused += server.commit(devices.map(work, clients.tolist()))
+        if server.sums_in_parts and isinstance(devices, SummingPool):
+            partials, refused = devices.map_summed(work, clients.tolist(), server.shapes)
+            run.refused += server.commit_partials(partials, refused)
+        else:
+            run.refused += server.commit(devices.map(work, clients.tolist()))
         if r % rounds.evaluate_every == 0 or r == rounds.rounds:
             run.curve.append({"round": r, **validate(server.params)})
     run.params = server.params

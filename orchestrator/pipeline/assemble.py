@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from contracts.params import Params, SparseTensor, decode_sparse_delta
-from orchestrator.aggregation import RobustAggregation
+from orchestrator.aggregation import PartialSum, RobustAggregation
 from orchestrator.central_training import CentralUpdate
 from orchestrator.differential_privacy import DPConfig, secure_rng
 from orchestrator.norm_reference import NormReference
@@ -84,22 +84,33 @@ class Pipeline:
         # Under DP every report weighs the same: the commit reads no weights or reference norms.
         self.private = dp is not None
 
+    @property
+    def sums_in_parts(self) -> bool:
+        """Whether a round's contributions may be added up in parts where they are made
+        (`aggregate(partials=...)`): the plain weighted mean only. Clipping, robust means and DP
+        need each contribution on its own."""
+        return self._dp is None and self._rule is None
+
     def aggregate(
         self,
         inputs: RoundInputs,
         contributions: Iterable[tuple[Mapping[str, SparseTensor], float]] = (),
         secure: tuple[Params, int] | None = None,
         stored: Iterable[tuple[float, bytes]] = (),
+        partials: Sequence[PartialSum] = (),
     ) -> Aggregate:
         """A round's whole aggregation in one call: its stack of stages assembled, every
         contribution (sparse delta, weight) accepted in order, finished. `stored`: the
         contributions as the server stores them, (weight, encoded sparse delta), decoded one at a
         time as they are read (the server's commit passes its database cursor). `secure`: a secure
-        round's unmasked (mean delta, survivors) instead of contributions. The stages stay inside
-        this call: the caller hands over the round's inputs and gets the mean delta and
-        measurements back."""
+        round's unmasked (mean delta, survivors) instead of contributions. `partials`: the
+        contributions added up in parts where they were made (the fast simulation's workers), instead
+        of one by one; only where `sums_in_parts`. The stages stay inside this call: the caller hands
+        over the round's inputs and gets the mean delta and measurements back."""
         if secure is not None:
             return self.secure_round(*secure, inputs).finish()
+        if partials:
+            return self._merged(self._summed(partials), inputs).finish()
         stage = self.plaintext_round(inputs)
         for delta, weight in contributions:
             stage.accept(delta, weight)
@@ -124,6 +135,17 @@ class Pipeline:
             )
             stage = ClipAndCap(inner, rule, self._shapes, inputs.weights, inputs.reference)
         return self._merged(stage, inputs)
+
+    def _summed(self, partials: Sequence[PartialSum]) -> Stage:
+        if not self.sums_in_parts:
+            raise ValueError(
+                "this pipeline clips, averages robustly or adds noise per contribution: "
+                "it takes contributions one by one, not partial sums"
+            )
+        stage = WeightedMeanStage(self._shapes)
+        for part in partials:
+            stage.accept_partial(part)
+        return stage
 
     def secure_round(self, mean_delta: Params, survivors: int, inputs: RoundInputs) -> Stage:
         """A secure round: the survivors' unmasked mean, noised under DP."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from contracts.params import SparseTensor
-from orchestrator.aggregation import WeightedMean
+from orchestrator.aggregation import PartialSum, WeightedMean
 from orchestrator.pipeline import Aggregate
 
 
@@ -20,6 +20,12 @@ class WeightedMeanStage:
 
     def accept(self, delta: Mapping[str, SparseTensor], weight: float) -> None:
         self._mean.add_sparse(delta, 1.0 if self._equal else weight)
+
+    def accept_partial(self, part: PartialSum) -> None:
+        """Take several contributions at once, added up where they were made."""
+        if self._equal:
+            raise ValueError("an equally weighted mean takes its contributions one by one")
+        self._mean.add_partial(part)
 
     def finish(self) -> Aggregate:
         if self._equal:

@@ -1,9 +1,10 @@
 """`simulate --backend ray`: the clients sharded over two local Ray worker processes give the
-single-process run's results (same sampling, same reports summed in the same order)."""
+single-process run's results (same sampling, the same reports summed: in each worker for the plain
+weighted mean, one by one in the server where the aggregation needs each report)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -11,11 +12,12 @@ import numpy as np
 import pytest
 
 from android_sim.__main__ import main
-from android_sim.bench.federated import Rounds
+from android_sim.bench.federated import Rounds, Server
 from android_sim.bench.models import ModelCache
 from android_sim.bench.quality import load_dataset, protocol_model
 from android_sim.simulation import SimulationOptions, SimulationResult, simulate
 from contracts.task_config import LocalState, TaskConfig
+from orchestrator.aggregation import PartialSum, RobustAggregation
 from tests.android_sim.test_quality_bench import _write_ratings
 
 
@@ -45,25 +47,42 @@ def _assert_same(ray_run: SimulationResult, one_process: SimulationResult) -> No
 
 
 @pytest.mark.parametrize(
-    "task",
+    ("task", "aggregation"),
     [
-        TaskConfig(),  # FedRecon: fresh locals at each task
+        (TaskConfig(), None),  # FedRecon: fresh locals at each task
         # FURL: each device's locals stay in the worker that holds its examples
-        TaskConfig(local_state=LocalState.KEEP, local_learning_rate=0.1),
+        (TaskConfig(local_state=LocalState.KEEP, local_learning_rate=0.1), None),
+        # Clipping needs each report: they come back to the server one by one
+        (TaskConfig(), RobustAggregation()),
     ],
-    ids=["reconstruct", "keep"],
+    ids=["reconstruct", "keep", "robust"],
 )
 def test_two_ray_workers_give_the_single_process_run(
-    local_ray: None, tmp_path: Path, task: TaskConfig
+    local_ray: None,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    task: TaskConfig,
+    aggregation: RobustAggregation | None,
 ) -> None:
     data = load_dataset(_write_ratings(tmp_path / "u.data"))
     model_dir = ModelCache(tmp_path / "models").get(protocol_model(data.num_items, embedding_dim=4))
-    options = SimulationOptions(Rounds(6, 10, evaluate_every=3), task, workers=2)
+    options = SimulationOptions(Rounds(6, 10, evaluate_every=3), task, workers=2, aggregation=aggregation)
 
     one_process = simulate(model_dir, data.examples, options)
+    partial_rounds: list[int] = []
+    commit_partials = Server.commit_partials
+
+    def counted(self: Server, partials: Sequence[PartialSum], refused: int) -> int:
+        partial_rounds.append(len(partials))
+        return commit_partials(self, partials, refused)
+
+    monkeypatch.setattr(Server, "commit_partials", counted)
     on_ray = simulate(model_dir, data.examples, replace(options, backend="ray"))
 
     _assert_same(on_ray, one_process)
+    # The plain weighted mean gets a partial sum from each worker (both hold sampled devices in
+    # every round here); clipping gets the reports.
+    assert partial_rounds == ([] if aggregation else [2] * 6)
     # The run trained: the globals moved and the curve changed.
     assert one_process.curve[-1]["loss"] != one_process.curve[0]["loss"]
     # Ray is still up (the fixture's): a simulation shuts down only the Ray it started.

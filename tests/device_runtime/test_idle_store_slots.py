@@ -55,10 +55,12 @@ def test_unbounded_open_stores_run_out_of_files(tmp_path: Path) -> None:
     # Act: the devices open their stores as a round accepts them, with no bound.
     result = _run(tmp_path, "unbounded")
 
-    # Assert: the failure the 100,000-device run ended in (or, once in CI, a library that crashed
-    # for want of a file: killed by SIGSEGV with nothing on stderr)
+    # Assert: the failure the 100,000-device run ended in, out of files in SQLite or in whichever
+    # call came first (or, once in CI, a library that crashed for want of a file: killed by
+    # SIGSEGV with nothing on stderr)
     assert result.returncode != 0
-    assert "unable to open database file" in result.stderr or result.returncode < 0, result.stderr
+    out_of_files = "unable to open database file" in result.stderr or "Too many open files" in result.stderr
+    assert out_of_files or result.returncode < 0, result.stderr
 
 
 def test_store_slots_keep_open_stores_within_the_open_files_limit(tmp_path: Path) -> None:

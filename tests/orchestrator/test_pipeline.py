@@ -13,7 +13,7 @@ import pytest
 from numpy.typing import ArrayLike
 
 from contracts.params import SparseTensor
-from orchestrator.aggregation import RobustAggregation
+from orchestrator.aggregation import RobustAggregation, WeightedMean
 from orchestrator.central_training import CentralUpdate
 from orchestrator.differential_privacy import DPConfig
 from orchestrator.pipeline import Aggregate, apply_measurements
@@ -249,3 +249,45 @@ def test_aggregate_of_a_secure_round_takes_the_unmasked_mean_and_no_contribution
     result = pipeline.aggregate(RoundInputs(0), secure=(mean, 3))
 
     assert result.mean_delta is mean and result.count == 3
+
+
+def test_partial_sums_added_where_they_were_made_give_the_weighted_mean() -> None:
+    # Two workers' shares of one round: (1, 0) x 1 + (4, 3) x 3 on one, (0, 2) x 4 on the other.
+    first, second = WeightedMean(G), WeightedMean(G)
+    first.add_sparse(g(1, 0), 1.0)
+    first.add_sparse(g(4, 3), 3.0)
+    second.add_sparse(g(0, 2), 4.0)
+    pipeline = Pipeline.of(G)
+
+    result = pipeline.aggregate(RoundInputs(0), partials=[first.partial(), second.partial()])
+
+    # (1 + 12 + 0) / 8 = 1.625; (0 + 9 + 8) / 8 = 2.125: what the three accepted one by one give.
+    assert pipeline.sums_in_parts
+    assert_close(result.mean_delta["g"], [1.625, 2.125])
+    assert result.count == 3
+
+
+def test_a_pipeline_that_needs_each_contribution_refuses_partial_sums() -> None:
+    part = WeightedMean(G)
+    part.add_sparse(g(1, 0), 1.0)
+    dp = DPConfig(clip_norm=5.0, noise_multiplier=0.0, population_size=100)
+
+    for pipeline in (Pipeline.of(G, RobustAggregation()), Pipeline.of(G, dp=dp)):
+        assert not pipeline.sums_in_parts
+        with pytest.raises(ValueError, match="takes contributions one by one"):
+            pipeline.aggregate(RoundInputs(0), partials=[part.partial()])
+
+
+def test_a_partial_sum_of_the_wrong_shape_or_of_nothing_is_refused_and_adds_nothing() -> None:
+    mean = WeightedMean(G)
+    mean.add_sparse(g(1, 1), 1.0)
+    wrong = WeightedMean({"g": (3,)})
+    wrong.add_sparse({"g": sparse((3,), [0], [1.0])}, 1.0)
+
+    with pytest.raises(ValueError, match=r"partial sum: g has shape \(3,\), expected \(2,\)"):
+        mean.add_partial(wrong.partial())
+    with pytest.raises(ValueError, match="expected at least one delta"):
+        mean.add_partial(WeightedMean(G).partial())
+
+    assert mean.count == 1
+    assert_close(mean.mean()["g"], [1.0, 1.0])
