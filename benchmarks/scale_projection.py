@@ -17,10 +17,10 @@ def projection(
     round trip, the largest worker's share of the clients at one worker's rate on a core of its
     own (the 1-worker run's tasks over its worker's CPU seconds, their adding up included), and
     the driver's commit of the workers' partial sums, which takes each round alone. Not counted:
-    the driver's cost of one call per worker and the partials' transfer (a dense float64 copy of
-    the globals a worker), which grow with the workers. Beside it, the HTTP orchestrator's bound:
-    a core's worth of its CPU per report (measured in the fleet runs, check-ins and downloads
-    included)."""
+    the driver's cost of one call per worker and the partials' transfer (each the float64 sums of
+    the rows its worker's devices touched), which grow with the workers. Beside it, the HTTP
+    orchestrator's bound: a core's worth of its CPU per report (measured in the fleet runs,
+    check-ins and downloads included)."""
     rounds = sim["rounds"]
     trip = sim["round_trip_seconds"]
     per_worker = rounds * CLIENTS / sim["cpu"]["ray 1"]["worker_cpu_seconds"]
@@ -56,7 +56,8 @@ def print_projection(
         f"{bytes_per_device / 1e3:.1f} KB a device), {project['per_worker_tasks_per_second']:.0f} tasks/s "
         f"a worker on a core of its own, {sim['round_trip_seconds'] * 1e3:.1f} ms a round trip, the "
         f"driver's commit {commit['partials_base'] * 1e3:.1f} ms + {commit['per_partial'] * 1e3:.2f} ms "
-        f"a worker's partial sum ({commit['partial_bytes'] / 1e6:.2f} MB each, its transfer not counted):"
+        f"a worker's partial sum ({commit['partial_bytes'] / 1e6:.2f} MB for {CLIENTS} clients' reports, "
+        "its transfer not counted):"
     )
     for row in project["rows"]:
         print(

@@ -134,7 +134,7 @@ def commit_seconds(data: Dataset, model_dir: Path, repeats: int = 20) -> dict[st
         "reports": median_commit(lambda server: server.commit(reports)),
         "partials_base": max(0.0, one - per_partial),
         "per_partial": per_partial,
-        "partial_bytes": float(sum(v.nbytes for v in part.sums.values())),
+        "partial_bytes": float(part.nbytes),
     }
 
 

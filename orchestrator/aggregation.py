@@ -72,19 +72,32 @@ def _shapes(tensors: Mapping[str, np.ndarray]) -> dict[str, tuple[int, ...]]:
     return {name: tuple(np.shape(value)) for name, value in tensors.items()}
 
 
+def _touched_rows(total: np.ndarray) -> np.ndarray:
+    """The rows of a sum in row form that are not all zero (an untouched row adds nothing)."""
+    return np.flatnonzero(np.any(total != 0, axis=tuple(range(1, total.ndim))))
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Streaming weighted mean
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # eq=False: comparing numpy arrays with == is not a bool
 class PartialSum:
     """Part of a round's weighted sum, added up where its deltas were made (a simulation worker's
-    shard of the round): the float64 weighted sum per tensor (in row form), the weights' total and
-    how many deltas it holds. Adding partials gives the round's sum up to float64 summation order."""
+    shard of the round): per tensor (`shapes`), the rows its deltas touched (`rows`, increasing)
+    and their float64 weighted sums (`sums`, in row form), the weights' total and how many deltas
+    it holds. Only touched rows travel, so a partial of one sparse delta is about that delta's size.
+    Adding partials gives the round's sum up to float64 summation order."""
 
+    shapes: Mapping[str, tuple[int, ...]]
+    rows: Mapping[str, np.ndarray]
     sums: Mapping[str, np.ndarray]
     total_weight: float
     count: int
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(self.rows[name].nbytes + self.sums[name].nbytes) for name in self.sums)
 
 
 class WeightedMean:
@@ -155,18 +168,38 @@ class WeightedMean:
 
     def partial(self) -> PartialSum:
         """What was added so far, to be added to another `WeightedMean` (`add_partial`)."""
-        return PartialSum(dict(self._sums), self._total_weight, self._count)
+        rows = {name: _touched_rows(total) for name, total in self._sums.items()}
+        return PartialSum(
+            dict(self._shapes),
+            rows,
+            {name: total[rows[name]] for name, total in self._sums.items()},
+            self._total_weight,
+            self._count,
+        )
 
     def add_partial(self, part: PartialSum) -> None:
-        """Add another mean's deltas at once, as if each had been added here."""
+        """Add another mean's deltas at once, as if each had been added here. Everything is
+        checked before anything is added."""
         if part.count < 1 or not math.isfinite(part.total_weight) or part.total_weight <= 0:
             raise ValueError(
                 f"partial sum: expected at least one delta and a total weight > 0, got {part.count} "
                 f"deltas weighing {part.total_weight!r}"
             )
-        _check_shapes("partial sum", _shapes(part.sums), _shapes(self._sums))
+        _check_shapes("partial sum", part.shapes, self._shapes)
         for name, total in self._sums.items():
-            total += part.sums[name]
+            rows, sums = np.asarray(part.rows[name]), np.asarray(part.sums[name])
+            if (
+                rows.ndim != 1
+                or sums.shape != (len(rows), *total.shape[1:])
+                or (len(rows) and (rows.min() < 0 or rows.max() >= len(total) or np.any(np.diff(rows) <= 0)))
+            ):
+                raise ValueError(
+                    f"partial sum: {name} must hold increasing rows of 0..{len(total) - 1} and their "
+                    f"sums of shape (rows, {', '.join(map(str, total.shape[1:]))}), got {len(rows)} rows "
+                    f"and sums of shape {sums.shape}"
+                )
+        for name, total in self._sums.items():
+            total[part.rows[name]] += part.sums[name]
         self._total_weight += part.total_weight
         self._count += part.count
 

@@ -13,7 +13,7 @@ import pytest
 from numpy.typing import ArrayLike
 
 from contracts.params import SparseTensor
-from orchestrator.aggregation import RobustAggregation, WeightedMean
+from orchestrator.aggregation import PartialSum, RobustAggregation, WeightedMean
 from orchestrator.central_training import CentralUpdate
 from orchestrator.differential_privacy import DPConfig
 from orchestrator.pipeline import Aggregate, apply_measurements
@@ -291,3 +291,22 @@ def test_a_partial_sum_of_the_wrong_shape_or_of_nothing_is_refused_and_adds_noth
 
     assert mean.count == 1
     assert_close(mean.mean()["g"], [1.0, 1.0])
+
+
+def test_a_partial_sum_holds_only_the_rows_its_deltas_touched() -> None:
+    items = {"items": (5, 2)}
+    mean = WeightedMean(items)
+    mean.add_sparse({"items": SparseTensor((5, 2), np.array([1, 3]), np.ones((2, 2), np.float32))}, 2.0)
+
+    part = mean.partial()
+
+    # Rows 1 and 3 only, each 2 x (1, 1); added elsewhere they land on the same rows.
+    assert part.rows["items"].tolist() == [1, 3]
+    np.testing.assert_array_equal(part.sums["items"], [[2.0, 2.0], [2.0, 2.0]])
+    other = WeightedMean(items)
+    other.add_partial(part)
+    np.testing.assert_array_equal(other.mean()["items"], [[0, 0], [1, 1], [0, 0], [1, 1], [0, 0]])
+    bad = PartialSum(part.shapes, {"items": np.array([3, 1])}, part.sums, 2.0, 1)
+    with pytest.raises(ValueError, match=r"items must hold increasing rows of 0\.\.4"):
+        other.add_partial(bad)
+    assert other.count == 1
