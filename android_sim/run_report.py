@@ -172,6 +172,13 @@ def report_header(config: RunConfig, status: dict[str, Any], fleet: Fleet, evalu
     }
 
 
+def _with_interval(final: dict[str, float], name: str) -> str:
+    """`accuracy 0.9081 [0.8990, 0.9172]`: the server's interval when it released one."""
+    low, high = final.get(f"{name}_low"), final.get(f"{name}_high")
+    interval = f" [{low:.4f}, {high:.4f}]" if low is not None and high is not None else ""
+    return f"{name} {final[name]:.4f}{interval}"
+
+
 def _evaluation_name(config: RunConfig, manifest: Manifest) -> str:
     if config.stateful:
         return "StandardEval on seen devices (their kept locals, on their newest 10% of examples)"
@@ -205,9 +212,15 @@ def _print_summary(
     if workload.report is not None:
         workload.report.print(result.summary, console)
     elif final:
-        shown = ", ".join(f"{k} {final[k]:.4f}" for k in shown_metrics(workload.manifest) if k in final)
+        shown = ", ".join(_with_interval(final, k) for k in shown_metrics(workload.manifest) if k in final)
         name = _evaluation_name(config, workload.manifest)
-        console.print(f"final {name}: {shown} (weight {final.get('weight_sum', 0):.0f})")
+        groups = final.get("interval_groups")
+        spread = (
+            f"; [95% interval from {groups:.0f} random groups of devices]"
+            if groups
+            else "; no interval: too few devices for two groups of the evaluation's floor"
+        )
+        console.print(f"final {name}: {shown} (weight {final.get('weight_sum', 0):.0f}{spread})")
     else:
         console.print(
             "final evaluation: none released (fewer held-out devices than its floor reported in time, "

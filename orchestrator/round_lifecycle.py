@@ -27,6 +27,7 @@ from sqlalchemy.orm import Session
 from contracts.params import Params, check_params
 from orchestrator import (
     central_training,
+    evaluation_intervals,
     idle_backoff,
     metrics,
     mixing,
@@ -266,6 +267,8 @@ def commit(
     individual reports. How the reports combine is the population's pipeline's (`pipeline`)."""
     lock_admissions(session, [round_])  # no check-in is admitted into it meanwhile
     if round_.kind == EVALUATION:
+        # Its intervals from groups of at least its floor's devices; the groups' sums go.
+        round_.metrics = evaluation_intervals.settled(round_.metrics, round_.min_reports)
         round_state.close(round_, closing or _COMMITTED, now)
         _count_closed(session, population, round_, "committed")
         return
@@ -411,8 +414,9 @@ def _count_closed(session: Session, population: Population, round_: Round, trans
 
 def summarize_metrics(round_: Round) -> dict[str, float]:
     """Per-round metrics: the sums devices sent, and the example-weighted means they stand for
-    (`<name>` for each `<name>_sum`; also `rmse` from `squared_error` and `accuracy` from `correct`).
-    Only what the round may release (`round_release.released`)."""
+    (`<name>` for each `<name>_sum`; also `rmse` from `squared_error` and `accuracy` from `correct`);
+    a committed evaluation round's also with their 95% intervals (`<name>_low`, `<name>_high`,
+    `evaluation_intervals`). Only what the round may release (`round_release.released`)."""
     sums = round_release.released(round_)
     out = dict(sums)
     for prefix in ("", "query_"):

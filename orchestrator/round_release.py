@@ -5,7 +5,8 @@ the dashboard), and when a round may not run at all because it would release too
   only once it commits with at least `min_evaluation_reports` devices' reports (its `min_reports`):
   while it is open the running sums are one device's after its first report, so nothing is shown;
   a round that falls short is abandoned at its deadline and its sums are erased. Report rows keep
-  no evaluation sums (`round_reports`).
+  no evaluation sums (`round_reports`). Its figures' 95% intervals come from random groups of at
+  least the floor's devices each (`evaluation_intervals`); the groups' own sums are never shown.
 - **Differential privacy**: evaluation sums are not noised, so once a population's budget is spent
   no evaluation round opens (schedule or admin API) and an open one is abandoned. A DP round's raw
   count of devices within the clip norm (`dp_within_clip`, one device's bit after its first report)
@@ -17,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from orchestrator.db import Population, Round
+from orchestrator.evaluation_intervals import is_group_sum
 from orchestrator.pipeline.private import WITHIN_CLIP
 from orchestrator.population_config import privacy_budget_spent
 from orchestrator.round_state import ABANDONED, COMMITTED, PRIVACY_BUDGET, Closing
@@ -43,7 +45,7 @@ def released(round_: Round) -> dict[str, float]:
         round_.status == COMMITTED and round_.reported >= round_.min_reports
     ):
         return {}
-    return {k: v for k, v in round_.metrics.items() if k != WITHIN_CLIP}
+    return {k: v for k, v in round_.metrics.items() if k != WITHIN_CLIP and not is_group_sum(k)}
 
 
 def kept_after_abandon(kind: str, metrics: Mapping[str, float]) -> dict[str, float]:

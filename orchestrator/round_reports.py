@@ -26,7 +26,7 @@ from typing import cast
 from sqlalchemy import bindparam, insert, select, update
 from sqlalchemy.orm import Session
 
-from orchestrator import metrics, round_counts, round_state, secure_rounds
+from orchestrator import evaluation_intervals, metrics, round_counts, round_state, secure_rounds
 from orchestrator.db import Assignment, Population, Report, Round
 from orchestrator.logs import log_on_commit
 from orchestrator.population_config import PopulationConfig, config_of
@@ -323,6 +323,8 @@ def _check(
     if not lock and round_.reported + coming[round_.id] >= round_.target:
         raise LockNeeded(f"round {round_.id} may reach its target")
     weight, _, metric_sums = report
+    if round_.kind == EVALUATION:
+        metric_sums = evaluation_intervals.grouped(found.id, metric_sums)
     return _Step(index, population, found, round_state.report_count(weight, metric_sums), report=report)
 
 

@@ -52,6 +52,27 @@ def phase_timings(round_: Mapping[str, Any]) -> str:
     return ", ".join(phases)
 
 
+def evaluation_figures(round_: Mapping[str, Any]) -> str:
+    """A committed evaluation round's means with their 95% intervals, e.g. 'loss 0.391 [0.35,
+    0.43], accuracy 0.866 [0.84, 0.89] (95% intervals from 8 random groups of devices)'."""
+    metrics = round_.get("metrics", {})
+    if round_.get("kind") != "evaluation" or "weight_sum" not in metrics:
+        return ""
+    names = ["loss", *(n for n in ("rmse", "accuracy") if n in metrics)]
+    shown = []
+    for name in names:
+        low, high = metrics.get(f"{name}_low"), metrics.get(f"{name}_high")
+        interval = f" [{low:.3g}, {high:.3g}]" if low is not None and high is not None else ""
+        shown.append(f"{name} {metrics[name]:.3g}{interval}" if name in metrics else "")
+    groups = metrics.get("interval_groups")
+    spread = (
+        f"95% intervals from {groups:.0f} random groups of devices"
+        if groups
+        else "too few devices for an interval"
+    )
+    return ", ".join(s for s in shown if s) + f" ({spread})"
+
+
 def round_line(round_: Mapping[str, Any], now: float) -> str:
     counters = round_.get("counters", {})
     closed = round_.get("closed_at")
@@ -65,6 +86,9 @@ def round_line(round_: Mapping[str, Any], now: float) -> str:
     phases = phase_timings(round_)
     if phases:
         line += f"\n       phases: {phases}"
+    figures = evaluation_figures(round_)
+    if figures:
+        line += f"\n       figures: {figures}"
     reason = round_.get("close_reason")
     if reason:
         line += f"\n       why: {reason}"

@@ -92,6 +92,8 @@ def _shown_metric(name: str) -> bool:
         and not name.startswith(COUNTS)
         and not name.removeprefix("query_").startswith(COUNTS)
         and not (name.startswith("secure_") and name.endswith("_seconds"))
+        and not name.endswith(("_low", "_high"))  # an evaluation's intervals
+        and name != "interval_groups"
     )
 
 

@@ -112,6 +112,12 @@ def test_a_fleet_trains_evaluates_and_writes_its_report(work: Path) -> None:
     assert all("query_loss" in r["metrics"] for r in training)
     assert any(r["kind"] == "evaluation" and r["counters"]["reported"] for r in report["rounds"])
     assert "loss" in result.final_evaluation and "accuracy" in result.final_evaluation
+    final, printed = result.final_evaluation, " ".join(console.export_text(clear=False).split())
+    if "accuracy_low" in final:  # the server's interval, from two groups of its floor or more
+        assert final["accuracy_low"] <= final["accuracy"] <= final["accuracy_high"]
+        assert f"accuracy {final['accuracy']:.4f} [{final['accuracy_low']:.4f}," in printed
+    else:
+        assert "no interval: too few devices for two groups" in printed
     outcomes = report["fleet"]["device_side_outcomes"]
     assert outcomes.get("training/reported", 0) >= 3 * 6
     # Why participations ended short of a report: counted by reason, numbers out, no rejections.

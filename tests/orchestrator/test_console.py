@@ -15,6 +15,7 @@ import httpx
 import pytest
 
 from model_export.config import ModelConfig
+from orchestrator.console import render
 from tests.conftest import BIASED, ROOT
 from tests.orchestrator.conftest import ADMIN_TOKEN, Server, admin_create_population
 
@@ -186,3 +187,32 @@ def test_show_counts_the_devices_seen_and_lists_the_model_versions_kept(
     assert as_json["devices_seen"]["total"] == 2 and as_json["devices_seen"]["last_day"] == 2
     assert [v["version"] for v in as_json["model_versions"]] == [0]
     assert as_json["model_versions"][0]["round_id"] is None
+
+
+def test_a_committed_evaluation_round_shows_its_figures_with_their_intervals() -> None:
+    # Prepare: a committed evaluation round as the admin API lists it, with and without intervals
+    base = {"id": 7, "kind": "evaluation", "status": "committed", "opened_at": 0.0, "closed_at": 5.0}
+    base = {**base, "target": 40, "counters": {"reported": 40}}
+    with_intervals = {
+        "weight_sum": 400.0,
+        "loss": 0.3914,
+        "loss_low": 0.35,
+        "loss_high": 0.43,
+        "accuracy": 0.8661,
+        "accuracy_low": 0.84,
+        "accuracy_high": 0.89,
+        "interval_groups": 8.0,
+    }
+    without = {"weight_sum": 40.0, "loss": 0.5, "accuracy": 0.8}
+
+    # Execute
+    shown = render.round_line({**base, "metrics": with_intervals}, 10.0)
+    bare = render.round_line({**base, "metrics": without}, 10.0)
+    training = render.round_line({**base, "kind": "training", "metrics": with_intervals}, 10.0)
+
+    # Assert
+    assert (
+        "figures: loss 0.391 [0.35, 0.43], accuracy 0.866 [0.84, 0.89] (95% intervals from 8 random" in shown
+    )
+    assert "figures: loss 0.5, accuracy 0.8 (too few devices for an interval)" in bare
+    assert "figures:" not in training

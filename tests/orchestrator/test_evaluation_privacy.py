@@ -182,6 +182,9 @@ def test_a_curious_operator_learns_no_sums_of_an_evaluation_round_below_the_floo
     released = wait_closed(server, opened.json()["id"])
     assert released["status"] == "committed"
     assert released["metrics"]["loss_sum"] == pytest.approx(sum(loss_sum(d) for d in range(1, FLOOR + 1)))
+    # Its interval would need two groups of five: none is shown, and no group's sum is kept
+    assert not any(k.endswith(("_low", "_high")) or "group" in k for k in released["metrics"])
+    assert "interval_group" not in stored_evaluation_sums(server)
     assert "<h2>loss</h2>" in operator_views(server)["dashboard"]
 
 

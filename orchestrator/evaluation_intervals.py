@@ -1,0 +1,107 @@
+"""95% intervals for an evaluation round's figures, released without any one device's sums.
+
+An evaluation round releases example-weighted means (`loss`, `accuracy`, `rmse`, ...) of its
+devices' metric sums, and only sums of at least `min_evaluation_reports` devices
+(`round_release`). An interval needs the spread between devices, which per-device figures would
+show; so the spread is taken between **random groups** of devices instead (Wolter, *Introduction
+to Variance Estimation*, ch. 2). Each report is also added into one of `GROUPS` group sums, chosen
+by a hash of its assignment id; at release, groups are merged in order until each holds at least
+the round's floor of devices, and the interval comes from the merged groups' spread around the
+round's mean (a ratio estimator, linearized), with Student's t for their number less one. So every
+figure released is still a function of sums of at least the floor's devices. The groups' own sums
+are never released, and a round keeps them only while it is open (as it keeps its running sums):
+its commit replaces them with the intervals (`settled`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Mapping
+
+GROUPS = 10
+_PREFIX = "interval_group_"
+_REPORTS = "reports"
+# Student's t, 97.5% quantile, for 1-30 degrees of freedom; beyond, its Cornish-Fisher expansion.
+_T975 = (
+    12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228,
+    2.201, 2.179, 2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086,
+    2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042,
+)  # fmt: skip
+_Z975 = 1.959964
+
+
+def is_group_sum(name: str) -> bool:
+    """A group's sum: kept on the round to compute intervals, never released."""
+    return name.startswith(_PREFIX)
+
+
+def grouped(assignment_id: str, sums: Mapping[str, float]) -> dict[str, float]:
+    """An evaluation report's metric sums, plus the same sums (and a count) for its random group."""
+    group = int.from_bytes(hashlib.sha256(assignment_id.encode()).digest()[:4], "big") % GROUPS
+    prefix = f"{_PREFIX}{group}/"
+    return {**sums, **{prefix + k: v for k, v in sums.items()}, prefix + _REPORTS: 1.0}
+
+
+def t975(degrees_of_freedom: int) -> float:
+    if degrees_of_freedom <= len(_T975):
+        return _T975[degrees_of_freedom - 1]
+    z, n = _Z975, degrees_of_freedom
+    return z + (z**3 + z) / (4 * n) + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * n**2)
+
+
+def merged_groups(metrics: Mapping[str, float], floor: int) -> list[dict[str, float]]:
+    """The groups' sums merged in order until each holds at least `floor` devices (a remainder
+    joins the last); empty groups are skipped."""
+    groups: list[dict[str, float]] = []
+    current: dict[str, float] = {}
+    for g in range(GROUPS):
+        prefix = f"{_PREFIX}{g}/"
+        part = {k.removeprefix(prefix): v for k, v in metrics.items() if k.startswith(prefix)}
+        for k, v in part.items():
+            current[k] = current.get(k, 0.0) + v
+        if current.get(_REPORTS, 0.0) >= max(floor, 1):
+            groups.append(current)
+            current = {}
+    if current and groups:
+        last = groups[-1]
+        for k, v in current.items():
+            last[k] = last.get(k, 0.0) + v
+    return groups
+
+
+def intervals(metrics: Mapping[str, float], floor: int) -> dict[str, float]:
+    """`<name>_low` and `<name>_high` for each example-weighted mean `<name>` of the round's sums
+    (`rmse` from `squared_error`, `accuracy` from `correct`), and `interval_groups`; nothing when
+    fewer than two groups of at least `floor` devices can be formed."""
+    groups = merged_groups(metrics, floor)
+    if len(groups) < 2:
+        return {}
+    out: dict[str, float] = {"interval_groups": float(len(groups))}
+    weight = sum(g.get("weight_sum", 0.0) for g in groups)
+    if weight <= 0:
+        return {}
+    t = t975(len(groups) - 1)
+    for key in groups[0]:
+        if not key.endswith("_sum") or key == "weight_sum":
+            continue
+        name = key.removesuffix("_sum")
+        total = sum(g.get(key, 0.0) for g in groups)
+        mean = total / weight
+        # The ratio's linearized residuals between groups; n/(n-1) for the groups' degrees of freedom.
+        residuals = [g.get(key, 0.0) - mean * g.get("weight_sum", 0.0) for g in groups]
+        n = len(groups)
+        half = t * math.sqrt(n / (n - 1) * sum(r * r for r in residuals)) / weight
+        # Evaluation sums are never negative (`report_checks`), nor is an accuracy above 1.
+        low, high = max(mean - half, 0.0), mean + half
+        out[f"{name}_low"], out[f"{name}_high"] = low, high
+        if name == "squared_error":
+            out["rmse_low"], out["rmse_high"] = math.sqrt(low), math.sqrt(high)
+        if name == "correct":
+            out["accuracy_low"], out["accuracy_high"] = low, min(high, 1.0)
+    return out
+
+
+def settled(metrics: Mapping[str, float], floor: int) -> dict[str, float]:
+    """A committing evaluation round's metrics: its sums and their intervals, without the groups'."""
+    return {**{k: v for k, v in metrics.items() if not is_group_sum(k)}, **intervals(metrics, floor)}
