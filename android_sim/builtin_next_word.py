@@ -30,6 +30,7 @@ from rich.console import Console
 
 from android_sim import report
 from android_sim.fleet import HELD_OUT, TRAINING, Fleet
+from android_sim.intervals import bootstrap_ratio, resample_rows
 from android_sim.next_word import (
     MIN_ROLE_EXAMPLES,
     SERVER,
@@ -103,6 +104,9 @@ class HeldOutAccuracy:
     accuracy_without_oov: float
     accuracy_with_oov: float
     loss: float  # the mean over windows of a window's mean cross-entropy
+    # 95% intervals over the devices (`android_sim.intervals`).
+    interval_without_oov: tuple[float, float] = (math.nan, math.nan)
+    interval_with_oov: tuple[float, float] = (math.nan, math.nan)
 
 
 @dataclass(frozen=True)
@@ -130,32 +134,44 @@ async def evaluate_held_out(
         model = TFLiteModel(model_dir)
         params = decode_params(blob, model.manifest.global_params, "global parameters")
         sums: dict[str, float] = {}
-        evaluated = 0
+        each: list[dict[str, float]] = []
         shown: list[Prediction] = []
         for device in held_out:
             with ExampleStore(device.store_path) as store:
                 result = run_evaluation_task(model, store, params, config, seed=device.index)
                 if result.outcome is Outcome.COMPLETED:
-                    evaluated += 1
+                    each.append(dict(result.metrics))
                     for k, v in result.metrics.items():
                         sums[k] = sums.get(k, 0.0) + v
                 if len(shown) < show * EXAMPLE_PREDICTIONS:
                     shown += predictions(model, store, params, config, vocabulary, device.index)
-        if not evaluated:
+        if not each:
             return None, shown
         without_oov, with_oov = accuracies(sums)
         weight = sums.get("weight_sum", 0.0)
         accuracy = HeldOutAccuracy(
-            evaluated,
+            len(each),
             sums.get("tokens_sum", 0.0),
             sums.get("in_vocab_tokens_sum", 0.0),
             without_oov,
             with_oov,
             sums.get("loss_sum", math.nan) / weight if weight else math.nan,
+            _interval(each, "correct_in_vocab_tokens_sum", "in_vocab_tokens_sum"),
+            _interval(each, "correct_tokens_sum", "tokens_sum"),
         )
         return accuracy, shown
 
     return await asyncio.to_thread(evaluate)
+
+
+def _interval(each: list[dict[str, float]], correct: str, total: str) -> tuple[float, float]:
+    """A token accuracy's 95% interval over the devices (a bootstrap of their counts)."""
+    denominators = np.array([m.get(total, 0.0) for m in each])
+    if denominators.sum() <= 0:
+        return math.nan, math.nan
+    numerators = np.array([m.get(correct, 0.0) for m in each])
+    found = bootstrap_ratio(numerators, denominators, resample_rows(len(each), np.random.default_rng(0)))
+    return found.low, found.high
 
 
 def predictions(
@@ -306,6 +322,8 @@ class NextWordReport:
                     "reported": (final or {}).get("counters", {}).get("reported", 0),
                     "accuracy_without_oov": final_without,
                     "accuracy_with_oov": final_with,
+                    "interval_without_oov": _released_interval(final, "in_vocab_tokens_accuracy"),
+                    "interval_with_oov": _released_interval(final, "tokens_accuracy"),
                 },
                 "held_out_on_device": asdict(held_out) if held_out else None,
                 "accuracy_by_round": round_accuracies(rounds),
@@ -326,15 +344,20 @@ class NextWordReport:
         if last["reported"]:
             console.print(
                 f"final evaluation round ({last['reported']} held-out devices reported): next-word accuracy "
-                f"{last['accuracy_without_oov']:.2%} without OOV, {last['accuracy_with_oov']:.2%} with OOV"
+                f"{_percent(last['accuracy_without_oov'], last.get('interval_without_oov'))} without OOV, "
+                f"{_percent(last['accuracy_with_oov'], last.get('interval_with_oov'))} with OOV "
+                f"({INTERVALS_FROM_GROUPS if last.get('interval_with_oov') else NO_INTERVAL})"
             )
         held_out = nwp["held_out_on_device"]
         if held_out:
+            without, within = held_out["interval_without_oov"], held_out["interval_with_oov"]
             console.print(
                 f"all held-out roles on their devices ({held_out['devices']} devices, "
                 f"{held_out['tokens']:,.0f} target tokens): next-word accuracy "
-                f"{held_out['accuracy_without_oov']:.2%} without OOV, "
-                f"{held_out['accuracy_with_oov']:.2%} with OOV"
+                f"{_percent(held_out['accuracy_without_oov'], without)} without OOV, "
+                f"{_percent(held_out['accuracy_with_oov'], within)} with OOV "
+                f"(95% bootstrap intervals over the devices; the same network trained centrally: "
+                f"`python -m android_sim.bench nextword`)"
             )
         sizes = nwp["bytes_per_round_per_device"]
         console.print(
@@ -346,3 +369,21 @@ class NextWordReport:
                 f"  device {p['device']}: ... {' '.join(p['context'][-6:])} -> {' | '.join(p['predicted'])} "
                 f"(said: {p['actual']})"
             )
+
+
+INTERVALS_FROM_GROUPS = "95% intervals from the server's random groups of devices"
+NO_INTERVAL = "too few devices for an interval"
+
+
+def _released_interval(final: dict[str, Any] | None, name: str) -> list[float] | None:
+    """The evaluation round's interval of `name` as the server released it, if it did."""
+    metrics = (final or {}).get("metrics", {})
+    low, high = metrics.get(f"{name}_low"), metrics.get(f"{name}_high")
+    return None if low is None or high is None else [low, high]
+
+
+def _percent(value: float, interval: Any) -> str:
+    """`11.23% [10.42, 12.34]`, or the bare figure without an interval."""
+    if not interval or any(math.isnan(x) for x in interval):
+        return f"{value:.2%}"
+    return f"{value:.2%} [{100 * interval[0]:.2f}, {100 * interval[1]:.2f}]"

@@ -72,34 +72,44 @@ def merged_groups(metrics: Mapping[str, float], floor: int) -> list[dict[str, fl
 
 def intervals(metrics: Mapping[str, float], floor: int) -> dict[str, float]:
     """`<name>_low` and `<name>_high` for each example-weighted mean `<name>` of the round's sums
-    (`rmse` from `squared_error`, `accuracy` from `correct`), and `interval_groups`; nothing when
-    fewer than two groups of at least `floor` devices can be formed."""
+    (`rmse` from `squared_error`, `accuracy` from `correct`; `<x>_accuracy` for a `correct_<x>_sum`
+    over an `<x>_sum`), and `interval_groups`; nothing when fewer than two groups of at least
+    `floor` devices can be formed."""
     groups = merged_groups(metrics, floor)
-    if len(groups) < 2:
+    if len(groups) < 2 or sum(g.get("weight_sum", 0.0) for g in groups) <= 0:
         return {}
     out: dict[str, float] = {"interval_groups": float(len(groups))}
-    weight = sum(g.get("weight_sum", 0.0) for g in groups)
-    if weight <= 0:
-        return {}
-    t = t975(len(groups) - 1)
     for key in groups[0]:
         if not key.endswith("_sum") or key == "weight_sum":
             continue
         name = key.removesuffix("_sum")
-        total = sum(g.get(key, 0.0) for g in groups)
-        mean = total / weight
-        # The ratio's linearized residuals between groups; n/(n-1) for the groups' degrees of freedom.
-        residuals = [g.get(key, 0.0) - mean * g.get("weight_sum", 0.0) for g in groups]
-        n = len(groups)
-        half = t * math.sqrt(n / (n - 1) * sum(r * r for r in residuals)) / weight
-        # Evaluation sums are never negative (`report_checks`), nor is an accuracy above 1.
-        low, high = max(mean - half, 0.0), mean + half
+        low, high = _ratio_interval(groups, key, "weight_sum")
         out[f"{name}_low"], out[f"{name}_high"] = low, high
         if name == "squared_error":
             out["rmse_low"], out["rmse_high"] = math.sqrt(low), math.sqrt(high)
         if name == "correct":
             out["accuracy_low"], out["accuracy_high"] = low, min(high, 1.0)
+        # `correct_<x>` counted per `<x>` (next-word's correct tokens per token): `<x>_accuracy`.
+        per = key.removeprefix("correct_")
+        if per != key and per in groups[0] and per != "weight_sum":
+            low, high = _ratio_interval(groups, key, per)
+            accuracy = per.removesuffix("_sum") + "_accuracy"
+            out[f"{accuracy}_low"], out[f"{accuracy}_high"] = low, min(high, 1.0)
     return out
+
+
+def _ratio_interval(groups: list[dict[str, float]], numerator: str, denominator: str) -> tuple[float, float]:
+    """sum(numerator) / sum(denominator) over the groups, +- t times its random-groups standard
+    error (the ratio's linearized residuals; n / (n - 1) for the groups' degrees of freedom).
+    Never below 0: evaluation sums are never negative (`report_checks`)."""
+    total = sum(g.get(denominator, 0.0) for g in groups)
+    if total <= 0:
+        return math.nan, math.nan
+    mean = sum(g.get(numerator, 0.0) for g in groups) / total
+    residuals = [g.get(numerator, 0.0) - mean * g.get(denominator, 0.0) for g in groups]
+    n = len(groups)
+    half = t975(n - 1) * math.sqrt(n / (n - 1) * sum(r * r for r in residuals)) / total
+    return max(mean - half, 0.0), mean + half
 
 
 def settled(metrics: Mapping[str, float], floor: int) -> dict[str, float]:

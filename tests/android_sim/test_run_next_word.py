@@ -84,8 +84,11 @@ def test_a_fleet_of_roles_learns_next_words_and_reports_table_two(
     on_device = nwp["held_out_on_device"]
     assert on_device["devices"] == len(data.test)
     assert 0 < on_device["in_vocab_tokens"] < on_device["tokens"] <= held_out_targets
-    for accuracy in (on_device["accuracy_without_oov"], on_device["accuracy_with_oov"]):
-        assert 0.0 <= accuracy <= 1.0
+    for accuracy, (low, high) in (
+        (on_device["accuracy_without_oov"], on_device["interval_without_oov"]),
+        (on_device["accuracy_with_oov"], on_device["interval_with_oov"]),
+    ):
+        assert 0.0 <= low <= accuracy <= high <= 1.0  # over the devices
     final = nwp["final_evaluation_round"]
     assert final["reported"] >= 1 and 0.0 <= final["accuracy_with_oov"] <= 1.0
     assert final["accuracy_with_oov"] == pytest.approx(

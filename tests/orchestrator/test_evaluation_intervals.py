@@ -127,3 +127,27 @@ def test_rmse_interval_is_the_square_root_of_the_squared_errors_interval() -> No
 def test_students_t_beyond_the_table_follows_its_expansion() -> None:
     assert t975(1) == 12.706 and t975(30) == 2.042
     assert abs(t975(31) - 2.040) < 0.002 and abs(t975(120) - 1.980) < 0.002 and t975(10_000) > 1.959
+
+
+def test_correct_tokens_per_token_get_their_own_accuracy_interval() -> None:
+    # Prepare: next-word reports count correct tokens and tokens (windows are the weight)
+    rng = np.random.default_rng(4)
+    reports = []
+    for _ in range(40):
+        tokens = float(rng.integers(50, 400))
+        reports.append(
+            {
+                "correct_tokens_sum": float(rng.binomial(int(tokens), 0.12)),
+                "tokens_sum": tokens,
+                "loss_sum": 3.0,
+                "weight_sum": 10.0,
+            }
+        )
+    metrics = round_sums(reports)
+
+    # Execute
+    found = intervals(metrics, floor=5)
+
+    # Assert: correct tokens over tokens, not over windows
+    accuracy = metrics["correct_tokens_sum"] / metrics["tokens_sum"]
+    assert found["tokens_accuracy_low"] < accuracy < found["tokens_accuracy_high"] < 0.25
