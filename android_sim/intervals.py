@@ -7,7 +7,7 @@ serve several figures over the same devices, which makes their differences paire
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -69,3 +69,25 @@ def per_device_sums_interval(
     weights = np.array([s.get("weight_sum", 0.0) for s in sums])
     rows = resample_rows(len(sums), np.random.default_rng(seed))
     return bootstrap_ratio(numerators, weights, rows, np.sqrt if root else lambda x: x)
+
+
+def metric_intervals(per_device: Sequence[Mapping[str, float]], seed: int = 0) -> dict[str, float]:
+    """`<name>_low` and `<name>_high` for each example-weighted mean of the devices' evaluation
+    sums (`<name>_sum` over `weight_sum`; `rmse` from `squared_error`, `accuracy` from
+    `correct`), by one bootstrap over the devices; nothing for fewer than two devices."""
+    kept = [d for d in per_device if d.get("weight_sum", 0.0) > 0]
+    if len(kept) < 2:
+        return {}
+    rows = resample_rows(len(kept), np.random.default_rng(seed))
+    weights = np.array([d["weight_sum"] for d in kept])
+    out: dict[str, float] = {}
+    for key in sorted({k for d in kept for k in d if k.endswith("_sum") and k != "weight_sum"}):
+        name = key.removesuffix("_sum")
+        found = bootstrap_ratio(np.array([d.get(key, 0.0) for d in kept]), weights, rows)
+        out[f"{name}_low"], out[f"{name}_high"] = found.low, found.high
+        if name == "squared_error":
+            rmse = bootstrap_ratio(np.array([d.get(key, 0.0) for d in kept]), weights, rows, np.sqrt)
+            out["rmse_low"], out["rmse_high"] = rmse.low, rmse.high
+        if name == "correct":
+            out["accuracy_low"], out["accuracy_high"] = found.low, found.high
+    return out

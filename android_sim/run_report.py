@@ -172,8 +172,8 @@ def report_header(config: RunConfig, status: dict[str, Any], fleet: Fleet, evalu
     }
 
 
-def _with_interval(final: dict[str, float], name: str) -> str:
-    """`accuracy 0.9081 [0.8990, 0.9172]`: the server's interval when it released one."""
+def with_interval(final: dict[str, float], name: str) -> str:
+    """`accuracy 0.9081 [0.8990, 0.9172]`, or the bare figure when there is no interval."""
     low, high = final.get(f"{name}_low"), final.get(f"{name}_high")
     interval = f" [{low:.4f}, {high:.4f}]" if low is not None and high is not None else ""
     return f"{name} {final[name]:.4f}{interval}"
@@ -212,7 +212,7 @@ def _print_summary(
     if workload.report is not None:
         workload.report.print(result.summary, console)
     elif final:
-        shown = ", ".join(_with_interval(final, k) for k in shown_metrics(workload.manifest) if k in final)
+        shown = ", ".join(with_interval(final, k) for k in shown_metrics(workload.manifest) if k in final)
         name = _evaluation_name(config, workload.manifest)
         groups = final.get("interval_groups")
         spread = (

@@ -22,10 +22,11 @@ from android_sim import report
 from android_sim.algorithm import algorithm_task, optimizer_over
 from android_sim.bench.federated import Rounds
 from android_sim.bench.protocol import PROTOCOL_SEED
+from android_sim.intervals import INTERVAL
 from android_sim.options import algorithm, algorithm_arguments, model_arguments, parse_model_args
 from android_sim.run import load_workload
 from android_sim.run_config import DEFAULT_RATINGS, RunConfig
-from android_sim.run_report import model_summary, primary_metric, shown_metrics
+from android_sim.run_report import model_summary, primary_metric, shown_metrics, with_interval
 from android_sim.simulation import SimulationOptions, simulate
 from android_sim.workload import Workload, newest_first
 from contracts.task_config import SplitPolicy, TaskConfig
@@ -184,12 +185,13 @@ def main(args: argparse.Namespace, console: Console | None = None) -> dict[str, 
     (out / "simulation.json").write_text(json.dumps(body, indent=2) + "\n")
     report.plot_learning_curve(out / "learning_curve.png", result.curve, metric, "validation devices")
     names = shown_metrics(workload.manifest)
-    held = ", ".join(f"{k} {result.held_out[k]:.4f}" for k in names if k in result.held_out)
+    held = ", ".join(with_interval(result.held_out, k) for k in names if k in result.held_out)
     console.print(
-        f"{result.seconds:.1f} s; held-out devices ({result.held_out['devices']}), ReconEval: {held}"
+        f"{result.seconds:.1f} s; held-out devices ({result.held_out['devices']}), ReconEval: {held} "
+        f"[{INTERVAL}]"
     )
     if result.seen is not None:
-        seen = ", ".join(f"{k} {result.seen[k]:.4f}" for k in names if k in result.seen)
+        seen = ", ".join(with_interval(result.seen, k) for k in names if k in result.seen)
         console.print(f"seen devices' newest 10%, StandardEval with their kept locals: {seen}")
     console.print(f"report: {out / 'simulation.json'}; curve: {out / 'learning_curve.png'}")
     return body

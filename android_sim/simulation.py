@@ -43,6 +43,7 @@ from android_sim.bench.federated import (
     train_federated,
 )
 from android_sim.bench.protocol import PROTOCOL_SEED, UserSplit, split_users, time_split
+from android_sim.intervals import metric_intervals
 from contracts.features import Examples
 from contracts.manifest import Manifest
 from contracts.params import Params
@@ -266,6 +267,12 @@ def simulation_clients(
     return LocalClients(pool, client_works(dict(enumerate(devices)), pool.manifest, options.task))
 
 
+def _with_intervals(per_device: Sequence[EvaluationSums]) -> dict[str, float]:
+    """The devices' example-weighted metrics, each with its 95% interval over the devices."""
+    total = sum(per_device, EvaluationSums.zero())
+    return {**total.metrics(), **metric_intervals([d.as_dict() for d in per_device])}
+
+
 def simulate(
     model_dir: Path,
     devices: Sequence[Examples],
@@ -301,10 +308,10 @@ def simulate(
         train: WorkKind = "train"
         run = train_federated(pool, server, split.train, train, options.rounds, validate)
         pool.set_global(run.params)
-        test = pool.evaluate("evaluation", split.test).metrics()
+        test = _with_intervals(pool.map("evaluation", split.test))
         seen: dict[str, float] | None = None
         if options.stateful:
-            seen = {**pool.evaluate("seen", split.train).metrics(), "devices": len(split.train)}
+            seen = {**_with_intervals(pool.map("seen", split.train)), "devices": len(split.train)}
     finally:
         pool.close()
     return SimulationResult(

@@ -76,7 +76,12 @@ def test_simulate_trains_a_users_model_on_its_table(genre_rating_model: Path, tm
     assert written["devices"] == {"training": 48, "validation": 6, "held_out": 6}
     assert [p["round"] for p in curve] == [0, 10, 20, 30]
     assert curve[-1]["rmse"] < 0.8 * curve[0]["rmse"]  # the rounds learned the users' tastes
-    assert written["held_out"]["devices"] == 6 and np.isfinite(written["held_out"]["rmse"])
+    held = written["held_out"]
+    assert held["devices"] == 6 and np.isfinite(held["rmse"])
+    # Each figure with its interval over the held-out devices, printed beside it
+    assert held["rmse_low"] <= held["rmse"] <= held["rmse_high"] and held["rmse_low"] < held["rmse_high"]
+    printed = " ".join((tmp_path / "log.txt").read_text().split())
+    assert f"rmse {held['rmse']:.4f} [{held['rmse_low']:.4f}, {held['rmse_high']:.4f}]" in printed
     assert written["seen"] is None  # FedRecon: no kept locals to evaluate
     assert (tmp_path / "out" / "learning_curve.png").stat().st_size > 0
 
@@ -107,6 +112,7 @@ def test_simulate_with_kept_locals_evaluates_seen_devices_too(
 
     assert report["options"]["task_config"]["local_state"] == "keep"
     assert report["seen"]["devices"] == 24 and np.isfinite(report["seen"]["rmse"])
+    assert report["seen"]["rmse_low"] <= report["seen"]["rmse"] <= report["seen"]["rmse_high"]
     assert np.isfinite(report["held_out"]["rmse"])
 
 
