@@ -127,8 +127,11 @@ def metric(series: Series) -> Markup:
     points = [p for p in (*series.training, *series.evaluation) if math.isfinite(p[1])]
     if not points:
         return _svg([_text(WIDTH / 2, HEIGHT / 2, "no values", "middle")], label)
+    bounds = [p[1] for p in points] + [
+        b for pair in series.intervals.values() for b in pair if math.isfinite(b)
+    ]
     x_low, x_high = _scale(min(p[0] for p in points), max(p[0] for p in points))
-    y_low, y_high = _scale(min(p[1] for p in points), max(p[1] for p in points))
+    y_low, y_high = _scale(min(bounds), max(bounds))
     plot_w, plot_h = WIDTH - 2 * PAD - 30, HEIGHT - 2 * PAD
     left = PAD + 30
 
@@ -159,6 +162,15 @@ def metric(series: Series) -> Markup:
         body.append(f'<polyline points="{path}" fill="none" stroke="{color}" stroke-width="2"/>')
         for (v, y), (cx, cy) in zip(finite, coords, strict=True):
             tip = f"{kind}, version {v}: {series.name} = {y:.4g}"
+            interval = series.intervals.get(v) if kind == "evaluation" else None
+            if interval is not None:  # the evaluation's 95% interval as a whisker
+                _, top = xy(v, interval[1])
+                _, bottom = xy(v, interval[0])
+                body.append(
+                    f'<line x1="{cx:.1f}" y1="{top:.1f}" x2="{cx:.1f}" y2="{bottom:.1f}" '
+                    f'stroke="{color}" stroke-width="1.5"/>'
+                )
+                tip += f" [95% interval {interval[0]:.4g}, {interval[1]:.4g}]"
             body.append(
                 f'<circle cx="{cx:.1f}" cy="{cy:.1f}" r="3" fill="{color}">'
                 f"<title>{escape(tip)}</title></circle>"

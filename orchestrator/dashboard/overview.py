@@ -28,6 +28,8 @@ class Series:
     name: str
     training: list[tuple[int, float]] = field(default_factory=list)
     evaluation: list[tuple[int, float]] = field(default_factory=list)
+    # An evaluation round's 95% interval (`evaluation_intervals`), by the version it evaluated.
+    intervals: dict[int, tuple[float, float]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -114,4 +116,7 @@ def metric_series(rounds: list[RoundView]) -> list[Series]:
             if _shown_metric(name):
                 series = by_name.setdefault(name, Series(name))
                 (series.training if r.kind == "training" else series.evaluation).append((version, value))
+                low, high = r.metrics.get(f"{name}_low"), r.metrics.get(f"{name}_high")
+                if r.kind != "training" and low is not None and high is not None:
+                    series.intervals[version] = (low, high)
     return [by_name[name] for name in sorted(by_name, key=_order)][:MAX_METRIC_CHARTS]

@@ -14,7 +14,7 @@ import pytest
 
 from contracts.protocol import RoundView
 from model_export.config import ModelConfig
-from orchestrator.dashboard import charts, sessions
+from orchestrator.dashboard import charts, overview, sessions
 from tests.conftest import BIASED
 from tests.orchestrator.conftest import ADMIN_TOKEN, Server, admin_create_population
 
@@ -216,3 +216,35 @@ def test_chart_text_from_the_database_is_escaped() -> None:
     svg = str(charts.rounds_over_time([hostile], now=2.0))
 
     assert "<script>" not in svg and "&lt;script&gt;" in svg
+
+
+def test_an_evaluation_rounds_interval_is_drawn_as_a_whisker_on_its_point() -> None:
+    # Prepare: a committed evaluation round of version 3 whose accuracy has an interval
+    evaluated = RoundView(
+        id=9,
+        kind="evaluation",
+        status="committed",
+        base_version=3,
+        result_version=None,
+        target=40,
+        capacity=60,
+        min_reports=5,
+        opened_at=0.0,
+        deadline=10.0,
+        closed_at=5.0,
+        counters={"reported": 40},
+        total_weight=400.0,
+        metrics={"accuracy": 0.87, "accuracy_low": 0.84, "accuracy_high": 0.9, "interval_groups": 8.0},
+        close_reason="40 reports reached the target 40",
+        stopped_phase=None,
+        ended_by=None,
+    )
+
+    # Execute
+    series = {s.name: s for s in overview.metric_series([evaluated])}
+    svg = str(charts.metric(series["accuracy"]))
+
+    # Assert: one chart for the accuracy (none for its bounds), its point with a whisker and the
+    # interval in its tooltip
+    assert set(series) == {"accuracy"} and series["accuracy"].intervals == {3: (0.84, 0.9)}
+    assert "[95% interval 0.84, 0.9]" in svg and svg.count("<line") == 3  # two axes and the whisker
