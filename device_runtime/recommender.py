@@ -252,8 +252,8 @@ class Recommender(PersonalModel):
         bagging: Bagging | None = None,
     ) -> None:
         """`bagging`: rank by several reconstructions on resamples of the examples (`Bagging`);
-        None (the default): by the one reconstruction. A device serving kept locals (FURL, once
-        trained) ranks with them either way."""
+        None (the default): as the task config's `serving_resamples` says (0: by the one
+        reconstruction). A device serving kept locals (FURL, once trained) ranks with them."""
         task = model.manifest.task
         if task.kind != "ranking" or task.catalog_feature is None:
             raise WrongTask(
@@ -263,6 +263,9 @@ class Recommender(PersonalModel):
         self.catalog = task.catalog_feature
         self._members: tuple[str, list[Params]] | None = None
         super().__init__(model, store, global_params, config, global_version=global_version, kept=kept)
+        if bagging is None and self.config.serving_resamples:
+            # The task config's serving: the reconstruction from every example and the resamples'.
+            bagging = Bagging(members=1 + self.config.serving_resamples, include_full=True)
         self.bagging = bagging
 
     def _used_items(self, revision: int) -> np.ndarray:

@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from contracts.task_config import TaskConfig
 from device_runtime.example_store import Event, ExampleStore
 from device_runtime.recommender import Bagging, Recommender, average_members
 from model_export.config import ModelConfig
@@ -141,3 +142,28 @@ def test_settings_round_trip() -> None:
     bagging = Bagging(members=16, resample=False, include_full=True, average="scores", seed=3)
     assert Bagging.from_json(bagging.to_json()) == bagging
     assert Bagging.from_json({}) == Bagging()
+
+
+def test_the_task_configs_serving_resamples_bag_the_full_reconstruction_and_the_resamples(setup) -> None:  # type: ignore[no-untyped-def]
+    model, store, globals_ = setup
+    plain = Recommender(model, store, globals_, TaskConfig()).recommend(10)
+    assert plain.local_params == "reconstructed"
+    recommender = Recommender(model, store, globals_, TaskConfig(serving_resamples=3))
+    bagged = recommender.recommend(10)
+
+    assert bagged.local_params == "bagged"
+    assert recommender.bagging == Bagging(members=4, include_full=True)
+    # The first member is the plain reconstruction (its support, negatives and all); then 3 resamples.
+    assert len(model.supports) == 1 + 4
+    np.testing.assert_array_equal(model.supports[1].features["item"], model.supports[0].features["item"])
+    same = Bagging(members=4, include_full=True)
+    explicit = Recommender(model, store, globals_, TaskConfig(), bagging=same).recommend(10)
+    assert bagged.items.tolist() == explicit.items.tolist()
+
+
+@pytest.mark.parametrize("bad", [-1, 64, 2.0, True])
+def test_a_bad_serving_resamples_is_refused_in_one_line(bad: object) -> None:
+    with pytest.raises(ValueError, match="serving_resamples must be") as raised:
+        TaskConfig.from_json({"serving_resamples": bad})
+    assert "\n" not in str(raised.value)
+    assert TaskConfig.from_json(TaskConfig(serving_resamples=7).to_json()).serving_resamples == 7
