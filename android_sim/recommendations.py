@@ -204,6 +204,7 @@ def score_held_out(
                     "recent": history[:5].tolist(),
                     "next": nxt.tolist(),
                     "personalized": top.items.tolist(),
+                    "local_params": top.local_params,  # "bagged" with the task's serving_resamples
                     "global": global_top.tolist(),
                 }
             )
