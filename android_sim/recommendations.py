@@ -26,7 +26,7 @@ from contracts.params import Params, decode_params
 from contracts.task_config import TaskConfig
 from device_runtime.example_store import ExampleStore
 from device_runtime.local_state import LocalStateStore
-from device_runtime.recommender import Recommender, cold_start_scores
+from device_runtime.recommender import Bagging, Recommender, cold_start_scores
 from model_runtime.tflite_model import TFLiteModel
 
 if TYPE_CHECKING:
@@ -166,9 +166,10 @@ def score_held_out(
     training: list[int],
     show: int,
     task: TaskConfig,
+    bagging: Bagging | None = None,
 ) -> tuple[HitRates | None, list[dict[str, Any]]]:
     """Each held-out device's top-10s (its own, on the device, with `params` and the population's
-    `task`; the baselines'; the
+    `task`, ranked by a bagged reconstruction with `bagging`; the baselines'; the
     ceilings' when the data has ground truth) scored against its kept-aside shares `future`;
     and the first `show` devices' tables to print."""
     global_top = popularity_top(model, params)
@@ -180,7 +181,7 @@ def score_held_out(
     for device in held_out:
         coming = future.get(device.index)
         with ExampleStore(device.store_path) as store:
-            recommender = Recommender(model, store, params, task, global_version=version)
+            recommender = Recommender(model, store, params, task, global_version=version, bagging=bagging)
             newest = store.examples()
             # Expressions are re-shared, so keep what the user already used; ratings are not.
             context = context_of(model, coming if coming is not None else newest)
@@ -203,6 +204,7 @@ def score_held_out(
                     "recent": history[:5].tolist(),
                     "next": nxt.tolist(),
                     "personalized": top.items.tolist(),
+                    "local_params": top.local_params,  # "bagged" with the task's serving_resamples
                     "global": global_top.tolist(),
                 }
             )

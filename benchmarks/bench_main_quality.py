@@ -10,14 +10,18 @@ a round), `"seed"` (the data's, the held-out draw's and the client sampling's; 0
 (task config fields the held-out devices reconstruct with, over the population's task config,
 which a device serves with), `"serve_model"` (model config fields of the export the held-out
 devices reconstruct and rank with, over the trained one's: the same parameters, e.g. another
-`history_start`; a serving-only trial of a model change), `"uniform"` (every report weighs the
+`history_start`; a serving-only trial of a model change), `"serve_bagging"` (the held-out devices
+rank by a bagged reconstruction: `device_runtime.recommender.Bagging`'s fields, e.g.
+`{"members": 8}`), `"uniform"` (every report weighs the
 same, as under secure aggregation or DP) and `"secure"` (secure aggregation's arithmetic:
 deltas clipped to this L2 norm, quantized to 32 bits, summed and dequantized, uniform weights;
 the main job's `--aggregation secure` clips to 10). Prints one line per configuration:
 FedRecon's expected hit rate@10 with its 95% interval, its hit rate over the newest shares, by
-history size, the ceilings on the same held-out devices, and
+history size, the ceilings on the same held-out devices, the serving cost (the wall time of the
+held-out devices' `recommend`, reconstruction included, in all and a device), and
 after a seed's first configuration FedRecon's paired difference from it (same devices), over
-every device and per history size. This is how
+every device and per history size. Configurations that differ only in the serving keys
+(`"serve"`, `"serve_model"`, `"serve_bagging"`) share one training. This is how
 the main job's defaults were tuned (docs/benchmarks.md, "Quality: the main job's held-out devices");
 the fleet adds device availability, dropouts and staleness, so confirm a change with `./dev main`.
 """
@@ -29,6 +33,7 @@ import json
 import math
 import sys
 import tempfile
+import time
 from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
@@ -39,6 +44,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from android_sim import recommendations  # noqa: E402
 from android_sim.algorithm import optimizer_over  # noqa: E402
 from android_sim.bench.federated import Rounds, Server  # noqa: E402
 from android_sim.bench.protocol import UserSplit  # noqa: E402
@@ -56,12 +62,44 @@ from contracts.manifest import Manifest  # noqa: E402
 from contracts.params import Params  # noqa: E402
 from contracts.task_config import TaskConfig  # noqa: E402
 from device_runtime.examples_table import store_path  # noqa: E402
+from device_runtime.recommender import Bagging, Recommendation, Recommender  # noqa: E402
 from model_runtime.tflite_model import TFLiteModel  # noqa: E402
 from orchestrator.aggregation import ServerOptimizerConfig  # noqa: E402
 from secure_aggregation.quantization import Layout  # noqa: E402
 
+# The keys that change only how the held-out devices serve: configurations that differ in these
+# alone share one training (the rounds are deterministic: the same spec trains the same globals).
+SERVING_KEYS = ("serve", "serve_model", "serve_bagging")
 
-def run(spec: dict[str, Any], work: Path) -> HitRates:
+
+class TimedRecommender(Recommender):
+    """The held-out devices' `Recommender`, adding up the wall time of their `recommend` calls
+    (reconstruction or reconstructions, and ranking): the serving cost."""
+
+    seconds = 0.0
+    calls = 0
+
+    def recommend(self, *args: Any, **kwargs: Any) -> Recommendation:
+        started = time.perf_counter()
+        try:
+            return super().recommend(*args, **kwargs)
+        finally:
+            TimedRecommender.seconds += time.perf_counter() - started
+            TimedRecommender.calls += 1
+
+
+setattr(recommendations, "Recommender", TimedRecommender)  # noqa: B010 (the held-out devices use it)
+
+
+def run(spec: dict[str, Any], work: Path, trained: dict[str, SimpleNamespace]) -> HitRates:
+    """`spec`'s hit rates; `trained`: the trainings so far, by their spec without the serving keys."""
+    key = json.dumps({k: v for k, v in spec.items() if k not in SERVING_KEYS}, sort_keys=True)
+    if key not in trained:
+        trained[key] = train(spec, work)
+    return serve(spec, work, trained[key])
+
+
+def train(spec: dict[str, Any], work: Path) -> SimpleNamespace:
     seed, rounds, clients = spec.get("seed", 0), spec.get("rounds", 60), spec.get("clients", 40)
     config = RunConfig(
         work_dir=work, seed=seed, task=spec.get("task", {}), server_optimizer=spec.get("server", {})
@@ -107,22 +145,44 @@ def run(spec: dict[str, Any], work: Path) -> HitRates:
     options = SimulationOptions(Rounds(rounds, clients, rounds, seed), task, server, workers=2)
     split = UserSplit(eligible, held[:10], held)
     result = simulate(model_dir, devices, options, make_server, split)
+    return SimpleNamespace(
+        seed=seed, tag=tag, model=model, model_dir=model_dir, workload=workload, task=task, held=held,
+        stored=stored, future=future, training=training, params=result.params,
+    )  # fmt: skip
+
+
+def serve(spec: dict[str, Any], work: Path, trained: SimpleNamespace) -> HitRates:
+    """The held-out devices' hit rates with `trained`'s globals, served as `spec` says."""
     fleet = []
-    for i in held:
-        path = store_path(work / "stores" / f"{tag}-{seed}", stored[i].device_id)
+    for i in trained.held:
+        # A new store each time: no device serves from a cache another configuration left.
+        path = store_path(work / "stores" / f"{trained.tag}-{trained.seed}", trained.stored[i].device_id)
         path.parent.mkdir(parents=True, exist_ok=True)
-        write_store(path, stored[i], workload)
-        fleet.append(SimpleNamespace(index=i, store_path=path, num_examples=stored[i].examples.num_examples))
+        write_store(path, trained.stored[i], trained.workload)
+        fleet.append(
+            SimpleNamespace(index=i, store_path=path, num_examples=trained.stored[i].examples.num_examples)
+        )
     # Held-out devices serve with the population's task config, as the main job's do; "serve"
     # overrides fields of it (a serving-only trial).
-    serve = TaskConfig.from_json({**task.to_json(), **spec.get("serve", {})})
-    serving_dir = model_dir
+    task = TaskConfig.from_json({**trained.task.to_json(), **spec.get("serve", {})})
+    serving_dir = trained.model_dir
     if "serve_model" in spec:
-        serving = replace(model, **spec["serve_model"])
+        serving = replace(trained.model, **spec["serve_model"])
         serving_tag = hashlib.sha256(json.dumps(serving.to_json(), sort_keys=True).encode()).hexdigest()[:12]
         serving_dir = export(serving, work / "models" / serving_tag)
+    bagging = Bagging.from_json(spec["serve_bagging"]) if "serve_bagging" in spec else None
+    TimedRecommender.seconds, TimedRecommender.calls = 0.0, 0
     found, _ = score_held_out(
-        TFLiteModel(serving_dir), result.params, "final", fleet, future, workload, training, 0, serve
+        TFLiteModel(serving_dir),
+        trained.params,
+        "final",
+        fleet,
+        trained.future,
+        trained.workload,
+        trained.training,
+        0,
+        task,
+        bagging,
     )
     assert found is not None
     return found
@@ -148,9 +208,11 @@ def line(spec: dict[str, Any], found: HitRates) -> str:
         f"{m} {methods[m].expected.value:.1%}"  # type: ignore[union-attr]
         for m in ("most_shared", "topic_rule", "central_mf", "oracle")
     )
+    per_device = 1000 * TimedRecommender.seconds / max(TimedRecommender.calls, 1)
     return (
         f"{json.dumps(spec)}: FedRecon expected {mine.expected}, newest {mine.newest}; "
-        f"by history {by_size}; {ceilings}"
+        f"by history {by_size}; {ceilings}; serving {TimedRecommender.seconds:.2f} s "
+        f"({per_device:.1f} ms a device)"
     )
 
 
@@ -187,10 +249,16 @@ def paired_text(first: dict[int, float], other: dict[int, float], buckets: dict[
 
 def main() -> None:
     specs = [json.loads(a) for a in sys.argv[1:]] or [{}]
+    for spec in specs:  # a bad serving setting is refused before any training
+        try:
+            Bagging.from_json(spec.get("serve_bagging", {}))
+        except ValueError as e:
+            sys.exit(f"bench_main_quality: {e}")
     baseline: dict[int, dict[int, float]] = {}  # the first configuration of each seed
+    trained: dict[str, SimpleNamespace] = {}
     with tempfile.TemporaryDirectory() as work:
         for spec in specs:
-            found = run(spec, Path(work))
+            found = run(spec, Path(work), trained)
             text = line(spec, found)
             seed, mine = int(spec.get("seed", 0)), per_device_expected(found)
             if seed in baseline:

@@ -42,6 +42,7 @@ TASK_CONFIG_MAXIMA: dict[str, int | float] = {
     "l2_local": 1_000.0,
     "negatives_per_positive": 100,
     "reconstruction_negatives": 100,
+    "serving_resamples": 63,  # 64 reconstructions to rank by: about 64 times one's cost
     # exp(10 x bias): a bias spread of 2 already makes the likeliest item e^20 times likelier.
     "negative_popularity": 10.0,
 }
@@ -85,6 +86,10 @@ class TaskConfig:
     # Implicit feedback: the negatives per share that reconstruction (the support set, and serving)
     # fits the locals against; None: negatives_per_positive, as the update.
     reconstruction_negatives: int | None = None
+    # A ranking model, when a device serves: the reconstructions on bootstrap resamples of its
+    # examples (drawn with replacement, as many) added to the one from every example; it ranks by
+    # their softmax probabilities over the catalog, averaged. 0: the one reconstruction.
+    serving_resamples: int = 0
     # Implicit feedback: negatives drawn in proportion to exp(this x the model's popularity global,
     # e.g. item biases), and ranking adds this x popularity back (logQ correction); 0: uniform.
     negative_popularity: float = 0.0

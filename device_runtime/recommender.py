@@ -15,7 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 import numpy as np
@@ -33,6 +33,7 @@ from model_runtime.support_query import (
     negative_weights,
     not_negatives,
     num_steps,
+    shares,
     support_negatives,
 )
 from model_runtime.task_batches import TaskBatches, split_batches
@@ -47,7 +48,8 @@ class Recommendation:
     scores: np.ndarray
     source: str  # "personalized" | "popularity" | "unavailable"
     message: str = ""
-    local_params: str = ""  # personalized from "kept" (FURL), "reconstructed" or "no" local parameters
+    # personalized from "kept" (FURL), "reconstructed", "bagged" (`Bagging`) or "no" local parameters
+    local_params: str = ""
 
 
 def params_fingerprint(params: Params) -> str:
@@ -56,6 +58,74 @@ def params_fingerprint(params: Params) -> str:
         digest.update(name.encode())
         digest.update(np.ascontiguousarray(params[name]).data)  # the buffer itself, no 4 MB copy
     return digest.hexdigest()
+
+
+AVERAGES = ("probabilities", "scores")
+MAX_MEMBERS = 64
+
+
+@dataclass(frozen=True)
+class Bagging:
+    """Serving from several reconstructions (a bagged, bootstrap reconstruction): the user's
+    locals are reconstructed `members` times, each on a bootstrap resample of the device's own
+    examples (drawn with replacement, as many as there are; `resample` false: the examples
+    themselves, each member with its own negatives), and the catalog is ranked by the average of
+    the members' softmax probabilities over the catalog (`average` "scores": of their scores).
+    `include_full`: the first member is the plain reconstruction from every example (so one
+    member with it is plain serving). The draws are seeded by `seed` and the store's revision,
+    as the plain reconstruction's negatives are by the revision: the same store ranks the same."""
+
+    members: int = 8
+    resample: bool = True
+    include_full: bool = False
+    average: str = "probabilities"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        problems = []
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.type == "bool" and not isinstance(value, bool):
+                problems.append(f"{f.name} must be true or false, got {value!r}")
+            elif f.type == "int" and (isinstance(value, bool) or not isinstance(value, int)):
+                problems.append(f"{f.name} must be an integer, got {value!r}")
+        if not problems:
+            if not 1 <= self.members <= MAX_MEMBERS:
+                problems.append(f"members must be in [1, {MAX_MEMBERS}], got {self.members}")
+            if not 0 <= self.seed < 2**32:
+                problems.append(f"seed must be in [0, 2**32), got {self.seed}")
+        if self.average not in AVERAGES:
+            problems.append(f"average must be one of {list(AVERAGES)}, got {self.average!r}")
+        if problems:
+            raise ValueError("invalid serving bagging: " + "; ".join(problems))
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Bagging:
+        if not isinstance(data, Mapping):
+            raise ValueError(f"serving bagging must be a JSON object, got {type(data).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = set(data) - known
+        if unknown:
+            raise ValueError(f"unknown serving bagging fields {sorted(unknown)}; known: {sorted(known)}")
+        return cls(**data)
+
+
+def average_members(member_scores: list[np.ndarray], average: str) -> np.ndarray:
+    """One ranking from the members' scores over the catalog: the log of the mean of their softmax
+    probabilities ("probabilities"), or the mean of the scores themselves ("scores")."""
+    stacked = np.stack([np.asarray(s, np.float64) for s in member_scores])
+    if average == "scores":
+        mean: np.ndarray = stacked.mean(axis=0)
+        return mean
+    shifted = stacked - stacked.max(axis=1, keepdims=True)
+    probabilities = np.exp(shifted)
+    probabilities /= probabilities.sum(axis=1, keepdims=True)
+    with np.errstate(divide="ignore"):
+        logged: np.ndarray = np.log(probabilities.mean(axis=0))
+    return logged
 
 
 class WrongTask(ValueError):
@@ -125,17 +195,26 @@ class PersonalModel:
                 self.model.set_local(cached)
                 self._loaded_key = key
                 return "reconstructed"
+        examples, _ = select_examples(self.store, self.model.manifest, self.config)
+        # Seeded by the revision, so a cached reconstruction is the one this store would give again.
+        local = self._reconstructed(examples, np.random.default_rng(revision), not_negatives(self.config))
+        # One row holds the key and the tensors, so they can never disagree.
+        self.store.save_local_state(_CACHE_KEY, key.encode() + b"\n" + encode_params(local))
+        self._loaded_key = key
+        return "reconstructed"
+
+    def _reconstructed(
+        self, examples: Examples, rng: np.random.Generator, also_shared: np.ndarray | None
+    ) -> Params:
+        """The locals reconstructed from `examples` (the model's `reconstruct`), with the task's
+        support negatives drawn by `rng` (never one of `also_shared`); leaves the interpreter
+        holding them."""
         manifest = self.model.manifest
-        examples, _ = select_examples(self.store, manifest, self.config)
         negatives = support_negatives(self.config)
         if manifest.task.negative_sampling and negatives:
             # Reconstruct as training does: from shares alone every item looks liked, and the user
-            # vector drifts toward whatever is popular. Seeded by the revision, so a cached
-            # reconstruction is the one this store would give again.
-            rng = np.random.default_rng(revision)
-            examples = add_negatives(
-                examples, manifest, negatives, rng, not_negatives(self.config), self._negative_weights
-            )
+            # vector drifts toward whatever is popular.
+            examples = add_negatives(examples, manifest, negatives, rng, also_shared, self._negative_weights)
         batches = split_batches(examples, manifest.batch_size)[: manifest.max_batches]
         support = TaskBatches.pack(batches, manifest)
         self.model.reset_local()
@@ -143,11 +222,10 @@ class PersonalModel:
             support.num_batches, self.config.reconstruction_max_epochs, self.config.reconstruction_max_steps
         )
         self.model.reconstruct(support, steps, self.config.reconstruction_learning_rate, self.config.l2_local)
-        local = self.model.get_local()
-        # One row holds the key and the tensors, so they can never disagree.
-        self.store.save_local_state(_CACHE_KEY, key.encode() + b"\n" + encode_params(local))
-        self._loaded_key = key
-        return "reconstructed"
+        return self.model.get_local()
+
+    def _serves_kept(self) -> bool:
+        return self.kept is not None and self.kept.load(self.model).trained
 
     def _decode_cache(self, blob: bytes, key: str) -> Params | None:
         stored_key, _, tensors = blob.partition(b"\n")
@@ -171,7 +249,11 @@ class Recommender(PersonalModel):
         *,
         global_version: str | None = None,
         kept: LocalStateStore | None = None,
+        bagging: Bagging | None = None,
     ) -> None:
+        """`bagging`: rank by several reconstructions on resamples of the examples (`Bagging`);
+        None (the default): as the task config's `serving_resamples` says (0: by the one
+        reconstruction). A device serving kept locals (FURL, once trained) ranks with them."""
         task = model.manifest.task
         if task.kind != "ranking" or task.catalog_feature is None:
             raise WrongTask(
@@ -179,7 +261,12 @@ class Recommender(PersonalModel):
                 "(its predictions come from `predict`)"
             )
         self.catalog = task.catalog_feature
+        self._members: tuple[str, list[Params]] | None = None
         super().__init__(model, store, global_params, config, global_version=global_version, kept=kept)
+        if bagging is None and self.config.serving_resamples:
+            # The task config's serving: the reconstruction from every example and the resamples'.
+            bagging = Bagging(members=1 + self.config.serving_resamples, include_full=True)
+        self.bagging = bagging
 
     def _used_items(self, revision: int) -> np.ndarray:
         if self._used is None or self._used[0] != revision:
@@ -211,6 +298,14 @@ class Recommender(PersonalModel):
             mask[used[(used >= 0) & (used < n)]] = True
         if self.store.count() == 0:
             return self._popularity(k, mask, values)
+        if self.bagging is not None and self.model.manifest.local_params and not self._serves_kept():
+            logits = self._bagged_scores(self.bagging, revision, values)
+            scores_all = np.where(mask, -np.inf, logits)
+            items = np.argsort(-scores_all, kind="stable")[:k].astype(np.int32)
+            keep = ~mask[items]
+            return Recommendation(
+                items[keep], scores_all[items][keep].astype(np.float32), "personalized", local_params="bagged"
+            )
         local_params = self._ensure_local(revision)
         if k <= self.model.manifest.task.top_k and self._correction is None:
             ranking = self.model.infer(mask, values)
@@ -226,6 +321,41 @@ class Recommender(PersonalModel):
             scores = scores_all[items]
         keep = ~mask[items]  # fewer than k items left after exclusions
         return Recommendation(items[keep], scores[keep], "personalized", local_params=local_params)
+
+    def _bagged_scores(self, bagging: Bagging, revision: int, context: dict[str, np.ndarray]) -> np.ndarray:
+        """The members' scores over the catalog (logQ-corrected as plain serving's), averaged."""
+        members = self._bagged_locals(bagging, revision)
+        scores = []
+        for local in members:
+            self.model.set_local(local)
+            logits = self.model.infer(context=context).scores
+            scores.append(logits if self._correction is None else logits + self._correction)
+        self._loaded_key = None  # the interpreter holds the last member's locals, not the cached ones
+        return average_members(scores, bagging.average)
+
+    def _bagged_locals(self, bagging: Bagging, revision: int) -> list[Params]:
+        """The members' locals for this store revision and these globals (kept in memory)."""
+        key = json.dumps([self._cache_key(revision), bagging.to_json()])
+        if self._members is not None and self._members[0] == key:
+            return self._members[1]
+        manifest = self.model.manifest
+        examples, _ = select_examples(self.store, manifest, self.config)
+        members = []
+        if bagging.include_full:
+            members.append(
+                self._reconstructed(examples, np.random.default_rng(revision), not_negatives(self.config))
+            )
+        # A resample leaves some shares out: they are still the user's, never its negatives.
+        also_shared = not_negatives(
+            self.config, shares(examples, manifest) if manifest.task.negative_sampling else None
+        )
+        n = examples.num_examples
+        for m in range(len(members), bagging.members):
+            rng = np.random.default_rng([bagging.seed, revision, m])
+            picked = examples.select(rng.integers(0, n, n)) if bagging.resample else examples
+            members.append(self._reconstructed(picked, rng, also_shared))
+        self._members = (key, members)
+        return members
 
     def _popularity(self, k: int, mask: np.ndarray, context: dict[str, np.ndarray]) -> Recommendation:
         """No examples yet: rank as the model does for a user it knows nothing about, i.e. its scores

@@ -24,3 +24,24 @@ def test_the_load_benchmark_refuses_process_counts_it_cannot_start(workers: str)
     assert done.returncode == 2
     assert "expected process counts from 1 to 64 separated by commas" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_the_main_quality_benchmark_refuses_a_bad_serving_bagging_before_training() -> None:
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "bench_main_quality.py"),
+            "{}",
+            '{"serve_bagging": {"members": 0}}',
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
+
+    assert done.returncode == 1
+    assert done.stderr.strip().splitlines()[-1] == (
+        "bench_main_quality: invalid serving bagging: members must be in [1, 64], got 0"
+    )
+    assert "Traceback" not in done.stderr
