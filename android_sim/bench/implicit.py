@@ -174,11 +174,17 @@ def score(ranked: Sequence[np.ndarray], held_out: Sequence[int]) -> TopK:
 
 
 def lift(mine: TopK, baseline: TopK, seed: int = 0) -> dict[str, Any]:
-    """mine / baseline - 1 for the hit rate and NDCG, each with its 95% interval: the two rankings
-    are scored on the same devices, so the same devices are resampled in both (paired)."""
+    """mine / baseline - 1 for the hit rate and NDCG, and mine - baseline (`difference`), each
+    with its 95% interval: the two rankings are scored on the same devices, so the same devices
+    are resampled in both (paired). With few baseline hits the ratio's interval is wide; the
+    difference's is not."""
     out: dict[str, Any] = {
         f"hit_rate@{K}": _lift(mine.hit_rate, baseline.hit_rate),
         f"ndcg@{K}": _lift(mine.ndcg, baseline.ndcg),
+        "difference": {
+            f"hit_rate@{K}": mine.hit_rate - baseline.hit_rate,
+            f"ndcg@{K}": mine.ndcg - baseline.ndcg,
+        },
     }
     if len(mine.hits) != len(baseline.hits) or not mine.hits:
         return out
@@ -188,6 +194,8 @@ def lift(mine: TopK, baseline: TopK, seed: int = 0) -> dict[str, Any]:
         if sum(b) > 0:
             found = bootstrap_ratio(np.asarray(a), np.asarray(b), rows, lambda x: x - 1)
             out[f"{name}_95"] = [found.low, found.high]
+        gap = bootstrap_means(np.asarray(a) - np.asarray(b), rows)
+        out["difference"][f"{name}_95"] = [gap.low, gap.high]
     return out
 
 

@@ -760,14 +760,16 @@ def run_quality(options: QualityOptions, log: Callable[[str], None] = print) -> 
             )
             found = run_implicit(source, fleet, rounds, models, workers)
             mine, popular, lift = found["fedrecon"], found["global_popularity"], found["lift"]
-            hr, ndcg = "hit_rate@10", "ndcg@10"
+            hr, ndcg, gap = "hit_rate@10", "ndcg@10", lift["difference"]
             log(
                 f"implicit {source:<19} HR@10 {_figure(mine[hr], mine[f'{hr}_95'], '.2%')} vs "
                 f"{_figure(popular[hr], popular[f'{hr}_95'], '.2%')} global popularity (lift "
                 f"{_figure(lift[hr], lift.get(f'{hr}_95'), '+.1%')}); NDCG@10 "
                 f"{_figure(mine[ndcg], mine[f'{ndcg}_95'], '.4f')} vs "
                 f"{_figure(popular[ndcg], popular[f'{ndcg}_95'], '.4f')} (lift "
-                f"{_figure(lift[ndcg], lift.get(f'{ndcg}_95'), '+.1%')}); {found['devices_scored']} devices; "
+                f"{_figure(lift[ndcg], lift.get(f'{ndcg}_95'), '+.1%')}); minus popularity: HR@10 "
+                f"{_figure(gap[hr], gap.get(f'{hr}_95'), '+.2%')}, NDCG@10 "
+                f"{_figure(gap[ndcg], gap.get(f'{ndcg}_95'), '+.4f')}; {found['devices_scored']} devices; "
                 "95% over the devices; popularity is the floor, no ceiling is trained"
             )
             report.setdefault("implicit", {})[source] = found
