@@ -328,7 +328,10 @@ def test_cli_writes_every_method_to_json_and_a_plot(tmp_path: Path) -> None:
             for figure in ("hit_rate@10", "ndcg@10"):
                 low, high = implicit[ranking][f"{figure}_95"]
                 assert low <= implicit[ranking][figure] <= high, (source, ranking, figure)
-        assert set(implicit["lift"]) == {"hit_rate@10", "ndcg@10"}
+        assert {"hit_rate@10", "ndcg@10", "difference"} <= set(implicit["lift"])
+        for figure in ("hit_rate@10", "ndcg@10"):  # paired over the same devices
+            low, high = implicit["lift"]["difference"][f"{figure}_95"]
+            assert low <= implicit["lift"]["difference"][figure] <= high, (source, figure)
     assert report["targets"]["protocol_run"] is False
     assert (out / "learning_curves.png").stat().st_size > 10_000
     assert "fedrecon" in result.stdout and "test RMSE" in result.stdout
