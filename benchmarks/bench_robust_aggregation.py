@@ -8,7 +8,11 @@ android_sim/bench), trained once per aggregation with the same clients each roun
 - "defaults": the orchestrator's defaults (per-tensor clipping at 3x the reference norm, weights
   capped at 5x the round's median; aggregation.RobustAggregation);
 - "trimmed_mean" (10% at each end) and "median": the robust options, with the same clipping.
-Prints test RMSE and accuracy on the held-out users per run, and writes them as JSON.
+Prints test RMSE and accuracy on the held-out users per run, each with its 95% interval over
+the test users, and each run minus the weighted mean with the same settings (paired: the same
+users resampled in both); writes them as JSON. The ceiling of each settings' rows is the quality
+benchmark's centralized row (`--methods centralized_recon_eval` for faithful,
+`centralized_better_recon_eval` for better); this script does not train it.
 """
 
 from __future__ import annotations
@@ -22,10 +26,21 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+import numpy as np  # noqa: E402
+
 from android_sim.bench.federated import Rounds  # noqa: E402
+from android_sim.bench.figures import paired_interval  # noqa: E402
 from android_sim.bench.models import ModelCache  # noqa: E402
 from android_sim.bench.protocol import split_users  # noqa: E402
-from android_sim.bench.quality import BETTER, FAITHFUL, load_dataset, run_fedrecon  # noqa: E402
+from android_sim.bench.quality import (  # noqa: E402
+    BETTER,
+    CEILINGS,
+    FAITHFUL,
+    MethodResult,
+    load_dataset,
+    run_fedrecon,
+    shown,
+)
 from android_sim.run_config import DEFAULT_RATINGS  # noqa: E402
 from orchestrator.aggregation import RobustAggregation  # noqa: E402
 
@@ -36,6 +51,8 @@ AGGREGATIONS: dict[str, RobustAggregation | None] = {
     "median": RobustAggregation(method="median"),
 }
 SETTINGS = {"faithful": FAITHFUL, "better": BETTER}
+# The quality benchmark's method with these settings, whose ceiling is each row's.
+METHOD = {"faithful": "fedrecon", "better": "better"}
 
 
 def main() -> int:
@@ -56,16 +73,36 @@ def main() -> int:
     rounds = Rounds(rounds=args.rounds, evaluate_every=args.rounds)
     results = []
     for settings_name in [s.strip() for s in args.settings.split(",") if s.strip()]:
+        ceiling = CEILINGS[METHOD[settings_name]]
+        plain: MethodResult | None = None
         for name, aggregation in AGGREGATIONS.items():
             settings = dataclasses.replace(SETTINGS[settings_name], aggregation=aggregation)
             result = run_fedrecon(data, split, settings, rounds, models, args.workers)
             test = result.test
-            results.append(
-                {"settings": settings_name, "aggregation": name, **test, "seconds": result.seconds}
-            )
+            row = {
+                "settings": settings_name,
+                "aggregation": name,
+                **test,
+                "intervals": result.intervals,
+                "ceiling": ceiling,
+                "seconds": result.seconds,
+            }
+            against = ""
+            if plain is None:
+                plain = result
+            else:  # the same test users score both runs: resampled together
+                gap = {key: test[key] - plain.test[key] for key in ("rmse", "accuracy")}
+                row["minus_weighted_mean"] = gap
+                row["minus_weighted_mean_95"] = {
+                    key: paired_interval(result.per_user, plain.per_user, key, np.subtract) for key in gap
+                }
+                low, high = row["minus_weighted_mean_95"]["rmse"]
+                against = f"; RMSE minus the weighted mean's {gap['rmse']:+.4f} [{low:+.4f}, {high:+.4f}]"
+            results.append(row)
             print(
-                f"{settings_name:<9} {name:<14} test RMSE {test['rmse']:.4f}  accuracy {test['accuracy']:.2%}"
-                f"  ({result.seconds:.0f} s)",
+                f"{settings_name:<9} {name:<14} test RMSE {shown(test, result.intervals, 'rmse')}  "
+                f"accuracy {shown(test, result.intervals, 'accuracy')}  ({result.seconds:.0f} s{against}; "
+                f"ceiling: {ceiling})",
                 flush=True,
             )
     if args.json:

@@ -138,6 +138,9 @@ def _parser() -> argparse.ArgumentParser:
         "--central-epochs", type=int, default=12, help="the ceiling: passes over the training roles' windows"
     )
     nextword.add_argument("--central-learning-rate", type=float, default=1.0, help="the ceiling's SGD rate")
+    nextword.add_argument(
+        "--out", type=Path, help="write the rows as JSON here (each figure with its 95%% interval)"
+    )
     mixing = sub.add_parser(
         "mixing",
         help="mixing centralized data (Augenstein et al.): the skewed setup, new items no device holds",
@@ -296,7 +299,7 @@ def _numbers(text: str) -> list[float]:
 
 def _nextword(args: argparse.Namespace) -> int:
     from android_sim.bench.federated import Rounds
-    from android_sim.bench.nextword import ModelShape, run, table, task_config
+    from android_sim.bench.nextword import ModelShape, rows_json, run, table, task_config
     from android_sim.next_word import MAX_BATCHES
     from orchestrator.aggregation import ServerOptimizerConfig
 
@@ -338,6 +341,11 @@ def _nextword(args: argparse.Namespace) -> int:
         central_learning_rate=args.central_learning_rate,
     )
     print(table(rows))
+    if args.out is not None:
+        import json
+
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(rows_json(rows), indent=2) + "\n")
     return 0
 
 

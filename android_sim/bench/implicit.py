@@ -41,7 +41,7 @@ from android_sim.bench.protocol import PROTOCOL_SEED, split_users
 from android_sim.builtin_data import model_config, population_settings
 from android_sim.device_data import DeviceData, FleetData, movielens_fleet
 from android_sim.fleet import write_store
-from android_sim.intervals import bootstrap_means, resample_rows
+from android_sim.intervals import bootstrap_means, bootstrap_ratio, resample_rows
 from android_sim.run_config import RunConfig
 from contracts.features import Examples
 from contracts.manifest import Manifest
@@ -128,14 +128,20 @@ def implicit_work(
 class TopK:
     hit_rate: float
     ndcg: float
-    # The hit rate's 95% interval over the scored devices (`android_sim.intervals`).
+    # 95% intervals over the scored devices (`android_sim.intervals`).
     hit_rate_interval: tuple[float, float] = (math.nan, math.nan)
+    ndcg_interval: tuple[float, float] = (math.nan, math.nan)
+    # Each scored device's hit (0 or 1) and gain (1 / log2(position + 2), 0 without a hit), in the
+    # devices' order: what the intervals and a paired comparison resample.
+    hits: tuple[float, ...] = ()
+    gains: tuple[float, ...] = ()
 
     def to_json(self) -> dict[str, float | list[float]]:
         return {
             f"hit_rate@{K}": self.hit_rate,
             f"ndcg@{K}": self.ndcg,
             f"hit_rate@{K}_95": list(self.hit_rate_interval),
+            f"ndcg@{K}_95": list(self.ndcg_interval),
         }
 
     def shown(self) -> str:
@@ -145,19 +151,52 @@ class TopK:
 
 
 def score(ranked: Sequence[np.ndarray], held_out: Sequence[int]) -> TopK:
-    """Hit rate@K and NDCG@K of one held-out item per device (ideal DCG is 1), and the hit
-    rate's 95% interval (a bootstrap over the devices)."""
-    hits, gains = np.zeros(len(held_out)), 0.0
+    """Hit rate@K and NDCG@K of one held-out item per device (ideal DCG is 1), each with its 95%
+    interval (a bootstrap over the devices)."""
+    hits, gains = np.zeros(len(held_out)), np.zeros(len(held_out))
     for i, (items, target) in enumerate(zip(ranked, held_out, strict=True)):
         position = np.flatnonzero(np.asarray(items)[:K] == target)
         if position.size:
             hits[i] = 1.0
-            gains += 1.0 / math.log2(int(position[0]) + 2)
-    n = max(1, len(held_out))
+            gains[i] = 1.0 / math.log2(int(position[0]) + 2)
     if not len(held_out):
         return TopK(0.0, 0.0)
-    interval = bootstrap_means(hits, resample_rows(len(hits), np.random.default_rng(0)))
-    return TopK(float(hits.sum()) / n, gains / n, (interval.low, interval.high))
+    rows = resample_rows(len(hits), np.random.default_rng(0))
+    hit_rate, ndcg = bootstrap_means(hits, rows), bootstrap_means(gains, rows)
+    return TopK(
+        hit_rate.value,
+        ndcg.value,
+        (hit_rate.low, hit_rate.high),
+        (ndcg.low, ndcg.high),
+        tuple(hits.tolist()),
+        tuple(gains.tolist()),
+    )
+
+
+def lift(mine: TopK, baseline: TopK, seed: int = 0) -> dict[str, Any]:
+    """mine / baseline - 1 for the hit rate and NDCG, and mine - baseline (`difference`), each
+    with its 95% interval: the two rankings are scored on the same devices, so the same devices
+    are resampled in both (paired). With few baseline hits the ratio's interval is wide; the
+    difference's is not."""
+    out: dict[str, Any] = {
+        f"hit_rate@{K}": _lift(mine.hit_rate, baseline.hit_rate),
+        f"ndcg@{K}": _lift(mine.ndcg, baseline.ndcg),
+        "difference": {
+            f"hit_rate@{K}": mine.hit_rate - baseline.hit_rate,
+            f"ndcg@{K}": mine.ndcg - baseline.ndcg,
+        },
+    }
+    if len(mine.hits) != len(baseline.hits) or not mine.hits:
+        return out
+    rows = resample_rows(len(mine.hits), np.random.default_rng(seed))
+    pairs = ((f"hit_rate@{K}", mine.hits, baseline.hits), (f"ndcg@{K}", mine.gains, baseline.gains))
+    for name, a, b in pairs:
+        if sum(b) > 0:
+            found = bootstrap_ratio(np.asarray(a), np.asarray(b), rows, lambda x: x - 1)
+            out[f"{name}_95"] = [found.low, found.high]
+        gap = bootstrap_means(np.asarray(a) - np.asarray(b), rows)
+        out["difference"][f"{name}_95"] = [gap.low, gap.high]
+    return out
 
 
 def popularity_top(counts: np.ndarray, used: np.ndarray | None) -> np.ndarray:
@@ -222,10 +261,9 @@ def run_implicit(
         "devices_scored": len(targets),
         "fedrecon": mine.to_json(),
         "global_popularity": baseline.to_json(),
-        "lift": {
-            f"hit_rate@{K}": _lift(mine.hit_rate, baseline.hit_rate),
-            f"ndcg@{K}": _lift(mine.ndcg, baseline.ndcg),
-        },
+        "lift": lift(mine, baseline),
+        # Global popularity is the baseline (a floor); the bench trains no ceiling for this task.
+        "ceiling": None,
         "validation_curve": run.curve,
         "seconds": round(run.seconds + time.perf_counter() - started, 1),
         "task": config.to_json(),

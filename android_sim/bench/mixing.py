@@ -52,6 +52,7 @@ from android_sim.central_data import MIXING_STRATEGIES, central_only_rows
 from android_sim.device_data import DeviceData, FleetData, expression_fleet
 from android_sim.expressions import SyntheticConfig
 from android_sim.fleet import write_store
+from android_sim.intervals import bootstrap_ratio, resample_rows
 from android_sim.run_config import RunConfig
 from contracts.features import Examples
 from contracts.manifest import Manifest, load_manifest
@@ -479,11 +480,36 @@ def run_mixing(
             negative_popularity,
             declare_new_items,
         )
+        ceiling: StrategyResult | None = None
         for strategy, weight in runs:
             result = run_strategy(harness, strategy, weight)
-            rows.append({"data": setup.name, **result.to_json()})
+            if strategy == CEILING:
+                ceiling = result
+            rows.append({"data": setup.name, **result.to_json(), **ceiling_share(result, ceiling)})
             print(table_line(rows[-1]), flush=True)
     return rows
+
+
+CEILING = "all_data"  # the ceiling of every other row: its devices keep the new items
+
+
+def ceiling_share(result: StrategyResult, ceiling: StrategyResult | None) -> dict[str, Any]:
+    """Which row is the ceiling, and (once it ran) this row's new-items hit rate as a share of the
+    ceiling's with its 95% interval: every row scores the same devices, so both rows' devices are
+    resampled together (paired)."""
+    if result.strategy == CEILING:
+        return {"ceiling": None, "is_ceiling": True}
+    out: dict[str, Any] = {"ceiling": CEILING}
+    top = None if ceiling is None else ceiling.new_items
+    if top is None or not top.hits or sum(top.hits) <= 0 or len(top.hits) != len(result.new_items.hits):
+        return out
+    rows = resample_rows(len(top.hits), np.random.default_rng(0))
+    share = bootstrap_ratio(np.asarray(result.new_items.hits), np.asarray(top.hits), rows)
+    return {
+        **out,
+        "share_of_ceiling_new_items": share.value,
+        "share_of_ceiling_new_items_95": [share.low, share.high],
+    }
 
 
 def describe(setup: SkewedSetup) -> str:
@@ -498,23 +524,34 @@ def describe(setup: SkewedSetup) -> str:
 
 
 TABLE_HEADER = (
-    f"| data | strategy | weight | new items HR@{K} [95%] | new items NDCG@{K} | overall HR@{K} [95%] | "
-    "extra bytes / assignment | seconds |\n| --- | --- | --- | --- | --- | --- | --- | --- |"
+    f"95% intervals over the scored devices; the ceiling is the {CEILING} row (its devices keep the "
+    "new items)\n"
+    f"| data | strategy | weight | new items HR@{K} [95%] | new items NDCG@{K} [95%] | "
+    f"overall HR@{K} [95%] | overall NDCG@{K} [95%] | new items HR, share of the ceiling's [95%] | "
+    "extra bytes / assignment | "
+    "seconds |\n| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"
 )
 
 
 def table_line(row: dict[str, Any]) -> str:
+    if row.get("is_ceiling"):
+        share = "(the ceiling)"
+    elif "share_of_ceiling_new_items" in row:
+        low, high = row["share_of_ceiling_new_items_95"]
+        share = f"{row['share_of_ceiling_new_items']:.2f} [{low:.2f}, {high:.2f}]"
+    else:
+        share = f"({CEILING} not run)"
     return (
         f"| {row['data']} | {row['strategy']} | {setting(row['strategy'], row['weight'])} | "
-        f"{_shown(row['new_items'])} | {row['new_items'][f'ndcg@{K}']:.3f} | "
-        f"{_shown(row['overall'])} | {_bytes(row['bytes_per_assignment'])} | "
-        f"{row['seconds']:.0f} |"
+        f"{_shown(row['new_items'])} | {_shown(row['new_items'], 'ndcg')} | "
+        f"{_shown(row['overall'])} | {_shown(row['overall'], 'ndcg')} | {share} | "
+        f"{_bytes(row['bytes_per_assignment'])} | {row['seconds']:.0f} |"
     )
 
 
-def _shown(scored: dict[str, Any]) -> str:
-    low, high = scored.get(f"hit_rate@{K}_95", (math.nan, math.nan))
-    return f"{scored[f'hit_rate@{K}']:.3f} [{low:.3f}, {high:.3f}]"
+def _shown(scored: dict[str, Any], metric: str = "hit_rate") -> str:
+    low, high = scored.get(f"{metric}@{K}_95", (math.nan, math.nan))
+    return f"{scored[f'{metric}@{K}']:.3f} [{low:.3f}, {high:.3f}]"
 
 
 def setting(strategy: str, weight: float | None) -> str:

@@ -21,6 +21,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -43,6 +44,7 @@ from android_sim.bench.nextword_ceiling import (
     accuracies_with_intervals,
     train_centrally,
 )
+from android_sim.intervals import Interval, bootstrap_ratio, resample_rows
 from android_sim.next_word import (
     MIN_ROLE_EXAMPLES,
     SEQ_LEN,
@@ -111,6 +113,14 @@ class Row:
     # 95% intervals over the held-out roles (`nextword_ceiling.accuracies_with_intervals`).
     interval_without_oov: tuple[float, float] = (math.nan, math.nan)
     interval_with_oov: tuple[float, float] = (math.nan, math.nan)
+    # The floor's intervals over the same roles ((without OOV), (with OOV)).
+    baseline_intervals: tuple[tuple[float, float], tuple[float, float]] = (
+        (math.nan, math.nan),
+        (math.nan, math.nan),
+    )
+    # Per held-out role: (correct, in-vocabulary targets) of the row and of the floor, without OOV.
+    role_counts: tuple[tuple[float, ...], tuple[float, ...]] = ((), ())
+    floor_counts: tuple[tuple[float, ...], tuple[float, ...]] = ((), ())
 
 
 CEILING = "ceiling: the same network trained centrally"
@@ -122,7 +132,7 @@ def _row(
     found: Accuracies,
     bytes_per_round: int,
     seconds: float,
-    baseline: tuple[float, float],
+    floor: Floor,
 ) -> Row:
     return Row(
         vocab_size,
@@ -131,9 +141,12 @@ def _row(
         found.with_oov.value,
         bytes_per_round,
         seconds,
-        baseline,
+        (floor.without_oov.value, floor.with_oov.value),
         (found.without_oov.low, found.without_oov.high),
         (found.with_oov.low, found.with_oov.high),
+        ((floor.without_oov.low, floor.without_oov.high), (floor.with_oov.low, floor.with_oov.high)),
+        (found.correct_in_vocab, found.in_vocab),
+        floor.counts,
     )
 
 
@@ -177,15 +190,44 @@ def most_frequent_baseline(data: NextWordData, windows_per_task: int) -> tuple[f
     most frequent target. Without OOV, the most frequent target among the vocabulary's tokens
     (predicting a bucket would always be wrong there); with OOV, the most frequent of all, which
     can be an OOV bucket."""
+    floor = floor_with_intervals(data, windows_per_task)
+    return floor.without_oov.value, floor.with_oov.value
+
+
+@dataclass(frozen=True)
+class Floor:
+    """`most_frequent_baseline` with 95% intervals over the held-out roles, and its per-role
+    counts without OOV (right, in-vocabulary targets)."""
+
+    without_oov: Interval
+    with_oov: Interval
+    counts: tuple[tuple[float, ...], tuple[float, ...]]
+
+
+def floor_with_intervals(data: NextWordData, windows_per_task: int, seed: int = 0) -> Floor:
+    """The floor over the held-out roles, each role's counts kept apart so that the interval
+    resamples roles (the same resamples as the rows' `accuracies_with_intervals`)."""
     train_targets = np.concatenate([role["targets"].ravel() for role in data.train])
     counts = np.bincount(train_targets[train_targets != PAD], minlength=data.vocabulary.num_tokens)
     num_global = data.vocabulary.num_global_tokens
-    scored = np.concatenate([time_split(role)[1]["targets"][:windows_per_task].ravel() for role in data.test])
-    scored = scored[scored != PAD]
-    in_vocab = scored[scored < num_global]
-    without = float(np.mean(in_vocab == np.argmax(counts[:num_global]))) if in_vocab.size else math.nan
-    with_oov = float(np.mean(scored == np.argmax(counts))) if scored.size else math.nan
-    return without, with_oov
+    top_word, top_any = np.argmax(counts[:num_global]), np.argmax(counts)
+    right_word, words, right_any, targets = [], [], [], []
+    for role in data.test:
+        scored = time_split(role)[1]["targets"][:windows_per_task].ravel()
+        scored = scored[scored != PAD]
+        in_vocab = scored[scored < num_global]
+        right_word.append(float(np.sum(in_vocab == top_word)))
+        words.append(float(in_vocab.size))
+        right_any.append(float(np.sum(scored == top_any)))
+        targets.append(float(scored.size))
+    rows = resample_rows(len(data.test), np.random.default_rng(seed))
+
+    def interval(right: list[float], total: list[float]) -> Interval:
+        if sum(total) <= 0:
+            return Interval(math.nan, math.nan, math.nan, len(total))
+        return bootstrap_ratio(np.asarray(right), np.asarray(total), rows)
+
+    return Floor(interval(right_word, words), interval(right_any, targets), (tuple(right_word), tuple(words)))
 
 
 def pack(columns: Mapping[str, np.ndarray], manifest: Manifest) -> TaskBatches:
@@ -270,7 +312,7 @@ def run_methods(
         run = train_federated(devices, server, list(range(len(clients))), work, rounds, lambda params: {})
         trained = time.perf_counter() - started
         devices.set_global(run.params)
-        baseline = most_frequent_baseline(data, manifest.batch_size * manifest.max_batches)
+        baseline = floor_with_intervals(data, manifest.batch_size * manifest.max_batches)
         for method in methods:
             evaluating = time.perf_counter()
             evaluate = (
@@ -310,7 +352,7 @@ def run_ceiling(
         devices.set_global(params)
         held_out = support_query(data.test, manifest)
         found = accuracies_with_intervals(devices, held_out_work(held_out, task, False), range(len(held_out)))
-        baseline = most_frequent_baseline(data, manifest.batch_size * manifest.max_batches)
+        baseline = floor_with_intervals(data, manifest.batch_size * manifest.max_batches)
     return _row(vocab_size, CEILING, found, 0, time.perf_counter() - started, baseline)
 
 
@@ -320,6 +362,29 @@ def share_of_the_way(row: Row, ceiling: Row) -> float:
     floor = row.baseline[0]
     span = ceiling.accuracy_without_oov - floor
     return (row.accuracy_without_oov - floor) / span if span > 0 else math.nan
+
+
+def share_interval(row: Row, ceiling: Row, seed: int = 0) -> tuple[float, float]:
+    """The 95% interval of `share_of_the_way`: the row, the ceiling and the floor are scored on the
+    same held-out roles, so the same roles are resampled in all three (NaN without the counts)."""
+    right, total = (np.asarray(c) for c in row.role_counts)
+    top_right, top_total = (np.asarray(c) for c in ceiling.role_counts)
+    floor_right, floor_total = (np.asarray(c) for c in row.floor_counts)
+    if not (len(right) == len(top_right) == len(floor_right) > 0):
+        return (math.nan, math.nan)
+    rows = resample_rows(len(right), np.random.default_rng(seed))
+
+    def draws(numerators: np.ndarray, denominators: np.ndarray) -> np.ndarray:
+        result: np.ndarray = numerators[rows].sum(axis=1) / np.maximum(denominators[rows].sum(axis=1), 1e-12)
+        return result
+
+    floor = draws(floor_right, floor_total)
+    span = draws(top_right, top_total) - floor
+    shares = (draws(right, total) - floor) / np.where(span > 0, span, np.nan)
+    if np.isnan(shares).mean() > 0.025:  # the ceiling not above the floor in too many resamples
+        return (math.nan, math.nan)
+    low, high = np.nanpercentile(shares, [2.5, 97.5])
+    return (float(low), float(high))
 
 
 def run(
@@ -363,12 +428,39 @@ def run(
     return rows
 
 
+def rows_json(rows: Sequence[Row]) -> list[dict[str, Any]]:
+    """The rows for `--out`: each figure with its 95% interval over the held-out roles, the row
+    that is its vocabulary's ceiling, and the share of the way to it with its interval."""
+    ceilings = {r.vocab_size: r for r in rows if r.method == CEILING}
+    out = []
+    for r in rows:
+        row: dict[str, Any] = {
+            "vocab_size": r.vocab_size,
+            "method": r.method,
+            "accuracy_without_oov": r.accuracy_without_oov,
+            "accuracy_without_oov_95": list(r.interval_without_oov),
+            "accuracy_with_oov": r.accuracy_with_oov,
+            "accuracy_with_oov_95": list(r.interval_with_oov),
+            "most_frequent_token": list(r.baseline),
+            "most_frequent_token_95": [list(i) for i in r.baseline_intervals],
+            "bytes_per_round": r.bytes_per_round,
+            "seconds": round(r.seconds, 1),
+            "ceiling": None if r.method == CEILING else (CEILING if r.vocab_size in ceilings else None),
+        }
+        top = ceilings.get(r.vocab_size)
+        if top is not None and r is not top:
+            row["share_of_the_way"] = share_of_the_way(r, top)
+            row["share_of_the_way_95"] = list(share_interval(r, top))
+        out.append(row)
+    return out
+
+
 def line(row: Row) -> str:
     return (
         f"{row.vocab_size:>6,}  {row.method:<50}  "
         f"{_with_interval(row.accuracy_without_oov, row.interval_without_oov)}  "
         f"{_with_interval(row.accuracy_with_oov, row.interval_with_oov)}  {row.bytes_per_round:>11,}  "
-        f"({row.seconds:.0f} s; most frequent token {row.baseline[0]:.2%} / {row.baseline[1]:.2%})"
+        f"({row.seconds:.0f} s; most frequent token {_floor(row)})"
     )
 
 
@@ -376,23 +468,38 @@ def _with_interval(value: float, interval: tuple[float, float]) -> str:
     return f"{value:6.2%} [{100 * interval[0]:.2f}, {100 * interval[1]:.2f}]"
 
 
+def _floor(row: Row) -> str:
+    without, with_oov = row.baseline_intervals
+    return (
+        f"{_with_interval(row.baseline[0], without).strip()} / "
+        f"{_with_interval(row.baseline[1], with_oov).strip()}"
+    )
+
+
 def table(rows: Sequence[Row]) -> str:
-    """The rows as Markdown, with 95% intervals and, beside each row, its share of the way from
-    the most frequent token to its vocabulary's ceiling (without OOV; target 0.5)."""
+    """The rows as Markdown, with 95% intervals over the held-out roles and, beside each row, its
+    share of the way from the most frequent token to its vocabulary's ceiling (without OOV; target
+    0.5), the ceiling's row named `CEILING`."""
     ceilings = {r.vocab_size: r for r in rows if r.method == CEILING}
     lines = [
         "| vocabulary | method | accuracy without OOV [95%] | accuracy with OOV [95%] | "
-        "most frequent token (without / with OOV) | share of the way to the ceiling | "
+        "most frequent token (without / with OOV) [95%] | share of the way to the ceiling [95%] | "
         "bytes per round per device |",
         "|---:|---|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         top = ceilings.get(r.vocab_size)
-        share = "" if top is None or r is top else f"{share_of_the_way(r, top):.2f}"
+        if top is None:
+            share = "(no ceiling run)"
+        elif r is top:
+            share = "(the ceiling)"
+        else:
+            low, high = share_interval(r, top)
+            share = f"{share_of_the_way(r, top):.2f} [{low:.2f}, {high:.2f}]"
         lines.append(
             f"| {r.vocab_size:,} | {r.method} | "
             f"{_with_interval(r.accuracy_without_oov, r.interval_without_oov)} | "
             f"{_with_interval(r.accuracy_with_oov, r.interval_with_oov)} | "
-            f"{r.baseline[0]:.2%} / {r.baseline[1]:.2%} | {share} | {r.bytes_per_round:,} |"
+            f"{_floor(r)} | {share} | {r.bytes_per_round:,} |"
         )
     return "\n".join(lines)

@@ -34,6 +34,10 @@ class Accuracies:
 
     without_oov: Interval
     with_oov: Interval
+    # Per held-out role, in the roles' order: correct in-vocabulary targets and in-vocabulary
+    # targets (what a paired comparison with another row on the same roles resamples).
+    correct_in_vocab: tuple[float, ...] = ()
+    in_vocab: tuple[float, ...] = ()
 
 
 def train_centrally(
@@ -92,4 +96,6 @@ def accuracies_with_intervals(
     return Accuracies(
         interval("correct_in_vocab_tokens_sum", "in_vocab_tokens_sum"),
         interval("correct_tokens_sum", "tokens_sum"),
+        tuple(s.as_dict().get("correct_in_vocab_tokens_sum", 0.0) for s in sums),
+        tuple(s.as_dict().get("in_vocab_tokens_sum", 0.0) for s in sums),
     )

@@ -32,6 +32,7 @@ from android_sim.bench.federated import (
     shared_locals_eval_work,
     train_federated,
 )
+from android_sim.bench.figures import mean_over_runs_interval, paired_interval, total, user_intervals
 from android_sim.bench.implicit import movielens_shares, run_implicit
 from android_sim.bench.models import ModelCache
 from android_sim.bench.protocol import (
@@ -45,7 +46,6 @@ from android_sim.bench.protocol import (
 from android_sim.bench.staleness import StalenessOptions, plot_staleness, run_staleness
 from android_sim.device_data import expression_fleet
 from android_sim.expressions import SyntheticConfig
-from android_sim.intervals import per_device_sums_interval
 from android_sim.movielens import load_ratings
 from android_sim.simulation import SimulationOptions, evaluation_task, packed_clients, simulate
 from contracts.features import Examples
@@ -191,8 +191,15 @@ class MethodResult:
     curve: list[dict[str, float]]  # validation metrics by round (or epoch)
     seconds: float
     settings: dict[str, Any]
-    # 95% intervals of the test figures (bootstrap over the test users), where computed.
+    # 95% intervals of the test figures (bootstrap over the evaluated users: `figures`).
     intervals: dict[str, list[float]] = field(default_factory=dict)
+    # Each evaluated user's sums, in the users' order (not written: the intervals come from them).
+    per_user: list[EvaluationSums] = field(default_factory=list, repr=False)
+
+    @property
+    def ceiling(self) -> str | None:
+        """The method that is this row's ceiling (the same evaluation, trained centrally)."""
+        return CEILINGS.get(self.method)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -200,6 +207,7 @@ class MethodResult:
             "evaluated_on": self.evaluated_on,
             "test": self.test,
             "test_intervals": self.intervals,
+            "ceiling": self.ceiling,
             "validation_curve": self.curve,
             "seconds": round(self.seconds, 2),
             "settings": self.settings,
@@ -279,18 +287,7 @@ def run_fedrecon(
         clients = packed_clients(held_out, pool.manifest, evaluation_task(settings.task))
         pool.set_global(found.params)
         sums = pool.map(recon_eval_work(clients, settings.task), split.test)
-    return replace(result, intervals=test_intervals(sums))
-
-
-def test_intervals(sums: Sequence[EvaluationSums]) -> dict[str, list[float]]:
-    """RMSE and accuracy over the test users' evaluation sums: [low, high] of a 95% bootstrap over users."""
-    per_user = [s.as_dict() for s in sums]
-    out = {}
-    for metric, name, root in (("rmse", "squared_error", True), ("accuracy", "correct", False)):
-        if per_user and f"{name}_sum" in per_user[0]:
-            found = per_device_sums_interval(per_user, name, root=root)
-            out[metric] = [found.low, found.high]
-    return out
+    return replace(result, intervals=user_intervals(sums), per_user=sums)
 
 
 def _result(
@@ -309,6 +306,14 @@ def _result(
         run.seconds,
         {**settings, "refused": run.refused},
     )
+
+
+def _scored(
+    method: str, evaluated_on: str, sums: list[EvaluationSums], run: TrainingRun, settings: dict[str, Any]
+) -> MethodResult:
+    """A row from its users' evaluation sums: the figures over all of them and their intervals."""
+    result = _result(method, evaluated_on, total(sums).metrics(), run, len(sums), settings)
+    return replace(result, intervals=user_intervals(sums), per_user=sums)
 
 
 def run_shared_user(
@@ -331,8 +336,8 @@ def run_shared_user(
         work = fedavg_work(every, settings.task, per_item_names(devices.manifest))
         run = train_federated(devices, server, split.train, work, rounds, validate)
         devices.set_global(run.params)
-        test = devices.evaluate(evaluation, split.test).metrics()
-    return _result("fedavg_shared_user", SHARED, test, run, len(split.test), settings.to_json())
+        sums = devices.map(evaluation, split.test)
+    return _scored("fedavg_shared_user", SHARED, sums, run, settings.to_json())
 
 
 def run_fedavg_stateful(
@@ -356,12 +361,12 @@ def run_fedavg_stateful(
         work = furl_work(users, kept, settings.task, per_item_names(devices.manifest))
         run = train_federated(devices, server, split.train, work, rounds, validate)
         devices.set_global(run.params)
-        seen = devices.evaluate(private_locals_eval_work(users, kept, "test"), split.train).metrics()
+        seen = devices.map(private_locals_eval_work(users, kept, "test"), split.train)
         held_out = pack_support_query(data.examples, devices.manifest, FAITHFUL.task)
-        unseen = devices.evaluate(recon_eval_work(held_out, FAITHFUL.task), split.test).metrics()
+        unseen = devices.map(recon_eval_work(held_out, FAITHFUL.task), split.test)
     return (
-        _result("fedavg_standard_eval", SEEN, seen, run, len(split.train), settings.to_json()),
-        _result("fedavg_recon_eval", HELD_OUT, unseen, run, len(split.test), settings.to_json()),
+        _scored("fedavg_standard_eval", SEEN, seen, run, settings.to_json()),
+        _scored("fedavg_recon_eval", HELD_OUT, unseen, run, settings.to_json()),
     )
 
 
@@ -451,10 +456,8 @@ def run_centralized_recon_eval(
         )
         devices.set_global(run.params)
         sums = devices.map(evaluation, split.test)
-        test = sum(sums, EvaluationSums.zero()).metrics()
     settings = {**_central_json(config, epochs), "model": dict(like.model), "evaluation": task.to_json()}
-    result = _result(method, HELD_OUT, test, run, len(split.test), settings)
-    return replace(result, intervals=test_intervals(sums))
+    return _scored(method, HELD_OUT, sums, run, settings)
 
 
 def run_centralized_standard_eval(
@@ -477,8 +480,8 @@ def run_centralized_standard_eval(
             model, initial_globals(model_dir), train, everyone, kept, config, epochs, validate
         )
         devices.set_global(run.params)
-        test = devices.evaluate(private_locals_eval_work(users, kept, "test"), everyone).metrics()
-    return _result("centralized_standard_eval", SEEN, test, run, len(everyone), _central_json(config, epochs))
+        sums = devices.map(private_locals_eval_work(users, kept, "test"), everyone)
+    return _scored("centralized_standard_eval", SEEN, sums, run, _central_json(config, epochs))
 
 
 def _central_json(config: TaskConfig, epochs: int) -> dict[str, Any]:
@@ -535,6 +538,67 @@ FAITHFUL_ACCURACY = (0.39, 0.425)
 BETTER_RMSE = 0.93
 BETTER_ACCURACY = 0.43
 FAST_SECONDS = 60.0
+
+# Each row's ceiling: the same users and ratings, the same evaluation, the model trained centrally
+# (the shared-user row evaluates without reconstruction; its ceiling reconstructs on the support).
+CEILINGS = {
+    "fedrecon": "centralized_recon_eval",
+    "fedavg_recon_eval": "centralized_recon_eval",
+    "fedavg_shared_user": "centralized_recon_eval",
+    "better": "centralized_better_recon_eval",
+    "fedavg_standard_eval": "centralized_standard_eval",
+}
+FORMS = {"rmse": ".4f", "accuracy": ".2%"}
+
+
+def _figure(value: float, interval: Sequence[float] | None, form: str) -> str:
+    """`value [low, high]` in `form` (no brackets without an interval)."""
+    shown_value = format(value, form)
+    if not interval:
+        return shown_value
+    return f"{shown_value} [{format(interval[0], form)}, {format(interval[1], form)}]"
+
+
+def shown(test: dict[str, float], intervals: dict[str, list[float]], metric: str) -> str:
+    """A test figure with its 95% interval, e.g. `0.9763 [0.9280, 1.0270]`."""
+    return _figure(test[metric], intervals.get(metric), FORMS[metric])
+
+
+def _ceiling_note(method: str) -> str:
+    if method in CEILINGS:
+        return f"ceiling: {CEILINGS[method]}"
+    below = sorted(m for m, c in CEILINGS.items() if c == method)
+    return f"the ceiling of {', '.join(below)}" if below else "no ceiling computed"
+
+
+def quality_table(results: dict[str, MethodResult]) -> str:
+    """The rows as Markdown: each figure with its 95% interval over the evaluated users, and beside
+    each row its ceiling's figures and the row minus the ceiling (paired: the same users resampled)."""
+    lines = [
+        "| method | evaluated on | users | test RMSE [95%] | test accuracy [95%] | ceiling | "
+        "ceiling RMSE [95%] | RMSE minus the ceiling's [95%] |",
+        "| --- | --- | ---: | --- | --- | --- | --- | --- |",
+    ]
+    for result in results.values():
+        t, ci = result.test, result.intervals
+        cells = [result.method, result.evaluated_on.split(",")[0], str(int(t["users"]))]
+        cells += [shown(t, ci, "rmse"), shown(t, ci, "accuracy")]
+        top = results.get(result.ceiling) if result.ceiling else None
+        if top is None:
+            note = _ceiling_note(result.method)
+            if result.ceiling:
+                note += " (not run)"
+            cells += [note, "", ""]
+        else:
+            gap = t["rmse"] - top.test["rmse"]
+            paired = (
+                paired_interval(result.per_user, top.per_user, "rmse", np.subtract)
+                if len(result.per_user) == len(top.per_user) > 0
+                else None
+            )
+            cells += [top.method, shown(top.test, top.intervals, "rmse"), _figure(gap, paired, "+.4f")]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 @dataclass(frozen=True)
@@ -599,17 +663,10 @@ def run_quality(options: QualityOptions, log: Callable[[str], None] = print) -> 
 
     def done(result: MethodResult) -> None:
         results[result.method] = result
-        t, ci = result.test, result.intervals
-
-        def shown(name: str, form: str) -> str:
-            low_high = ci.get(name)
-            return format(t[name], form) + (
-                f" [{format(low_high[0], form)}, {format(low_high[1], form)}]" if low_high else ""
-            )
-
         log(
-            f"{result.method:<28} test RMSE {shown('rmse', '.4f')}  accuracy {shown('accuracy', '.2%')}  "
-            f"({result.seconds:.1f} s; {result.evaluated_on.split(',')[0]})"
+            f"{result.method:<28} test RMSE {shown(result.test, result.intervals, 'rmse')}  "
+            f"accuracy {shown(result.test, result.intervals, 'accuracy')}  "
+            f"({result.seconds:.1f} s; {result.evaluated_on.split(',')[0]}; {_ceiling_note(result.method)})"
         )
 
     chosen = set(options.methods)
@@ -646,19 +703,32 @@ def run_quality(options: QualityOptions, log: Callable[[str], None] = print) -> 
             )
         )
     if "better_seeds" in chosen:
-        runs = []
+        runs: list[dict[str, Any]] = []
+        per_seed = []
         for seed in options.split_seeds:
             result = run_fedrecon(
                 data, split_users(len(data.examples), seed), options.better, rounds, models, workers
             )
-            t = result.test
-            log(f"  better, user split seed {seed}: RMSE {t['rmse']:.4f}, accuracy {t['accuracy']:.2%}")
-            runs.append({"split_seed": seed, **result.test})
-        report["better_split_seeds"] = {
-            "runs": runs,
-            "rmse": _spread([r["rmse"] for r in runs]),
-            "accuracy": _spread([r["accuracy"] for r in runs]),
-        }
+            log(
+                f"  better, user split seed {seed}: RMSE {shown(result.test, result.intervals, 'rmse')}, "
+                f"accuracy {shown(result.test, result.intervals, 'accuracy')}"
+            )
+            runs.append({"split_seed": seed, **result.test, "intervals": result.intervals})
+            per_seed.append(result.per_user)
+        seeds: dict[str, Any] = {"runs": runs}
+        report["better_split_seeds"] = seeds
+        for metric in ("rmse", "accuracy"):
+            # The mean over splits, its interval from each split's test users resampled on their own.
+            seeds[metric] = {
+                **_spread([r[metric] for r in runs]),
+                "mean_95": mean_over_runs_interval(per_seed, metric),
+            }
+        log(
+            f"  better over user split seeds {list(options.split_seeds)}: mean RMSE "
+            f"{_figure(seeds['rmse']['mean'], seeds['rmse']['mean_95'], '.4f')} (std "
+            f"{seeds['rmse']['std']:.4f}), mean accuracy "
+            f"{_figure(seeds['accuracy']['mean'], seeds['accuracy']['mean_95'], '.2%')}"
+        )
     if "kr_ablation" in chosen or "ku_ablation" in chosen:
         default = run_fedrecon(data, split, options.better, rounds, models, workers)
         if "kr_ablation" in chosen:
@@ -690,12 +760,21 @@ def run_quality(options: QualityOptions, log: Callable[[str], None] = print) -> 
             )
             found = run_implicit(source, fleet, rounds, models, workers)
             mine, popular, lift = found["fedrecon"], found["global_popularity"], found["lift"]
+            hr, ndcg, gap = "hit_rate@10", "ndcg@10", lift["difference"]
             log(
-                f"implicit {source:<19} HR@10 {mine['hit_rate@10']:.2%} vs {popular['hit_rate@10']:.2%} "
-                f"global popularity ({lift['hit_rate@10']:+.1%}); NDCG@10 {mine['ndcg@10']:.4f} vs "
-                f"{popular['ndcg@10']:.4f} ({lift['ndcg@10']:+.1%}); {found['devices_scored']} devices"
+                f"implicit {source:<19} HR@10 {_figure(mine[hr], mine[f'{hr}_95'], '.2%')} vs "
+                f"{_figure(popular[hr], popular[f'{hr}_95'], '.2%')} global popularity (lift "
+                f"{_figure(lift[hr], lift.get(f'{hr}_95'), '+.1%')}); NDCG@10 "
+                f"{_figure(mine[ndcg], mine[f'{ndcg}_95'], '.4f')} vs "
+                f"{_figure(popular[ndcg], popular[f'{ndcg}_95'], '.4f')} (lift "
+                f"{_figure(lift[ndcg], lift.get(f'{ndcg}_95'), '+.1%')}); minus popularity: HR@10 "
+                f"{_figure(gap[hr], gap.get(f'{hr}_95'), '+.2%')}, NDCG@10 "
+                f"{_figure(gap[ndcg], gap.get(f'{ndcg}_95'), '+.4f')}; {found['devices_scored']} devices; "
+                "95% over the devices; popularity is the floor, no ceiling is trained"
             )
             report.setdefault("implicit", {})[source] = found
+    if results:
+        log(quality_table(results))
     report["targets"] = check_targets(report, results)
     report["seconds"] = round(time.perf_counter() - started, 1)
     report["methods"] = {name: r.to_json() for name, r in results.items()}
@@ -732,11 +811,30 @@ def run_ablation(
         settings = replace(base, task=task)
         result = run_fedrecon(data, split, settings, options.rounds, models, options.workers)
         relative = result.test["accuracy"] / default.test["accuracy"]
-        log(f"  {name} = {steps:>2}: accuracy {result.test['accuracy']:.2%} ({relative:.3f} of the default)")
-        rows.append({name: steps, **result.test, "relative_accuracy": relative})
+        # The same test users score both runs: resampled together (a paired interval).
+        relative_95 = paired_interval(result.per_user, default.per_user, "accuracy", np.divide)
+        log(
+            f"  {name} = {steps:>2}: RMSE {shown(result.test, result.intervals, 'rmse')}, accuracy "
+            f"{shown(result.test, result.intervals, 'accuracy')} ({_figure(relative, relative_95, '.3f')} "
+            "of the default)"
+        )
+        rows.append(
+            {
+                name: steps,
+                **result.test,
+                "intervals": result.intervals,
+                "relative_accuracy": relative,
+                "relative_accuracy_95": relative_95,
+            }
+        )
+    log(
+        f"  {name} = {getattr(base.task, field_name)} (the default): RMSE "
+        f"{shown(default.test, default.intervals, 'rmse')}, accuracy "
+        f"{shown(default.test, default.intervals, 'accuracy')}"
+    )
     return {
         "settings": base.to_json(),
-        "default": {name: getattr(base.task, field_name), **default.test},
+        "default": {name: getattr(base.task, field_name), **default.test, "intervals": default.intervals},
         "runs": rows,
     }
 
@@ -760,8 +858,10 @@ def run_dp(
             with contextlib.suppress(ValueError):
                 needed = population_size_for(DP_TARGET_EPSILON, z, per_round, options.rounds.rounds, DP_DELTA)
         log(
-            f"  DP noise {z:g}, clip {options.dp_clip_norm:g}: RMSE {result.test['rmse']:.4f}, accuracy "
-            f"{result.test['accuracy']:.2%}, epsilon {eps:.4g} at {population} devices; epsilon "
+            f"  DP noise {z:g}, clip {options.dp_clip_norm:g}: RMSE "
+            f"{shown(result.test, result.intervals, 'rmse')}, accuracy "
+            f"{shown(result.test, result.intervals, 'accuracy')}, epsilon {eps:.4g} at {population} "
+            "devices; epsilon "
             f"<= {DP_TARGET_EPSILON:g} needs {needed or 'no realistic number of'} devices "
             f"({result.seconds:.0f} s)"
         )
@@ -769,6 +869,7 @@ def run_dp(
             {
                 "noise_multiplier": z,
                 **result.test,
+                "intervals": result.intervals,
                 "epsilon": eps if math.isfinite(eps) else None,  # None: no noise, no guarantee
                 "population_size_for_epsilon_5": needed,
                 "seconds": round(result.seconds, 1),
@@ -810,12 +911,17 @@ def run_secure(
     runs = {"plaintext_weighted": weighted, "plaintext_uniform": uniform, "secure_quantized": quantized}
     for name, result in runs.items():
         log(
-            f"  {name:<20} RMSE {result.test['rmse']:.4f}, accuracy {result.test['accuracy']:.2%} "
-            f"({result.seconds:.0f} s)"
+            f"  {name:<20} RMSE {shown(result.test, result.intervals, 'rmse')}, accuracy "
+            f"{shown(result.test, result.intervals, 'accuracy')} ({result.seconds:.0f} s)"
         )
 
-    def difference(a: MethodResult, b: MethodResult) -> dict[str, float]:
-        return {key: a.test[key] - b.test[key] for key in ("rmse", "accuracy")}
+    def difference(a: MethodResult, b: MethodResult) -> dict[str, Any]:
+        """a - b, with the paired interval (the same test users resampled in both runs)."""
+        keys = ("rmse", "accuracy")
+        return {
+            **{key: a.test[key] - b.test[key] for key in keys},
+            "intervals": {key: paired_interval(a.per_user, b.per_user, key, np.subtract) for key in keys},
+        }
 
     levels = secure.parameters(vector_length=1).levels  # levels do not depend on the length
     return {
@@ -825,7 +931,12 @@ def run_secure(
         "max_summands": secure.max_summands,
         "quantization_step": clip / levels,
         "runs": {
-            name: {**result.test, "seconds": round(result.seconds, 1), "validation_curve": result.curve}
+            name: {
+                **result.test,
+                "intervals": result.intervals,
+                "seconds": round(result.seconds, 1),
+                "validation_curve": result.curve,
+            }
             for name, result in runs.items()
         },
         "quantization": difference(quantized, uniform),

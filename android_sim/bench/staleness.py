@@ -36,6 +36,7 @@ from android_sim.bench.federated import (
     seen_recon_eval_work,
     train_federated,
 )
+from android_sim.bench.figures import with_intervals
 from android_sim.bench.protocol import UserSplit, pack_support_query, seen_support_query, time_split
 from contracts.features import Examples
 from contracts.params import Params
@@ -58,6 +59,23 @@ class StalenessOptions:
     def __post_init__(self) -> None:
         if self.participations < 1 or not self.clients_per_round or min(self.clients_per_round) < 1:
             raise ValueError("staleness needs participations >= 1 and clients per round >= 1")
+
+
+# Each figure's ceiling: the quality bench's centralized row on the same users and ratings (seen:
+# the training users' newest 10%; unseen: the held-out users' query batches).
+CEILINGS = {
+    "fedrecon_seen": "centralized_standard_eval",
+    "furl_seen": "centralized_standard_eval",
+    "fedrecon_unseen": "centralized_recon_eval",
+    "furl_unseen_initial_locals": "centralized_recon_eval",
+    "furl_unseen_reconstructed": "centralized_recon_eval",
+}
+
+
+def _accuracy(figures: dict[str, Any]) -> str:
+    """Accuracy with its 95% interval, e.g. `41.65% [38.9, 44.3]`."""
+    low, high = figures["intervals"]["accuracy"]
+    return f"{figures['accuracy']:.2%} [{100 * low:.1f}, {100 * high:.1f}]"
 
 
 def _no_validation(params: Params) -> dict[str, float]:
@@ -100,8 +118,8 @@ def run_staleness(
                 _no_validation,
             )
             devices.set_global(run.params)
-            fedrecon_seen = devices.evaluate(seen_recon_eval_work(users, fedrecon, "test"), split.train)
-            fedrecon_unseen = devices.evaluate(recon_eval_work(held_out, fedrecon), split.test)
+            fedrecon_seen = devices.map(seen_recon_eval_work(users, fedrecon, "test"), split.train)
+            fedrecon_unseen = devices.map(recon_eval_work(held_out, fedrecon), split.test)
             fedrecon_seconds = time.perf_counter() - started
             started = time.perf_counter()
             kept = PrivateLocals(manifest)
@@ -114,9 +132,9 @@ def run_staleness(
                 _no_validation,
             )
             devices.set_global(run.params)
-            furl_seen = devices.evaluate(private_locals_eval_work(users, kept, "test"), split.train)
-            furl_unseen = devices.evaluate(initial_locals_eval_work(held_out), split.test)
-            furl_unseen_recon = devices.evaluate(recon_eval_work(held_out, fedrecon), split.test)
+            furl_seen = devices.map(private_locals_eval_work(users, kept, "test"), split.train)
+            furl_unseen = devices.map(initial_locals_eval_work(held_out), split.test)
+            furl_unseen_recon = devices.map(recon_eval_work(held_out, fedrecon), split.test)
             row: dict[str, Any] = {
                 "clients_per_round": per_round,
                 "rounds": count,
@@ -124,21 +142,25 @@ def run_staleness(
                 "server_learning_rate": step.learning_rate,
                 "rounds_between_turns": len(split.train) / per_round,
                 "users_never_sampled": len(split.train) - len(kept.snapshot()),
-                "fedrecon_seen": fedrecon_seen.metrics(),
-                "furl_seen": furl_seen.metrics(),
-                "fedrecon_unseen": fedrecon_unseen.metrics(),
-                "furl_unseen_initial_locals": furl_unseen.metrics(),
-                "furl_unseen_reconstructed": furl_unseen_recon.metrics(),
+                # Each with its 95% intervals over the evaluated users (`intervals`).
+                "fedrecon_seen": with_intervals(fedrecon_seen),
+                "furl_seen": with_intervals(furl_seen),
+                "fedrecon_unseen": with_intervals(fedrecon_unseen),
+                "furl_unseen_initial_locals": with_intervals(furl_unseen),
+                "furl_unseen_reconstructed": with_intervals(furl_unseen_recon),
                 "seconds": {"fedrecon": fedrecon_seconds, "furl": time.perf_counter() - started},
             }
             log(
                 f"  {per_round:>3} clients/round x {count} rounds: seen users accuracy FedRecon "
-                f"{row['fedrecon_seen']['accuracy']:.2%} / FURL {row['furl_seen']['accuracy']:.2%}; "
-                f"unseen FedRecon {row['fedrecon_unseen']['accuracy']:.2%} / FURL (initial locals) "
-                f"{row['furl_unseen_initial_locals']['accuracy']:.2%}"
+                f"{_accuracy(row['fedrecon_seen'])} / FURL {_accuracy(row['furl_seen'])}; unseen "
+                f"FedRecon {_accuracy(row['fedrecon_unseen'])} / FURL (initial locals) "
+                f"{_accuracy(row['furl_unseen_initial_locals'])} / FURL items + reconstruction "
+                f"{_accuracy(row['furl_unseen_reconstructed'])}"
             )
             rows.append(row)
+    log(f"  ceilings (run them with --methods): {CEILINGS}")
     return {
+        "ceilings": CEILINGS,
         "participations": options.participations,
         "training_users": len(split.train),
         "fedrecon_task": fedrecon.to_json(),

@@ -268,18 +268,35 @@ def test_cli_writes_every_method_to_json_and_a_plot(tmp_path: Path) -> None:
         test = report["methods"][name]["test"]
         assert 0 < test["rmse"] < 5 and 0 <= test["accuracy"] <= 1, name
         assert report["methods"][name]["validation_curve"], name
-    for name in ("fedrecon", "better", "centralized_recon_eval"):  # the held-out rows and their ceiling
-        low, high = report["methods"][name]["test_intervals"]["rmse"]
-        assert low <= report["methods"][name]["test"]["rmse"] <= high, name
-    assert [r["split_seed"] for r in report["better_split_seeds"]["runs"]] == [0, 1]
+    for name in federated:  # every row beside its 95% interval and its ceiling
+        _assert_within(report["methods"][name]["test"], report["methods"][name]["test_intervals"], name)
+        ceiling = report["methods"][name]["ceiling"]
+        assert ceiling is None if name.startswith("centralized") else ceiling in report["methods"], name
+    assert report["methods"]["fedavg_standard_eval"]["ceiling"] == "centralized_standard_eval"
+    assert report["methods"]["fedavg_standard_eval"]["test"]["users"] == report["protocol"]["users"]["train"]
+    seeds = report["better_split_seeds"]
+    assert [r["split_seed"] for r in seeds["runs"]] == [0, 1]
+    for row in seeds["runs"]:
+        _assert_within(row, row["intervals"], f"seed {row['split_seed']}")
+    for metric in ("rmse", "accuracy"):
+        low, high = seeds[metric]["mean_95"]
+        assert low <= seeds[metric]["mean"] <= high, metric
     assert [r["k_r"] for r in report["kr_ablation"]["runs"]] == [0, 1, 2, 5, 10]
     assert [r["k_u"] for r in report["ku_ablation"]["runs"]] == [1, 2, 5, 10]
     assert report["ku_ablation"]["default"]["k_u"] == 100
+    for ablation in (report["kr_ablation"], report["ku_ablation"]):
+        _assert_within(ablation["default"], ablation["default"]["intervals"], "default")
+        for row in ablation["runs"]:
+            _assert_within(row, row["intervals"], str(row))
+            low, high = row["relative_accuracy_95"]
+            assert low <= row["relative_accuracy"] <= high
     staleness = report["staleness"]["runs"]
     assert [r["clients_per_round"] for r in staleness] == [100, 20, 5]
     for row in staleness:
         for key in ("fedrecon_seen", "furl_seen", "fedrecon_unseen", "furl_unseen_initial_locals"):
             assert 0 <= row[key]["accuracy"] <= 1 and row[key]["examples"] > 0, key
+        for key in report["staleness"]["ceilings"]:
+            _assert_within(row[key], row[key]["intervals"], key)
     assert (out / "staleness.png").stat().st_size > 10_000
     # One FURL training gives both of the paper's FedAvg rows.
     standard, recon = report["methods"]["fedavg_standard_eval"], report["methods"]["fedavg_recon_eval"]
@@ -298,12 +315,32 @@ def test_cli_writes_every_method_to_json_and_a_plot(tmp_path: Path) -> None:
         secure["runs"]["secure_quantized"]["rmse"] - secure["runs"]["plaintext_uniform"]["rmse"]
     )
     assert "secure_quantization_rmse" in report["targets"]
+    for row in (*dp["runs"], *secure["runs"].values()):
+        _assert_within(row, row["intervals"], str(row.get("noise_multiplier")))
+    for key in ("rmse", "accuracy"):  # paired: the same test users in both runs
+        low, high = secure["quantization"]["intervals"][key]
+        assert low <= secure["quantization"][key] <= high, key
     for source in ("movielens", "expressions"):
         implicit = report["implicit"][source]
         assert implicit["devices_scored"] > 0, source
         for ranking in ("fedrecon", "global_popularity"):
             assert 0 <= implicit[ranking]["hit_rate@10"] <= 1 and 0 <= implicit[ranking]["ndcg@10"] <= 1
-        assert set(implicit["lift"]) == {"hit_rate@10", "ndcg@10"}
+            for figure in ("hit_rate@10", "ndcg@10"):
+                low, high = implicit[ranking][f"{figure}_95"]
+                assert low <= implicit[ranking][figure] <= high, (source, ranking, figure)
+        assert {"hit_rate@10", "ndcg@10", "difference"} <= set(implicit["lift"])
+        for figure in ("hit_rate@10", "ndcg@10"):  # paired over the same devices
+            low, high = implicit["lift"]["difference"][f"{figure}_95"]
+            assert low <= implicit["lift"]["difference"][figure] <= high, (source, figure)
     assert report["targets"]["protocol_run"] is False
     assert (out / "learning_curves.png").stat().st_size > 10_000
     assert "fedrecon" in result.stdout and "test RMSE" in result.stdout
+    # The closing table: each row with its ceiling's figures beside it.
+    assert "| fedrecon | held-out test users | " in result.stdout
+    assert "| centralized_recon_eval | " in result.stdout.split("| fedrecon |")[1].splitlines()[0]
+
+
+def _assert_within(figures: dict[str, float], intervals: dict[str, list[float]], name: str) -> None:
+    for metric in ("rmse", "accuracy"):
+        low, high = intervals[metric]
+        assert low <= figures[metric] <= high, (name, metric)
