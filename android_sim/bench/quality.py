@@ -43,6 +43,15 @@ from android_sim.bench.protocol import (
     time_split,
     user_examples,
 )
+from android_sim.bench.quality_report import (
+    MethodResult,
+    ceiling_note,
+    check_targets,
+    figure,
+    plot_curves,
+    quality_table,
+    shown,
+)
 from android_sim.bench.staleness import StalenessOptions, plot_staleness, run_staleness
 from android_sim.device_data import expression_fleet
 from android_sim.expressions import SyntheticConfig
@@ -181,37 +190,6 @@ class Dataset:
 def load_dataset(path: Path) -> Dataset:
     ratings = load_ratings(path)
     return Dataset(path.name, ratings.num_items, user_examples(ratings))
-
-
-@dataclass
-class MethodResult:
-    method: str
-    evaluated_on: str
-    test: dict[str, float]
-    curve: list[dict[str, float]]  # validation metrics by round (or epoch)
-    seconds: float
-    settings: dict[str, Any]
-    # 95% intervals of the test figures (bootstrap over the evaluated users: `figures`).
-    intervals: dict[str, list[float]] = field(default_factory=dict)
-    # Each evaluated user's sums, in the users' order (not written: the intervals come from them).
-    per_user: list[EvaluationSums] = field(default_factory=list, repr=False)
-
-    @property
-    def ceiling(self) -> str | None:
-        """The method that is this row's ceiling (the same evaluation, trained centrally)."""
-        return CEILINGS.get(self.method)
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "method": self.method,
-            "evaluated_on": self.evaluated_on,
-            "test": self.test,
-            "test_intervals": self.intervals,
-            "ceiling": self.ceiling,
-            "validation_curve": self.curve,
-            "seconds": round(self.seconds, 2),
-            "settings": self.settings,
-        }
 
 
 HELD_OUT = "held-out test users, ReconEval (reconstruct on support, measure on query)"
@@ -530,75 +508,6 @@ SPLIT_SEEDS = (0, 1, 2, 3, 4)
 # Secure aggregation as the orchestrator runs it by default: 32 bits, capacity = target x 1.3.
 SECURE_BITS = 32
 SECURE_OVERSAMPLING = 1.3
-QUANTIZATION_RMSE = 0.002  # issue 11: quantization alone moves test RMSE by at most this
-
-# Issue 5's targets on MovieLens 100K after 500 rounds of 100 clients.
-FAITHFUL_RMSE = (0.965, 0.990)
-FAITHFUL_ACCURACY = (0.39, 0.425)
-BETTER_RMSE = 0.93
-BETTER_ACCURACY = 0.43
-FAST_SECONDS = 60.0
-
-# Each row's ceiling: the same users and ratings, the same evaluation, the model trained centrally
-# (the shared-user row evaluates without reconstruction; its ceiling reconstructs on the support).
-CEILINGS = {
-    "fedrecon": "centralized_recon_eval",
-    "fedavg_recon_eval": "centralized_recon_eval",
-    "fedavg_shared_user": "centralized_recon_eval",
-    "better": "centralized_better_recon_eval",
-    "fedavg_standard_eval": "centralized_standard_eval",
-}
-FORMS = {"rmse": ".4f", "accuracy": ".2%"}
-
-
-def _figure(value: float, interval: Sequence[float] | None, form: str) -> str:
-    """`value [low, high]` in `form` (no brackets without an interval)."""
-    shown_value = format(value, form)
-    if not interval:
-        return shown_value
-    return f"{shown_value} [{format(interval[0], form)}, {format(interval[1], form)}]"
-
-
-def shown(test: dict[str, float], intervals: dict[str, list[float]], metric: str) -> str:
-    """A test figure with its 95% interval, e.g. `0.9763 [0.9280, 1.0270]`."""
-    return _figure(test[metric], intervals.get(metric), FORMS[metric])
-
-
-def _ceiling_note(method: str) -> str:
-    if method in CEILINGS:
-        return f"ceiling: {CEILINGS[method]}"
-    below = sorted(m for m, c in CEILINGS.items() if c == method)
-    return f"the ceiling of {', '.join(below)}" if below else "no ceiling computed"
-
-
-def quality_table(results: dict[str, MethodResult]) -> str:
-    """The rows as Markdown: each figure with its 95% interval over the evaluated users, and beside
-    each row its ceiling's figures and the row minus the ceiling (paired: the same users resampled)."""
-    lines = [
-        "| method | evaluated on | users | test RMSE [95%] | test accuracy [95%] | ceiling | "
-        "ceiling RMSE [95%] | RMSE minus the ceiling's [95%] |",
-        "| --- | --- | ---: | --- | --- | --- | --- | --- |",
-    ]
-    for result in results.values():
-        t, ci = result.test, result.intervals
-        cells = [result.method, result.evaluated_on.split(",")[0], str(int(t["users"]))]
-        cells += [shown(t, ci, "rmse"), shown(t, ci, "accuracy")]
-        top = results.get(result.ceiling) if result.ceiling else None
-        if top is None:
-            note = _ceiling_note(result.method)
-            if result.ceiling:
-                note += " (not run)"
-            cells += [note, "", ""]
-        else:
-            gap = t["rmse"] - top.test["rmse"]
-            paired = (
-                paired_interval(result.per_user, top.per_user, "rmse", np.subtract)
-                if len(result.per_user) == len(top.per_user) > 0
-                else None
-            )
-            cells += [top.method, shown(top.test, top.intervals, "rmse"), _figure(gap, paired, "+.4f")]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
 
 
 @dataclass(frozen=True)
@@ -666,7 +575,7 @@ def run_quality(options: QualityOptions, log: Callable[[str], None] = print) -> 
         log(
             f"{result.method:<28} test RMSE {shown(result.test, result.intervals, 'rmse')}  "
             f"accuracy {shown(result.test, result.intervals, 'accuracy')}  "
-            f"({result.seconds:.1f} s; {result.evaluated_on.split(',')[0]}; {_ceiling_note(result.method)})"
+            f"({result.seconds:.1f} s; {result.evaluated_on.split(',')[0]}; {ceiling_note(result.method)})"
         )
 
     chosen = set(options.methods)
@@ -725,9 +634,9 @@ def run_quality(options: QualityOptions, log: Callable[[str], None] = print) -> 
             }
         log(
             f"  better over user split seeds {list(options.split_seeds)}: mean RMSE "
-            f"{_figure(seeds['rmse']['mean'], seeds['rmse']['mean_95'], '.4f')} (std "
+            f"{figure(seeds['rmse']['mean'], seeds['rmse']['mean_95'], '.4f')} (std "
             f"{seeds['rmse']['std']:.4f}), mean accuracy "
-            f"{_figure(seeds['accuracy']['mean'], seeds['accuracy']['mean_95'], '.2%')}"
+            f"{figure(seeds['accuracy']['mean'], seeds['accuracy']['mean_95'], '.2%')}"
         )
     if "kr_ablation" in chosen or "ku_ablation" in chosen:
         default = run_fedrecon(data, split, options.better, rounds, models, workers)
@@ -762,14 +671,14 @@ def run_quality(options: QualityOptions, log: Callable[[str], None] = print) -> 
             mine, popular, lift = found["fedrecon"], found["global_popularity"], found["lift"]
             hr, ndcg, gap = "hit_rate@10", "ndcg@10", lift["difference"]
             log(
-                f"implicit {source:<19} HR@10 {_figure(mine[hr], mine[f'{hr}_95'], '.2%')} vs "
-                f"{_figure(popular[hr], popular[f'{hr}_95'], '.2%')} global popularity (lift "
-                f"{_figure(lift[hr], lift.get(f'{hr}_95'), '+.1%')}); NDCG@10 "
-                f"{_figure(mine[ndcg], mine[f'{ndcg}_95'], '.4f')} vs "
-                f"{_figure(popular[ndcg], popular[f'{ndcg}_95'], '.4f')} (lift "
-                f"{_figure(lift[ndcg], lift.get(f'{ndcg}_95'), '+.1%')}); minus popularity: HR@10 "
-                f"{_figure(gap[hr], gap.get(f'{hr}_95'), '+.2%')}, NDCG@10 "
-                f"{_figure(gap[ndcg], gap.get(f'{ndcg}_95'), '+.4f')}; {found['devices_scored']} devices; "
+                f"implicit {source:<19} HR@10 {figure(mine[hr], mine[f'{hr}_95'], '.2%')} vs "
+                f"{figure(popular[hr], popular[f'{hr}_95'], '.2%')} global popularity (lift "
+                f"{figure(lift[hr], lift.get(f'{hr}_95'), '+.1%')}); NDCG@10 "
+                f"{figure(mine[ndcg], mine[f'{ndcg}_95'], '.4f')} vs "
+                f"{figure(popular[ndcg], popular[f'{ndcg}_95'], '.4f')} (lift "
+                f"{figure(lift[ndcg], lift.get(f'{ndcg}_95'), '+.1%')}); minus popularity: HR@10 "
+                f"{figure(gap[hr], gap.get(f'{hr}_95'), '+.2%')}, NDCG@10 "
+                f"{figure(gap[ndcg], gap.get(f'{ndcg}_95'), '+.4f')}; {found['devices_scored']} devices; "
                 "95% over the devices; popularity is the floor, no ceiling is trained"
             )
             report.setdefault("implicit", {})[source] = found
@@ -815,7 +724,7 @@ def run_ablation(
         relative_95 = paired_interval(result.per_user, default.per_user, "accuracy", np.divide)
         log(
             f"  {name} = {steps:>2}: RMSE {shown(result.test, result.intervals, 'rmse')}, accuracy "
-            f"{shown(result.test, result.intervals, 'accuracy')} ({_figure(relative, relative_95, '.3f')} "
+            f"{shown(result.test, result.intervals, 'accuracy')} ({figure(relative, relative_95, '.3f')} "
             "of the default)"
         )
         rows.append(
@@ -943,73 +852,3 @@ def run_secure(
         "uniform_weights_and_clipping": difference(uniform, weighted),
         "secure_vs_weighted_plaintext": difference(quantized, weighted),
     }
-
-
-def _target(measured: float, met: bool, target: str) -> dict[str, Any]:
-    return {"measured": measured, "target": target, "met": bool(met)}
-
-
-def check_targets(report: dict[str, Any], results: dict[str, MethodResult]) -> dict[str, Any]:
-    """Issue 5's targets, for the methods that ran; they apply to 500 rounds of 100 clients."""
-    protocol = report["protocol"]
-    targets: dict[str, Any] = {
-        "protocol_run": protocol["rounds"] == 500 and protocol["clients_per_round"] == 100,
-    }
-    if "fedrecon" in results:
-        faithful = results["fedrecon"]
-        low, high = FAITHFUL_RMSE
-        targets["faithful_rmse"] = _target(
-            faithful.test["rmse"], low <= faithful.test["rmse"] <= high, f"{low} to {high}"
-        )
-        low, high = FAITHFUL_ACCURACY
-        targets["faithful_accuracy"] = _target(
-            faithful.test["accuracy"], low <= faithful.test["accuracy"] <= high, f"{low:.1%} to {high:.1%}"
-        )
-        targets["fast_seconds"] = _target(
-            faithful.seconds, faithful.seconds <= FAST_SECONDS, f"<= {FAST_SECONDS}"
-        )
-    if "better" in results:
-        better = results["better"]
-        targets["better_rmse"] = _target(
-            better.test["rmse"], better.test["rmse"] <= BETTER_RMSE, f"<= {BETTER_RMSE}"
-        )
-        targets["better_accuracy"] = _target(
-            better.test["accuracy"], better.test["accuracy"] >= BETTER_ACCURACY, f">= {BETTER_ACCURACY:.0%}"
-        )
-    if "secure_fedrecon" in report:
-        shift = abs(report["secure_fedrecon"]["quantization"]["rmse"])
-        targets["secure_quantization_rmse"] = _target(
-            shift, shift <= QUANTIZATION_RMSE, f"<= {QUANTIZATION_RMSE} (secure vs uniform plaintext)"
-        )
-    return targets
-
-
-def plot_curves(path: Path, results: Sequence[MethodResult]) -> None:
-    """Validation RMSE and accuracy: federated methods by round, centralized ones by epoch."""
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only; never a display
-    import matplotlib.pyplot as plt
-
-    groups = [
-        ("round", [r for r in results if r.curve and not r.method.startswith("centralized")]),
-        ("epoch", [r for r in results if r.curve and r.method.startswith("centralized")]),
-    ]
-    groups = [(unit, members) for unit, members in groups if members] or [("round", [])]
-    fig, axes = plt.subplots(len(groups), 2, figsize=(12, 4.2 * len(groups)), squeeze=False)
-    for row, (unit, members) in zip(axes, groups, strict=True):
-        for result in members:
-            # Round 0 (the untrained model) would squash the scale.
-            trained = [point for point in result.curve if point["round"] > 0]
-            xs = [point["round"] for point in trained]
-            for ax, metric in zip(row, ("rmse", "accuracy"), strict=True):
-                ax.plot(xs, [point[metric] for point in trained], marker=".", label=result.method)
-        for ax, metric in zip(row, ("RMSE", "accuracy"), strict=True):
-            ax.set_xlabel(unit)
-            ax.set_ylabel(f"validation {metric}")
-            if ax.lines:
-                ax.legend(fontsize=8)
-    fig.suptitle("validation users (ReconEval; seen-user methods: StandardEval)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)

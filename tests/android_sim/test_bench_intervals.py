@@ -20,7 +20,7 @@ from android_sim.bench.implicit import TopK, lift, score
 from android_sim.bench.mixing import CEILING, StrategyResult, ceiling_share, table_line
 from android_sim.bench.nextword import CEILING as NEXTWORD_CEILING
 from android_sim.bench.nextword import Row, rows_json, share_interval, share_of_the_way, table
-from android_sim.bench.quality import CEILINGS, MethodResult, quality_table
+from android_sim.bench.quality_report import CEILINGS, MethodResult, quality_table
 from model_runtime.tflite_model import EvaluationSums
 
 
