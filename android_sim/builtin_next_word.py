@@ -371,7 +371,7 @@ class NextWordReport:
             )
 
 
-INTERVALS_FROM_GROUPS = "95% intervals from the server's random groups of devices"
+INTERVALS_FROM_GROUPS = "95% intervals from the server's groups of devices"
 NO_INTERVAL = "too few devices for an interval"
 
 

@@ -216,7 +216,7 @@ def _print_summary(
         name = _evaluation_name(config, workload.manifest)
         groups = final.get("interval_groups")
         spread = (
-            f"; 95% intervals from {groups:.0f} random groups of devices"
+            f"; 95% intervals from {groups:.0f} groups of devices"
             if groups
             else "; no interval: too few devices for two groups of the evaluation's floor"
         )

@@ -3,23 +3,25 @@
 An evaluation round releases example-weighted means (`loss`, `accuracy`, `rmse`, ...) of its
 devices' metric sums, and only sums of at least `min_evaluation_reports` devices
 (`round_release`). An interval needs the spread between devices, which per-device figures would
-show; so the spread is taken between **random groups** of devices instead (Wolter, *Introduction
-to Variance Estimation*, ch. 2). Each report is also added into one of `GROUPS` group sums, chosen
-by a hash of its assignment id; at release, groups are merged in order until each holds at least
-the round's floor of devices, and the interval comes from the merged groups' spread around the
-round's mean (a ratio estimator, linearized), with Student's t for their number less one. So every
-figure released is still a function of sums of at least the floor's devices. The groups' own sums
-are never released, and a round keeps them only while it is open (as it keeps its running sums):
-its commit replaces them with the intervals (`settled`).
+show; so the spread is taken between **groups** of devices instead (the random-groups method,
+Wolter, *Introduction to Variance Estimation*, ch. 2). Each report is also added into one of
+`target // floor` group sums (at least 2, at most `MAX_GROUPS`): the k-th report counted into the
+group k mod that number, so that a round that reaches its target has groups of about its floor's
+devices, each with early and late reporters alike. At the commit, groups are merged in order
+until each holds at least the floor's devices (a round that closed short of its target has fewer
+reports a group), and the interval comes from the merged groups' spread around the round's mean
+(a ratio estimator, linearized), with Student's t for their number less one. So every figure
+released is still a function of sums of at least the floor's devices. The groups' own sums are
+never released, and a round keeps them only while it is open (as it keeps its running sums): its
+commit replaces them with the intervals (`settled`).
 """
 
 from __future__ import annotations
 
-import hashlib
 import math
 from collections.abc import Mapping
 
-GROUPS = 10
+MAX_GROUPS = 32
 _PREFIX = "interval_group_"
 _REPORTS = "reports"
 # Student's t, 97.5% quantile, for 1-30 degrees of freedom; beyond, its Cornish-Fisher expansion.
@@ -36,10 +38,15 @@ def is_group_sum(name: str) -> bool:
     return name.startswith(_PREFIX)
 
 
-def grouped(assignment_id: str, sums: Mapping[str, float]) -> dict[str, float]:
-    """An evaluation report's metric sums, plus the same sums (and a count) for its random group."""
-    group = int.from_bytes(hashlib.sha256(assignment_id.encode()).digest()[:4], "big") % GROUPS
-    prefix = f"{_PREFIX}{group}/"
+def groups_of(target: int, floor: int) -> int:
+    """How many groups a round's reports are spread over: about its floor's devices each."""
+    return max(2, min(MAX_GROUPS, target // max(floor, 1)))
+
+
+def grouped(arrival: int, target: int, floor: int, sums: Mapping[str, float]) -> dict[str, float]:
+    """The `arrival`-th (1, 2, ...) evaluation report's metric sums, plus the same sums (and a
+    count) for its group."""
+    prefix = f"{_PREFIX}{(arrival - 1) % groups_of(target, floor)}/"
     return {**sums, **{prefix + k: v for k, v in sums.items()}, prefix + _REPORTS: 1.0}
 
 
@@ -55,7 +62,7 @@ def merged_groups(metrics: Mapping[str, float], floor: int) -> list[dict[str, fl
     joins the last); empty groups are skipped."""
     groups: list[dict[str, float]] = []
     current: dict[str, float] = {}
-    for g in range(GROUPS):
+    for g in range(MAX_GROUPS):
         prefix = f"{_PREFIX}{g}/"
         part = {k.removeprefix(prefix): v for k, v in metrics.items() if k.startswith(prefix)}
         for k, v in part.items():

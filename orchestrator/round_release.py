@@ -5,7 +5,7 @@ the dashboard), and when a round may not run at all because it would release too
   only once it commits with at least `min_evaluation_reports` devices' reports (its `min_reports`):
   while it is open the running sums are one device's after its first report, so nothing is shown;
   a round that falls short is abandoned at its deadline and its sums are erased. Report rows keep
-  no evaluation sums (`round_reports`). Its figures' 95% intervals come from random groups of at
+  no evaluation sums (`round_reports`). Its figures' 95% intervals come from groups of at
   least the floor's devices each (`evaluation_intervals`); the groups' own sums are never shown.
 - **Differential privacy**: evaluation sums are not noised, so once a population's budget is spent
   no evaluation round opens (schedule or admin API) and an open one is abandoned. A DP round's raw

@@ -324,7 +324,9 @@ def _check(
         raise LockNeeded(f"round {round_.id} may reach its target")
     weight, _, metric_sums = report
     if round_.kind == EVALUATION:
-        metric_sums = evaluation_intervals.grouped(found.id, metric_sums)
+        # Its place among the round's reports as this transaction counts them (1, 2, ...).
+        arrival = round_.reported + coming[round_.id]
+        metric_sums = evaluation_intervals.grouped(arrival, round_.target, round_.min_reports, metric_sums)
     return _Step(index, population, found, round_state.report_count(weight, metric_sums), report=report)
 
 

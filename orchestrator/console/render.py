@@ -54,7 +54,7 @@ def phase_timings(round_: Mapping[str, Any]) -> str:
 
 def evaluation_figures(round_: Mapping[str, Any]) -> str:
     """A committed evaluation round's means with their 95% intervals, e.g. 'loss 0.391 [0.35,
-    0.43], accuracy 0.866 [0.84, 0.89] (95% intervals from 8 random groups of devices)'."""
+    0.43], accuracy 0.866 [0.84, 0.89] (95% intervals from 8 groups of devices)'."""
     metrics = round_.get("metrics", {})
     if round_.get("kind") != "evaluation" or "weight_sum" not in metrics:
         return ""
@@ -66,9 +66,7 @@ def evaluation_figures(round_: Mapping[str, Any]) -> str:
         shown.append(f"{name} {metrics[name]:.3g}{interval}" if name in metrics else "")
     groups = metrics.get("interval_groups")
     spread = (
-        f"95% intervals from {groups:.0f} random groups of devices"
-        if groups
-        else "too few devices for an interval"
+        f"95% intervals from {groups:.0f} groups of devices" if groups else "too few devices for an interval"
     )
     return ", ".join(s for s in shown if s) + f" ({spread})"
 

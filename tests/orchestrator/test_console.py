@@ -212,7 +212,7 @@ def test_a_committed_evaluation_round_shows_its_figures_with_their_intervals() -
 
     # Assert
     assert (
-        "figures: loss 0.391 [0.35, 0.43], accuracy 0.866 [0.84, 0.89] (95% intervals from 8 random" in shown
+        "figures: loss 0.391 [0.35, 0.43], accuracy 0.866 [0.84, 0.89] (95% intervals from 8 groups" in shown
     )
     assert "figures: loss 0.5, accuracy 0.8 (too few devices for an interval)" in bare
     assert "figures:" not in training

@@ -1,14 +1,12 @@
-"""An evaluation round's 95% intervals from random groups of devices (`orchestrator.evaluation_intervals`)."""
+"""An evaluation round's 95% intervals from groups of devices (`orchestrator.evaluation_intervals`)."""
 
 from __future__ import annotations
 
 import math
-import uuid
 
 import numpy as np
 
 from orchestrator.evaluation_intervals import (
-    GROUPS,
     grouped,
     intervals,
     is_group_sum,
@@ -19,12 +17,13 @@ from orchestrator.evaluation_intervals import (
 from orchestrator.round_state import add_metric_sums
 
 
-def round_sums(reports: list[dict[str, float]], ids: list[str] | None = None) -> dict[str, float]:
+def round_sums(
+    reports: list[dict[str, float]], target: int | None = None, floor: int = 5
+) -> dict[str, float]:
     """The round's running sums as the server counts them: each report added with its group's."""
-    ids = ids or [uuid.uuid4().hex for _ in reports]
     total: dict[str, float] = {}
-    for assignment_id, sums in zip(ids, reports, strict=True):
-        total = add_metric_sums(total, grouped(assignment_id, sums))
+    for arrival, sums in enumerate(reports, start=1):
+        total = add_metric_sums(total, grouped(arrival, target or len(reports), floor, sums))
     return total
 
 
@@ -50,7 +49,7 @@ def test_the_interval_covers_the_true_accuracy_about_95_times_in_100() -> None:
         covered += found["accuracy_low"] <= 0.7 <= found["accuracy_high"]
         widths.append(found["accuracy_high"] - found["accuracy_low"])
 
-    # Assert: close to 95% coverage (random groups are conservative-ish, never far off), and the
+    # Assert: close to 95% coverage (the groups' spread estimates the devices'), and the
     # interval is neither degenerate nor useless
     assert 0.90 <= covered / 400 <= 0.99
     assert 0.02 < float(np.median(widths)) < 0.2
@@ -89,14 +88,26 @@ def test_groups_are_merged_until_each_holds_the_floor_and_none_below_two_gives_n
     # Assert: every merged group has at least 5 devices and together all 23; 9 devices cannot make
     # two groups of 5, so no interval is released
     assert all(g["reports"] >= 5 for g in groups) and sum(g["reports"] for g in groups) == 23
-    assert 2 <= len(groups) <= 4
+    assert len(groups) == 4  # 23 // 5 groups of 6, 6, 6 and 5 devices
     assert too_few == {}
+
+
+def test_a_round_that_reaches_its_target_has_groups_of_its_floor_and_a_short_one_fewer() -> None:
+    reports = device_reports(np.random.default_rng(5), 40, 0.5)
+
+    full = merged_groups(round_sums(reports, target=40), floor=5)
+    short = merged_groups(round_sums(reports[:22], target=40), floor=5)
+
+    assert [g["reports"] for g in full] == [5.0] * 8
+    assert (
+        len(short) == 3 and all(g["reports"] >= 5 for g in short) and sum(g["reports"] for g in short) == 22
+    )
 
 
 def test_a_committed_round_keeps_its_sums_and_intervals_but_no_groups_sums() -> None:
     # Prepare: 40 devices' running sums, groups included (one device alone in a group shows its sums)
     metrics = round_sums(device_reports(np.random.default_rng(2), 40, 0.6))
-    assert sum(is_group_sum(k) for k in metrics) >= 3 * GROUPS - 3
+    assert sum(is_group_sum(k) for k in metrics) == 8 * 4  # 8 groups of 5: 3 sums and a count each
 
     # Execute
     kept = settled(metrics, floor=5)
