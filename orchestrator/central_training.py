@@ -277,12 +277,12 @@ def merge(federated: Params, central: Params, alpha: float) -> Params:
 
 class _ServerModels:
     """One TFLiteModel per exported model in this process, each used under its lock (an
-    interpreter is not thread-safe), loaded from files written once to a private directory."""
+    interpreter is not thread-safe). A model is loaded from files in a private directory that is
+    removed once loaded (the interpreter holds the model's bytes), so a server leaves no files."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._models: dict[str, tuple[TFLiteModel, threading.Lock]] = {}
-        self._dir: Path | None = None
 
     @contextlib.contextmanager
     def model(self, sha256: str, manifest: Manifest, tflite: bytes | None) -> Iterator[TFLiteModel]:
@@ -290,14 +290,12 @@ class _ServerModels:
             if sha256 not in self._models:
                 if tflite is None:
                     raise RuntimeError(f"model {sha256[:12]}... is not loaded and its file was not given")
-                if self._dir is None:
-                    self._dir = Path(tempfile.mkdtemp(prefix="orchestrator-models-"))
-                model_dir = self._dir / sha256
-                model_dir.mkdir(exist_ok=True)
-                (model_dir / MODEL_FILE).write_bytes(tflite)
-                (model_dir / MANIFEST_FILE).write_text(json.dumps(manifest.to_json()))
                 try:
-                    loaded = TFLiteModel(model_dir)
+                    with tempfile.TemporaryDirectory(prefix="orchestrator-model-") as tmp:
+                        model_dir = Path(tmp)
+                        (model_dir / MODEL_FILE).write_bytes(tflite)
+                        (model_dir / MANIFEST_FILE).write_text(json.dumps(manifest.to_json()))
+                        loaded = TFLiteModel(model_dir)
                 except (ModelLoadError, ManifestError) as e:
                     raise ModelUnavailable(
                         f"the population's model cannot be loaded: {described(e)}"

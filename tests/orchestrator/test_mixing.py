@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -623,3 +624,28 @@ def test_group_ids_are_kept_with_the_dataset_and_reach_the_central_job(
     np.testing.assert_array_equal(job.dataset.examples["item"], examples["item"])
     assert shown["num_examples"] == 12 and shown["groups"] == 4  # accounts 0, 2, 5 and 9
     assert decode_central(blob, manifest.features, "blob", 1 << 20).groups is not None
+
+
+def test_the_server_loads_a_model_for_central_training_without_leaving_its_files(
+    export: Callable[[ModelConfig], Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Prepare: the process's temporary directory is one this test can list.
+    model_dir = export(BIASED)
+    model = ExportedModel.from_dir(model_dir)
+    manifest = Manifest.from_json(model.manifest)
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    models = central_training._ServerModels()
+
+    # Execute: load it, then use it again (from memory).
+    with models.model(manifest.model_sha256, manifest, model.tflite) as loaded:
+        first = loaded.get_global()
+    with models.model(manifest.model_sha256, manifest, None) as again:
+        second = again.get_global()
+
+    # Assert: the model works after its files are gone, and none are left behind (a server that
+    # left one directory a process filled /tmp over restarts).
+    assert list(scratch.iterdir()) == []
+    for name in first:
+        np.testing.assert_array_equal(first[name], second[name])
