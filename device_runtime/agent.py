@@ -30,14 +30,9 @@ from device_runtime.device_identity import DeviceIdentity
 from device_runtime.example_store import ExampleStore
 from device_runtime.idle_store import IdleStore
 from device_runtime.local_state import LocalStateStore
-from device_runtime.orchestrator_client import (
-    InvalidAnswer,
-    OrchestratorClient,
-    ProtocolError,
-    RetryLater,
-    ServerUnavailable,
-)
+from device_runtime.orchestrator_client import OrchestratorClient
 from device_runtime.privacy_policy import ALL_POPULATIONS, ParticipationLog, PolicyRefusal, PrivacyPolicy
+from device_runtime.protocol_errors import InvalidAnswer, ProtocolError, RetryLater, ServerUnavailable
 from device_runtime.secure_round import SecureParticipation, SecureRoundDriver
 from device_runtime.task_runner import TaskRunner
 from model_runtime.tflite_model import ModelLoadError

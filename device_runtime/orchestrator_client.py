@@ -21,35 +21,45 @@ import asyncio
 import dataclasses
 import hashlib
 import json
-import math
-import os
 import random
 import re
-import secrets
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import httpx
 
-from contracts.manifest import MANIFEST_FILE, MODEL_FILE, Manifest
+from contracts.manifest import MANIFEST_FILE, MODEL_FILE
 from contracts.params import Params, encode_sparse_delta
 from contracts.protocol import (
     ID_PATTERN,
-    MAX_RETRY_AFTER_SECONDS,
     MAX_WAIT_SECONDS,
     SHA256_PATTERN,
     Assignment,
     Enrolled,
-    InvalidMessage,
     Rejection,
     ReportAccepted,
-    parse,
 )
 from contracts.task_config import TaskConfig
+from device_runtime.model_cache import (
+    cached_manifest,
+    cached_model_intact,
+    model_manifest,
+    remember_intact,
+    write_atomically,
+)
+from device_runtime.protocol_errors import InvalidAnswer, ProtocolError, RetryLater, ServerUnavailable
+from device_runtime.server_answers import (
+    MAX_ANSWER_BYTES,
+    MAX_JSON_BYTES,
+    detail,
+    parsed,
+    read_bounded,
+    read_prefix,
+    require_content_type,
+    retry_after,
+)
 
-MAX_JSON_BYTES = 1 << 20  # a control message; the largest real one (a manifest) is a few KB
-MAX_ANSWER_BYTES = 256 << 20  # any other answer: a bound against an endless stream
 MAX_WAIT_IN_REQUEST_SECONDS = 60.0  # a longer 503 window ends the request: the device comes back later
 # A held (long-polled) answer is asked for this much inside the request's read timeout, and at
 # most the server's bound: fewer, longer holds are fewer requests for the device and the server.
@@ -59,40 +69,6 @@ _ID = re.compile(ID_PATTERN)
 _SHA256 = re.compile(SHA256_PATTERN)
 _URLS = tuple(f.name for f in dataclasses.fields(Assignment) if f.name.endswith("_url"))
 _DEFAULT_PORTS = {"http": 80, "https": 443}
-
-
-class ProtocolError(RuntimeError):
-    """The server refused a request (4xx); `status` and the server's reason are kept."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(f"{status}: {message}")
-        self.status = status
-        self.message = message
-
-
-class RetryLater(ProtocolError):
-    """The server asked the device to come back after `retry_after_seconds` (429, or a 503 with a
-    window too long to wait inside one request): not a refusal of the device or its request."""
-
-    def __init__(self, status: int, message: str, retry_after_seconds: float) -> None:
-        super().__init__(status, message)
-        self.retry_after_seconds = retry_after_seconds
-
-
-class ServerUnavailable(RuntimeError):
-    """No answer after all retries."""
-
-
-class InvalidAnswer(RuntimeError):
-    """The server's answer breaks the protocol; the message says what was wrong and what was expected.
-
-    `assignment_id` is the assignment a malformed check-in answer named, when it named one in a
-    usable form, so that the device can still abort it on its own orchestrator."""
-
-    def __init__(self, message: str, *, assignment_id: str | None = None) -> None:
-        super().__init__(message)
-        self.message = message
-        self.assignment_id = assignment_id
 
 
 class OrchestratorClient:
@@ -177,7 +153,7 @@ class OrchestratorClient:
                         f"{method} {url} answered {status} (a redirect to "
                         f"{streamed.headers.get('location', 'nowhere')!r}); the protocol has no redirects"
                     )
-                window = _retry_after(streamed.headers)
+                window = retry_after(streamed.headers)
                 if status == 429 or (status == 503 and (window or 0.0) > MAX_WAIT_IN_REQUEST_SECONDS):
                     raise RetryLater(status, detail, window if window is not None else self.backoff_seconds)
                 if 400 <= status < 500:
@@ -241,16 +217,16 @@ class OrchestratorClient:
         async with self._http.stream(method, url, headers=headers, **kwargs) as streamed:
             status = streamed.status_code
             if 200 <= status < 300:
-                content = await _read_bounded(streamed, max_bytes, f"{method} {url}")
+                content = await read_bounded(streamed, max_bytes, f"{method} {url}")
                 # Decoded already: the copy must not claim an encoding or the wire length.
                 kept = [(k, v) for k, v in streamed.headers.multi_items() if k.lower() not in _WIRE]
                 return httpx.Response(status, headers=kept, content=content, request=streamed.request), ""
-            return streamed, _detail(streamed.headers, await _read_prefix(streamed, 2_000))
+            return streamed, detail(streamed.headers, await read_prefix(streamed, 2_000))
 
     async def _json(self, method: str, path: str, what: str, **kwargs: Any) -> dict[str, Any]:
         """A JSON object answer (at most `MAX_JSON_BYTES`)."""
         response = await self._request(method, path, max_bytes=MAX_JSON_BYTES, **kwargs)
-        _require_content_type(response, "application/json", what)
+        require_content_type(response, "application/json", what)
         self.received_json_bytes += len(response.content)
         try:
             data = json.loads(response.content)
@@ -264,12 +240,12 @@ class OrchestratorClient:
 
     async def _binary(self, path: str, what: str, max_bytes: int = MAX_ANSWER_BYTES) -> bytes:
         response = await self._request("GET", path, max_bytes=max_bytes)
-        _require_content_type(response, "application/octet-stream", what)
+        require_content_type(response, "application/octet-stream", what)
         return response.content
 
     async def enroll(self) -> str:
         data = await self._json("POST", "/v1/devices", "the enrollment answer")
-        enrolled = _parsed(Enrolled, data, "the enrollment answer")
+        enrolled = parsed(Enrolled, data, "the enrollment answer")
         self.token = enrolled.token
         return enrolled.device_id
 
@@ -295,7 +271,7 @@ class OrchestratorClient:
         if accepted is True:
             return self._assignment(data)
         if accepted is False:
-            return _parsed(Rejection, data, "the check-in rejection")
+            return parsed(Rejection, data, "the check-in rejection")
         raise InvalidAnswer(
             f"the check-in answer has accepted={accepted!r}; expected true (an assignment) or false "
             "(a rejection)"
@@ -307,7 +283,7 @@ class OrchestratorClient:
         given = data.get("assignment_id")
         held = given if isinstance(given, str) and _ID.fullmatch(given) else None
         try:
-            assignment = _parsed(Assignment, data, "the assignment")
+            assignment = parsed(Assignment, data, "the assignment")
             for name in _URLS:
                 url = getattr(assignment, name)
                 if url is not None:  # secure_url of a plaintext round
@@ -336,12 +312,12 @@ class OrchestratorClient:
         if not _SHA256.fullmatch(sha256):
             raise InvalidAnswer(f"model address {sha256!r}: expected 64 lowercase hexadecimal digits")
         target = Path(cache_dir) / sha256
-        manifest = await asyncio.to_thread(_cached_manifest, target / MANIFEST_FILE, sha256)
+        manifest = await asyncio.to_thread(cached_manifest, target / MANIFEST_FILE, sha256)
         if manifest is None:
             data = await self._json("GET", manifest_url, "the model's manifest")
-            manifest = _model_manifest(data, sha256)
-            await asyncio.to_thread(_write_atomically, target / MANIFEST_FILE, json.dumps(data).encode())
-        if not await asyncio.to_thread(_cached_model_intact, target / MODEL_FILE, sha256):
+            manifest = model_manifest(data, sha256)
+            await asyncio.to_thread(write_atomically, target / MANIFEST_FILE, json.dumps(data).encode())
+        if not await asyncio.to_thread(cached_model_intact, target / MODEL_FILE, sha256):
             blob = await self._binary(artifact_url, "the model", max_bytes=manifest.model_bytes)
             actual = hashlib.sha256(blob).hexdigest()
             if actual != sha256:
@@ -349,8 +325,8 @@ class OrchestratorClient:
                     f"the model from {artifact_url} has sha256 {actual[:12]}..., expected "
                     f"{sha256[:12]}... (its address); not cached"
                 )
-            await asyncio.to_thread(_write_atomically, target / MODEL_FILE, blob)
-            _remember_intact(target / MODEL_FILE)
+            await asyncio.to_thread(write_atomically, target / MODEL_FILE, blob)
+            remember_intact(target / MODEL_FILE)
         return target
 
     async def population_model(self, population: str, sha256: str, cache_dir: Path) -> Path:
@@ -408,14 +384,14 @@ class OrchestratorClient:
             content=body,
             headers={"Content-Type": "application/octet-stream"},
         )
-        return _parsed(ReportAccepted, data, "the report answer")
+        return parsed(ReportAccepted, data, "the report answer")
 
     async def report_evaluation(
         self, assignment: Assignment, num_examples: int, metrics: Mapping[str, float]
     ) -> ReportAccepted:
         body = {"num_examples": int(num_examples), "metrics": dict(metrics)}
         data = await self._json("POST", assignment.report_url, "the report answer", json=body)
-        return _parsed(ReportAccepted, data, "the report answer")
+        return parsed(ReportAccepted, data, "the report answer")
 
     async def abort(self, assignment: Assignment) -> None:
         await self._request("POST", assignment.abort_url, max_bytes=MAX_JSON_BYTES, attempts=ABORT_ATTEMPTS)
@@ -488,44 +464,7 @@ class OrchestratorClient:
         )
 
 
-M = TypeVar("M")
-
-
-def _parsed(message: type[M], data: dict[str, Any], what: str) -> M:
-    """`data` read as the protocol's `message`, or an `InvalidAnswer` that says what was wrong."""
-    try:
-        return parse(message, data, what)
-    except InvalidMessage as e:
-        raise InvalidAnswer(str(e)) from None
-
-
 _WIRE = {"content-encoding", "content-length", "transfer-encoding"}
-
-
-async def _read_bounded(response: httpx.Response, max_bytes: int, what: str) -> bytes:
-    """The whole body, refused as soon as it is known to exceed `max_bytes` (before reading it
-    when the server declares its length)."""
-    declared = response.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > max_bytes:
-        raise InvalidAnswer(f"{what}: the answer declares {declared} bytes; expected at most {max_bytes}")
-    chunks, size = [], 0
-    async for chunk in response.aiter_bytes():
-        size += len(chunk)
-        if size > max_bytes:
-            raise InvalidAnswer(f"{what}: the answer is longer than {max_bytes} bytes, the most expected")
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
-async def _read_prefix(response: httpx.Response, max_bytes: int) -> bytes:
-    """The start of an error answer: enough for its reason, never the whole of a huge one."""
-    chunks, size = [], 0
-    async for chunk in response.aiter_bytes():
-        chunks.append(chunk)
-        size += len(chunk)
-        if size >= max_bytes:
-            break
-    return b"".join(chunks)[:max_bytes]
 
 
 # httpcore's trace events that open and close the stretches where a cancel is safe (see
@@ -559,33 +498,6 @@ async def _wait_before_retry(seconds: float, reason: str) -> None:
     await asyncio.sleep(seconds)
 
 
-def _retry_after(headers: httpx.Headers) -> float | None:
-    """A Retry-After in seconds, bounded; None when absent or not a number of seconds."""
-    try:
-        seconds = float(headers.get("retry-after", ""))
-    except ValueError:
-        return None
-    return min(seconds, MAX_RETRY_AFTER_SECONDS) if math.isfinite(seconds) and seconds >= 0 else None
-
-
-def _detail(headers: httpx.Headers, body: bytes) -> str:
-    """The reason of an error answer: FastAPI's `detail`, else the start of the body."""
-    if headers.get("content-type", "").startswith("application/json"):
-        try:
-            detail = json.loads(body).get("detail")
-        except (ValueError, RecursionError, AttributeError):
-            detail = None
-        if detail:
-            return str(detail)[:2_000]
-    return body[:200].decode("utf-8", errors="replace")
-
-
-def _require_content_type(response: httpx.Response, expected: str, what: str) -> None:
-    found = response.headers.get("content-type", "")
-    if found.split(";")[0].strip().lower() != expected:
-        raise InvalidAnswer(f"{what} came as Content-Type {found!r}; expected {expected}")
-
-
 def _origin(url: httpx.URL) -> tuple[str, str, int | None]:
     return url.scheme, url.host, url.port or _DEFAULT_PORTS.get(url.scheme)
 
@@ -593,76 +505,3 @@ def _origin(url: httpx.URL) -> tuple[str, str, int | None]:
 def _shown_origin(origin: tuple[str, str, int | None]) -> str:
     scheme, host, port = origin
     return f"{scheme}://{host}:{port}"
-
-
-def _model_manifest(data: dict[str, Any], sha256: str) -> Manifest:
-    """A downloaded manifest, usable only if it describes the model at `sha256`."""
-    try:
-        manifest = Manifest.from_json(data)
-    except (ValueError, TypeError) as e:  # ManifestError, or a shape the parser did not foresee
-        raise InvalidAnswer(f"the model's manifest is not valid: {e}") from None
-    if manifest.model_sha256 != sha256:
-        raise InvalidAnswer(
-            f"the model's manifest describes a model with sha256 {manifest.model_sha256[:12]}...; "
-            f"expected {sha256[:12]}..., the assignment's model"
-        )
-    if not 0 < manifest.model_bytes <= MAX_ANSWER_BYTES:
-        raise InvalidAnswer(
-            f"the model's manifest says the model has {manifest.model_bytes} bytes; "
-            f"expected 1 to {MAX_ANSWER_BYTES}"
-        )
-    return manifest
-
-
-# Content addresses are immutable, so a model file verified once needs no second hash for as
-# long as nothing has touched it (same inode, size and modification time): a fleet of simulated
-# devices sharing one cache then hashes each model once, not on every participation.
-_INTACT: dict[Path, tuple[int, int, int]] = {}
-
-
-def _file_identity(path: Path) -> tuple[int, int, int]:
-    stat = path.stat()
-    return stat.st_ino, stat.st_size, stat.st_mtime_ns
-
-
-def _remember_intact(path: Path) -> None:
-    _INTACT[path] = _file_identity(path)
-
-
-def _cached_model_intact(path: Path, sha256: str) -> bool:
-    """Whether the cached model is there and is the one at `sha256`; a damaged one is deleted."""
-    try:
-        if _INTACT.get(path) == _file_identity(path):
-            return True
-        digest = hashlib.sha256(path.read_bytes()).hexdigest()
-    except FileNotFoundError:
-        return False
-    if digest != sha256:
-        _INTACT.pop(path, None)
-        path.unlink(missing_ok=True)
-        return False
-    _remember_intact(path)
-    return True
-
-
-def _cached_manifest(path: Path, sha256: str) -> Manifest | None:
-    """The cached manifest if it is there, valid, and describes the model at `sha256`; a damaged
-    one is deleted."""
-    try:
-        return _model_manifest(json.loads(path.read_bytes()), sha256)
-    except FileNotFoundError:
-        return None
-    except (ValueError, RecursionError, InvalidAnswer):  # unreadable, or not this model's
-        path.unlink(missing_ok=True)
-        return None
-
-
-def _write_atomically(path: Path, content: bytes) -> None:
-    """Write under a temporary name, then rename: a reader (or a crash) never sees half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(f".{path.name}.{secrets.token_hex(8)}.tmp")
-    try:
-        temporary.write_bytes(content)
-        os.replace(temporary, path)
-    finally:
-        temporary.unlink(missing_ok=True)

@@ -34,13 +34,9 @@ from contracts.manifest import Manifest
 from contracts.params import Params
 from contracts.protocol import Assignment
 from device_runtime.device_identity import DeviceIdentity
-from device_runtime.orchestrator_client import (
-    InvalidAnswer,
-    OrchestratorClient,
-    ProtocolError,
-    ServerUnavailable,
-)
+from device_runtime.orchestrator_client import OrchestratorClient
 from device_runtime.privacy_policy import PolicyRefusal, PrivacyPolicy
+from device_runtime.protocol_errors import InvalidAnswer, ProtocolError, ServerUnavailable
 from secure_aggregation.config import ProtocolError as SecureProtocolError
 from secure_aggregation.config import RoundParameters
 from secure_aggregation.device import DeviceSession

@@ -9,7 +9,8 @@ import time
 
 import httpx
 
-from device_runtime.orchestrator_client import OrchestratorClient, ServerUnavailable
+from device_runtime.orchestrator_client import OrchestratorClient
+from device_runtime.protocol_errors import ServerUnavailable
 
 ENROLLED = json.dumps({"device_id": "d0123456789abcdef", "token": "t" * 32}).encode()
 KEEP_ALIVE_SECONDS = 0.05

@@ -23,7 +23,8 @@ from contracts.manifest import MANIFEST_FILE, MODEL_FILE, Manifest
 from contracts.params import SparseTensor, decode_params, encode_params, encode_sparse_delta
 from device_runtime.agent import DeviceAgent, Participation
 from device_runtime.example_store import Event, ExampleStore
-from device_runtime.orchestrator_client import InvalidAnswer, OrchestratorClient
+from device_runtime.orchestrator_client import OrchestratorClient
+from device_runtime.protocol_errors import InvalidAnswer
 from device_runtime.task_runner import TaskRunner
 from model_export.config import ModelConfig
 from orchestrator.local import free_port

@@ -18,7 +18,8 @@ import pytest
 from contracts.manifest import load_manifest
 from contracts.params import encode_sparse_delta
 from contracts.task_config import TaskConfig
-from device_runtime.orchestrator_client import OrchestratorClient, ProtocolError, ServerUnavailable
+from device_runtime.orchestrator_client import OrchestratorClient
+from device_runtime.protocol_errors import ProtocolError, ServerUnavailable
 from model_export.config import ModelConfig
 from orchestrator.local import free_port
 from tests.conftest import BIASED, ROOT

@@ -20,7 +20,8 @@ from device_runtime.agent import DeviceAgent, Participation
 from device_runtime.client_task import prepare
 from device_runtime.device_identity import DeviceIdentity
 from device_runtime.example_store import Event, ExampleStore
-from device_runtime.orchestrator_client import OrchestratorClient, ProtocolError
+from device_runtime.orchestrator_client import OrchestratorClient
+from device_runtime.protocol_errors import ProtocolError
 from enrollment_authority.authority import EnrollmentAuthority
 from model_export.config import ModelConfig
 from model_runtime.tflite_model import TFLiteModel

@@ -31,7 +31,8 @@ from contracts.protocol import Assignment, Rejection
 from device_runtime import orchestrator_client
 from device_runtime.agent import DeviceAgent, Participation
 from device_runtime.example_store import ExampleStore
-from device_runtime.orchestrator_client import OrchestratorClient, RetryLater
+from device_runtime.orchestrator_client import OrchestratorClient
+from device_runtime.protocol_errors import RetryLater
 from orchestrator.local import LocalOrchestrator
 from tests.android_sim.test_run import small, work  # noqa: F401  (work: the fixture)
 from tests.conftest import DEVICE_POLICY
