@@ -48,7 +48,8 @@ from android_sim import recommendations  # noqa: E402
 from android_sim.algorithm import optimizer_over  # noqa: E402
 from android_sim.bench.federated import Rounds, Server  # noqa: E402
 from android_sim.bench.protocol import UserSplit  # noqa: E402
-from android_sim.bench.quality import SECURE_BITS, SECURE_OVERSAMPLING, SecureQuantization  # noqa: E402
+from android_sim.bench.quality import SECURE_BITS, SECURE_OVERSAMPLING  # noqa: E402
+from android_sim.bench.quality_methods import SecureQuantization  # noqa: E402
 from android_sim.builtin_data import builtin_workload, export, load_data, model_config  # noqa: E402
 from android_sim.hit_rates import HISTORY_BUCKETS, expected_hit_rate, history_bucket  # noqa: E402
 from android_sim.intervals import Interval, bootstrap_means, resample_rows  # noqa: E402

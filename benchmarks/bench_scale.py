@@ -66,7 +66,7 @@ from scale_simulation import (  # noqa: E402
 )
 
 from android_sim.bench.models import ModelCache  # noqa: E402
-from android_sim.bench.quality import load_dataset, protocol_model  # noqa: E402
+from android_sim.bench.quality_methods import load_dataset, protocol_model  # noqa: E402
 from android_sim.datasets import DatasetError, cached_file  # noqa: E402
 from android_sim.run_config import RunError  # noqa: E402
 

@@ -37,7 +37,7 @@ from android_sim.bench import numpy_fedrecon  # noqa: E402
 from android_sim.bench.federated import Rounds  # noqa: E402
 from android_sim.bench.models import ModelCache  # noqa: E402
 from android_sim.bench.protocol import PROTOCOL_SEED, pack_support_query, split_users  # noqa: E402
-from android_sim.bench.quality import FAITHFUL, load_dataset, protocol_model  # noqa: E402
+from android_sim.bench.quality_methods import FAITHFUL, load_dataset, protocol_model  # noqa: E402
 from android_sim.datasets import DatasetError, cached_file  # noqa: E402
 from android_sim.simulation import SimulationOptions, simulate  # noqa: E402
 from model_runtime.tflite_model import TFLiteModel  # noqa: E402

@@ -16,7 +16,7 @@ from scale_cores import CpuMeter
 
 from android_sim.bench.federated import Rounds, Server, summed
 from android_sim.bench.protocol import split_users
-from android_sim.bench.quality import FAITHFUL, Dataset
+from android_sim.bench.quality_methods import FAITHFUL, Dataset
 from android_sim.simulation import SimulationOptions, simulate, simulation_clients
 from model_runtime.tflite_model import TFLiteModel
 

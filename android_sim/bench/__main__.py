@@ -368,7 +368,8 @@ def main(argv: list[str] | None = None) -> int:
         import json
 
         from android_sim.bench.federated import Rounds
-        from android_sim.bench.quality import BETTER, FedReconSettings, QualityOptions, run_quality
+        from android_sim.bench.quality import QualityOptions, run_quality
+        from android_sim.bench.quality_methods import BETTER, FedReconSettings
         from android_sim.bench.staleness import StalenessOptions
 
         better = BETTER

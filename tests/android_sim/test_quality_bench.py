@@ -14,8 +14,8 @@ import pytest
 from android_sim.bench.federated import Devices, Rounds, Server, recon_eval_work
 from android_sim.bench.models import ModelCache
 from android_sim.bench.protocol import pack_support_query, split_users, time_split
-from android_sim.bench.quality import (
-    METHODS,
+from android_sim.bench.quality import METHODS
+from android_sim.bench.quality_methods import (
     Dataset,
     FedReconSettings,
     SecureQuantization,

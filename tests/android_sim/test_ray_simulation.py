@@ -14,7 +14,7 @@ import pytest
 from android_sim.__main__ import main
 from android_sim.bench.federated import Rounds, Server
 from android_sim.bench.models import ModelCache
-from android_sim.bench.quality import load_dataset, protocol_model
+from android_sim.bench.quality_methods import load_dataset, protocol_model
 from android_sim.simulation import SimulationOptions, SimulationResult, simulate
 from contracts.task_config import LocalState, TaskConfig
 from orchestrator.aggregation import PartialSum, RobustAggregation
