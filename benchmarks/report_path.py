@@ -63,7 +63,7 @@ from orchestrator import rounds  # noqa: E402
 from orchestrator.db import make_engine  # noqa: E402
 from orchestrator.devices import enroll  # noqa: E402
 from orchestrator.migrate import migrate  # noqa: E402
-from orchestrator.populations import ExportedModel, create_population  # noqa: E402
+from orchestrator.populations import ExportedModel, PopulationError, create_population  # noqa: E402
 
 PACKAGES = ("orchestrator", "contracts", "secure_aggregation", "model_runtime")
 MODEL = ModelConfig(num_items=200, embedding_dim=4, batch_size=5, max_batches=4)
@@ -347,6 +347,11 @@ def main() -> None:
     parser.add_argument("--model-dir", type=Path, help="an exported model (default: export a small one)")
     parser.add_argument("--show", action="store_true", help="print every stop with its floor")
     args = parser.parse_args()
+    if args.model_dir is not None:
+        try:
+            ExportedModel.from_dir(args.model_dir)
+        except PopulationError as e:
+            parser.error(f"--model-dir: {e} (expected the output of `python -m model_export`)")
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = args.model_dir or export_in_subprocess(MODEL, Path(tmp) / "model")
         measured = one_report(model_dir, Path(tmp) / "orchestrator.sqlite")

@@ -45,3 +45,20 @@ def test_the_main_quality_benchmark_refuses_a_bad_serving_bagging_before_trainin
         "bench_main_quality: invalid serving bagging: members must be in [1, 64], got 0"
     )
     assert "Traceback" not in done.stderr
+
+
+def test_the_report_path_tool_refuses_a_folder_that_is_not_an_exported_model(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "report_path.py"), "--model-dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
+
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines()[-1] == (
+        f"report_path.py: error: --model-dir: {tmp_path} is not an exported model directory: "
+        f"{tmp_path / 'model.tflite'} is missing (expected the output of `python -m model_export`)"
+    )
+    assert "Traceback" not in done.stderr
