@@ -179,7 +179,11 @@ class Monitor:
                     return None
                 await asyncio.sleep(0.5)  # it closes at its target or its deadline
         self.fleet.evaluation_round = evaluation["id"]
-        self.progress.update(self.task, description="final evaluation")
+        # Up to a minute of wall time with the defaults: said, so that the run does not look stuck.
+        self.progress.update(
+            self.task,
+            description=f"final evaluation (up to {duration:.0f} s: devices report in their nightly windows)",
+        )
         while time.monotonic() < deadline:
             for r in await admin_call(self.admin.rounds(self.population, kind="evaluation", limit=5)):
                 if r["id"] == evaluation["id"] and r["status"] != "open":

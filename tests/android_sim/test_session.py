@@ -55,9 +55,7 @@ def test_the_final_evaluation_waits_a_simulated_day_for_the_held_out_devices_nig
         return None
 
     # Execute
-    session = asyncio.run(
-        run_fleet(config, "night", workload.model_dir, specs, settings, serve, console)
-    )
+    session = asyncio.run(run_fleet(config, "night", workload.model_dir, specs, settings, serve, console))
 
     # Assert: the training round committed, and the final evaluation took the held-out devices'
     # reports once their night came, closing at its target

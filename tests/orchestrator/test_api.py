@@ -234,7 +234,8 @@ def test_an_operator_opens_an_evaluation_round_for_as_long_as_it_asks(
     settings = {"target_reports": 2, "evaluation_round_duration_seconds": 10}
     created = admin_create_population(server.url, export(BIASED), "p", json.dumps(settings))
     assert created.status_code == 201, created.text
-    url, admin = f"{server.url}/v1/admin/populations/p/evaluations", {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+    admin = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+    url = f"{server.url}/v1/admin/populations/p/evaluations"
 
     # Execute: durations out of range, then a day (devices that take part only at night)
     zero = httpx.post(url, params={"duration_seconds": 0}, headers=admin, timeout=10)
@@ -247,7 +248,8 @@ def test_an_operator_opens_an_evaluation_round_for_as_long_as_it_asks(
     assert opened.status_code == 201, opened.text
     round_ = opened.json()
     assert round_["deadline"] - round_["opened_at"] == pytest.approx(86_400)
-    listed = httpx.get(f"{server.url}/v1/admin/populations/p/rounds?kind=evaluation", headers=admin, timeout=10)
+    rounds_url = f"{server.url}/v1/admin/populations/p/rounds"
+    listed = httpx.get(rounds_url, params={"kind": "evaluation"}, headers=admin, timeout=10)
     assert [r["id"] for r in listed.json()] == [round_["id"]]
 
 
