@@ -312,8 +312,9 @@ async def run_fleet(
                         fleet.stop([TRAINING])
                     # A simulated day at least: a device takes part only in its nightly charging
                     # window, in its own time zone, and a round of the population's 10 s (4 simulated
-                    # hours) evaluated whoever's night the run ended in: 7 of 150 held-out devices at
-                    # 13:00 UTC, 40 (its target) at 00:00. It closes at its target before.
+                    # hours) evaluated whoever's night the run ended in: 7 of the 150 held-out devices
+                    # reported from simulated 13:36 UTC, 40 (its target) from 00:06. It closes at its
+                    # target before.
                     duration = max(config.round_seconds, config.day_seconds)
                     final = await monitor.final_evaluation(duration, duration + config.round_seconds * 2 + 5)
                 if await fleet.switch_off(STOP_GRACE_SECONDS):

@@ -25,8 +25,8 @@ STEADY = DeviceClass("steady phone", 1.0, 1.0, 200.0, 2.0, 0.0, 0.5, 24.0, 1.0, 
 def test_the_final_evaluation_waits_a_simulated_day_for_the_held_out_devices_night(work: Path) -> None:
     # Prepare: training devices always eligible; the held-out ones charge only from 20 s after the
     # fleet's clock starts, for 6 s of its 30 s day: after the training round and the population's
-    # 4 s evaluation round, as the secure main job ended at simulated 13:00 with 7 of 150 held-out
-    # devices in their window (40 at 00:00)
+    # 4 s evaluation round, as a secure main job's training ended at simulated 13:36 UTC (1-8 of its
+    # 150 held-out devices in their window over its evaluation round's 4 simulated hours: 7 reports)
     config = small(work, rounds=1, target_reports=4, round_seconds=4.0, day_seconds=30.0, min_examples=1)
     console = Console(width=120, record=True)
     workload = load_workload(config, console)
