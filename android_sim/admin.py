@@ -95,8 +95,12 @@ class AdminClient:
                 break
         return sorted(found, key=lambda r: int(r["id"]))
 
-    async def schedule_evaluation(self, name: str) -> dict[str, Any]:
-        result: dict[str, Any] = await self._request("POST", f"/v1/admin/populations/{name}/evaluations")
+    async def schedule_evaluation(self, name: str, duration_seconds: float | None = None) -> dict[str, Any]:
+        """Open an evaluation round, taking reports for `duration_seconds` (default: the population's)."""
+        params = {} if duration_seconds is None else {"duration_seconds": duration_seconds}
+        result: dict[str, Any] = await self._request(
+            "POST", f"/v1/admin/populations/{name}/evaluations", params=params
+        )
         return result
 
     async def attach_mixing(

@@ -75,7 +75,11 @@ _REPORTS = (
 )
 
 
-def open_round(session: Session, population: Population, kind: str, now: float) -> Round:
+def open_round(
+    session: Session, population: Population, kind: str, now: float, duration: float | None = None
+) -> Round:
+    """Open a round of `kind` now; `duration`: an evaluation round's own (an operator's), instead of
+    the population's `evaluation_round_duration_seconds`."""
     settings = population_settings(population)
     secure = kind == TRAINING and settings.secure_training
     if kind == TRAINING:
@@ -85,7 +89,8 @@ def open_round(session: Session, population: Population, kind: str, now: float) 
         target = settings.evaluation_target_reports
         capacity = math.ceil(target * settings.oversampling)
         # The floor: fewer devices' sums are theirs alone (round_release).
-        min_reports, duration = settings.min_evaluation_reports, settings.evaluation_round_duration_seconds
+        min_reports = settings.min_evaluation_reports
+        duration = settings.evaluation_round_duration_seconds if duration is None else duration
     dp = settings.dp()
     previous = _previous_round(session, population, kind)
     window = pace_steering.next_window(

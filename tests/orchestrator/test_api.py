@@ -228,6 +228,32 @@ def test_an_abandoned_round_says_why_in_the_rounds_listing_and_the_status(
     assert status["idle_rounds"] >= 1  # no device came: the population backs off (idle_backoff)
 
 
+def test_an_operator_opens_an_evaluation_round_for_as_long_as_it_asks(
+    server: Server, export: Callable[[ModelConfig], Path]
+) -> None:
+    # Prepare: a population whose evaluation rounds take reports for 10 s
+    settings = {"target_reports": 2, "evaluation_round_duration_seconds": 10}
+    created = admin_create_population(server.url, export(BIASED), "p", json.dumps(settings))
+    assert created.status_code == 201, created.text
+    admin = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+    url = f"{server.url}/v1/admin/populations/p/evaluations"
+
+    # Execute: durations out of range, then a day (devices that take part only at night)
+    zero = httpx.post(url, params={"duration_seconds": 0}, headers=admin, timeout=10)
+    text = httpx.post(url, params={"duration_seconds": "a day"}, headers=admin, timeout=10)
+    opened = httpx.post(url, params={"duration_seconds": 86_400}, headers=admin, timeout=10)
+
+    # Assert: the refusals are one line each and open nothing; the round has its own deadline
+    assert (zero.status_code, text.status_code) == (422, 422)
+    assert "duration_seconds" in zero.json()["detail"] and "\n" not in zero.json()["detail"]
+    assert opened.status_code == 201, opened.text
+    round_ = opened.json()
+    assert round_["deadline"] - round_["opened_at"] == pytest.approx(86_400)
+    rounds_url = f"{server.url}/v1/admin/populations/p/rounds"
+    listed = httpx.get(rounds_url, params={"kind": "evaluation"}, headers=admin, timeout=10)
+    assert [r["id"] for r in listed.json()] == [round_["id"]]
+
+
 def test_artifact_and_params_downloads(
     server: Server, population: str, export: Callable[[ModelConfig], Path]
 ) -> None:

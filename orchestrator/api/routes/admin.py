@@ -23,6 +23,7 @@ from orchestrator.api import schemas
 from orchestrator.api.deps import AdminDep, ClockDep, SessionFactoryDep, run_db
 from orchestrator.db import Population, Round, SettingsChange
 from orchestrator.limits import MAX_COUNT, MAX_MANIFEST_BYTES, json_document
+from orchestrator.population_settings import MAX_SECONDS
 from orchestrator.populations import ExportedModel, PopulationError, create_population
 from orchestrator.settings_changes import SettingsChangeError, change_settings
 
@@ -245,7 +246,22 @@ def _locked(session: Session, name: str) -> Population:
         }
     ),
 )
-def schedule_evaluation(name: str, _: AdminDep, factory: SessionFactoryDep, clock: ClockDep) -> RoundView:
+def schedule_evaluation(
+    name: str,
+    _: AdminDep,
+    factory: SessionFactoryDep,
+    clock: ClockDep,
+    duration_seconds: Annotated[
+        float | None,
+        Query(
+            gt=0,
+            le=MAX_SECONDS,
+            description="how long this round takes reports (default: the population's "
+            "evaluation_round_duration_seconds); it closes at its target before, e.g. a day for "
+            "devices that may take part only at night in their own time zones",
+        ),
+    ] = None,
+) -> RoundView:
     with factory.begin() as session:
         population = _locked(session, name)
         if pausing.paused(population):
@@ -255,7 +271,7 @@ def schedule_evaluation(name: str, _: AdminDep, factory: SessionFactoryDep, cloc
             raise HTTPException(409, refusal)
         if rounds.EVALUATION in rounds.open_rounds(session, population):
             raise HTTPException(409, "an evaluation round is already open")
-        return round_out(rounds.open_round(session, population, rounds.EVALUATION, clock()))
+        return round_out(rounds.open_round(session, population, rounds.EVALUATION, clock(), duration_seconds))
 
 
 @router.post(
