@@ -17,12 +17,17 @@ _SHORTENED = re.compile(r"<!-- tutorial-test: (?P<command>.+?) \+= (?P<options>.
 _RANKED = re.compile(r"^\s+\d+\s+(\d+)\s+-?\d", re.MULTILINE)
 
 
-def tutorial(name: str) -> tuple[list[list[str]], tuple[str, str]]:
+def tutorial(name: str) -> tuple[list[str], tuple[str, str]]:
     """A tutorial's bash blocks and its (command, extra options) shortening."""
     page = (TUTORIALS / name).read_text()
     shortened = _SHORTENED.search(page)
     assert shortened, f"{name} has no tutorial-test comment"
-    return [_commands(b) for b in _BLOCK.findall(page)], (shortened["command"], shortened["options"])
+    return _BLOCK.findall(page), (shortened["command"], shortened["options"])
+
+
+def whole(block: str) -> str:
+    """A block that is one command whose quoted JSON spans lines."""
+    return block.replace("\\\n", " ").strip()
 
 
 def database(work: Path) -> dict[str, str]:
@@ -32,8 +37,8 @@ def database(work: Path) -> dict[str, str]:
 
 def test_the_stateful_tutorial_runs_as_written(tmp_path: Path) -> None:
     (run, create, serve), shortened = tutorial("stateful-local-parameters.md")
-    (main,) = _run(run, shortened, tmp_path, {})
-    (created,) = _run(create, shortened, tmp_path, database(tmp_path))
+    (main,) = _run(_commands(run), shortened, tmp_path, {})
+    (created,) = _run(_commands(create), shortened, tmp_path, database(tmp_path))
 
     report = json.loads((tmp_path / "runs" / "furl" / "report.json").read_text())
     population = report["population"]["name"]
@@ -41,7 +46,24 @@ def test_the_stateful_tutorial_runs_as_written(tmp_path: Path) -> None:
     assert "local parameters: keep (local learning rate 0.25)" in main  # as the page says
     assert created.startswith("created population 'furl'")
     shown = report["recommendations"][0]  # the first device whose top-10 the run showed
-    (command,) = serve
+    (command,) = _commands(serve)
     command = command.replace("POPULATION", population).replace("DEVICE", f"{shown['device']:05d}")
     (served,) = _run([command], shortened, tmp_path, {})
     assert [int(item) for item in _RANKED.findall(served)] == shown["personalized"]
+
+
+def test_the_secure_aggregation_tutorial_runs_as_written(tmp_path: Path) -> None:
+    (fleet, create), shortened = tutorial("secure-aggregation-with-dp.md")
+    secure, private = _commands(fleet)
+    # The second command is the first with DP added: running it runs both's code.
+    assert private.startswith(secure.split(" --work-dir")[0] + " --clip-norm")
+    (main,) = _run([private], shortened, tmp_path, {})
+    command = whole(create).replace("MODEL_DIR", "runs/secure-dp/model")  # the page's: this run's export
+    (created,) = _run([command], shortened, tmp_path, database(tmp_path))
+
+    report = json.loads((tmp_path / "runs" / "secure-dp" / "report.json").read_text())
+    assert report["config"]["aggregation"] == "secure"
+    privacy = report["privacy"]
+    assert privacy["epsilon"] > 0 and privacy["epsilon_budget"] == 8
+    assert f"differential privacy: {privacy['message']}" in " ".join(main.split())
+    assert created.startswith("created population 'movies'")
