@@ -7,8 +7,17 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable
 from pathlib import Path
 
+from android_sim.__main__ import build_parser
+from android_sim.builtin_data import load_data, model_config
+from android_sim.run_config import RunConfig
+from model_export.config import ModelConfig
 from tests.conftest import ROOT
 from tests.test_docs import _BLOCK, _commands, _run
 
@@ -67,3 +76,40 @@ def test_the_secure_aggregation_tutorial_runs_as_written(tmp_path: Path) -> None
     assert privacy["epsilon"] > 0 and privacy["epsilon_budget"] == 8
     assert f"differential privacy: {privacy['message']}" in " ".join(main.split())
     assert created.startswith("created population 'movies'")
+
+
+def test_the_mixing_tutorial_runs_as_written(export: Callable[[ModelConfig], Path], tmp_path: Path) -> None:
+    page = (TUTORIALS / "mixing-centralized-data.md").read_text()
+    (fleet, create, mix, central_only), shortened = tutorial("mixing-centralized-data.md")
+    examples, *others = _commands(fleet)
+    for command in others:  # their options parse; running each would take as long again
+        build_parser().parse_args(["run", *shlex.split(command.removeprefix("./dev main"))])
+    (main,) = _run([examples], shortened, tmp_path, {})
+    report = json.loads((tmp_path / "runs" / "mix-examples" / "report.json").read_text())
+    assert report["mixing"]["mixing"]["strategy"] == "example_transfer"
+    assert report["mixing"]["central_bytes_per_assignment"] == 296  # the page's table, for 16
+    assert report["algorithm"]["task_config"]["central_only_items"]  # where the page says
+    assert "mixing: example_transfer over" in " ".join(main.split())
+
+    # The quickstart's model, which the page's population uses.
+    quickstart = tmp_path / "runs" / "quickstart" / "model"
+    shutil.copytree(export(model_config(load_data(RunConfig(work_dir=tmp_path)))), quickstart)
+    env = database(tmp_path)
+    (created,) = _run(_commands(create), shortened, tmp_path, env)
+    (code,) = re.findall(r"^```python\n(.*?)^```", page, re.MULTILINE | re.DOTALL)
+    written = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True)
+    assert written.returncode == 0, written.stderr
+    (command,) = _commands(mix)
+    (mixed,) = _run(
+        [command.replace("central.safetensors", str(tmp_path / "central.safetensors"))],
+        shortened,
+        tmp_path,
+        env,
+    )
+    (central,) = _run(_commands(central_only), shortened, tmp_path, env)
+
+    assert created.startswith("created population 'expressions'")
+    attached = json.loads(mixed)
+    assert attached["mixing"]["strategy"] == "parallel_training"
+    assert (attached["num_examples"], attached["groups"]) == (4, 3)
+    assert central.startswith("created population 'new-expressions'")
