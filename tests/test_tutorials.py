@@ -11,14 +11,20 @@ import shlex
 import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
+
+import httpx
+import pytest
 
 from android_sim.__main__ import build_parser
 from android_sim.builtin_data import load_data, model_config
 from android_sim.run_config import RunConfig
 from model_export.config import ModelConfig
+from orchestrator.local import free_port
 from tests.conftest import ROOT
+from tests.orchestrator.conftest import POSTGRES_URL, fresh_postgres_database
 from tests.test_docs import _BLOCK, _commands, _run
 
 TUTORIALS = ROOT / "docs" / "tutorials"
@@ -113,3 +119,57 @@ def test_the_mixing_tutorial_runs_as_written(export: Callable[[ModelConfig], Pat
     assert attached["mixing"]["strategy"] == "parallel_training"
     assert (attached["num_examples"], attached["groups"]) == (4, 3)
     assert central.startswith("created population 'new-expressions'")
+
+
+def quickstart_model(export: Callable[[ModelConfig], Path], work: Path) -> None:
+    """`runs/quickstart/model` in `work`: the quickstart's export, which pages name."""
+    model = export(model_config(load_data(RunConfig(work_dir=work))))
+    shutil.copytree(model, work / "runs" / "quickstart" / "model")
+
+
+@pytest.mark.skipif(not POSTGRES_URL, reason="needs TEST_POSTGRES_URL, a PostgreSQL server (CI sets it)")
+def test_the_postgresql_tutorial_runs_as_written(
+    export: Callable[[ModelConfig], Path], tmp_path: Path
+) -> None:
+    (_, server, clients, *_), shortened = tutorial("postgresql.md")
+    *exports, serve = _commands(server)
+    serve = serve.split("#")[0].strip()  # without its comment
+    assert all(line.startswith("export ORCHESTRATOR_") for line in exports)
+    assert serve.startswith(".venv/bin/python -m orchestrator serve --workers 4")
+    quickstart_model(export, tmp_path)
+    port = free_port()  # the page's 8700 may be taken on a shared machine
+    with fresh_postgres_database() as url:
+        # The page's exports in a shell, its database the test's; the server started as written.
+        script = "\n".join(
+            re.sub(r"^export ORCHESTRATOR_DATABASE_URL=.*", f"export ORCHESTRATOR_DATABASE_URL={url}", line)
+            for line in exports
+        )
+        token_file = tmp_path / "token"
+        script += f'\nprintf %s "$ORCHESTRATOR_ADMIN_TOKEN" > {token_file}\nexec {serve} --port {port}'
+        with open(tmp_path / "serve.log", "wb") as log:
+            process = subprocess.Popen(["bash", "-c", script], cwd=ROOT, stdout=log, stderr=log)
+        try:
+            deadline = time.monotonic() + 90
+            while True:
+                assert process.poll() is None, (tmp_path / "serve.log").read_text()[-2000:]
+                try:
+                    if httpx.get(f"http://127.0.0.1:{port}/openapi.json", timeout=1).status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                assert time.monotonic() < deadline, "the server did not answer"
+                time.sleep(0.2)
+            token = token_file.read_text()
+            env = {"ORCHESTRATOR_DATABASE_URL": url, "ORCHESTRATOR_ADMIN_TOKEN": token}
+            commands = [
+                c.replace('"$ORCHESTRATOR_ADMIN_TOKEN"', token).replace(":8700", f":{port}")
+                for c in _commands(clients)
+            ]
+            created, status, fleet = _run(commands, shortened, tmp_path, env)
+        finally:
+            process.terminate()
+            process.wait(timeout=60)
+
+    assert created.startswith("created population 'movies'")
+    assert json.loads(status)["settings"]["target_reports"] == 100
+    assert "population 'movies-fleet'" in fleet and "training rounds committed" in fleet
