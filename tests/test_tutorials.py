@@ -127,6 +127,17 @@ def quickstart_model(export: Callable[[ModelConfig], Path], work: Path) -> None:
     shutil.copytree(model, work / "runs" / "quickstart" / "model")
 
 
+def test_the_fleet_against_a_server_takes_any_admin_token() -> None:
+    # token_urlsafe, as the pages make it, starts with "-" one time in 64; written
+    # `--admin-token "$TOKEN"`, argparse then took it for an option and the run stopped.
+    (_, _, clients, *_), _ = tutorial("postgresql.md")
+    fleet = _commands(clients)[-1].removeprefix("./dev main")
+    args = build_parser().parse_args(
+        ["run", *shlex.split(fleet.replace("$ORCHESTRATOR_ADMIN_TOKEN", "-lWd"))]
+    )
+    assert args.admin_token == "-lWd"
+
+
 @pytest.mark.skipif(not POSTGRES_URL, reason="needs TEST_POSTGRES_URL, a PostgreSQL server (CI sets it)")
 def test_the_postgresql_tutorial_runs_as_written(
     export: Callable[[ModelConfig], Path], tmp_path: Path
