@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import ValidationError
 
 from contracts.task_config import LocalState, TaskConfig
-from orchestrator.population_settings import PopulationSettings
+from orchestrator.population_settings import PopulationSettings, settings_problems
 
 if TYPE_CHECKING:  # the run's config checks its algorithm with `algorithm_task`
     from android_sim.run_config import RunConfig
@@ -58,12 +58,7 @@ def settings_problem(settings: dict[str, Any]) -> str | None:
     try:
         PopulationSettings.model_validate(settings)
     except ValidationError as e:
-        return "population settings: " + "; ".join(
-            ".".join(str(part) for part in error["loc"]) * bool(error["loc"])
-            + (": " if error["loc"] else "")
-            + error["msg"].removeprefix("Value error, ")
-            for error in e.errors()
-        )
+        return "population settings: " + settings_problems(e)
     return None
 
 

@@ -18,7 +18,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from android_sim.admin import AdminClient, AdminError
-from android_sim.fleet import TRAINING, DeviceSpec, Fleet, FleetOptions
+from android_sim.fleet import TRAINING, DeviceSpec, Fleet, FleetOptions, FleetStats
 from android_sim.network import Connector
 from android_sim.profiles import SimClock
 from android_sim.run_config import RunConfig, RunError
@@ -90,6 +90,27 @@ async def admin_call(coro: Awaitable[T]) -> T:
         raise RunError(str(e)) from None
 
 
+def progress_line(stats: FleetStats, latest: dict[str, Any] | None) -> str:
+    """The fleet's counters and the newest committed training round's loss, and under DP the
+    epsilon spent so far, which the operator watches approach the budget."""
+    parts = [
+        f"reported {stats.total('reported')}",
+        f"aborted {stats.total('aborted')}",
+        f"vanished {stats.total('vanished')}",
+        f"in task {stats.in_task}",
+    ]
+    if latest:
+        metrics = latest["metrics"]
+        metric = "query_rmse" if "query_rmse" in metrics and "query_loss" not in metrics else "query_loss"
+        if metric in metrics:
+            parts.append(f"{metric} {metrics[metric]:.4f}")
+        if "dp_epsilon" in metrics:
+            parts.append(f"epsilon {metrics['dp_epsilon']:.2f}")
+    if stats.waiting_for_server:
+        parts.append("[yellow]waiting for the orchestrator[/]")
+    return " | ".join(parts)
+
+
 class Monitor:
     """Watches the population's rounds through the admin API and drives the progress display."""
 
@@ -102,23 +123,6 @@ class Monitor:
         self.progress = progress
         self.stall_seconds = stall
         self.task = progress.add_task("training rounds", total=None)
-
-    def _describe(self, status: dict[str, Any], latest: dict[str, Any] | None) -> str:
-        stats = self.fleet.stats
-        parts = [
-            f"reported {stats.total('reported')}",
-            f"aborted {stats.total('aborted')}",
-            f"vanished {stats.total('vanished')}",
-            f"in task {stats.in_task}",
-        ]
-        if latest:
-            metrics = latest["metrics"]
-            metric = "query_rmse" if "query_rmse" in metrics and "query_loss" not in metrics else "query_loss"
-            if metric in metrics:
-                parts.append(f"{metric} {metrics[metric]:.4f}")
-        if stats.waiting_for_server:
-            parts.append("[yellow]waiting for the orchestrator[/]")
-        return " | ".join(parts)
 
     async def wait_for_rounds(self, start: int, rounds: int, fleet_task: asyncio.Task[None]) -> None:
         self.progress.update(self.task, total=rounds)
@@ -138,7 +142,7 @@ class Monitor:
                 if done != last_count:
                     last_change, last_count = time.monotonic(), done
                 latest = await _latest_training_round(self.admin, self.population)
-                description = self._describe(status, latest)
+                description = progress_line(self.fleet.stats, latest)
                 self.progress.update(self.task, completed=min(done, rounds), description=description)
                 if not self.progress.console.is_terminal and done != last_printed and done and done % 10 == 0:
                     # No live display in a log file: a line every ten rounds instead.

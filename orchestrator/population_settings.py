@@ -6,7 +6,7 @@ import dataclasses
 import math
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from contracts.task_config import FLOAT32_MAX, INT32_MAX, TASK_CONFIG_MAXIMA, TaskConfig
 from orchestrator.aggregation import RobustAggregation, ServerOptimizerConfig
@@ -23,6 +23,17 @@ MAX_TASK_NUMBER = 1e12
 # A delta's L2 norm bound: far beyond any model's update, and small enough that the quantization
 # scale and the noise computed from it stay finite.
 MAX_CLIP_NORM = 1e6
+
+
+def settings_problems(error: ValidationError) -> str:
+    """A ValidationError of population settings as one line, each problem as `field: message`
+    (pydantic's own text spans lines and echoes the input)."""
+    return "; ".join(
+        ".".join(str(part) for part in e["loc"]) * bool(e["loc"])
+        + (": " if e["loc"] else "")
+        + e["msg"].removeprefix("Value error, ")
+        for e in error.errors()
+    )
 
 
 class SecureAggregationSettings(BaseModel):

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pydantic import ValidationError
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
@@ -17,7 +18,7 @@ from contracts.task_config import TaskConfig
 from orchestrator.aggregation import init_state
 from orchestrator.db import Artifact, ModelVersion, Population
 from orchestrator.model_check import ModelUnusable, check_model
-from orchestrator.population_settings import PopulationSettings
+from orchestrator.population_settings import PopulationSettings, settings_problems
 from orchestrator.rounds import TRAINING, open_round
 
 
@@ -84,6 +85,8 @@ def create_population(
         # Devices get the export's defaults unless the admin overrides them.
         task = TaskConfig.from_manifest(manifest, **overrides)
         checked = PopulationSettings.model_validate({**settings, "task_config": task.to_json()})
+    except ValidationError as e:
+        raise PopulationError(f"invalid settings: {settings_problems(e)}") from None
     except ValueError as e:
         raise PopulationError(f"invalid settings: {e}") from None
     if task.negative_popularity > 0 and not (manifest.task.negative_sampling and manifest.task.popularity):

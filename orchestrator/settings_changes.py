@@ -15,7 +15,7 @@ from sqlalchemy.orm import Session
 
 from orchestrator.db import Population, SettingsChange
 from orchestrator.logs import log_on_commit
-from orchestrator.population_settings import PopulationSettings
+from orchestrator.population_settings import PopulationSettings, settings_problems
 
 # Counts and times that each round reads when it opens. Not the aggregation, the privacy
 # settings, the optimizer or the task config: a round or an account in progress depends on them.
@@ -62,10 +62,7 @@ def change_settings(
     try:
         checked = PopulationSettings.model_validate(merged).model_dump()
     except ValidationError as e:
-        problems = "; ".join(
-            f"{'.'.join(map(str, err['loc'])) or 'settings'}: {err['msg']}" for err in e.errors()
-        )
-        raise SettingsChangeError(f"invalid settings: {problems}") from None
+        raise SettingsChangeError(f"invalid settings: {settings_problems(e)}") from None
     before = {k: population.settings.get(k) for k in changes}
     population.settings = checked
     population.settings_version += 1

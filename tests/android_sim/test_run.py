@@ -18,10 +18,12 @@ from rich.console import Console
 
 from android_sim.__main__ import build_parser, main
 from android_sim.builtin_data import load_data, model_config
+from android_sim.fleet import FleetStats
 from android_sim.options import algorithm
 from android_sim.profiles import DeviceClass
 from android_sim.run import run, run_async
 from android_sim.run_config import RunConfig, RunResult
+from android_sim.session import progress_line
 from contracts.manifest import load_manifest
 from contracts.mixing import max_gradient_bytes
 from device_runtime.example_store import ExampleStore
@@ -211,6 +213,9 @@ def test_a_dp_fleet_reports_epsilon_and_stops_at_its_budget(work: Path) -> None:
     training = [r for r in result.summary["rounds"] if r["kind"] == "training"]
     epsilons = [r["metrics"]["dp_epsilon"] for r in training if r["status"] == "committed"]
     assert epsilons == sorted(epsilons) and epsilons[-1] == pytest.approx(budget)
+    # The progress line shows the epsilon spent so far (the DP tutorial says so).
+    last = [r for r in training if r["status"] == "committed"][-1]
+    assert progress_line(FleetStats(), last).endswith(f"| epsilon {budget:.2f}")
     # No round of any kind after the budget: an evaluation's sums are not noised, so there is no
     # final evaluation, and no evaluation round opened once the last training round committed.
     assert not result.final_evaluation

@@ -351,6 +351,14 @@ def test_cli_creates_a_population_and_prints_status(
     missing_dir = cli("create-population", "x", "--model-dir", str(tmp_path / "nope"))
     unknown = cli("status", "nope")
     no_file = cli("create-population", "y", "--model-dir", str(export(BIASED)), "--settings", "@missing.json")
+    contradicting = cli(  # the secure aggregation tutorial names this refusal
+        "create-population",
+        "z",
+        "--model-dir",
+        str(export(BIASED)),
+        "--settings",
+        '{"target_reports": 4, "min_reports": 2, "aggregation": "secure"}',
+    )
 
     assert created.returncode == 0, created.stderr
     assert json.loads(status.stdout)["settings"]["target_reports"] == 4
@@ -360,6 +368,11 @@ def test_cli_creates_a_population_and_prints_status(
     assert no_file.stderr.splitlines() == [
         "error: --settings @missing.json: cannot read missing.json: No such file or directory "
         "(expected a JSON file)"
+    ]
+    assert contradicting.returncode == 2
+    assert contradicting.stderr.splitlines() == [  # one line, without pydantic's echo of the input
+        "error: invalid settings: secure aggregation needs min_reports >= 3 (a sum of one or two inputs "
+        "reveals them), got 2"
     ]
 
 
