@@ -14,6 +14,7 @@ from android_sim.builtin_next_word import TARGET_REPORTS as NEXT_WORD_TARGET_REP
 from android_sim.movielens import DataFormatError, require_file
 from android_sim.options import algorithm, algorithm_arguments, model_arguments, parse_model_args
 from android_sim.run_config import DEFAULT_RATINGS, RunConfig, RunError
+from contracts.command_line import quiet_on_closed_pipe
 from contracts.mixing import STRATEGIES
 
 
@@ -202,6 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+@quiet_on_closed_pipe
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")

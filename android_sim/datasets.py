@@ -22,6 +22,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from contracts.command_line import quiet_on_closed_pipe
+
 ENV_DATA_DIR = "FEDRECON_DATA_DIR"
 CHECKSUM_FILE = "SHA256SUMS"
 FETCH_COMMAND = "python -m android_sim.datasets fetch"
@@ -292,6 +294,7 @@ def fetch(name: str, root: Path | None = None, *, url: str | None = None, timeou
     return verify(name, root)
 
 
+@quiet_on_closed_pipe
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m android_sim.datasets",

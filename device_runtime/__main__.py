@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from contracts.command_line import quiet_on_closed_pipe
 from contracts.features import Examples, FeatureSpec
 from contracts.manifest import INITIAL_GLOBAL_FILE, ManifestError, load_manifest
 from contracts.params import Params, ParamsError, decode_params
@@ -426,6 +427,7 @@ def _print_prediction(result: dict[str, object]) -> None:
         print(f"{rank:>4}  {label:>6}  {score:.4f}")
 
 
+@quiet_on_closed_pipe
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from contracts.command_line import quiet_on_closed_pipe
 from model_export.config import Feedback, ModelConfig, TrainingDefaults
 
 if TYPE_CHECKING:
@@ -161,6 +162,7 @@ def config_from_args(args: argparse.Namespace) -> ModelConfig:
     )
 
 
+@quiet_on_closed_pipe
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")

@@ -15,10 +15,12 @@ from pydantic import ValidationError
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from contracts.command_line import quiet_on_closed_pipe
 from orchestrator.console import commands as console
 from orchestrator.settings import Settings, server_settings_problem
 
 
+@quiet_on_closed_pipe
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="orchestrator",
