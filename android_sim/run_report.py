@@ -194,7 +194,8 @@ def _print_summary(
     examples: list[dict[str, Any]],
     console: Console,
 ) -> None:
-    console.print(f"\n[bold]{result.rounds_committed} training rounds committed in {result.seconds:.0f} s[/]")
+    rounds = f"{result.rounds_committed} training round{'' if result.rounds_committed == 1 else 's'}"
+    console.print(f"\n[bold]{rounds} committed in {result.seconds:.0f} s[/]")
     left = result.summary["fleet"]["left_because"][:3]
     if left:
         console.print(
