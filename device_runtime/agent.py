@@ -267,7 +267,7 @@ class DeviceAgent:
         model_dir = await self.client.model_dir(answer, self.cache_dir)
         blob = await self.client.global_params(answer)
         config = TaskConfig.from_json(answer.task_config)
-        central, central_bytes = await self._mixing_download(
+        central, central_blob = await self._mixing_download(
             answer,
             model_dir,
             answer.central_examples_url,
@@ -276,7 +276,7 @@ class DeviceAgent:
             transferred_examples,
         )
         try:
-            gradient, gradient_bytes = await self._mixing_download(
+            gradient, gradient_blob = await self._mixing_download(
                 answer,
                 model_dir,
                 answer.central_gradient_url,
@@ -287,7 +287,7 @@ class DeviceAgent:
         except ServerUnavailable:
             # The server has no gradient for this version (503 after every retry, e.g. not finite):
             # a plain FedRecon update instead, so that the round can still commit.
-            gradient, gradient_bytes = None, 0
+            gradient, gradient_blob = None, None
         timed = await self.runner.run(
             answer.kind,
             model_dir,
@@ -302,7 +302,7 @@ class DeviceAgent:
             central_gradient_weight=answer.central_gradient_weight or 0.0,
         )
         result, seconds = timed.result, timed.seconds
-        self.central_bytes = central_bytes + gradient_bytes
+        self.central_bytes = len(central_blob or b"") + len(gradient_blob or b"")
         if compute_slowdown > 1.0:
             await asyncio.sleep((compute_slowdown - 1.0) * seconds)
             seconds *= compute_slowdown
@@ -325,7 +325,9 @@ class DeviceAgent:
             assert result.delta is not None
             driver, sharing = secure
             manifest = load_manifest(model_dir, verify_model=False)
-            outcome = await sharing or await driver.finish(manifest, result.delta, blob)
+            outcome = await sharing or await driver.finish(
+                manifest, result.delta, blob, central_examples=central_blob, central_gradient=gradient_blob
+            )
             return _secure_participation(answer, result, seconds, outcome)
         try:
             if answer.kind == "training":
@@ -349,17 +351,18 @@ class DeviceAgent:
         fetch: Callable[[Assignment, int], Awaitable[bytes]],
         limit: Callable[[Manifest], int],
         check: Callable[[bytes, Manifest], T],
-    ) -> tuple[T | None, int]:
+    ) -> tuple[T | None, bytes | None]:
         """What a training assignment carries for mixing at `url` (example transfer's examples,
         gradient transfer's gradient): fetched within the model's `limit`, checked against the
-        model by `check`, and its size in bytes; None when the assignment carries none. A payload
-        that does not fit the model is an InvalidAnswer."""
+        model by `check`, and the bytes as downloaded (a secure round's neighbours sign their
+        digest); None when the assignment carries none. A payload that does not fit the model is
+        an InvalidAnswer."""
         if url is None or answer.kind != "training":
-            return None, 0
+            return None, None
         manifest = load_manifest(model_dir, verify_model=False)
         blob = await fetch(answer, limit(manifest))
         try:
-            return check(blob, manifest), len(blob)
+            return check(blob, manifest), blob
         except (InvalidExamples, ParamsError) as e:
             raise InvalidAnswer(str(e), assignment_id=answer.assignment_id) from None
 

@@ -47,6 +47,12 @@ class PrivacyPolicy:
       authority, and only with rosters whose every entry is certified by it and signed for the
       round, and unmask only after its neighbours signed the same survivors, globals and task.
       Without it the device trusts the server's roster, as against an honest-but-curious server.
+    - `secure_mixing`: whether a secure training round may mix centralized data into the update
+      (example or gradient transfer). What a device downloads is in the digest its neighbours sign
+      (secure_aggregation.view), so a server that gives one device other central data than the
+      rest is caught; a device that wants no server-chosen data in its update turns this off.
+    - `max_central_gradient_weight`: the largest weight a central gradient may have in an update
+      step (a server-chosen gradient with a large weight makes the update mostly the server's).
     """
 
     aggregation: frozenset[str] = field(default_factory=lambda: frozenset({"secure"}))
@@ -56,6 +62,8 @@ class PrivacyPolicy:
     max_participations_per_day: int = 1
     max_device_participations_per_day: int = 2
     certified_roster: bool = True
+    secure_mixing: bool = True
+    max_central_gradient_weight: float = 1.0
 
     def __post_init__(self) -> None:
         problems = []
@@ -75,6 +83,9 @@ class PrivacyPolicy:
         device_cap = self.max_device_participations_per_day
         if device_cap < 1:
             problems.append(f"max_device_participations_per_day must be >= 1, got {device_cap}")
+        weight = self.max_central_gradient_weight
+        if not 0 <= weight <= 100:
+            problems.append(f"max_central_gradient_weight must be in [0, 100], got {weight}")
         if problems:
             raise ValueError("invalid privacy policy: " + "; ".join(problems))
 
@@ -108,6 +119,15 @@ class PrivacyPolicy:
             raise PolicyRefusal(
                 f"the assignment asks for {assignment.aggregation!r} aggregation; this device accepts "
                 f"only {sorted(self.aggregation)}"
+            )
+        mixes = assignment.central_examples_url is not None or assignment.central_gradient_url is not None
+        if assignment.aggregation == "secure" and mixes and not self.secure_mixing:
+            raise PolicyRefusal("this device mixes no centralized data into a secure round's update")
+        weight = assignment.central_gradient_weight
+        if weight is not None and weight > self.max_central_gradient_weight:
+            raise PolicyRefusal(
+                f"the central gradient's weight {weight:g} is above this device's limit of "
+                f"{self.max_central_gradient_weight:g}"
             )
 
     def check_parameters(self, params: RoundParameters) -> None:

@@ -26,7 +26,7 @@ import secrets
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -39,15 +39,8 @@ from device_runtime.privacy_policy import PolicyRefusal, PrivacyPolicy
 from device_runtime.protocol_errors import InvalidAnswer, ProtocolError, ServerUnavailable
 from secure_aggregation.config import ProtocolError as SecureProtocolError
 from secure_aggregation.config import RoundParameters
-from secure_aggregation.device import DeviceSession
-from secure_aggregation.identity import (
-    Confirmation,
-    SignedAdvertisement,
-    keys_of,
-    parse_advertisement,
-    task_digest,
-    verified_roster,
-)
+from secure_aggregation.device import DeviceSession, round_graph
+from secure_aggregation.identity import SignedAdvertisement, keys_of, parse_advertisement, verified_roster
 from secure_aggregation.messages import (
     AdvertisedKeys,
     ciphertexts_from_json,
@@ -55,7 +48,9 @@ from secure_aggregation.messages import (
     shares_to_json,
 )
 from secure_aggregation.quantization import Layout, quantize
+from secure_aggregation.view import Confirmation, PartnerStatement, TaskInputs, View, check_view
 
+T = TypeVar("T")
 PHASES = ("advertise", "share_keys", "masked_input", "consistency", "unmasking")
 # Between two questions about the state when the server answers without holding the answer.
 MIN_POLL_SECONDS = 0.2
@@ -80,11 +75,16 @@ class _Left(Exception):
         self.status, self.detail = status, detail
 
 
-def quantized_update(manifest: Manifest, delta: Params, params: RoundParameters) -> np.ndarray:
-    """The dense delta of every global tensor, flattened in the manifest's order, clipped and
-    quantized with fresh randomness (stochastic rounding)."""
-    vector = Layout.of(manifest.global_params).flatten(delta)
-    return quantize(vector, params, np.random.default_rng(secrets.randbits(128)))
+def _parsed(entries: Any, parse: Callable[[Any], T], limit: int) -> dict[int, T]:
+    """Index -> message, from the state's JSON object (entries that do not parse are left out: a
+    device decides on what verifies)."""
+    if not isinstance(entries, dict) or len(entries) > limit:
+        raise TypeError(f"expected an object of at most {limit} device index -> message")
+    out: dict[int, T] = {}
+    for index, data in entries.items():
+        with contextlib.suppress(SecureProtocolError, ValueError):
+            out[int(index)] = parse(data)
+    return out
 
 
 class SecureRoundDriver:
@@ -123,12 +123,45 @@ class SecureRoundDriver:
         return await self._guarded(self._share())
 
     async def finish(
-        self, manifest: Manifest, delta: Params, globals_blob: bytes = b""
+        self,
+        manifest: Manifest,
+        delta: Params,
+        globals_blob: bytes = b"",
+        *,
+        central_examples: bytes | None = None,
+        central_gradient: bytes | None = None,
     ) -> SecureParticipation:
         """After `share` returned None: the masked input of `delta` (trained from `globals_blob`, the
-        globals as downloaded), the consistency check, then the unmasking answer."""
-        globals_sha256 = hashlib.sha256(globals_blob).digest()
-        return await self._guarded(self._finish(manifest, delta, globals_sha256)) or self._result("reported")
+        globals as downloaded, and the central data it mixed in, if any), the consistency check,
+        then the unmasking answer."""
+        inputs = self.task_inputs(globals_blob, central_examples, central_gradient)
+        vector = Layout.of(manifest.global_params).flatten(delta)
+        return await self.finish_vector(vector, inputs)
+
+    async def finish_vector(self, vector: np.ndarray, inputs: TaskInputs) -> SecureParticipation:
+        """`finish` for an update already flattened in the manifest's order (float), trained on
+        `inputs`: it is clipped and quantized here."""
+        return await self._guarded(self._finish(vector, inputs)) or self._result("reported")
+
+    def task_inputs(
+        self, globals_blob: bytes, central_examples: bytes | None, central_gradient: bytes | None
+    ) -> TaskInputs:
+        """Everything that shaped this device's update, by content (what its neighbours sign)."""
+
+        def sha256(blob: bytes | None) -> bytes | None:
+            return None if blob is None else hashlib.sha256(blob).digest()
+
+        a = self.assignment
+        return TaskInputs(
+            artifact_sha256=a.artifact_sha256,
+            task_config=a.task_config,
+            model_version=a.model_version,
+            globals_sha256=hashlib.sha256(globals_blob).digest(),
+            central_examples_sha256=sha256(central_examples),
+            central_gradient_sha256=sha256(central_gradient),
+            central_gradient_weight=a.central_gradient_weight if central_gradient is not None else None,
+            parameters=None if self._session is None else self._session.params.to_json(),
+        )
 
     async def run(self, manifest: Manifest, delta: Params, globals_blob: bytes = b"") -> SecureParticipation:
         return await self.share() or await self.finish(manifest, delta, globals_blob)
@@ -265,13 +298,23 @@ class SecureRoundDriver:
         self._signing_keys = {i: a.certificate.device_key for i, a in signed.items()}
         return roster
 
-    async def _finish(self, manifest: Manifest, delta: Params, globals_sha256: bytes) -> None:
+    async def _finish(self, vector: np.ndarray, inputs: TaskInputs) -> None:
         session = self._session
         if session is None:
             raise RuntimeError("finish() before share() had the device ready for its masked input")
         self._enter("masked_input")
-        params = session.params
-        masked = session.masked_input(quantized_update(manifest, delta, params), self._ciphertexts)
+        params, context = session.params, session.params.context
+        quantized = quantize(vector, params, np.random.default_rng(secrets.randbits(128)))
+        masked = session.masked_input(quantized, self._ciphertexts)
+        digest = inputs.digest()
+        # What it masked with and what it trained on, signed once: neighbours reveal its self-mask
+        # seed only against this statement (secure_aggregation.view).
+        if self.identity is None:
+            statement = PartnerStatement(digest, session.missing, None)
+        else:
+            key = self.identity.signing_key
+            statement = PartnerStatement.sign(key, context, session.roster_digest, digest, session.missing)
+        await self._post("partners", statement.to_json())
         body = encode_vector(masked, params)
         self.bytes_up += len(body)
         received = self.client.received_json_bytes
@@ -284,21 +327,21 @@ class SecureRoundDriver:
         self.policy.check_survivors(len(survivors))
         if session.index not in survivors:
             raise SecureProtocolError("this device sent its masked input but is not among the survivors")
-        task_sha256 = task_digest(self.assignment.artifact_sha256, self.assignment.task_config)
-        context = params.context
         if self.identity is None:
-            mine = Confirmation(globals_sha256, task_sha256, None, tuple(session.refused))
+            mine = Confirmation(digest, None)
         else:
-            key = self.identity.signing_key
-            mine = Confirmation.sign(key, context, survivors, globals_sha256, task_sha256, session.refused)
+            mine = Confirmation.sign(
+                self.identity.signing_key, context, session.roster_digest, survivors, digest
+            )
         answer = await self._post("consistency", mine.to_json(), until="unmasking")
 
         state = await self._state("unmasking", "confirmed", answer.get("state"))
         if sorted({int(i) for i in state["survivors"]}) != survivors:
             raise SecureProtocolError("the survivor set changed after this device confirmed it")
-        alive = self._checked_survivors(session, survivors, state, mine)
-        self.policy.check_survivors(len(alive))
-        unmasking = session.unmask(sorted(alive))
+        self._check_view(session, frozenset(survivors), state, digest)
+        # Which of each neighbour's two secrets goes out follows from the signed survivor set
+        # alone: a self-mask seed share for a survivor, a mask-key share for any other.
+        unmasking = session.unmask(survivors)
         try:
             await self._post("unmasking", unmasking.to_json())
         except ProtocolError:
@@ -308,40 +351,30 @@ class SecureRoundDriver:
             if not (state["phase"] == "done" and state["round_status"] == "committed"):
                 raise
 
-    def _checked_survivors(
-        self, session: DeviceSession, survivors: list[int], state: dict[str, Any], mine: Confirmation
-    ) -> set[int]:
-        """The survivors whose inputs this device helps unmask. With an identity: the neighbours
-        whose certified keys signed the same survivor set, globals and task as this device (at
-        least its threshold of them, else it refuses), and not the other neighbours, whatever the
-        server says (it reveals their mask keys, never their self-mask seeds); without one, the
-        server's list."""
+    def _check_view(
+        self, session: DeviceSession, survivors: frozenset[int], state: dict[str, Any], digest: bytes
+    ) -> None:
+        """With an identity: the rules of secure_aggregation.view on the confirmations and partner
+        statements the server relayed (SecureProtocolError naming the rule broken); without one,
+        the server's word that it counted this device's confirmation."""
         if self.identity is None:
-            confirmed = {int(i) for i in state["confirmed"]}
-            if session.index not in confirmed:
+            if session.index not in {int(i) for i in state["confirmed"]}:
                 raise SecureProtocolError("the server did not count this device's confirmation")
-            return confirmed & set(survivors)
-        context = session.params.context
-        verified: set[int] = set()
-        for index, data in state["confirmations"].items():
-            v = int(index)
-            if v not in session.neighbours or v not in survivors or v not in self._signing_keys:
-                continue
-            try:
-                theirs = Confirmation.from_json(data)
-            except SecureProtocolError:
-                continue  # treated as a neighbour that did not confirm
-            same = (theirs.globals_sha256, theirs.task_sha256) == (mine.globals_sha256, mine.task_sha256)
-            if same and theirs.verifies(self._signing_keys[v], context, survivors):
-                verified.add(v)
-        needed = session.params.shamir_threshold(len(session.neighbours))
-        if len(verified) < needed:
-            raise SecureProtocolError(
-                f"{len(verified)} of this device's neighbours signed the same survivors, globals and task; "
-                f"it unmasks only when at least {needed} did"
-            )
-        unconfirmed = (set(session.neighbours) & set(survivors)) - verified
-        return set(survivors) - unconfirmed
+            return
+        roster_size = len(self._signing_keys)
+        confirmations = _parsed(state["confirmations"], Confirmation.from_json, roster_size)
+        statements = _parsed(state["statements"], PartnerStatement.from_json, roster_size)
+        view = View(
+            params=session.params,
+            graph=round_graph(session.params, sorted(self._signing_keys)),
+            roster=session.roster_digest,
+            signing_keys=self._signing_keys,
+            index=session.index,
+            holds=session.holds,
+            inputs_sha256=digest,
+            survivors=survivors,
+        )
+        check_view(view, confirmations, statements)
 
     async def _post(self, phase: str, body: Any, until: str | None = None) -> dict[str, Any]:
         self.bytes_up += len(json.dumps(body))

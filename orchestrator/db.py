@@ -248,8 +248,11 @@ class SecureParticipant(Base):
     shares: Mapped[dict[str, Any] | None] = mapped_column(JSON, deferred=True)
     sent_shares: Mapped[bool] = mapped_column(default=False)
     sent_masked_input: Mapped[bool] = mapped_column(default=False)  # the input: SecureMaskedInput
-    # The consistency check: its signed confirmation of the survivor set, and whether it agrees
-    # with the others' (confirmed: its input is in the sum that is unmasked).
+    # Its partner statement (secure_aggregation.view), sent before its masked input: the inputs it
+    # trained on and the neighbours it masked nothing with.
+    partners: Mapped[dict[str, Any] | None] = mapped_column(JSON, deferred=True, nullable=True)
+    # The consistency check: its signed confirmation of the survivor set; confirmed: it is a
+    # survivor (chosen when the masked-input phase closes), its input is in the sum unmasked.
     consistency: Mapped[dict[str, Any] | None] = mapped_column(JSON, deferred=True)
     sent_consistency: Mapped[bool] = mapped_column(default=False, server_default=false())
     confirmed: Mapped[bool] = mapped_column(default=False, server_default=false())

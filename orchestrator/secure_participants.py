@@ -26,6 +26,7 @@ from orchestrator.db import Assignment, SecureParticipant, SecureRound, SecureRo
 from orchestrator.on_commit import on_commit
 from secure_aggregation.identity import SignedAdvertisement, keys_of, parse_advertisement
 from secure_aggregation.messages import AdvertisedKeys
+from secure_aggregation.view import roster_digest
 
 # A participant's flag (a boolean column), or a condition on its row.
 Flag = ColumnElement[bool] | InstrumentedAttribute[bool]
@@ -136,10 +137,14 @@ class Closed:
 
     roster: tuple[int, ...] | None  # every participant's index, sorted (past the advertisements)
     roster_json: dict[str, Any] | None  # the advertisements as devices download them
+    roster_digest: bytes | None  # what devices sign it as (secure_aggregation.view)
     sharers: frozenset[int] | None  # sent shares (past share_keys)
     senders: frozenset[int] | None  # sent a masked input (past masked_input)
-    confirmed: frozenset[int] | None  # confirmed the survivors: the unmasked inputs (past consistency)
-    refused: dict[int, frozenset[int]] | None  # owner -> confirmed survivors that refused its shares
+    survivors: frozenset[int] | None  # chosen among the senders: the unmasked inputs (past masked_input)
+    statements: dict[str, Any] | None  # the survivors' partner statements, as sent (past masked_input)
+    refused: dict[int, frozenset[int]] | None  # owner -> survivors that hold none of its shares
+    signers: frozenset[int] | None  # survivors that confirmed the survivor set (past consistency)
+    confirmations: dict[str, Any] | None  # their confirmations, as sent (past consistency)
 
 
 _CACHE: OrderedDict[tuple[int, str, str], Closed] = OrderedDict()
@@ -163,14 +168,23 @@ def closed(session: Session, secure_round: SecureRound) -> Closed:
     past = _ORDER.index(phase)
     round_id = secure_round.round_id
     advertised = advertised_keys(session, round_id) if past > 0 else None
-    confirmed = indices_where(session, round_id, SecureParticipant.confirmed) if past > 3 else None
+    statements = _messages(session, round_id, SecureParticipant.partners) if past > 2 else None
+    confirmations = _messages(session, round_id, SecureParticipant.consistency) if past > 3 else None
+    roster = (
+        None if advertised is None else {i: keys_of(parse_advertisement(k)) for i, k in advertised.items()}
+    )
+    context = str(secure_round.parameters.get("context", ""))
     facts = Closed(
         roster=None if advertised is None else tuple(sorted(advertised)),
         roster_json=None if advertised is None else {str(i): advertised[i] for i in sorted(advertised)},
+        roster_digest=None if roster is None else roster_digest(context, roster),
         sharers=indices_where(session, round_id, SecureParticipant.sent_shares) if past > 1 else None,
         senders=indices_where(session, round_id, SecureParticipant.sent_masked_input) if past > 2 else None,
-        confirmed=confirmed,
-        refused=None if confirmed is None else refused_shares(session, round_id, confirmed),
+        survivors=None if statements is None else frozenset(int(i) for i in statements),
+        statements=statements,
+        refused=None if statements is None else _holding_none(statements),
+        signers=None if confirmations is None else frozenset(int(i) for i in confirmations),
+        confirmations=confirmations,
     )
 
     def keep() -> None:
@@ -230,16 +244,20 @@ def _round_key(secure_round: SecureRound) -> tuple[int, str]:
     return secure_round.round_id, str(secure_round.parameters.get("context", ""))
 
 
-def refused_shares(session: Session, round_id: int, survivors: frozenset[int]) -> dict[int, frozenset[int]]:
-    """Owner -> the survivors that reported its shares as failing authentication."""
+def _messages(session: Session, round_id: int, column: InstrumentedAttribute[Any]) -> dict[str, Any]:
+    """The survivors' messages in `column` (JSON, as sent), by roster index."""
     rows = session.execute(
-        select(SecureParticipant.device_index, SecureParticipant.consistency).where(
-            SecureParticipant.round_id == round_id, SecureParticipant.sent_consistency
+        select(SecureParticipant.device_index, column).where(
+            SecureParticipant.round_id == round_id, SecureParticipant.confirmed, column.is_not(None)
         )
     )
-    refused: dict[int, set[int]] = {}
-    for holder, confirmation in rows:
-        if holder in survivors:
-            for owner in confirmation["refused_shares"]:
-                refused.setdefault(owner, set()).add(holder)
-    return {owner: frozenset(holders) for owner, holders in refused.items()}
+    return {str(index): message for index, message in sorted(rows)}
+
+
+def _holding_none(statements: dict[str, Any]) -> dict[int, frozenset[int]]:
+    """Owner -> the survivors whose statements say they hold none of its shares."""
+    holding_none: dict[int, set[int]] = {}
+    for holder, statement in statements.items():
+        for owner in statement["missing"]:
+            holding_none.setdefault(int(owner), set()).add(int(holder))
+    return {owner: frozenset(holders) for owner, holders in holding_none.items()}

@@ -54,12 +54,13 @@ from orchestrator.on_commit import on_commit
 from orchestrator.phase_changes import PHASE_CHANGES
 from orchestrator.population_locks import lock_admissions
 from orchestrator.population_settings import PopulationSettings
-from secure_aggregation import server
+from secure_aggregation import server, survivors
 from secure_aggregation.config import RoundParameters
 from secure_aggregation.device import round_graph
 from secure_aggregation.messages import UnmaskingShares, decode_vector
 from secure_aggregation.neighbours import suggested_neighbours
 from secure_aggregation.quantization import Layout, dequantize_sum
+from secure_aggregation.view import PartnerStatement, quorum
 
 # The phases' names are the state machine's (re-exported: the routes and tests name them from here).
 ADVERTISE, SHARE_KEYS, MASKED_INPUT = machine.ADVERTISE, machine.SHARE_KEYS, machine.MASKED_INPUT
@@ -183,7 +184,10 @@ def rules(round_: Round, secure_round: SecureRound, settings: PopulationSettings
     return machine.Rules(
         enough=_enough(secure_round),
         capacity=round_.capacity,
-        target=round_.target,
+        # Inputs fewer than a quorum of the roster cannot be unmasked (devices reveal only for a
+        # survivor set more than half the roster confirms): with a large oversampling the phase
+        # waits for more than its target.
+        target=max(round_.target, quorum(secure_round.advertised)),
         straggler_wait=secure.straggler_wait,
         patient_until=round_.opened_at + secure.advertise_seconds + secure.advertise_patience_seconds,
         seconds={
@@ -222,10 +226,14 @@ def advance(
             secure_round.phase_deadline = verdict.deadline
         if not verdict.over:
             return None
-        had = len(_confirm(session, round_.id)) if phase == CONSISTENCY else machine.had(phase, n)
+        had = machine.had(phase, n)
+        if phase == MASKED_INPUT:
+            had = _choose_survivors(session, round_, secure_round, now)
         _drop_outstanding(session, round_, secure_round, _KEEPING[phase], machine.KEPT_AT_CLOSE[phase], now)
         _next_phase(session, round_, secure_round, laws, now)
         problem = machine.too_few(phase, had, laws, round_.invalid, verdict.timed_out)
+        if problem is None and phase in (MASKED_INPUT, CONSISTENCY):
+            problem = _below_quorum(phase, had, secure_round, round_.invalid, verdict.timed_out)
         if problem is None and phase == SHARE_KEYS:
             problem = _unreachable(session, round_, secure_round, verdict.timed_out)
         if problem is not None:
@@ -233,32 +241,58 @@ def advance(
     return None
 
 
-def _confirm(session: Session, round_id: int) -> set[int]:
-    """Mark the survivors whose confirmations agree with most others' (the same globals and task;
-    their signatures were checked as they came), and return them: the inputs that are unmasked."""
+def _choose_survivors(session: Session, round_: Round, secure_round: SecureRound, now: float) -> int:
+    """Mark the survivors among the masked inputs' senders (secure_aggregation.survivors: one of
+    each two that disagree on their masks, the most common inputs, the largest part their masks
+    connect) and drop the other senders at once; the number of survivors."""
     rows = session.execute(
-        select(SecureParticipant.device_index, SecureParticipant.consistency).where(
-            SecureParticipant.round_id == round_id, SecureParticipant.sent_consistency
+        select(SecureParticipant.device_index, SecureParticipant.partners).where(
+            SecureParticipant.round_id == round_.id, SecureParticipant.sent_masked_input
         )
     )
-    by_model: dict[tuple[str, str], set[int]] = {}
-    reported: set[int] = set()
-    for index, confirmation in rows:
-        key = (confirmation["globals_sha256"], confirmation["task_sha256"])
-        by_model.setdefault(key, set()).add(index)
-        reported.update(confirmation["refused_shares"])
-    if not by_model:
-        return set()
-    agreeing = max(by_model.values(), key=lambda members: (len(members), -min(members)))
-    # A device whose shares a neighbour could not authenticate counts as dropped: that neighbour
-    # masked nothing with it and holds none of its shares (server.unmask skips those pairs).
-    confirmed = agreeing - reported
+    statements = {index: PartnerStatement.from_json(data) for index, data in rows}
+    facts = participants.closed(session, secure_round)
+    assert facts.roster is not None
+    chosen = survivors.choose(round_graph(round_parameters(secure_round), facts.roster), statements)
     session.execute(
         update(SecureParticipant)
-        .where(SecureParticipant.round_id == round_id, SecureParticipant.device_index.in_(confirmed))
+        .where(SecureParticipant.round_id == round_.id, SecureParticipant.device_index.in_(chosen.survivors))
         .values(confirmed=True)
     )
-    return confirmed
+    if chosen.left_out:
+        # Senders left out of the sum are told so by the survivor set; they are dropped now rather
+        # than waited for at the consistency check, and counted as left there.
+        left_out = select(SecureParticipant.assignment_id).where(
+            SecureParticipant.round_id == round_.id,
+            SecureParticipant.device_index.in_(sorted(chosen.left_out)),
+        )
+        dropped = session.execute(
+            update(Assignment)
+            .where(Assignment.id.in_(left_out), Assignment.status == "assigned")
+            .values(status="dropped", finished_at=now)
+            .execution_options(synchronize_session="fetch")
+        )
+        count = int(dropped.rowcount)  # type: ignore[attr-defined]
+        round_.dropped += count
+        if count:
+            round_counts.count_secure(session, secure_round, round_state.Count({machine.LEFT[3]: count}))
+    return len(chosen.survivors)
+
+
+def _below_quorum(
+    phase: str, had: int, secure_round: SecureRound, refused: int, timed_out: bool
+) -> round_state.Closing | None:
+    """Devices reveal only for a survivor set that more than half the roster confirmed: a round
+    whose survivors (or confirmations) are fewer cannot be unmasked."""
+    needed = quorum(secure_round.advertised)
+    if had >= needed:
+        return None
+    what = "survivors" if phase == MASKED_INPUT else "confirmations"
+    reason = (
+        f"{had} {what} of a roster of {secure_round.advertised}; devices reveal shares only for a "
+        f"survivor set that more than half the roster ({needed}) confirmed"
+    )
+    return round_state.shortfall(phase, had, needed, refused, timed_out, reason)
 
 
 def _next_phase(
@@ -324,11 +358,12 @@ def _finish(
     parameters = round_parameters(secure_round)
     facts = participants.closed(session, secure_round)
     assert facts.roster is not None and facts.sharers is not None
-    assert facts.confirmed is not None and facts.refused is not None
+    assert facts.survivors is not None and facts.refused is not None
     graph = round_graph(parameters, facts.roster)
     sharers, refused = facts.sharers, facts.refused
-    # The confirmed survivors: a masked input whose sender did not confirm is left out of the sum.
-    survivors = facts.confirmed
+    # Every survivor's input is in the sum (those that did not confirm too: their neighbours reveal
+    # their seeds against their partner statements).
+    survivors = facts.survivors
     # Who answered decides whether the sum can be unmasked yet: their answers are read only then.
     responders = (
         participants.indices_where(session, round_.id, SecureParticipant.sent_unmasking)

@@ -10,7 +10,7 @@ refusals are returned as `Refused` values.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,7 +38,7 @@ from orchestrator.secure_phases import advance as advance
 from orchestrator.secure_phases import layout as layout
 from orchestrator.secure_phases import phase_seconds_metric as phase_seconds_metric
 from orchestrator.secure_phases import start as start
-from secure_aggregation import identity, server
+from secure_aggregation import identity, server, view
 from secure_aggregation.config import ProtocolError
 from secure_aggregation.device import round_graph
 from secure_aggregation.messages import (
@@ -108,31 +108,20 @@ def state(
         and participant.sent_masked_input
         and not participant.sent_consistency
     ):
-        assert facts.senders is not None
-        out["survivors"] = sorted(facts.senders)
-    elif secure_round.phase == UNMASKING and participant.confirmed:
-        assert facts.roster is not None and facts.senders is not None and facts.confirmed is not None
-        out["survivors"] = sorted(facts.senders)
-        confirmed = sorted(facts.confirmed)
-        out["confirmed"] = confirmed
-        # The confirmations of this device's confirmed neighbours, for it to check before it unmasks.
-        graph = round_graph(round_parameters(secure_round), facts.roster)
-        out["confirmations"] = _confirmations(
-            session, round_.id, sorted(set(graph[participant.device_index]) & facts.confirmed)
-        )
+        assert facts.survivors is not None
+        out["survivors"] = sorted(facts.survivors)
+    elif secure_round.phase == UNMASKING and participant.confirmed and participant.sent_consistency:
+        assert facts.survivors is not None and facts.signers is not None
+        out["survivors"] = sorted(facts.survivors)
+        out["confirmed"] = sorted(facts.signers)
+        # What a device checks before it reveals anything (secure_aggregation.view): the signed
+        # confirmations of the survivor set, and every survivor's partner statement.
+        out["confirmations"] = facts.confirmations
+        out["statements"] = facts.statements
     return out
 
 
 _ORDER = (*PHASES, DONE)
-
-
-def _confirmations(session: Session, round_id: int, indices: list[int]) -> dict[str, Any]:
-    rows = session.execute(
-        select(SecureParticipant.device_index, SecureParticipant.consistency).where(
-            SecureParticipant.round_id == round_id, SecureParticipant.device_index.in_(indices)
-        )
-    )
-    return {str(index): confirmation for index, confirmation in rows}
 
 
 def _ciphertexts_for(
@@ -330,6 +319,8 @@ def masked_input(
     if isinstance(found, Refused):
         return found
     secure_round, participant = found
+    if participant.partners is None:
+        return Refused(409, "this assignment sent no partner statement; it comes before the masked input")
     try:
         decode_vector(body, round_parameters(secure_round))
     except ProtocolError as e:
@@ -340,29 +331,91 @@ def masked_input(
     return {"received_bytes": len(body)}
 
 
+def partners(
+    session: Session, round_: Round, assignment_id: str, body: Any, now: float
+) -> dict[str, Any] | Refused:
+    """A sharer's partner statement, before its masked input: the digest of what it trained on and
+    the neighbours it masked nothing with; signed (and checked here) when its advertisement was."""
+    found = _taking_part(session, round_, assignment_id, _MASK, now)
+    if isinstance(found, Refused):
+        return found
+    secure_round, participant = found
+    if participant.partners is not None:
+        return Refused(409, "this assignment has already sent its partner statement")
+    facts = participants.closed(session, secure_round)
+    assert facts.roster is not None and facts.sharers is not None and facts.roster_digest is not None
+    parameters = round_parameters(secure_round)
+    graph = round_graph(parameters, facts.roster)
+    index = participant.device_index
+    try:
+        statement = view.PartnerStatement.from_json(body)
+        _check_signed(
+            participant, statement.verifies, parameters.context, facts.roster_digest, "partner statement"
+        )
+        neighbours = set(graph[index])
+        strangers = sorted(set(statement.missing) - neighbours)
+        if strangers:
+            raise ProtocolError(
+                f"the statement names devices {strangers}, which are not this device's neighbours"
+            )
+        masked_with = view.partners(graph, index, statement.missing)
+        if not masked_with <= facts.sharers:
+            raise ProtocolError(
+                f"the statement says it masked with devices {sorted(masked_with - facts.sharers)}, "
+                "which shared no keys"
+            )
+        needed = parameters.shamir_threshold(len(neighbours))
+        if len(masked_with) < needed:
+            raise ProtocolError(
+                f"the device masked with {len(masked_with)} neighbours; a masked input needs {needed}"
+            )
+    except ProtocolError as e:
+        return Refused(422, str(e))
+    participant.partners = statement.to_json()
+    return {"accepted": True}
+
+
+def _check_signed(
+    participant: SecureParticipant,
+    verifies: Callable[[bytes, str, bytes], bool],
+    context: str,
+    roster: bytes,
+    what: str,
+) -> None:
+    """ProtocolError unless `verifies` with the participant's certified key (a participant that
+    advertised without one signs nothing)."""
+    advertisement = identity.parse_advertisement(participant.keys)
+    if not isinstance(advertisement, identity.SignedAdvertisement):
+        return
+    if not verifies(advertisement.certificate.device_key, context, roster):
+        raise ProtocolError(
+            f"the {what} is not signed by this device's certified key for this round and roster"
+        )
+
+
 def consistency(
     session: Session, round_: Round, assignment_id: str, body: Any, now: float
 ) -> dict[str, Any] | Refused:
-    """A survivor's confirmation of the survivor set, with the hashes of what it trained on; signed
-    (and checked here) when its advertisement was. One that fails is refused: its sender counts as
-    dropped, and the round goes on without its input."""
+    """A survivor's confirmation of the survivor set, over the roster and the digest of what it
+    trained on; signed (and checked here) when its advertisement was."""
     found = _taking_part(session, round_, assignment_id, _CONFIRM, now)
     if isinstance(found, Refused):
         return found
     secure_round, participant = found
-    senders = participants.closed(session, secure_round).senders
-    assert senders is not None
-    survivors = sorted(senders)
+    facts = participants.closed(session, secure_round)
+    assert facts.survivors is not None and facts.roster_digest is not None
+    if not participant.confirmed:
+        return Refused(409, "this assignment is not among the survivors")
+    survivors = sorted(facts.survivors)
     try:
-        confirmation = identity.Confirmation.from_json(body)
-        advertisement = identity.parse_advertisement(participant.keys)
-        if isinstance(advertisement, identity.SignedAdvertisement):
-            context = round_parameters(secure_round).context
-            if not confirmation.verifies(advertisement.certificate.device_key, context, survivors):
-                raise ProtocolError(
-                    "the confirmation is not signed by this device's certified key over this round's "
-                    "survivors and the hashes it states"
-                )
+        confirmation = view.Confirmation.from_json(body)
+        _check_signed(
+            participant,
+            lambda key, context, roster: confirmation.verifies(key, context, roster, survivors),
+            round_parameters(secure_round).context,
+            facts.roster_digest,
+            "confirmation",
+        )
     except ProtocolError as e:
         return Refused(422, str(e))
     participant.consistency, participant.sent_consistency = confirmation.to_json(), True
@@ -378,18 +431,18 @@ def unmasking(
         return found
     secure_round, participant = found
     facts = participants.closed(session, secure_round)
-    assert facts.roster is not None and facts.sharers is not None and facts.confirmed is not None
+    assert facts.roster is not None and facts.sharers is not None and facts.survivors is not None
     parameters = round_parameters(secure_round)
     graph = round_graph(parameters, facts.roster)
     index = participant.device_index
-    sharers, survivors = facts.sharers, facts.confirmed
+    sharers, survivors = facts.sharers, facts.survivors
     try:
         message = UnmaskingShares.from_json(body, len(facts.roster))
         commitments = {
             owner: {index: shares} for owner, shares in _shares_for(session, round_.id, graph, index).items()
         }
-        refused = identity.Confirmation.from_json(participant.consistency).refused_shares
-        server.check_unmasking(parameters, index, graph, sharers, survivors, message, commitments, refused)
+        missing = view.PartnerStatement.from_json(participant.partners).missing
+        server.check_unmasking(parameters, index, graph, sharers, survivors, message, commitments, missing)
     except ProtocolError as e:
         return Refused(422, str(e))
     participant.unmasking, participant.sent_unmasking = message.to_json(), True

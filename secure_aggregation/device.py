@@ -24,6 +24,7 @@ from secure_aggregation.messages import (
     UnmaskingShares,
 )
 from secure_aggregation.neighbours import neighbour_graph
+from secure_aggregation.view import roster_digest
 
 SHARE_ENCRYPTION = b"share-encryption"
 SELF_MASK = b"self-mask"
@@ -49,8 +50,11 @@ def share_commitment(kind: bytes, context: str, owner: int, holder: int, share: 
     )
 
 
-def share_aad(context: str, owner: int, holder: int) -> bytes:
-    return crypto.commitment(b"shares-aad", context.encode(), str(owner).encode(), str(holder).encode())
+def share_aad(context: str, roster: bytes, owner: int, holder: int) -> bytes:
+    """Bound to the roster digest: shares decrypt only for a holder shown the sender's roster."""
+    return crypto.commitment(
+        b"shares-aad", context.encode(), roster, str(owner).encode(), str(holder).encode()
+    )
 
 
 def effective_neighbours(params: RoundParameters, roster_size: int) -> int:
@@ -88,13 +92,23 @@ class DeviceSession:
         # what that neighbour sent), and the masks prepared while the device trains.
         self._share_keys: dict[int, bytes] = {}
         self._prepared: np.ndarray | None = None
-        # Neighbours whose shares failed authentication (reported in the consistency check).
-        self.refused: list[int] = []
+        # The digest of the roster this device shared under (secure_aggregation.view).
+        self.roster_digest = b""
 
     @property
     def neighbours(self) -> list[int]:
         """The roster indices this device shares secrets and masks with (after `share_keys`)."""
         return list(self._neighbours)
+
+    @property
+    def holds(self) -> frozenset[int]:
+        """The neighbours whose shares this device holds and masked with (after `masked_input`)."""
+        return frozenset(self._received)
+
+    @property
+    def missing(self) -> tuple[int, ...]:
+        """The neighbours it masked nothing with: its partner statement names them."""
+        return tuple(sorted(set(self._neighbours) - set(self._received)))
 
     def _enter(self, phase: str, next_phase: str) -> None:
         if self._phase != phase:
@@ -119,6 +133,7 @@ class DeviceSession:
             raise ProtocolError(f"a roster of {len(roster)} devices is too small (at least {smallest})")
         self._enter("share_keys", "masked_input")
         self.index, self._roster = index, dict(roster)
+        self.roster_digest = roster_digest(self.params.context, roster)
         self._neighbours = list(round_graph(self.params, sorted(roster))[index])
         t = self.params.shamir_threshold(len(self._neighbours))
         seed_shares = shamir.split(int.from_bytes(self._seed, "big"), t, self._neighbours)
@@ -139,7 +154,7 @@ class DeviceSession:
             key = crypto.agree(self._encryption_key, roster[holder].encryption_key, SHARE_ENCRYPTION, context)
             self._share_keys[holder] = key
             out[holder] = EncryptedShares(
-                crypto.encrypt(key, plaintext, share_aad(context, index, holder)),
+                crypto.encrypt(key, plaintext, share_aad(context, self.roster_digest, index, holder)),
                 share_commitment(b"self-mask", context, index, holder, seed_share),
                 share_commitment(b"mask-key", context, index, holder, key_share),
             )
@@ -180,11 +195,12 @@ class DeviceSession:
         if self._phase != "masked_input":
             raise ProtocolError(f"this device is at phase {self._phase!r}, not 'masked_input'")
         context = self.params.context
-        self.refused = []
         for owner, ciphertext in ciphertexts.items():
             key = self._share_keys[owner]
             try:
-                plaintext = crypto.decrypt(key, ciphertext, share_aad(context, owner, self.index))
+                plaintext = crypto.decrypt(
+                    key, ciphertext, share_aad(context, self.roster_digest, owner, self.index)
+                )
                 claimed = (
                     int.from_bytes(plaintext[:INDEX_BYTES], "big"),
                     int.from_bytes(plaintext[INDEX_BYTES : 2 * INDEX_BYTES], "big"),
@@ -193,9 +209,8 @@ class DeviceSession:
                     raise ProtocolError(f"shares from {owner} are labelled {claimed[0]} -> {claimed[1]}")
             except ProtocolError:
                 # A sender whose shares fail is treated as one that did not share: no pairwise mask
-                # with it, and it is reported (`refused`) so that the server drops it; one device
-                # sending garbage does not stop the round.
-                self.refused.append(owner)
+                # with it, and the partner statement says so (`missing`); the server then leaves
+                # one of the two out of the sum (secure_aggregation.survivors).
                 continue
             body = plaintext[2 * INDEX_BYTES :]
             self._received[owner] = (

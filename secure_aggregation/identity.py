@@ -16,8 +16,6 @@ does not replay into another round (the round's context is in what is signed).
 from __future__ import annotations
 
 import functools
-import hashlib
-import json
 import struct
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -33,11 +31,8 @@ from secure_aggregation.messages import AdvertisedKeys, _object, b64, unb64
 PUBLIC_KEY_BYTES = 32
 SIGNATURE_BYTES = 64
 DIGEST_BYTES = 32
-# A report names at most this many neighbours (a neighbourhood is about 6 log2 n devices).
-MAX_REFUSED = 256
 CERTIFICATE_PURPOSE = b"secure-aggregation/device-certificate/v1"
 ADVERTISEMENT_PURPOSE = b"secure-aggregation/key-advertisement/v1"
-SURVIVORS_PURPOSE = b"secure-aggregation/survivor-set/v1"
 
 
 def public_bytes(key: Ed25519PrivateKey | Ed25519PublicKey) -> bytes:
@@ -228,84 +223,3 @@ def check_signed_advertisement(
             and other.certificate.device_key == advertisement.certificate.device_key
         ):
             raise ProtocolError("this device key already advertised keys in this round")
-
-
-def survivors_message(
-    context: str, survivors: Iterable[int], globals_sha256: bytes, task_sha256: bytes
-) -> bytes:
-    """What a survivor signs before unmasking: the round, the survivor set, and the model and task
-    it trained on (so that a server that sent different devices different globals is caught)."""
-    members = ",".join(str(i) for i in sorted(set(survivors))).encode()
-    return _framed(SURVIVORS_PURPOSE, context.encode(), members, globals_sha256, task_sha256)
-
-
-def task_digest(artifact_sha256: str, task_config: Mapping[str, Any]) -> bytes:
-    """SHA-256 of the model artifact and task config a device trained with (canonical JSON)."""
-    canonical = json.dumps(
-        {"artifact_sha256": artifact_sha256, "task_config": task_config},
-        sort_keys=True,
-        separators=(",", ":"),
-    )
-    return hashlib.sha256(canonical.encode()).digest()
-
-
-@dataclass(frozen=True)
-class Confirmation:
-    """The consistency check (before unmasking): the survivor set as the device was told it, with
-    the hashes of the globals and the task it trained on, signed by its certified key (a device
-    without an identity sends the hashes unsigned, and its neighbours cannot rely on them)."""
-
-    globals_sha256: bytes
-    task_sha256: bytes
-    signature: bytes | None
-    # The report of its neighbours whose shares failed authentication (not signed: it is for the
-    # server, which drops them; a false report only drops the accused, as a dropout would).
-    refused_shares: tuple[int, ...] = ()
-
-    @classmethod
-    def sign(
-        cls,
-        key: SigningKey,
-        context: str,
-        survivors: Iterable[int],
-        globals_sha256: bytes,
-        task_sha256: bytes,
-        refused_shares: Iterable[int] = (),
-    ) -> Confirmation:
-        message = survivors_message(context, survivors, globals_sha256, task_sha256)
-        return cls(globals_sha256, task_sha256, key.sign(message), tuple(sorted(refused_shares)))
-
-    def verifies(self, device_key: bytes, context: str, survivors: Iterable[int]) -> bool:
-        """Whether `device_key` signed this survivor set with these hashes for this round."""
-        if self.signature is None:
-            return False
-        message = survivors_message(context, survivors, self.globals_sha256, self.task_sha256)
-        return verify(device_key, self.signature, message)
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "globals_sha256": b64(self.globals_sha256),
-            "task_sha256": b64(self.task_sha256),
-            "signature": None if self.signature is None else b64(self.signature),
-            "refused_shares": list(self.refused_shares),
-        }
-
-    @classmethod
-    def from_json(cls, data: Any) -> Confirmation:
-        keys = {"globals_sha256", "task_sha256", "signature", "refused_shares"}
-        data = _object(data, keys, "a survivor-set confirmation")
-        signature, refused = data["signature"], data["refused_shares"]
-        if (
-            not isinstance(refused, list)
-            or len(refused) > MAX_REFUSED
-            or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 1 for i in refused)
-        ):
-            raise ProtocolError(
-                f"refused_shares must be a list of at most {MAX_REFUSED} device indices (integers >= 1)"
-            )
-        return cls(
-            unb64(data["globals_sha256"], DIGEST_BYTES, "globals_sha256"),
-            unb64(data["task_sha256"], DIGEST_BYTES, "task_sha256"),
-            None if signature is None else unb64(signature, SIGNATURE_BYTES, "signature"),
-            tuple(sorted(set(refused))),
-        )

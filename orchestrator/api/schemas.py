@@ -339,18 +339,36 @@ class EncryptedShares(BaseModel):
     mask_key_share_commitment: Base64 = Field(description="32 bytes")
 
 
-class SurvivorConfirmation(BaseModel):
-    """The consistency check (`POST .../secure/consistency`): the hashes of what the survivor
-    trained on, and its signature over the round's context, the survivor set and those hashes."""
+_INPUTS = (
+    "SHA-256 of everything that shaped the update (secure_aggregation.view.TaskInputs, canonical JSON): "
+    "artifact, task config, model version, globals and central data as downloaded, gradient weight, "
+    "round parameters"
+)
+
+
+class PartnerStatement(BaseModel):
+    """Before the masked input (`POST .../secure/partners`): the digest of what the device trained
+    on and the neighbours it masked nothing with, signed over the round's context and roster
+    digest (secure_aggregation.view)."""
 
     model_config = ConfigDict(extra="forbid")
 
-    globals_sha256: Base64 = Field(description="SHA-256 of the globals (safetensors) as downloaded")
-    task_sha256: Base64 = Field(description="SHA-256 of the model artifact and task config (canonical JSON)")
-    signature: Base64 | None = Field(description="Ed25519 by its certified key; null without an identity")
-    refused_shares: list[int] = Field(
-        description="the neighbours whose shares failed authentication (not signed): they count as dropped"
+    inputs_sha256: Base64 = Field(description=_INPUTS)
+    missing: list[int] = Field(
+        description="neighbours whose shares it does not hold (they did not share, or failed authentication)"
     )
+    signature: Base64 | None = Field(description="Ed25519 by its certified key; null without an identity")
+
+
+class SurvivorConfirmation(BaseModel):
+    """The consistency check (`POST .../secure/consistency`): the digest of what the survivor
+    trained on, and its signature over the round's context, the roster digest, the survivor set
+    and that digest."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    inputs_sha256: Base64 = Field(description=_INPUTS)
+    signature: Base64 | None = Field(description="Ed25519 by its certified key; null without an identity")
 
 
 class UnmaskingShares(BaseModel):
@@ -382,13 +400,16 @@ class SecureState(BaseModel):
         None, description="masked_input, once this device sent its shares: sender index -> ciphertext"
     )
     survivors: list[int] | None = Field(
-        None, description="consistency, unmasking: the indices that sent a masked input (the set signed)"
+        None,
+        description="consistency, unmasking: the survivors chosen among the masked inputs' senders "
+        "(the set signed; their inputs are summed)",
     )
-    confirmed: list[int] | None = Field(
-        None, description="unmasking: the survivors whose confirmations agree (their inputs are summed)"
-    )
+    confirmed: list[int] | None = Field(None, description="unmasking: the survivors that confirmed")
     confirmations: dict[str, SurvivorConfirmation] | None = Field(
-        None, description="unmasking: this device's confirmed neighbours' confirmations, by index"
+        None, description="unmasking: the survivors' confirmations, by index"
+    )
+    statements: dict[str, PartnerStatement] | None = Field(
+        None, description="unmasking: the survivors' partner statements, by index"
     )
 
 
@@ -421,12 +442,17 @@ class ConfirmationAccepted(_HeldState):
     accepted: Literal[True]
 
 
+class StatementAccepted(_HeldState):
+    accepted: Literal[True]
+
+
 # Bodies the routes read themselves, added to the document's components (api/openapi.py).
 REQUEST_BODIES: tuple[type[BaseModel], ...] = (
     EvaluationReport,
     AdvertisedKeys,
     SignedAdvertisement,
     EncryptedShares,
+    PartnerStatement,
     SurvivorConfirmation,
     UnmaskingShares,
 )

@@ -21,7 +21,7 @@ from secure_aggregation.device import DeviceSession
 from secure_aggregation.messages import AdvertisedKeys, ciphertexts_from_json, encode_vector, shares_to_json
 from tests.orchestrator.conftest import make_population
 from tests.orchestrator.test_rounds import checkin, current_round, device, round_by_id
-from tests.orchestrator.test_secure_rounds import SECURE, confirm, message, state
+from tests.orchestrator.test_secure_rounds import SECURE, confirm, message, send_masked_input, state
 
 
 def _count(condition: Any) -> Any:
@@ -116,7 +116,7 @@ def test_the_counters_on_the_round_follow_every_message_abort_drop_and_deadline(
             state(db, devices[k], answers[k].assignment_id, 4.0)["ciphertexts"], 5
         )
         body = encode_vector(sessions[k].masked_input(zero, ciphertexts), params)
-        message(db, devices[k], answers[k].assignment_id, "masked_input", body, 4.0)
+        send_masked_input(db, devices[k], answers[k].assignment_id, sessions[k], body, 4.0)
         seen.append(check(db, round_id))
     survivors = state(db, devices[0], answers[0].assignment_id, 62.5)["survivors"]
     seen.append(check(db, round_id))

@@ -104,18 +104,19 @@ def test_a_secure_round_with_dropouts_at_every_phase_commits_the_survivors_mean(
     # Execute
     participations, blob = asyncio.run(scenario())
 
-    # Assert: the round committed with the 8 devices that confirmed the survivors (the one that
-    # left after its masked input, before confirming, counts as dropped: its input is masked out) ...
+    # Assert: the round committed with the 9 survivors: the 8 that confirmed and the one that left
+    # after its masked input, before confirming (a survivor's input stays in the sum: its
+    # neighbours reveal its self-mask seed against its signed partner statement) ...
     assert transport.checkins == 12
     statuses = [p.status for p in participations]
     assert statuses[:4] == ["aborted"] * 4, statuses
     assert statuses[4:] == ["reported"] * 8, [p.detail for p in participations]
     history = admin(server.url, "/v1/admin/populations/movies/rounds?kind=training&limit=10")
     first = history[-1]
-    assert first["status"] == "committed" and first["counters"]["reported"] == 8
+    assert first["status"] == "committed" and first["counters"]["reported"] == 9
     # ... and its model is the base plus the mean of their clipped deltas (server SGD, rate 1)
-    survivors = [p for i, p in enumerate(participations) if leaves.get(i) is None]
-    assert_base_plus_mean_of_clipped_deltas(model_dir, blob, survivors, 8)
+    survivors = [p for i, p in enumerate(participations) if leaves.get(i) in (None, "unmasking")]
+    assert_base_plus_mean_of_clipped_deltas(model_dir, blob, survivors, 9)
     # The server kept no masked input once the round closed, and never an unmasked one.
     engine = create_engine(server.database_url)
     with engine.connect() as conn:

@@ -20,7 +20,7 @@ from contracts.params import decode_params, encode_sparse_delta
 from model_export.config import ModelConfig
 from secure_aggregation.config import RoundParameters
 from secure_aggregation.device import DeviceSession
-from secure_aggregation.identity import Confirmation
+from secure_aggregation.view import Confirmation, PartnerStatement
 from secure_aggregation.messages import (
     AdvertisedKeys,
     UnmaskingShares,
@@ -51,7 +51,7 @@ SETTINGS = {
 }
 
 # The consistency check of a device without an identity: the hashes of what it trained on, unsigned.
-UNSIGNED = Confirmation(bytes(32), bytes(32), None).to_json()
+UNSIGNED = Confirmation(bytes(32), None).to_json()
 
 
 class Device:
@@ -66,6 +66,7 @@ class Device:
         self.assignment = checkin.json()["assignment_id"]
         self.secure = checkin.json()["secure_url"]
         self.session: DeviceSession | None = None
+        self.stated = False  # sent its partner statement
 
     def call(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
         headers = {"Authorization": f"Bearer {self.token}", **kwargs.pop("headers", {})}
@@ -73,6 +74,10 @@ class Device:
 
     def send(self, phase: str, body: Any, assignment_url: str | None = None) -> httpx.Response:
         url = f"{assignment_url or self.secure}/{phase}"
+        if phase == "masked-input" and self.session is not None and not self.stated:
+            # A masked input comes after the device's partner statement (unsigned: no identity).
+            statement = PartnerStatement(bytes(32), self.session.missing, None).to_json()
+            self.stated = self.call("POST", f"{self.secure}/partners", json=statement).status_code == 200
         if isinstance(body, bytes):
             return self.call("POST", url, content=body, headers={"Content-Type": "application/octet-stream"})
         return self.call("POST", url, json=body)
@@ -203,6 +208,7 @@ def test_a_round_whose_mean_is_longer_than_the_clip_norm_is_abandoned(
         assert device.send("shares", shares_to_json(session.share_keys(index, roster))).status_code == 200
     for device, session, vector in zip(devices, sessions, inputs, strict=True):
         ciphertexts = ciphertexts_from_json(device.state()["ciphertexts"], len(roster))
+        device.session = session
         assert (
             device.send(
                 "masked-input", encode_vector(session.masked_input(vector, ciphertexts), params)

@@ -16,7 +16,7 @@ from orchestrator.population_settings import PopulationSettings
 from orchestrator.populations import ExportedModel
 from secure_aggregation.config import RoundParameters
 from secure_aggregation.device import DeviceSession
-from secure_aggregation.identity import Confirmation
+from secure_aggregation.view import Confirmation, PartnerStatement
 from secure_aggregation.messages import AdvertisedKeys, ciphertexts_from_json, encode_vector, shares_to_json
 from tests.orchestrator.conftest import make_population
 from tests.orchestrator.test_rounds import checkin, current_round, device, round_by_id
@@ -45,11 +45,20 @@ def message(
         return answer
 
 
+def send_masked_input(
+    factory: sessionmaker[Session], dev: str, assignment_id: str, session: DeviceSession, body: bytes, now: float
+) -> Any:
+    """A device's partner statement (unsigned: these devices have no identity), then its masked input."""
+    statement = PartnerStatement(bytes(32), session.missing, None).to_json()
+    message(factory, dev, assignment_id, "partners", statement, now)
+    return message(factory, dev, assignment_id, "masked_input", body, now)
+
+
 def confirm(
     factory: sessionmaker[Session], devices: list[str], answers: list[Any], ks: range | list[int], now: float
 ) -> None:
     """Devices `ks` confirm the survivors (unsigned: the devices of these tests have no identity)."""
-    unsigned = Confirmation(bytes(32), bytes(32), None).to_json()
+    unsigned = Confirmation(bytes(32), None).to_json()
     for k in ks:
         message(factory, devices[k], answers[k].assignment_id, "consistency", unsigned, now)
 
@@ -182,10 +191,10 @@ def test_once_enough_inputs_are_in_a_straggler_is_waited_for_as_long_again_and_c
     # fourth is still training
     inputs = [masked(k, 4.0) for k in range(4)]
     for k in range(3):
-        message(db, devices[k], answers[k].assignment_id, "masked_input", inputs[k], 4.0)
+        send_masked_input(db, devices[k], answers[k].assignment_id, sessions[k], inputs[k], 4.0)
     waiting = state(db, devices[0], answers[0].assignment_id, 5.9)
     moved_on = state(db, devices[0], answers[0].assignment_id, 6.0)
-    late = message(db, devices[3], answers[3].assignment_id, "masked_input", inputs[3], 6.0)
+    late = send_masked_input(db, devices[3], answers[3].assignment_id, sessions[3], inputs[3], 6.0)
     confirm(db, devices, answers, range(3), 6.25)
     for k in range(3):
         message(
@@ -220,13 +229,8 @@ def _one_round(db: sessionmaker[Session], start: float) -> list[str]:
     zero = np.zeros(params.vector_length, np.uint64)
     for d, a, s in zip(devices, answers, sessions, strict=True):
         ciphertexts = ciphertexts_from_json(state(db, d, a.assignment_id, start + 3)["ciphertexts"], 4)
-        message(
-            db,
-            d,
-            a.assignment_id,
-            "masked_input",
-            encode_vector(s.masked_input(zero, ciphertexts), params),
-            start + 3,
+        send_masked_input(
+            db, d, a.assignment_id, s, encode_vector(s.masked_input(zero, ciphertexts), params), start + 3
         )
     survivors = state(db, devices[0], answers[0].assignment_id, start + 3)["survivors"]
     confirm(db, devices, answers, range(4), start + 3)
@@ -349,10 +353,10 @@ def test_the_masked_inputs_wait_for_stragglers_only_once_they_could_be_unmasked(
     # Execute: three inputs at t=4 (2 s into the phase), two more from slower phones at t=7; the
     # sixth never comes
     for k in range(3):
-        message(db, devices[k], answers[k].assignment_id, "masked_input", inputs[k], 4.0)
+        send_masked_input(db, devices[k], answers[k].assignment_id, sessions[k], inputs[k], 4.0)
     after_three = state(db, devices[0], answers[0].assignment_id, 6.5)
     for k in range(3, 5):
-        message(db, devices[k], answers[k].assignment_id, "masked_input", inputs[k], 7.0)
+        send_masked_input(db, devices[k], answers[k].assignment_id, sessions[k], inputs[k], 7.0)
     waiting = state(db, devices[0], answers[0].assignment_id, 11.9)
     moved_on = state(db, devices[0], answers[0].assignment_id, 12.0)
     confirm(db, devices, answers, range(5), 12.25)

@@ -3,10 +3,10 @@
 The server tries to get both of one device's secrets, or a sum that is that device's input alone:
 it sends one device different globals (Pasquini et al. 2022) and counts it among the survivors
 anyway; it tells some devices that a device survived and the others that it dropped; it tells a
-device that none of its neighbours shared keys. Each device checks its neighbours' signatures on
-the survivor set and the globals and task before it reveals anything, and reveals a self-mask seed
-only for a neighbour that signed the same ones. No device's self-mask seed reaches the server
-together with its mask key, and the refusing devices name why.
+device that none of its neighbours shared keys. Each device reveals only for a survivor set that a
+quorum of the roster signed over the same roster and inputs, with every survivor's signed partner
+statement naming the same inputs (secure_aggregation.view). No device's self-mask seed reaches the
+server together with its mask key, and the refusing devices name why.
 """
 
 from __future__ import annotations
@@ -34,60 +34,90 @@ def revealed(transport: MaliciousTransport) -> list[UnmaskingShares]:
     return [UnmaskingShares.from_json(json.loads(s.body), 64) for s in transport.posted("/secure/unmasking")]
 
 
-class OtherGlobalsForOne(MaliciousTransport):
-    """The first device to fetch the globals gets other ones (every value tripled); at the
-    unmasking every device is told that all survivors confirmed, with the victim's confirmation
-    relayed as it sent it."""
+class PlaysTheUnmasking(MaliciousTransport):
+    """Shows each device the survivor set `shown` picks at the consistency check, then plays the
+    unmasking itself: it accepts every confirmation and unmasking answer, and relays to every
+    device every confirmation and partner statement it was sent, to collect what they reveal.
+    With `tripled_for_one`, the first device to fetch the globals gets other ones (every value
+    tripled)."""
 
-    def __init__(self) -> None:
-        super().__init__(self.count_the_victim)
+    def __init__(
+        self, shown: Callable[[list[int], int, list[int]], list[int]], tripled_for_one: bool
+    ) -> None:
+        super().__init__(self.split)
+        self.shown = shown
+        self.tripled_for_one = tripled_for_one
         self.victim_token: str | None = None
+        self.told: dict[str, list[int]] = {}  # assignment -> the survivor set it was shown
+        self.base: dict[str, dict[str, Any]] = {}  # assignment -> its consistency-phase state
+
+    def split(self, path: str, answer: dict[str, Any], index: dict[str, int]) -> dict[str, Any]:
+        if not (path.endswith("/secure") and answer["phase"] == "consistency" and "survivors" in answer):
+            return answer
+        assignment = path.split("/")[3]
+        senders = sorted(index[s.path.split("/")[3]] for s in self.posted("/masked-input"))
+        shown = self.shown(senders, index[assignment], sorted(index.values()))
+        self.told[assignment], self.base[assignment] = shown, answer
+        return {**answer, "survivors": shown}
+
+    def _relayed(self, suffix: str) -> dict[str, Any]:
+        return {str(self.index[s.path.split("/")[3]]): json.loads(s.body) for s in self.posted(suffix)}
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        response = await super().handle_async_request(request)
-        if "/global" in request.url.path and response.status_code == 200:
+        path = request.url.path
+        if "/global" in path and self.tripled_for_one:
+            response = await super().handle_async_request(request)
             token = request.headers.get("authorization", "")
             self.victim_token = self.victim_token or token
-            if token == self.victim_token:
-                body = await response.aread()
-                return httpx.Response(200, content=_tripled(body), headers=response.headers)
-        return response
-
-    def count_the_victim(self, path: str, answer: dict[str, Any], index: dict[str, int]) -> dict[str, Any]:
-        assignment = path.split("/")[-2] if path.endswith("/secure") else ""
-        confirmed_it = any(assignment in s.path for s in self.posted("/secure/consistency"))
-        # (the victim is held in the unmasking phase even if the others' round already committed)
-        if not (path.endswith("/secure") and confirmed_it and answer["phase"] in ("unmasking", "done")):
-            return answer
-        confirmations = {
-            str(index[sent.path.split("/")[3]]): json.loads(sent.body)
-            for sent in self.posted("/secure/consistency")
-        }
-        survivors = sorted(index.values())
-        fabricated = {**answer, "phase": "unmasking", "round_status": "open", "survivors": survivors}
-        return {**fabricated, "confirmed": survivors, "confirmations": confirmations}
+            if token == self.victim_token and response.status_code == 200:
+                return httpx.Response(200, content=_tripled(await response.aread()), headers=response.headers)
+            return response
+        if request.method == "POST" and path.endswith(("/secure/consistency", "/secure/unmasking")):
+            self.sent.append(Sent(request.method, path, await request.aread()))
+            return httpx.Response(200, json={"accepted": True})
+        if path.endswith("/secure") and request.url.params.get("until") == "unmasking":
+            # Every device's confirmation first (a device that refused to confirm leaves the wait
+            # to its end: the attacker relays what it has then)
+            waited = 0.0
+            while len(self.posted("/secure/consistency")) < DEVICES and waited < 30:
+                await asyncio.sleep(0.05)
+                waited += 0.05
+            assignment = path.split("/")[3]
+            confirmations = self._relayed("/secure/consistency")
+            shown = self.told[assignment]
+            fabricated = {**self.base[assignment], "phase": "unmasking", "survivors": shown}
+            return httpx.Response(
+                200,
+                json={
+                    **fabricated,
+                    "confirmed": sorted(int(i) for i in confirmations),
+                    "confirmations": confirmations,
+                    "statements": self._relayed("/secure/partners"),
+                },
+            )
+        return await super().handle_async_request(request)
 
 
 def test_different_globals_for_one_device_get_its_seed_from_no_neighbour(
     server: Server, export: Callable[[ModelConfig], Path], movielens_users: UserData, tmp_path: Path
 ) -> None:
+    # Prepare: one device trains on other globals; the server counts it among the survivors anyway
+    # (the others' updates would then say what the victim's is), and relays everything
+    transport = PlaysTheUnmasking(lambda senders, me, everyone: senders, tripled_for_one=True)
+
     # Execute
     participations, transport = run_devices(
-        server, export, movielens_users, tmp_path, DEVICES, lambda p, a, i: a, OtherGlobalsForOne()
+        server, export, movielens_users, tmp_path, DEVICES, lambda p, a, i: a, transport
     )
 
-    # Assert: the victim found no neighbour that signed its globals and refused, naming why; no
-    # other device revealed a share of its self-mask seed (so its masked input stays masked)
+    # Assert: the others found that the victim's partner statement names other inputs, and the
+    # victim that no quorum signed its inputs: every device refused, naming why, and revealed nothing
     details = [p.detail for p in participations]
-    assert len(transport.posted("/secure/consistency")) == DEVICES, details
-    refused = [p for p in participations if "signed the same survivors, globals and task" in p.detail]
-    assert len(refused) == 1 and refused[0].status == "refused", details
-    assert refused[0].assignment is not None
-    victim_at = transport.index[refused[0].assignment.assignment_id]
-    answers = revealed(transport)
-    assert len(answers) == DEVICES - 1, details
-    assert all(victim_at not in a.self_mask_shares for a in answers), answers
-    assert all(victim_at in a.mask_key_shares for a in answers), answers
+    assert [p.status for p in participations] == ["refused"] * DEVICES, details
+    other_inputs = [p for p in participations if "trained on other inputs" in p.detail]
+    no_quorum = [p for p in participations if "signed this survivor set, roster and inputs" in p.detail]
+    assert len(other_inputs) == DEVICES - 1 and len(no_quorum) == 1, details
+    assert revealed(transport) == []
 
 
 def _tripled(blob: bytes) -> bytes:
@@ -120,66 +150,31 @@ def test_a_device_told_that_none_of_its_neighbours_shared_sends_no_masked_input(
     assert all(first["victim"] not in s.path for s in transport.posted("/masked-input"))
 
 
-class InconsistentSurvivors(MaliciousTransport):
-    """Tells two devices and the victim (the lowest index) that all five survived, and the other
-    two that the victim dropped; then plays the unmasking phase itself, accepting every message
-    and relaying every confirmation, to collect the victim's seed from the first group and its
-    mask key from the second."""
-
-    def __init__(self) -> None:
-        super().__init__(self.split)
-        self.told: dict[str, list[int]] = {}  # assignment -> the survivor set it was shown
-        self.base: dict[str, dict[str, Any]] = {}  # assignment -> its consistency-phase state
-
-    def split(self, path: str, answer: dict[str, Any], index: dict[str, int]) -> dict[str, Any]:
-        if not (path.endswith("/secure") and answer["phase"] == "consistency" and "survivors" in answer):
-            return answer
-        assignment = path.split("/")[3]
-        survivors = sorted(answer["survivors"])
-        victim, others = survivors[0], survivors[1:]
-        shown = [i for i in survivors if i != victim] if index[assignment] in others[2:] else survivors
-        self.told[assignment], self.base[assignment] = shown, answer
-        return {**answer, "survivors": shown}
-
-    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        path = request.url.path
-        if request.method == "POST" and path.endswith(("/secure/consistency", "/secure/unmasking")):
-            self.sent.append(Sent(request.method, path, await request.aread()))
-            return httpx.Response(200, json={"accepted": True})
-        if path.endswith("/secure") and request.url.params.get("until") == "unmasking":
-            while len(self.posted("/secure/consistency")) < DEVICES:
-                await asyncio.sleep(0.05)
-            assignment = path.split("/")[3]
-            confirmations = {
-                str(self.index[s.path.split("/")[3]]): json.loads(s.body)
-                for s in self.posted("/secure/consistency")
-            }
-            shown = self.told[assignment]
-            fabricated = {**self.base[assignment], "phase": "unmasking", "survivors": shown}
-            return httpx.Response(
-                200, json={**fabricated, "confirmed": shown, "confirmations": confirmations}
-            )
-        return await super().handle_async_request(request)
-
-
 def test_inconsistent_survivor_lists_never_get_both_secrets_of_one_device(
     server: Server, export: Callable[[ModelConfig], Path], movielens_users: UserData, tmp_path: Path
 ) -> None:
+    # Prepare: the victim (the lowest index) and two others are told that all five survived, the
+    # other two that the victim dropped (to collect its seed from the first group and its mask key
+    # from the second)
+    def split(senders: list[int], me: int, everyone: list[int]) -> list[int]:
+        victim = senders[0]
+        return [i for i in senders if i != victim] if me in senders[3:] else senders
+
     # Execute
     participations, transport = run_devices(
-        server, export, movielens_users, tmp_path, DEVICES, lambda p, a, i: a, InconsistentSurvivors()
+        server, export, movielens_users, tmp_path, DEVICES, lambda p, a, i: a, PlaysTheUnmasking(split, False)
     )
 
-    # Assert: the two devices shown the smaller set found one neighbour (not their threshold of
-    # two) that signed it, and refused; the three others found that the two had not signed their
-    # set, so that the sum they would unmask holds 3 inputs, below their floor of 4: all named why.
-    # Of no device did the attacker get a threshold of seed shares and one of mask-key shares
+    # Assert: the two shown the smaller set found 2 confirmations of it, not a quorum (3 of the
+    # roster of 5), and refused, naming why; the three others revealed self-mask seeds only. Of no
+    # device did the attacker get a threshold of seed shares and one of mask-key shares
     details = [p.detail for p in participations]
-    refusing = [p for p in participations if "1 of this device's neighbours signed the same" in p.detail]
+    refusing = [
+        p for p in participations if "2 devices of the roster of 5 signed this survivor set" in p.detail
+    ]
     assert len(refusing) == 2 and all(p.status == "refused" for p in refusing), details
-    floor = [p for p in participations if "asks to unmask a sum of 3 devices' inputs" in p.detail]
-    assert len(floor) == 3 and all(p.status == "declined" for p in floor), details
     answers = revealed(transport)
+    assert len(answers) == 3 and all(a.mask_key_shares == {} for a in answers), answers
     threshold = 2  # 0.4 of the 4 neighbours, and at least 2
     for owner in sorted(transport.index.values()):
         seeds = sum(owner in a.self_mask_shares for a in answers)

@@ -205,7 +205,7 @@ def test_shares_replayed_into_another_round_or_pair_do_not_decrypt_and_their_sen
     answer = devices[4].unmask([1, 3, 4, 5])
 
     # Assert: device 2 is reported and treated as not having shared: no share of it is revealed
-    assert devices[4].refused == [2]
+    assert devices[4].missing == (2,)
     assert set(answer.self_mask_shares) == {1, 3, 5} and answer.mask_key_shares == {}
 
 

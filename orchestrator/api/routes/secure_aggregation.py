@@ -4,9 +4,9 @@
 `?until=<phase>` the answer waits (long-polling, `LONG_POLL_SECONDS` or the `wait` the device asks
 for, at most `MAX_WAIT_SECONDS`) until the round has reached that phase or a later one, so a device
 learns of a phase as soon as it opens (an answer that comes earlier says only the phase: not what
-it hands out). The four
-`POST`s carry its keys, its encrypted shares, its masked input (raw little-endian integers) and
-its unmasking shares. A message posted with `?until=<phase>` is answered with that state as well
+it hands out). The `POST`s carry its keys, its encrypted shares, its partner statement, its
+masked input (raw little-endian integers), its confirmation of the survivors and its unmasking
+shares. A message posted with `?until=<phase>` is answered with that state as well
 (`state`, held as the `GET` holds it, and read first in the message's own transaction): a device
 saves a request a phase, and the server a transaction. A message sent twice, out of phase, by a
 device that skipped the phase before, or that fails its checks is a 409 or 422 that changes
@@ -233,6 +233,30 @@ async def shares(
 ) -> Any:
     return await _post_json(
         request, secure_rounds.share_keys, assignment_id, token, settings.max_report_bytes, until, wait
+    )
+
+
+@router.post(
+    "/{assignment_id}/secure/partners",
+    summary="Phase 3, first: what the device trained on and the neighbours it masked nothing with, signed",
+    openapi_extra=schemas.json_body(
+        "the device's partner statement", {"$ref": "#/components/schemas/PartnerStatement"}
+    ),
+    responses={
+        200: {"model": schemas.StatementAccepted},
+        **schemas.refusals(SECURE_REFUSALS, retry_after=(409,)),
+    },
+)
+async def partners(
+    assignment_id: str,
+    request: Request,
+    token: TokenDep,
+    settings: SettingsDep,
+    until: UntilQuery = None,
+    wait: WaitQuery = None,
+) -> Any:
+    return await _post_json(
+        request, secure_rounds.partners, assignment_id, token, settings.max_report_bytes, until, wait
     )
 
 
