@@ -309,6 +309,59 @@ def _reconstruct(shares: Mapping[int, bytes], t: int) -> bytes | None:
     return value.to_bytes(crypto.KEY_BYTES, "big") if value < 1 << (8 * crypto.KEY_BYTES) else None
 
 
+@dataclass(frozen=True)
+class Reading:
+    """What the server holds of one device whose masked input it received."""
+
+    secrets: int  # its self-mask seed (1 if held) plus the pairwise seeds with its partners held
+    partners: int  # the partners it masked with
+    unmasked: np.ndarray | None  # its input with every mask stripped (quantized, signed), if possible
+
+
+def server_knowledge(
+    params: RoundParameters,
+    advertised: Mapping[int, AdvertisedKeys],
+    roster_of: Callable[[int], list[int]],
+    answers: Mapping[int, UnmaskingShares],
+    statements: Mapping[int, PartnerStatement],
+    masked_inputs: Mapping[int, bytes],
+) -> dict[int, Reading]:
+    """From everything devices sent (their advertised keys, the roster indices each was shown,
+    their unmasking answers, partner statements and masked inputs, by roster index): every secret
+    whose shares reached its threshold, and what that lets the server read of each masked input."""
+    seeds: dict[int, bytes] = {}
+    mask_keys: dict[int, Any] = {}
+    for owner, keys in advertised.items():
+        # The owner's neighbourhood as it saw its roster: its shares went to those devices.
+        t = params.shamir_threshold(len(round_graph(params, roster_of(owner))[owner]))
+        seed_shares = {
+            h: a.self_mask_shares[owner] for h, a in answers.items() if owner in a.self_mask_shares
+        }
+        seed = _reconstruct(seed_shares, t)
+        if seed is not None and self_mask_commitment(seed, params.context) == keys.self_mask_commitment:
+            seeds[owner] = seed
+        key_shares = {h: a.mask_key_shares[owner] for h, a in answers.items() if owner in a.mask_key_shares}
+        key = _reconstruct(key_shares, t)
+        if key is not None:
+            private = crypto.private_from_bytes(key)
+            if crypto.public_bytes(private) == keys.mask_key:
+                mask_keys[owner] = private
+    readings: dict[int, Reading] = {}
+    for u, body in masked_inputs.items():
+        partners = set(round_graph(params, roster_of(u))[u]) - set(statements[u].missing)
+        pairwise = {v for v in partners if u in mask_keys or v in mask_keys}
+        unmasked = None
+        if u in seeds and pairwise == partners:
+            unmasked = _unmask_alone(params, body, u, seeds[u], partners, mask_keys, advertised)
+        readings[u] = Reading(int(u in seeds) + len(pairwise), len(partners), unmasked)
+    return readings
+
+
+def cosine(read: np.ndarray, update: np.ndarray, params: RoundParameters) -> float:
+    truth = clip(update, params.clip_norm)
+    return float(read @ truth / (np.linalg.norm(read) * np.linalg.norm(truth) + 1e-12))
+
+
 def _knowledge(
     server: AdversaryServer,
     params: RoundParameters,
@@ -316,42 +369,22 @@ def _knowledge(
     results: Iterable[SecureParticipation],
 ) -> Outcome:
     results = list(results)
-    answers = {d + 1: UnmaskingShares.from_json(a, 64) for d, a in server.sent["unmasking"].items()}
-    roster = {d + 1: AdvertisedKeys.from_json(a["keys"]) for d, a in server.sent["advertise"].items()}
-    seeds: dict[int, bytes] = {}
-    mask_keys: dict[int, Any] = {}
-    for owner, keys in roster.items():
-        # The owner's neighbourhood as it saw its roster: its shares went to those devices.
-        shown = sorted(int(i) for i in server.roster_for(owner - 1))
-        t = params.shamir_threshold(len(round_graph(params, shown)[owner]))
-        seed = _reconstruct(
-            {h: a.self_mask_shares[owner] for h, a in answers.items() if owner in a.self_mask_shares}, t
-        )
-        if seed is not None and self_mask_commitment(seed, params.context) == keys.self_mask_commitment:
-            seeds[owner] = seed
-        key = _reconstruct(
-            {h: a.mask_key_shares[owner] for h, a in answers.items() if owner in a.mask_key_shares}, t
-        )
-        if key is not None:
-            private = crypto.private_from_bytes(key)
-            if crypto.public_bytes(private) == keys.mask_key:
-                mask_keys[owner] = private
-    leaked: dict[int, float] = {}
-    held: dict[int, int] = {}
-    for d, body in server.sent["masked_input"].items():
-        u = d + 1
-        statement = PartnerStatement.from_json(server.sent["partners"][d])
-        shown = sorted(int(i) for i in server.roster_for(d))
-        partners = set(round_graph(params, shown)[u]) - set(statement.missing)
-        pairwise = {v for v in partners if u in mask_keys or v in mask_keys}
-        held[u] = int(u in seeds) + len(pairwise)
-        if u in seeds and pairwise == partners:
-            leaked[u] = _unmask_alone(params, body, u, seeds[u], partners, mask_keys, roster, updates[d])
+    readings = server_knowledge(
+        params,
+        {d + 1: AdvertisedKeys.from_json(a["keys"]) for d, a in server.sent["advertise"].items()},
+        lambda owner: sorted(int(i) for i in server.roster_for(owner - 1)),
+        {d + 1: UnmaskingShares.from_json(a, 64) for d, a in server.sent["unmasking"].items()},
+        {d + 1: PartnerStatement.from_json(s) for d, s in server.sent.get("partners", {}).items()},
+        {d + 1: body for d, body in server.sent["masked_input"].items()},
+    )
+    leaked = {
+        u: cosine(r.unmasked, updates[u - 1], params) for u, r in readings.items() if r.unmasked is not None
+    }
     return Outcome(
         [r.status for r in results],
         [r.detail for r in results],
         leaked,
-        held,
+        {u: r.secrets for u, r in readings.items()},
         all(r.status == "reported" for r in results),
     )
 
@@ -364,9 +397,8 @@ def _unmask_alone(
     partners: set[int],
     mask_keys: Mapping[int, Any],
     roster: Mapping[int, AdvertisedKeys],
-    update: np.ndarray,
-) -> float:
-    """Strip every mask from device u's input with what the server holds: the cosine with u's update."""
+) -> np.ndarray:
+    """Device u's input with every mask stripped by what the server holds (signed integers)."""
     total = decode_vector(body, params).astype(masks.sum_dtype(params))
     context = params.context
     masks.add_into(total, masks.expand(crypto.derive_key(seed, SELF_MASK, context), params), -1)
@@ -376,9 +408,7 @@ def _unmask_alone(
         else:
             shared = crypto.agree(mask_keys[v], roster[u].mask_key, pairwise_purpose(u, v), context)
         masks.add_into(total, masks.expand(shared, params), -pairwise_sign(u, v))
-    read = decode_signed(total.astype(np.uint64) & np.uint64(params.modulus_mask), params).astype(float)
-    truth = clip(update, params.clip_norm)
-    return float(read @ truth / (np.linalg.norm(read) * np.linalg.norm(truth) + 1e-12))
+    return decode_signed(total.astype(np.uint64) & np.uint64(params.modulus_mask), params).astype(float)
 
 
 # --- the search --------------------------------------------------------------------------------
@@ -396,7 +426,9 @@ def random_strategy(n: int, rng: random.Random) -> Strategy:
     def per_device(make: Callable[[int], Any], chance: float) -> dict[int, Any]:
         return {d: make(d) for d in devices if pick() < chance}
 
-    others = lambda d: [x for x in devices if x != d]  # noqa: E731
+    def others(d: int) -> list[int]:
+        return [x for x in devices if x != d]
+
     return Strategy(
         hide_from_roster=per_device(lambda d: frozenset(rng.sample(others(d), 1)), 0.08),
         foreign_keys=per_device(lambda d: rng.choice(others(d)), 0.04),

@@ -103,11 +103,11 @@ def test_different_globals_for_one_device_get_its_seed_from_no_neighbour(
 ) -> None:
     # Prepare: one device trains on other globals; the server counts it among the survivors anyway
     # (the others' updates would then say what the victim's is), and relays everything
-    transport = PlaysTheUnmasking(lambda senders, me, everyone: senders, tripled_for_one=True)
+    attacker = PlaysTheUnmasking(lambda senders, me, everyone: senders, tripled_for_one=True)
 
     # Execute
     participations, transport = run_devices(
-        server, export, movielens_users, tmp_path, DEVICES, lambda p, a, i: a, transport
+        server, export, movielens_users, tmp_path, DEVICES, lambda p, a, i: a, attacker
     )
 
     # Assert: the others found that the victim's partner statement names other inputs, and the
