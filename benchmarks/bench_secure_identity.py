@@ -9,9 +9,10 @@ round's devices), it times and sizes:
   unmasking answer (what bench_secure_aggregation.py calls the device's extra CPU), and its bytes up
   and down as the device driver counts them (JSON bodies, the raw masked input);
 - what the identity adds: signing its advertisement; checking every roster entry's certificate and
-  signature and that no key repeats; signing the survivor set; checking its neighbours'
-  signatures; and their bytes (certificates and signatures in the roster, the confirmation up,
-  the neighbours' confirmations down).
+  signature and that no key repeats; signing its partner statement and the survivor set; checking
+  the signed view (a quorum of the roster's confirmations, every survivor's partner statement:
+  secure_aggregation.view); and their bytes (certificates and signatures in the roster, the
+  statement and confirmation up, the survivors' confirmations and statements down).
 Target (issue 28): at most 20 ms and 10% more bytes per device at 100 devices.
 """
 
@@ -34,13 +35,7 @@ from enrollment_authority.authority import EnrollmentAuthority  # noqa: E402
 from secure_aggregation import server  # noqa: E402
 from secure_aggregation.config import RoundParameters  # noqa: E402
 from secure_aggregation.device import DeviceSession, round_graph  # noqa: E402
-from secure_aggregation.identity import (  # noqa: E402
-    Confirmation,
-    SignedAdvertisement,
-    SigningKey,
-    verified_roster,
-    verify,
-)
+from secure_aggregation.identity import SignedAdvertisement, SigningKey, verified_roster, verify  # noqa: E402
 from secure_aggregation.messages import (  # noqa: E402
     ciphertexts_to_json,
     encode_vector,
@@ -48,6 +43,7 @@ from secure_aggregation.messages import (  # noqa: E402
 )
 from secure_aggregation.neighbours import suggested_neighbours  # noqa: E402
 from secure_aggregation.quantization import Layout, quantize  # noqa: E402
+from secure_aggregation.view import Confirmation, PartnerStatement, View, check_view  # noqa: E402
 
 NUM_ITEMS, DIM = 3706, 50
 CONTEXT = "bench/1/identity"
@@ -112,23 +108,52 @@ def measure(devices: int) -> dict[str, float]:
         masked[i] = timed(i, base, lambda i=i, v=vector, c=ciphertexts: sessions[i].masked_input(v, c))
         up[i] += len(encode_vector(masked[i], params))
     survivors = sorted(masked)
-    globals_sha256, task_sha256 = hashlib.sha256(b"globals").digest(), hashlib.sha256(b"task").digest()
+    inputs_sha256 = hashlib.sha256(b"inputs").digest()
+    roster_digests = {i: sessions[i].roster_digest for i in indices}
+    statements = {
+        i: timed(
+            i,
+            extra,
+            lambda i=i: PartnerStatement.sign(
+                identities[i], CONTEXT, roster_digests[i], inputs_sha256, sessions[i].missing
+            ),
+        )
+        for i in indices
+    }
     confirmations = {
         i: timed(
             i,
             extra,
-            lambda i=i: Confirmation.sign(identities[i], CONTEXT, survivors, globals_sha256, task_sha256),
+            lambda i=i: Confirmation.sign(
+                identities[i], CONTEXT, roster_digests[i], survivors, inputs_sha256
+            ),
         )
         for i in indices
     }
+    signing_keys = {i: identities[i].public for i in indices}
+    relayed_confirmations = {str(v): confirmations[v].to_json() for v in survivors}
+    relayed_statements = {str(v): statements[v].to_json() for v in survivors}
     for i in indices:
-        extra_up[i] += size(confirmations[i].to_json())
-        relayed = {str(v): confirmations[v].to_json() for v in graph[i]}
-        extra_down[i] += size(relayed) + size(survivors)
+        extra_up[i] += size(statements[i].to_json()) + size(confirmations[i].to_json())
+        extra_down[i] += size(relayed_confirmations) + size(relayed_statements) + size(survivors)
 
-        def check(i: int = i, relayed: dict[str, object] = relayed) -> None:
-            for v, data in relayed.items():
-                assert Confirmation.from_json(data).verifies(identities[int(v)].public, CONTEXT, survivors)
+        def check(i: int = i) -> None:
+            # What the device does with what was relayed: parse it, then the signed view's rules.
+            view = View(
+                params,
+                graph,
+                roster_digests[i],
+                signing_keys,
+                i,
+                sessions[i].holds,
+                inputs_sha256,
+                frozenset(survivors),
+            )
+            check_view(
+                view,
+                {int(v): Confirmation.from_json(c) for v, c in relayed_confirmations.items()},
+                {int(v): PartnerStatement.from_json(c) for v, c in relayed_statements.items()},
+            )
 
         verify.cache_clear()
         timed(i, extra, check)

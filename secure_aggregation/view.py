@@ -236,13 +236,16 @@ def check_view(
     if me not in survivors:
         raise ProtocolError("this device sent its masked input but is not among the survivors")
     needed = quorum(len(view.signing_keys))
-    signed = sum(
-        1
-        for v, confirmation in confirmations.items()
-        if v in view.signing_keys
-        and confirmation.inputs_sha256 == view.inputs_sha256
-        and confirmation.verifies(view.signing_keys[v], context, view.roster, survivors)
-    )
+    signed = 0
+    for v, confirmation in confirmations.items():
+        if signed >= needed:
+            break  # a quorum is all it takes: the other signatures are not checked
+        if (
+            v in view.signing_keys
+            and confirmation.inputs_sha256 == view.inputs_sha256
+            and confirmation.verifies(view.signing_keys[v], context, view.roster, survivors)
+        ):
+            signed += 1
     if signed < needed:
         raise ProtocolError(
             f"{signed} devices of the roster of {len(view.signing_keys)} signed this survivor set, roster "
