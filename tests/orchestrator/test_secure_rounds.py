@@ -16,8 +16,8 @@ from orchestrator.population_settings import PopulationSettings
 from orchestrator.populations import ExportedModel
 from secure_aggregation.config import RoundParameters
 from secure_aggregation.device import DeviceSession
-from secure_aggregation.view import Confirmation, PartnerStatement
 from secure_aggregation.messages import AdvertisedKeys, ciphertexts_from_json, encode_vector, shares_to_json
+from secure_aggregation.view import Confirmation, PartnerStatement
 from tests.orchestrator.conftest import make_population
 from tests.orchestrator.test_rounds import checkin, current_round, device, round_by_id
 
@@ -46,7 +46,12 @@ def message(
 
 
 def send_masked_input(
-    factory: sessionmaker[Session], dev: str, assignment_id: str, session: DeviceSession, body: bytes, now: float
+    factory: sessionmaker[Session],
+    dev: str,
+    assignment_id: str,
+    session: DeviceSession,
+    body: bytes,
+    now: float,
 ) -> Any:
     """A device's partner statement (unsigned: these devices have no identity), then its masked input."""
     statement = PartnerStatement(bytes(32), session.missing, None).to_json()
@@ -372,3 +377,33 @@ def test_the_masked_inputs_wait_for_stragglers_only_once_they_could_be_unmasked(
     assert moved_on["phase"] == "consistency" and moved_on["survivors"] == sorted(indices[:5])
     closed = round_by_id(db, first.id)
     assert closed.status == "committed" and closed.metrics["secure_survivors"] == 5
+
+
+def test_partner_statements_are_checked_and_come_before_the_masked_input(
+    db: sessionmaker[Session], biased_model: ExportedModel
+) -> None:
+    # Prepare: four devices share keys with the whole roster
+    make_population(db, biased_model, **SECURE)
+    devices, answers, sessions, params, indices = _keys_shared(db, 4, 1.0, 1.0, 2.0)
+    zero = np.zeros(params.vector_length, np.uint64)
+    ciphertexts = ciphertexts_from_json(
+        state(db, devices[0], answers[0].assignment_id, 3.0)["ciphertexts"], 4
+    )
+    body = encode_vector(sessions[0].masked_input(zero, ciphertexts), params)
+    me, others = indices[0], [i for i in indices if i != indices[0]]
+
+    def send(statement: PartnerStatement) -> Any:
+        return message(db, devices[0], answers[0].assignment_id, "partners", statement.to_json(), 3.0)
+
+    # Execute / Assert: no masked input before a statement; a statement naming a stranger, or
+    # masking with fewer neighbours than the threshold, is refused; the first good one is kept
+    early = message(db, devices[0], answers[0].assignment_id, "masked_input", body, 3.0)
+    assert isinstance(early, rounds.Refused) and early.status == 409 and "partner statement" in early.message
+    stranger = send(PartnerStatement(bytes(32), (me + 100,), None))
+    assert isinstance(stranger, rounds.Refused) and "not this device's neighbours" in stranger.message
+    alone = send(PartnerStatement(bytes(32), tuple(others), None))
+    assert isinstance(alone, rounds.Refused) and "masked with 0 neighbours" in alone.message
+    assert send(PartnerStatement(bytes(32), (), None)) == {"accepted": True}
+    again = send(PartnerStatement(bytes(32), (), None))
+    assert isinstance(again, rounds.Refused) and "already sent its partner statement" in again.message
+    assert "received_bytes" in message(db, devices[0], answers[0].assignment_id, "masked_input", body, 3.0)
