@@ -134,7 +134,7 @@ class SecureRoundDriver:
         """After `share` returned None: the masked input of `delta` (trained from `globals_blob`, the
         globals as downloaded, and the central data it mixed in, if any), the consistency check,
         then the unmasking answer."""
-        inputs = self.task_inputs(globals_blob, central_examples, central_gradient)
+        inputs = self.task_inputs(globals_blob, central_examples, central_gradient, manifest)
         vector = Layout.of(manifest.global_params).flatten(delta)
         return await self.finish_vector(vector, inputs)
 
@@ -144,7 +144,11 @@ class SecureRoundDriver:
         return await self._guarded(self._finish(vector, inputs)) or self._result("reported")
 
     def task_inputs(
-        self, globals_blob: bytes, central_examples: bytes | None, central_gradient: bytes | None
+        self,
+        globals_blob: bytes,
+        central_examples: bytes | None,
+        central_gradient: bytes | None,
+        manifest: Manifest | None = None,
     ) -> TaskInputs:
         """Everything that shaped this device's update, by content (what its neighbours sign)."""
 
@@ -161,6 +165,9 @@ class SecureRoundDriver:
             central_gradient_sha256=sha256(central_gradient),
             central_gradient_weight=a.central_gradient_weight if central_gradient is not None else None,
             parameters=None if self._session is None else self._session.params.to_json(),
+            manifest_sha256=None
+            if manifest is None
+            else hashlib.sha256(json.dumps(manifest.to_json(), sort_keys=True).encode()).digest(),
         )
 
     async def run(self, manifest: Manifest, delta: Params, globals_blob: bytes = b"") -> SecureParticipation:

@@ -70,6 +70,7 @@ class TaskInputs:
     central_gradient_sha256: bytes | None = None  # gradient transfer's download, if it had one
     central_gradient_weight: float | None = None
     parameters: Mapping[str, Any] | None = None  # the round's secure parameters
+    manifest_sha256: bytes | None = None  # the model's manifest (canonical JSON), as downloaded
 
     def digest(self) -> bytes:
         def hex_or_none(value: bytes | None) -> str | None:
@@ -85,6 +86,7 @@ class TaskInputs:
                 "central_gradient_sha256": hex_or_none(self.central_gradient_sha256),
                 "central_gradient_weight": self.central_gradient_weight,
                 "parameters": self.parameters,
+                "manifest_sha256": hex_or_none(self.manifest_sha256),
             },
             sort_keys=True,
             separators=(",", ":"),

@@ -103,5 +103,6 @@ def test_the_inputs_digest_covers_the_central_data_and_its_weight() -> None:
         dataclasses.replace(base, model_version=4),
         dataclasses.replace(base, parameters={"context": "y"}),
         dataclasses.replace(base, globals_sha256=bytes([2]) * 32),
+        dataclasses.replace(base, manifest_sha256=bytes([3]) * 32),
     ]
     assert len({base.digest(), *(c.digest() for c in changed)}) == 1 + len(changed)
