@@ -4,6 +4,7 @@ them before it sends anything of that round (the server it talks to is a real lo
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -258,5 +259,52 @@ def test_secure_parameters_below_the_floors_are_declined_before_the_keys_go_out(
 
     # Named, aborted, and no key, share or input went out (the hostile server has no secure routes:
     # a device that tried would have had its keys refused, not declined)
+    assert result.status == "declined" and f"privacy policy: {reason}" in result.detail, result
+    assert [r.route for r in server.requests] == ["checkin", "abort"]
+
+
+@pytest.mark.parametrize(
+    ("policy", "mixing", "reason"),
+    [
+        (
+            PrivacyPolicy.for_simulation("secure"),
+            {
+                "central_gradient_url": f"/v1/assignments/{ASSIGNMENT_ID}/central-gradient",
+                "central_gradient_weight": 5.0,
+            },
+            "the central gradient's weight 5 is above this device's limit of 1",
+        ),
+        (
+            dataclasses.replace(PrivacyPolicy.for_simulation("secure"), secure_mixing=False),
+            {"central_examples_url": f"/v1/assignments/{ASSIGNMENT_ID}/central-examples"},
+            "this device mixes no centralized data into a secure round's update",
+        ),
+    ],
+    ids=["a gradient weighing more than the device allows", "mixing in a secure round, refused by the app"],
+)
+def test_server_chosen_central_data_beyond_the_policy_is_declined_before_anything_is_fetched(
+    server: HostileOrchestrator,
+    store: ExampleStore,
+    tmp_path: Path,
+    policy: PrivacyPolicy,
+    mixing: dict[str, object],
+    reason: str,
+) -> None:
+    server.reset()
+    server.craft(
+        "checkin",
+        json_answer(
+            server.assignment(
+                aggregation="secure",
+                secure_url=f"/v1/assignments/{ASSIGNMENT_ID}/secure",
+                secure_parameters=params(min_survivors=3, threshold=0.5).to_json(),
+                **mixing,
+            )
+        ),
+    )
+
+    result = participate(server, store, policy, tmp_path)
+
+    # Named and aborted; neither the central data nor the model was fetched
     assert result.status == "declined" and f"privacy policy: {reason}" in result.detail, result
     assert [r.route for r in server.requests] == ["checkin", "abort"]
