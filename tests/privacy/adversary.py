@@ -122,9 +122,7 @@ class AdversaryServer:
     # Phases advance once every device still taking part has sent the current phase's message.
     def _advance(self) -> None:
         while self.phase < len(ORDER) - 1:
-            name = ORDER[self.phase]
-            expected = {"masked_input": "masked_input"}.get(name, name)
-            if not self.active <= set(self.sent[expected]):
+            if not self.active <= set(self.sent[ORDER[self.phase]]):
                 return
             self.phase += 1
             self.changed.set()
