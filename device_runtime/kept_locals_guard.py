@@ -32,6 +32,17 @@ from model_runtime.tflite_model import TFLiteModel
 
 @dataclass(frozen=True)
 class KeptLocalsBounds:
+    """The device's bounds on one task's kept locals (the app's; no task config changes them).
+
+    - `max_relative_change`, `min_change`: a task's change is scaled down to at most the first
+      times the kept norm, or the second when that is larger.
+    - `max_norm`: the kept locals' norm is scaled down to this.
+    - `validation_fraction`: the share of a task's training examples held back to validate its
+      new locals (none below `min_validation_examples`).
+    - `tolerance`: how much higher (relative) the new locals' validation loss may be than the last
+      good copy's before the device keeps the last good copy.
+    """
+
     max_relative_change: float = 1.0
     min_change: float = 1.0
     max_norm: float = 100.0
