@@ -417,7 +417,8 @@ def _stateful_training(
     weight: float = 0.0,
 ) -> TaskResult:
     """FURL's client task: the kept locals and the globals train jointly on the training examples
-    (all but the held-out newest); the delta of the globals goes back, the locals stay here."""
+    (all but the held-out newest and a validation split); the delta of the globals goes back, the
+    locals stay here, within the device's bounds (`kept_locals_guard`)."""
     started = _stateful_start(model, store, config, kept)
     if isinstance(started, TaskResult):
         return started
