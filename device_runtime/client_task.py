@@ -21,6 +21,7 @@ from contracts.manifest import Manifest
 from contracts.params import Params, ParamsError
 from contracts.task_config import LocalState, SplitPolicy, TaskConfig
 from device_runtime.example_store import ExampleStore, Selection
+from device_runtime.kept_locals_guard import guard
 from device_runtime.local_state import LocalStateStore
 from model_runtime.support_query import (
     add_negatives,
@@ -416,11 +417,21 @@ def _stateful_training(
     weight: float = 0.0,
 ) -> TaskResult:
     """FURL's client task: the kept locals and the globals train jointly on the training examples
-    (all but the held-out newest); the delta of the globals goes back, the locals stay here."""
+    (all but the held-out newest and a validation split); the delta of the globals goes back, the
+    locals stay here, within the device's bounds (`kept_locals_guard`)."""
     started = _stateful_start(model, store, config, kept)
     if isinstance(started, TaskResult):
         return started
     train, held_out, outside, storage = started
+    # The validation split, another each task (by its seed), judges the new locals; the task does
+    # not train on it.
+    validating = np.zeros(train.num_examples, bool)
+    validating[
+        np.random.default_rng(seed).permutation(train.num_examples)[
+            : storage.bounds.validation_count(train.num_examples)
+        ]
+    ] = True
+    validation, train = train.select(validating), train.select(~validating)
     if config.shuffle_seed is not None:
         train = shuffled(train, config.shuffle_seed)
     # The held-out shares stand for the future: training does not know them, not even to avoid
@@ -450,10 +461,20 @@ def _stateful_training(
     if not should_continue():
         return TaskResult(Outcome.INTERRUPTED, message="conditions changed before reporting")
     # Kept only once the task finished: an interrupted task leaves the previous locals.
-    storage.save(model, model.get_local(), locals_.tasks + 1)
+    trained = model.get_local()
+    model.set_global(global_params)
+    shared = shares(train, model.manifest) if model.manifest.task.negative_sampling else None
+    checked = guard(
+        model,
+        locals_.params,
+        trained,
+        _pack(validation, model, config, seed, global_params, shared),
+        storage.bounds,
+    )
+    storage.save(model, checked.params, locals_.tasks + 1)
     delta, clip_metrics = _clipped(update.delta, config)
     metrics = {
-        "num_examples": float(train.num_examples + held_out.num_examples),
+        "num_examples": float(train.num_examples + validation.num_examples + held_out.num_examples),
         "num_query": float(batches.num_examples),
         "num_held_out": float(held_out.num_examples),
         "outside_catalog": float(outside),
@@ -466,7 +487,7 @@ def _stateful_training(
         num_examples=batches.num_examples,
         delta=delta,
         metrics=metrics,
-        message=locals_.note,
+        message="; ".join(m for m in (locals_.note, checked.note) if m),
     )
 
 

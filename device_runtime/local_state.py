@@ -20,9 +20,11 @@ from safetensors import SafetensorError
 
 from contracts.params import Params, ParamsError, check_params, decode_params, encode_params, read_metadata
 from device_runtime.example_store import ExampleStore
+from device_runtime.kept_locals_guard import KeptLocalsBounds
 from model_runtime.tflite_model import TFLiteModel
 
 _KEY_PREFIX = "kept_locals/"
+DEVICE_BOUNDS = KeptLocalsBounds()  # the app's; a server's task config cannot change them
 _FRESH = ": starting from the model's initial values"
 
 
@@ -39,13 +41,17 @@ class KeptLocals:
 
 
 class LocalStateStore:
-    """The kept local parameters of one population on one device."""
+    """The kept local parameters of one population on one device, and the bounds (the device's,
+    never the server's) on what one training task may do to them (`kept_locals_guard`)."""
 
-    def __init__(self, store: ExampleStore, population: str) -> None:
+    def __init__(
+        self, store: ExampleStore, population: str, bounds: KeptLocalsBounds = DEVICE_BOUNDS
+    ) -> None:
         if not population:
             raise ValueError("a population name is needed to keep local parameters")
         self.store = store
         self.population = population
+        self.bounds = bounds
         self._key = _KEY_PREFIX + population
 
     def _identity(self, model: TFLiteModel) -> dict[str, str]:
