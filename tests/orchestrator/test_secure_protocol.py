@@ -20,7 +20,6 @@ from contracts.params import decode_params, encode_sparse_delta
 from model_export.config import ModelConfig
 from secure_aggregation.config import RoundParameters
 from secure_aggregation.device import DeviceSession
-from secure_aggregation.view import Confirmation, PartnerStatement
 from secure_aggregation.messages import (
     AdvertisedKeys,
     UnmaskingShares,
@@ -29,6 +28,7 @@ from secure_aggregation.messages import (
     shares_to_json,
 )
 from secure_aggregation.quantization import Layout, dequantize_sum, quantize
+from secure_aggregation.view import Confirmation, PartnerStatement
 from tests.conftest import BIASED
 from tests.orchestrator.conftest import ADMIN_TOKEN, Server, admin_create_population
 
