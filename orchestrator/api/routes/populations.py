@@ -12,6 +12,7 @@ from sqlalchemy.orm import Session, sessionmaker, undefer
 
 from contracts.protocol import MAX_WAIT_SECONDS, Assignment, Rejection
 from orchestrator import rounds
+from orchestrator.api.binary_bodies import CACHE_CONTROL, DENSE_GLOBALS, IMMUTABLE, safetensors
 from orchestrator.api.deps import (
     SessionFactoryDep,
     TokenDep,
@@ -36,6 +37,7 @@ from orchestrator.service.checkins import CheckInCall, CheckInGroups
 from orchestrator.service.waiting_room import WaitingRoom
 
 router = APIRouter(prefix="/v1/populations", tags=["devices"])
+_MODEL_VERSION = {"X-Model-Version": {"description": "the model version", "schema": {"type": "integer"}}}
 
 
 class _CheckInRoute(APIRoute):
@@ -112,11 +114,12 @@ async def checkin(
     if result.status in (401, 404):
         headers = {"WWW-Authenticate": "Bearer"} if result.status == 401 else None
         raise HTTPException(result.status, result.message, headers=headers)
-    retry = result.retry_after if result.retry_after is not None else 30.0
+    # The body says what the header says: whole seconds, at least one.
+    retry = max(1, round(result.retry_after if result.retry_after is not None else 30.0))
     return Response(
-        to_json(Rejection(result.message, retry)),
+        to_json(Rejection(result.message, float(retry))),
         media_type="application/json",
-        headers={"Retry-After": str(max(1, round(retry)))},
+        headers={"Retry-After": str(retry)},
     )
 
 
@@ -230,7 +233,11 @@ def _global_params(
     "with its shape (0-D and 1-D tensors too). Immutable: cached for a year.",
     response_class=Response,
     responses={
-        **binary("safetensors: the dense global tensors"),
+        **binary(
+            "safetensors: the dense global tensors",
+            {**CACHE_CONTROL, **_MODEL_VERSION},
+            safetensors("the dense global tensors", DENSE_GLOBALS),
+        ),
         **refusals(
             {404: "no population of that name, or no such model version (or it was pruned)", 422: None}
         ),
@@ -248,5 +255,5 @@ async def global_params(
     return Response(
         content=params,
         media_type="application/octet-stream",
-        headers={"Cache-Control": "public, max-age=31536000, immutable", "X-Model-Version": str(version)},
+        headers={"Cache-Control": IMMUTABLE, "X-Model-Version": str(version)},
     )
