@@ -11,7 +11,6 @@ Where: `--data-dir`, else `$FEDRECON_DATA_DIR`, else a per-user cache folder
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import os
 import shutil
@@ -22,7 +21,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from contracts.command_line import quiet_on_closed_pipe
+from contracts.command_line import CommandParser, quiet_on_closed_pipe
 
 ENV_DATA_DIR = "FEDRECON_DATA_DIR"
 CHECKSUM_FILE = "SHA256SUMS"
@@ -296,7 +295,7 @@ def fetch(name: str, root: Path | None = None, *, url: str | None = None, timeou
 
 @quiet_on_closed_pipe
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+    parser = CommandParser(
         prog="python -m android_sim.datasets",
         description="Fetch and verify the public data sets (MovieLens 100K and 1M, Tiny Shakespeare) "
         f"into a cache folder: --data-dir, else ${ENV_DATA_DIR}, else ~/.cache/fedrecon/data.",

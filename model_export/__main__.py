@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from contracts.command_line import quiet_on_closed_pipe
+from contracts.command_line import CommandParser, quiet_on_closed_pipe
 from model_export.config import Feedback, ModelConfig, TrainingDefaults
 
 if TYPE_CHECKING:
@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 
 def build_parser() -> argparse.ArgumentParser:
     d, t = ModelConfig(), TrainingDefaults()
-    p = argparse.ArgumentParser(
+    p = CommandParser(
         prog="model-export",
         usage="%(prog)s --model MODULE:FUNCTION [--model-arg KEY=VALUE ...] --output-dir DIR\n"
         "       %(prog)s [--config FILE | matrix-factorization options] --output-dir DIR",
