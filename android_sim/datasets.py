@@ -33,6 +33,10 @@ class DatasetError(RuntimeError):
     """A data set that is missing, altered, or could not be fetched; the message is one line."""
 
 
+class DatasetAltered(DatasetError):
+    """A data set's folder is there but a file in it is not what the fetcher unpacked."""
+
+
 @dataclass(frozen=True)
 class Dataset:
     """One data set: where it comes from, what its archive and files must hash to."""
@@ -183,13 +187,13 @@ def verify(name: str, root: Path | None = None) -> Path:
             raise DatasetError(f"{ds.title} not found ({path} is missing); {ds.hint(folder)}")
         expected = pinned or recorded.get(file)
         if expected is None:
-            raise DatasetError(
+            raise DatasetAltered(
                 f"{ds.title} in {folder} has no checksum for {file} (not unpacked by the fetcher); "
                 f"remove the folder and {ds.hint(folder)}"
             )
         actual = sha256_of(path)
         if actual != expected:
-            raise DatasetError(
+            raise DatasetAltered(
                 f"{path} has sha256 {actual[:12]}..., expected {expected[:12]}... (altered or truncated); "
                 f"remove the folder and {ds.hint(folder)}"
             )
@@ -312,6 +316,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         for name, ds in DATASETS.items():
             try:
                 status = f"ok  {verify(name, args.data_dir)}"
+            except DatasetAltered as altered:  # there, but not as fetched: say what is wrong
+                status = f"!!  altered: {altered}"
             except DatasetError:
                 status = f"--  {folder_of(name, args.data_dir)} (fetch: {FETCH_COMMAND} {name})"
             print(f"{name:16} {ds.title:17} {status}")

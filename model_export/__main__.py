@@ -137,7 +137,8 @@ def config_from_args(args: argparse.Namespace) -> ModelConfig:
         embedding_dim=args.embedding_dim,
         batch_size=args.batch_size,
         max_batches=args.max_batches,
-        top_k=min(args.top_k, args.num_items),
+        # A small catalog's top-k is the catalog; a catalog below 1 is refused as such.
+        top_k=min(args.top_k, args.num_items) if args.num_items >= 1 else args.top_k,
         feedback=Feedback(args.feedback),
         item_bias=args.item_bias,
         user_bias=args.user_bias,
