@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import math
 import re
 import subprocess
 import sys
@@ -261,7 +262,7 @@ def test_a_check_in_after_the_privacy_budget_is_spent_is_a_200_rejection_for_a_d
     assert after.json()["accepted"] is False and "privacy budget spent" in after.json()["reason"]
 
 
-def test_a_rejection_says_in_its_body_the_seconds_its_retry_after_header_says(
+def test_a_rejection_s_retry_after_header_is_its_body_s_time_rounded_up(
     server: Server, export: Callable[[ModelConfig], Path]
 ) -> None:
     settings = {"target_reports": 1, "min_examples": 20}
@@ -277,5 +278,14 @@ def test_a_rejection_says_in_its_body_the_seconds_its_retry_after_header_says(
         timeout=10,
     )
 
-    assert rejected.json()["accepted"] is False, rejected.text
-    assert rejected.json()["retry_after_seconds"] == int(rejected.headers["Retry-After"]) >= 1
+    # Assert: the header is the body's time rounded up (HTTP's whole seconds), never earlier
+    body = rejected.json()
+    assert body["accepted"] is False, rejected.text
+    assert int(rejected.headers["Retry-After"]) == max(1, math.ceil(body["retry_after_seconds"]))
+    assert body["retry_after_seconds"] != int(body["retry_after_seconds"])  # a time, not a rounded one
+
+
+def test_retry_after_is_never_earlier_than_the_body_says() -> None:
+    from orchestrator.api.routes.populations import retry_after_header
+
+    assert [retry_after_header(s) for s in (0.0, 0.3, 1.0, 67.2, 67.96, 86400.0)] == [1, 1, 1, 68, 68, 86400]

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Annotated, Any, Literal
 
@@ -114,13 +115,19 @@ async def checkin(
     if result.status in (401, 404):
         headers = {"WWW-Authenticate": "Bearer"} if result.status == 401 else None
         raise HTTPException(result.status, result.message, headers=headers)
-    # The body says what the header says: whole seconds, at least one.
-    retry = max(1, round(result.retry_after if result.retry_after is not None else 30.0))
+    # The body keeps the exact seconds (pace steering spreads devices' returns within a window of a
+    # few seconds); the header, whole seconds by HTTP, is never earlier: rounded up, at least 1.
+    retry = result.retry_after if result.retry_after is not None else 30.0
     return Response(
-        to_json(Rejection(result.message, float(retry))),
+        to_json(Rejection(result.message, retry)),
         media_type="application/json",
-        headers={"Retry-After": str(retry)},
+        headers={"Retry-After": str(retry_after_header(retry))},
     )
+
+
+def retry_after_header(seconds: float) -> int:
+    """The `Retry-After` of a rejection whose body says `seconds`."""
+    return max(1, math.ceil(seconds))
 
 
 router.add_api_route(
@@ -139,7 +146,8 @@ router.add_api_route(
         200: {
             "headers": {
                 "Retry-After": {
-                    "description": "with a rejection only: seconds before checking in again",
+                    "description": "with a rejection only: seconds before checking in again, the "
+                    "body's `retry_after_seconds` rounded up to a whole second (at least 1)",
                     "schema": {"type": "integer"},
                 }
             }
