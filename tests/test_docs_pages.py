@@ -65,3 +65,9 @@ def test_the_admin_console_lists_exactly_the_settings_that_can_change() -> None:
     listed = set(re.findall(r"`([a-z_]+)`", paragraph.split(". ")[0])) - {"task_config"}
 
     assert listed == set(SAFE_TO_CHANGE)
+
+
+def test_the_site_asks_nothing_of_the_internet_for_its_fonts() -> None:
+    theme = yaml.safe_load((ROOT / "mkdocs.yml").read_text())["theme"]
+
+    assert theme["name"] == "material" and theme["font"] is False  # else it loads Google Fonts
