@@ -81,6 +81,11 @@ _PARTS: dict[str, dict[str, Any]] = {
 }
 
 
+# The forms' text parts that hold JSON (PopulationSettings, MixingConfig), sent as strings.
+JSON_PARTS = frozenset({"settings", "mixing"})
+_JSON_PART = {"contentType": "application/json"}
+
+
 def complete_multipart(schema: dict[str, Any]) -> None:
     """`format: binary` on every multipart file part (FastAPI writes `contentMediaType` only) and
     each part's content type and layout as the form's `encoding`."""
@@ -93,6 +98,7 @@ def complete_multipart(schema: dict[str, Any]) -> None:
             body = components[form["schema"]["$ref"].rsplit("/", 1)[1]]
             files = [name for name, prop in body["properties"].items() if _mark_binary(prop)]
             form["encoding"] = {name: _PARTS[name] for name in files}
+            form["encoding"] |= {name: _JSON_PART for name in body["properties"] if name in JSON_PARTS}
 
 
 def _mark_binary(prop: dict[str, Any]) -> bool:
