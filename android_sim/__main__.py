@@ -7,14 +7,14 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from android_sim import simulate_command
 from android_sim.builtin_next_word import TARGET_REPORTS as NEXT_WORD_TARGET_REPORTS
 from android_sim.movielens import DataFormatError, require_file
 from android_sim.options import algorithm, algorithm_arguments, model_arguments, parse_model_args
 from android_sim.run_config import DEFAULT_RATINGS, RunConfig, RunError
-from contracts.command_line import quiet_on_closed_pipe
+from contracts.command_line import CommandParser, quiet_on_closed_pipe
 from contracts.mixing import STRATEGIES
 
 
@@ -183,8 +183,12 @@ def target_reports(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m android_sim", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = CommandParser(prog="python -m android_sim", description=__doc__)
+    # Its subcommands' parsers are CommandParsers; their builders take any ArgumentParser's.
+    sub = cast(
+        "argparse._SubParsersAction[argparse.ArgumentParser]",
+        parser.add_subparsers(dest="command", required=True),
+    )
     _run_parser(sub)
     simulate_command.add_parser(sub)
     demo = sub.add_parser(

@@ -11,7 +11,6 @@ Where: `--data-dir`, else `$FEDRECON_DATA_DIR`, else a per-user cache folder
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import os
 import shutil
@@ -22,7 +21,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from contracts.command_line import quiet_on_closed_pipe
+from contracts.command_line import CommandParser, quiet_on_closed_pipe
 
 ENV_DATA_DIR = "FEDRECON_DATA_DIR"
 CHECKSUM_FILE = "SHA256SUMS"
@@ -32,6 +31,10 @@ _CHUNK = 1 << 16
 
 class DatasetError(RuntimeError):
     """A data set that is missing, altered, or could not be fetched; the message is one line."""
+
+
+class DatasetAltered(DatasetError):
+    """A data set's folder is there but a file in it is not what the fetcher unpacked."""
 
 
 @dataclass(frozen=True)
@@ -184,13 +187,13 @@ def verify(name: str, root: Path | None = None) -> Path:
             raise DatasetError(f"{ds.title} not found ({path} is missing); {ds.hint(folder)}")
         expected = pinned or recorded.get(file)
         if expected is None:
-            raise DatasetError(
+            raise DatasetAltered(
                 f"{ds.title} in {folder} has no checksum for {file} (not unpacked by the fetcher); "
                 f"remove the folder and {ds.hint(folder)}"
             )
         actual = sha256_of(path)
         if actual != expected:
-            raise DatasetError(
+            raise DatasetAltered(
                 f"{path} has sha256 {actual[:12]}..., expected {expected[:12]}... (altered or truncated); "
                 f"remove the folder and {ds.hint(folder)}"
             )
@@ -296,7 +299,7 @@ def fetch(name: str, root: Path | None = None, *, url: str | None = None, timeou
 
 @quiet_on_closed_pipe
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+    parser = CommandParser(
         prog="python -m android_sim.datasets",
         description="Fetch and verify the public data sets (MovieLens 100K and 1M, Tiny Shakespeare) "
         f"into a cache folder: --data-dir, else ${ENV_DATA_DIR}, else ~/.cache/fedrecon/data.",
@@ -313,6 +316,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         for name, ds in DATASETS.items():
             try:
                 status = f"ok  {verify(name, args.data_dir)}"
+            except DatasetAltered as altered:  # there, but not as fetched: say what is wrong
+                status = f"!!  altered: {altered}"
             except DatasetError:
                 status = f"--  {folder_of(name, args.data_dir)} (fetch: {FETCH_COMMAND} {name})"
             print(f"{name:16} {ds.title:17} {status}")

@@ -241,27 +241,40 @@ CEILINGS = "* ceilings: the topic rule and centralized MF see every share; the o
 
 
 def hit_rate_table(hit_rates: HitRates) -> Table:
-    """Every method's held-out hit rate@10 with its interval; the model's paired difference to each."""
+    """Every method's held-out hit rate@10 with its interval; the model's paired difference to each.
+    The expected hit rate (and the ceilings' caption) only where a generator's truth exists: a
+    user's table has its newest shares and nothing else."""
     e = hit_rates.evaluation
+    truth = any(score.expected is not None for score in e.methods.values())
+    kind = "expected" if truth else "newest"
+    if truth:
+        title = (
+            f"held-out hit rate@10 in % [{e.interval}]: expected (the true probability mass in "
+            f"the top-10; {e.devices} devices), over the newest shares ({e.devices_with_future} devices), "
+            "and FedRecon's paired difference in the expected one"
+        )
+    else:
+        title = (
+            f"held-out hit rate@10 in % [{e.interval}] over each device's newest shares "
+            f"({e.devices_with_future} devices), and FedRecon's paired difference"
+        )
     table = Table(
-        title=f"held-out hit rate@10 in % [{e.interval}]: expected (the true probability mass in "
-        f"the top-10; {e.devices} devices), over the newest shares ({e.devices_with_future} devices), "
-        "and FedRecon's paired difference in the expected one",
+        title=title,
         title_justify="left",
         box=box.SIMPLE_HEAD,
         pad_edge=False,
-        caption=CEILINGS,
+        caption=CEILINGS if truth else None,
         caption_justify="left",
     )
     table.add_column("top-10", no_wrap=True)
-    table.add_column("expected", justify="right", no_wrap=True)
+    if truth:
+        table.add_column("expected", justify="right", no_wrap=True)
     table.add_column("newest shares", justify="right", no_wrap=True)
     table.add_column("FedRecon minus", justify="right", no_wrap=True)
     for method, score in e.methods.items():
-        diff = e.differences.get(method, {})
-        table.add_row(
-            METHODS[method], _cell(score.expected), _cell(score.newest), _cell(diff.get("expected"), "+")
-        )
+        diff = _cell(e.differences.get(method, {}).get(kind), "+")
+        cells = [_cell(score.expected)] if truth else []
+        table.add_row(METHODS[method], *cells, _cell(score.newest), diff)
     return table
 
 

@@ -40,6 +40,7 @@ import numpy as np
 
 from android_sim.datasets import folder_of, missing_hint
 from android_sim.movielens import DataFormatError
+from contracts.command_line import CommandParser
 
 DEFAULT_FOLDER = folder_of("tinyshakespeare")
 TEXT_FILE = "input.txt"
@@ -326,7 +327,7 @@ def statistics(folder: Path, seq_len: int, min_examples: int, vocab_sizes: Seque
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+    parser = CommandParser(
         prog="python -m android_sim.shakespeare",
         description="Statistics of Tiny Shakespeare as per-role next-word prediction data.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from contracts.command_line import quiet_on_closed_pipe
+from contracts.command_line import CommandParser, quiet_on_closed_pipe
 from contracts.features import Examples, FeatureSpec
 from contracts.manifest import INITIAL_GLOBAL_FILE, ManifestError, load_manifest
 from contracts.params import Params, ParamsError, decode_params
@@ -62,7 +62,7 @@ class _Help(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = CommandParser(
         prog=PROG,
         description="A device's side of on-device personalization: import a per-device examples table "
         "into example stores, and serve a model's recommendations or predictions from one device's "

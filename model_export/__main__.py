@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from contracts.command_line import quiet_on_closed_pipe
+from contracts.command_line import CommandParser, quiet_on_closed_pipe
 from model_export.config import Feedback, ModelConfig, TrainingDefaults
 
 if TYPE_CHECKING:
@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 
 def build_parser() -> argparse.ArgumentParser:
     d, t = ModelConfig(), TrainingDefaults()
-    p = argparse.ArgumentParser(
+    p = CommandParser(
         prog="model-export",
         usage="%(prog)s --model MODULE:FUNCTION [--model-arg KEY=VALUE ...] --output-dir DIR\n"
         "       %(prog)s [--config FILE | matrix-factorization options] --output-dir DIR",
@@ -137,7 +137,8 @@ def config_from_args(args: argparse.Namespace) -> ModelConfig:
         embedding_dim=args.embedding_dim,
         batch_size=args.batch_size,
         max_batches=args.max_batches,
-        top_k=min(args.top_k, args.num_items),
+        # A small catalog's top-k is the catalog; a catalog below 1 is refused as such.
+        top_k=min(args.top_k, args.num_items) if args.num_items >= 1 else args.top_k,
         feedback=Feedback(args.feedback),
         item_bias=args.item_bias,
         user_bias=args.user_bias,

@@ -97,7 +97,7 @@ class ModelConfig:
         for name in ("num_items", "embedding_dim", "batch_size", "max_batches", "top_k"):
             if getattr(self, name) < 1:
                 problems.append(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.top_k > self.num_items:
+        if self.top_k > self.num_items >= 1:  # a catalog below 1 is refused as such above
             problems.append(f"top_k ({self.top_k}) must not exceed num_items ({self.num_items})")
         if not self.rating_min < self.rating_max:
             problems.append(f"rating_min ({self.rating_min}) must be < rating_max ({self.rating_max})")

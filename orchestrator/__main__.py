@@ -3,7 +3,6 @@ the operator's console (against a running server's admin API: `orchestrator.cons
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import sys
@@ -15,14 +14,14 @@ from pydantic import ValidationError
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from contracts.command_line import quiet_on_closed_pipe
+from contracts.command_line import CommandParser, quiet_on_closed_pipe
 from orchestrator.console import commands as console
 from orchestrator.settings import Settings, server_settings_problem
 
 
 @quiet_on_closed_pipe
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+    parser = CommandParser(
         prog="orchestrator",
         description="The federated-learning server (also `python -m orchestrator`): serve its HTTP API, "
         "create populations from exported models, attach centralized data, show a population's state.",

@@ -81,7 +81,7 @@ def test_the_secure_aggregation_tutorial_runs_as_written(tmp_path: Path) -> None
     privacy = report["privacy"]
     assert privacy["epsilon"] > 0 and privacy["epsilon_budget"] == 8
     assert f"differential privacy: {privacy['message']}" in " ".join(main.split())
-    assert created.startswith("created population 'movies'")
+    assert created.startswith("created population 'movies-private'")
 
 
 def test_the_mixing_tutorial_runs_as_written(export: Callable[[ModelConfig], Path], tmp_path: Path) -> None:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from android_sim.movielens import DataFormatError
 from android_sim.run_config import DEFAULT_RATINGS
+from contracts.command_line import CommandParser
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -34,7 +35,7 @@ def _parser() -> argparse.ArgumentParser:
     from android_sim.next_word import SERVER as NEXTWORD_SERVER
 
     d = Rounds()
-    parser = argparse.ArgumentParser(prog="python -m android_sim.bench", description=__doc__)
+    parser = CommandParser(prog="python -m android_sim.bench", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     quality = sub.add_parser(
         "quality",

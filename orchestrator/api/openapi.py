@@ -10,7 +10,8 @@ around it, derived from the same code that answers it:
   every route that reads the database; and 400 where FastAPI parses a multipart form. (A request
   the HTTP server cannot parse at all is answered 400 `text/plain` by uvicorn on any route before
   the application sees it: not a route's answer, so not in its responses.)
-- one error body (`schemas.Error`) for every refusal, FastAPI's own 422 included.
+- one error body (`schemas.Error`) for every refusal, FastAPI's own 422 included;
+- the multipart forms' file parts as files (`api/binary_bodies.py`).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.routing import APIRoute, iter_route_contexts
 from pydantic import BaseModel
 
-from orchestrator.api import schemas
+from orchestrator.api import binary_bodies, schemas
 from orchestrator.api.deps import bearer_token
 from orchestrator.api.edge import ADMIN, DEVICE, Edge
 from orchestrator.settings import Settings
@@ -72,7 +73,11 @@ def document(app: FastAPI, settings: Settings) -> dict[str, Any]:
 def _complete(app: FastAPI, schema: dict[str, Any], settings: Settings) -> None:
     components = schema.setdefault("components", {})
     found = components.setdefault("schemas", {})
-    models: tuple[type[BaseModel], ...] = (schemas.Error, *schemas.REQUEST_BODIES)
+    models: tuple[type[BaseModel], ...] = (
+        schemas.Error,
+        *schemas.REQUEST_BODIES,
+        binary_bodies.TrainingReportMetadata,
+    )
     for model in models:
         definition = model.model_json_schema(ref_template="#/components/schemas/{model}")
         found.update(definition.pop("$defs", {}))
@@ -81,6 +86,7 @@ def _complete(app: FastAPI, schema: dict[str, Any], settings: Settings) -> None:
     found.pop("HTTPValidationError", None)
     found.pop("ValidationError", None)
     components["securitySchemes"] = SECURITY_SCHEMES
+    binary_bodies.complete_multipart(schema)
     edge = Edge(_not_an_app, settings)
     # Routes as FastAPI documents them: included routers' routes with their prefixes.
     for context in iter_route_contexts(app.routes):

@@ -176,14 +176,14 @@ def refusals(
     }
 
 
-def binary(description: str) -> dict[int | str, dict[str, Any]]:
-    """FastAPI `responses` for a 200 whose body is bytes (`application/octet-stream`)."""
-    return {
-        200: {
-            "description": description,
-            "content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}},
-        }
-    }
+def binary(
+    description: str, headers: Mapping[str, Any] | None = None, media: Mapping[str, Any] | None = None
+) -> dict[int | str, dict[str, Any]]:
+    """FastAPI `responses` for a 200 whose body is bytes (`application/octet-stream`), with the
+    `headers` it carries and its `media` type object (default: plain binary)."""
+    content = dict(media or {"schema": {"type": "string", "format": "binary"}})
+    answer = {"description": description, "content": {"application/octet-stream": content}}
+    return {200: {**answer, **({"headers": dict(headers)} if headers else {})}}
 
 
 def binary_body(description: str) -> dict[str, Any]:

@@ -16,11 +16,25 @@ from html import escape
 from markupsafe import Markup
 
 from contracts.protocol import PrivacyView, RoundView
-from orchestrator.dashboard.overview import FUNNEL, Series
+from orchestrator.dashboard.overview import ACCEPTED, CHECKED_IN, FUNNEL, Series, idle
 
 WIDTH, HEIGHT, PAD = 640, 180, 36
-COLORS = {"committed": "#2e7d32", "abandoned": "#c62828", "open": "#9e9e9e"}
+# Idle (no device came) is grey like an open round's bar outline: nothing failed.
+COLORS = {"committed": "#2e7d32", "abandoned": "#c62828", "idle": "#bdbdbd", "open": "#90a4ae"}
 TRAINING, EVALUATION = "#1565c0", "#ef6c00"
+# The funnel's parts (overview.CHECKED_IN, overview.ACCEPTED), each its colour.
+PARTS = {
+    "accepted": TRAINING,
+    "rejected_capacity": "#90caf9",
+    "rejected_min_examples": "#b0bec5",
+    "refused_otherwise": "#cfd8dc",
+    "reported": "#2e7d32",
+    "in_task": "#9e9e9e",
+    "outrun": "#aed581",
+    "dropped": "#c62828",
+    "invalid": "#6a1b9a",
+    "aborted": "#ef6c00",
+}
 
 
 def _svg(body: Iterable[str], label: str, height: int = HEIGHT) -> Markup:
@@ -32,9 +46,10 @@ def _svg(body: Iterable[str], label: str, height: int = HEIGHT) -> Markup:
     )
 
 
-def _text(x: float, y: float, text: str, anchor: str = "start", size: int = 11) -> str:
+def _text(x: float, y: float, text: str, anchor: str = "start", size: int = 11, cls: str = "") -> str:
+    kind = f' class="{cls}"' if cls else ""
     return (
-        f'<text x="{x:.1f}" y="{y:.1f}" font-size="{size}" text-anchor="{anchor}" '
+        f'<text{kind} x="{x:.1f}" y="{y:.1f}" font-size="{size}" text-anchor="{anchor}" '
         f'fill="#333">{escape(text)}</text>'
     )
 
@@ -43,74 +58,125 @@ def _clock(epoch: float) -> str:
     return datetime.datetime.fromtimestamp(epoch, tz=datetime.UTC).strftime("%H:%M:%S UTC")
 
 
+def seconds(value: float) -> str:
+    """A duration as a person reads it: 4.2 s, 3 min 5 s, 2 h 10 min."""
+    if value < 60:
+        return f"{value:.1f} s" if value < 10 else f"{value:.0f} s"
+    if value < 3600:
+        return f"{int(value // 60)} min {int(value % 60)} s"
+    return f"{int(value // 3600)} h {int(value % 3600 // 60)} min"
+
+
+def status_of(r: RoundView) -> str:
+    """The round's class on the page: its status, or idle for one no device came to."""
+    return "idle" if idle(r) else r.status
+
+
 def round_outcome(r: RoundView) -> str:
     if r.status == "committed":
         return f"committed -> version {r.result_version}" if r.result_version is not None else "committed"
+    if idle(r):
+        return f"no devices: closed empty by {r.ended_by or 'its deadline'}"
     if r.status == "abandoned":
         count = f", {r.devices_had} of {r.devices_needed} devices" if r.devices_had is not None else ""
         return f"abandoned in {r.stopped_phase or '?'} by {r.ended_by or '?'}{count}"
     return r.status
 
 
+def time_axis(start: float, end: float, left: float, right: float, bottom: float) -> list[str]:
+    """The x axis of a chart over time: its line, its ends' clock times and its unit."""
+    return [
+        f'<line x1="{left}" y1="{bottom}" x2="{right}" y2="{bottom}" stroke="#999"/>',
+        _text(left, bottom + 14, _clock(start), size=10),
+        _text(right, bottom + 14, _clock(end), "end", 10),
+        _text((left + right) / 2, bottom + 14, "time (UTC)", "middle", 10, "axis"),
+    ]
+
+
 def rounds_over_time(rounds: Sequence[RoundView], now: float) -> Markup:
-    """One bar per round at its opening time: its reports against its target, coloured by
-    outcome (evaluation rounds paler)."""
-    label = "Rounds over time: reports against target, by outcome"
+    """Each round a mark from its opening to its close (now, if open), in a lane by kind: as
+    tall as its reports against its target, coloured by outcome, apart from its neighbours."""
+    label = "Rounds over time: one mark per round, from open to close, its height reports / target"
     if not rounds:
         return _svg([_text(WIDTH / 2, HEIGHT / 2, "no rounds yet", "middle")], label)
     start = min(r.opened_at for r in rounds)
     end = max(now, max(r.closed_at or r.deadline for r in rounds))
     span = max(end - start, 1e-9)
-    plot_w, plot_h = WIDTH - 2 * PAD, HEIGHT - 2 * PAD
-    bar_w = max(2.0, min(24.0, plot_w / max(len(rounds), 1) * 0.7))
-    body = [
-        f'<line x1="{PAD}" y1="{PAD + plot_h}" x2="{PAD + plot_w}" y2="{PAD + plot_h}" stroke="#999"/>',
-        f'<line x1="{PAD}" y1="{PAD}" x2="{PAD + plot_w}" y2="{PAD}" stroke="#ddd" stroke-dasharray="4 3"/>',
-        _text(PAD - 4, PAD + 4, "100%", "end", 10),
-        _text(PAD - 4, PAD + plot_h, "0", "end", 10),
-        _text(PAD, HEIGHT - 8, _clock(start)),
-        _text(PAD + plot_w, HEIGHT - 8, _clock(end), "end"),
-    ]
+    left, right, top, bottom = PAD + 54, WIDTH - 8, 36, HEIGHT - 22
+    lane = (bottom - top) / 2
+    body = time_axis(start, end, left, right, bottom)
+    for i, kind in enumerate(("training", "evaluation")):
+        y0 = top + i * lane
+        body.append(_text(left - 6, y0 + lane / 2 + 4, kind, "end", 10))
+        body.append(
+            f'<line x1="{left}" y1="{y0 + lane - 2}" x2="{right}" y2="{y0 + lane - 2}" stroke="#eee"/>'
+        )
+    body.append(_text(4, top - 4, "height: reports / target (%)", size=10, cls="axis"))
     for r in sorted(rounds, key=lambda r: r.id):
         reported = r.counters.get("reported", 0)
         fraction = min(reported / r.target, 1.0) if r.target else 0.0
-        h = max(2.0, fraction * plot_h)  # an empty round still shows
-        x = PAD + (r.opened_at - start) / span * (plot_w - bar_w)
-        opacity = "1" if r.kind == "training" else "0.5"
-        tip = f"round #{r.id} {r.kind}: {reported}/{r.target} reports; {round_outcome(r)}"
+        y0 = top + (0 if r.kind == "training" else lane)
+        h = max(3.0, fraction * (lane - 6))  # an empty round still shows
+        closed = r.closed_at if r.closed_at is not None else now
+        x = left + (r.opened_at - start) / span * (right - left)
+        w = max(2.0, (closed - r.opened_at) / span * (right - left) - 1)  # 1 px apart
+        status = status_of(r)
+        tip = (
+            f"round #{r.id} {r.kind}: {reported}/{r.target} reports in {seconds(closed - r.opened_at)}; "
+            f"{round_outcome(r)}"
+        )
         if r.close_reason:
             tip += f" ({r.close_reason})"
         body.append(
-            f'<rect class="round {escape(r.status)}" x="{x:.1f}" y="{PAD + plot_h - h:.1f}" '
-            f'width="{bar_w:.1f}" height="{h:.1f}" fill="{COLORS.get(r.status, "#777")}" '
-            f'fill-opacity="{opacity}"><title>{escape(tip)}</title></rect>'
+            f'<rect class="round {escape(status)}" x="{x:.1f}" y="{y0 + lane - 2 - h:.1f}" '
+            f'width="{w:.1f}" height="{h:.1f}" fill="{COLORS.get(status, "#777")}" stroke="#fff" '
+            f'stroke-width="0.5" data-kind="{escape(r.kind)}"><title>{escape(tip)}</title></rect>'
         )
-    legend_x = PAD
+    legend_x = left
     for status, color in COLORS.items():
-        body.append(f'<rect x="{legend_x}" y="8" width="10" height="10" fill="{color}"/>')
-        body.append(_text(legend_x + 14, 17, status))
-        legend_x += 90
-    body.append(_text(legend_x, 17, "(paler: evaluation)"))
+        body.append(f'<rect x="{legend_x}" y="6" width="10" height="10" fill="{color}"/>')
+        body.append(_text(legend_x + 14, 15, "no devices" if status == "idle" else status))
+        legend_x += 95
     return _svg(body, label)
 
 
-def funnel(totals: dict[str, int]) -> Markup:
-    """Check-ins, accepted, reported: one bar each, as long as its count."""
-    label = "Participation funnel: checked in, accepted, reported"
-    top = max([totals.get(k, 0) for k in FUNNEL] + [1])
-    row, plot_w = 34, WIDTH - 2 * PAD - 120
-    body = []
-    for i, stage in enumerate(FUNNEL):
-        count = totals.get(stage, 0)
-        y = 10 + i * row
-        w = max(1.0, count / top * plot_w)
-        body.append(_text(PAD + 90, y + 16, stage.replace("_", " "), "end"))
+def _stacked(y: float, parts: Sequence[tuple[str, int]], top: int, plot_w: float, x0: float) -> list[str]:
+    body, x = [], x0
+    for name, count in parts:
+        if not count:
+            continue
+        w = count / top * plot_w
+        tip = f"{name.replace('_', ' ')}: {count}"
         body.append(
-            f'<rect class="stage" x="{PAD + 100}" y="{y}" width="{w:.1f}" height="{row - 10}" '
-            f'fill="{TRAINING}"><title>{escape(f"{stage}: {count}")}</title></rect>'
+            f'<rect class="part {name}" x="{x:.1f}" y="{y}" width="{w:.1f}" height="22" '
+            f'fill="{PARTS.get(name, TRAINING)}" stroke="#fff" stroke-width="0.5">'
+            f"<title>{escape(tip)}</title></rect>"
         )
-        body.append(_text(PAD + 106 + w, y + 16, str(count)))
-    return _svg(body, label, height=10 + len(FUNNEL) * row)
+        x += w
+    return body
+
+
+def funnel(totals: dict[str, int]) -> Markup:
+    """Checked in, accepted, reported: each a bar as long as its count, split into the parts
+    that add up to it (where the check-ins and the accepted devices went)."""
+    label = "Participation funnel: checked in, accepted, reported (devices), each split into its parts"
+    top = max([totals.get(k, 0) for k in FUNNEL] + [1])
+    row, x0 = 34, PAD + 80
+    plot_w = WIDTH - x0 - 60
+    body = []
+    rows = {
+        "checked_in": [(k, totals.get(k, 0)) for k in CHECKED_IN],
+        "accepted": [(k, totals.get(k, 0)) for k in ACCEPTED],
+        "reported": [("reported", totals.get("reported", 0))],
+    }
+    for i, stage in enumerate(FUNNEL):
+        y = 10 + i * row
+        count = totals.get(stage, 0)
+        body.append(_text(x0 - 8, y + 15, stage.replace("_", " "), "end"))
+        body += _stacked(y, rows[stage], top, plot_w, x0)
+        body.append(_text(x0 + 4 + count / top * plot_w, y + 15, str(count)))
+    body.append(_text(x0, 10 + len(FUNNEL) * row + 4, "devices", size=10, cls="axis"))
+    return _svg(body, label, height=18 + len(FUNNEL) * row)
 
 
 def _scale(low: float, high: float) -> tuple[float, float]:
@@ -119,6 +185,13 @@ def _scale(low: float, high: float) -> tuple[float, float]:
     if high - low < 1e-12:
         return low - 0.5, high + 0.5
     return low, high
+
+
+def _integer_ticks(first: int, last: int, most: int = 8) -> list[int]:
+    """Whole versions from `first` to `last`, at most `most` of them, evenly stepped."""
+    step = max(1, math.ceil((last - first) / (most - 1)))
+    ticks = list(range(first, last + 1, step))
+    return ticks if ticks[-1] == last else [*ticks, last]
 
 
 def metric(series: Series) -> Markup:
@@ -141,15 +214,21 @@ def metric(series: Series) -> Markup:
             PAD + plot_h - (value - y_low) / (y_high - y_low) * plot_h,
         )
 
+    first, last = min(p[0] for p in points), max(p[0] for p in points)
     body = [
         f'<line x1="{left}" y1="{PAD + plot_h}" x2="{left + plot_w}" y2="{PAD + plot_h}" stroke="#999"/>',
         f'<line x1="{left}" y1="{PAD}" x2="{left}" y2="{PAD + plot_h}" stroke="#999"/>',
         _text(left - 4, PAD + 4, f"{y_high:.4g}", "end", 10),
         _text(left - 4, PAD + plot_h, f"{y_low:.4g}", "end", 10),
-        _text(left, HEIGHT - 8, f"version {x_low:g}"),
-        _text(left + plot_w, HEIGHT - 8, f"version {x_high:g}", "end"),
         _text(left, 17, series.name, size=12),
+        _text(left + plot_w / 2, HEIGHT - 8, "model version", "middle", 10, "axis"),
     ]
+    for version in _integer_ticks(first, last):  # versions are whole numbers: never "4.5"
+        x, _ = xy(version, y_low)
+        body.append(
+            f'<line x1="{x:.1f}" y1="{PAD + plot_h}" x2="{x:.1f}" y2="{PAD + plot_h + 4}" stroke="#999"/>'
+        )
+        body.append(_text(x, PAD + plot_h + 15, str(version), "middle", 10, "version"))
     for kind, color, values in (
         ("training", TRAINING, series.training),
         ("evaluation", EVALUATION, series.evaluation),

@@ -18,6 +18,13 @@ MAX_METRIC_CHARTS = 6
 FUNNEL = ("checked_in", "accepted", "reported")
 # Where the others went (RoundView.counters' names).
 LOST = ("rejected_capacity", "rejected_min_examples", "dropped", "late", "invalid", "aborted")
+# A check-in is accepted or turned away: these add up to `checked_in` ("refused_otherwise": a
+# device that already took part, a secure round's closed roster, a spent budget).
+CHECKED_IN = ("accepted", "rejected_capacity", "rejected_min_examples", "refused_otherwise")
+# An accepted device reports, is still in its task (an open round), was outrun (its round closed
+# at its target first), dropped at the deadline, refused as invalid or aborted: these add up to
+# `accepted`. A late report is one of the outrun or dropped, counted apart.
+ACCEPTED = ("reported", "in_task", "outrun", "dropped", "invalid", "aborted")
 
 
 @dataclass(frozen=True)
@@ -39,6 +46,9 @@ class PopulationPage:
     funnel: dict[str, int]  # summed over `rounds`
     why_abandoned: list[tuple[str, int]]  # "in <phase> by <cause>", how many, most first
     metrics: list[Series]
+    idle_rounds: int = 0  # closed with no device checked in
+    checked_in_parts: tuple[str, ...] = CHECKED_IN
+    accepted_parts: tuple[str, ...] = ACCEPTED
 
 
 def populations(factory: sessionmaker[Session], now: float) -> list[PopulationView]:
@@ -64,19 +74,41 @@ def population_page(factory: sessionmaker[Session], name: str, now: float) -> Po
                 .limit(ROUNDS_SHOWN)
             )
         ]
-    return PopulationPage(view, rounds, funnel(rounds), why_abandoned(rounds), metric_series(rounds))
+    return PopulationPage(
+        view,
+        rounds,
+        funnel(rounds),
+        why_abandoned(rounds),
+        metric_series(rounds),
+        idle_rounds=sum(idle(r) for r in rounds),
+    )
 
 
 def funnel(rounds: list[RoundView]) -> dict[str, int]:
+    """The counters summed over `rounds`, with the parts that make `checked_in` and `accepted`
+    add up (CHECKED_IN, ACCEPTED)."""
     totals: Counter[str] = Counter()
     for r in rounds:
-        totals.update({k: r.counters.get(k, 0) for k in (*FUNNEL, *LOST)})
-    return {k: totals[k] for k in (*FUNNEL, *LOST)}
+        c = r.counters
+        totals.update({k: c.get(k, 0) for k in (*FUNNEL, *LOST)})
+        refused = c.get("rejected_capacity", 0) + c.get("rejected_min_examples", 0)
+        totals["refused_otherwise"] += max(0, c.get("checked_in", 0) - c.get("accepted", 0) - refused)
+        finished = sum(c.get(k, 0) for k in ("reported", "dropped", "invalid", "aborted"))
+        unfinished = max(0, c.get("accepted", 0) - finished)
+        totals["in_task" if r.status == "open" else "outrun"] += unfinished
+    return {k: totals[k] for k in dict.fromkeys((*FUNNEL, *LOST, *CHECKED_IN, *ACCEPTED))}
+
+
+def idle(r: RoundView) -> bool:
+    """A round that closed without a device checking in: no devices, not a failure."""
+    return r.status == "abandoned" and not r.counters.get("checked_in", 0)
 
 
 def why_abandoned(rounds: list[RoundView]) -> list[tuple[str, int]]:
     causes = Counter(
-        f"in {r.stopped_phase or '?'} by {r.ended_by or '?'}" for r in rounds if r.status == "abandoned"
+        f"in {r.stopped_phase or '?'} by {r.ended_by or '?'}"
+        for r in rounds
+        if r.status == "abandoned" and not idle(r)
     )
     return causes.most_common()
 

@@ -24,7 +24,7 @@ from orchestrator import pausing, rounds
 from orchestrator.api.deps import is_admin, run_db
 from orchestrator.api.rate_limits import TokenBuckets
 from orchestrator.console.render import duration, when
-from orchestrator.dashboard import charts, overview, sessions
+from orchestrator.dashboard import charts, overview, sessions, trends
 
 log = logging.getLogger("orchestrator")
 router = APIRouter(include_in_schema=False)
@@ -34,7 +34,14 @@ HERE = Path(__file__).parent
 TEMPLATES = Environment(
     loader=FileSystemLoader(HERE / "templates"), autoescape=select_autoescape(["html"]), auto_reload=False
 )
-TEMPLATES.globals.update(when=when, duration=duration, charts=charts, outcome=charts.round_outcome)
+TEMPLATES.globals.update(
+    when=when,
+    duration=duration,
+    charts=charts,
+    trends=trends,
+    outcome=charts.round_outcome,
+    status_of=charts.status_of,
+)
 STYLE = (HERE / "style.css").read_bytes()
 # No script of any kind, no other origin; forms post only here; no framing (clickjacking).
 HEADERS = {

@@ -220,6 +220,12 @@ def test_the_fetch_command(server: tuple[str, Files], tiny_shakespeare: Path, tm
     listed = _python("android_sim.datasets", "list", data=data)
     assert f"ok  {data / 'tinyshakespeare'}" in listed.stdout
     assert "python -m android_sim.datasets fetch movielens-1m" in listed.stdout
+    # An altered folder is not a missing one: the list says which file and what to do.
+    with (data / "tinyshakespeare" / "input.txt").open("a") as text:
+        text.write("an edit\n")
+    altered = _python("android_sim.datasets", "list", data=data)
+    (line,) = [line for line in altered.stdout.splitlines() if line.startswith("tinyshakespeare")]
+    assert "!!  altered: " in line and "input.txt has sha256" in line and "remove the folder" in line
 
     failed = _python("android_sim.datasets", "fetch", "movielens-1m", "--url", f"{url}/nope.zip", data=data)
     assert failed.returncode == 1

@@ -156,3 +156,25 @@ def test_the_centralized_mf_of_a_large_fleet_is_fitted_on_a_seeded_sample() -> N
     items, bias = mf.fit(sample, 40)
     capped = ceiling_tops(held, probabilities, topics, training, mf_devices=10)
     assert np.array_equal(capped["central_mf"], mf.tops(items, bias, held))
+
+
+def test_a_user_table_s_hit_rate_table_has_no_expected_column_nor_true_probability() -> None:
+    # Prepare: devices from a user's table (no generator's truth) and from the synthetic fleet
+    from rich.console import Console
+
+    from android_sim.recommendations import HitRates
+    from android_sim.run_report import hit_rate_table
+
+    def shown(p: np.ndarray | None) -> str:
+        scored = [_device(i, 3, [i % 4], p, personalized=[0, 1], most_shared=[2, 3]) for i in range(6)]
+        console = Console(width=200, record=True)
+        console.print(hit_rate_table(HitRates(evaluate(scored), scored)))
+        return console.export_text()
+
+    # Execute
+    users, synthetic = shown(None), shown(np.full(20, 0.05))
+
+    # Assert
+    assert "true probability" not in users and "expected" not in users and "ceilings" not in users
+    assert "newest shares" in users and "FedRecon minus" in users
+    assert "true probability" in synthetic and "expected" in synthetic

@@ -69,10 +69,15 @@ def test_model_uses_builtin_ops_only(export: Callable[[ModelConfig], Path]) -> N
 
 def test_bad_options_are_refused_with_a_message(tmp_path: Path) -> None:
     result = run_cli("--output-dir", str(tmp_path), "--num-items", "0")
+    negative = run_cli("--output-dir", str(tmp_path), "--num-items", "-5")
 
     assert result.returncode == 2
     assert "num_items must be >= 1" in result.stderr
     assert not (tmp_path / "model.tflite").exists()
+    # The option given is the one named (not the top-k it would have clamped to -5).
+    assert negative.returncode == 2 and negative.stderr.splitlines()[-1] == (
+        "error: invalid model config: num_items must be >= 1, got -5"
+    )
 
 
 def test_unknown_config_field_is_refused(tmp_path: Path) -> None:

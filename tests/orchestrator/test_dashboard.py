@@ -3,6 +3,7 @@ loopback (the browser's view is tests/orchestrator/test_dashboard_browser.py).""
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 import time
@@ -188,7 +189,9 @@ def test_the_population_page_shows_devices_seen_versions_and_rounds(movies: Serv
     assert page.status_code == 200
     assert 'id="devices-seen">none yet' in page.text and "the export" in page.text
     assert "Rounds over time" in page.text and "<svg" in page.text and "Participation funnel" in page.text
-    assert "no differential privacy" in page.text
+    assert 'id="privacy">no differential privacy' in page.text  # a line, not an empty chart
+    assert "Privacy: epsilon against the budget" not in page.text
+    assert 'class="state idle"' in page.text and "idle: no devices" in page.text
     assert missing.status_code == 404 and "no population" in missing.text
 
 
@@ -247,4 +250,109 @@ def test_an_evaluation_rounds_interval_is_drawn_as_a_whisker_on_its_point() -> N
     # Assert: one chart for the accuracy (none for its bounds), its point with a whisker and the
     # interval in its tooltip
     assert set(series) == {"accuracy"} and series["accuracy"].intervals == {3: (0.84, 0.9)}
-    assert "[95% interval 0.84, 0.9]" in svg and svg.count("<line") == 3  # two axes and the whisker
+    # two axes, the version's tick and the whisker; the one version labelled 3, not 2.5 and 3.5
+    assert "[95% interval 0.84, 0.9]" in svg and svg.count("<line") == 4
+    assert re.findall(r'class="version"[^>]*>([^<]+)<', svg) == ["3"] and "model version" in svg
+
+
+def a_round(**fields: object) -> RoundView:
+    """A closed training round of version 0 with the fields given."""
+    defaults: dict[str, object] = {
+        "id": 1,
+        "kind": "training",
+        "status": "committed",
+        "base_version": 0,
+        "result_version": 1,
+        "target": 3,
+        "capacity": 4,
+        "min_reports": 3,
+        "opened_at": 0.0,
+        "deadline": 10.0,
+        "closed_at": 6.0,
+        "counters": {},
+        "total_weight": 0.0,
+        "metrics": {},
+    }
+    return RoundView(**{**defaults, **fields})  # type: ignore[arg-type]
+
+
+def test_a_round_no_device_came_to_is_grey_no_devices_and_not_a_failure() -> None:
+    empty = a_round(
+        id=1,
+        status="abandoned",
+        result_version=None,
+        closed_at=10.0,
+        counters={"checked_in": 0, "reported": 0},
+        stopped_phase="reporting",
+        ended_by="deadline",
+        devices_had=0,
+        devices_needed=1,
+    )
+    failed = a_round(
+        id=2,
+        status="abandoned",
+        result_version=None,
+        opened_at=10.0,
+        closed_at=20.0,
+        counters={"checked_in": 2, "accepted": 2, "reported": 1, "dropped": 1},
+        stopped_phase="reporting",
+        ended_by="deadline",
+        devices_had=1,
+        devices_needed=3,
+    )
+
+    svg = str(charts.rounds_over_time([empty, failed], now=20.0))
+
+    assert charts.round_outcome(empty) == "no devices: closed empty by deadline"
+    assert charts.round_outcome(failed) == "abandoned in reporting by deadline, 1 of 3 devices"
+    assert svg.count('class="round idle"') == 1 and svg.count('class="round abandoned"') == 1
+    assert overview.why_abandoned([empty, failed]) == [("in reporting by deadline", 1)]
+
+
+def test_rounds_are_marks_apart_over_their_durations_in_a_lane_by_kind() -> None:
+    rounds = [
+        a_round(id=i, opened_at=10.0 * i, closed_at=10.0 * i + 10.0, counters={"reported": 3})
+        for i in range(3)
+    ] + [a_round(id=3, kind="evaluation", opened_at=5.0, closed_at=9.0, counters={"reported": 3})]
+
+    svg = str(charts.rounds_over_time(rounds, now=30.0))
+
+    marks = re.findall(r'<rect class="round committed" x="([\d.]+)" y="([\d.]+)" width="([\d.]+)"', svg)
+    assert len(marks) == 4
+    training = sorted((float(x), float(w)) for x, y, w in marks[:3])
+    for (x, w), (next_x, _) in itertools.pairwise(training):
+        assert x + w < next_x  # three countable marks, not one block
+    assert marks[3][1] != marks[0][1]  # the evaluation round in its own lane
+    assert "reports in 10 s" in svg and "reports in 4.0 s" in svg and "time (UTC)" in svg
+
+
+def test_the_funnel_adds_up_with_the_devices_still_in_their_task() -> None:
+    closed = a_round(
+        id=1,
+        counters={
+            "checked_in": 10,
+            "accepted": 8,
+            "rejected_capacity": 1,
+            "rejected_min_examples": 0,
+            "reported": 5,
+            "dropped": 1,
+            "late": 1,
+            "invalid": 0,
+            "aborted": 1,
+        },
+    )
+    open_ = a_round(
+        id=2,
+        status="open",
+        result_version=None,
+        closed_at=None,
+        counters={"checked_in": 4, "accepted": 4, "reported": 1},
+    )
+
+    totals = overview.funnel([closed, open_])
+    svg = str(charts.funnel(totals))
+
+    assert totals["checked_in"] == sum(totals[k] for k in overview.CHECKED_IN) == 14
+    assert totals["accepted"] == sum(totals[k] for k in overview.ACCEPTED) == 12
+    assert (totals["in_task"], totals["outrun"], totals["refused_otherwise"]) == (3, 1, 1)
+    assert "in task: 3" in svg and "devices" in svg

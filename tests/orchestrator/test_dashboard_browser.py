@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import os
 import re
@@ -151,7 +152,11 @@ def test_an_operator_watches_rounds_commit_and_pauses_the_population_in_a_browse
     with Server(tmp_path / "orchestrator.sqlite") as server:
         created = admin_create_population(server.url, export(BIASED), "movies", json.dumps(SETTINGS))
         assert created.status_code == 201, created.text
-        time.sleep(3.5)  # the first round closes empty at its deadline: the chart shows why
+        # A population no device takes part in: idle, not failing.
+        quiet = {"round_duration_seconds": 1, "evaluation_every": 0}
+        idle = admin_create_population(server.url, export(BIASED), "quiet", json.dumps(quiet))
+        assert idle.status_code == 201, idle.text
+        time.sleep(3.5)  # the first rounds close empty at their deadlines: no devices yet
         with (
             devices_training(server.url, tmp_path / "devices"),
             sync_playwright() as playwright,
@@ -184,6 +189,21 @@ def test_an_operator_watches_rounds_commit_and_pauses_the_population_in_a_browse
             later = number(page, "#committed")
             screenshot(page, shots / "dashboard-population.png", full_page=True)
             running_html = page.content()
+            # As Chromium lays them out: each round's mark apart from the next one in its lane.
+            marks = page.eval_on_selector_all(
+                "svg rect.round",
+                "rs => rs.map(r => { const b = r.getBoundingClientRect();"
+                " return [r.dataset.kind, b.x, b.width]; })",
+            )
+            accepted_parts = [
+                int(cell.strip())
+                for cell in page.locator("#accepted-parts tr:nth-child(2) td").all_inner_texts()
+                if cell.strip()
+            ]
+            page.goto(server.url + "/dashboard/populations/quiet")
+            quiet_html = page.content()
+            quiet_privacy = page.locator("#privacy").bounding_box()
+            page.goto(server.url + "/dashboard/populations/movies")
 
             # Pausing: no new rounds; the page says so.
             page.click("#pause")
@@ -225,7 +245,23 @@ def test_an_operator_watches_rounds_commit_and_pauses_the_population_in_a_browse
         assert ADMIN_TOKEN not in html and "<script" not in html
     assert ADMIN_TOKEN not in urls
     assert later >= first + 2, f"committed rounds stayed at {later} (from {first}) for 90 s"
-    assert "abandoned in reporting by deadline" in running_html
+    # The first round closed before a device came: grey, "no devices", not a red failure.
+    assert "no devices: closed empty by deadline" in running_html and 'class="round idle"' in running_html
+    by_lane: dict[str, list[tuple[float, float]]] = {}
+    for kind, x, width in marks:
+        by_lane.setdefault(kind, []).append((x, width))
+    for lane in by_lane.values():
+        lane.sort()
+        assert all(x + w <= next_x + 0.01 for (x, w), (next_x, _) in itertools.pairwise(lane)), lane
+    assert len(marks) >= later  # one mark per round: countable
+    assert accepted_parts[0] == sum(accepted_parts[1:]), accepted_parts  # the funnel adds up
+    versions = re.findall(r'class="version"[^>]*>([^<]+)<', running_html)
+    assert versions and all(v.isdigit() for v in versions), versions
+    for unit in ("time (UTC)", "duration (s)", "% of accepted", "model version", "devices"):
+        assert unit in running_html, unit
+    assert 'class="state idle"' in overview_html and "idle: no devices" in quiet_html
+    assert 'class="round idle"' in quiet_html and 'class="round abandoned"' not in quiet_html
+    assert "Privacy: epsilon" not in quiet_html and quiet_privacy and quiet_privacy["height"] < 40
     assert 'class="spent"' in running_html and " of 20 at delta " in running_html
     seen = re.search(r'id="devices-seen">(\d+) in all, (\d+) in the last 24 h', running_html)
     assert seen and TARGET <= int(seen[1]) == int(seen[2]) <= DEVICES, seen

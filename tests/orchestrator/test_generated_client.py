@@ -1,13 +1,16 @@
 """The OpenAPI document is a contract another language can implement: a client generated from the
-live server's `/openapi.json` by a standard generator (openapi-python-client, from the registry)
-runs a whole plaintext round against a real server on loopback: enroll, check in, download the
-model, its manifest and the globals, train with the device runtime, report, and see the round
-commit. Nothing but the generated code speaks HTTP here."""
+live server's `/openapi.json` by a standard generator (openapi-python-client, from the registry,
+with the configuration docs/reference/http-protocol.md gives) runs the protocol against a real
+server on loopback: enroll, create a population, check in, download the model, its manifest and
+the globals, train with the device runtime, report, see the round commit, and attach mixing
+data. Nothing but the generated code speaks HTTP here."""
 
 from __future__ import annotations
 
 import importlib
 import json
+import math
+import re
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -19,7 +22,8 @@ import httpx
 import numpy as np
 import pytest
 
-from contracts.manifest import MANIFEST_FILE, MODEL_FILE, load_manifest
+from contracts.manifest import INITIAL_GLOBAL_FILE, MANIFEST_FILE, MODEL_FILE, load_manifest
+from contracts.mixing import encode_examples
 from contracts.params import decode_params, encode_sparse_delta
 from contracts.task_config import TaskConfig
 from device_runtime.client_task import Outcome, run_training_task
@@ -27,10 +31,12 @@ from device_runtime.example_store import Event, ExampleStore
 from model_export.config import ModelConfig
 from model_runtime.tflite_model import TFLiteModel
 from orchestrator.differential_privacy import epsilon
-from tests.conftest import BIASED
-from tests.orchestrator.conftest import OCTETS, Server, admin_create_population
+from tests.conftest import BIASED, ROOT
+from tests.orchestrator.conftest import ADMIN_TOKEN, OCTETS, Server, admin_create_population
+from tests.orchestrator.test_mixing import central_examples
 
 PACKAGE = "generated_orchestrator_client"
+PAGE = ROOT / "docs" / "reference" / "http-protocol.md"
 
 
 @pytest.fixture(scope="module")
@@ -42,12 +48,20 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         running.stop()
 
 
+def documented_config() -> dict[str, Any]:
+    """The generator configuration the protocol page gives (its fix of the generator's bug)."""
+    found = re.search(r"^<!-- generator-config -->\n```json\n(.*?)^```", PAGE.read_text(), re.M | re.S)
+    assert found, f"{PAGE} has no generator-config block"
+    config: dict[str, Any] = json.loads(found[1])
+    return config
+
+
 def generate(url: str, where: Path) -> ModuleType:
     """The client openapi-python-client generates from the server's own document, imported."""
     spec = where / "openapi.json"
     spec.write_bytes(httpx.get(f"{url}/openapi.json", timeout=10).content)
     config = where / "config.json"
-    config.write_text(json.dumps({"package_name_override": PACKAGE, "post_hooks": []}))
+    config.write_text(json.dumps({**documented_config(), "package_name_override": PACKAGE}))
     generator = Path(sys.executable).parent / "openapi-python-client"
     arguments = ["--path", str(spec), "--config", str(config), "--meta", "none"]
     done = subprocess.run(
@@ -56,9 +70,9 @@ def generate(url: str, where: Path) -> ModuleType:
         text=True,
         timeout=300,
     )
-    # The generator warns about what it could not express; a complete document leaves nothing out.
+    # The generator warns about what it could not express (and about a post-hook that failed); a
+    # complete document leaves nothing out.
     assert done.returncode == 0 and "Warning" not in done.stdout + done.stderr, done.stdout + done.stderr
-    _import_unset(where / PACKAGE)
     sys.path.insert(0, str(where))
     try:
         return importlib.import_module(PACKAGE)
@@ -66,39 +80,42 @@ def generate(url: str, where: Path) -> ModuleType:
         sys.path.remove(str(where))
 
 
-def _import_unset(package: Path) -> None:
-    """openapi-python-client 0.29.1 annotates a required body with several content types (the
-    report: safetensors or JSON) as `... | Unset` without importing `Unset` (its issue #1451, fix
-    pending in #1478): add the import it forgot, and nothing else."""
-    for module in package.glob("api/*/*.py"):
-        text = module.read_text()
-        if "| Unset" in text and "import Unset" not in text and ", Unset" not in text:
-            module.write_text(
-                text.replace(
-                    "from ...types import Response, UNSET", "from ...types import Response, UNSET, Unset"
-                )
-            )
-
-
 def call(module: str, client: Any, **kwargs: Any) -> Any:
     """A generated operation's detailed answer (status, headers, bytes, parsed body)."""
     return importlib.import_module(f"{PACKAGE}.api.{module}").sync_detailed(client=client, **kwargs)
 
 
-def test_a_client_generated_from_the_openapi_document_runs_a_round(
+def test_a_client_generated_from_the_openapi_document_runs_the_protocol(
     server: Server, export: Callable[[ModelConfig], Path], tmp_path: Path
 ) -> None:
-    # Arrange: a population whose round commits at its first report
-    created = admin_create_population(server.url, export(BIASED), "p", json.dumps({"target_reports": 1}))
-    assert created.status_code == 201, created.text
+    # Arrange: the generated client, and the operator's (admin) client
     generated = generate(server.url, tmp_path)
     models = importlib.import_module(f"{PACKAGE}.models")
     types = importlib.import_module(f"{PACKAGE}.types")
     anonymous = generated.Client(base_url=server.url, raise_on_unexpected_status=True)
+    operator = generated.AuthenticatedClient(
+        base_url=server.url, token=ADMIN_TOKEN, raise_on_unexpected_status=True
+    )
+    exported = export(BIASED)
+
+    def part(name: str) -> Any:
+        return types.File(payload=(exported / name).read_bytes(), file_name=name)
 
     # Act: the round, through the generated code only
     enrolled = call("devices.enroll_device_v1_devices_post", anonymous)
     assert enrolled.status_code == 201 and isinstance(enrolled.parsed, models.Enrolled)
+    created = call(
+        "admin.create_v1_admin_populations_post",
+        operator,
+        body=models.BodyCreateV1AdminPopulationsPost(
+            name="p",
+            model=part(MODEL_FILE),
+            manifest=part(MANIFEST_FILE),
+            global_params=part(INITIAL_GLOBAL_FILE),
+            settings=json.dumps({"target_reports": 1}),  # the round commits at its first report
+        ),
+    )
+    assert created.status_code == 201, created.content
     device = generated.AuthenticatedClient(
         base_url=server.url, token=enrolled.parsed.token, raise_on_unexpected_status=True
     )
@@ -143,9 +160,11 @@ def test_a_client_generated_from_the_openapi_document_runs_a_round(
     config = TaskConfig.from_json(assignment.task_config.to_dict())
     trained = run_training_task(model, store, start, config)
     assert trained.outcome is Outcome.COMPLETED and trained.delta is not None, trained.message
-    report = encode_sparse_delta(
-        trained.delta, {"num_examples": str(trained.num_examples), "metrics": json.dumps(trained.metrics)}
+    # The report's metadata as the document's TrainingReportMetadata schema has it.
+    metadata = models.TrainingReportMetadata(
+        num_examples=str(trained.num_examples), metrics=json.dumps(trained.metrics)
     )
+    report = encode_sparse_delta(trained.delta, metadata.to_dict())
     reported = call(
         "devices.report_v1_assignments_assignment_id_report_post",
         device,
@@ -158,6 +177,17 @@ def test_a_client_generated_from_the_openapi_document_runs_a_round(
         population="p",
         version=assignment.model_version + 1,
     )
+    examples = encode_examples(central_examples(model.manifest, 30), model.manifest.features)
+    mixed = call(
+        "admin.attach_mixing_v1_admin_populations_name_mixing_put",
+        operator,
+        name="p",
+        body=models.BodyAttachMixingV1AdminPopulationsNameMixingPut(
+            mixing=json.dumps({"strategy": "parallel_training", "weight": 0.3}),
+            examples=types.File(payload=examples, file_name="examples.safetensors"),
+        ),
+    )
+    attached = call("admin.get_mixing_v1_admin_populations_name_mixing_get", operator, name="p")
 
     # Assert
     assert unauthenticated.status_code == 401
@@ -170,6 +200,10 @@ def test_a_client_generated_from_the_openapi_document_runs_a_round(
     after = decode_params(committed.content, model.manifest.global_params, "the committed globals")
     moved = sum(float(np.abs(after[name] - start[name]).sum()) for name in start)
     assert committed.status_code == 200 and moved > 0
+    assert artifact.headers["cache-control"] == committed.headers["cache-control"]
+    assert "immutable" in committed.headers["cache-control"]
+    assert mixed.status_code == 200, mixed.content
+    assert json.loads(attached.content)["num_examples"] == 30
 
 
 def test_a_report_with_the_wrong_content_type_is_a_415_that_keeps_the_assignment(
@@ -226,3 +260,32 @@ def test_a_check_in_after_the_privacy_budget_is_spent_is_a_200_rejection_for_a_d
     # Assert: as /openapi.json and docs/reference/http-protocol.md say
     assert after.status_code == 200 and after.headers["Retry-After"] == "86400"
     assert after.json()["accepted"] is False and "privacy budget spent" in after.json()["reason"]
+
+
+def test_a_rejection_s_retry_after_header_is_its_body_s_time_rounded_up(
+    server: Server, export: Callable[[ModelConfig], Path]
+) -> None:
+    settings = {"target_reports": 1, "min_examples": 20}
+    created = admin_create_population(server.url, export(BIASED), "few", json.dumps(settings))
+    assert created.status_code == 201, created.text
+    token = httpx.post(f"{server.url}/v1/devices", timeout=10).json()["token"]
+
+    # Act: too few examples: come back after the round's deadline, plus a random time (fractional)
+    rejected = httpx.post(
+        f"{server.url}/v1/populations/few/checkin",
+        json={"example_count": 3},
+        headers={"Authorization": f"Bearer {token}"},
+        timeout=10,
+    )
+
+    # Assert: the header is the body's time rounded up (HTTP's whole seconds), never earlier
+    body = rejected.json()
+    assert body["accepted"] is False, rejected.text
+    assert int(rejected.headers["Retry-After"]) == max(1, math.ceil(body["retry_after_seconds"]))
+    assert body["retry_after_seconds"] != int(body["retry_after_seconds"])  # a time, not a rounded one
+
+
+def test_retry_after_is_never_earlier_than_the_body_says() -> None:
+    from orchestrator.api.routes.populations import retry_after_header
+
+    assert [retry_after_header(s) for s in (0.0, 0.3, 1.0, 67.2, 67.96, 86400.0)] == [1, 1, 1, 68, 68, 86400]

@@ -3,11 +3,13 @@ from __future__ import annotations
 from fastapi import APIRouter, HTTPException, Request, Response
 from sqlalchemy.orm import Session, sessionmaker
 
+from orchestrator.api.binary_bodies import CACHE_CONTROL, IMMUTABLE
 from orchestrator.api.deps import SessionFactoryDep, run_db
 from orchestrator.api.schemas import binary, refusals
 from orchestrator.db import Artifact
 
 router = APIRouter(prefix="/v1/artifacts", tags=["devices"])
+_ETAG = {"ETag": {"description": "the sha256, quoted", "schema": {"type": "string"}}}
 
 
 def _artifact(factory: sessionmaker[Session], sha256: str) -> bytes | None:
@@ -22,7 +24,10 @@ def _artifact(factory: sessionmaker[Session], sha256: str) -> bytes | None:
     description="The `.tflite` file whose sha256 is the path; no token: a model is public to the "
     "population's devices and addressed by its content. Immutable: cached for a year.",
     response_class=Response,
-    responses={**binary("the model file (.tflite)"), **refusals({404: "no artifact with that sha256"})},
+    responses={
+        **binary("the model file (.tflite)", {**CACHE_CONTROL, **_ETAG}),
+        **refusals({404: "no artifact with that sha256"}),
+    },
 )
 async def artifact(sha256: str, request: Request, factory: SessionFactoryDep) -> Response:
     content = await run_db(request.app, _artifact, factory, sha256)
@@ -31,5 +36,5 @@ async def artifact(sha256: str, request: Request, factory: SessionFactoryDep) ->
     return Response(
         content=content,
         media_type="application/octet-stream",
-        headers={"Cache-Control": "public, max-age=31536000, immutable", "ETag": f'"{sha256.lower()}"'},
+        headers={"Cache-Control": IMMUTABLE, "ETag": f'"{sha256.lower()}"'},
     )

@@ -9,6 +9,7 @@ from contracts.params import decode_params, encode_sparse_delta
 from contracts.protocol import ReportAccepted
 from orchestrator import central_training, mixing, rounds
 from orchestrator.api import schemas
+from orchestrator.api.binary_bodies import CENTRAL_EXAMPLES, SPARSE_DELTA, safetensors
 from orchestrator.api.deps import (
     SessionFactoryDep,
     TokenDep,
@@ -42,7 +43,9 @@ def _answer(result: ReportAccepted | rounds.Refused) -> ReportAccepted:
         "requestBody": {
             "required": True,
             "content": {
-                "application/octet-stream": {"schema": {"type": "string", "format": "binary"}},
+                "application/octet-stream": safetensors(
+                    "a training task's report", SPARSE_DELTA, "TrainingReportMetadata"
+                ),
                 "application/json": {"schema": {"$ref": "#/components/schemas/EvaluationReport"}},
             },
         }
@@ -116,7 +119,10 @@ def _central_examples(factory: sessionmaker[Session], token: str, assignment_id:
     summary="Example transfer: the assignment's centralized examples (safetensors)",
     response_class=Response,
     responses={
-        **schemas.binary("safetensors: one tensor per manifest feature, [n, *shape]"),
+        **schemas.binary(
+            "safetensors: one tensor per manifest feature, [n, *shape]",
+            media=safetensors("the assignment's centralized examples", CENTRAL_EXAMPLES.split("; ")[0]),
+        ),
         **schemas.refusals(
             {
                 404: "no such assignment of this device, or its population does not mix by example transfer",
@@ -169,7 +175,10 @@ def _central_gradient(job: CentralJob) -> bytes:
     summary="Gradient transfer: the centralized loss's gradient at the round's globals (sparse safetensors)",
     response_class=Response,
     responses={
-        **schemas.binary("safetensors: a sparse delta, as a training report's tensors (no metadata)"),
+        **schemas.binary(
+            "safetensors: a sparse delta, as a training report's tensors (no metadata)",
+            media=safetensors("the centralized loss's gradient", SPARSE_DELTA),
+        ),
         **schemas.refusals(
             {
                 404: "no such assignment of this device, an evaluation, or a population that does not "

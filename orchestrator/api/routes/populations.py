@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Annotated, Any, Literal
 
@@ -12,6 +13,7 @@ from sqlalchemy.orm import Session, sessionmaker, undefer
 
 from contracts.protocol import MAX_WAIT_SECONDS, Assignment, Rejection
 from orchestrator import rounds
+from orchestrator.api.binary_bodies import CACHE_CONTROL, DENSE_GLOBALS, IMMUTABLE, safetensors
 from orchestrator.api.deps import (
     SessionFactoryDep,
     TokenDep,
@@ -36,6 +38,7 @@ from orchestrator.service.checkins import CheckInCall, CheckInGroups
 from orchestrator.service.waiting_room import WaitingRoom
 
 router = APIRouter(prefix="/v1/populations", tags=["devices"])
+_MODEL_VERSION = {"X-Model-Version": {"description": "the model version", "schema": {"type": "integer"}}}
 
 
 class _CheckInRoute(APIRoute):
@@ -112,12 +115,19 @@ async def checkin(
     if result.status in (401, 404):
         headers = {"WWW-Authenticate": "Bearer"} if result.status == 401 else None
         raise HTTPException(result.status, result.message, headers=headers)
+    # The body keeps the exact seconds (pace steering spreads devices' returns within a window of a
+    # few seconds); the header, whole seconds by HTTP, is never earlier: rounded up, at least 1.
     retry = result.retry_after if result.retry_after is not None else 30.0
     return Response(
         to_json(Rejection(result.message, retry)),
         media_type="application/json",
-        headers={"Retry-After": str(max(1, round(retry)))},
+        headers={"Retry-After": str(retry_after_header(retry))},
     )
+
+
+def retry_after_header(seconds: float) -> int:
+    """The `Retry-After` of a rejection whose body says `seconds`."""
+    return max(1, math.ceil(seconds))
 
 
 router.add_api_route(
@@ -136,7 +146,8 @@ router.add_api_route(
         200: {
             "headers": {
                 "Retry-After": {
-                    "description": "with a rejection only: seconds before checking in again",
+                    "description": "with a rejection only: seconds before checking in again, the "
+                    "body's `retry_after_seconds` rounded up to a whole second (at least 1)",
                     "schema": {"type": "integer"},
                 }
             }
@@ -230,7 +241,11 @@ def _global_params(
     "with its shape (0-D and 1-D tensors too). Immutable: cached for a year.",
     response_class=Response,
     responses={
-        **binary("safetensors: the dense global tensors"),
+        **binary(
+            "safetensors: the dense global tensors",
+            {**CACHE_CONTROL, **_MODEL_VERSION},
+            safetensors("the dense global tensors", DENSE_GLOBALS),
+        ),
         **refusals(
             {404: "no population of that name, or no such model version (or it was pruned)", 422: None}
         ),
@@ -248,5 +263,5 @@ async def global_params(
     return Response(
         content=params,
         media_type="application/octet-stream",
-        headers={"Cache-Control": "public, max-age=31536000, immutable", "X-Model-Version": str(version)},
+        headers={"Cache-Control": IMMUTABLE, "X-Model-Version": str(version)},
     )
