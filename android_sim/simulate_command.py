@@ -24,11 +24,21 @@ from android_sim.bench.federated import Rounds
 from android_sim.bench.protocol import PROTOCOL_SEED
 from android_sim.intervals import INTERVAL
 from android_sim.options import algorithm, algorithm_arguments, model_arguments, parse_model_args
-from android_sim.run import load_workload
+from android_sim.run import FINAL_GLOBALS, load_workload
 from android_sim.run_config import DEFAULT_RATINGS, RunConfig
 from android_sim.run_report import model_summary, primary_metric, shown_metrics, with_interval
+from android_sim.simulate_ranking import (
+    keep_future,
+    ranking_split,
+    ranking_table,
+    read_held_out,
+    read_item_groups,
+    score,
+    summary,
+)
 from android_sim.simulation import SimulationOptions, simulate
 from android_sim.workload import Workload, newest_first
+from contracts.params import encode_params
 from contracts.task_config import SplitPolicy, TaskConfig
 from orchestrator.aggregation import ServerOptimizerConfig
 
@@ -77,6 +87,19 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "--address",
         help="--backend ray: an existing Ray cluster (ray://host:10001 or host:6379); default: "
         "worker processes on this machine",
+    )
+    parser.add_argument(
+        "--held-out",
+        type=Path,
+        metavar="FILE",
+        help="the devices to hold out, one device id a line (default: 10%% drawn by --split-seed)",
+    )
+    parser.add_argument(
+        "--item-groups",
+        type=Path,
+        metavar="CSV",
+        help="a ranking model's catalog grouping (catalog row, group; a header line): adds the group "
+        "rule ceiling",
     )
     parser.add_argument("--seed", type=int, default=0, help="the synthetic data's seed")
     parser.add_argument("--out", type=Path, help="output directory (default: runs/simulate-<time>)")
@@ -151,16 +174,26 @@ def main(args: argparse.Namespace, console: Console | None = None) -> dict[str, 
         ray_address=args.address,
     )
     # A device with fewer examples than the task needs sits out, as it would at check-in.
-    devices = [
-        newest_first(d) if d.examples.num_examples >= task.min_examples else None for d in workload.devices
-    ]
-    kept = [d for d in devices if d is not None]
-    enough(len(kept))
+    taking = [d for d in workload.devices if d.examples.num_examples >= task.min_examples]
+    enough(len(taking))
+    held_out = None if args.held_out is None else read_held_out(args.held_out, [d.device_id for d in taking])
+    groups = None if args.item_groups is None else read_item_groups(args.item_groups, workload.manifest)
+    split = ranking_split(len(taking), held_out, args.split_seed)
+    # A ranking model on shares: each held-out device keeps its newest fifth aside to be scored on.
+    past, future = keep_future(taking, split.test) if workload.ranks_shares else (taking, {})
+    kept = [newest_first(d) for d in past]
     console.print(
         f"simulating {rounds.rounds} rounds x {rounds.clients_per_round} clients over {len(kept)} devices "
-        f"({len(devices) - len(kept)} with fewer than {task.min_examples} examples sit out)"
+        f"({len(workload.devices) - len(kept)} with fewer than {task.min_examples} examples sit out; "
+        f"{len(split.test)} held out)"
     )
-    result = simulate(workload.model_dir, kept, options)
+    result = simulate(workload.model_dir, kept, options, split=split)
+    (out / FINAL_GLOBALS).write_bytes(encode_params(result.params))
+    hit_rates = (
+        score(workload, past, split, future, result.params, task, out / "held_out_stores", groups)
+        if workload.ranks_shares
+        else None
+    )
     metric = primary_metric(workload.manifest)
     body = {
         "model": model_summary(workload.manifest),
@@ -181,6 +214,7 @@ def main(args: argparse.Namespace, console: Console | None = None) -> dict[str, 
             "server_optimizer": server.to_json(),
         },
         **result.to_json(),
+        "ranking": None if hit_rates is None else summary(hit_rates, workload.manifest, task),
     }
     (out / "simulation.json").write_text(json.dumps(body, indent=2) + "\n")
     report.plot_learning_curve(out / "learning_curve.png", result.curve, metric, "validation devices")
@@ -193,5 +227,8 @@ def main(args: argparse.Namespace, console: Console | None = None) -> dict[str, 
     if result.seen is not None:
         seen = ", ".join(with_interval(result.seen, k) for k in names if k in result.seen)
         console.print(f"seen devices' newest 10%, StandardEval with their kept locals: {seen}")
+    if hit_rates is not None:
+        console.print(ranking_table(hit_rates, workload.manifest, task), width=max(console.width, 120))
     console.print(f"report: {out / 'simulation.json'}; curve: {out / 'learning_curve.png'}")
+    console.print(f"trained global parameters: {out / FINAL_GLOBALS}")
     return body
