@@ -173,12 +173,13 @@ def score_held_out(
     task: TaskConfig,
     bagging: Bagging | None = None,
     item_groups: np.ndarray | None = None,
+    ceilings: bool = True,
 ) -> tuple[HitRates | None, list[dict[str, Any]]]:
     """Each held-out device's top-10s (its own, on the device, with `params` and the population's
     `task`, ranked by a bagged reconstruction with `bagging`; the baselines'; the
     ceilings: with the data's ground truth, else the table's, with the group rule over
-    `item_groups` when given) scored against its kept-aside shares `future`; and the first
-    `show` devices' tables to print."""
+    `item_groups` when given; none without `ceilings`) scored against its kept-aside shares
+    `future`; and the first `show` devices' tables to print."""
     global_top = popularity_top(model, params)
     correction = logq_correction(model.manifest, task, params)
     counts = shares_by_item(workload, training)
@@ -223,22 +224,23 @@ def score_held_out(
     probabilities: np.ndarray | None = None
     if truth is not None and devices:
         probabilities = np.stack([truth.probabilities(d["index"]) for d in devices])
-        ceilings = ceiling_tops(
+    found: dict[str, np.ndarray] = {}
+    if truth is not None and probabilities is not None and ceilings:
+        found = ceiling_tops(
             [d["history"] for d in devices],
             probabilities,
             truth.item_topics,
             [training_shares(workload, i) for i in training],
         )
-    elif devices:
-        ceilings = table_ceiling_tops(
+    elif devices and ceilings:
+        found = table_ceiling_tops(
             [d["history"] for d in devices],
             [training_shares(workload, i) for i in training],
             model.manifest.catalog_size,
             item_groups,
         )
-    if devices:
-        for row, d in enumerate(devices):
-            d["tops"].update({method: tops[row] for method, tops in ceilings.items()})
+    for row, d in enumerate(devices):
+        d["tops"].update({method: tops[row] for method, tops in found.items()})
     scored = [
         ScoredDevice(
             d["index"],

@@ -13,6 +13,7 @@ import importlib.util
 import json
 import os
 import time
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,7 @@ from rich.console import Console
 from android_sim import report
 from android_sim.algorithm import algorithm_task, optimizer_over
 from android_sim.bench.federated import Rounds
-from android_sim.bench.protocol import PROTOCOL_SEED
+from android_sim.bench.protocol import PROTOCOL_SEED, UserSplit
 from android_sim.intervals import INTERVAL
 from android_sim.options import algorithm, algorithm_arguments, model_arguments, parse_model_args
 from android_sim.run import FINAL_GLOBALS, load_workload
@@ -37,9 +38,11 @@ from android_sim.simulate_ranking import (
     summary,
 )
 from android_sim.simulation import SimulationOptions, simulate
+from android_sim.tune import tune, write_settings
 from android_sim.workload import Workload, newest_first
 from contracts.params import encode_params
 from contracts.task_config import SplitPolicy, TaskConfig
+from device_runtime.examples_table import DeviceExamples
 from orchestrator.aggregation import ServerOptimizerConfig
 
 MIN_DEVICES = 10  # 80/10/10: at least one device to validate on and one to hold out
@@ -101,6 +104,16 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="a ranking model's catalog grouping (catalog row, group; a header line): adds the group "
         "rule ceiling",
     )
+    parser.add_argument(
+        "--tune",
+        action="store_true",
+        help="first search the training settings on the validation devices (Optuna), then simulate "
+        "with the best; writes tuned_settings.json (--algorithm-settings) and tuned_population.json",
+    )
+    parser.add_argument(
+        "--tune-seconds", type=float, default=600.0, help="--tune: no trial starts after this"
+    )
+    parser.add_argument("--tune-trials", type=int, default=100, help="--tune: at most this many trials")
     parser.add_argument("--seed", type=int, default=0, help="the synthetic data's seed")
     parser.add_argument("--out", type=Path, help="output directory (default: runs/simulate-<time>)")
     algorithm_arguments(parser)
@@ -115,6 +128,52 @@ def simulation_task(workload: Workload, overrides: dict[str, Any], min_examples:
         "min_examples": min_examples,
     }
     return algorithm_task(base, overrides)
+
+
+def tuned(
+    args: argparse.Namespace,
+    workload: Workload,
+    devices: list[DeviceExamples],
+    split: UserSplit,
+    task: TaskConfig,
+    options: SimulationOptions,
+    out: Path,
+    console: Console,
+) -> tuple[TaskConfig, SimulationOptions]:
+    """The best settings `tune` finds on the validation devices, written to `out`."""
+    if not workload.ranks_shares:
+        raise ValueError("--tune searches a ranking model's settings (its validation hit rate@10)")
+    if args.tune_seconds <= 0 or args.tune_trials < 1:
+        raise ValueError(
+            "--tune-seconds must be > 0 and --tune-trials >= 1, "
+            f"got {args.tune_seconds} and {args.tune_trials}"
+        )
+    console.print(
+        f"tuning on {len(split.validation)} validation devices (the {len(split.test)} held-out ones take "
+        f"no part): at most {args.tune_trials} trials started within {args.tune_seconds:.0f} s"
+    )
+    best, trials = tune(
+        workload,
+        devices,
+        split,
+        task,
+        options,
+        args.tune_seconds,
+        args.tune_trials,
+        out / "tuning",
+        console.print,
+    )
+    chosen = TaskConfig.from_json({**task.to_json(), **best.task})
+    settings, population = write_settings(best, chosen, out)
+    (out / "tuning" / "trials.json").write_text(json.dumps([asdict(t) for t in trials], indent=2) + "\n")
+    console.print(
+        f"best of {len(trials)} trials: #{best.number}, validation hit rate@10 {best.hit_rate:.1%} "
+        f"(the plain settings: {trials[0].hit_rate:.1%}); settings: {settings} (--algorithm-settings), "
+        f"{population} (orchestrator create-population --settings @FILE)"
+    )
+    return chosen, replace(
+        options, task=chosen, server=ServerOptimizerConfig.from_json(best.server_optimizer)
+    )
 
 
 def require_ray(option: str = "--backend ray") -> None:
@@ -187,6 +246,8 @@ def main(args: argparse.Namespace, console: Console | None = None) -> dict[str, 
         f"({len(workload.devices) - len(kept)} with fewer than {task.min_examples} examples sit out; "
         f"{len(split.test)} held out)"
     )
+    if args.tune:
+        task, options = tuned(args, workload, past, split, task, options, out, console)
     result = simulate(workload.model_dir, kept, options, split=split)
     (out / FINAL_GLOBALS).write_bytes(encode_params(result.params))
     hit_rates = (

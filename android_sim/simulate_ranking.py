@@ -126,8 +126,10 @@ def score(
     task: TaskConfig,
     store_dir: Path,
     item_groups: np.ndarray | None,
+    ceilings: bool = True,
 ) -> HitRates | None:
-    """The held-out devices' top-10s from their own stores (written to `store_dir`), scored."""
+    """The held-out devices' top-10s from their own stores (written to `store_dir`), scored
+    (with the ceilings unless not `ceilings`)."""
     model = TFLiteModel(workload.model_dir)
     scored_on = replace(workload, devices=devices)
     held = []
@@ -137,7 +139,7 @@ def score(
         write_store(path, devices[i], scored_on)
         held.append(Held(i, path, devices[i].examples.num_examples))
     found, _ = score_held_out(
-        model, params, "simulated", held, future, scored_on, split.train, 0, task, item_groups=item_groups
+        model, params, "simulated", held, future, scored_on, split.train, 0, task, None, item_groups, ceilings
     )
     return found
 
