@@ -95,12 +95,22 @@ def user_workload(config: RunConfig, console: Console) -> Workload:
     except TableError as e:
         raise RunError(str(e)) from None
     shares = manifest.task.kind == "ranking" and manifest.task.negative_sampling
+    devices = [oldest_first(d) for d in table.devices.values()]
+    held_out = None
+    if config.held_out is not None:
+        from android_sim.simulate_ranking import read_held_out  # it imports this module
+
+        try:
+            held_out = frozenset(read_held_out(config.held_out, [d.device_id for d in devices]))
+        except ValueError as e:
+            raise RunError(str(e)) from None
     return Workload(
         source=f"{config.examples} ({table.num_rows:,} rows)",
         name=model_dir.resolve().name,
         model_dir=model_dir,
         manifest=manifest,
-        devices=[oldest_first(d) for d in table.devices.values()],
+        devices=devices,
+        held_out=held_out,
         **(SHARES_DEFAULTS if shares else {}),
     )
 

@@ -7,6 +7,7 @@ table's ceilings, with paired intervals; the trained globals; the user's held-ou
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -154,3 +155,28 @@ def test_bad_item_groups_are_one_line(
     assert err == (
         f"error: --item-groups {groups}, line 3: expected two integers (catalog row, group), got ['1', 'x']\n"
     )
+
+
+def test_the_fleet_holds_out_the_named_devices(
+    sticker_model: Path, small_table: Path, tmp_path: Path
+) -> None:
+    from android_sim.run import prepare_devices, user_workload
+    from android_sim.run_config import RunConfig, RunError
+
+    config = RunConfig(
+        work_dir=tmp_path,
+        model_dir=sticker_model,
+        examples=small_table / "shares.csv",
+        held_out=small_table / "held_out.txt",
+    )
+    workload = user_workload(config, Console(file=(tmp_path / "log.txt").open("w")))
+    devices = prepare_devices(config, workload, tmp_path / "devices")
+    held = {workload.devices[i].device_id for i, spec in enumerate(devices.specs) if spec.role == "held-out"}
+    assert held == set((small_table / "held_out.txt").read_text().split())
+    # The same settings a plain simulate starts from: the defaults of a ranking model on shares.
+    assert workload.task["split"] == "reuse" and workload.server_optimizer["learning_rate"] == 10.0
+    (tmp_path / "bad.txt").write_text("nobody\n")
+    with pytest.raises(RunError, match="1 device ids not in the examples"):
+        user_workload(
+            replace(config, held_out=tmp_path / "bad.txt"), Console(file=(tmp_path / "log.txt").open("w"))
+        )
