@@ -28,6 +28,7 @@ from android_sim.options import algorithm, algorithm_arguments, model_arguments,
 from android_sim.run import FINAL_GLOBALS, load_workload
 from android_sim.run_config import DEFAULT_RATINGS, RunConfig
 from android_sim.run_report import model_summary, primary_metric, shown_metrics, with_interval
+from android_sim.simulate_predictions import judge, prediction_table
 from android_sim.simulate_ranking import (
     keep_future,
     ranking_split,
@@ -255,6 +256,14 @@ def main(args: argparse.Namespace, console: Console | None = None) -> dict[str, 
         if workload.ranks_shares
         else None
     )
+    # A classification or regression model with locals: beside the same model without them.
+    predictions = (
+        judge(workload.model_dir, kept, options, result.params, split)
+        if workload.manifest.task.kind != "ranking"
+        and workload.manifest.local_params
+        and not options.stateful
+        else None
+    )
     metric = primary_metric(workload.manifest)
     body = {
         "model": model_summary(workload.manifest),
@@ -276,6 +285,7 @@ def main(args: argparse.Namespace, console: Console | None = None) -> dict[str, 
         },
         **result.to_json(),
         "ranking": None if hit_rates is None else summary(hit_rates, workload.manifest, task),
+        "without_locals": predictions,
     }
     (out / "simulation.json").write_text(json.dumps(body, indent=2) + "\n")
     report.plot_learning_curve(out / "learning_curve.png", result.curve, metric, "validation devices")
@@ -290,6 +300,8 @@ def main(args: argparse.Namespace, console: Console | None = None) -> dict[str, 
         console.print(f"seen devices' newest 10%, StandardEval with their kept locals: {seen}")
     if hit_rates is not None:
         console.print(ranking_table(hit_rates, workload.manifest, task), width=max(console.width, 120))
+    if predictions:
+        console.print(prediction_table(predictions, len(split.test)), width=max(console.width, 120))
     console.print(f"report: {out / 'simulation.json'}; curve: {out / 'learning_curve.png'}")
     console.print(f"trained global parameters: {out / FINAL_GLOBALS}")
     return body
