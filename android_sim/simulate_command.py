@@ -144,11 +144,6 @@ def tuned(
     """The best settings `tune` finds on the validation devices, written to `out`."""
     if not workload.ranks_shares:
         raise ValueError("--tune searches a ranking model's settings (its validation hit rate@10)")
-    if args.tune_seconds <= 0 or args.tune_trials < 1:
-        raise ValueError(
-            "--tune-seconds must be > 0 and --tune-trials >= 1, "
-            f"got {args.tune_seconds} and {args.tune_trials}"
-        )
     console.print(
         f"tuning on {len(split.validation)} validation devices (the {len(split.test)} held-out ones take "
         f"no part): at most {args.tune_trials} trials started within {args.tune_seconds:.0f} s"
@@ -197,6 +192,11 @@ def main(args: argparse.Namespace, console: Console | None = None) -> dict[str, 
     rounds = Rounds(args.rounds, args.clients_per_round, args.evaluate_every, args.sampling_seed)
     if args.workers < 1:
         raise ValueError(f"workers must be >= 1, got {args.workers}")
+    if args.tune and (args.tune_seconds <= 0 or args.tune_trials < 1):
+        raise ValueError(
+            "--tune-seconds must be > 0 and --tune-trials >= 1, "
+            f"got {args.tune_seconds} and {args.tune_trials}"
+        )
     if args.address and args.backend != "ray":
         raise ValueError("--address is a Ray cluster's: give it with --backend ray")
     if args.backend == "ray":

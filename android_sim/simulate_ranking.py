@@ -101,7 +101,6 @@ class Held:
     index: int
     store_path: Path
     num_examples: int
-    role: str = "held-out"
 
 
 def keep_future(

@@ -180,3 +180,12 @@ def test_the_fleet_holds_out_the_named_devices(
         user_workload(
             replace(config, held_out=tmp_path / "bad.txt"), Console(file=(tmp_path / "log.txt").open("w"))
         )
+
+
+def test_bad_tuning_options_are_one_line_before_any_work(
+    sticker_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["simulate", "--model-dir", str(sticker_model), "--examples", str(tmp_path / "none.csv")]
+    assert cli([*argv, "--tune", "--tune-trials", "0", "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err == "error: --tune-seconds must be > 0 and --tune-trials >= 1, got 600.0 and 0\n"
