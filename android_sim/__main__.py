@@ -45,6 +45,12 @@ def _run_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     )
     run.add_argument("--expressions", type=int, default=d.expressions, help="synthetic catalog size")
     run.add_argument("--held-out-fraction", type=float, default=d.held_out_fraction)
+    run.add_argument(
+        "--held-out",
+        type=Path,
+        metavar="FILE",
+        help="your table's devices to hold out, one device id a line (default: --held-out-fraction drawn)",
+    )
     run.add_argument("--rounds", type=int, default=d.rounds, help="training rounds to commit")
     run.add_argument(
         "--target-reports",
@@ -241,6 +247,7 @@ def main(argv: list[str] | None = None) -> int:
             devices=args.devices,
             expressions=args.expressions,
             held_out_fraction=args.held_out_fraction,
+            held_out=args.held_out,
             rounds=args.rounds,
             target_reports=target_reports(args),
             oversampling=args.oversampling,

@@ -7,8 +7,13 @@
 - **centralized MF**: softmax matrix factorization trained on every training device's shares
   pooled on one server (what federated training gives up by not seeing them); a held-out
   device's user vector is fitted to its history with the items fixed, as reconstruction does.
+- **item co-occurrence**: no training; an item scores by its cosine similarity (over which
+  training devices shared it) to each item of the device's history, with the same re-share bonus.
 
-The last two need a server that saw every share: they are ceilings, not deployable baselines.
+On a user's own table (no generator) the oracle is gone and the topic rule is a **group rule**
+over the catalog's grouping feature, when the user names one (`table_ceiling_tops`).
+
+All but the oracle need a server that saw every share: they are ceilings, not deployable baselines.
 """
 
 from __future__ import annotations
@@ -52,6 +57,30 @@ class TopicRule:
             score = popularity * (per_topic[item_topics] + self.topic_prior) * (1 + self.reshare_bonus * own)
             out[row] = top_k(score)[0]
         return out
+
+
+@dataclass(frozen=True)
+class Cooccurrence:
+    """score(item) = sum over the history's shares h of cosine(h, item) + bonus x own shares of
+    the item, the cosine between two items' columns of the training devices' (device, item) 0/1
+    table; a tiny popularity term breaks ties among items no history item co-occurs with."""
+
+    reshare_bonus: float = 1.0
+
+    def tops(
+        self, histories: Sequence[np.ndarray], training: Sequence[np.ndarray], num_items: int
+    ) -> np.ndarray:
+        shared = (_counts(training, num_items) > 0).astype(np.float64)
+        together = shared.T @ shared
+        popularity = np.diag(together).copy()
+        norm = np.sqrt(np.maximum(popularity, 1.0))
+        cosine = together / norm[:, None] / norm[None, :]
+        np.fill_diagonal(cosine, 0.0)
+        counts = _counts(histories, num_items)
+        scores = (
+            counts @ cosine + self.reshare_bonus * counts + 1e-6 * popularity / max(1.0, popularity.max())
+        )
+        return top_k(scores)
 
 
 @dataclass(frozen=True)
@@ -166,3 +195,22 @@ def ceiling_tops(
         "central_mf": mf.tops(items, bias, histories),
         "oracle": oracle_tops(probabilities),
     }
+
+
+def table_ceiling_tops(
+    histories: Sequence[np.ndarray],
+    training: Sequence[np.ndarray],
+    num_items: int,
+    item_groups: np.ndarray | None = None,
+    mf_devices: int = MF_TRAINING_DEVICES,
+) -> dict[str, np.ndarray]:
+    """The ceilings a user's own table gives, without a generator's truth: item co-occurrence,
+    the centralized MF, and the group rule when `item_groups` (each item's group) is given."""
+    popularity = np.bincount(np.concatenate([*training, np.zeros(0, np.int64)]), minlength=num_items)
+    mf = SoftmaxMF()
+    items, bias = mf.fit(mf_training_sample(training, mf_devices), num_items)
+    out = {"cooccurrence": Cooccurrence().tops(histories, training, num_items)}
+    if item_groups is not None:
+        out["group_rule"] = TopicRule().tops(histories, popularity.astype(np.float64), item_groups)
+    out["central_mf"] = mf.tops(items, bias, histories)
+    return out

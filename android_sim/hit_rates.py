@@ -8,6 +8,9 @@ scored two ways:
   noise is gone: only the choice of devices remains.
 - **hit rate over the newest shares**: the fraction of the device's kept-aside newest shares
   that land in its top-10 (devices with at least one kept aside).
+- **NDCG@10 over the newest shares**: each kept-aside share scores 1 / log2(1 + its rank) when
+  it is in the top-10 (1 at the top, 0 outside), averaged over the device's shares: a hit near
+  the top counts more.
 
 Each figure is a mean over devices (each device weighs the same) with a 95% percentile
 bootstrap interval over devices; one set of resamples serves every method, so paired
@@ -46,6 +49,15 @@ def future_hit_rate(top: np.ndarray, future: np.ndarray) -> float:
     return float(np.isin(future, top).mean())
 
 
+def future_ndcg(top: np.ndarray, future: np.ndarray) -> float:
+    """The mean over the kept-aside shares `future` (non-empty) of 1 / log2(1 + rank in `top`),
+    0 for a share outside it: NDCG@k with one relevant item per share."""
+    if len(future) == 0:
+        raise ValueError("no kept-aside share to score")
+    gains = {int(item): 1.0 / np.log2(rank + 2) for rank, item in reversed(list(enumerate(np.asarray(top))))}
+    return float(np.mean([gains.get(int(item), 0.0) for item in future]))
+
+
 @dataclass(frozen=True)
 class ScoredDevice:
     """A held-out device as scored: its data's index, the examples it holds, the items of its
@@ -74,6 +86,7 @@ class MethodScore:
     expected: Interval | None
     newest: Interval | None
     by_history: dict[str, dict[str, Interval | None]] = field(default_factory=dict)
+    ndcg: Interval | None = None  # NDCG@10 over the newest shares
 
 
 @dataclass(frozen=True)
@@ -88,17 +101,22 @@ class Evaluation:
 
 def evaluate(devices: Sequence[ScoredDevice], reference: str = "personalized", seed: int = 0) -> Evaluation:
     """Every method's expected hit rate and hit rate over the newest shares, with intervals, over
-    all `devices` and per history size; and `reference` minus each other method, paired."""
+    all `devices` and per history size, and its NDCG@10 over the newest shares; and `reference`
+    minus each other method in each, paired."""
     if not devices:
         raise ValueError("no device to evaluate")
     names = list(devices[0].tops)
     rng = np.random.default_rng(seed)
+    # NDCG's own resamples: the hit rates' intervals stay those they were before it was added.
+    rngs = {"expected": rng, "newest": rng, "ndcg": np.random.default_rng((seed, 1))}
     truth = [d for d in devices if d.probabilities is not None]
     future = [d for d in devices if len(d.future)]
 
     def per_device(kind: str, chosen: Sequence[ScoredDevice], name: str) -> np.ndarray:
         if kind == "expected":
             return np.array([expected_hit_rate(d.tops[name], _truth(d)) for d in chosen])
+        if kind == "ndcg":
+            return np.array([future_ndcg(d.tops[name], d.future) for d in chosen])
         return np.array([future_hit_rate(d.tops[name], d.future) for d in chosen])
 
     def scores(chosen: Sequence[ScoredDevice], kind: str) -> dict[str, np.ndarray]:
@@ -106,10 +124,11 @@ def evaluate(devices: Sequence[ScoredDevice], reference: str = "personalized", s
 
     def intervals(chosen: Sequence[ScoredDevice], kind: str) -> dict[str, Interval | None]:
         values = scores(chosen, kind)
-        rows = resample_rows(len(chosen), rng) if chosen else None
+        rows = resample_rows(len(chosen), rngs[kind]) if chosen else None
         return {name: bootstrap_means(values[name], rows) if rows is not None else None for name in names}
 
-    overall = {kind: intervals(chosen, kind) for kind, chosen in (("expected", truth), ("newest", future))}
+    kinds = (("expected", truth), ("newest", future))
+    overall = {kind: intervals(chosen, kind) for kind, chosen in kinds}
     buckets: dict[str, dict[str, dict[str, Interval | None]]] = {}
     for bucket in HISTORY_BUCKETS:
         inside = [d for d in devices if history_bucket(d.history) == bucket]
@@ -117,19 +136,21 @@ def evaluate(devices: Sequence[ScoredDevice], reference: str = "personalized", s
             "expected": intervals([d for d in inside if d.probabilities is not None], "expected"),
             "newest": intervals([d for d in inside if len(d.future)], "newest"),
         }
+    ndcg = intervals(future, "ndcg")
     methods = {
         name: MethodScore(
             overall["expected"][name],
             overall["newest"][name],
             {b: {kind: buckets[b][kind][name] for kind in ("expected", "newest")} for b in HISTORY_BUCKETS},
+            ndcg[name],
         )
         for name in names
     }
     differences: dict[str, dict[str, Interval | None]] = {}
     if reference in names:
-        for kind, chosen in (("expected", truth), ("newest", future)):
+        for kind, chosen in (*kinds, ("ndcg", future)):
             values = scores(chosen, kind)
-            rows = resample_rows(len(chosen), rng) if chosen else None
+            rows = resample_rows(len(chosen), rngs[kind]) if chosen else None
             for name in names:
                 if name != reference:
                     diff = values[reference] - values[name] if rows is not None else None

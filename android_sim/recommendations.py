@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from rich.table import Table
 
-from android_sim.ceilings import ceiling_tops
+from android_sim.ceilings import ceiling_tops, table_ceiling_tops
 from android_sim.hit_rates import Evaluation, ScoredDevice, evaluate
 from android_sim.intervals import Interval
 from contracts.features import Examples
@@ -27,6 +27,7 @@ from contracts.task_config import TaskConfig
 from device_runtime.example_store import ExampleStore
 from device_runtime.local_state import LocalStateStore
 from device_runtime.recommender import Bagging, Recommender, cold_start_scores
+from model_runtime.support_query import logq_correction
 from model_runtime.tflite_model import TFLiteModel
 
 if TYPE_CHECKING:
@@ -43,14 +44,18 @@ METHODS = {
     "global": "global (model)",
     "most_shared": "most-shared",
     "topic_rule": "topic rule *",
+    "group_rule": "group rule *",
+    "cooccurrence": "co-occurrence *",
     "central_mf": "central MF *",
     "oracle": "oracle *",
 }
 DESCRIBED = {
     "personalized": "FedRecon: the device's own top-10, its user embedding reconstructed on the device",
-    "global": "the model's global top-10 (item biases): what a device with no data is shown",
+    "global": "the model without locals: what a device with no data is shown (in its context, if any)",
     "most_shared": "the ten expressions shared most on the training devices",
     "topic_rule": "ceiling: popularity x the device history's topics, re-share bonus (no training)",
+    "group_rule": "ceiling: popularity x the device history's groups (the catalog's), re-share bonus",
+    "cooccurrence": "ceiling: items shared by the same training devices as the history's, re-share bonus",
     "central_mf": "ceiling: softmax MF trained on every training device's shares pooled",
     "oracle": "ceiling: the generator's own share probabilities",
 }
@@ -167,12 +172,16 @@ def score_held_out(
     show: int,
     task: TaskConfig,
     bagging: Bagging | None = None,
+    item_groups: np.ndarray | None = None,
+    ceilings: bool = True,
 ) -> tuple[HitRates | None, list[dict[str, Any]]]:
     """Each held-out device's top-10s (its own, on the device, with `params` and the population's
     `task`, ranked by a bagged reconstruction with `bagging`; the baselines'; the
-    ceilings' when the data has ground truth) scored against its kept-aside shares `future`;
-    and the first `show` devices' tables to print."""
+    ceilings: with the data's ground truth, else the table's, with the group rule over
+    `item_groups` when given; none without `ceilings`) scored against its kept-aside shares
+    `future`; and the first `show` devices' tables to print."""
     global_top = popularity_top(model, params)
+    correction = logq_correction(model.manifest, task, params)
     counts = shares_by_item(workload, training)
     most_shared = np.argsort(-counts, kind="stable")[:K]
     name = catalog(model)
@@ -186,6 +195,9 @@ def score_held_out(
             # Expressions are re-shared, so keep what the user already used; ratings are not.
             context = context_of(model, coming if coming is not None else newest)
             top = recommender.recommend(K, exclude_used=not future, context=context)
+        if context is not None:
+            # The model without locals in the same context: what a device with no data is shown there.
+            global_top = np.argsort(-cold_start_scores(model, context, correction), kind="stable")[:K]
         history = np.asarray(newest[name], np.int64)
         nxt = np.zeros(0, np.int64) if coming is None else np.asarray(coming[name], np.int64)
         devices.append(
@@ -212,14 +224,23 @@ def score_held_out(
     probabilities: np.ndarray | None = None
     if truth is not None and devices:
         probabilities = np.stack([truth.probabilities(d["index"]) for d in devices])
-        ceilings = ceiling_tops(
+    found: dict[str, np.ndarray] = {}
+    if truth is not None and probabilities is not None and ceilings:
+        found = ceiling_tops(
             [d["history"] for d in devices],
             probabilities,
             truth.item_topics,
             [training_shares(workload, i) for i in training],
         )
-        for row, d in enumerate(devices):
-            d["tops"].update({method: tops[row] for method, tops in ceilings.items()})
+    elif devices and ceilings:
+        found = table_ceiling_tops(
+            [d["history"] for d in devices],
+            [training_shares(workload, i) for i in training],
+            model.manifest.catalog_size,
+            item_groups,
+        )
+    for row, d in enumerate(devices):
+        d["tops"].update({method: tops[row] for method, tops in found.items()})
     scored = [
         ScoredDevice(
             d["index"],

@@ -54,6 +54,7 @@ class RunConfig:
     devices: int | None = None  # expressions: users (default 1000); movielens: at most this many (all)
     expressions: int = 1000
     held_out_fraction: float = 0.15
+    held_out: Path | None = None  # a user's table: the devices to hold out, one id a line (else drawn)
     rounds: int = 60
     target_reports: int = 40
     oversampling: float = 1.3
@@ -129,6 +130,10 @@ class RunConfig:
             problems.append(f"data must be 'expressions', 'movielens' or 'shakespeare', got {self.data!r}")
         if self.user_model:
             problems += self._user_model_problems()
+        elif self.held_out is not None:
+            problems.append(
+                "--held-out names devices of your table: with --examples and --model-dir or --model"
+            )
         elif self.examples is not None:
             problems.append(
                 "--examples needs the model they are for: --model-dir DIR or --model MODULE:FUNCTION"
@@ -217,6 +222,10 @@ class RunConfig:
         if self.devices is not None:
             problems.append(
                 "--devices is for the built-in data sets: your table's devices are its device ids"
+            )
+        if self.held_out is not None and self.stateful:
+            problems.append(
+                "--held-out is for held-out devices; a stateful fleet evaluates on its seen devices"
             )
         if self.mixing.get("strategy", "none") != "none":
             problems.append(

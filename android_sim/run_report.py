@@ -6,6 +6,7 @@ ranking model's report adds its held-out hit rates and a few devices' top-k tabl
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, cast
@@ -237,7 +238,7 @@ def _print_summary(
     console.print("plots: " + ", ".join(str(p) for p in result.plots))
 
 
-CEILINGS = "* ceilings: the topic rule and centralized MF see every share; the oracle, the generator's truth"
+CEILINGS = "* ceilings: the rules and the centralized MF see every share; the oracle, the generator's truth"
 
 
 def hit_rate_table(hit_rates: HitRates) -> Table:
@@ -246,7 +247,7 @@ def hit_rate_table(hit_rates: HitRates) -> Table:
     user's table has its newest shares and nothing else."""
     e = hit_rates.evaluation
     truth = any(score.expected is not None for score in e.methods.values())
-    kind = "expected" if truth else "newest"
+    kind = hit_rates.headline
     if truth:
         title = (
             f"held-out hit rate@10 in % [{e.interval}]: expected (the true probability mass in "
@@ -263,7 +264,7 @@ def hit_rate_table(hit_rates: HitRates) -> Table:
         title_justify="left",
         box=box.SIMPLE_HEAD,
         pad_edge=False,
-        caption=CEILINGS if truth else None,
+        caption=_ceilings_caption(e.methods, truth),
         caption_justify="left",
     )
     table.add_column("top-10", no_wrap=True)
@@ -276,6 +277,13 @@ def hit_rate_table(hit_rates: HitRates) -> Table:
         cells = [_cell(score.expected)] if truth else []
         table.add_row(METHODS[method], *cells, _cell(score.newest), diff)
     return table
+
+
+def _ceilings_caption(methods: Mapping[str, Any], truth: bool) -> str | None:
+    """The footnote of the starred rows, when there are any (the oracle's part only with a truth)."""
+    if not any(METHODS[m].endswith("*") for m in methods):
+        return None
+    return CEILINGS if truth else "* ceilings: the rules and the centralized MF see every share"
 
 
 def history_table(hit_rates: HitRates) -> Table:

@@ -203,6 +203,12 @@ def hour_recommender_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return _spec_once(tmp_path_factory, HOUR_RECOMMENDER)
 
 
+@pytest.fixture(scope="session")
+def sticker_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The context-aware sticker ranking model (`model_export.models.stickers`), once per session."""
+    return _spec_once(tmp_path_factory, "model_export.models.stickers:build")
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
     """TensorFlow must never load into the test process: tflite_runtime then fails to load models
     ("vector::reserve", then a segmentation fault). Tests export in subprocesses; a test module

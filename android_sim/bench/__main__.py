@@ -401,6 +401,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote {options.out / 'quality.json'} and {options.out / 'learning_curves.png'}")
         if "staleness" in report:
             print(f"wrote {options.out / 'staleness.png'}")
+        if report["targets"].get("applies") is False:
+            print(f"targets: set on {report['targets']['set_on']}, not on this data: none checked")
         for name, target in report["targets"].items():
             if isinstance(target, dict):
                 verdict = "met" if target["met"] else "NOT met"

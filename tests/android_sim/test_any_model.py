@@ -84,6 +84,13 @@ def test_simulate_trains_a_users_model_on_its_table(genre_rating_model: Path, tm
     assert f"rmse {held['rmse']:.4f} [{held['rmse_low']:.4f}, {held['rmse_high']:.4f}]" in printed
     assert written["seen"] is None  # FedRecon: no kept locals to evaluate
     assert (tmp_path / "out" / "learning_curve.png").stat().st_size > 0
+    # Beside the same model without locals (no reconstruction), paired over the same devices.
+    rmse = written["without_locals"]["rmse"]
+    assert rmse["model"] == pytest.approx(held["rmse"], rel=1e-5)
+    assert rmse["difference"] == pytest.approx(rmse["model"] - rmse["without_locals"])
+    assert rmse["difference_low"] <= rmse["difference"] <= rmse["difference_high"]
+    assert rmse["without_locals"] > rmse["model"]  # the users' tastes are in their locals
+    assert "ReconEval against the model without locals" in printed
 
 
 def test_simulate_with_kept_locals_evaluates_seen_devices_too(

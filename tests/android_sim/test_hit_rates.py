@@ -178,3 +178,20 @@ def test_a_user_table_s_hit_rate_table_has_no_expected_column_nor_true_probabili
     assert "true probability" not in users and "expected" not in users and "ceilings" not in users
     assert "newest shares" in users and "FedRecon minus" in users
     assert "true probability" in synthetic and "expected" in synthetic
+
+
+def test_ndcg_weighs_a_hit_by_its_rank() -> None:
+    from android_sim.hit_rates import future_ndcg
+
+    top = np.array([5, 7, 9])
+    assert future_ndcg(top, np.array([5])) == 1.0
+    assert future_ndcg(top, np.array([9])) == pytest.approx(1 / np.log2(4))
+    assert future_ndcg(top, np.array([5, 1])) == 0.5  # a share outside the top scores 0
+
+
+def test_cooccurrence_ranks_what_the_same_devices_shared() -> None:
+    from android_sim.ceilings import Cooccurrence
+
+    training = [np.array([0, 1]), np.array([0, 1]), np.array([2, 3]), np.array([2, 3, 3])]
+    tops = Cooccurrence().tops([np.array([0]), np.array([3])], training, num_items=12)
+    assert tops[0][:2].tolist() == [0, 1] and set(tops[1][:2].tolist()) == {2, 3}
