@@ -39,7 +39,7 @@ def settings_problems(error: ValidationError) -> str:
 class SecureAggregationSettings(BaseModel):
     """The parameters of secure aggregation (used when `aggregation` is "secure")."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     clip_norm: float = Field(
         1.0,
@@ -118,7 +118,7 @@ class SecureAggregationSettings(BaseModel):
 
 
 class PopulationSettings(BaseModel):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
 
     target_reports: int = Field(10, ge=1, le=MAX_ROUND_REPORTS, description="reports that commit a round")
     oversampling: float = Field(
