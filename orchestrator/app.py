@@ -27,6 +27,7 @@ from orchestrator import metrics, rounds
 from orchestrator.api import openapi
 from orchestrator.api.deps import DATABASE_UNAVAILABLE
 from orchestrator.api.edge import Edge, VerifiedTokens
+from orchestrator.api.rate_limits import WithOverallLimit
 from orchestrator.api.routes import (
     admin,
     artifacts,
@@ -44,6 +45,9 @@ from orchestrator.migrate import migrate
 from orchestrator.phase_changes import PHASE_CHANGES
 from orchestrator.service import checkins, reports, secure_messages, secure_states, waiting_room
 from orchestrator.settings import Settings
+
+# The dashboard's sign-ins over every client address together: this many times one address's.
+OVERALL_SIGN_INS = 4
 
 log = logging.getLogger("orchestrator")
 
@@ -177,8 +181,16 @@ def create_app(settings: Settings | None = None, clock: Callable[[], float] = ti
     app.state.clock = clock
     app.state.admin_token_digest = admin_token_digest
     app.state.verified_tokens = VerifiedTokens()
-    app.state.dashboard_sign_ins = dashboard.sign_in_buckets(
-        settings.dashboard_sign_in_burst, settings.dashboard_sign_in_interval_seconds
+    # Per address, and over every address at OVERALL_SIGN_INS times that: no header or address
+    # a caller chooses buys unlimited guesses at the admin token.
+    app.state.dashboard_sign_ins = WithOverallLimit(
+        dashboard.sign_in_buckets(
+            settings.dashboard_sign_in_burst, settings.dashboard_sign_in_interval_seconds
+        ),
+        dashboard.sign_in_buckets(
+            OVERALL_SIGN_INS * settings.dashboard_sign_in_burst,
+            settings.dashboard_sign_in_interval_seconds / OVERALL_SIGN_INS,
+        ),
     )
     app.add_exception_handler(RequestValidationError, request_validation_error)
     app.add_exception_handler(HTTPException, unreadable_json_body)
