@@ -43,6 +43,7 @@ from orchestrator.db import Population, make_engine, sessions_that_keep_what_the
 from orchestrator.logs import log_request
 from orchestrator.migrate import migrate
 from orchestrator.phase_changes import PHASE_CHANGES
+from orchestrator.population_config import config_of
 from orchestrator.service import checkins, reports, secure_messages, secure_states, waiting_room
 from orchestrator.settings import Settings
 
@@ -61,6 +62,20 @@ def tick(factory: sessionmaker[Session], now: float) -> None:
             population = rounds.lock_population(session, name)
             if population is not None:
                 rounds.advance(session, population, now)
+
+
+def start_up_work(factory: sessionmaker[Session], now: float) -> None:
+    """What a restart has to catch up on, done once before serving: the rounds whose deadline
+    passed while the server was down closed (and the next opened), and each live population's
+    settings, manifest and pipeline parsed (population_config), which its first request would
+    otherwise do while holding the database."""
+    tick(factory, now)
+    with factory() as session:
+        for population in session.scalars(select(Population).where(Population.archived_at.is_(None))):
+            try:
+                config_of(population)
+            except Exception:  # its own requests will say what is wrong; the others must be served
+                log.exception("start-up: population %s's settings or model do not parse", population.name)
 
 
 _frozen = False
@@ -158,12 +173,17 @@ def create_app(settings: Settings | None = None, clock: Callable[[], float] = ti
                 except Exception:  # keep ticking; the next tick retries
                     log.exception("deadline tick failed")
 
+        # Before the server answers anything (uvicorn accepts once this start-up returns): the
+        # first requests after a restart must not wait behind it for SQLite's one connection.
+        await run_in_threadpool(start_up_work, app.state.sessionmaker, clock())
         task = asyncio.create_task(ticker())
         _freeze_start_up_objects()
+        app.state.ready = True
         try:
             with PHASE_CHANGES.released_on_exit_signals():
                 yield
         finally:
+            app.state.ready = False
             task.cancel()
             engine.dispose()
 
