@@ -127,7 +127,6 @@ def open_round(
     session.flush()
     if kind == TRAINING:
         population.next_round_at = None  # the back-off is over; idle_rounds counts on till a check-in
-    metrics.count(session, metrics.ROUNDS, (population.name, kind, "opened"))
     log_on_commit(
         session,
         log,
@@ -391,7 +390,6 @@ def _abandon(
 def _count_closed(session: Session, population: Population, round_: Round, transition: str) -> None:
     if round_.kind == TRAINING:
         idle_backoff.training_round_closed(session, population, round_, round_.closed_at or 0.0)
-    metrics.count(session, metrics.ROUNDS, (population.name, round_.kind, transition))
     why = {
         "stopped_phase": round_.stopped_phase,
         "devices_had": round_.devices_had,
