@@ -166,6 +166,12 @@ class PopulationSettings(BaseModel):
         description="model versions kept after a commit: the newest k (0 keeps all); version 0 and "
         "any version an open round trains or evaluates from are always kept",
     )
+    report_deltas: Literal["until_round_closes", "keep"] = Field(
+        "until_round_closes",
+        description="until_round_closes: a report's delta is deleted in the transaction that commits "
+        "or abandons its round (its weight, metrics and the round's counts stay); keep: kept for "
+        "good (a plaintext delta reveals its device's data, as the threat model says)",
+    )
     evaluation_every: int = Field(
         0, ge=0, le=MAX_ROUND_REPORTS, description="open an evaluation round after every k commits"
     )

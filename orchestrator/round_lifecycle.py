@@ -371,6 +371,12 @@ def _norm_reference(session: Session, population: Population) -> NormReference |
     )
 
 
+_FORGET_DELTAS = (
+    update(Report)
+    .where(Report.round_id == bindparam("closed_round"), Report.delta.is_not(None))
+    .values(delta=None)
+    .execution_options(synchronize_session=False)
+)
 _COMMITTED = round_state.Closing(round_state.COMMITTED, "")
 
 
@@ -388,6 +394,9 @@ def _abandon(
 
 
 def _count_closed(session: Session, population: Population, round_: Round, transition: str) -> None:
+    if config_of(population).settings.report_deltas == "until_round_closes":
+        # In the closing transaction: no delta outlives its round (the aggregate has read them).
+        session.execute(_FORGET_DELTAS, {"closed_round": round_.id})
     if round_.kind == TRAINING:
         idle_backoff.training_round_closed(session, population, round_, round_.closed_at or 0.0)
     why = {
