@@ -242,27 +242,35 @@ CEILINGS = "* ceilings: the topic rule and centralized MF see every share; the o
 
 def hit_rate_table(hit_rates: HitRates) -> Table:
     """Every method's held-out hit rate@10 with its interval; the model's paired difference to each."""
-    e = hit_rates.evaluation
+    e, label = hit_rates.evaluation, hit_rates.model_label
+    ceilings = [m for m in e.methods if METHODS[m].endswith("*")]
     table = Table(
         title=f"held-out hit rate@10 in % [{e.interval}]: expected (the true probability mass in "
         f"the top-10; {e.devices} devices), over the newest shares ({e.devices_with_future} devices), "
-        "and FedRecon's paired difference in the expected one",
+        f"and {label}'s paired difference in the expected one",
         title_justify="left",
         box=box.SIMPLE_HEAD,
         pad_edge=False,
-        caption=CEILINGS,
+        caption=CEILINGS if ceilings else None,  # the footnote only under rows it explains
         caption_justify="left",
     )
     table.add_column("top-10", no_wrap=True)
     table.add_column("expected", justify="right", no_wrap=True)
     table.add_column("newest shares", justify="right", no_wrap=True)
-    table.add_column("FedRecon minus", justify="right", no_wrap=True)
+    table.add_column(f"{label} minus", justify="right", no_wrap=True)
     for method, score in e.methods.items():
         diff = e.differences.get(method, {})
         table.add_row(
-            METHODS[method], _cell(score.expected), _cell(score.newest), _cell(diff.get("expected"), "+")
+            _method_name(method, label),
+            _cell(score.expected),
+            _cell(score.newest),
+            _cell(diff.get("expected"), "+"),
         )
     return table
+
+
+def _method_name(method: str, model_label: str) -> str:
+    return model_label if method == "personalized" else METHODS[method]
 
 
 def history_table(hit_rates: HitRates) -> Table:
@@ -281,7 +289,10 @@ def history_table(hit_rates: HitRates) -> Table:
         found = first[bucket][kind]
         table.add_column(f"{bucket} ({found.devices if found else 0} devices)", justify="right", no_wrap=True)
     for method, score in e.methods.items():
-        table.add_row(METHODS[method], *(_cell(score.by_history[b][kind]) for b in HISTORY_BUCKETS))
+        table.add_row(
+            _method_name(method, hit_rates.model_label),
+            *(_cell(score.by_history[b][kind]) for b in HISTORY_BUCKETS),
+        )
     return table
 
 
