@@ -170,7 +170,7 @@ class Monitor:
         except AdminError:
             return []
         closed = []
-        for r in listed:  # newest first
+        for r in reversed(listed):  # AdminClient.rounds lists them oldest first
             if r["status"] == "committed":
                 break
             if r["status"] == "abandoned":
@@ -221,7 +221,7 @@ async def _latest_training_round(admin: AdminClient, population: str) -> dict[st
     except AdminError:
         return None
     committed = [r for r in rounds if r["status"] == "committed"]
-    return committed[0] if committed else None  # newest first
+    return committed[-1] if committed else None  # AdminClient.rounds: oldest first
 
 
 @dataclass
