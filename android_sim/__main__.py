@@ -78,7 +78,18 @@ def _run_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     run.add_argument(
         "--admin-token",
         help="the orchestrator's admin token: needed with --orchestrator-url; else the local "
-        "orchestrator's (default: a random one), e.g. to read its /metrics during the run",
+        "orchestrator's (default: --admin-token-file, $ORCHESTRATOR_ADMIN_TOKEN, or a random one), "
+        "e.g. to read its /metrics during the run; on the command line it shows in process lists, "
+        "so prefer the file or the variable",
+    )
+    run.add_argument(
+        "--admin-token-file", type=Path, help="a file holding the admin token (instead of --admin-token)"
+    )
+    run.add_argument(
+        "--stall-seconds",
+        type=float,
+        default=d.stall_seconds,
+        help="give up when no training round commits for this long (default %(default)s)",
     )
     run.add_argument("--population", help="population name (default: <data>-<model sha>)")
     run.add_argument(
@@ -182,6 +193,23 @@ def next_word_options(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def admin_token(args: argparse.Namespace) -> str | None:
+    """--admin-token, else the file --admin-token-file names, else $ORCHESTRATOR_ADMIN_TOKEN."""
+    if args.admin_token is not None and args.admin_token_file is not None:
+        raise ValueError("--admin-token and --admin-token-file: give one")
+    if args.admin_token_file is not None:
+        try:
+            token = args.admin_token_file.read_text().strip()
+        except OSError as e:
+            raise ValueError(f"cannot read --admin-token-file: {e}") from None
+        if not token:
+            raise ValueError(f"--admin-token-file {args.admin_token_file} is empty")
+        return str(token)
+    if args.admin_token is not None:
+        return str(args.admin_token)
+    return os.environ.get("ORCHESTRATOR_ADMIN_TOKEN") or None
+
+
 def target_reports(args: argparse.Namespace) -> int:
     if args.target_reports is not None:
         return int(args.target_reports)
@@ -259,7 +287,8 @@ def main(argv: list[str] | None = None) -> int:
             day_seconds=args.day_seconds,
             device_mix=load_mix(args.device_mix) if args.device_mix else DEFAULT_MIX,
             orchestrator_url=args.orchestrator_url,
-            admin_token=args.admin_token,
+            admin_token=admin_token(args),
+            stall_seconds=args.stall_seconds,
             population=args.population,
             workers=args.workers,
             shards=args.shards,

@@ -22,8 +22,9 @@ from android_sim.ceilings import ceiling_tops, table_ceiling_tops
 from android_sim.hit_rates import Evaluation, ScoredDevice, evaluate
 from android_sim.intervals import Interval
 from contracts.features import Examples
+from contracts.manifest import Manifest
 from contracts.params import Params, decode_params
-from contracts.task_config import TaskConfig
+from contracts.task_config import LocalState, TaskConfig
 from device_runtime.example_store import ExampleStore
 from device_runtime.local_state import LocalStateStore
 from device_runtime.recommender import Bagging, Recommender, cold_start_scores
@@ -67,6 +68,8 @@ class HitRates:
 
     evaluation: Evaluation
     scored: list[ScoredDevice]
+    # What "personalized" was, as the tables name it: FedRecon, FURL, or a model without locals.
+    model_label: str = "FedRecon"
 
     @property
     def devices(self) -> int:
@@ -85,7 +88,10 @@ class HitRates:
     def to_json(self) -> dict[str, Any]:
         return {
             **asdict(self.evaluation),
-            "methods_described": {m: DESCRIBED[m] for m in self.evaluation.methods},
+            "methods_described": {
+                m: DESCRIBED[m].replace("FedRecon", self.model_label, 1) for m in self.evaluation.methods
+            },
+            "model_label": self.model_label,
             "future_fraction": "newest fifth of each held-out device's shares, at least one, never all",
             "scored_devices": [d.to_json() for d in self.scored],
         }
@@ -254,7 +260,15 @@ def score_held_out(
     ]
     if not scored or (probabilities is None and not any(len(d.future) for d in scored)):
         return None, examples
-    return HitRates(evaluate(scored), scored), examples
+    return HitRates(evaluate(scored), scored, model_label(model.manifest, task)), examples
+
+
+def model_label(manifest: Manifest, task: TaskConfig) -> str:
+    """What ran: FedRecon reconstructs locals each task, FURL keeps them; without locals it is a
+    federated model whose top-10 is the same for every device's history but its context."""
+    if not manifest.local_params:
+        return "model (no locals)"
+    return "FURL" if task.local_state is LocalState.KEEP else "FedRecon"
 
 
 def training_shares(workload: Workload, device: int) -> np.ndarray:

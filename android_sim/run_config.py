@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -151,6 +152,8 @@ class RunConfig:
                 problems.append(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.shards < 1:
             problems.append(f"shards must be >= 1, got {self.shards}")
+        if not 0 < self.stall_seconds < math.inf:
+            problems.append(f"--stall-seconds must be a number of seconds > 0, got {self.stall_seconds}")
         if self.shards > 1 and self.in_process:
             problems.append("a sharded fleet talks HTTP: not with the in-process transport")
         if self.ray_address and self.shards < 2:
@@ -180,10 +183,13 @@ class RunConfig:
         if self.clip_norm is not None and self.noise_multiplier is None:
             problems.append("--clip-norm needs --noise-multiplier (0 for clipping without noise)")
         if self.orchestrator_url and not self.admin_token:
-            problems.append("an orchestrator URL needs its admin token (--admin-token)")
+            problems.append(
+                "an orchestrator URL needs its admin token ($ORCHESTRATOR_ADMIN_TOKEN, "
+                "--admin-token-file or --admin-token)"
+            )
         if self.admin_token is not None and not self.orchestrator_url:
             # The local orchestrator's token: the server would refuse to start with a weak one.
-            problem = admin_token_problem(self.admin_token, "--admin-token")
+            problem = admin_token_problem(self.admin_token, "the admin token")
             if problem:
                 problems.append(problem)
         if not problems:

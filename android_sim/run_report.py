@@ -243,40 +243,44 @@ CEILINGS = "* ceilings: the rules and the centralized MF see every share; the or
 
 def hit_rate_table(hit_rates: HitRates) -> Table:
     """Every method's held-out hit rate@10 with its interval; the model's paired difference to each.
-    The expected hit rate (and the ceilings' caption) only where a generator's truth exists: a
-    user's table has its newest shares and nothing else."""
-    e = hit_rates.evaluation
+    The expected hit rate (and the oracle's part of the footnote) only where a generator's truth
+    exists: a user's table has its newest shares and nothing else."""
+    e, label = hit_rates.evaluation, hit_rates.model_label
     truth = any(score.expected is not None for score in e.methods.values())
     kind = hit_rates.headline
     if truth:
         title = (
             f"held-out hit rate@10 in % [{e.interval}]: expected (the true probability mass in "
             f"the top-10; {e.devices} devices), over the newest shares ({e.devices_with_future} devices), "
-            "and FedRecon's paired difference in the expected one"
+            f"and {label}'s paired difference in the expected one"
         )
     else:
         title = (
             f"held-out hit rate@10 in % [{e.interval}] over each device's newest shares "
-            f"({e.devices_with_future} devices), and FedRecon's paired difference"
+            f"({e.devices_with_future} devices), and {label}'s paired difference"
         )
     table = Table(
         title=title,
         title_justify="left",
         box=box.SIMPLE_HEAD,
         pad_edge=False,
-        caption=_ceilings_caption(e.methods, truth),
+        caption=_ceilings_caption(e.methods, truth),  # the footnote only under rows it explains
         caption_justify="left",
     )
     table.add_column("top-10", no_wrap=True)
     if truth:
         table.add_column("expected", justify="right", no_wrap=True)
     table.add_column("newest shares", justify="right", no_wrap=True)
-    table.add_column("FedRecon minus", justify="right", no_wrap=True)
+    table.add_column(f"{label} minus", justify="right", no_wrap=True)
     for method, score in e.methods.items():
         diff = _cell(e.differences.get(method, {}).get(kind), "+")
         cells = [_cell(score.expected)] if truth else []
-        table.add_row(METHODS[method], *cells, _cell(score.newest), diff)
+        table.add_row(_method_name(method, label), *cells, _cell(score.newest), diff)
     return table
+
+
+def _method_name(method: str, model_label: str) -> str:
+    return model_label if method == "personalized" else METHODS[method]
 
 
 def _ceilings_caption(methods: Mapping[str, Any], truth: bool) -> str | None:
@@ -302,7 +306,10 @@ def history_table(hit_rates: HitRates) -> Table:
         found = first[bucket][kind]
         table.add_column(f"{bucket} ({found.devices if found else 0} devices)", justify="right", no_wrap=True)
     for method, score in e.methods.items():
-        table.add_row(METHODS[method], *(_cell(score.by_history[b][kind]) for b in HISTORY_BUCKETS))
+        table.add_row(
+            _method_name(method, hit_rates.model_label),
+            *(_cell(score.by_history[b][kind]) for b in HISTORY_BUCKETS),
+        )
     return table
 
 

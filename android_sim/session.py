@@ -22,6 +22,7 @@ from android_sim.fleet import TRAINING, DeviceSpec, Fleet, FleetOptions, FleetSt
 from android_sim.network import Connector
 from android_sim.profiles import SimClock
 from android_sim.run_config import RunConfig, RunError
+from android_sim.stall import stall_message
 from device_runtime.privacy_policy import PrivacyPolicy
 from device_runtime.task_runner import TaskRunner
 from enrollment_authority.authority import EnrollmentAuthority
@@ -156,11 +157,25 @@ class Monitor:
                     return
             if time.monotonic() - last_change > self.stall_seconds:
                 raise RunError(
-                    f"no training round committed for {self.stall_seconds:.0f} s "
-                    f"(last problem: {self.fleet.stats.last_error or 'none'}); are enough devices eligible? "
-                    "Try more --devices, a lower --target-reports or --min-examples"
+                    stall_message(
+                        self.stall_seconds, await self._closed_since_commit(), self.fleet.stats.last_error
+                    )
                 )
             await asyncio.sleep(0.5)
+
+    async def _closed_since_commit(self) -> list[dict[str, Any]]:
+        """The training rounds abandoned since the last commit (newest 100), for the stall's cause."""
+        try:
+            listed = await self.admin.rounds(self.population, kind="training", limit=100)
+        except AdminError:
+            return []
+        closed = []
+        for r in reversed(listed):  # AdminClient.rounds lists them oldest first
+            if r["status"] == "committed":
+                break
+            if r["status"] == "abandoned":
+                closed.append(r)
+        return closed
 
     async def final_evaluation(self, duration: float, timeout: float) -> dict[str, Any] | None:
         """Open an evaluation round on the held-out devices, taking reports for `duration` seconds,
@@ -206,7 +221,7 @@ async def _latest_training_round(admin: AdminClient, population: str) -> dict[st
     except AdminError:
         return None
     committed = [r for r in rounds if r["status"] == "committed"]
-    return committed[-1] if committed else None
+    return committed[-1] if committed else None  # AdminClient.rounds: oldest first
 
 
 @dataclass

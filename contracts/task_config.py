@@ -118,6 +118,7 @@ class TaskConfig:
                     f"local_state must be one of {[k.value for k in LocalState]}, got {self.local_state!r}"
                 )
         problems.extend(self._check_central_only_items())
+        wrong_type = False
         for f in fields(self):
             value = getattr(self, f.name)
             if f.name == "central_only_items":
@@ -127,16 +128,20 @@ class TaskConfig:
             if f.type == "bool":
                 if not isinstance(value, bool):
                     problems.append(f"{f.name} must be true or false, got {value!r}")
+                    wrong_type = True
                 continue
             is_int = f.type.startswith("int")
             kinds = (int,) if is_int else (int, float)
             highest = TASK_CONFIG_MAXIMA.get(f.name, INT32_MAX if is_int else FLOAT32_MAX)
             if isinstance(value, bool) or not isinstance(value, kinds):
                 problems.append(f"{f.name} must be {f.type.split(' ')[0]}, got {value!r}")
+                wrong_type = True
             elif isinstance(value, float) and not math.isfinite(value):
                 problems.append(f"{f.name} must be finite, got {value}")
             elif not 0 <= value <= highest:  # ints are exact here: 2**64 must not round to a float
                 problems.append(f"{f.name} must be in [0, {_shown(highest)}], got {_shown(value)}")
+        if wrong_type:  # the rules below compare numbers: text or null would not compare
+            raise ValueError("invalid task config: " + "; ".join(problems))
         if self.clip_norm == 0:
             problems.append(f"clip_norm must be > 0 (or null for no clipping), got {self.clip_norm}")
         if self.min_examples < 1:

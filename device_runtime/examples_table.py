@@ -143,7 +143,9 @@ def read_table(
     features = tuple(features)
     if device_column == time_column:
         raise TableError(f"the device and timestamp columns must differ, both are {device_column!r}")
-    table = _read_arrow(path, device_column)
+    # CSV: an int32 feature's cells read as text, so that "3.0" is refused at its row rather than
+    # the whole column inferred as floats.
+    table = _read_arrow(path, device_column, [f.name for f in features if f.dtype == "int32"])
     names = list(table.column_names)
     repeated = sorted({n for n in names if names.count(n) > 1})
     if repeated:
@@ -205,7 +207,7 @@ def _pyarrow() -> Any:
     return pyarrow
 
 
-def _read_arrow(path: Path, device_column: str) -> Any:
+def _read_arrow(path: Path, device_column: str, text_columns: Sequence[str] = ()) -> Any:
     kind = table_format(path)
     pa = _pyarrow()
     if not path.is_file():
@@ -223,7 +225,10 @@ def _read_arrow(path: Path, device_column: str) -> Any:
             # Device ids stay text ("007" is not 7); only empty cells are missing ("nan" is a
             # number, reported as not finite).
             convert_options=pcsv.ConvertOptions(
-                column_types={device_column: pa.string()}, null_values=[""], strings_can_be_null=True
+                # (bytes, not string: a cell that is not UTF-8 is then named at its row, by _text)
+                column_types={device_column: pa.string(), **{name: pa.binary() for name in text_columns}},
+                null_values=[""],
+                strings_can_be_null=True,
             ),
         )
     except (pa.ArrowException, OSError, ValueError) as e:
@@ -353,14 +358,21 @@ def _number(x: float) -> str:
     return str(int(x)) if float(x).is_integer() else f"{x:g}"
 
 
+_INTEGER_TEXT = re.compile(r"[+-]?[0-9]+")
+
+
 def _parse_number(feature: FeatureSpec) -> Callable[[Any], float]:
     def parse(value: Any) -> float:
         if isinstance(value, bool) or value is None:
             raise ValueError("not a number")
-        if isinstance(value, str):
-            value = value.strip()
-            if feature.dtype == "int32":
-                return float(int(value))  # "3.5" and "3.0" are not integers
+        if feature.dtype == "int32":
+            # Integers only: "3.0" and 3.0 are a float's spelling (a float column, a computed
+            # value), which a whole-number check would let through whatever it rounded from.
+            if isinstance(value, str) and _INTEGER_TEXT.fullmatch(value.strip()):
+                return float(int(value))
+            if isinstance(value, int | np.integer):
+                return float(value)
+            raise ValueError("not an integer")
         return float(value)
 
     return parse
@@ -399,6 +411,10 @@ def _feature_column(column: Any, feature: FeatureSpec, where: _Where) -> np.ndar
             raise where.error(0, name, column[0].as_py(), expected + f" (the column holds {kind})")
         flat = _parse_each(column.to_pylist(), _parse_vector(feature), name, expected, where)
         values = flat.reshape(len(column), *feature.shape)
+    elif pa.types.is_floating(kind) and feature.dtype == "int32":
+        raise where.error(
+            0, name, column[0].as_py(), expected + f" (the column holds {kind}: an integer column)"
+        )
     elif pa.types.is_integer(kind) or pa.types.is_floating(kind):
         values = np.asarray(column.to_numpy(zero_copy_only=False))
     elif pa.types.is_string(kind) or pa.types.is_large_string(kind):
@@ -450,7 +466,10 @@ def _check_values(
     if rows.size:
         row = int(rows[0])
         more = f" ({rows.size} rows are wrong)" if rows.size > 1 else ""
-        raise where.error(row, feature.name, column[row].as_py(), expected + more)
+        shown = column[row].as_py()
+        if isinstance(shown, str) and _INTEGER_TEXT.fullmatch(shown.strip()):
+            shown = int(shown)  # an integer out of range, read as text (CSV): shown as the number
+        raise where.error(row, feature.name, shown, expected + more)
 
 
 # ---- writing example stores ------------------------------------------------------------------

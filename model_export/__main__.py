@@ -58,6 +58,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="where to write model.tflite, manifest.json and global_params.safetensors",
     )
     p.add_argument(
+        "--verbose",
+        action="store_true",
+        help="show TensorFlow's own log lines (the converter's diagnostics) as the export runs",
+    )
+    p.add_argument(
         "--config",
         type=Path,
         default=None,
@@ -172,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: --output-dir {args.output_dir}: {unwritable}", file=sys.stderr)
         return 2
     if args.model is not None:
-        return _export_user_model(args.model, args.model_arg, args.output_dir)
+        return _export_user_model(args.model, args.model_arg, args.output_dir, args.verbose)
     if args.model_arg:
         print("error: --model-arg needs --model (the function that takes the arguments)", file=sys.stderr)
         return 2
@@ -188,17 +193,19 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     # TensorFlow loads only when exporting.
-    from model_export.export import export_spec
-    from model_export.matrix_factorization import build_spec
+    from model_export.held_output import native_stderr_held
 
-    _report(export_spec(build_spec(config), args.output_dir))
+    with native_stderr_held(args.verbose):  # TensorFlow's import logs too
+        from model_export.export import export_spec
+        from model_export.matrix_factorization import build_spec
+
+        result = export_spec(build_spec(config), args.output_dir)
+    _report(result)
     return 0
 
 
-def _export_user_model(target: str, model_args: list[str], output_dir: Path) -> int:
-    from model_export.export import export_spec
-    from model_export.model_args import ModelArgError, parse_model_args
-    from model_export.spec import ExportError, ExportSpec
+def _export_user_model(target: str, model_args: list[str], output_dir: Path, verbose: bool) -> int:
+    from model_export.held_output import native_stderr_held
 
     module_name, _, function_name = target.partition(":")
     if not module_name or not function_name:
@@ -211,27 +218,29 @@ def _export_user_model(target: str, model_args: list[str], output_dir: Path) -> 
     # `model-export` does not put it on the path by itself).
     if "" not in sys.path and os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
-    try:
-        build = getattr(importlib.import_module(module_name), function_name)
-    except (ImportError, AttributeError) as e:
-        print(f"error: cannot load {target!r}: {e}", file=sys.stderr)
-        return 2
-    try:
-        spec = build(**parse_model_args(build, model_args))
-    except (ModelArgError, ValueError) as e:
-        # The builder's own checks (e.g. a size below 1) are the user's arguments being wrong too.
-        print(f"error: {target}: {e}", file=sys.stderr)
-        return 2
-    if not isinstance(spec, ExportSpec):
-        print(
-            f"error: {target} returned {type(spec).__name__}, expected a model_export.spec.ExportSpec",
-            file=sys.stderr,
-        )
-        return 2
-    try:
-        result = export_spec(spec, output_dir)
-    except ExportError as e:
-        print(f"error: {e}", file=sys.stderr)
+    problem, result = "", None
+    # TensorFlow logs as it loads and as it converts: held back, so that an error is its message.
+    with native_stderr_held(verbose):
+        from model_export.export import export_spec
+        from model_export.model_args import ModelArgError, parse_model_args
+        from model_export.spec import ExportError, ExportSpec
+
+        try:
+            build = getattr(importlib.import_module(module_name), function_name)
+            spec = build(**parse_model_args(build, model_args))
+            if isinstance(spec, ExportSpec):
+                result = export_spec(spec, output_dir)
+            else:
+                problem = f"{target} returned {type(spec).__name__}, expected a model_export.spec.ExportSpec"
+        except (ImportError, AttributeError) as e:
+            problem = f"cannot load {target!r}: {e}"
+        except ExportError as e:
+            problem = str(e)
+        except (ModelArgError, ValueError) as e:
+            # The builder's own checks (e.g. a size below 1) are the user's arguments being wrong too.
+            problem = f"{target}: {e}"
+    if problem or result is None:
+        print(f"error: {problem}", file=sys.stderr)
         return 2
     _report(result)
     return 0

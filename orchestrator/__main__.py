@@ -34,6 +34,11 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--host")
     serve.add_argument("--port", type=int)
     serve.add_argument(
+        "--forwarded-allow-ips",
+        help="proxies whose X-Forwarded-For is believed, comma-separated addresses or networks "
+        "(default: $ORCHESTRATOR_FORWARDED_ALLOW_IPS, or none)",
+    )
+    serve.add_argument(
         "--workers",
         type=int,
         default=1,
@@ -69,7 +74,8 @@ def main(argv: list[str] | None = None) -> int:
 
     overrides = {k: v for k, v in (("database_url", args.database_url),) if v}
     if args.command == "serve":
-        overrides.update({k: v for k, v in (("host", args.host), ("port", args.port)) if v})
+        given = (("host", args.host), ("port", args.port), ("forwarded_allow_ips", args.forwarded_allow_ips))
+        overrides.update({k: v for k, v in given if v is not None})
     try:
         settings = Settings(**overrides)
     except ValidationError as e:

@@ -455,8 +455,10 @@ class ServerOptimizerConfig:
     }
 
     def __post_init__(self) -> None:
-        if self.name not in SERVER_OPTIMIZERS:
-            raise ValueError(f"unknown server optimizer {self.name!r}; known: {list(SERVER_OPTIMIZERS)}")
+        if not isinstance(self.name, str) or self.name not in SERVER_OPTIMIZERS:
+            raise ValueError(
+                f"unknown server optimizer {self.name!r}; known: {list(SERVER_OPTIMIZERS)} (its name)"
+            )
         for field_name, allowed in self.RANGES.items():
             # bool is an int in Python; `true` in a JSON config is a mistake, not 1.0 (Range refuses it).
             problem = check("", field_name, getattr(self, field_name), allowed)

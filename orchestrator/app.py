@@ -27,6 +27,7 @@ from orchestrator import metrics, rounds
 from orchestrator.api import openapi
 from orchestrator.api.deps import DATABASE_UNAVAILABLE
 from orchestrator.api.edge import Edge, VerifiedTokens
+from orchestrator.api.rate_limits import WithOverallLimit
 from orchestrator.api.routes import (
     admin,
     artifacts,
@@ -42,8 +43,12 @@ from orchestrator.db import Population, make_engine, sessions_that_keep_what_the
 from orchestrator.logs import log_request
 from orchestrator.migrate import migrate
 from orchestrator.phase_changes import PHASE_CHANGES
+from orchestrator.population_config import config_of
 from orchestrator.service import checkins, reports, secure_messages, secure_states, waiting_room
 from orchestrator.settings import Settings
+
+# The dashboard's sign-ins over every client address together: this many times one address's.
+OVERALL_SIGN_INS = 4
 
 log = logging.getLogger("orchestrator")
 
@@ -57,6 +62,20 @@ def tick(factory: sessionmaker[Session], now: float) -> None:
             population = rounds.lock_population(session, name)
             if population is not None:
                 rounds.advance(session, population, now)
+
+
+def start_up_work(factory: sessionmaker[Session], now: float) -> None:
+    """What a restart has to catch up on, done once before serving: the rounds whose deadline
+    passed while the server was down closed (and the next opened), and each live population's
+    settings, manifest and pipeline parsed (population_config), which its first request would
+    otherwise do while holding the database."""
+    tick(factory, now)
+    with factory() as session:
+        for population in session.scalars(select(Population).where(Population.archived_at.is_(None))):
+            try:
+                config_of(population)
+            except Exception:  # its own requests will say what is wrong; the others must be served
+                log.exception("start-up: population %s's settings or model do not parse", population.name)
 
 
 _frozen = False
@@ -154,12 +173,17 @@ def create_app(settings: Settings | None = None, clock: Callable[[], float] = ti
                 except Exception:  # keep ticking; the next tick retries
                     log.exception("deadline tick failed")
 
+        # Before the server answers anything (uvicorn accepts once this start-up returns): the
+        # first requests after a restart must not wait behind it for SQLite's one connection.
+        await run_in_threadpool(start_up_work, app.state.sessionmaker, clock())
         task = asyncio.create_task(ticker())
         _freeze_start_up_objects()
+        app.state.ready = True
         try:
             with PHASE_CHANGES.released_on_exit_signals():
                 yield
         finally:
+            app.state.ready = False
             task.cancel()
             engine.dispose()
 
@@ -177,8 +201,16 @@ def create_app(settings: Settings | None = None, clock: Callable[[], float] = ti
     app.state.clock = clock
     app.state.admin_token_digest = admin_token_digest
     app.state.verified_tokens = VerifiedTokens()
-    app.state.dashboard_sign_ins = dashboard.sign_in_buckets(
-        settings.dashboard_sign_in_burst, settings.dashboard_sign_in_interval_seconds
+    # Per address, and over every address at OVERALL_SIGN_INS times that: no header or address
+    # a caller chooses buys unlimited guesses at the admin token.
+    app.state.dashboard_sign_ins = WithOverallLimit(
+        dashboard.sign_in_buckets(
+            settings.dashboard_sign_in_burst, settings.dashboard_sign_in_interval_seconds
+        ),
+        dashboard.sign_in_buckets(
+            OVERALL_SIGN_INS * settings.dashboard_sign_in_burst,
+            settings.dashboard_sign_in_interval_seconds / OVERALL_SIGN_INS,
+        ),
     )
     app.add_exception_handler(RequestValidationError, request_validation_error)
     app.add_exception_handler(HTTPException, unreadable_json_body)

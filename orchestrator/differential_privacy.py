@@ -82,12 +82,20 @@ class DPConfig:
 
         def number(name: str, kinds: tuple[type, ...] = (int, float)) -> bool:
             value = getattr(self, name)
-            finite = isinstance(value, kinds) and math.isfinite(getattr(self, name))
+            # An int is finite; math.isfinite would overflow converting 10**400 to a float.
+            finite = isinstance(value, kinds) and not (isinstance(value, float) and not math.isfinite(value))
             if isinstance(value, bool) or not finite:
-                problems.append(f"{name} must be a finite number, got {value!r}")
+                kind = "an integer" if kinds == (int,) else "a finite number"
+                problems.append(f"{name} must be {kind}, got {value!r}")
                 return False
             return True
 
+        # Types first, so that no rule below compares text or null with a number.
+        for f in fields(self):
+            if getattr(self, f.name) is not None or "None" not in str(f.type):
+                number(f.name, (int,) if f.name == "population_size" else (int, float))
+        if problems:
+            raise ValueError("invalid differential_privacy settings: " + "; ".join(problems))
         if number("clip_norm") and self.clip_norm <= 0:
             problems.append(f"clip_norm must be > 0, got {self.clip_norm}")
         if number("noise_multiplier") and self.noise_multiplier < 0:
@@ -186,7 +194,7 @@ class DPConfig:
                 f"differential_privacy settings need {missing} (e.g. clip_norm 1.0, "
                 "noise_multiplier 1.0, population_size 100000)"
             )
-        if "target_delta" not in data and _is_count(data["population_size"]):
+        if "target_delta" not in data and data["population_size"] in cls.RANGES["population_size"]:
             data = {**data, "target_delta": target_delta_for(data["population_size"])}
         return cls(**data)
 
@@ -197,10 +205,6 @@ def target_delta_for(population_size: int) -> float:
     data may leak); N^-1.1 is the usual "o(1/N)" choice, and 1e-5 the usual ceiling for the
     small populations where N^-1.1 would be larger. 100,000 devices: 3.2e-6."""
     return min(1e-5, math.pow(population_size, -1.1))
-
-
-def _is_count(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
 # ---- the server's step -------------------------------------------------------------------

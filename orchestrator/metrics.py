@@ -40,11 +40,8 @@ REQUEST_SECONDS = Histogram(
     ["method", "route"],
     buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0),
 )
-ROUNDS = Counter(
-    "orchestrator_rounds",
-    "Round transitions (opened, committed, abandoned), by population and round kind",
-    ["population", "kind", "transition"],
-)
+# orchestrator_rounds_total (opened, committed, abandoned) is read from the database at each
+# scrape: orchestrator/round_metrics.py.
 ROUNDS_ABANDONED = Counter(
     "orchestrator_rounds_abandoned",
     "Rounds that closed without committing, by the phase they stopped in and what ended them "

@@ -39,7 +39,7 @@ def settings_problems(error: ValidationError) -> str:
 class SecureAggregationSettings(BaseModel):
     """The parameters of secure aggregation (used when `aggregation` is "secure")."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     clip_norm: float = Field(
         1.0,
@@ -118,7 +118,7 @@ class SecureAggregationSettings(BaseModel):
 
 
 class PopulationSettings(BaseModel):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
 
     target_reports: int = Field(10, ge=1, le=MAX_ROUND_REPORTS, description="reports that commit a round")
     oversampling: float = Field(
@@ -165,6 +165,12 @@ class PopulationSettings(BaseModel):
         le=MAX_ROUND_REPORTS,
         description="model versions kept after a commit: the newest k (0 keeps all); version 0 and "
         "any version an open round trains or evaluates from are always kept",
+    )
+    report_deltas: Literal["until_round_closes", "keep"] = Field(
+        "until_round_closes",
+        description="until_round_closes: a report's delta is deleted in the transaction that commits "
+        "or abandons its round (its weight, metrics and the round's counts stay); keep: kept for "
+        "good (a plaintext delta reveals its device's data, as the threat model says)",
     )
     evaluation_every: int = Field(
         0, ge=0, le=MAX_ROUND_REPORTS, description="open an evaluation round after every k commits"

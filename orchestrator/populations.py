@@ -76,17 +76,21 @@ def create_population(
         raise PopulationError(
             f"invalid settings: task_config must be a JSON object, got {type(overrides).__name__}"
         )
-    if "min_examples" in overrides and overrides["min_examples"] != settings.get("min_examples", 1):
-        raise PopulationError(
-            f"task_config.min_examples ({overrides['min_examples']}) differs from the population's "
-            f"min_examples ({settings.get('min_examples', 1)}); set it once, as the population's min_examples"
-        )
     try:
-        # Devices get the export's defaults unless the admin overrides them.
+        # Devices get the export's defaults unless the admin overrides them. Types and ranges
+        # first: text "1" must not be compared with (and "differ" from) the population's 1.
         task = TaskConfig.from_manifest(manifest, **overrides)
+        if "min_examples" in overrides and task.min_examples != settings.get("min_examples", 1):
+            raise PopulationError(
+                f"invalid settings: task_config.min_examples ({task.min_examples}) differs from the "
+                f"population's min_examples ({settings.get('min_examples', 1)!r}); set it once, as the "
+                "population's min_examples"
+            )
         checked = PopulationSettings.model_validate({**settings, "task_config": task.to_json()})
     except ValidationError as e:
         raise PopulationError(f"invalid settings: {settings_problems(e)}") from None
+    except PopulationError:
+        raise
     except ValueError as e:
         raise PopulationError(f"invalid settings: {e}") from None
     if task.negative_popularity > 0 and not (manifest.task.negative_sampling and manifest.task.popularity):

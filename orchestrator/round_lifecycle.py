@@ -127,7 +127,6 @@ def open_round(
     session.flush()
     if kind == TRAINING:
         population.next_round_at = None  # the back-off is over; idle_rounds counts on till a check-in
-    metrics.count(session, metrics.ROUNDS, (population.name, kind, "opened"))
     log_on_commit(
         session,
         log,
@@ -372,6 +371,12 @@ def _norm_reference(session: Session, population: Population) -> NormReference |
     )
 
 
+_FORGET_DELTAS = (
+    update(Report)
+    .where(Report.round_id == bindparam("closed_round"), Report.delta.is_not(None))
+    .values(delta=None)
+    .execution_options(synchronize_session=False)
+)
 _COMMITTED = round_state.Closing(round_state.COMMITTED, "")
 
 
@@ -389,9 +394,11 @@ def _abandon(
 
 
 def _count_closed(session: Session, population: Population, round_: Round, transition: str) -> None:
+    if config_of(population).settings.report_deltas == "until_round_closes":
+        # In the closing transaction: no delta outlives its round (the aggregate has read them).
+        session.execute(_FORGET_DELTAS, {"closed_round": round_.id})
     if round_.kind == TRAINING:
         idle_backoff.training_round_closed(session, population, round_, round_.closed_at or 0.0)
-    metrics.count(session, metrics.ROUNDS, (population.name, round_.kind, transition))
     why = {
         "stopped_phase": round_.stopped_phase,
         "devices_had": round_.devices_had,

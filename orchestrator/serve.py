@@ -15,6 +15,7 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from orchestrator.logs import log_config
 from orchestrator.settings import AdminTokenError, Settings
@@ -63,6 +64,7 @@ def serve(settings: Settings, workers: int) -> int:
             port=settings.port,
             log_config=logging_config,
             access_log=False,
+            **proxy_options(settings),
         )
         return 0
 
@@ -81,11 +83,20 @@ def serve(settings: Settings, workers: int) -> int:
             port=settings.port,
             log_config=logging_config,
             access_log=False,
+            **proxy_options(settings),
         )
     finally:
         if metrics_dir is not None:
             shutil.rmtree(metrics_dir, ignore_errors=True)
     return 0
+
+
+def proxy_options(settings: Settings) -> dict[str, Any]:
+    """uvicorn's proxy options: forwarded headers believed only from the proxies the operator
+    names (uvicorn's default believes 127.0.0.1, and its environment variable FORWARDED_ALLOW_IPS)."""
+    if not settings.forwarded_allow_ips:
+        return {"proxy_headers": False}
+    return {"proxy_headers": True, "forwarded_allow_ips": settings.forwarded_allow_ips}
 
 
 def _multiprocess_metrics_dir() -> Path | None:

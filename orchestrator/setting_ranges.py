@@ -31,7 +31,11 @@ class Range:
         assert math.isfinite(self.low) and math.isfinite(self.high), "a range has two finite ends"
 
     def __contains__(self, value: object) -> bool:
-        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            return False
+        if isinstance(value, float) and not math.isfinite(
+            value
+        ):  # (an int is finite, and may not fit a float)
             return False
         if self.integer and not isinstance(value, int):
             return False

@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import binascii
 import hashlib
+import ipaddress
 from typing import Literal
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
@@ -40,6 +41,11 @@ class Settings(BaseSettings):
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     host: str = "127.0.0.1"
     port: int = Field(default=8700, ge=0, le=65535)
+    # The proxies whose X-Forwarded-For / X-Forwarded-Proto the server believes: addresses or
+    # networks, comma-separated ("10.0.0.5,10.1.0.0/16"). Empty (the default): none, so every
+    # client is the address it connects from (uvicorn itself would trust 127.0.0.1, and any
+    # process on the host that passes the header through would name the client it likes).
+    forwarded_allow_ips: str = ""
     # How often the server looks for rounds past their deadline (devices also trigger it).
     tick_seconds: float = Field(default=0.5, gt=0, le=60)
     # Check-ins (per population) and reports that arrive together share one transaction; this is
@@ -75,6 +81,20 @@ class Settings(BaseSettings):
     # not sign, so that one uncertified device cannot make every certified device of its round
     # refuse the roster. Empty: the server relays certificates unchecked (the devices check them).
     enrollment_authority_key: str = ""
+
+    @field_validator("forwarded_allow_ips")
+    @classmethod
+    def _proxies(cls, value: str) -> str:
+        entries = [entry.strip() for entry in value.split(",") if entry.strip()]
+        for entry in entries:
+            try:
+                ipaddress.ip_network(entry, strict=False)
+            except ValueError:
+                raise ValueError(
+                    f"{entry!r} is not an IP address or network; expected e.g. 10.0.0.5,10.1.0.0/16 "
+                    "(empty: trust no proxy)"
+                ) from None
+        return ",".join(entries)
 
     @field_validator("enrollment_authority_key")
     @classmethod

@@ -28,6 +28,7 @@ SAFE_TO_CHANGE = frozenset(
         "min_examples",
         "retry_after_seconds",
         "keep_model_versions",
+        "report_deltas",
         "evaluation_every",
         "evaluation_target_reports",
         "min_evaluation_reports",

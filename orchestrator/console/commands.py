@@ -31,7 +31,9 @@ def add_commands(sub: Any) -> None:
     """The console's subcommands, on `python -m orchestrator`'s subparsers."""
     server = argparse.ArgumentParser(add_help=False)
     server.add_argument(
-        "--url", help=f"the orchestrator's base URL (default: $ORCHESTRATOR_URL or {DEFAULT_URL})"
+        "--url",
+        help="the orchestrator's base URL (default: $ORCHESTRATOR_URL, else http://127.0.0.1:"
+        f"$ORCHESTRATOR_PORT, else {DEFAULT_URL})",
     )
     server.add_argument(
         "--admin-token-file",
@@ -109,6 +111,19 @@ def _assignment(text: str) -> tuple[str, Any]:
         ) from None
 
 
+def server_url(given: str | None) -> str:
+    """--url, else $ORCHESTRATOR_URL, else this host at $ORCHESTRATOR_PORT (the port `serve`
+    listens on), else DEFAULT_URL."""
+    if given or os.environ.get("ORCHESTRATOR_URL"):
+        return str(given or os.environ["ORCHESTRATOR_URL"])
+    port = os.environ.get("ORCHESTRATOR_PORT", "").strip()
+    if not port:
+        return DEFAULT_URL
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConsoleError(f"ORCHESTRATOR_PORT must be a port number (1-65535), got {port!r}", bad_input=True)
+    return f"http://127.0.0.1:{int(port)}"
+
+
 def _token(args: argparse.Namespace) -> str:
     path: Path | None = args.admin_token_file
     token: str
@@ -130,7 +145,7 @@ def _token(args: argparse.Namespace) -> str:
 def run(args: argparse.Namespace) -> int:
     """Run a console command; 0 done, 2 bad input or refused, 1 the server could not be reached."""
     try:
-        client = AdminClient(args.url or os.environ.get("ORCHESTRATOR_URL") or DEFAULT_URL, _token(args))
+        client = AdminClient(server_url(args.url), _token(args))
         try:
             answer, text = _call(client, args, time.time())
         finally:

@@ -263,7 +263,9 @@ def test_the_local_orchestrator_takes_the_given_admin_token(work: Path) -> None:
         (["--data", "movielens", "--ratings", "/nonexistent/u.data"], "ratings file not found"),
         (["--orchestrator-url", "http://127.0.0.1:9"], "needs its admin token"),
         (["--orchestrator-url", "http://127.0.0.1:9", "--admin-token", "x"], "no orchestrator answers"),
-        (["--admin-token", "admin"], "--admin-token is well known or shorter than 32 characters"),
+        (["--admin-token", "admin"], "the admin token is well known or shorter than 32 characters"),
+        (["--stall-seconds", "0"], "--stall-seconds must be a number of seconds > 0, got 0.0"),
+        (["--admin-token-file", "/nonexistent/token"], "cannot read --admin-token-file"),
         (["--rounds", "0"], "rounds must be >= 1"),
         (["--noise-multiplier", "1"], "need --clip-norm"),
         (["--target-unclipped-quantile", "0.5"], "need --clip-norm"),
@@ -283,6 +285,29 @@ def test_user_errors_are_one_clear_line(
     assert code == 2
     assert message in err
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("source", ["environment", "file"])
+def test_the_admin_token_comes_from_the_environment_or_a_file(
+    source: str,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    work: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    token = "t" * 40
+    given: list[str] = []
+    if source == "environment":
+        monkeypatch.setenv("ORCHESTRATOR_ADMIN_TOKEN", token)
+    else:
+        (tmp_path / "token").write_text(token + "\n")
+        given = ["--admin-token-file", str(tmp_path / "token")]
+    args = ["run", "--work-dir", str(work), "--devices", "60", "--orchestrator-url", "http://127.0.0.1:9"]
+
+    code = main([*args, *given])
+
+    # Past the token check (without one: "needs its admin token"), to the unreachable server.
+    assert code == 2 and "no orchestrator answers" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

@@ -101,7 +101,7 @@ def test_parquet_reads_as_the_csv_does(export: Callable[[ModelConfig], Path], tm
     ("row", "message"),
     [
         ("carol,5,200,3", "row 3, column 'item': got 200; expected an integer in [0, 199] (the rows of"),
-        ("carol,5,2.5,3", "row 3, column 'item': got 2.5; expected an integer in [0, 199]"),
+        ("carol,5,2.5,3", "row 3, column 'item': got '2.5'; expected an integer in [0, 199]"),
         ("carol,5,2,", "row 3, column 'label': got an empty cell; expected a finite number in [1, 5]"),
         ("carol,5,2,nan", "row 3, column 'label': got nan; expected a finite number in [1, 5]"),
         ("carol,5,2,four", "row 3, column 'label': got 'four'; expected a finite number in [1, 5]"),
@@ -328,3 +328,49 @@ def test_text_that_is_not_utf8_is_named_at_its_row_and_a_bom_is_read_past(tmp_pa
     with pytest.raises(TableError, match=r"row 2, column 'item': got b'\\xff'; expected UTF-8 text"):
         read_table(latin, features)
     assert list(read_table(excel, features).devices) == ["a"]
+
+
+INT_FEATURES = (
+    FeatureSpec("item", "int32", value_range=(0, 99), tables=("items",)),
+    FeatureSpec("label", "float32", role="label", value_range=(0, 5)),
+)
+
+
+@pytest.mark.parametrize(
+    ("cells", "row", "shown"),
+    [
+        (["3.0"], 1, "'3.0'"),
+        (["21", "21.0"], 2, "'21.0'"),
+        (["7", "1e1"], 2, "'1e1'"),
+        (["1_000"], 1, "'1_000'"),
+    ],
+)
+def test_an_int32_feature_refuses_a_float_s_spelling_in_csv_at_its_row(
+    tmp_path: Path, cells: list[str], row: int, shown: str
+) -> None:
+    rows = "".join(f"a,{i},{cell},1\n" for i, cell in enumerate(cells))
+    table = write(tmp_path / "t.csv", "device_id,timestamp,item,label\n" + rows)
+
+    with pytest.raises(
+        TableError, match=rf"row {row}, column 'item': got {shown}; expected an integer in \[0, 99\]"
+    ):
+        read_table(table, INT_FEATURES)
+
+
+def test_an_int32_feature_takes_integer_or_text_parquet_columns_and_refuses_floats(tmp_path: Path) -> None:
+    def parquet(name: str, items: pa.Array) -> Path:
+        path = tmp_path / f"{name}.parquet"
+        table = {"device_id": ["a", "a"], "timestamp": [1, 2], "item": items, "label": [1.0, 2.0]}
+        pq.write_table(pa.table(table), path)
+        return path
+
+    integers = read_table(parquet("integers", pa.array([3, 4], pa.int64())), INT_FEATURES)
+    text = read_table(parquet("text", pa.array(["0", "1"])), INT_FEATURES)  # whole numbers as text
+
+    np.testing.assert_array_equal(integers.devices["a"].examples["item"], [3, 4])
+    np.testing.assert_array_equal(text.devices["a"].examples["item"], [0, 1])
+    for kind in (pa.float64(), pa.float32()):
+        with pytest.raises(
+            TableError, match=rf"got 3\.0; expected an integer in \[0, 99\].* \(the column holds {kind}"
+        ):
+            read_table(parquet(f"floats-{kind}", pa.array([3.0, 4.0], kind)), INT_FEATURES)

@@ -151,3 +151,17 @@ def test_the_console_script_imports_the_users_module_from_the_current_directory(
 
     # The module was found and its function ran (its own refusal is the user's message).
     assert result.returncode == 2 and "error: my_model:build: size 4" in result.stderr, result.stderr
+
+
+def test_an_unsupported_op_is_the_export_s_message_alone_unless_verbose(tmp_path: Path) -> None:
+    model = ["--model", "tests.model_export.export_cases:unsupported_gradient"]
+
+    quiet = run_cli(*model, "--output-dir", str(tmp_path / "quiet"))
+    verbose = run_cli(*model, "--output-dir", str(tmp_path / "verbose"), "--verbose")
+
+    assert quiet.returncode == verbose.returncode == 2, (quiet.stderr, verbose.stderr)
+    # Its message lists the ops (a line each); the converter's C++ diagnostics come only with --verbose.
+    assert quiet.stderr.startswith("error: "), quiet.stderr
+    assert "EluGrad (from layer 'smooth')" in quiet.stderr
+    lines = len(verbose.stderr.splitlines()) - len(quiet.stderr.splitlines())
+    assert lines >= 5 and quiet.stderr.strip() in verbose.stderr, (quiet.stderr, verbose.stderr)

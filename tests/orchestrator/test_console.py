@@ -216,3 +216,25 @@ def test_a_committed_evaluation_round_shows_its_figures_with_their_intervals() -
     )
     assert "figures: loss 0.5, accuracy 0.8 (too few devices for an interval)" in bare
     assert "figures:" not in training
+
+
+def test_the_admin_commands_find_the_server_at_orchestrator_port(server: Server) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "ORCHESTRATOR_URL"}
+    env.update(ORCHESTRATOR_ADMIN_TOKEN=ADMIN_TOKEN, ORCHESTRATOR_PORT=str(server.port))
+
+    def run(*args: str, **extra: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "orchestrator", *args],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            env={**env, **extra},
+            timeout=120,
+        )
+
+    found = run("populations", "--json")
+    bad_port = run("populations", ORCHESTRATOR_PORT="eighty")
+
+    assert found.returncode == 0 and json.loads(found.stdout) == [], found.stderr
+    assert bad_port.returncode == 2 and bad_port.stderr.count("\n") == 1, bad_port.stderr
+    assert "ORCHESTRATOR_PORT must be a port number (1-65535), got 'eighty'" in bad_port.stderr

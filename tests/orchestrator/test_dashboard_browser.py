@@ -137,6 +137,31 @@ def admin_get(url: str, path: str) -> Any:
     return answer.json()
 
 
+def wait_for_rounds(
+    url: str, done: Callable[[list[dict[str, Any]]], bool], why: str, population: str = "movies"
+) -> None:
+    """Until the population's rounds satisfy `done`, however slowly the machine runs them."""
+    deadline = time.monotonic() + 120
+    while not done(admin_get(url, f"/v1/admin/populations/{population}/rounds?limit=100")):
+        assert time.monotonic() < deadline, f"waited 120 s for {why}"
+        time.sleep(0.2)
+
+
+def load_afresh(page: Any, url: str) -> None:
+    """Load `url` in `page` anew. The dashboard refreshes itself (a meta refresh): a navigation of
+    ours that meets one of its own is aborted (net::ERR_ABORTED), and is tried again."""
+    from playwright.sync_api import Error
+
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            page.goto(url, wait_until="load")
+            return
+        except Error as error:
+            if "ERR_ABORTED" not in str(error) or time.monotonic() > deadline:
+                raise
+
+
 def number(page: Any, selector: str) -> int:
     return int(page.locator(selector).inner_text().strip())
 
@@ -156,7 +181,14 @@ def test_an_operator_watches_rounds_commit_and_pauses_the_population_in_a_browse
         quiet = {"round_duration_seconds": 1, "evaluation_every": 0}
         idle = admin_create_population(server.url, export(BIASED), "quiet", json.dumps(quiet))
         assert idle.status_code == 201, idle.text
-        time.sleep(3.5)  # the first rounds close empty at their deadlines: no devices yet
+        # The first rounds close empty at their deadlines (no devices yet): the charts show why.
+        for name in ("movies", "quiet"):
+            wait_for_rounds(
+                server.url,
+                lambda listed: any(r["status"] == "abandoned" for r in listed),
+                f"a round of {name} to close",
+                name,
+            )
         with (
             devices_training(server.url, tmp_path / "devices"),
             sync_playwright() as playwright,
@@ -210,13 +242,18 @@ def test_an_operator_watches_rounds_commit_and_pauses_the_population_in_a_browse
             page.wait_for_selector("#resume")
             state = page.locator("#state").inner_text()
             paused_at = admin_get(server.url, "/v1/admin/populations/movies")["paused_at"]
-            time.sleep(4)  # longer than a round: an open one has run to its end by now
+            # The round open when it paused runs to its end.
+            wait_for_rounds(
+                server.url,
+                lambda listed: not any(r["status"] == "open" and r["opened_at"] <= paused_at for r in listed),
+                "the round open at the pause to close",
+            )
             opened_after = [
                 r["id"]
                 for r in admin_get(server.url, "/v1/admin/populations/movies/rounds?limit=100")
                 if r["opened_at"] > paused_at
             ]
-            page.reload()
+            load_afresh(page, page.url)
             screenshot(page, shots / "dashboard-paused.png")
             paused_html = page.content()
 

@@ -8,6 +8,8 @@ import base64
 import json
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,10 +23,11 @@ from safetensors.numpy import load
 
 from android_sim.run import run_async
 from device_runtime.orchestrator_client import OrchestratorClient
+from model_export.config import ModelConfig
 from orchestrator.local import LocalOrchestrator
 from tests.android_sim.test_run import small, work  # noqa: F401  (work: the fixture)
-from tests.conftest import ROOT
-from tests.orchestrator.conftest import ADMIN_TOKEN
+from tests.conftest import BIASED, ROOT
+from tests.orchestrator.conftest import ADMIN_TOKEN, admin_create_population
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 
@@ -149,6 +152,37 @@ def test_metrics_move_as_a_simulated_run_did(observed: Observed, work: Path) -> 
         for k, v in after.items()
         if k[0] == "orchestrator_http_requests_total" and v and dict(k[1])["status"].startswith("5")
     ]
+
+
+def test_the_rounds_counter_is_the_admin_apis_rounds_while_rounds_open_and_close(
+    work: Path,  # noqa: F811
+    export: Callable[[ModelConfig], Path],
+) -> None:
+    # Rounds of 0.3 s that nobody fills: the deadline ticker abandons one and opens the next
+    # about three times a second, in its own thread, while the test scrapes.
+    settings = json.dumps({"target_reports": 2, "min_reports": 2, "round_duration_seconds": 0.3})
+    with LocalOrchestrator(f"sqlite:///{work / 'server.sqlite'}", ADMIN_TOKEN, tick_seconds=0.05) as server:
+        created = admin_create_population(server.url, export(BIASED), "ticking", settings)
+        assert created.status_code == 201, created.text
+        compared, listed = 0, list[dict[str, Any]]()
+        deadline = time.monotonic() + 120
+        while (compared < 20 or not any(r["status"] == "abandoned" for r in listed)) and (
+            time.monotonic() < deadline
+        ):
+            samples, listed = settled(server.url, "ticking")
+            for transition, status in (
+                ("opened", None),
+                ("committed", "committed"),
+                ("abandoned", "abandoned"),
+            ):
+                expected = sum(status is None or r["status"] == status for r in listed)
+                assert total(
+                    samples, "orchestrator_rounds_total", population="ticking", transition=transition
+                ) == (expected), (transition, listed)
+            compared += 1
+
+    assert compared >= 20
+    assert sum(r["status"] == "abandoned" for r in listed) >= 1
 
 
 def test_logs_name_rounds_and_assignments_but_no_secrets(observed: Observed, work: Path) -> None:  # noqa: F811

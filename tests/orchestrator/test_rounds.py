@@ -718,6 +718,7 @@ def test_a_round_clipped_to_the_last_rounds_norms_commits_what_aggregate_compute
         target_reports=4,
         robust_aggregation=method,
         server_optimizer={"name": "sgd", "learning_rate": 1.0},
+        report_deltas="keep",  # the test aggregates the stored reports again
     )
     rng = np.random.default_rng(1)
     for bodies in ([honest_body(biased_model, rng) for _ in range(4)], [delta_body(biased_model, 5.0)]):

@@ -35,7 +35,7 @@ BASES: dict[str, dict[str, Any]] = {
 # Ends that are inside their own range but refused with another setting, by the rule named.
 CROSS_FIELD = {
     ("min_examples", "high"): "must be >= min_examples",  # the task's max_examples (300) is lower
-    ("task_config.min_examples", "high"): "differs from the population's min_examples",
+    ("task_config.min_examples", "high"): "must be >= min_examples",  # max_examples (300) again
     ("task_config.max_examples", "low"): "must be >= min_examples",
     ("differential_privacy.target_delta", "high"): "must be < 1 / population_size",
     ("differential_privacy.epsilon_budget", "low"): "does not allow one round",

@@ -39,7 +39,11 @@ from tests.orchestrator.ledger import check_ledger
 from tests.orchestrator.test_observability import scrape, total
 
 DEVICES = 48
+# The load runs at least this long, and then until MIN_COMMITTED rounds have committed (a busy
+# machine commits fewer a second), within a generous deadline.
 LOAD_SECONDS = 10.0
+MIN_COMMITTED = 3
+DEADLINE_SECONDS = 300.0
 SETTINGS = {"target_reports": 4, "oversampling": 1.5, "round_duration_seconds": 2.0, "retry_after_seconds": 0}
 DEPLOYMENTS = ["sqlite, 1 process"] + (["postgresql, 2 processes"] if POSTGRES_URL else [])
 
@@ -78,7 +82,7 @@ class Seen:
         self.statuses[code] = self.statuses.get(code, 0) + 1
 
 
-async def device(url: str, body: bytes, seen: Seen, rng: random.Random, until: float) -> None:
+async def device(url: str, body: bytes, seen: Seen, rng: random.Random, stop: asyncio.Event) -> None:
     async with httpx.AsyncClient(base_url=url, timeout=30) as http:
         token = (await http.post("/v1/devices")).json()["token"]
         headers = {"Authorization": f"Bearer {token}"}
@@ -86,7 +90,7 @@ async def device(url: str, body: bytes, seen: Seen, rng: random.Random, until: f
         async def checkin() -> httpx.Response:
             return await http.post("/v1/populations/p/checkin", json={"example_count": 50}, headers=headers)
 
-        while time.monotonic() < until:
+        while not stop.is_set():
             # Sometimes the same check-in twice at once (a client retrying): one assignment at most.
             answers = await asyncio.gather(*[checkin() for _ in range(2 if rng.random() < 0.3 else 1)])
             for answer in answers:
@@ -122,10 +126,44 @@ async def device(url: str, body: bytes, seen: Seen, rng: random.Random, until: f
                         seen.reports_accepted[ids] = seen.reports_accepted.get(ids, 0) + 1
 
 
+def rounds_of(url: str) -> list[dict[str, object]]:
+    answer = httpx.get(
+        f"{url}/v1/admin/populations/p/rounds",
+        params={"limit": 1000},
+        headers={"Authorization": f"Bearer {ADMIN_TOKEN}"},
+        timeout=30,
+    )
+    assert answer.status_code == 200, answer.text
+    return list(answer.json())
+
+
+async def stop_once_enough_committed(url: str, stop: asyncio.Event) -> None:
+    started = time.monotonic()
+    await asyncio.sleep(LOAD_SECONDS)
+    while time.monotonic() - started < DEADLINE_SECONDS:
+        listed = await asyncio.to_thread(rounds_of, url)
+        if sum(r["status"] == "committed" for r in listed) >= MIN_COMMITTED:
+            break
+        await asyncio.sleep(0.5)
+    stop.set()
+
+
 async def load(url: str, body: bytes) -> Seen:
-    seen, until = Seen(), time.monotonic() + LOAD_SECONDS
-    await asyncio.gather(*(device(url, body, seen, random.Random(i), until) for i in range(DEVICES)))
+    seen, stop = Seen(), asyncio.Event()
+    await asyncio.gather(
+        stop_once_enough_committed(url, stop),
+        *(device(url, body, seen, random.Random(i), stop) for i in range(DEVICES)),
+    )
     return seen
+
+
+def wait_until_closed(url: str, opened_by: float) -> None:
+    """Until every round opened by `opened_by` (wall clock) has closed: its deadline passed and
+    the server's ticker closed it (dropping what was still out), however slowly."""
+    deadline = time.monotonic() + DEADLINE_SECONDS
+    while any(r["status"] == "open" and float(str(r["opened_at"])) <= opened_by for r in rounds_of(url)):
+        assert time.monotonic() < deadline, "the rounds the load left open did not close"
+        time.sleep(0.2)
 
 
 def test_invariants_hold_under_concurrent_devices(
@@ -142,7 +180,7 @@ def test_invariants_hold_under_concurrent_devices(
     body = encode_sparse_delta(delta, {"num_examples": "20", "metrics": "{}"})
 
     seen = asyncio.run(load(deployment.server.url, body))
-    time.sleep(2.5)  # every round the load left open passes its deadline
+    wait_until_closed(deployment.server.url, time.time())  # every round the load left open
     samples = scrape(deployment.server.url)
 
     assert not [s for s in seen.statuses if s >= 500], seen.statuses

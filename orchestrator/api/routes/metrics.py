@@ -9,13 +9,15 @@ the admin token need not sit in a Prometheus configuration.
 from __future__ import annotations
 
 import hmac
+import logging
 
 from fastapi import APIRouter, Request, Response
 
-from orchestrator import metrics
-from orchestrator.api.deps import SettingsDep, TokenDep, require_admin
+from orchestrator import metrics, round_metrics
+from orchestrator.api.deps import DATABASE_UNAVAILABLE, SettingsDep, TokenDep, require_admin, run_db
 
 router = APIRouter(tags=["admin"])
+log = logging.getLogger("orchestrator")
 
 
 @router.get(
@@ -29,4 +31,11 @@ async def scrape(request: Request, token: TokenDep, settings: SettingsDep) -> Re
     if not (metrics_token and hmac.compare_digest(token.encode(), metrics_token.encode())):
         await require_admin(request, token)
     body, content_type = metrics.render()
-    return Response(body, media_type=content_type)
+    app = request.app
+    try:
+        app.state.round_counts = await run_db(app, round_metrics.round_counts, app.state.sessionmaker)
+    except DATABASE_UNAVAILABLE:  # the last reading: a counter must not go back meanwhile
+        log.warning("metrics: rounds not read, the database is busy or unavailable")
+    return Response(
+        body + round_metrics.exposition(getattr(app.state, "round_counts", {})), media_type=content_type
+    )
