@@ -39,7 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--model",
         default=None,
         metavar="MODULE:FUNCTION",
-        help="a function returning a model_export.spec.ExportSpec, e.g. my_pkg.my_model:build",
+        help="a function returning an ExportSpec, e.g. my_pkg.my_model:build",
     )
     p.add_argument(
         "--model-arg",
@@ -60,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--verbose",
         action="store_true",
-        help="show TensorFlow's own log lines (the converter's diagnostics) as the export runs",
+        help="also print TensorFlow's log lines",
     )
     p.add_argument(
         "--config",
