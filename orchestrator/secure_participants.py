@@ -89,7 +89,11 @@ def advertised_keys(session: Session, round_id: int) -> dict[int, dict[str, Any]
 
 def roster_of(session: Session, round_id: int) -> dict[int, AdvertisedKeys]:
     """Every participant's keys, by roster index (parsed: for the unmasking, once a round)."""
-    return {i: keys_of(parse_advertisement(k)) for i, k in advertised_keys(session, round_id).items()}
+    return _keys(advertised_keys(session, round_id))
+
+
+def _keys(advertised: dict[int, dict[str, Any]]) -> dict[int, AdvertisedKeys]:
+    return {i: keys_of(parse_advertisement(k)) for i, k in advertised.items()}
 
 
 def _claims(advertisement: AdvertisedKeys | SignedAdvertisement) -> set[tuple[str, bytes]]:
@@ -139,7 +143,6 @@ class Closed:
     roster_json: dict[str, Any] | None  # the advertisements as devices download them
     roster_digest: bytes | None  # what devices sign it as (secure_aggregation.view)
     sharers: frozenset[int] | None  # sent shares (past share_keys)
-    senders: frozenset[int] | None  # sent a masked input (past masked_input)
     survivors: frozenset[int] | None  # chosen among the senders: the unmasked inputs (past masked_input)
     statements: dict[str, Any] | None  # the survivors' partner statements, as sent (past masked_input)
     refused: dict[int, frozenset[int]] | None  # owner -> survivors that hold none of its shares
@@ -170,16 +173,13 @@ def closed(session: Session, secure_round: SecureRound) -> Closed:
     advertised = advertised_keys(session, round_id) if past > 0 else None
     statements = _messages(session, round_id, SecureParticipant.partners) if past > 2 else None
     confirmations = _messages(session, round_id, SecureParticipant.consistency) if past > 3 else None
-    roster = (
-        None if advertised is None else {i: keys_of(parse_advertisement(k)) for i, k in advertised.items()}
-    )
+    roster = None if advertised is None else _keys(advertised)
     context = str(secure_round.parameters.get("context", ""))
     facts = Closed(
         roster=None if advertised is None else tuple(sorted(advertised)),
         roster_json=None if advertised is None else {str(i): advertised[i] for i in sorted(advertised)},
         roster_digest=None if roster is None else roster_digest(context, roster),
         sharers=indices_where(session, round_id, SecureParticipant.sent_shares) if past > 1 else None,
-        senders=indices_where(session, round_id, SecureParticipant.sent_masked_input) if past > 2 else None,
         survivors=None if statements is None else frozenset(int(i) for i in statements),
         statements=statements,
         refused=None if statements is None else _holding_none(statements),

@@ -15,7 +15,6 @@ what the attacker holds is what the devices sent (`adversary.server_knowledge` r
 
 from __future__ import annotations
 
-import asyncio
 import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -30,20 +29,15 @@ from contracts.manifest import load_manifest
 from contracts.mixing import encode_examples
 from contracts.params import SparseTensor, decode_sparse_delta, encode_sparse_delta
 from device_runtime import secure_round
-from device_runtime.agent import DeviceAgent, Participation
-from device_runtime.device_identity import DeviceIdentity
-from device_runtime.orchestrator_client import OrchestratorClient
 from model_export.config import ModelConfig
 from secure_aggregation.config import RoundParameters
 from secure_aggregation.device import DeviceSession
 from secure_aggregation.messages import AdvertisedKeys, UnmaskingShares
 from secure_aggregation.view import PartnerStatement
-from tests.conftest import MOVIELENS
-from tests.orchestrator.conftest import ADMIN_TOKEN, Server, admin_create_population
-from tests.orchestrator.test_end_to_end import UserData, admin, fill_store, settings
-from tests.orchestrator.test_secure_end_to_end import SECURE
+from tests.orchestrator.conftest import ADMIN_TOKEN, Server
+from tests.orchestrator.test_end_to_end import UserData, admin
 from tests.privacy.adversary import Reading, server_knowledge
-from tests.privacy.test_malicious_server import AUTHORITY, DEVICES, POLICY, MaliciousTransport, run_devices
+from tests.privacy.test_malicious_server import DEVICES, MaliciousTransport, run_devices
 from tests.privacy.test_malicious_server import server as server  # the fixture
 
 
@@ -115,27 +109,25 @@ def test_a_known_central_gradient_for_all_but_the_target_reads_nothing_of_its_up
     # Prepare: a secure population with gradient transfer; every device but the first to download
     # it gets the genuine central gradient times 10^4 (their clipped updates become nearly the
     # known direction of that gradient)
-    model_dir = export(MOVIELENS)
-    population = settings(
-        target_reports=DEVICES, oversampling=1.0, min_reports=4, aggregation="secure", secure=SECURE
-    )
-    created = admin_create_population(server.url, model_dir, "movies", population)
-    assert created.status_code == 201, created.text
-    central = Examples({"item": np.arange(1500, 1560, dtype=np.int32), "label": np.full(60, 5.0, np.float32)})
-    mixing = {
-        "strategy": "gradient_transfer",
-        "weight": 0.3,
-        "central_steps": 8,
-        "examples_per_assignment": 16,
-    }
-    attached = httpx.put(
-        f"{server.url}/v1/admin/populations/movies/mixing",
-        data={"mixing": json.dumps(mixing)},
-        files={"examples": ("e.safetensors", encode_examples(central, load_manifest(model_dir).features))},
-        headers={"Authorization": f"Bearer {ADMIN_TOKEN}"},
-        timeout=30,
-    )
-    assert attached.status_code == 200, attached.text
+    def gradient_transfer(model_dir: Path) -> None:
+        items = np.arange(1500, 1560, dtype=np.int32)
+        central = Examples({"item": items, "label": np.full(len(items), 5.0, np.float32)})
+        mixing = {
+            "strategy": "gradient_transfer",
+            "weight": 0.3,
+            "central_steps": 8,
+            "examples_per_assignment": 16,
+        }
+        attached = httpx.put(
+            f"{server.url}/v1/admin/populations/movies/mixing",
+            data={"mixing": json.dumps(mixing)},
+            files={
+                "examples": ("e.safetensors", encode_examples(central, load_manifest(model_dir).features))
+            },
+            headers={"Authorization": f"Bearer {ADMIN_TOKEN}"},
+            timeout=30,
+        )
+        assert attached.status_code == 200, attached.text
 
     class KnownGradients(MaliciousTransport):
         def __init__(self) -> None:
@@ -155,21 +147,10 @@ def test_a_known_central_gradient_for_all_but_the_target_reads_nothing_of_its_up
 
     attacker = KnownGradients()
 
-    async def scenario() -> list[Participation]:
-        async with httpx.AsyncClient(timeout=60, transport=attacker) as http:
-            agents = []
-            for u in range(DEVICES):
-                client = OrchestratorClient(server.url, http=http)
-                await client.enroll()
-                store = fill_store(tmp_path / f"device-{u}.sqlite", movielens_users[u])
-                identity = DeviceIdentity.enroll(AUTHORITY.certify, AUTHORITY.public_key)
-                agents.append(
-                    DeviceAgent(client, store, tmp_path / "cache", "movies", policy=POLICY, identity=identity)
-                )
-            return list(await asyncio.gather(*(a.participate() for a in agents)))
-
     # Execute
-    participations = asyncio.run(scenario())
+    participations, _ = run_devices(
+        server, export, movielens_users, tmp_path, DEVICES, lambda p, a, i: a, attacker, gradient_transfer
+    )
 
     # Assert: the target's partner statement named other inputs than the rest: the server left it
     # out of the sum and it refused; its masked input stays masked: as for any device left out, its

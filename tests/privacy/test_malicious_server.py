@@ -108,12 +108,18 @@ def run_devices(
     devices: int,
     rewrite: Rewrite,
     transport: MaliciousTransport | None = None,
+    mixing: Callable[[Path], None] | None = None,
 ) -> tuple[list[Participation], MaliciousTransport]:
+    """`devices` certified devices take part in one secure round of a new population 'movies'
+    (`mixing` attaches its centralized data first, given the model's directory)."""
     population = settings(
         target_reports=DEVICES, oversampling=1.0, min_reports=4, aggregation="secure", secure=SECURE
     )
-    created = admin_create_population(server.url, export(MOVIELENS), "movies", population)
+    model_dir = export(MOVIELENS)
+    created = admin_create_population(server.url, model_dir, "movies", population)
     assert created.status_code == 201, created.text
+    if mixing is not None:
+        mixing(model_dir)
     transport = transport or MaliciousTransport(rewrite)
 
     async def scenario() -> list[Participation]:
