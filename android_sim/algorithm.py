@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import ValidationError
 
 from contracts.task_config import LocalState, TaskConfig
-from orchestrator.population_settings import PopulationSettings, settings_problems
+from orchestrator.populations.settings import PopulationSettings, settings_problems
 
 if TYPE_CHECKING:  # the run's config checks its algorithm with `algorithm_task`
     from android_sim.run_config import RunConfig

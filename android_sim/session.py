@@ -27,7 +27,7 @@ from device_runtime.privacy_policy import PrivacyPolicy
 from device_runtime.task_runner import TaskRunner
 from enrollment_authority.authority import EnrollmentAuthority
 from orchestrator.local import LocalOrchestrator
-from orchestrator.population_settings import PopulationSettings
+from orchestrator.populations.settings import PopulationSettings
 
 T = TypeVar("T")
 # Settings of the orchestrator a run starts: every simulated phone enrolls from this machine's

@@ -44,8 +44,9 @@ from contracts.params import (  # noqa: E402
 )
 from model_export.config import ModelConfig  # noqa: E402
 from model_export.in_subprocess import export_in_subprocess  # noqa: E402
-from orchestrator.pipeline.assemble import Pipeline, RoundInputs  # noqa: E402
-from orchestrator.population_settings import PopulationSettings  # noqa: E402
+from orchestrator.aggregation.assemble import RoundInputs  # noqa: E402
+from orchestrator.populations.config import pipeline_of  # noqa: E402
+from orchestrator.populations.settings import PopulationSettings  # noqa: E402
 from tests.orchestrator.conftest import Server, admin_create_population  # noqa: E402
 
 NUM_ITEMS, DIM = 3706, 50
@@ -181,7 +182,7 @@ class Load:
 def bench_aggregation(repeats: int) -> dict[str, float]:
     """Dense-equivalent GB/s of `repeats` contributions through one round of the server's pipeline."""
     shapes = {"item_embeddings": (NUM_ITEMS, DIM)}
-    pipeline = Pipeline(PopulationSettings.model_validate({}), shapes)
+    pipeline = pipeline_of(PopulationSettings.model_validate({}), shapes)
     rng = np.random.default_rng(0)
     deltas = [client_delta(rng) for _ in range(8)]
     nbytes = deltas[0]["item_embeddings"].nbytes

@@ -52,6 +52,10 @@ from typing import Any
 
 import numpy as np
 
+from orchestrator.populations.locks import lock_population
+from orchestrator.rounds import checkins
+from orchestrator.rounds.refusals import Refused
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
@@ -59,11 +63,10 @@ from contracts.manifest import Manifest  # noqa: E402
 from contracts.params import encode_sparse_delta  # noqa: E402
 from model_export.config import ModelConfig  # noqa: E402
 from model_export.in_subprocess import export_in_subprocess  # noqa: E402
-from orchestrator import rounds  # noqa: E402
 from orchestrator.db import make_engine  # noqa: E402
 from orchestrator.devices import enroll  # noqa: E402
 from orchestrator.migrate import migrate  # noqa: E402
-from orchestrator.populations import ExportedModel, PopulationError, create_population  # noqa: E402
+from orchestrator.service.population_creation import ExportedModel, PopulationError, create_population  # noqa: E402
 
 PACKAGES = ("orchestrator", "contracts", "secure_aggregation", "model_runtime")
 MODEL = ModelConfig(num_items=200, embedding_dim=4, batch_size=5, max_batches=4)
@@ -131,7 +134,7 @@ GENERATED = "<generated>"  # code with no source file (a dataclass's __init__)
 # The aggregation pipeline as one part: its package and the maths its stages run. The round's
 # commit hands it the round's contributions in one call (`Pipeline.aggregate`) and gets the mean
 # delta back, so what its stages call among themselves is inside that one hop.
-PIPELINE = ("orchestrator.pipeline", "orchestrator.aggregation")
+PIPELINE = ("orchestrator.aggregation.pipeline", "orchestrator.aggregation.maths")
 
 
 def part_of(module: str) -> str:
@@ -316,12 +319,12 @@ def one_report(model_dir: Path, database: Path) -> Measured:
         for _ in range(2):
             with factory.begin() as session:
                 device_id, token = enroll(session, now)
-                population = rounds.lock_population(session, "p")
+                population = lock_population(session, "p")
                 assert population is not None
-                (accepted,) = rounds.checkin(
-                    session, population, [rounds.CheckIn(device_id, 20, "training")], now
+                (accepted,) = checkins.checkin(
+                    session, population, [checkins.CheckIn(device_id, 20, "training")], now
                 )
-            assert isinstance(accepted, rounds.Accepted), accepted
+            assert isinstance(accepted, checkins.Accepted), accepted
             delta = {s.name: np.zeros(s.shape, np.float32) for s in manifest.global_params}
             for array in delta.values():
                 array.reshape(-1)[:2] = 0.01
@@ -330,11 +333,11 @@ def one_report(model_dir: Path, database: Path) -> Measured:
             calls.append(call_type(accepted.assignment_id, token, body, "application/octet-stream"))
         with statements(engine) as counting:
             (answer,) = transaction(factory, calls[:1], now + 1.0)
-        assert not isinstance(answer, rounds.Refused), answer.message
+        assert not isinstance(answer, Refused), answer.message
         assert answer.round_status == "open", answer
         with statements(engine) as committing, traced() as trace:
             (answer,) = transaction(factory, calls[1:], now + 1.0)
-        assert not isinstance(answer, rounds.Refused), answer.message
+        assert not isinstance(answer, Refused), answer.message
         assert answer.round_status == "committed", answer
         measured.append(Measured(trace, committing, counting))
     return measured[-1]

@@ -118,3 +118,52 @@ def test_below_the_routes_the_orchestrator_never_imports_them() -> None:
     assert (ROOT / "orchestrator" / "service").is_dir()  # the rule reads the layer that is there
     rule = "only the HTTP layers (api/, dashboard/) and the entry points import the routes"
     assert not found, f"forbidden imports:\n{shown(found, rule)}"
+
+
+# The orchestrator's layers, lowest first: a module imports from its own layer or lower ones only.
+# The foundations are the database, the server's settings, the bounds and logs and metrics; the
+# aggregation maths knows no population, a population no round, a round no service.
+ORCHESTRATOR_LAYERS = (
+    ("db", "settings", "limits", "setting_ranges", "devices", "migrate", "migrations", "observability"),
+    ("aggregation",),
+    ("populations",),
+    ("rounds",),
+    ("service",),
+    ("api", "dashboard", "console"),
+    ("app", "serve", "local", "__main__"),
+)
+
+
+def layer_of(module: str) -> int:
+    """The layer of `orchestrator.X...` (or of the file orchestrator/X...), by its first part X."""
+    first = module.replace("/", ".").split(".")[1].removesuffix(".py")
+    for rank, names in enumerate(ORCHESTRATOR_LAYERS):
+        if first in names:
+            return rank
+    raise AssertionError(f"orchestrator.{first} is in no layer of ORCHESTRATOR_LAYERS")
+
+
+def test_the_orchestrator_imports_only_down_its_layers() -> None:
+    found = [
+        (name, line, module)
+        for name, line, module in violations("orchestrator", frozenset())
+        if module.startswith("orchestrator.")
+        and layer_of(module) > layer_of(name.removesuffix(".py").removesuffix("/__init__"))
+    ]
+
+    assert (
+        ROOT / "orchestrator" / "rounds" / "secure"
+    ).is_dir()  # the rule reads the packages that are there
+    rule = "a layer imports only from its own or lower ones: " + " < ".join(
+        "/".join(n) for n in ORCHESTRATOR_LAYERS
+    )
+    assert not found, f"imports up the layers:\n{shown(found, rule)}"
+
+
+def test_every_orchestrator_module_is_in_a_layer() -> None:
+    for path in (ROOT / "orchestrator").iterdir():
+        if path.name.startswith((".", "__pycache__")) or path.suffix not in (".py", ""):
+            continue
+        if path.name == "__init__.py":
+            continue
+        layer_of("orchestrator." + path.name)

@@ -32,7 +32,9 @@ from device_runtime.client_task import clip_delta, diverged
 from model_runtime.support_query import num_steps, reconstruct_locals
 from model_runtime.task_batches import TaskBatches
 from model_runtime.tflite_model import EvaluationSums, RowUpdate, TFLiteModel
-from orchestrator.aggregation import (
+from orchestrator.aggregation.assemble import Pipeline, RoundInputs
+from orchestrator.aggregation.differential_privacy import DPConfig
+from orchestrator.aggregation.maths import (
     PartialSum,
     RobustAggregation,
     ServerOptimizerConfig,
@@ -40,10 +42,8 @@ from orchestrator.aggregation import (
     apply_update,
     init_state,
 )
-from orchestrator.differential_privacy import DPConfig
-from orchestrator.norm_reference import NormReference
-from orchestrator.pipeline import Aggregate
-from orchestrator.pipeline.assemble import Pipeline, RoundInputs
+from orchestrator.aggregation.norm_reference import NormReference
+from orchestrator.aggregation.pipeline import Aggregate
 from secure_aggregation.config import RoundParameters
 from secure_aggregation.quantization import Layout, dequantize_sum, quantize
 
@@ -250,7 +250,7 @@ class Server:
             )
         # The orchestrator's own pipeline object, built from the same parts as a population's
         # settings build it; its noise draws from this server's seeded `rng`.
-        self.pipeline = Pipeline.of(self.shapes, aggregation, dp, rng=lambda: self.rng)
+        self.pipeline = Pipeline(self.shapes, aggregation, dp, rng=lambda: self.rng)
 
     def commit(self, reports: Sequence[Report], merge: Callable[[Params], Params] | None = None) -> int:
         """Apply one round; returns how many reports were refused (diverged). `merge` takes the

@@ -55,7 +55,7 @@ from android_sim.bench.staleness import StalenessOptions, plot_staleness, run_st
 from android_sim.device_data import expression_fleet
 from android_sim.expressions import SyntheticConfig
 from contracts.task_config import TaskConfig
-from orchestrator.differential_privacy import DPConfig, epsilon, population_size_for
+from orchestrator.aggregation.differential_privacy import DPConfig, epsilon, population_size_for
 
 METHODS = (
     "fedrecon",

@@ -24,7 +24,7 @@ from android_sim.bench.models import ModelCache
 from android_sim.expressions import SyntheticConfig
 from contracts.mixing import CentralDataset, MixingConfig, encode_examples
 from model_runtime.tflite_model import TFLiteModel
-from orchestrator.mixing import assignment_examples
+from orchestrator.populations.mixing import assignment_examples
 
 TINY = SyntheticConfig(num_expressions=120, num_users=200)
 

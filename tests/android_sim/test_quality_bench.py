@@ -28,8 +28,8 @@ from contracts.params import SparseTensor
 from contracts.task_config import SplitPolicy, TaskConfig
 from model_runtime.task_batches import TaskBatches
 from model_runtime.tflite_model import EvaluationSums, TFLiteModel
-from orchestrator.aggregation import ServerOptimizerConfig
-from orchestrator.differential_privacy import DPConfig
+from orchestrator.aggregation.differential_privacy import DPConfig
+from orchestrator.aggregation.maths import ServerOptimizerConfig
 from secure_aggregation.quantization import Layout
 from tests.conftest import ROOT
 

@@ -17,7 +17,7 @@ from android_sim.bench.models import ModelCache
 from android_sim.bench.quality_methods import load_dataset, protocol_model
 from android_sim.simulation import SimulationOptions, SimulationResult, simulate
 from contracts.task_config import LocalState, TaskConfig
-from orchestrator.aggregation import PartialSum, RobustAggregation
+from orchestrator.aggregation.maths import PartialSum, RobustAggregation
 from tests.android_sim.test_quality_bench import _write_ratings
 
 

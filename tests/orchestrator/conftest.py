@@ -18,7 +18,7 @@ from model_export.config import ModelConfig
 from orchestrator.db import make_engine, sessions_that_keep_what_they_load
 from orchestrator.local import LocalOrchestrator
 from orchestrator.migrate import migrate
-from orchestrator.populations import ExportedModel, create_population
+from orchestrator.service.population_creation import ExportedModel, create_population
 from tests.conftest import BIASED
 
 # A fresh secret per test session, as every server needs one (orchestrator/settings.py).

@@ -13,7 +13,7 @@ import pytest
 from numpy.typing import ArrayLike
 
 from contracts.params import Params, SparseTensor, decode_sparse_delta, encode_sparse_delta
-from orchestrator.aggregation import (
+from orchestrator.aggregation.maths import (
     RobustAggregation,
     ServerOptimizerConfig,
     WeightedMean,

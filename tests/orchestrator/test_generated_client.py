@@ -30,7 +30,7 @@ from device_runtime.client_task import Outcome, run_training_task
 from device_runtime.example_store import Event, ExampleStore
 from model_export.config import ModelConfig
 from model_runtime.tflite_model import TFLiteModel
-from orchestrator.differential_privacy import epsilon
+from orchestrator.aggregation.differential_privacy import epsilon
 from tests.conftest import BIASED, ROOT
 from tests.orchestrator.conftest import ADMIN_TOKEN, OCTETS, Server, admin_create_population
 from tests.orchestrator.test_mixing import central_examples

@@ -7,8 +7,8 @@ from __future__ import annotations
 import numpy as np
 
 from contracts.params import SparseTensor
-from orchestrator.aggregation import RobustAggregation, aggregate
-from orchestrator.norm_reference import NormReference
+from orchestrator.aggregation.maths import RobustAggregation, aggregate
+from orchestrator.aggregation.norm_reference import NormReference
 
 RULE = RobustAggregation()  # the server's defaults
 SHAPES = {"bias": (1,)}

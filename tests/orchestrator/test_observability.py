@@ -285,7 +285,7 @@ def test_a_library_warning_is_a_json_line_too() -> None:
     # Prepare: a process configured as the server configures its workers.
     script = (
         "import logging, logging.config\n"
-        "from orchestrator.logs import log_config\n"
+        "from orchestrator.observability.logs import log_config\n"
         "logging.config.dictConfig(log_config('info', 'warning'))\n"
         "logging.getLogger('psycopg').warning('error ignored terminating %s', 'pipeline')\n"
     )

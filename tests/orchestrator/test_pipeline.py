@@ -13,18 +13,18 @@ import pytest
 from numpy.typing import ArrayLike
 
 from contracts.params import SparseTensor
-from orchestrator.aggregation import PartialSum, RobustAggregation, WeightedMean
-from orchestrator.central_training import CentralUpdate
-from orchestrator.differential_privacy import DPConfig
-from orchestrator.pipeline import Aggregate, apply_measurements
-from orchestrator.pipeline.assemble import CentralPart, Pipeline, RoundInputs
-from orchestrator.pipeline.central_merge import CentralMerge
-from orchestrator.pipeline.coordinate_wise import CoordinateWiseStage
-from orchestrator.pipeline.private import CLIP_NORM, NEXT_CLIP_NORM, WITHIN_CLIP, GaussianNoise
-from orchestrator.pipeline.robust import ClipAndCap
-from orchestrator.pipeline.secure_sum import SecureSum
-from orchestrator.pipeline.weighted_mean import WeightedMeanStage
-from orchestrator.population_settings import PopulationSettings
+from orchestrator.aggregation.assemble import CentralPart, Pipeline, RoundInputs
+from orchestrator.aggregation.central_merge import CentralMerge, CentralUpdate
+from orchestrator.aggregation.coordinate_wise import CoordinateWiseStage
+from orchestrator.aggregation.differential_privacy import DPConfig
+from orchestrator.aggregation.maths import PartialSum, RobustAggregation, WeightedMean
+from orchestrator.aggregation.pipeline import Aggregate, apply_measurements
+from orchestrator.aggregation.private import CLIP_NORM, NEXT_CLIP_NORM, WITHIN_CLIP, GaussianNoise
+from orchestrator.aggregation.robust import ClipAndCap
+from orchestrator.aggregation.secure_sum import SecureSum
+from orchestrator.aggregation.weighted_mean import WeightedMeanStage
+from orchestrator.populations.config import pipeline_of
+from orchestrator.populations.settings import PopulationSettings
 
 G = {"g": (2,)}
 
@@ -197,7 +197,7 @@ def run(stage: Any, contributions: list[tuple[dict[str, SparseTensor], float]]) 
 
 def test_a_plaintext_population_clips_caps_and_averages_by_its_robust_rule() -> None:
     contributions = [(g(1, 0), 1.0), (g(0, 1), 1.0), (g(2, 0), 1.0)]
-    pipeline = Pipeline(settings(robust_aggregation="median"), G)
+    pipeline = pipeline_of(settings(robust_aggregation="median"), G)
 
     result = run(pipeline.plaintext_round(RoundInputs(0, weights=[1.0, 1.0, 1.0])), contributions)
 
@@ -209,7 +209,7 @@ def test_a_plaintext_population_clips_caps_and_averages_by_its_robust_rule() -> 
 
 def test_a_private_population_weighs_every_report_the_same_and_merges_the_central_delta() -> None:
     dp = {"clip_norm": 5.0, "noise_multiplier": 0.0, "population_size": 100}
-    pipeline = Pipeline(settings(differential_privacy=dp), G)
+    pipeline = pipeline_of(settings(differential_privacy=dp), G)
     central = CentralPart(CentralUpdate({"g": np.array([2.0, 2.0], np.float32)}, 0.1, 1), 0.5)
 
     result = run(pipeline.plaintext_round(RoundInputs(0, central=central)), [(g(1, 0), 1.0), (g(3, 0), 9.0)])
@@ -222,7 +222,7 @@ def test_a_private_population_weighs_every_report_the_same_and_merges_the_centra
 
 
 def test_a_secure_population_without_dp_commits_the_unmasked_mean_as_it_is() -> None:
-    pipeline = Pipeline(settings(aggregation="secure", min_reports=3), G)
+    pipeline = pipeline_of(settings(aggregation="secure", min_reports=3), G)
     mean = {"g": np.array([0.25, 0.5], np.float32)}
 
     result = pipeline.secure_round(mean, 3, RoundInputs(0)).finish()
@@ -232,7 +232,7 @@ def test_a_secure_population_without_dp_commits_the_unmasked_mean_as_it_is() -> 
 
 def test_aggregate_runs_a_rounds_whole_stack_in_one_call() -> None:
     contributions = [(g(1, 0), 1.0), (g(0, 1), 1.0), (g(2, 0), 1.0)]
-    pipeline = Pipeline(settings(robust_aggregation="median"), G)
+    pipeline = pipeline_of(settings(robust_aggregation="median"), G)
 
     result = pipeline.aggregate(RoundInputs(0, weights=[1.0, 1.0, 1.0]), iter(contributions))
 
@@ -243,7 +243,7 @@ def test_aggregate_runs_a_rounds_whole_stack_in_one_call() -> None:
 
 
 def test_aggregate_of_a_secure_round_takes_the_unmasked_mean_and_no_contributions() -> None:
-    pipeline = Pipeline(settings(aggregation="secure", min_reports=3), G)
+    pipeline = pipeline_of(settings(aggregation="secure", min_reports=3), G)
     mean = {"g": np.array([0.25, 0.5], np.float32)}
 
     result = pipeline.aggregate(RoundInputs(0), secure=(mean, 3))
@@ -257,7 +257,7 @@ def test_partial_sums_added_where_they_were_made_give_the_weighted_mean() -> Non
     first.add_sparse(g(1, 0), 1.0)
     first.add_sparse(g(4, 3), 3.0)
     second.add_sparse(g(0, 2), 4.0)
-    pipeline = Pipeline.of(G)
+    pipeline = Pipeline(G)
 
     result = pipeline.aggregate(RoundInputs(0), partials=[first.partial(), second.partial()])
 
@@ -272,7 +272,7 @@ def test_a_pipeline_that_needs_each_contribution_refuses_partial_sums() -> None:
     part.add_sparse(g(1, 0), 1.0)
     dp = DPConfig(clip_norm=5.0, noise_multiplier=0.0, population_size=100)
 
-    for pipeline in (Pipeline.of(G, RobustAggregation()), Pipeline.of(G, dp=dp)):
+    for pipeline in (Pipeline(G, RobustAggregation()), Pipeline(G, dp=dp)):
         assert not pipeline.sums_in_parts
         with pytest.raises(ValueError, match="takes contributions one by one"):
             pipeline.aggregate(RoundInputs(0), partials=[part.partial()])

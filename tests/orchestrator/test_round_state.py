@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from orchestrator import round_state
-from orchestrator.round_state import (
+from orchestrator.rounds import state as round_state
+from orchestrator.rounds.state import (
     ABANDONED,
     COMMITTED,
     DEADLINE,

@@ -1,0 +1,497 @@
+"""Reports and aborts: a group of them read, checked and counted into their rounds in one transaction.
+
+Each goes through two steps. First, with no lock, its assignment and round are read and a report is
+checked and parsed (`report_checks`), which is most of its time. Then, in round id order, it is
+counted into its round in one statement (`round_counts`: the only lock it takes is its round's
+row, held until the transaction ends), its assignment is marked and the report stored. A round that reaches
+its target commits in the same transaction (`round_lifecycle.commit`).
+
+A group that would have to do more (commit a round, close one past its deadline, take part in a
+secure round's population) takes its populations' locks in the same pass, after the reads and the
+parsing and before anything is written: the populations, then every round the group may write to
+(`population_locks.lock_rounds`), the rounds past their deadline closed first, its assignments
+read again under them. Only a race with another server process (it finished one of the group's
+assignments meanwhile, or its reports took a round to its target after this group's count) raises
+`LockNeeded`: the caller rolls back and runs the group again with `lock=True`.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import cast
+
+from sqlalchemy import bindparam, insert, select, update
+from sqlalchemy.orm import Session
+
+from orchestrator.db import Assignment, Population, Report, Round
+from orchestrator.observability import metrics
+from orchestrator.observability.logs import log_on_commit
+from orchestrator.populations.config import PopulationConfig, config_of
+from orchestrator.populations.locks import lock_populations, lock_rounds, rounds_of_assignments
+from orchestrator.rounds import counts as round_counts
+from orchestrator.rounds import evaluation_intervals, state
+from orchestrator.rounds.lifecycle import EVALUATION, TRAINING, advance, commit, log
+from orchestrator.rounds.refusals import Refused
+from orchestrator.rounds.report_checks import parse_evaluation_report, parse_training_report
+from orchestrator.rounds.secure import messages
+
+_ASSIGNMENT = select(
+    Assignment.device_id, Assignment.status, Assignment.example_count, Assignment.round_id
+).where(Assignment.id == bindparam("assignment_id"))
+# A group's assignments with their rounds and populations: one statement for the whole group. Fresh
+# rounds and populations even if the session holds them: another process may have counted into them.
+_ASSIGNMENTS = (
+    select(
+        Assignment.id, Assignment.device_id, Assignment.status, Assignment.example_count, Round, Population
+    )
+    .join(Round, Assignment.round_id == Round.id)
+    .join(Population, Round.population_id == Population.id)
+    .where(Assignment.id.in_(bindparam("ids", expanding=True)))
+    .execution_options(populate_existing=True)
+)
+# Only an assignment still assigned: a count never follows another process's finish of it.
+_FINISH_ASSIGNMENT = (
+    update(Assignment)
+    .where(Assignment.id == bindparam("assignment_id"), Assignment.status == "assigned")
+    .values(status=bindparam("new_status"), finished_at=bindparam("now"))
+)
+_FINISH_ASSIGNMENTS = (
+    update(Assignment)
+    .where(Assignment.id.in_(bindparam("ids", expanding=True)), Assignment.status == "assigned")
+    .values(status=bindparam("new_status"), finished_at=bindparam("now"))
+    .returning(Assignment.id)
+)
+_INSERT_REPORT = insert(Report)
+# The Content-Type a report of each kind of round is sent with.
+_CONTENT_TYPES = {TRAINING: "application/octet-stream", EVALUATION: "application/json"}
+
+
+# A report as parsed (`report_checks`): weight, delta (None for evaluation), metric sums; or why not.
+Parsed = tuple[float, bytes | None, dict[str, float]] | Refused
+
+
+class LockNeeded(Exception):
+    """The group needs its populations' locks (see the module's docstring): roll back, run it again
+    with `lock=True`."""
+
+
+@dataclass(frozen=True)
+class Event:
+    """An authenticated device's report (`body`, `content_type`) or abort of an assignment."""
+
+    assignment_id: str
+    device_id: str
+    body: bytes = b""
+    content_type: str = ""
+    abort: bool = False
+
+
+@dataclass(frozen=True)
+class Counted:
+    """A report or abort counted into its round, and the round as it was just after."""
+
+    round: Round
+    status: str
+    reported: int
+
+
+@dataclass(frozen=True)
+class Found:
+    """An assignment as read: the parts a report or abort needs."""
+
+    id: str
+    status: str
+    example_count: int
+    round: Round
+    population: Population
+    device_id: str = ""  # its owner
+
+
+def _read(session: Session, assignment_ids: Sequence[str]) -> dict[str, Found]:
+    """The known ones of these assignments, with their rounds and populations, in one statement."""
+    if not assignment_ids:
+        return {}
+    rows = session.execute(_ASSIGNMENTS, {"ids": sorted(set(assignment_ids))})
+    return {
+        id_: Found(id_, status, example_count, round_, population, owner)
+        for id_, owner, status, example_count, round_, population in rows
+    }
+
+
+def find_assignment(
+    session: Session, population: Population, assignment_id: str, device_id: str
+) -> Found | Refused:
+    """The caller's assignment in this population, with its round."""
+    found = session.connection().execute(_ASSIGNMENT, {"assignment_id": assignment_id}).first()
+    if found is None:
+        return Refused(404, f"no assignment {assignment_id!r}", reason="unknown_assignment")
+    owner, status, example_count, round_id = found
+    if owner != device_id:
+        return Refused(403, "this assignment belongs to another device", reason="not_yours")
+    round_ = session.get(Round, round_id)
+    assert round_ is not None
+    if round_.population_id != population.id:
+        return Refused(
+            404,
+            f"assignment {assignment_id!r} is not in population {population.name!r}",
+            reason="unknown_assignment",
+        )
+    return Found(assignment_id, status, example_count, round_, population, owner)
+
+
+@dataclass
+class _Step:
+    """What one event does in the counting step, in its round's turn."""
+
+    index: int
+    population: Population
+    found: Found
+    count: state.Count  # LATE, INVALID, ABORT or a report's
+    refused: Refused | None = None  # the answer of a late or invalid report
+    report: tuple[float, bytes | None, dict[str, float]] | None = None  # weight, delta, metric sums
+
+
+def receive(
+    session: Session, events: Sequence[Event], now: float, lock: bool, parsed: dict[int, Parsed] | None = None
+) -> list[Counted | Refused]:
+    """Answer each event, in order, in the caller's transaction (see the module's docstring).
+    The group's assignments, rounds and populations are read in one statement and its reports
+    parsed, with no lock. A group that needs its populations' locks (it may commit or close a
+    round, or meets a secure population's) takes them there and then, before it writes anything,
+    and reads its assignments again under them: one pass, no rollback. `parsed` keeps the reports
+    parsed by a run that raised LockNeeded (a race with another process) for the run under the
+    locks (by the events' positions)."""
+    parsed = {} if parsed is None else parsed
+    ids = [e.assignment_id for e in events]
+    read = {} if lock else _read(session, ids)
+    if lock or _parse_ahead(events, read, now, parsed):
+        lock = True
+        _lock(session, ids, read, now)
+        read = _read(session, ids)  # again under the locks: another process may have changed them
+    answers: list[Counted | Refused | None] = [None] * len(events)
+    # A group may hold one assignment twice (a replay): each later copy waits for the earlier's count.
+    waves: list[list[int]] = []
+    seen: Counter[str] = Counter()
+    for index, event in enumerate(events):
+        wave = seen[event.assignment_id]
+        seen[event.assignment_id] += 1
+        if wave == len(waves):
+            waves.append([])
+        waves[wave].append(index)
+    for number, wave_indexes in enumerate(waves):
+        if number:  # the copies of assignments an earlier wave has just counted
+            read.update(_read(session, [events[i].assignment_id for i in wave_indexes]))
+        steps: list[_Step] = []
+        coming: Counter[int] = Counter()  # round id -> this wave's reports for it so far
+        for index in wave_indexes:
+            event, found = events[index], read.get(events[index].assignment_id)
+            if found is None:
+                answers[index] = Refused(404, f"no assignment {event.assignment_id!r}")
+                continue
+            step = _check(session, found, event, index, now, lock, coming, parsed)
+            if isinstance(step, _Step):
+                steps.append(step)
+            else:
+                answers[index] = step
+        steps.sort(key=lambda s: (s.found.round.id, s.index))  # round id order: no deadlock
+        if lock:  # one by one: a report may commit its round, and the next is then late
+            for step in steps:
+                answers[step.index] = _count(session, step, events[step.index], now, lock)
+            continue
+        for _, of_round in itertools.groupby(steps, key=lambda s: s.found.round.id):
+            for index, answer in _count_together(session, list(of_round), now).items():
+                answers[index] = answer
+    assert all(answer is not None for answer in answers)
+    return cast(list[Counted | Refused], answers)
+
+
+def _lock(session: Session, assignment_ids: Sequence[str], read: dict[str, Found], now: float) -> None:
+    """Take the group's populations' locks, then its rounds' (and their open rounds'), in id order,
+    and close the rounds past their deadline."""
+    if read:
+        places = {(f.population.id, f.round.id) for f in read.values()}
+    else:  # locked from the start: only the ids, read before the locks
+        places = set(rounds_of_assignments(session, assignment_ids).values())
+    population_ids = sorted({p for p, _ in places})
+    populations = lock_populations(session, population_ids)
+    locked = lock_rounds(session, population_ids, sorted({r for _, r in places}))
+    for population in populations:
+        mine = [r for r in locked if r.population_id == population.id and r.status == state.OPEN]
+        advance(session, population, now, {r.kind: r for r in mine})
+
+
+def _parse_ahead(
+    events: Sequence[Event], read: dict[str, Found], now: float, parsed: dict[int, Parsed]
+) -> bool:
+    """Without any lock, parse each report that may count (kept in `parsed`); True if the group
+    needs its populations' locks: a round it reports into is past its deadline, belongs to a
+    secure population, or may reach its target with the group's reports (it can only have more by
+    now than were read, never fewer)."""
+    coming: Counter[int] = Counter()
+    first: set[str] = set()
+    needs_lock = False
+    for index, event in enumerate(events):
+        assignment = read.get(event.assignment_id)
+        if assignment is None or event.assignment_id in first:
+            continue  # unknown, or a later copy (read in its own wave)
+        first.add(event.assignment_id)
+        if assignment.device_id != event.device_id or assignment.round.status != state.OPEN:
+            continue
+        round_, config = assignment.round, config_of(assignment.population)
+        if now >= round_.deadline or config.secure_training:
+            needs_lock = True
+            continue
+        sent = event.content_type.split(";")[0].strip().lower()
+        if event.abort or assignment.status != "assigned" or sent != _CONTENT_TYPES[round_.kind]:
+            continue
+        if index not in parsed:
+            parsed[index] = _parse(config, assignment, event.body)
+        if not isinstance(parsed[index], Refused):
+            coming[round_.id] += 1
+            needs_lock = needs_lock or round_.reported + coming[round_.id] >= round_.target
+    return needs_lock
+
+
+def _parse(config: PopulationConfig, found: Found, body: bytes) -> Parsed:
+    if found.round.kind == TRAINING:
+        return parse_training_report(config, found.round, found.example_count, body)
+    return parse_evaluation_report(config, found.example_count, body)
+
+
+def _check(
+    session: Session,
+    found: Found,
+    event: Event,
+    index: int,
+    now: float,
+    lock: bool,
+    coming: Counter[int],
+    parsed: dict[int, Parsed],
+) -> _Step | Refused | Counted:
+    """The first step: check (and parse, unless parsed already). Without the populations' locks,
+    raises LockNeeded if the round must be advanced, or if this wave's reports may reach its
+    target (`_parse_ahead` has seen to it that they do not, unless the group met a race)."""
+    population = found.population
+    if found.device_id != event.device_id:
+        refused = Refused(403, "this assignment belongs to another device", reason="not_yours")
+        if not event.abort:
+            count_report(session, population, "unknown", event.assignment_id, refused)
+        return refused
+    round_ = found.round
+    config = config_of(population)
+    open_ = round_.status == state.OPEN
+    if not lock and open_ and (now >= round_.deadline or config.secure_training):
+        raise LockNeeded(f"round {round_.id} must be advanced")
+    if event.abort and found.status == "aborted":
+        # Its own device again: the first answer was lost (a dropped connection, a killed
+        # process). Answered as the first was; nothing is counted twice.
+        return Counted(round_, round_.status, round_.reported)
+    closed = _closed(found, event.abort)
+    if closed is not None:
+        if event.abort:
+            return closed
+        if closed.reason == "late":  # counted in the round's `late`, in its turn
+            return _Step(index, population, found, state.LATE, refused=closed)
+        count_report(session, population, round_, event.assignment_id, closed)
+        return closed
+    if event.abort:
+        return _Step(index, population, found, state.ABORT)
+    if round_.kind == TRAINING and config.secure_training:
+        return Refused(
+            409, f"round {round_.id} uses secure aggregation: take part through /v1/assignments/{{id}}/secure"
+        )
+    # Checked before parsing, and the assignment stays open: the device may send its report again
+    # with the right type.
+    expected = _CONTENT_TYPES[round_.kind]
+    sent = event.content_type.split(";")[0].strip().lower()
+    if sent != expected:
+        refused = Refused(
+            415,
+            f"a {round_.kind} report is Content-Type {expected} "
+            f"({'safetensors' if round_.kind == TRAINING else '{num_examples, metrics}'}), "
+            f"got {sent or 'none'!r}; nothing was stored",
+            reason="content_type",
+        )
+        count_report(session, population, round_, event.assignment_id, refused)
+        return refused
+    if index not in parsed:
+        parsed[index] = _parse(config, found, event.body)
+    report = parsed[index]
+    if isinstance(report, Refused):
+        return _Step(index, population, found, state.INVALID, refused=report)
+    coming[round_.id] += 1
+    if not lock and round_.reported + coming[round_.id] >= round_.target:
+        raise LockNeeded(f"round {round_.id} may reach its target")
+    weight, _, metric_sums = report
+    if round_.kind == EVALUATION:
+        # Its place among the round's reports as this transaction counts them (1, 2, ...).
+        arrival = round_.reported + coming[round_.id]
+        metric_sums = evaluation_intervals.grouped(arrival, round_.target, round_.min_reports, metric_sums)
+    return _Step(index, population, found, state.report_count(weight, metric_sums), report=report)
+
+
+def _count(session: Session, step: _Step, event: Event, now: float, lock: bool) -> Counted | Refused:
+    """The second step: count into the round, mark the assignment, store the report, commit."""
+    population, found, round_ = step.population, step.found, step.found.round
+    if step.count is state.LATE:
+        round_counts.count(session, round_, state.LATE)
+        assert step.refused is not None
+        count_report(session, population, round_, found.id, step.refused)
+        return step.refused
+    if not round_counts.count(session, round_, step.count):  # the round closed since it was read
+        late = _late(round_)
+        if not event.abort:
+            round_counts.count(session, round_, state.LATE)
+            count_report(session, population, round_, found.id, late)
+        return late
+    new_status = _new_status(step)
+    finished = session.connection().execute(
+        _FINISH_ASSIGNMENT, {"assignment_id": found.id, "new_status": new_status, "now": now}
+    )
+    if not finished.rowcount:
+        # Another process finished it after it was read; under the locks it is read after them.
+        assert not lock, f"assignment {found.id} changed under its round's lock"
+        raise LockNeeded(f"assignment {found.id} was finished meanwhile")
+    if event.abort:
+        if round_.kind == TRAINING and config_of(population).secure_training:
+            messages.count_leaving(session, round_.id, found.id)  # its phase's open devices
+        metrics.count(session, metrics.ABORTS, (population.name, round_.kind))
+        return Counted(round_, round_.status, round_.reported)
+    if step.report is None:
+        assert step.refused is not None
+        count_report(session, population, round_, found.id, step.refused)
+        return step.refused
+    # Stored only now, under the round's lock: a report stored before it could wait for another
+    # process's copy of the same report while holding a lock that copy waits for.
+    session.connection().execute(_INSERT_REPORT, _report_row(step))
+    count_report(session, population, round_, found.id, None)
+    closing = state.target_reached(round_)
+    if closing is not None:
+        if not lock:
+            raise LockNeeded(f"round {round_.id} reached its target")
+        commit(session, population, round_, now, closing=closing)
+    return Counted(round_, round_.status, round_.reported)
+
+
+def _count_together(session: Session, steps: Sequence[_Step], now: float) -> dict[int, Counted | Refused]:
+    """Without the populations' locks, one round's steps of a wave counted together: one count
+    (`state.combined`), one mark per new status of the assignments, one insert of the
+    reports, so that the round's row is held for a few statements whatever the group's size. None
+    of them reaches the target (`_check` saw to it), so nothing commits here."""
+    population, round_ = steps[0].population, steps[0].found.round
+    answers: dict[int, Counted | Refused] = {}
+    if not round_counts.count(session, round_, state.combined([s.count for s in steps])):
+        # The round closed since it was read: every report is late, no abort counts.
+        late, reports = _late(round_), [s for s in steps if s.count is not state.ABORT]
+        if reports:
+            round_counts.count(session, round_, state.combined([state.LATE] * len(reports)))
+        for step in steps:
+            answers[step.index] = late
+            if step.count is not state.ABORT:
+                count_report(session, population, round_, step.found.id, late)
+        return answers
+    if any(s.report is not None for s in steps) and state.target_reached(round_) is not None:
+        raise LockNeeded(f"round {round_.id} reached its target")
+    finishing: dict[str, list[str]] = {}
+    for step in steps:
+        if step.count is not state.LATE:
+            finishing.setdefault(_new_status(step), []).append(step.found.id)
+    for new_status, ids in finishing.items():
+        finished = session.connection().execute(
+            _FINISH_ASSIGNMENTS, {"ids": ids, "new_status": new_status, "now": now}
+        )
+        if len(finished.all()) != len(ids):  # another process finished one after it was read
+            raise LockNeeded(f"an assignment of round {round_.id} was finished meanwhile")
+    rows = [_report_row(step) for step in steps if step.report is not None]
+    if rows:
+        session.connection().execute(_INSERT_REPORT, rows)
+    reported = round_.reported - len(rows)  # the answers: the round's count as each came in
+    for step in steps:
+        if step.refused is not None:  # late or invalid
+            answers[step.index] = step.refused
+            count_report(session, population, round_, step.found.id, step.refused)
+        elif step.count is state.ABORT:
+            metrics.count(session, metrics.ABORTS, (population.name, round_.kind))
+            answers[step.index] = Counted(round_, round_.status, reported)
+        else:
+            reported += 1
+            count_report(session, population, round_, step.found.id, None)
+            answers[step.index] = Counted(round_, round_.status, reported)
+    return answers
+
+
+def _new_status(step: _Step) -> str:
+    if step.count is state.ABORT:
+        return "aborted"
+    return "invalid" if step.report is None else "reported"
+
+
+def _report_row(step: _Step) -> dict[str, object]:
+    assert step.report is not None
+    weight, delta, metric_sums = step.report
+    return {
+        "assignment_id": step.found.id,
+        "round_id": step.found.round.id,
+        "weight": weight,
+        "delta": delta,
+        # An evaluation's sums live only in its round's running sums, released with at least its
+        # floor of devices (round_release); one device's are never kept.
+        "metrics": metric_sums if step.found.round.kind == TRAINING else {},
+    }
+
+
+def _late(round_: Round) -> Refused:
+    return Refused(
+        409, f"the round's deadline has passed; the report is late (round {round_.status})", reason="late"
+    )
+
+
+def _closed(found: Found, abort: bool) -> Refused | None:
+    """Why an assignment can no longer take a report or an abort, or None; a late report is
+    counted in the round's `late` (a late abort is not a report, and is not counted)."""
+    if found.status == "reported":
+        return Refused(409, "this assignment has already reported", reason="repeated")
+    if found.status == "aborted":
+        return Refused(409, "this assignment was aborted", reason="repeated")
+    if found.status == "invalid":
+        return Refused(409, "this assignment's report was refused as invalid", reason="repeated")
+    if found.status == "dropped" or found.round.status != state.OPEN:
+        return _late(found.round)
+    return None
+
+
+# Report outcomes for metrics, by the class of refusal; any other refusal is an invalid report.
+_OUTCOMES = {
+    "late": "late",
+    "repeated": "repeated",
+    "unknown_assignment": "refused",
+    "not_yours": "refused",
+    "content_type": "refused",
+}
+
+
+def count_report(
+    session: Session, population: Population, round_: Round | str, assignment_id: str, refused: Refused | None
+) -> None:
+    """A report's outcome in the metrics (and the log, for what an operator looks into)."""
+    kind = round_ if isinstance(round_, str) else round_.kind
+    if refused is None:
+        metrics.count(session, metrics.REPORTS, (population.name, kind, "accepted", ""))
+        return
+    outcome = _OUTCOMES.get(refused.reason, "invalid")
+    reason = "" if outcome in ("late", "repeated") else refused.reason or "other"
+    metrics.count(session, metrics.REPORTS, (population.name, kind, outcome, reason))
+    if outcome in ("late", "invalid"):  # what an operator looks into; never the message (it quotes the body)
+        log_on_commit(
+            session,
+            log,
+            f"report {outcome}",
+            population=population.name,
+            round_id=None if isinstance(round_, str) else round_.id,
+            assignment_id=assignment_id,
+            kind=kind,
+            reason=reason or outcome,
+        )
