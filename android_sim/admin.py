@@ -95,6 +95,15 @@ class AdminClient:
                 break
         return sorted(found, key=lambda r: int(r["id"]))
 
+    async def change_settings(self, name: str, settings: dict[str, Any], operator: str) -> dict[str, Any]:
+        """Change settings that are safe to change while rounds run (from the next round on)."""
+        result: dict[str, Any] = await self._request(
+            "PATCH",
+            f"/v1/admin/populations/{name}/settings",
+            json={"settings": settings, "operator": operator},
+        )
+        return result
+
     async def schedule_evaluation(self, name: str, duration_seconds: float | None = None) -> dict[str, Any]:
         """Open an evaluation round, taking reports for `duration_seconds` (default: the population's)."""
         params = {} if duration_seconds is None else {"duration_seconds": duration_seconds}

@@ -74,6 +74,9 @@ def round_settings(
         "round_duration_seconds": config.round_seconds,
         "min_examples": config.min_examples,
         "retry_after_seconds": 2.0,
+        # The server stops at --rounds: a fleet that stops its devices at the count would still
+        # see the round open then commit from the reports already in flight.
+        "max_training_rounds": config.rounds,
         "server_optimizer": optimizer,
         "task_config": task.to_json(),
         "evaluation_every": config.evaluation_every,

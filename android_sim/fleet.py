@@ -408,14 +408,17 @@ class Fleet:
         self.stats.switched_off += len(busy)
         return len(busy)
 
-    def _in_task(self, device: SimDevice) -> Callable[[], bool]:
+    def _in_task(self, device: SimDevice, task: str) -> Callable[[], bool]:
         """Whether the device may go on with the task it checks in for now. Its conditions follow
         the task's own seconds (`SimClock.in_task`): what stops a task mid-way is the class's
-        `dropout_probability`, the end of the run, or the user in those seconds; compressed like
-        the day, 27% of a secure round's devices left it in its four seconds."""
+        `dropout_probability`, the end of the run (or of its training, `training_paused`: a training
+        task that went on would commit a round past `--rounds`), or the user in those seconds;
+        compressed like the day, 27% of a secure round's devices left it in its four seconds."""
         now = self.clock.in_task()
 
         def eligible() -> bool:
+            if task == "training" and self.training_paused:
+                return False
             return device.profile.conditions(now()).eligible and not self._stop[device.role].is_set()
 
         return eligible
@@ -512,7 +515,7 @@ class Fleet:
     ) -> Participation | None:
         """One attempt; None when the orchestrator could not be reached (the device waits)."""
         self.stats.in_task += 1
-        in_task = self._in_task(device)
+        in_task = self._in_task(device, task)
         try:
             async with self.connected(device) as client:
                 agent = DeviceAgent(

@@ -280,6 +280,11 @@ async def run_fleet(
             console.print(f"[yellow]population {name!r} exists: reusing it with its own settings[/]")
         attached = await attach(admin) if attach is not None else None
         start_committed = int(population["training_rounds_committed"])
+        limit = population["settings"].get("max_training_rounds")
+        if limit is not None and limit < start_committed + config.rounds:
+            # A population reused from an earlier run stopped at that run's count: this run's go on.
+            wanted = {"max_training_rounds": start_committed + config.rounds}
+            population = await admin_call(admin.change_settings(name, wanted, "android_sim run"))
         closed_before = {r["id"] for r in await admin_call(admin.rounds(name)) if r["status"] != "open"}
         console.print(
             f"population {name!r}: model version {population['current_version']}, "

@@ -114,6 +114,13 @@ def privacy_budget_spent(population: Population) -> bool:
     return allowed is not None and population.training_rounds_committed >= allowed
 
 
+def training_rounds_done(population: Population) -> bool:
+    """True when the population has committed its `max_training_rounds`: no training round opens
+    any more (until an admin raises the limit)."""
+    limit = config_of(population).settings.max_training_rounds
+    return limit is not None and population.training_rounds_committed >= limit
+
+
 def pipeline_of(settings: PopulationSettings, shapes: Mapping[str, tuple[int, ...]]) -> Pipeline:
     """The population's aggregation pipeline: its robust rule, its DP and its accountant."""
     return Pipeline(

@@ -172,6 +172,13 @@ class PopulationSettings(BaseModel):
         "or abandons its round (its weight, metrics and the round's counts stay); keep: kept for "
         "good (a plaintext delta reveals its device's data, as the threat model says)",
     )
+    max_training_rounds: int | None = Field(
+        None,
+        ge=1,
+        le=MAX_COUNT,
+        description="training rounds the population commits, then no training round opens (devices "
+        "are told so; evaluation rounds still run); null: no limit",
+    )
     evaluation_every: int = Field(
         0, ge=0, le=MAX_ROUND_REPORTS, description="open an evaluation round after every k commits"
     )

@@ -22,6 +22,7 @@ from orchestrator.populations.settings import PopulationSettings, settings_probl
 SAFE_TO_CHANGE = frozenset(
     {
         "target_reports",
+        "max_training_rounds",
         "oversampling",
         "min_reports",
         "round_duration_seconds",

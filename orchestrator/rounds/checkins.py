@@ -24,7 +24,7 @@ from sqlalchemy.orm.attributes import set_committed_value
 from orchestrator.aggregation.private import CLIP_NORM
 from orchestrator.db import Assignment, Population, Round, RoundAdmission
 from orchestrator.observability import metrics
-from orchestrator.populations.config import population_settings, privacy_budget_spent
+from orchestrator.populations.config import population_settings, privacy_budget_spent, training_rounds_done
 from orchestrator.populations.locks import (
     ADMISSION_COUNTERS,
     relock,
@@ -176,6 +176,11 @@ def checkin(
             # (On the wire a 200 rejection with Retry-After, like every "no task now" answer.)
             retry_after = max(settings.retry_after_seconds, 86400.0)
             answers.append(Refused(409, spent.message(), retry_after))
+            continue
+        if round_ is None and request.kind == TRAINING and training_rounds_done(population):
+            # Done until an admin raises the limit: devices ask again a day later, as above.
+            done = f"the population has committed its {settings.max_training_rounds} training rounds"
+            answers.append(Refused(409, done, max(settings.retry_after_seconds, 86400.0)))
             continue
         if round_ is None:
             tally[population.name, request.kind, "no_round"] += 1

@@ -40,6 +40,7 @@ from orchestrator.populations.config import (
     population_manifest,
     population_settings,
     privacy_budget_spent,
+    training_rounds_done,
 )
 from orchestrator.populations.locks import lock_admissions, lock_rounds
 from orchestrator.populations.model_versions import base_version, prune_model_versions, write_version
@@ -223,6 +224,7 @@ def _drop_outstanding(session: Session, population: Population, round_: Round, n
 def _may_open_training(population: Population, now: float) -> bool:
     return not (
         privacy_budget_spent(population)
+        or training_rounds_done(population)
         or idle_backoff.backing_off(population, now)
         or pausing.paused(population)
     )

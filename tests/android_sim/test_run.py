@@ -366,6 +366,7 @@ def test_a_stateful_fleet_keeps_locals_and_evaluates_on_seen_devices(work: Path)
     result = run(config, Console(width=120, record=True))
 
     assert result.rounds_committed >= 3
+    assert result.rounds_committed == config.rounds  # the server stops at --rounds (issue 49)
     report = json.loads(result.report_path.read_text())
     algorithm = report["algorithm"]
     assert algorithm["local_state"] == "keep" and algorithm["evaluation"].startswith("StandardEval")

@@ -530,3 +530,46 @@ def test_a_device_reads_the_populations_task_config_to_serve_as_training_does(
     assert (found.reconstruction_learning_rate, found.negatives_per_positive) == (0.25, 7)
     assert anonymous.status_code == 401
     assert unknown.status_code == 404 and "no population 'nope'" in unknown.json()["detail"]
+
+
+def test_a_population_stops_at_its_max_training_rounds_until_an_admin_raises_it(
+    server: Server, export: Callable[[ModelConfig], Path]
+) -> None:
+    # Prepare: one round of one report allowed, committed by one device's report.
+    model_dir = export(BIASED)
+    settings = json.dumps({"target_reports": 1, "max_training_rounds": 1})
+    assert admin_create_population(server.url, model_dir, "capped", settings).status_code == 201
+    manifest = load_manifest(model_dir)
+    zero = {s.name: np.zeros(s.shape, np.float32) for s in manifest.global_params}
+    url = f"{server.url}/v1/populations/capped/checkin"
+
+    def checkin() -> tuple[httpx.Response, dict[str, str]]:
+        headers = {"Authorization": f"Bearer {enroll(server.url)}"}
+        return httpx.post(url, json={"example_count": 10}, headers=headers, timeout=10), headers
+
+    first, headers = checkin()
+    body = encode_sparse_delta(zero, {"num_examples": "5", "metrics": "{}"})
+    binary = {**headers, "Content-Type": "application/octet-stream"}
+    assert httpx.post(
+        f"{server.url}{first.json()['report_url']}", content=body, headers=binary, timeout=10
+    ).is_success
+    admin = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+
+    # Execute: a check-in at the limit, then one after the admin raises it
+    at_limit, _ = checkin()
+    status = httpx.get(f"{server.url}/v1/admin/populations/capped", headers=admin, timeout=10).json()
+    raised = httpx.patch(
+        f"{server.url}/v1/admin/populations/capped/settings",
+        json={"settings": {"max_training_rounds": 2}, "operator": "test"},
+        headers=admin,
+        timeout=10,
+    )
+    after, _ = checkin()
+
+    # Assert: refused for a day with the reason, no round open; trains on once raised.
+    assert status["training_rounds_committed"] == 1
+    assert at_limit.status_code == 200 and at_limit.headers["Retry-After"] == "86400"
+    assert at_limit.json()["accepted"] is False
+    assert "committed its 1 training rounds" in at_limit.json()["reason"]
+    assert raised.status_code == 200, raised.text
+    assert after.json()["accepted"] is True, after.text

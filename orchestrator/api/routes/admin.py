@@ -27,7 +27,7 @@ from orchestrator.populations import model_versions
 from orchestrator.populations.config import population_manifest, population_settings
 from orchestrator.populations.locks import lock_population
 from orchestrator.populations.settings import MAX_SECONDS
-from orchestrator.populations.settings_changes import SettingsChangeError, change_settings
+from orchestrator.populations.settings_changes import SAFE_TO_CHANGE, SettingsChangeError, change_settings
 from orchestrator.rounds import idle_backoff, pausing, release
 from orchestrator.rounds.lifecycle import EVALUATION, advance, open_round, open_rounds, summarize_metrics
 from orchestrator.service.population_creation import ExportedModel, PopulationError, create_population
@@ -330,9 +330,7 @@ def archive(name: str, _: AdminDep, factory: SessionFactoryDep, clock: ClockDep)
     response_model=schemas.PopulationOut,
     summary="Change the settings that are safe to change while rounds run (from the next round on)",
     description='A JSON body `{"settings": {...}, "operator": "who"}`: the settings to change '
-    "(target_reports, oversampling, min_reports, round_duration_seconds, min_examples, "
-    "retry_after_seconds, keep_model_versions, evaluation_every, evaluation_target_reports, "
-    "min_evaluation_reports, evaluation_round_duration_seconds), validated as at creation, and who "
+    f"({', '.join(sorted(SAFE_TO_CHANGE))}), validated as at creation, and who "
     "changes them (kept with the caller's address, the time and the new settings version).",
     responses=schemas.refusals(
         {
