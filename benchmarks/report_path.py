@@ -20,9 +20,10 @@ pruning old versions, and the answer to the device are not on the path to it). P
   floor is 1 + the highest floor among the project modules it imports (contracts' leaves are 0):
   each climb is control going back up the layers to be sent down again;
 - hops: the stops entered by a call from another module (the traced block counts as one), with
-  the aggregation pipeline (orchestrator/pipeline and orchestrator/aggregation, the maths its
-  stages run) as one part, since the commit hands it a round in one call; a module's own helpers
-  and the stages' calls among themselves are inside the hop that entered them. And the climbs
+  the aggregation pipeline (orchestrator/aggregation's pipeline, its stages and the maths they
+  run; not the reference norm or DP's accountant) as one part, since the commit hands it a round
+  in one call; a module's own helpers and the stages' calls among themselves are inside the hop
+  that entered them. And the climbs
   among the hops, counted as for stops;
 - calls back up: the distinct calls on the path from a project function into one on a higher
   floor than its own (a callback, or a generator of a higher module that a lower one pulls from;
@@ -133,16 +134,27 @@ GENERATED = "<generated>"  # code with no source file (a dataclass's __init__)
 
 # The aggregation pipeline as one part: its package and the maths its stages run. The round's
 # commit hands it the round's contributions in one call (`Pipeline.aggregate`) and gets the mean
-# delta back, so what its stages call among themselves is inside that one hop.
-PIPELINE = ("orchestrator.aggregation.pipeline", "orchestrator.aggregation.maths")
+# delta back, so what its stages call among themselves is inside that one hop. The modules that
+# were `pipeline/` and `aggregation.py` before the package move, so that the figure still compares.
+PIPELINE = tuple(
+    f"orchestrator.aggregation.{name}"
+    for name in (
+        "pipeline",
+        "assemble",
+        "weighted_mean",
+        "robust",
+        "coordinate_wise",
+        "private",
+        "secure_sum",
+        "central_merge",
+        "maths",
+    )
+)
 
 
 def part_of(module: str) -> str:
     """The part a module belongs to for hops: the pipeline's modules are one, any other its own."""
-    for prefix in PIPELINE:
-        if module == prefix or module.startswith(prefix + "."):
-            return PIPELINE[0]
-    return module
+    return PIPELINE[0] if module in PIPELINE else module
 
 
 @dataclass
