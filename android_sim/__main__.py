@@ -9,11 +9,11 @@ import time
 from pathlib import Path
 from typing import Any, cast
 
-from android_sim import simulate_command
 from android_sim.builtin_next_word import TARGET_REPORTS as NEXT_WORD_TARGET_REPORTS
 from android_sim.movielens import DataFormatError, require_file
 from android_sim.options import algorithm, algorithm_arguments, model_arguments, parse_model_args
 from android_sim.run_config import DEFAULT_RATINGS, RunConfig, RunError
+from android_sim.simulation import command as simulate_command
 from contracts.command_line import CommandParser, quiet_on_closed_pipe
 from contracts.mixing import STRATEGIES
 

@@ -98,7 +98,7 @@ def user_workload(config: RunConfig, console: Console) -> Workload:
     devices = [oldest_first(d) for d in table.devices.values()]
     held_out = None
     if config.held_out is not None:
-        from android_sim.simulate_ranking import read_held_out  # it imports this module
+        from android_sim.simulation.ranking import read_held_out  # it imports this module
 
         try:
             held_out = frozenset(read_held_out(config.held_out, [d.device_id for d in devices]))

@@ -28,9 +28,9 @@ from typing import Any
 
 import numpy as np
 
-from android_sim.bench.protocol import UserSplit
-from android_sim.simulate_ranking import keep_future, score
-from android_sim.simulation import SimulationOptions, simulate
+from android_sim.simulation.protocol import UserSplit
+from android_sim.simulation.ranking import keep_future, score
+from android_sim.simulation.simulate import SimulationOptions, simulate
 from android_sim.workload import Workload, newest_first
 from contracts.task_config import TaskConfig
 from device_runtime.examples_table import DeviceExamples

@@ -1,6 +1,6 @@
 """Device runtime benchmark: client task time, top-10 latency, peak RSS, model size.
 
-    ./dev bench            (or: python benchmarks/bench_device_runtime.py [--repeats N])
+    ./dev bench            (or: python -m benchmarks.device [--repeats N])
 
 Exports 3,706 x 50 and 20,000 x 50 models (TensorFlow, in a subprocess), then measures
 each in a fresh process where importing TensorFlow is blocked, once per interpreter:
@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+
 SIZES = ((3706, 50), (20000, 50))
 BACKENDS = ("ai_edge_litert", "tflite_runtime")
 
@@ -128,7 +128,9 @@ def export(num_items: int, dim: int, out: Path) -> dict[str, float]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m benchmarks.device",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--repeats", type=int, default=50)
     parser.add_argument("--child", nargs=2, metavar=("MODEL_DIR", "BACKEND"), help=argparse.SUPPRESS)
@@ -149,7 +151,7 @@ def main() -> int:
                     "import runpy, sys\n"
                     f"sys.argv = ['bench', '--child', {str(out)!r}, {backend!r}, "
                     f"'--repeats', '{args.repeats}']\n"
-                    f"runpy.run_path({__file__!r}, run_name='__main__')\n"
+                    "runpy.run_module('benchmarks.device', run_name='__main__')\n"
                 )
                 child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
                 if child.returncode != 0:

@@ -1,6 +1,6 @@
 """Fleet benchmark: the simulator against the real HTTP orchestrator, and at scale.
 
-    ./dev bench-fleet        (or: python benchmarks/bench_fleet.py)
+    ./dev bench-fleet        (or: python -m benchmarks.fleet)
 
 Prints:
 1. Simulated client tasks per second through the real HTTP orchestrator (its own process,
@@ -28,28 +28,24 @@ from typing import Any
 
 import httpx
 import numpy as np
+from rich.console import Console
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from rich.console import Console  # noqa: E402
-
-from android_sim.admin import AdminClient  # noqa: E402
-from android_sim.builtin_data import export, model_config, population_settings  # noqa: E402
-from android_sim.device_data import expression_fleet  # noqa: E402
-from android_sim.expressions import SyntheticConfig  # noqa: E402
-from android_sim.fleet import write_store  # noqa: E402
-from android_sim.network import Connector  # noqa: E402
-from android_sim.profiles import DeviceClass  # noqa: E402
-from android_sim.run import run_async  # noqa: E402
-from android_sim.run_config import RunConfig  # noqa: E402
-from android_sim.session import SIMULATED_FLEET_LIMITS  # noqa: E402
-from device_runtime.agent import DeviceAgent, Participation  # noqa: E402
-from device_runtime.example_store import ExampleStore  # noqa: E402
-from device_runtime.orchestrator_client import OrchestratorClient  # noqa: E402
-from device_runtime.privacy_policy import PrivacyPolicy  # noqa: E402
-from device_runtime.task_runner import TaskRunner  # noqa: E402
-from orchestrator.local import LocalOrchestrator  # noqa: E402
+from android_sim.admin import AdminClient
+from android_sim.builtin_data import export, model_config, population_settings
+from android_sim.device_data import expression_fleet
+from android_sim.expressions import SyntheticConfig
+from android_sim.fleet import write_store
+from android_sim.network import Connector
+from android_sim.profiles import DeviceClass
+from android_sim.run import run_async
+from android_sim.run_config import RunConfig
+from android_sim.session import SIMULATED_FLEET_LIMITS
+from device_runtime.agent import DeviceAgent, Participation
+from device_runtime.example_store import ExampleStore
+from device_runtime.orchestrator_client import OrchestratorClient
+from device_runtime.privacy_policy import PrivacyPolicy
+from device_runtime.task_runner import TaskRunner
+from orchestrator.local import LocalOrchestrator
 
 # The benchmark's phones take plaintext rounds (it measures the server's throughput).
 POLICY = PrivacyPolicy.for_simulation("plaintext")
@@ -217,7 +213,9 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m benchmarks.fleet",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--devices", type=int, default=300, help="fleet size for the transport comparison")
     parser.add_argument("--rounds", type=int, default=20, help="rounds per transport")

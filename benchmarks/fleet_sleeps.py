@@ -1,7 +1,7 @@
 """How late a fleet shard's event loop runs when its devices sleep: `StopSwitch.sleep` (a timer and a
 future per sleep) against the sleep it replaced (`asyncio.wait_for` on one shared `asyncio.Event`).
 
-    .venv/bin/python benchmarks/bench_fleet_sleeps.py [--devices 50000] [--mean-sleep 30] [--seconds 20]
+    .venv/bin/python -m benchmarks.fleet_sleeps [--devices 50000] [--mean-sleep 30] [--seconds 20]
 
 Every device sleeps a random time (uniform, mean `--mean-sleep`), wakes and sleeps again, as a
 fleet's devices do between charging windows, rests and a refusal's Retry-After; nothing else runs.
@@ -71,7 +71,9 @@ async def measure(shared_event: bool, devices: int, mean_sleep: float, seconds: 
 
 def main() -> int:
     parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m benchmarks.fleet_sleeps",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--devices", type=int, default=50_000, help="sleeping devices (a shard's)")
     parser.add_argument("--mean-sleep", type=float, default=30.0, help="their mean sleep, seconds")

@@ -24,7 +24,13 @@ from typing import Any
 
 import numpy as np
 
-from android_sim.bench.federated import (
+from android_sim.builtin_data import model_config, population_settings
+from android_sim.device_data import DeviceData, FleetData, movielens_fleet
+from android_sim.fleet import write_store
+from android_sim.intervals import bootstrap_means, bootstrap_ratio, resample_rows
+from android_sim.run_config import RunConfig
+from android_sim.simulation.protocol import PROTOCOL_SEED, split_users
+from android_sim.simulation.rounds import (
     ClientWork,
     Devices,
     Report,
@@ -36,13 +42,7 @@ from android_sim.bench.federated import (
     recon_eval_work,
     train_federated,
 )
-from android_sim.bench.models import ModelCache
-from android_sim.bench.protocol import PROTOCOL_SEED, split_users
-from android_sim.builtin_data import model_config, population_settings
-from android_sim.device_data import DeviceData, FleetData, movielens_fleet
-from android_sim.fleet import write_store
-from android_sim.intervals import bootstrap_means, bootstrap_ratio, resample_rows
-from android_sim.run_config import RunConfig
+from benchmarks.model_cache import ModelCache
 from contracts.features import Examples
 from contracts.manifest import Manifest
 from contracts.params import Params

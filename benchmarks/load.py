@@ -1,7 +1,7 @@
 """Load benchmark: 1,200 simulated devices, 30% of them dropping out, against the orchestrator on
 loopback; SQLite with one server process, and PostgreSQL with 1, 2 and 4.
 
-    flock /tmp/cpu.lock python benchmarks/bench_load.py --postgres-url postgresql+psycopg://postgres@127.0.0.1:5432/postgres
+    flock /tmp/cpu.lock python -m benchmarks.load --postgres-url postgresql+psycopg://postgres@127.0.0.1:5432/postgres
 
 A device's visit: check in; if accepted, 70% report a sparse delta (150 changed rows of a 3,706 x
 50 model), 15% abort and 15% vanish (their assignment is dropped at the deadline). Rounds of 100
@@ -39,14 +39,10 @@ import numpy as np
 from sqlalchemy import create_engine, text
 from sqlalchemy.pool import NullPool
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from bench_orchestrator import client_delta, export, http_request, read_answer  # noqa: E402  (beside this file)
-
-from contracts.params import encode_sparse_delta  # noqa: E402
-from orchestrator.local import LocalOrchestrator  # noqa: E402
-from tests.orchestrator.conftest import ADMIN_TOKEN, admin_create_population  # noqa: E402
+from benchmarks.server import client_delta, export, http_request, read_answer
+from contracts.params import encode_sparse_delta
+from orchestrator.local import LocalOrchestrator
+from tests.orchestrator.conftest import ADMIN_TOKEN, admin_create_population
 
 SETTINGS = {
     "target_reports": 100,
@@ -457,7 +453,9 @@ def process_counts(text: str) -> list[int]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m benchmarks.load",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--postgres-url", default=os.environ.get("TEST_POSTGRES_URL"), help="an admin URL")
     parser.add_argument("--devices", type=int, default=1200)

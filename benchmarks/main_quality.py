@@ -1,7 +1,7 @@
 """The main job's quality in about a minute: its data, split, model, task and held-out evaluation,
-with the rounds run in-process (`android_sim.simulation`) instead of by the fleet over HTTP.
+with the rounds run in-process (`android_sim.simulation.simulate`) instead of by the fleet over HTTP.
 
-    .venv/bin/python benchmarks/bench_main_quality.py [SETTINGS_JSON ...]
+    .venv/bin/python -m benchmarks.main_quality [SETTINGS_JSON ...]
 
 Each argument is one configuration, a JSON object over the main job's defaults:
 `{"task": {...}}` task config fields, `{"server": {...}}` server optimizer fields,
@@ -41,32 +41,29 @@ from typing import Any
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from android_sim import recommendations  # noqa: E402
-from android_sim.algorithm import optimizer_over  # noqa: E402
-from android_sim.bench.federated import Rounds, Server  # noqa: E402
-from android_sim.bench.protocol import UserSplit  # noqa: E402
-from android_sim.bench.quality import SECURE_BITS, SECURE_OVERSAMPLING  # noqa: E402
-from android_sim.bench.quality_methods import SecureQuantization  # noqa: E402
-from android_sim.builtin_data import builtin_workload, export, load_data, model_config  # noqa: E402
-from android_sim.hit_rates import HISTORY_BUCKETS, expected_hit_rate, history_bucket  # noqa: E402
-from android_sim.intervals import Interval, bootstrap_means, resample_rows  # noqa: E402
-from android_sim.recommendations import HitRates, score_held_out  # noqa: E402
-from android_sim.run import future_count, write_store  # noqa: E402
-from android_sim.run_config import RunConfig  # noqa: E402
-from android_sim.simulate_command import simulation_task  # noqa: E402
-from android_sim.simulation import SimulationOptions, simulate  # noqa: E402
-from android_sim.workload import newest_first, split_newest  # noqa: E402
-from contracts.manifest import Manifest  # noqa: E402
-from contracts.params import Params  # noqa: E402
-from contracts.task_config import TaskConfig  # noqa: E402
-from device_runtime.examples_table import store_path  # noqa: E402
-from device_runtime.recommender import Bagging, Recommendation, Recommender  # noqa: E402
-from model_runtime.tflite_model import TFLiteModel  # noqa: E402
-from orchestrator.aggregation import ServerOptimizerConfig  # noqa: E402
-from secure_aggregation.quantization import Layout  # noqa: E402
+from android_sim import recommendations
+from android_sim.algorithm import optimizer_over
+from android_sim.builtin_data import builtin_workload, export, load_data, model_config
+from android_sim.hit_rates import HISTORY_BUCKETS, expected_hit_rate, history_bucket
+from android_sim.intervals import Interval, bootstrap_means, resample_rows
+from android_sim.recommendations import HitRates, score_held_out
+from android_sim.run import future_count, write_store
+from android_sim.run_config import RunConfig
+from android_sim.simulation.command import simulation_task
+from android_sim.simulation.protocol import UserSplit
+from android_sim.simulation.rounds import Rounds, Server
+from android_sim.simulation.simulate import SimulationOptions, simulate
+from android_sim.workload import newest_first, split_newest
+from benchmarks.quality_methods import SecureQuantization
+from benchmarks.quality_study import SECURE_BITS, SECURE_OVERSAMPLING
+from contracts.manifest import Manifest
+from contracts.params import Params
+from contracts.task_config import TaskConfig
+from device_runtime.examples_table import store_path
+from device_runtime.recommender import Bagging, Recommendation, Recommender
+from model_runtime.tflite_model import TFLiteModel
+from orchestrator.aggregation import ServerOptimizerConfig
+from secure_aggregation.quantization import Layout
 
 # The keys that change only how the held-out devices serve: configurations that differ in these
 # alone share one training (the rounds are deterministic: the same spec trains the same globals).
@@ -254,7 +251,7 @@ def main() -> None:
         try:
             Bagging.from_json(spec.get("serve_bagging", {}))
         except ValueError as e:
-            sys.exit(f"bench_main_quality: {e}")
+            sys.exit(f"main_quality: {e}")
     baseline: dict[int, dict[int, float]] = {}  # the first configuration of each seed
     trained: dict[str, SimpleNamespace] = {}
     with tempfile.TemporaryDirectory() as work:

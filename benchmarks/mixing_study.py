@@ -1,7 +1,7 @@
 """The skewed setup of Augenstein et al. ("Mixing centralized and federated data"): items no training
 device holds, which public centralized data and held-out users' future do.
 
-`python -m android_sim.bench mixing` (README, "Mixing centralized data: the skewed setup").
+`python -m benchmarks.mixing` (README, "Mixing centralized data: the skewed setup").
 
 The setup, for implicit feedback (shares): users are split 80/10/10 (`split_users`); a tenth of the
 training users are *public accounts* whose whole histories form the centralized dataset (they do
@@ -43,10 +43,6 @@ from typing import Any
 
 import numpy as np
 
-from android_sim.bench.federated import Devices, Report, Rounds, Server, per_item_names, sparse_delta
-from android_sim.bench.implicit import K, TopK, _newest_first, _with_negatives, movielens_shares, score
-from android_sim.bench.models import ModelCache
-from android_sim.bench.protocol import split_users
 from android_sim.builtin_data import model_config, population_settings
 from android_sim.central_data import MIXING_STRATEGIES, central_only_rows
 from android_sim.device_data import DeviceData, FleetData, expression_fleet
@@ -54,6 +50,10 @@ from android_sim.expressions import SyntheticConfig
 from android_sim.fleet import write_store
 from android_sim.intervals import bootstrap_ratio, resample_rows
 from android_sim.run_config import RunConfig
+from android_sim.simulation.protocol import split_users
+from android_sim.simulation.rounds import Devices, Report, Rounds, Server, per_item_names, sparse_delta
+from benchmarks.implicit import K, TopK, _newest_first, _with_negatives, movielens_shares, score
+from benchmarks.model_cache import ModelCache
 from contracts.features import Examples
 from contracts.manifest import Manifest, load_manifest
 from contracts.mixing import CentralDataset, MixingConfig, encode_examples

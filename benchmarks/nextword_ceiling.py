@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from android_sim.bench.federated import Devices, EvaluationWork
 from android_sim.intervals import Interval, bootstrap_ratio, resample_rows
 from android_sim.shakespeare import NextWordData
+from android_sim.simulation.rounds import Devices, EvaluationWork
 from contracts.features import Examples
 from contracts.params import Params
 from model_runtime.task_batches import TaskBatches, split_batches

@@ -1,8 +1,8 @@
-"""`python -m android_sim.bench nextword`: the Federated Reconstruction paper's Table 2 on Shakespeare.
+"""`python -m benchmarks.nextword`: the Federated Reconstruction paper's Table 2 on Shakespeare.
 
 Next-word prediction with the OOV rows global (FedAvg, one shared OOV bucket) or local
 (FedRecon, one or many buckets per device), for two vocabulary sizes, through the quality
-benchmark's machinery (`android_sim.bench.federated`): every device step is the exported
+benchmark's machinery (`android_sim.simulation.rounds`): every device step is the exported
 `.tflite` model's signatures (`model_export.models.next_word:build`), the server is the
 orchestrator's weighted mean and server optimizer, the transport a function call.
 
@@ -25,25 +25,6 @@ from typing import Any
 
 import numpy as np
 
-from android_sim.bench.federated import (
-    Devices,
-    EvaluationWork,
-    Rounds,
-    Server,
-    SupportQuery,
-    fedavg_work,
-    fedrecon_work,
-    per_item_names,
-    shared_locals_eval_work,
-    train_federated,
-)
-from android_sim.bench.nextword_ceiling import (
-    CENTRAL_EPOCHS,
-    CENTRAL_LEARNING_RATE,
-    Accuracies,
-    accuracies_with_intervals,
-    train_centrally,
-)
 from android_sim.intervals import Interval, bootstrap_ratio, resample_rows
 from android_sim.next_word import (
     MIN_ROLE_EXAMPLES,
@@ -55,6 +36,25 @@ from android_sim.next_word import (
 )
 from android_sim.next_word import export as export_model
 from android_sim.shakespeare import PAD, NextWordData, next_word_data, read_roles, time_split
+from android_sim.simulation.rounds import (
+    Devices,
+    EvaluationWork,
+    Rounds,
+    Server,
+    SupportQuery,
+    fedavg_work,
+    fedrecon_work,
+    per_item_names,
+    shared_locals_eval_work,
+    train_federated,
+)
+from benchmarks.nextword_ceiling import (
+    CENTRAL_EPOCHS,
+    CENTRAL_LEARNING_RATE,
+    Accuracies,
+    accuracies_with_intervals,
+    train_centrally,
+)
 from contracts.features import Examples
 from contracts.manifest import Manifest
 from contracts.params import Params

@@ -1,6 +1,6 @@
 """Next-word LSTM under TFLite: builtin ops only, its loss falls on the device, and it equals TensorFlow's.
 
-    python benchmarks/bench_next_word_tflite.py [--vocab-sizes 1000 10000] [--calls 10] [--steps 5]
+    python -m benchmarks.nextword_tflite [--vocab-sizes 1000 10000] [--calls 10] [--steps 5]
 
 A standalone check of `model_export.models.next_word` before the generic export wires it in.
 For each variant of the paper's Table 2 (FedAvg with 1 shared OOV bucket, FedRecon with 1 local
@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+
 BACKENDS = ("ai_edge_litert", "tflite_runtime")
 
 BLOCK_TENSORFLOW = """
@@ -246,8 +246,8 @@ def device(check: Check, folder: Path, backend: str) -> None:
 
 def _child(stage: str, check: Check, folder: Path, backend: str = "") -> None:
     code = (BLOCK_TENSORFLOW if stage == "device" else "") + (
-        f"import sys; sys.path.insert(0, {str(ROOT)!r})\n"
-        "from benchmarks.bench_next_word_tflite import Check, export, device\n"
+        # `-c` puts the working directory (ROOT) first on the path, where `benchmarks` is.
+        "from benchmarks.nextword_tflite import Check, export, device\n"
         "from pathlib import Path\n"
         f"check = Check(**{asdict(check)!r})\n"
         + (
@@ -314,7 +314,9 @@ VARIANTS = {"fedavg": (False, False), "fedrecon_one": (True, False), "fedrecon_m
 def main(argv: list[str] | None = None) -> None:
     d = Check()
     parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m benchmarks.nextword_tflite",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--vocab-sizes", type=int, nargs="+", default=[1000, 10000])
     parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))

@@ -1,7 +1,7 @@
 """How far rounds made only of hostile devices move the model, under the reference-norm rule
 before issue 26 (at most 1.25x a round) and the current one (orchestrator/norm_reference.py).
 
-    python benchmarks/bench_norm_bound.py [--honest-rounds 200] [--reports 20] [--seed 0]
+    python -m benchmarks.norm_bound [--honest-rounds 200] [--reports 20] [--seed 0]
 
 The server's own aggregation (orchestrator.aggregation.aggregate: per-tensor clipping to
 norm_clip_multiple x the reference, weights capped, the weighted mean; the commit computes the
@@ -22,16 +22,12 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from contracts.params import Params, SparseTensor  # noqa: E402
-from orchestrator.aggregation import RobustAggregation, aggregate, plan_round, tensor_norms  # noqa: E402
-from orchestrator.norm_reference import NormReference  # noqa: E402
+from contracts.params import Params, SparseTensor
+from orchestrator.aggregation import RobustAggregation, aggregate, plan_round, tensor_norms
+from orchestrator.norm_reference import NormReference
 
 ITEMS, DIM, ROWS = 200, 16, 10
 SHAPES = {"global_mean": (1,), "item_bias": (ITEMS,), "item_embeddings": (ITEMS, DIM)}
@@ -90,7 +86,9 @@ def play(
 
 def main() -> int:
     parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m benchmarks.norm_bound",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--honest-rounds", type=int, default=200)
     parser.add_argument("--reports", type=int, default=20)

@@ -3,7 +3,7 @@
 The same maths as the exported model's signatures for the protocol's MF (`protocol_model`: a
 score is <item_embeddings[item], user_embedding>, no biases, squared error), on the same packed
 batches (`TaskBatches`), so that the fast simulation can be timed against it
-(`benchmarks/bench_speed_baseline.py`):
+(`benchmarks/speed_baseline.py`):
 - `reconstruct`: the user vector from zeros, `num_steps` SGD steps over the support batches,
   cycling, each step on one batch's weighted mean loss plus l2_local x |u|^2, items frozen;
 - `update`: `num_steps` steps on the task's item rows, the user vector frozen, each on one
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from android_sim.bench.federated import SupportQuery
+from android_sim.simulation.rounds import SupportQuery
 from contracts.task_config import TaskConfig
 from model_export.config import ITEM, LABEL
 from model_runtime.support_query import num_steps

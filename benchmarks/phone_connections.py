@@ -1,6 +1,6 @@
 """The fleet's phones' connections: httpx's client CPU a request over httpcore and over aiohttp.
 
-    python benchmarks/bench_phone_connections.py [--clients 200] [--requests 25] [--repeats 3]
+    python -m benchmarks.phone_connections [--clients 200] [--requests 25] [--repeats 3]
 
 A loopback server in its own process answers a small JSON object to a 2 KB POST; in this process
 `--clients` httpx clients at once, each with its own connection as a simulated phone has (one
@@ -18,14 +18,10 @@ import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import httpx
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from android_sim.aiohttp_transport import AiohttpTransport  # noqa: E402
+from android_sim.aiohttp_transport import AiohttpTransport
 
 BODY = b"x" * 2_000
 ANSWER = b'{"phase": "share_keys", "padding": "' + b"a" * 300 + b'"}'
@@ -66,7 +62,9 @@ async def fleet(url: str, kind: str, clients: int, requests: int) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.phone_connections", description=__doc__.split("\n")[0]
+    )
     parser.add_argument("--clients", type=int, default=200)
     parser.add_argument("--requests", type=int, default=25, help="requests per client")
     parser.add_argument("--repeats", type=int, default=3)
@@ -82,7 +80,7 @@ def main() -> None:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    server = subprocess.Popen([sys.executable, __file__, "--serve", str(port)])
+    server = subprocess.Popen([sys.executable, "-m", "benchmarks.phone_connections", "--serve", str(port)])
     try:
         url = f"http://127.0.0.1:{port}"
         for _ in range(100):

@@ -17,7 +17,16 @@ from typing import Any
 
 import numpy as np
 
-from android_sim.bench.federated import (
+from android_sim.movielens import load_ratings
+from android_sim.simulation.clients import evaluation_task, packed_clients
+from android_sim.simulation.protocol import (
+    UserSplit,
+    all_batches,
+    pack_support_query,
+    time_split,
+    user_examples,
+)
+from android_sim.simulation.rounds import (
     Devices,
     PrivateLocals,
     Rounds,
@@ -31,20 +40,12 @@ from android_sim.bench.federated import (
     shared_locals_eval_work,
     train_federated,
 )
-from android_sim.bench.figures import total, user_intervals
-from android_sim.bench.models import ModelCache
-from android_sim.bench.protocol import (
-    UserSplit,
-    all_batches,
-    pack_support_query,
-    time_split,
-    user_examples,
-)
-from android_sim.bench.quality_report import (
+from android_sim.simulation.simulate import SimulationOptions, simulate
+from benchmarks.figures import total, user_intervals
+from benchmarks.model_cache import ModelCache
+from benchmarks.quality_report import (
     MethodResult,
 )
-from android_sim.movielens import load_ratings
-from android_sim.simulation import SimulationOptions, evaluation_task, packed_clients, simulate
 from contracts.features import Examples
 from contracts.manifest import Manifest
 from contracts.params import Params

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from android_sim.bench.figures import paired_interval
+from benchmarks.figures import paired_interval
 from model_runtime.tflite_model import EvaluationSums
 
 QUANTIZATION_RMSE = 0.002  # issue 11: quantization alone moves test RMSE by at most this

@@ -16,17 +16,19 @@ from typing import Any
 
 import numpy as np
 
-from android_sim.bench.federated import (
-    Rounds,
-)
-from android_sim.bench.figures import mean_over_runs_interval, paired_interval
-from android_sim.bench.implicit import movielens_shares, run_implicit
-from android_sim.bench.models import ModelCache
-from android_sim.bench.protocol import (
+from android_sim.device_data import expression_fleet
+from android_sim.expressions import SyntheticConfig
+from android_sim.simulation.protocol import (
     UserSplit,
     split_users,
 )
-from android_sim.bench.quality_methods import (
+from android_sim.simulation.rounds import (
+    Rounds,
+)
+from benchmarks.figures import mean_over_runs_interval, paired_interval
+from benchmarks.implicit import movielens_shares, run_implicit
+from benchmarks.model_cache import ModelCache
+from benchmarks.quality_methods import (
     BETTER,
     CENTRALIZED,
     FAITHFUL,
@@ -42,7 +44,7 @@ from android_sim.bench.quality_methods import (
     run_shared_user,
     whole_user_model,
 )
-from android_sim.bench.quality_report import (
+from benchmarks.quality_report import (
     MethodResult,
     ceiling_note,
     check_targets,
@@ -51,9 +53,7 @@ from android_sim.bench.quality_report import (
     quality_table,
     shown,
 )
-from android_sim.bench.staleness import StalenessOptions, plot_staleness, run_staleness
-from android_sim.device_data import expression_fleet
-from android_sim.expressions import SyntheticConfig
+from benchmarks.staleness import StalenessOptions, plot_staleness, run_staleness
 from contracts.task_config import TaskConfig
 from orchestrator.differential_privacy import DPConfig, epsilon, population_size_for
 

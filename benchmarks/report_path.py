@@ -1,6 +1,6 @@
 """How far one report travels: the path from the report route to the new model version.
 
-    python benchmarks/report_path.py [--model-dir DIR] [--show]
+    python -m benchmarks.report_path [--model-dir DIR] [--show]
 
 Sets up a real SQLite population whose rounds commit at one report, commits one round, then
 traces (sys.setprofile) the transaction the report route hands the next report to
@@ -52,18 +52,17 @@ from typing import Any
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from contracts.manifest import Manifest
+from contracts.params import encode_sparse_delta
+from model_export.config import ModelConfig
+from model_export.in_subprocess import export_in_subprocess
+from orchestrator import rounds
+from orchestrator.db import make_engine
+from orchestrator.devices import enroll
+from orchestrator.migrate import migrate
+from orchestrator.populations import ExportedModel, PopulationError, create_population
 
-from contracts.manifest import Manifest  # noqa: E402
-from contracts.params import encode_sparse_delta  # noqa: E402
-from model_export.config import ModelConfig  # noqa: E402
-from model_export.in_subprocess import export_in_subprocess  # noqa: E402
-from orchestrator import rounds  # noqa: E402
-from orchestrator.db import make_engine  # noqa: E402
-from orchestrator.devices import enroll  # noqa: E402
-from orchestrator.migrate import migrate  # noqa: E402
-from orchestrator.populations import ExportedModel, PopulationError, create_population  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 PACKAGES = ("orchestrator", "contracts", "secure_aggregation", "model_runtime")
 MODEL = ModelConfig(num_items=200, embedding_dim=4, batch_size=5, max_batches=4)
@@ -342,7 +341,9 @@ def one_report(model_dir: Path, database: Path) -> Measured:
 
 def main() -> None:
     parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m benchmarks.report_path",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--model-dir", type=Path, help="an exported model (default: export a small one)")
     parser.add_argument("--show", action="store_true", help="print every stop with its floor")

@@ -1,9 +1,9 @@
 """What robust aggregation costs in quality: FedRecon on MovieLens with each server aggregation.
 
-    python benchmarks/bench_robust_aggregation.py [--rounds 500] [--settings faithful,better]
+    python -m benchmarks.robust_aggregation [--rounds 500] [--settings faithful,better]
 
 The quality benchmark's in-process FedRecon (the exported TFLite model doing the device maths,
-android_sim/bench), trained once per aggregation with the same clients each round:
+android_sim/simulation), trained once per aggregation with the same clients each round:
 - "weighted mean": the paper's plain FedAvg mean (what the quality benchmark reports);
 - "defaults": the orchestrator's defaults (per-tensor clipping at 3x the reference norm, weights
   capped at 5x the round's median; aggregation.RobustAggregation);
@@ -23,19 +23,16 @@ import json
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+import numpy as np
 
-import numpy as np  # noqa: E402
-
-from android_sim.bench.federated import Rounds  # noqa: E402
-from android_sim.bench.figures import paired_interval  # noqa: E402
-from android_sim.bench.models import ModelCache  # noqa: E402
-from android_sim.bench.protocol import split_users  # noqa: E402
-from android_sim.bench.quality_methods import BETTER, FAITHFUL, load_dataset, run_fedrecon  # noqa: E402
-from android_sim.bench.quality_report import CEILINGS, MethodResult, shown  # noqa: E402
-from android_sim.run_config import DEFAULT_RATINGS  # noqa: E402
-from orchestrator.aggregation import RobustAggregation  # noqa: E402
+from android_sim.run_config import DEFAULT_RATINGS
+from android_sim.simulation.protocol import split_users
+from android_sim.simulation.rounds import Rounds
+from benchmarks.figures import paired_interval
+from benchmarks.model_cache import ModelCache
+from benchmarks.quality_methods import BETTER, FAITHFUL, load_dataset, run_fedrecon
+from benchmarks.quality_report import CEILINGS, MethodResult, shown
+from orchestrator.aggregation import RobustAggregation
 
 AGGREGATIONS: dict[str, RobustAggregation | None] = {
     "weighted mean": None,
@@ -50,7 +47,9 @@ METHOD = {"faithful": "fedrecon", "better": "better"}
 
 def main() -> int:
     parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m benchmarks.robust_aggregation",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--ratings", type=Path, default=DEFAULT_RATINGS)
     parser.add_argument("--models-dir", type=Path, default=Path("runs/models"))

@@ -1,7 +1,7 @@
 """Scale-out benchmark: the fast simulation on Ray, the HTTP fleet's rate, idle devices' memory,
 a projection to 10 million.
 
-    ./dev bench-scale        (or: python benchmarks/bench_scale.py [--rounds N] [--repeats N])
+    ./dev bench-scale        (or: python -m benchmarks.scale [--rounds N] [--repeats N])
     ./dev bench-scale --only-population --population 100000      (the large HTTP run alone; long)
     ./dev bench-scale --only-fleet --fleet-runs 2x40               (one HTTP fleet run alone)
     ./dev bench-scale --only-simulation --repeats 3                (the fast simulation alone)
@@ -44,11 +44,12 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from scale_cores import cpu_probe, load_average  # noqa: E402
-from scale_fleet import (  # noqa: E402
+from android_sim.datasets import DatasetError, cached_file
+from android_sim.run_config import RunError
+from benchmarks.model_cache import ModelCache
+from benchmarks.quality_methods import load_dataset, protocol_model
+from benchmarks.scale_cores import cpu_probe, load_average
+from benchmarks.scale_fleet import (
     FLEET_RUNS,
     fleet_rates,
     fleet_runs,
@@ -56,8 +57,8 @@ from scale_fleet import (  # noqa: E402
     population_run,
     print_fleet,
 )
-from scale_projection import print_projection, projection  # noqa: E402
-from scale_simulation import (  # noqa: E402
+from benchmarks.scale_projection import print_projection, projection
+from benchmarks.scale_simulation import (
     CLIENTS,
     commit_seconds,
     packed_bytes_per_device,
@@ -65,15 +66,12 @@ from scale_simulation import (  # noqa: E402
     simulation,
 )
 
-from android_sim.bench.models import ModelCache  # noqa: E402
-from android_sim.bench.quality_methods import load_dataset, protocol_model  # noqa: E402
-from android_sim.datasets import DatasetError, cached_file  # noqa: E402
-from android_sim.run_config import RunError  # noqa: E402
-
 
 def main() -> int:
     parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m benchmarks.scale",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--rounds", type=int, default=500, help="simulation rounds of 100 clients")
     parser.add_argument("--repeats", type=int, default=1, help="runs of each backend, alternating")

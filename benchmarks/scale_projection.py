@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from scale_simulation import CLIENTS
+from benchmarks.scale_simulation import CLIENTS
 
 TEN_MILLION = 10_000_000
 

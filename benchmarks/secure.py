@@ -1,6 +1,6 @@
 """Secure aggregation benchmark: a 3,706 x 50 model (MovieLens 1M-sized), 100 devices, 20% dropping.
 
-    ./dev bench-secure-aggregation   (or: python benchmarks/bench_secure_aggregation.py)
+    ./dev bench-secure-aggregation   (or: python -m benchmarks.secure)
 
 Prints:
 - device: the extra CPU a device spends per task under secure aggregation (quantizing its dense
@@ -33,27 +33,24 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from android_sim.network import Connector  # noqa: E402
-from contracts.manifest import load_manifest  # noqa: E402
-from contracts.params import encode_sparse_delta  # noqa: E402
-from contracts.protocol import Assignment  # noqa: E402
-from device_runtime.device_identity import DeviceIdentity  # noqa: E402
-from device_runtime.orchestrator_client import OrchestratorClient  # noqa: E402
-from device_runtime.privacy_policy import PrivacyPolicy  # noqa: E402
-from device_runtime.secure_round import SecureRoundDriver  # noqa: E402
-from enrollment_authority.authority import EnrollmentAuthority  # noqa: E402
-from model_export.config import ModelConfig  # noqa: E402
-from model_export.in_subprocess import export_in_subprocess  # noqa: E402
-from secure_aggregation import server  # noqa: E402
-from secure_aggregation.config import RoundParameters  # noqa: E402
-from secure_aggregation.device import DeviceSession, round_graph  # noqa: E402
-from secure_aggregation.messages import encode_vector, shares_to_json  # noqa: E402
-from secure_aggregation.neighbours import suggested_neighbours  # noqa: E402
-from secure_aggregation.quantization import Layout, quantize  # noqa: E402
-from tests.orchestrator.conftest import ADMIN_TOKEN, Server, admin_create_population  # noqa: E402
+from android_sim.network import Connector
+from contracts.manifest import load_manifest
+from contracts.params import encode_sparse_delta
+from contracts.protocol import Assignment
+from device_runtime.device_identity import DeviceIdentity
+from device_runtime.orchestrator_client import OrchestratorClient
+from device_runtime.privacy_policy import PrivacyPolicy
+from device_runtime.secure_round import SecureRoundDriver
+from enrollment_authority.authority import EnrollmentAuthority
+from model_export.config import ModelConfig
+from model_export.in_subprocess import export_in_subprocess
+from secure_aggregation import server
+from secure_aggregation.config import RoundParameters
+from secure_aggregation.device import DeviceSession, round_graph
+from secure_aggregation.messages import encode_vector, shares_to_json
+from secure_aggregation.neighbours import suggested_neighbours
+from secure_aggregation.quantization import Layout, quantize
+from tests.orchestrator.conftest import ADMIN_TOKEN, Server, admin_create_population
 
 NUM_ITEMS, DIM = 3706, 50
 PHASES = ("advertise", "share_keys", "masked_input", "unmasking")
@@ -233,7 +230,9 @@ def process_cpu_seconds(pid: int) -> float:
 
 def main() -> int:
     parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m benchmarks.secure",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--devices", type=int, default=100)
     parser.add_argument(

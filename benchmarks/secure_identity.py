@@ -1,6 +1,6 @@
 """What certified participants and the consistency check cost a device in a secure round.
 
-    python benchmarks/bench_secure_identity.py [--devices 100]
+    python -m benchmarks.secure_identity [--devices 100]
 
 In process, over a round of `--devices` devices with SecAgg+ neighbours (k about 6 log2 n) on a
 3,706 x 50 model (the secure aggregation benchmark's), no dropouts. Per device (medians over the
@@ -24,26 +24,22 @@ import json
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from enrollment_authority.authority import EnrollmentAuthority  # noqa: E402
-from secure_aggregation import server  # noqa: E402
-from secure_aggregation.config import RoundParameters  # noqa: E402
-from secure_aggregation.device import DeviceSession, round_graph  # noqa: E402
-from secure_aggregation.identity import SignedAdvertisement, SigningKey, verified_roster, verify  # noqa: E402
-from secure_aggregation.messages import (  # noqa: E402
+from enrollment_authority.authority import EnrollmentAuthority
+from secure_aggregation import server
+from secure_aggregation.config import RoundParameters
+from secure_aggregation.device import DeviceSession, round_graph
+from secure_aggregation.identity import SignedAdvertisement, SigningKey, verified_roster, verify
+from secure_aggregation.messages import (
     ciphertexts_to_json,
     encode_vector,
     shares_to_json,
 )
-from secure_aggregation.neighbours import suggested_neighbours  # noqa: E402
-from secure_aggregation.quantization import Layout, quantize  # noqa: E402
-from secure_aggregation.view import Confirmation, PartnerStatement, View, check_view  # noqa: E402
+from secure_aggregation.neighbours import suggested_neighbours
+from secure_aggregation.quantization import Layout, quantize
+from secure_aggregation.view import Confirmation, PartnerStatement, View, check_view
 
 NUM_ITEMS, DIM = 3706, 50
 CONTEXT = "bench/1/identity"
@@ -171,7 +167,9 @@ def measure(devices: int) -> dict[str, float]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m benchmarks.secure_identity",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--devices", type=int, default=100)
     args = parser.parse_args()

@@ -1,6 +1,6 @@
 """How often a secure round can still be unmasked, by secret-sharing threshold and dropout rate.
 
-    python benchmarks/bench_secure_threshold.py [--trials 300]
+    python -m benchmarks.secure_threshold [--trials 300]
 
 A round of n devices with the SecAgg+ graph of `suggested_neighbours(n)` neighbours (and twice as
 many); each device leaves independently with probability `dropout`, a third of those before each
@@ -15,11 +15,8 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from secure_aggregation import server
 from secure_aggregation.config import RoundParameters
@@ -47,7 +44,9 @@ def unmaskable_share(n: int, k: int, threshold: float, dropout: float, trials: i
 
 def main() -> int:
     parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m benchmarks.secure_threshold",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--trials", type=int, default=300)
     parser.add_argument("--devices", type=int, nargs="+", default=[100, 1000])

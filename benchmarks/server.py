@@ -1,6 +1,6 @@
 """Orchestrator benchmark: one server process on SQLite, a 3,706 x 50 model, load over loopback.
 
-    ./dev bench-orchestrator        (or: python benchmarks/bench_orchestrator.py)
+    ./dev bench-orchestrator        (or: python -m benchmarks.server)
 
 Prints:
 - check-ins/s: accepted check-ins (each creates an assignment) from many concurrent devices;
@@ -34,19 +34,16 @@ from urllib.parse import urlsplit
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from contracts.params import (  # noqa: E402
+from contracts.params import (
     SparseTensor,
     decode_sparse_delta,
     encode_sparse_delta,
 )
-from model_export.config import ModelConfig  # noqa: E402
-from model_export.in_subprocess import export_in_subprocess  # noqa: E402
-from orchestrator.pipeline.assemble import Pipeline, RoundInputs  # noqa: E402
-from orchestrator.population_settings import PopulationSettings  # noqa: E402
-from tests.orchestrator.conftest import Server, admin_create_population  # noqa: E402
+from model_export.config import ModelConfig
+from model_export.in_subprocess import export_in_subprocess
+from orchestrator.pipeline.assemble import Pipeline, RoundInputs
+from orchestrator.population_settings import PopulationSettings
+from tests.orchestrator.conftest import Server, admin_create_population
 
 NUM_ITEMS, DIM = 3706, 50
 
@@ -252,7 +249,9 @@ def load(url: str, model_dir: Path, args: argparse.Namespace) -> dict[str, objec
 
 def main() -> int:
     parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m benchmarks.server",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--checkins", type=int, default=3000)
     parser.add_argument("--report-rounds", type=int, default=5)

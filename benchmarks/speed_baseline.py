@@ -1,6 +1,6 @@
 """Speed baseline: the fast simulation against plain single-threaded numpy doing the same maths.
 
-    python benchmarks/bench_speed_baseline.py [--rounds 500] [--clients-per-round 100] [--repeats 3]
+    python -m benchmarks.speed_baseline [--rounds 500] [--clients-per-round 100] [--repeats 3]
 
 MovieLens 100K, the protocol's FedRecon (MF 1,682 x 50, `FAITHFUL`): `--rounds` rounds of
 `--clients-per-round` clients, each reconstructing its user vector and updating its items' rows,
@@ -8,7 +8,7 @@ the server's weighted mean and SGD step; ReconEval on the validation devices bef
 round and after the last. Both sides take the same packed batches and draw the same clients.
 - ours: `android_sim.simulation.simulate` (the exported `.tflite` model's signatures through
   the TFLite interpreter, `--workers` interpreter threads, the orchestrator's aggregation);
-- numpy: `android_sim.bench.numpy_fedrecon` (one thread: BLAS is held to one thread too).
+- numpy: `benchmarks.numpy_fedrecon` (one thread: BLAS is held to one thread too).
 Runs alternate (numpy, ours, numpy, ours, ...) in one process; the medians and their ratio are
 printed with the machine's load average before and after, and both sides' validation RMSE
 (they train the same model, so they must agree to a few 1e-3).
@@ -16,31 +16,35 @@ printed with the machine's load average before and after, and both sides' valida
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
+import statistics
+import sys
+import tempfile
+from dataclasses import replace
+from pathlib import Path
 
-# One BLAS thread for numpy: the baseline is single-threaded. Set before numpy loads.
-for _name in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
-    os.environ.setdefault(_name, "1")
+from android_sim.datasets import DatasetError, cached_file
+from android_sim.simulation.protocol import PROTOCOL_SEED, pack_support_query, split_users
+from android_sim.simulation.rounds import Rounds
+from android_sim.simulation.simulate import SimulationOptions, simulate
+from benchmarks import numpy_fedrecon
+from benchmarks.model_cache import ModelCache
+from benchmarks.quality_methods import FAITHFUL, load_dataset, protocol_model
+from model_runtime.tflite_model import TFLiteModel
 
-import argparse  # noqa: E402
-import json  # noqa: E402
-import statistics  # noqa: E402
-import sys  # noqa: E402
-import tempfile  # noqa: E402
-from dataclasses import replace  # noqa: E402
-from pathlib import Path  # noqa: E402
+# One BLAS thread for numpy: the baseline is single-threaded.
+BLAS_THREADS = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
-from android_sim.bench import numpy_fedrecon  # noqa: E402
-from android_sim.bench.federated import Rounds  # noqa: E402
-from android_sim.bench.models import ModelCache  # noqa: E402
-from android_sim.bench.protocol import PROTOCOL_SEED, pack_support_query, split_users  # noqa: E402
-from android_sim.bench.quality_methods import FAITHFUL, load_dataset, protocol_model  # noqa: E402
-from android_sim.datasets import DatasetError, cached_file  # noqa: E402
-from android_sim.simulation import SimulationOptions, simulate  # noqa: E402
-from model_runtime.tflite_model import TFLiteModel  # noqa: E402
+def one_blas_thread() -> None:
+    """Run this command again with one BLAS thread unless it has one: numpy reads the setting only
+    when it loads, before any of this module runs."""
+    unset = [name for name in BLAS_THREADS if name not in os.environ]
+    if unset:
+        command = [sys.executable, "-m", "benchmarks.speed_baseline", *sys.argv[1:]]
+        os.execve(sys.executable, command, {**os.environ, **dict.fromkeys(unset, "1")})
 
 
 def load_average() -> str:
@@ -49,7 +53,9 @@ def load_average() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m benchmarks.speed_baseline",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--rounds", type=int, default=500)
     parser.add_argument("--clients-per-round", type=int, default=100)
@@ -134,4 +140,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    one_blas_thread()
     raise SystemExit(main())

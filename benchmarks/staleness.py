@@ -22,7 +22,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from android_sim.bench.federated import (
+from android_sim.simulation.protocol import UserSplit, pack_support_query, seen_support_query, time_split
+from android_sim.simulation.rounds import (
     Devices,
     PrivateLocals,
     Rounds,
@@ -36,8 +37,7 @@ from android_sim.bench.federated import (
     seen_recon_eval_work,
     train_federated,
 )
-from android_sim.bench.figures import with_intervals
-from android_sim.bench.protocol import UserSplit, pack_support_query, seen_support_query, time_split
+from benchmarks.figures import with_intervals
 from contracts.features import Examples
 from contracts.params import Params
 from contracts.task_config import TaskConfig

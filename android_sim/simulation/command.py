@@ -1,7 +1,7 @@
 """`python -m android_sim simulate`: any model on per-device examples, rounds in one process.
 
 The same workload as `run` (your export or builder and examples table, or a built-in data set),
-trained by `android_sim.simulation`: no HTTP, no orchestrator process, the devices' maths through
+trained by `android_sim.simulation.simulate`: no HTTP, no orchestrator process, the devices' maths through
 the export's `.tflite` signatures and the orchestrator's aggregation. Writes simulation.json
 (held-out ReconEval, StandardEval on kept locals, the learning curve) and learning_curve.png.
 """
@@ -21,15 +21,14 @@ from rich.console import Console
 
 from android_sim import report
 from android_sim.algorithm import algorithm_task, optimizer_over
-from android_sim.bench.federated import Rounds
-from android_sim.bench.protocol import PROTOCOL_SEED, UserSplit
 from android_sim.intervals import INTERVAL
 from android_sim.options import algorithm, algorithm_arguments, model_arguments, parse_model_args
 from android_sim.run import FINAL_GLOBALS, load_workload
 from android_sim.run_config import DEFAULT_RATINGS, RunConfig
 from android_sim.run_report import model_summary, primary_metric, shown_metrics, with_interval
-from android_sim.simulate_predictions import judge, prediction_table
-from android_sim.simulate_ranking import (
+from android_sim.simulation.predictions import judge, prediction_table
+from android_sim.simulation.protocol import PROTOCOL_SEED, UserSplit
+from android_sim.simulation.ranking import (
     keep_future,
     ranking_split,
     ranking_table,
@@ -38,7 +37,8 @@ from android_sim.simulate_ranking import (
     score,
     summary,
 )
-from android_sim.simulation import SimulationOptions, simulate
+from android_sim.simulation.rounds import Rounds
+from android_sim.simulation.simulate import SimulationOptions, simulate
 from android_sim.tune import tune, write_settings
 from android_sim.workload import Workload, newest_first
 from contracts.params import encode_params

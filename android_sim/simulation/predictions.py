@@ -17,9 +17,9 @@ import numpy as np
 from rich import box
 from rich.table import Table
 
-from android_sim.bench.protocol import UserSplit
 from android_sim.intervals import INTERVAL, resample_rows
-from android_sim.simulation import SimulationOptions, simulation_clients
+from android_sim.simulation.protocol import UserSplit
+from android_sim.simulation.simulate import SimulationOptions, simulation_clients
 from contracts.features import Examples
 from contracts.params import Params
 from model_runtime.tflite_model import EvaluationSums

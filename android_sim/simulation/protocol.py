@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from android_sim.bench.federated import SupportQuery, TimeSplit
 from android_sim.movielens import Ratings
+from android_sim.simulation.rounds import SupportQuery, TimeSplit
 from contracts.features import Examples
 from contracts.manifest import Manifest
 from contracts.task_config import TaskConfig

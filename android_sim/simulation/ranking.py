@@ -20,11 +20,11 @@ import numpy as np
 from rich import box
 from rich.table import Table
 
-from android_sim.bench.protocol import UserSplit, split_users
 from android_sim.hit_rates import Evaluation
 from android_sim.intervals import Interval
 from android_sim.recommendations import METHODS, HitRates, score_held_out
 from android_sim.run import future_count, write_store
+from android_sim.simulation.protocol import UserSplit, split_users
 from android_sim.workload import Workload, split_newest
 from contracts.features import Examples
 from contracts.manifest import Manifest

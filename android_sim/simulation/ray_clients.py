@@ -28,8 +28,8 @@ from typing import Any
 import numpy as np
 import ray
 
-from android_sim.bench.federated import Devices, summed
-from android_sim.simulation import LocalClients, WorkKind, client_works
+from android_sim.simulation.clients import LocalClients, WorkKind, client_works
+from android_sim.simulation.rounds import Devices, summed
 from contracts.features import Examples
 from contracts.manifest import Manifest, load_manifest
 from contracts.params import Params

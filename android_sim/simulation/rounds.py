@@ -66,7 +66,7 @@ class ByUser(Protocol[T_co]):
 
 class ClientPool(Protocol[W_contra]):
     """Where a round's client tasks run: `Devices` (this process's threads, handed the work
-    itself), or a simulation's pool that names the work its workers hold (`android_sim.simulation`)."""
+    itself), or a simulation's pool that names the work its workers hold (`simulation.clients`)."""
 
     def set_global(self, params: Params) -> None: ...
 
@@ -77,7 +77,7 @@ class ClientPool(Protocol[W_contra]):
 class SummingPool(Protocol[W_contra]):
     """A pool whose workers add up their share of a round's reports themselves (`summed`), so that
     the server gets one partial sum a worker instead of every report: what keeps the server's part
-    of a round from growing with the round's clients (`android_sim.ray_clients.RayClients`)."""
+    of a round from growing with the round's clients (`android_sim.simulation.ray_clients.RayClients`)."""
 
     def map_summed(
         self, work: W_contra, users: Sequence[int], shapes: Mapping[str, tuple[int, ...]]

@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 
-from android_sim.bench.figures import (
+from benchmarks.figures import (
     draws,
     mean_over_runs_interval,
     paired_interval,
@@ -16,11 +16,11 @@ from android_sim.bench.figures import (
     user_intervals,
     with_intervals,
 )
-from android_sim.bench.implicit import TopK, lift, score
-from android_sim.bench.mixing import CEILING, StrategyResult, ceiling_share, table_line
-from android_sim.bench.nextword import CEILING as NEXTWORD_CEILING
-from android_sim.bench.nextword import Row, rows_json, share_interval, share_of_the_way, table
-from android_sim.bench.quality_report import CEILINGS, MethodResult, quality_table
+from benchmarks.implicit import TopK, lift, score
+from benchmarks.mixing_study import CEILING, StrategyResult, ceiling_share, table_line
+from benchmarks.nextword_study import CEILING as NEXTWORD_CEILING
+from benchmarks.nextword_study import Row, rows_json, share_interval, share_of_the_way, table
+from benchmarks.quality_report import CEILINGS, MethodResult, quality_table
 from model_runtime.tflite_model import EvaluationSums
 
 

@@ -8,9 +8,10 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from android_sim.bench.__main__ import main as bench_main
-from android_sim.bench.federated import Rounds, per_item_names
-from android_sim.bench.mixing import (
+from android_sim.expressions import SyntheticConfig
+from android_sim.simulation.rounds import Rounds, per_item_names
+from benchmarks.mixing import main as mixing_main
+from benchmarks.mixing_study import (
     Harness,
     SkewedSetup,
     _client_work,
@@ -20,8 +21,7 @@ from android_sim.bench.mixing import (
     run_strategy,
     train,
 )
-from android_sim.bench.models import ModelCache
-from android_sim.expressions import SyntheticConfig
+from benchmarks.model_cache import ModelCache
 from contracts.mixing import CentralDataset, MixingConfig, encode_examples
 from model_runtime.tflite_model import TFLiteModel
 from orchestrator.mixing import assignment_examples
@@ -171,7 +171,7 @@ def test_account_ids_or_else_the_pseudo_user_size_reach_the_servers_functions(ha
 
 
 def test_the_bench_refuses_a_pseudo_user_size_it_would_ignore(capsys: pytest.CaptureFixture[str]) -> None:
-    code = bench_main(["mixing", "--examples-per-pseudo-user", "8"])
+    code = mixing_main(["--examples-per-pseudo-user", "8"])
 
     assert code == 2
     assert "add --without-account-ids" in capsys.readouterr().err

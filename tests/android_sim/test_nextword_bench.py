@@ -10,8 +10,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from android_sim.bench.federated import Rounds
-from android_sim.bench.nextword import (
+from android_sim.shakespeare import NextWordData, RoleSplit, Vocabulary, next_word_data, read_roles
+from android_sim.simulation.rounds import Rounds
+from benchmarks.nextword_ceiling import train_centrally
+from benchmarks.nextword_study import (
     CEILING,
     Method,
     ModelShape,
@@ -24,8 +26,6 @@ from android_sim.bench.nextword import (
     table,
     task_config,
 )
-from android_sim.bench.nextword_ceiling import train_centrally
-from android_sim.shakespeare import NextWordData, RoleSplit, Vocabulary, next_word_data, read_roles
 from contracts.features import Examples
 from model_runtime.tflite_model import TFLiteModel
 from tests.conftest import NEXT_WORD_SIZES

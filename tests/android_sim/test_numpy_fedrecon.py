@@ -9,10 +9,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from android_sim.bench import numpy_fedrecon
-from android_sim.bench.federated import SupportQuery
-from android_sim.bench.protocol import pack_support_query
-from android_sim.bench.quality_methods import protocol_model
+from android_sim.simulation.protocol import pack_support_query
+from android_sim.simulation.rounds import SupportQuery
+from benchmarks import numpy_fedrecon
+from benchmarks.quality_methods import protocol_model
 from contracts.features import Examples
 from contracts.task_config import TaskConfig
 from model_export.config import ITEM, LABEL, ModelConfig

@@ -11,11 +11,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from android_sim.bench.federated import Devices, Rounds, Server, recon_eval_work
-from android_sim.bench.models import ModelCache
-from android_sim.bench.protocol import pack_support_query, split_users, time_split
-from android_sim.bench.quality import METHODS
-from android_sim.bench.quality_methods import (
+from android_sim.simulation.protocol import pack_support_query, split_users, time_split
+from android_sim.simulation.rounds import Devices, Rounds, Server, recon_eval_work
+from benchmarks.model_cache import ModelCache
+from benchmarks.quality_methods import (
     Dataset,
     FedReconSettings,
     SecureQuantization,
@@ -23,6 +22,7 @@ from android_sim.bench.quality_methods import (
     protocol_model,
     run_fedrecon,
 )
+from benchmarks.quality_study import METHODS
 from contracts.features import Examples
 from contracts.params import SparseTensor
 from contracts.task_config import SplitPolicy, TaskConfig
@@ -182,7 +182,7 @@ def test_secure_commit_is_the_uniform_mean_of_the_clipped_deltas_up_to_one_quant
 
 def _bench(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "android_sim.bench", "quality", *args],
+        [sys.executable, "-m", "benchmarks.quality", *args],
         capture_output=True,
         text=True,
         cwd=ROOT,
@@ -349,7 +349,7 @@ def _assert_within(figures: dict[str, float], intervals: dict[str, list[float]],
 
 
 def test_targets_are_checked_only_on_the_data_they_were_set_on() -> None:
-    from android_sim.bench.quality_report import check_targets
+    from benchmarks.quality_report import check_targets
 
     report = {
         "dataset": {"file": "u.data", "users": 943, "items": 1682},
