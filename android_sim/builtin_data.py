@@ -15,11 +15,11 @@ from typing import Any
 
 import numpy as np
 
-from android_sim.algorithm import algorithm_task, optimizer_over, round_settings
+from android_sim.algorithm import algorithm_task, optimizer_over
 from android_sim.central_data import centralized_examples
 from android_sim.device_data import DeviceData, FleetData, expression_fleet, movielens_fleet
 from android_sim.expressions import SyntheticConfig
-from android_sim.run_config import RunConfig
+from android_sim.run_config import RunConfig, round_settings
 from android_sim.workload import Workload
 from contracts.features import Examples
 from contracts.manifest import ManifestError, load_manifest

@@ -25,7 +25,7 @@ import numpy as np
 from rich.console import Console
 
 from android_sim.admin import AdminClient
-from android_sim.algorithm import algorithm_task, optimizer_over, round_settings, settings_problem
+from android_sim.algorithm import algorithm_task, optimizer_over, settings_problem
 from android_sim.builtin_data import builtin_workload, export, load_data, model_config
 from android_sim.builtin_next_word import next_word_workload
 from android_sim.central_data import central_only_rows
@@ -38,6 +38,7 @@ from android_sim.run_config import (
     RunError,
     RunResult,
     check_fleet_size,
+    round_settings,
     training_count,
 )
 from android_sim.run_report import write_report

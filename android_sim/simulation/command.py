@@ -22,9 +22,9 @@ from rich.console import Console
 from android_sim import report
 from android_sim.algorithm import algorithm_task, optimizer_over
 from android_sim.intervals import INTERVAL
-from android_sim.options import algorithm, algorithm_arguments, model_arguments, parse_model_args
+from android_sim.options import algorithm_arguments, model_arguments, shared_run_config
 from android_sim.run import FINAL_GLOBALS, load_workload
-from android_sim.run_config import DEFAULT_RATINGS, RunConfig
+from android_sim.run_config import DEFAULT_RATINGS
 from android_sim.run_report import model_summary, primary_metric, shown_metrics, with_interval
 from android_sim.simulation.predictions import judge, prediction_table
 from android_sim.simulation.protocol import PROTOCOL_SEED, UserSplit
@@ -183,12 +183,9 @@ def require_ray(option: str = "--backend ray") -> None:
 def main(args: argparse.Namespace, console: Console | None = None) -> dict[str, Any]:
     """Run the simulation the options describe; returns the report (also in `--out`)."""
     console = console or Console()
-    if args.data and (args.model_dir or args.model):
-        raise ValueError(
-            f"--data {args.data} is a built-in data set with its own model; not with --model-dir/--model"
-        )
     out = args.out or Path("runs") / time.strftime("simulate-%Y%m%d-%H%M%S")
-    task_overrides, server_overrides = algorithm(args)
+    config = shared_run_config(args, out)
+    task_overrides, server_overrides = config.task, config.server_optimizer
     rounds = Rounds(args.rounds, args.clients_per_round, args.evaluate_every, args.sampling_seed)
     if args.workers < 1:
         raise ValueError(f"workers must be >= 1, got {args.workers}")
@@ -201,20 +198,6 @@ def main(args: argparse.Namespace, console: Console | None = None) -> dict[str, 
         raise ValueError("--address is a Ray cluster's: give it with --backend ray")
     if args.backend == "ray":
         require_ray()
-    config = RunConfig(
-        work_dir=out,
-        model_dir=args.model_dir,
-        model=args.model,
-        model_args=parse_model_args(args.model_arg),
-        examples=args.examples,
-        data=args.data or RunConfig.data,
-        ratings=args.ratings,
-        devices=args.devices,
-        expressions=args.expressions,
-        seed=args.seed,
-        task=task_overrides,
-        server_optimizer=server_overrides,
-    )
     out.mkdir(parents=True, exist_ok=True)
 
     def enough(count: int) -> None:
