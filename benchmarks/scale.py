@@ -19,7 +19,7 @@ Prints:
    The held-out RMSE of every run is printed: the backends train the same model.
 2. The server's commit alone (the orchestrator's weighted mean and optimizer over a round's 100
    reports), which stays in the driver: what bounds a round however many workers there are.
-3. The HTTP fleet (`run`, the benchmark phones of bench_fleet.py: always eligible, no delays),
+3. The HTTP fleet (`run`, the benchmark phones of benchmarks.fleet: always eligible, no delays),
    each run against an orchestrator of its own: in one process, over 2 Ray actors
    (`--shards 2`), and over 2 actors with rounds of 200: client tasks/s against the device's own
    task rate on the same model, one core, times the cores (target >= 50%); where the time goes:

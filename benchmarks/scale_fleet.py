@@ -1,4 +1,4 @@
-"""bench_scale's HTTP fleet: its client tasks/s in one process and over Ray shards against the
+"""benchmarks.scale's HTTP fleet: its client tasks/s in one process and over Ray shards against the
 device's own task rate, where the time goes, idle devices' memory, and a large population."""
 
 from __future__ import annotations

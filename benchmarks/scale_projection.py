@@ -1,4 +1,4 @@
-"""bench_scale's projection: 10 million devices on a Ray cluster, from the measured rates."""
+"""benchmarks.scale's projection: 10 million devices on a Ray cluster, from the measured rates."""
 
 from __future__ import annotations
 

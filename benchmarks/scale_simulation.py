@@ -1,4 +1,4 @@
-"""bench_scale's fast simulation: the threads and Ray backends on MovieLens 100K, alternating,
+"""benchmarks.scale's fast simulation: the threads and Ray backends on MovieLens 100K, alternating,
 with the cores each run got; the Ray round trip and the server's commit, for the projection."""
 
 from __future__ import annotations

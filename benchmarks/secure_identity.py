@@ -6,7 +6,7 @@ In process, over a round of `--devices` devices with SecAgg+ neighbours (k about
 3,706 x 50 model (the secure aggregation benchmark's), no dropouts. Per device (medians over the
 round's devices), it times and sizes:
 - the secure round as before: keys, shares and their encryption, the masks, the masked input, the
-  unmasking answer (what bench_secure_aggregation.py calls the device's extra CPU), and its bytes up
+  unmasking answer (what benchmarks.secure calls the device's extra CPU), and its bytes up
   and down as the device driver counts them (JSON bodies, the raw masked input);
 - what the identity adds: signing its advertisement; checking every roster entry's certificate and
   signature and that no key repeats; signing its partner statement and the survivor set; checking
