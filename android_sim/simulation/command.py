@@ -39,7 +39,7 @@ from android_sim.simulation.ranking import (
 )
 from android_sim.simulation.rounds import Rounds
 from android_sim.simulation.simulate import SimulationOptions, simulate
-from android_sim.tune import tune, write_settings
+from android_sim.simulation.tune import tune, write_settings
 from android_sim.workload import Workload, newest_first
 from contracts.params import encode_params
 from contracts.task_config import SplitPolicy, TaskConfig
