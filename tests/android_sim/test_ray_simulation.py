@@ -18,7 +18,7 @@ from benchmarks.model_cache import ModelCache
 from benchmarks.quality_methods import load_dataset, protocol_model
 from contracts.task_config import LocalState, TaskConfig
 from orchestrator.aggregation import PartialSum, RobustAggregation
-from tests.android_sim.test_quality_bench import _write_ratings
+from tests.benchmarks.test_quality import _write_ratings
 
 
 @pytest.fixture(scope="module")
