@@ -1,8 +1,8 @@
 """`python -m android_sim simulate`: any model on per-device examples, rounds in one process.
 
 The same workload as `run` (your export or builder and examples table, or a built-in data set),
-trained by `android_sim.simulation.simulate`: no HTTP, no orchestrator process, the devices' maths through
-the export's `.tflite` signatures and the orchestrator's aggregation. Writes simulation.json
+trained by `simulate.simulate`: no HTTP, no orchestrator process, the devices' maths through the
+export's `.tflite` signatures and the orchestrator's aggregation. Writes simulation.json
 (held-out ReconEval, StandardEval on kept locals, the learning curve) and learning_curve.png.
 """
 
