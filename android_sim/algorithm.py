@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from orchestrator.populations.settings import PopulationSettings, settings_problems
 from pydantic import ValidationError
 
 from contracts.task_config import LocalState, TaskConfig
-from orchestrator.population_settings import PopulationSettings, settings_problems
 
 
 def algorithm_task(base: dict[str, Any], overrides: dict[str, Any]) -> TaskConfig:

@@ -13,11 +13,12 @@ import math
 from collections.abc import Mapping
 from pathlib import Path
 
+from orchestrator.aggregation.maths import ServerOptimizerConfig
+
 from android_sim.shakespeare import Vocabulary
 from contracts.manifest import Manifest, ManifestError, load_manifest
 from contracts.task_config import TaskConfig
 from model_export.in_subprocess import export_spec_in_subprocess
-from orchestrator.aggregation import ServerOptimizerConfig
 
 BUILDER = "model_export.models.next_word:build"
 SEQ_LEN, BATCH_SIZE, MAX_BATCHES = 20, 8, 8

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from orchestrator.aggregation.maths import ServerOptimizerConfig
+
 from android_sim.algorithm import algorithm_task, settings_problem
 from android_sim.datasets import default_file
 from android_sim.profiles import DEFAULT_MIX, DeviceClass
@@ -15,7 +17,6 @@ from android_sim.recommendations import HitRates
 from android_sim.shakespeare import DEFAULT_FOLDER as DEFAULT_SHAKESPEARE
 from contracts.mixing import MixingConfig, MixingError
 from contracts.task_config import LocalState, TaskConfig
-from orchestrator.aggregation import ServerOptimizerConfig
 from orchestrator.settings import admin_token_problem
 
 DEFAULT_RATINGS = default_file("movielens-100k")

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Generic, TypeVar
 
 import numpy as np
+from orchestrator.populations.settings import PopulationSettings
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -27,7 +28,6 @@ from device_runtime.privacy_policy import PrivacyPolicy
 from device_runtime.task_runner import TaskRunner
 from enrollment_authority.authority import EnrollmentAuthority
 from orchestrator.local import LocalOrchestrator
-from orchestrator.population_settings import PopulationSettings
 
 T = TypeVar("T")
 # Settings of the orchestrator a run starts: every simulated phone enrolls from this machine's

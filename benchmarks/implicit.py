@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from orchestrator.aggregation.maths import ServerOptimizerConfig
 
 from android_sim.builtin_data import model_config, population_settings
 from android_sim.device_data import DeviceData, FleetData, movielens_fleet
@@ -54,7 +55,6 @@ from model_export.config import ITEM, LABEL, Feedback
 from model_runtime.support_query import add_negatives, negative_weights, not_negatives, split_support_query
 from model_runtime.task_batches import TaskBatches
 from model_runtime.tflite_model import TFLiteModel
-from orchestrator.aggregation import ServerOptimizerConfig
 
 K = 10
 SHARE_RATING = 4.0

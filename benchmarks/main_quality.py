@@ -40,6 +40,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
+from orchestrator.aggregation.maths import ServerOptimizerConfig
 
 from android_sim import recommendations
 from android_sim.algorithm import optimizer_over
@@ -62,7 +63,6 @@ from contracts.task_config import TaskConfig
 from device_runtime.examples_table import store_path
 from device_runtime.recommender import Bagging, Recommendation, Recommender
 from model_runtime.tflite_model import TFLiteModel
-from orchestrator.aggregation import ServerOptimizerConfig
 from secure_aggregation.quantization import Layout
 
 # The keys that change only how the held-out devices serve: configurations that differ in these

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from orchestrator.aggregation.maths import ServerOptimizerConfig
 
 from android_sim.intervals import Interval, bootstrap_ratio, resample_rows
 from android_sim.next_word import (
@@ -62,7 +63,6 @@ from contracts.task_config import TaskConfig
 from model_runtime.support_query import num_steps, reconstruct_locals
 from model_runtime.task_batches import TaskBatches, split_batches
 from model_runtime.tflite_model import EvaluationSums, TFLiteModel
-from orchestrator.aggregation import ServerOptimizerConfig
 
 
 @dataclass(frozen=True)

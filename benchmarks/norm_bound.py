@@ -1,9 +1,9 @@
 """How far rounds made only of hostile devices move the model, under the reference-norm rule
-before issue 26 (at most 1.25x a round) and the current one (orchestrator/norm_reference.py).
+before issue 26 (at most 1.25x a round) and the current one (orchestrator/aggregation/norm_reference.py).
 
     python -m benchmarks.norm_bound [--honest-rounds 200] [--reports 20] [--seed 0]
 
-The server's own aggregation (orchestrator.aggregation.aggregate: per-tensor clipping to
+The server's own aggregation (orchestrator.aggregation.maths.aggregate: per-tensor clipping to
 norm_clip_multiple x the reference, weights capped, the weighted mean; the commit computes the
 same, tests/orchestrator/test_rounds.py) on a MovieLens-shaped model's global tensors
 (global_mean (1,), item_bias (200,), item_embeddings (200, 16)) with the server optimizer SGD
@@ -24,10 +24,10 @@ import argparse
 import sys
 
 import numpy as np
+from orchestrator.aggregation.maths import RobustAggregation, aggregate, plan_round, tensor_norms
+from orchestrator.aggregation.norm_reference import NormReference
 
 from contracts.params import Params, SparseTensor
-from orchestrator.aggregation import RobustAggregation, aggregate, plan_round, tensor_norms
-from orchestrator.norm_reference import NormReference
 
 ITEMS, DIM, ROWS = 200, 16, 10
 SHAPES = {"global_mean": (1,), "item_bias": (ITEMS,), "item_embeddings": (ITEMS, DIM)}

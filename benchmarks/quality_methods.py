@@ -16,6 +16,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from orchestrator.aggregation.differential_privacy import DPConfig
+from orchestrator.aggregation.maths import RobustAggregation, ServerOptimizerConfig
 
 from android_sim.movielens import load_ratings
 from android_sim.simulation.clients import evaluation_task, packed_clients
@@ -55,8 +57,6 @@ from model_export.config import ModelConfig
 from model_runtime.support_query import num_steps
 from model_runtime.task_batches import TaskBatches
 from model_runtime.tflite_model import EvaluationSums, TFLiteModel
-from orchestrator.aggregation import RobustAggregation, ServerOptimizerConfig
-from orchestrator.differential_privacy import DPConfig
 from secure_aggregation.config import RoundParameters
 from secure_aggregation.quantization import Layout
 

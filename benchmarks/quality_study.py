@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from orchestrator.aggregation.differential_privacy import DPConfig, epsilon, population_size_for
 
 from android_sim.device_data import expression_fleet
 from android_sim.expressions import SyntheticConfig
@@ -55,7 +56,6 @@ from benchmarks.quality_report import (
 )
 from benchmarks.staleness import StalenessOptions, plot_staleness, run_staleness
 from contracts.task_config import TaskConfig
-from orchestrator.differential_privacy import DPConfig, epsilon, population_size_for
 
 METHODS = (
     "fedrecon",

@@ -51,16 +51,18 @@ from types import FrameType
 from typing import Any
 
 import numpy as np
+from orchestrator.populations.locks import lock_population
+from orchestrator.rounds.refusals import Refused
+from orchestrator.service.population_creation import ExportedModel, PopulationError, create_population
 
 from contracts.manifest import Manifest
 from contracts.params import encode_sparse_delta
 from model_export.config import ModelConfig
 from model_export.in_subprocess import export_in_subprocess
-from orchestrator import rounds
 from orchestrator.db import make_engine
 from orchestrator.devices import enroll
 from orchestrator.migrate import migrate
-from orchestrator.populations import ExportedModel, PopulationError, create_population
+from orchestrator.rounds import checkins
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -130,7 +132,7 @@ GENERATED = "<generated>"  # code with no source file (a dataclass's __init__)
 # The aggregation pipeline as one part: its package and the maths its stages run. The round's
 # commit hands it the round's contributions in one call (`Pipeline.aggregate`) and gets the mean
 # delta back, so what its stages call among themselves is inside that one hop.
-PIPELINE = ("orchestrator.pipeline", "orchestrator.aggregation")
+PIPELINE = ("orchestrator.aggregation.pipeline", "orchestrator.aggregation.maths")
 
 
 def part_of(module: str) -> str:
@@ -315,12 +317,12 @@ def one_report(model_dir: Path, database: Path) -> Measured:
         for _ in range(2):
             with factory.begin() as session:
                 device_id, token = enroll(session, now)
-                population = rounds.lock_population(session, "p")
+                population = lock_population(session, "p")
                 assert population is not None
-                (accepted,) = rounds.checkin(
-                    session, population, [rounds.CheckIn(device_id, 20, "training")], now
+                (accepted,) = checkins.checkin(
+                    session, population, [checkins.CheckIn(device_id, 20, "training")], now
                 )
-            assert isinstance(accepted, rounds.Accepted), accepted
+            assert isinstance(accepted, checkins.Accepted), accepted
             delta = {s.name: np.zeros(s.shape, np.float32) for s in manifest.global_params}
             for array in delta.values():
                 array.reshape(-1)[:2] = 0.01
@@ -329,11 +331,11 @@ def one_report(model_dir: Path, database: Path) -> Measured:
             calls.append(call_type(accepted.assignment_id, token, body, "application/octet-stream"))
         with statements(engine) as counting:
             (answer,) = transaction(factory, calls[:1], now + 1.0)
-        assert not isinstance(answer, rounds.Refused), answer.message
+        assert not isinstance(answer, Refused), answer.message
         assert answer.round_status == "open", answer
         with statements(engine) as committing, traced() as trace:
             (answer,) = transaction(factory, calls[1:], now + 1.0)
-        assert not isinstance(answer, rounds.Refused), answer.message
+        assert not isinstance(answer, Refused), answer.message
         assert answer.round_status == "committed", answer
         measured.append(Measured(trace, committing, counting))
     return measured[-1]

@@ -24,6 +24,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+from orchestrator.aggregation.maths import RobustAggregation
 
 from android_sim.run_config import DEFAULT_RATINGS
 from android_sim.simulation.protocol import split_users
@@ -32,7 +33,6 @@ from benchmarks.figures import paired_interval
 from benchmarks.model_cache import ModelCache
 from benchmarks.quality_methods import BETTER, FAITHFUL, load_dataset, run_fedrecon
 from benchmarks.quality_report import CEILINGS, MethodResult, shown
-from orchestrator.aggregation import RobustAggregation
 
 AGGREGATIONS: dict[str, RobustAggregation | None] = {
     "weighted mean": None,

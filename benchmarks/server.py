@@ -33,6 +33,8 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import numpy as np
+from orchestrator.aggregation.assemble import Pipeline, RoundInputs
+from orchestrator.populations.settings import PopulationSettings
 
 from contracts.params import (
     SparseTensor,
@@ -41,8 +43,6 @@ from contracts.params import (
 )
 from model_export.config import ModelConfig
 from model_export.in_subprocess import export_in_subprocess
-from orchestrator.pipeline.assemble import Pipeline, RoundInputs
-from orchestrator.population_settings import PopulationSettings
 from tests.orchestrator.conftest import Server, admin_create_population
 
 NUM_ITEMS, DIM = 3706, 50

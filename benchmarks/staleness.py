@@ -22,6 +22,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from orchestrator.aggregation.maths import ServerOptimizerConfig
+
 from android_sim.simulation.protocol import UserSplit, pack_support_query, seen_support_query, time_split
 from android_sim.simulation.rounds import (
     Devices,
@@ -42,7 +44,6 @@ from contracts.features import Examples
 from contracts.params import Params
 from contracts.task_config import TaskConfig
 from model_runtime.tflite_model import TFLiteModel
-from orchestrator.aggregation import ServerOptimizerConfig
 
 
 @dataclass(frozen=True)

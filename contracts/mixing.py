@@ -65,7 +65,7 @@ class MixingConfig:
     # parallel_training, gradient_transfer, for a dataset without group ids (GROUP_TENSOR): the
     # server's pseudo-users are runs of this many consecutive examples (each gets its own
     # reconstructed locals); None: as many as fit one call with their negatives
-    # (orchestrator.central_training.pseudo_user_capacity). Ignored when the dataset has group ids:
+    # (orchestrator.populations.central_training.pseudo_user_capacity). Ignored when the dataset has group ids:
     # the groups are the pseudo-users.
     examples_per_pseudo_user: int | None = None
 
@@ -138,7 +138,7 @@ class MixingConfig:
 
 # The optional tensor of a centralized dataset that says which examples belong together (e.g. the
 # public account that shared them), so that the server's pseudo-users are those groups
-# (orchestrator.central_training.groups_of). Not an identifier, so never a feature's name.
+# (orchestrator.populations.central_training.groups_of). Not an identifier, so never a feature's name.
 GROUP_TENSOR = "@group"
 _GROUP_DTYPES = (np.dtype(np.int32), np.dtype(np.int64))
 

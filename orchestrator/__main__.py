@@ -16,6 +16,8 @@ from sqlalchemy.orm import Session
 
 from contracts.command_line import CommandParser, quiet_on_closed_pipe
 from orchestrator.console import commands as console
+from orchestrator.populations.config import population_manifest
+from orchestrator.populations.locks import lock_population
 from orchestrator.settings import Settings, server_settings_problem
 
 
@@ -89,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from orchestrator.db import Population, make_engine
     from orchestrator.migrate import DatabaseUnusable, migrate
-    from orchestrator.populations import ExportedModel, PopulationError, create_population
+    from orchestrator.service.population_creation import ExportedModel, PopulationError, create_population
 
     population_settings: Any = None
     if args.command == "create-population":
@@ -156,7 +158,7 @@ def _settings_json(raw: str) -> Any:
 
 def _mix(engine: Any, name: str, raw: str, examples: Path | None) -> int:
     from contracts.mixing import MAX_CENTRAL_BYTES, MixingError
-    from orchestrator import mixing, rounds
+    from orchestrator.populations import mixing
 
     try:
         config = json.loads(Path(raw[1:]).read_text() if raw.startswith("@") else raw)
@@ -167,12 +169,10 @@ def _mix(engine: Any, name: str, raw: str, examples: Path | None) -> int:
                 raise MixingError(f"{examples} is {size} bytes; the limit is {MAX_CENTRAL_BYTES}")
             blob = examples.read_bytes()
         with Session(engine) as session, session.begin():
-            population = rounds.lock_population(session, name)
+            population = lock_population(session, name)
             if population is None:
                 raise MixingError(f"no population {name!r}")
-            mixing.attach(
-                session, population, rounds.population_manifest(population), config, blob, time.time()
-            )
+            mixing.attach(session, population, population_manifest(population), config, blob, time.time())
             print(json.dumps(mixing.describe(session, population)))
     except (MixingError, json.JSONDecodeError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -27,7 +27,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from contracts.params import Params, SparseTensor, row_shape
-from orchestrator.norm_reference import (
+from orchestrator.aggregation.norm_reference import (
     HISTORY_ROUNDS,
     ROUND_GROWTH,
     WINDOW_GROWTH,
@@ -243,7 +243,7 @@ class RobustAggregation:
     trim_fraction: float = 0.1  # trimmed_mean: this fraction of the values dropped at each end
     norm_clip_multiple: float = 3.0
     max_weight_multiple: float = 5.0
-    # How the reference norm may move (orchestrator.norm_reference): at most this factor a
+    # How the reference norm may move (orchestrator.aggregation.norm_reference): at most this factor a
     # round, at most `reference_window_growth` over any `reference_window_rounds` rounds, and
     # never above the median of the last `reference_history_rounds` rounds' observations.
     reference_growth: float = ROUND_GROWTH
@@ -315,7 +315,7 @@ def plan_round(
     This round's bound is `norm_clip_multiple` x the reference the previous round left
     (`reference`); a population's first round, which has none, uses its own median norm. The
     next reference follows the rounds' median norms under the limits of
-    orchestrator.norm_reference, so that hostile rounds cannot ratchet it up.
+    orchestrator.aggregation.norm_reference, so that hostile rounds cannot ratchet it up.
     """
     names = sorted({name for n in norms for name in n})
     medians: dict[str, float] = {}

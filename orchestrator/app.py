@@ -23,7 +23,6 @@ from sqlalchemy.orm import Session, sessionmaker
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
-from orchestrator import metrics, rounds
 from orchestrator.api import openapi
 from orchestrator.api.deps import DATABASE_UNAVAILABLE
 from orchestrator.api.edge import Edge, VerifiedTokens
@@ -40,10 +39,13 @@ from orchestrator.api.routes import (
 from orchestrator.api.routes import metrics as metrics_route
 from orchestrator.dashboard import routes as dashboard
 from orchestrator.db import Population, make_engine, sessions_that_keep_what_they_load
-from orchestrator.logs import log_request
 from orchestrator.migrate import migrate
-from orchestrator.phase_changes import PHASE_CHANGES
-from orchestrator.population_config import config_of
+from orchestrator.observability import metrics
+from orchestrator.observability.logs import log_request
+from orchestrator.populations.config import config_of
+from orchestrator.populations.locks import lock_population
+from orchestrator.rounds.lifecycle import advance
+from orchestrator.rounds.secure.phase_changes import PHASE_CHANGES
 from orchestrator.service import checkins, reports, secure_messages, secure_states, waiting_room
 from orchestrator.settings import Settings
 
@@ -59,9 +61,9 @@ def tick(factory: sessionmaker[Session], now: float) -> None:
         names = list(session.scalars(select(Population.name)))
     for name in names:
         with factory.begin() as session:
-            population = rounds.lock_population(session, name)
+            population = lock_population(session, name)
             if population is not None:
-                rounds.advance(session, population, now)
+                advance(session, population, now)
 
 
 def start_up_work(factory: sessionmaker[Session], now: float) -> None:

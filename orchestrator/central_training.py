@@ -45,7 +45,7 @@ from model_runtime.support_query import (
 )
 from model_runtime.task_batches import TaskBatches, split_batches
 from model_runtime.tflite_model import ModelLoadError, SparseGradient, TFLiteModel
-from orchestrator.model_check import described
+from orchestrator.populations.model_check import described
 
 
 class CentralTrainingError(RuntimeError):

@@ -16,7 +16,7 @@ import logging
 from sqlalchemy.orm import Session
 
 from orchestrator.db import Population, Round
-from orchestrator.logs import log_on_commit
+from orchestrator.observability.logs import log_on_commit
 
 IDLE_BACKOFF_CAP_SECONDS = 3600.0
 log = logging.getLogger("orchestrator.rounds")

@@ -17,7 +17,7 @@ from typing import Any
 
 from sqlalchemy.orm import Session
 
-from orchestrator.on_commit import on_commit
+from orchestrator.observability.on_commit import on_commit
 
 _requests = logging.getLogger("orchestrator.requests")
 # What a LogRecord carries anyway; everything else on it came in through `extra=`.

@@ -27,7 +27,7 @@ from sqlalchemy import Engine, event
 from sqlalchemy.engine import ExceptionContext
 from sqlalchemy.orm import Session
 
-from orchestrator.on_commit import on_commit
+from orchestrator.observability.on_commit import on_commit
 
 REQUESTS = Counter(
     "orchestrator_http_requests",
@@ -41,7 +41,7 @@ REQUEST_SECONDS = Histogram(
     buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0),
 )
 # orchestrator_rounds_total (opened, committed, abandoned) is read from the database at each
-# scrape: orchestrator/round_metrics.py.
+# scrape: orchestrator/observability/round_counter.py.
 ROUNDS_ABANDONED = Counter(
     "orchestrator_rounds_abandoned",
     "Rounds that closed without committing, by the phase they stopped in and what ended them "

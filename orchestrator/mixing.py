@@ -29,10 +29,10 @@ from contracts.mixing import (
 )
 from contracts.params import Params
 from contracts.task_config import LocalState, TaskConfig
-from orchestrator import central_training
-from orchestrator.central_training import CentralJob, job_key
 from orchestrator.db import Artifact, CentralizedData, Population
-from orchestrator.population_settings import PopulationSettings
+from orchestrator.populations import central_training
+from orchestrator.populations.central_training import CentralJob, job_key
+from orchestrator.populations.settings import PopulationSettings
 
 
 def attach(

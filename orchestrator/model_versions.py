@@ -12,7 +12,7 @@ from sqlalchemy.orm import Session
 from contracts.manifest import Manifest
 from contracts.params import Params, decode_params, encode_params
 from orchestrator.db import ModelVersion, Population, Round
-from orchestrator.on_commit import on_commit
+from orchestrator.observability.on_commit import on_commit
 
 # The model version this process committed last, per population: the next round's commit starts
 # from it. Reading it back and decoding it (parameters and optimizer state, 1.5 MB each for

@@ -9,7 +9,7 @@ import logging
 from sqlalchemy.orm import Session
 
 from orchestrator.db import Population
-from orchestrator.logs import log_on_commit
+from orchestrator.observability.logs import log_on_commit
 
 log = logging.getLogger("orchestrator.rounds")
 

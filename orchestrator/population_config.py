@@ -11,11 +11,11 @@ from sqlalchemy.orm import object_session
 
 from contracts.manifest import Manifest
 from contracts.task_config import TaskConfig
-from orchestrator.aggregation import ServerOptimizerConfig
+from orchestrator.aggregation.assemble import Pipeline
+from orchestrator.aggregation.differential_privacy import DPConfig
+from orchestrator.aggregation.maths import ServerOptimizerConfig
 from orchestrator.db import Population
-from orchestrator.differential_privacy import DPConfig
-from orchestrator.pipeline.assemble import Pipeline
-from orchestrator.population_settings import PopulationSettings
+from orchestrator.populations.settings import PopulationSettings
 
 T = TypeVar("T")
 

@@ -9,8 +9,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from contracts.task_config import FLOAT32_MAX, INT32_MAX, TASK_CONFIG_MAXIMA, TaskConfig
-from orchestrator.aggregation import RobustAggregation, ServerOptimizerConfig
-from orchestrator.differential_privacy import DPConfig, PrivacySpent, privacy_spent
+from orchestrator.aggregation.differential_privacy import DPConfig, PrivacySpent, privacy_spent
+from orchestrator.aggregation.maths import RobustAggregation, ServerOptimizerConfig
 from orchestrator.limits import MAX_COUNT
 from orchestrator.setting_ranges import Range, field_ranges
 

@@ -15,11 +15,11 @@ from sqlalchemy.orm import Session
 from contracts.manifest import INITIAL_GLOBAL_FILE, MANIFEST_FILE, MODEL_FILE, Manifest, ManifestError
 from contracts.params import ParamsError, decode_params, encode_params
 from contracts.task_config import TaskConfig
-from orchestrator.aggregation import init_state
+from orchestrator.aggregation.maths import init_state
 from orchestrator.db import Artifact, ModelVersion, Population
-from orchestrator.model_check import ModelUnusable, check_model
-from orchestrator.population_settings import PopulationSettings, settings_problems
-from orchestrator.rounds import TRAINING, open_round
+from orchestrator.populations.model_check import ModelUnusable, check_model
+from orchestrator.populations.settings import PopulationSettings, settings_problems
+from orchestrator.rounds.lifecycle import TRAINING, open_round
 
 
 class PopulationError(ValueError):

@@ -17,11 +17,11 @@ from contracts.params import (
     encode_sparse_delta,
     read_metadata,
 )
+from orchestrator.aggregation.private import CLIP_NORM, WITHIN_CLIP
 from orchestrator.db import Round
 from orchestrator.limits import MAX_METRIC_MAGNITUDE, MAX_REPORT_HEADER_BYTES, json_document
-from orchestrator.pipeline.private import CLIP_NORM, WITHIN_CLIP
-from orchestrator.population_config import PopulationConfig
-from orchestrator.refusals import Refused
+from orchestrator.populations.config import PopulationConfig
+from orchestrator.rounds.refusals import Refused
 
 MAX_METRICS = 64
 

@@ -21,8 +21,9 @@ from sqlalchemy import Update, bindparam, update
 from sqlalchemy.orm import Session
 from sqlalchemy.orm.attributes import set_committed_value
 
-from orchestrator import round_state, secure_round_state
 from orchestrator.db import Round, SecureRound
+from orchestrator.rounds import state as round_state
+from orchestrator.rounds.secure import state as secure_round_state
 
 # Everything the state machine reads of a round, returned by every count.
 FRESH = (

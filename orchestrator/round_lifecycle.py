@@ -25,34 +25,28 @@ from sqlalchemy import CursorResult, bindparam, func, select, update
 from sqlalchemy.orm import Session
 
 from contracts.params import Params, check_params
-from orchestrator import (
-    central_training,
-    evaluation_intervals,
-    idle_backoff,
-    metrics,
-    mixing,
-    pace_steering,
-    pausing,
-    round_release,
-    round_state,
-    secure_rounds,
-)
-from orchestrator.aggregation import apply_update
+from orchestrator.aggregation.assemble import CentralPart, RoundInputs
+from orchestrator.aggregation.maths import apply_update
+from orchestrator.aggregation.norm_reference import NormReference
+from orchestrator.aggregation.pipeline import apply_measurements
+from orchestrator.aggregation.private import CLIP_NORM, NEXT_CLIP_NORM
 from orchestrator.db import Assignment, Population, Report, Round, RoundAdmission
-from orchestrator.logs import log_on_commit
-from orchestrator.model_versions import base_version, prune_model_versions, write_version
-from orchestrator.norm_reference import NormReference
-from orchestrator.on_commit import on_commit
-from orchestrator.pipeline import apply_measurements
-from orchestrator.pipeline.assemble import CentralPart, RoundInputs
-from orchestrator.pipeline.private import CLIP_NORM, NEXT_CLIP_NORM
-from orchestrator.population_config import (
+from orchestrator.observability import metrics
+from orchestrator.observability.logs import log_on_commit
+from orchestrator.observability.on_commit import on_commit
+from orchestrator.populations import central_training, mixing
+from orchestrator.populations.config import (
     config_of,
     population_manifest,
     population_settings,
     privacy_budget_spent,
 )
-from orchestrator.population_locks import lock_admissions, lock_rounds
+from orchestrator.populations.locks import lock_admissions, lock_rounds
+from orchestrator.populations.model_versions import base_version, prune_model_versions, write_version
+from orchestrator.rounds import evaluation_intervals, idle_backoff, pace_steering, pausing
+from orchestrator.rounds import release as round_release
+from orchestrator.rounds import state as round_state
+from orchestrator.rounds.secure import messages
 
 TRAINING, EVALUATION = "training", "evaluation"
 log = logging.getLogger("orchestrator.rounds")  # one logger for the rounds, whichever module
@@ -140,7 +134,7 @@ def open_round(
         deadline=round_.deadline,
     )
     if secure:
-        secure_rounds.start(session, round_, population.name, settings, population_manifest(population))
+        messages.start(session, round_, population.name, settings, population_manifest(population))
     return round_
 
 
@@ -237,8 +231,8 @@ def _may_open_training(population: Population, now: float) -> bool:
 def advance_secure(session: Session, population: Population, round_: Round, now: float) -> None:
     """Close the secure round's phases that are over; commit or abandon it when it ends."""
     settings = population_settings(population)
-    outcome = secure_rounds.advance(session, round_, settings, population_manifest(population), now)
-    if isinstance(outcome, secure_rounds.Commit):
+    outcome = messages.advance(session, round_, settings, population_manifest(population), now)
+    if isinstance(outcome, messages.Commit):
         round_.metrics = {
             **round_.metrics,  # the phases' durations
             "secure_survivors": float(outcome.survivors),
@@ -251,7 +245,7 @@ def advance_secure(session: Session, population: Population, round_: Round, now:
             needed=round_.min_reports,
         )
         commit(session, population, round_, now, outcome.mean_delta, outcome.survivors, closing)
-    elif isinstance(outcome, secure_rounds.Abandon):
+    elif isinstance(outcome, messages.Abandon):
         _abandon(session, population, round_, outcome.closing, now)
         if _may_open_training(population, now):
             open_round(session, population, TRAINING, now)

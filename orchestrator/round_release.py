@@ -17,11 +17,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from orchestrator.aggregation.private import WITHIN_CLIP
 from orchestrator.db import Population, Round
-from orchestrator.evaluation_intervals import is_group_sum
-from orchestrator.pipeline.private import WITHIN_CLIP
-from orchestrator.population_config import privacy_budget_spent
-from orchestrator.round_state import ABANDONED, COMMITTED, PRIVACY_BUDGET, Closing
+from orchestrator.populations.config import privacy_budget_spent
+from orchestrator.rounds.evaluation_intervals import is_group_sum
+from orchestrator.rounds.state import ABANDONED, COMMITTED, PRIVACY_BUDGET, Closing
 
 EVALUATION = "evaluation"
 BUDGET_SPENT_REASON = (

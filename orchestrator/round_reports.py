@@ -26,14 +26,17 @@ from typing import cast
 from sqlalchemy import bindparam, insert, select, update
 from sqlalchemy.orm import Session
 
-from orchestrator import evaluation_intervals, metrics, round_counts, round_state, secure_rounds
 from orchestrator.db import Assignment, Population, Report, Round
-from orchestrator.logs import log_on_commit
-from orchestrator.population_config import PopulationConfig, config_of
-from orchestrator.population_locks import lock_populations, lock_rounds, rounds_of_assignments
-from orchestrator.refusals import Refused
-from orchestrator.report_checks import parse_evaluation_report, parse_training_report
-from orchestrator.round_lifecycle import EVALUATION, TRAINING, advance, commit, log
+from orchestrator.observability import metrics
+from orchestrator.observability.logs import log_on_commit
+from orchestrator.populations.config import PopulationConfig, config_of
+from orchestrator.populations.locks import lock_populations, lock_rounds, rounds_of_assignments
+from orchestrator.rounds import counts as round_counts
+from orchestrator.rounds import evaluation_intervals, state
+from orchestrator.rounds.lifecycle import EVALUATION, TRAINING, advance, commit, log
+from orchestrator.rounds.refusals import Refused
+from orchestrator.rounds.report_checks import parse_evaluation_report, parse_training_report
+from orchestrator.rounds.secure import messages
 
 _ASSIGNMENT = select(
     Assignment.device_id, Assignment.status, Assignment.example_count, Assignment.round_id
@@ -146,7 +149,7 @@ class _Step:
     index: int
     population: Population
     found: Found
-    count: round_state.Count  # LATE, INVALID, ABORT or a report's
+    count: state.Count  # LATE, INVALID, ABORT or a report's
     refused: Refused | None = None  # the answer of a late or invalid report
     report: tuple[float, bytes | None, dict[str, float]] | None = None  # weight, delta, metric sums
 
@@ -216,7 +219,7 @@ def _lock(session: Session, assignment_ids: Sequence[str], read: dict[str, Found
     populations = lock_populations(session, population_ids)
     locked = lock_rounds(session, population_ids, sorted({r for _, r in places}))
     for population in populations:
-        mine = [r for r in locked if r.population_id == population.id and r.status == round_state.OPEN]
+        mine = [r for r in locked if r.population_id == population.id and r.status == state.OPEN]
         advance(session, population, now, {r.kind: r for r in mine})
 
 
@@ -235,7 +238,7 @@ def _parse_ahead(
         if assignment is None or event.assignment_id in first:
             continue  # unknown, or a later copy (read in its own wave)
         first.add(event.assignment_id)
-        if assignment.device_id != event.device_id or assignment.round.status != round_state.OPEN:
+        if assignment.device_id != event.device_id or assignment.round.status != state.OPEN:
             continue
         round_, config = assignment.round, config_of(assignment.population)
         if now >= round_.deadline or config.secure_training:
@@ -279,7 +282,7 @@ def _check(
         return refused
     round_ = found.round
     config = config_of(population)
-    open_ = round_.status == round_state.OPEN
+    open_ = round_.status == state.OPEN
     if not lock and open_ and (now >= round_.deadline or config.secure_training):
         raise LockNeeded(f"round {round_.id} must be advanced")
     if event.abort and found.status == "aborted":
@@ -291,11 +294,11 @@ def _check(
         if event.abort:
             return closed
         if closed.reason == "late":  # counted in the round's `late`, in its turn
-            return _Step(index, population, found, round_state.LATE, refused=closed)
+            return _Step(index, population, found, state.LATE, refused=closed)
         count_report(session, population, round_, event.assignment_id, closed)
         return closed
     if event.abort:
-        return _Step(index, population, found, round_state.ABORT)
+        return _Step(index, population, found, state.ABORT)
     if round_.kind == TRAINING and config.secure_training:
         return Refused(
             409, f"round {round_.id} uses secure aggregation: take part through /v1/assignments/{{id}}/secure"
@@ -318,7 +321,7 @@ def _check(
         parsed[index] = _parse(config, found, event.body)
     report = parsed[index]
     if isinstance(report, Refused):
-        return _Step(index, population, found, round_state.INVALID, refused=report)
+        return _Step(index, population, found, state.INVALID, refused=report)
     coming[round_.id] += 1
     if not lock and round_.reported + coming[round_.id] >= round_.target:
         raise LockNeeded(f"round {round_.id} may reach its target")
@@ -327,21 +330,21 @@ def _check(
         # Its place among the round's reports as this transaction counts them (1, 2, ...).
         arrival = round_.reported + coming[round_.id]
         metric_sums = evaluation_intervals.grouped(arrival, round_.target, round_.min_reports, metric_sums)
-    return _Step(index, population, found, round_state.report_count(weight, metric_sums), report=report)
+    return _Step(index, population, found, state.report_count(weight, metric_sums), report=report)
 
 
 def _count(session: Session, step: _Step, event: Event, now: float, lock: bool) -> Counted | Refused:
     """The second step: count into the round, mark the assignment, store the report, commit."""
     population, found, round_ = step.population, step.found, step.found.round
-    if step.count is round_state.LATE:
-        round_counts.count(session, round_, round_state.LATE)
+    if step.count is state.LATE:
+        round_counts.count(session, round_, state.LATE)
         assert step.refused is not None
         count_report(session, population, round_, found.id, step.refused)
         return step.refused
     if not round_counts.count(session, round_, step.count):  # the round closed since it was read
         late = _late(round_)
         if not event.abort:
-            round_counts.count(session, round_, round_state.LATE)
+            round_counts.count(session, round_, state.LATE)
             count_report(session, population, round_, found.id, late)
         return late
     new_status = _new_status(step)
@@ -354,7 +357,7 @@ def _count(session: Session, step: _Step, event: Event, now: float, lock: bool) 
         raise LockNeeded(f"assignment {found.id} was finished meanwhile")
     if event.abort:
         if round_.kind == TRAINING and config_of(population).secure_training:
-            secure_rounds.count_leaving(session, round_.id, found.id)  # its phase's open devices
+            messages.count_leaving(session, round_.id, found.id)  # its phase's open devices
         metrics.count(session, metrics.ABORTS, (population.name, round_.kind))
         return Counted(round_, round_.status, round_.reported)
     if step.report is None:
@@ -365,7 +368,7 @@ def _count(session: Session, step: _Step, event: Event, now: float, lock: bool) 
     # process's copy of the same report while holding a lock that copy waits for.
     session.connection().execute(_INSERT_REPORT, _report_row(step))
     count_report(session, population, round_, found.id, None)
-    closing = round_state.target_reached(round_)
+    closing = state.target_reached(round_)
     if closing is not None:
         if not lock:
             raise LockNeeded(f"round {round_.id} reached its target")
@@ -375,26 +378,26 @@ def _count(session: Session, step: _Step, event: Event, now: float, lock: bool) 
 
 def _count_together(session: Session, steps: Sequence[_Step], now: float) -> dict[int, Counted | Refused]:
     """Without the populations' locks, one round's steps of a wave counted together: one count
-    (`round_state.combined`), one mark per new status of the assignments, one insert of the
+    (`state.combined`), one mark per new status of the assignments, one insert of the
     reports, so that the round's row is held for a few statements whatever the group's size. None
     of them reaches the target (`_check` saw to it), so nothing commits here."""
     population, round_ = steps[0].population, steps[0].found.round
     answers: dict[int, Counted | Refused] = {}
-    if not round_counts.count(session, round_, round_state.combined([s.count for s in steps])):
+    if not round_counts.count(session, round_, state.combined([s.count for s in steps])):
         # The round closed since it was read: every report is late, no abort counts.
-        late, reports = _late(round_), [s for s in steps if s.count is not round_state.ABORT]
+        late, reports = _late(round_), [s for s in steps if s.count is not state.ABORT]
         if reports:
-            round_counts.count(session, round_, round_state.combined([round_state.LATE] * len(reports)))
+            round_counts.count(session, round_, state.combined([state.LATE] * len(reports)))
         for step in steps:
             answers[step.index] = late
-            if step.count is not round_state.ABORT:
+            if step.count is not state.ABORT:
                 count_report(session, population, round_, step.found.id, late)
         return answers
-    if any(s.report is not None for s in steps) and round_state.target_reached(round_) is not None:
+    if any(s.report is not None for s in steps) and state.target_reached(round_) is not None:
         raise LockNeeded(f"round {round_.id} reached its target")
     finishing: dict[str, list[str]] = {}
     for step in steps:
-        if step.count is not round_state.LATE:
+        if step.count is not state.LATE:
             finishing.setdefault(_new_status(step), []).append(step.found.id)
     for new_status, ids in finishing.items():
         finished = session.connection().execute(
@@ -410,7 +413,7 @@ def _count_together(session: Session, steps: Sequence[_Step], now: float) -> dic
         if step.refused is not None:  # late or invalid
             answers[step.index] = step.refused
             count_report(session, population, round_, step.found.id, step.refused)
-        elif step.count is round_state.ABORT:
+        elif step.count is state.ABORT:
             metrics.count(session, metrics.ABORTS, (population.name, round_.kind))
             answers[step.index] = Counted(round_, round_.status, reported)
         else:
@@ -421,7 +424,7 @@ def _count_together(session: Session, steps: Sequence[_Step], now: float) -> dic
 
 
 def _new_status(step: _Step) -> str:
-    if step.count is round_state.ABORT:
+    if step.count is state.ABORT:
         return "aborted"
     return "invalid" if step.report is None else "reported"
 
@@ -455,7 +458,7 @@ def _closed(found: Found, abort: bool) -> Refused | None:
         return Refused(409, "this assignment was aborted", reason="repeated")
     if found.status == "invalid":
         return Refused(409, "this assignment's report was refused as invalid", reason="repeated")
-    if found.status == "dropped" or found.round.status != round_state.OPEN:
+    if found.status == "dropped" or found.round.status != state.OPEN:
         return _late(found.round)
     return None
 

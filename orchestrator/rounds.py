@@ -21,28 +21,33 @@ from sqlalchemy import bindparam, insert, select, update
 from sqlalchemy.orm import Session
 from sqlalchemy.orm.attributes import set_committed_value
 
-from orchestrator import idle_backoff, metrics, pace_steering, pausing, round_state, secure_rounds
+from orchestrator.aggregation.private import CLIP_NORM
 from orchestrator.db import Assignment, Population, Round, RoundAdmission
-from orchestrator.model_versions import _latest as _latest  # tests clear it, as a restart would
-from orchestrator.pipeline.private import CLIP_NORM
-from orchestrator.population_config import population_manifest as population_manifest
-from orchestrator.population_config import population_settings as population_settings
-from orchestrator.population_config import privacy_budget_spent as privacy_budget_spent
-from orchestrator.population_locks import ADMISSION_COUNTERS, relock
-from orchestrator.population_locks import find_population as find_population
-from orchestrator.population_locks import lock_population as lock_population
-from orchestrator.population_locks import population_of_assignment as population_of_assignment
-from orchestrator.population_locks import populations_of_assignments as populations_of_assignments
-from orchestrator.refusals import Refused as Refused  # re-exported: the routes answer with rounds.Refused
-from orchestrator.round_lifecycle import EVALUATION as EVALUATION
-from orchestrator.round_lifecycle import TRAINING as TRAINING
-from orchestrator.round_lifecycle import advance as advance
-from orchestrator.round_lifecycle import advance_secure as advance_secure
-from orchestrator.round_lifecycle import open_round as open_round
-from orchestrator.round_lifecycle import open_rounds as open_rounds
-from orchestrator.round_lifecycle import summarize_metrics as summarize_metrics
-from orchestrator.round_lifecycle import up_to_date
-from orchestrator.round_reports import Event, Found, find_assignment, receive
+from orchestrator.observability import metrics
+from orchestrator.populations.config import population_manifest as population_manifest
+from orchestrator.populations.config import population_settings as population_settings
+from orchestrator.populations.config import privacy_budget_spent as privacy_budget_spent
+from orchestrator.populations.locks import ADMISSION_COUNTERS, relock
+from orchestrator.populations.locks import find_population as find_population
+from orchestrator.populations.locks import lock_population as lock_population
+from orchestrator.populations.locks import population_of_assignment as population_of_assignment
+from orchestrator.populations.locks import populations_of_assignments as populations_of_assignments
+from orchestrator.populations.model_versions import _latest as _latest  # tests clear it, as a restart would
+from orchestrator.rounds import idle_backoff, pace_steering, pausing
+from orchestrator.rounds import state as round_state
+from orchestrator.rounds.lifecycle import EVALUATION as EVALUATION
+from orchestrator.rounds.lifecycle import TRAINING as TRAINING
+from orchestrator.rounds.lifecycle import advance as advance
+from orchestrator.rounds.lifecycle import advance_secure as advance_secure
+from orchestrator.rounds.lifecycle import open_round as open_round
+from orchestrator.rounds.lifecycle import open_rounds as open_rounds
+from orchestrator.rounds.lifecycle import summarize_metrics as summarize_metrics
+from orchestrator.rounds.lifecycle import up_to_date
+from orchestrator.rounds.refusals import (
+    Refused as Refused,  # re-exported: the routes answer with rounds.Refused
+)
+from orchestrator.rounds.reports import Event, Found, find_assignment, receive
+from orchestrator.rounds.secure import messages
 
 # The refusal of a check-in into a secure round whose roster has closed (its `reason`).
 ROSTER_CLOSED = "roster_closed"
@@ -170,7 +175,7 @@ def checkin(
     too_few: Counter[int] = Counter()  # round id -> check-ins refused for too few examples
     pending: dict[tuple[int, str], int] = {}  # (round id, device) -> index of its candidate request
     repeats: list[tuple[int, int]] = []  # (index, index of the same device's candidate request)
-    steered: dict[int, secure_rounds.ComeBack] = {}  # secure round id -> when its refused come back
+    steered: dict[int, messages.ComeBack] = {}  # secure round id -> when its refused come back
     for request in requests:
         round_ = current.get(request.kind)
         if round_ is None and request.kind == TRAINING and privacy_budget_spent(population):
@@ -207,16 +212,12 @@ def checkin(
                     )
                 )
             continue
-        if (
-            request.kind == TRAINING
-            and settings.secure_training
-            and not secure_rounds.accepting(session, round_)
-        ):
+        if request.kind == TRAINING and settings.secure_training and not messages.accepting(session, round_):
             # Its deadline adds up every phase's bound, but a secure round whose roster is full
             # usually ends within seconds, and the next one opens then: come back during the next
             # round (each device at its own time in it: pace steering).
             if round_.id not in steered:
-                steered[round_.id] = secure_rounds.next_round_in(
+                steered[round_.id] = messages.next_round_in(
                     session, round_, now, settings.retry_after_seconds
                 )
             comes_back = steered[round_.id].at(_draw.random())

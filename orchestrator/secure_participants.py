@@ -23,7 +23,7 @@ from sqlalchemy.orm import InstrumentedAttribute, Session
 from sqlalchemy.sql import ColumnElement
 
 from orchestrator.db import Assignment, SecureParticipant, SecureRound, SecureRoundKey
-from orchestrator.on_commit import on_commit
+from orchestrator.observability.on_commit import on_commit
 from secure_aggregation.identity import SignedAdvertisement, keys_of, parse_advertisement
 from secure_aggregation.messages import AdvertisedKeys
 from secure_aggregation.view import roster_digest

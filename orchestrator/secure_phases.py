@@ -46,14 +46,15 @@ from sqlalchemy.orm import Session
 
 from contracts.manifest import Manifest
 from contracts.params import Params
-from orchestrator import round_counts, round_state
-from orchestrator import secure_participants as participants
-from orchestrator import secure_round_state as machine
 from orchestrator.db import Assignment, Round, SecureMaskedInput, SecureParticipant, SecureRound
-from orchestrator.on_commit import on_commit
-from orchestrator.phase_changes import PHASE_CHANGES
-from orchestrator.population_locks import lock_admissions
-from orchestrator.population_settings import PopulationSettings
+from orchestrator.observability.on_commit import on_commit
+from orchestrator.populations.locks import lock_admissions
+from orchestrator.populations.settings import PopulationSettings
+from orchestrator.rounds import counts as round_counts
+from orchestrator.rounds import state as round_state
+from orchestrator.rounds.secure import participants
+from orchestrator.rounds.secure import state as machine
+from orchestrator.rounds.secure.phase_changes import PHASE_CHANGES
 from secure_aggregation import server, survivors
 from secure_aggregation.config import RoundParameters
 from secure_aggregation.device import round_graph

@@ -29,7 +29,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
-from orchestrator.round_state import Closing, Count, shortfall
+from orchestrator.rounds.state import Closing, Count, shortfall
 
 ADVERTISE, SHARE_KEYS, MASKED_INPUT, CONSISTENCY, UNMASKING, DONE = (
     "advertise",

@@ -17,11 +17,12 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from orchestrator import round_counts, secure_round_state
-from orchestrator import secure_participants as participants
 from orchestrator.db import Round, SecureMaskedInput, SecureParticipant, SecureRound
-from orchestrator.refusals import Refused
-from orchestrator.secure_phases import (
+from orchestrator.rounds import counts
+from orchestrator.rounds.refusals import Refused
+from orchestrator.rounds.secure import participants
+from orchestrator.rounds.secure import state as secure_round_state
+from orchestrator.rounds.secure.phases import (
     ADVERTISE,
     CONSISTENCY,
     MASKED_INPUT,
@@ -30,14 +31,14 @@ from orchestrator.secure_phases import (
     phase_started,
     round_parameters,
 )
-from orchestrator.secure_phases import DONE as DONE
-from orchestrator.secure_phases import PHASES as PHASES
-from orchestrator.secure_phases import Abandon as Abandon
-from orchestrator.secure_phases import Commit as Commit
-from orchestrator.secure_phases import advance as advance
-from orchestrator.secure_phases import layout as layout
-from orchestrator.secure_phases import phase_seconds_metric as phase_seconds_metric
-from orchestrator.secure_phases import start as start
+from orchestrator.rounds.secure.phases import DONE as DONE
+from orchestrator.rounds.secure.phases import PHASES as PHASES
+from orchestrator.rounds.secure.phases import Abandon as Abandon
+from orchestrator.rounds.secure.phases import Commit as Commit
+from orchestrator.rounds.secure.phases import advance as advance
+from orchestrator.rounds.secure.phases import layout as layout
+from orchestrator.rounds.secure.phases import phase_seconds_metric as phase_seconds_metric
+from orchestrator.rounds.secure.phases import start as start
 from secure_aggregation import identity, server, view
 from secure_aggregation.config import ProtocolError
 from secure_aggregation.device import round_graph
@@ -452,7 +453,7 @@ def unmasking(
 
 def _counted(session: Session, secure_round: SecureRound, phase: str) -> None:
     """A message of `phase` accepted: counted on the secure round's row, in one statement."""
-    round_counts.count_secure(session, secure_round, secure_round_state.message(phase))
+    counts.count_secure(session, secure_round, secure_round_state.message(phase))
 
 
 def count_leaving(session: Session, round_id: int, assignment_id: str) -> None:
@@ -473,7 +474,7 @@ def count_leaving(session: Session, round_id: int, assignment_id: str) -> None:
         }
     )
     at = secure_round_state.stage(participant is not None, sent)
-    round_counts.count_secure(session, secure_round, secure_round_state.leaving(at))
+    counts.count_secure(session, secure_round, secure_round_state.leaving(at))
 
 
 def json_body(body: bytes) -> Any | Refused:

@@ -17,7 +17,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from orchestrator.logs import log_config
+from orchestrator.observability.logs import log_config
 from orchestrator.settings import AdminTokenError, Settings
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"

@@ -14,8 +14,8 @@ from pydantic import ValidationError
 from sqlalchemy.orm import Session
 
 from orchestrator.db import Population, SettingsChange
-from orchestrator.logs import log_on_commit
-from orchestrator.population_settings import PopulationSettings, settings_problems
+from orchestrator.observability.logs import log_on_commit
+from orchestrator.populations.settings import PopulationSettings, settings_problems
 
 # Counts and times that each round reads when it opens. Not the aggregation, the privacy
 # settings, the optimizer or the task config: a round or an account in progress depends on them.

@@ -7,8 +7,8 @@ from __future__ import annotations
 import re
 
 import yaml
+from orchestrator.populations.settings_changes import SAFE_TO_CHANGE
 
-from orchestrator.settings_changes import SAFE_TO_CHANGE
 from tests.conftest import ROOT
 
 DOCS = ROOT / "docs"

@@ -17,6 +17,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
+from orchestrator.aggregation.maths import ServerOptimizerConfig
 from rich.console import Console
 
 from android_sim import report
@@ -44,7 +45,6 @@ from android_sim.workload import Workload, newest_first
 from contracts.params import encode_params
 from contracts.task_config import SplitPolicy, TaskConfig
 from device_runtime.examples_table import DeviceExamples
-from orchestrator.aggregation import ServerOptimizerConfig
 
 MIN_DEVICES = 10  # 80/10/10: at least one device to validate on and one to hold out
 

@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 import ray
+from orchestrator.aggregation.maths import PartialSum
 
 from android_sim.simulation.clients import LocalClients, WorkKind, client_works
 from android_sim.simulation.rounds import Devices, summed
@@ -35,7 +36,6 @@ from contracts.manifest import Manifest, load_manifest
 from contracts.params import Params
 from contracts.task_config import TaskConfig
 from model_runtime.tflite_model import EvaluationSums
-from orchestrator.aggregation import PartialSum
 
 # How long the workers may take to start (a cluster may have to free or add CPUs first).
 START_SECONDS = 300.0

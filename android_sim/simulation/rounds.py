@@ -24,6 +24,18 @@ from pathlib import Path
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import numpy as np
+from orchestrator.aggregation.assemble import Pipeline, RoundInputs
+from orchestrator.aggregation.differential_privacy import DPConfig
+from orchestrator.aggregation.maths import (
+    PartialSum,
+    RobustAggregation,
+    ServerOptimizerConfig,
+    WeightedMean,
+    apply_update,
+    init_state,
+)
+from orchestrator.aggregation.norm_reference import NormReference
+from orchestrator.aggregation.pipeline import Aggregate
 
 from contracts.manifest import Manifest
 from contracts.params import Params, SparseTensor, row_shape
@@ -32,18 +44,6 @@ from device_runtime.client_task import clip_delta, diverged
 from model_runtime.support_query import num_steps, reconstruct_locals
 from model_runtime.task_batches import TaskBatches
 from model_runtime.tflite_model import EvaluationSums, RowUpdate, TFLiteModel
-from orchestrator.aggregation import (
-    PartialSum,
-    RobustAggregation,
-    ServerOptimizerConfig,
-    WeightedMean,
-    apply_update,
-    init_state,
-)
-from orchestrator.differential_privacy import DPConfig
-from orchestrator.norm_reference import NormReference
-from orchestrator.pipeline import Aggregate
-from orchestrator.pipeline.assemble import Pipeline, RoundInputs
 from secure_aggregation.config import RoundParameters
 from secure_aggregation.quantization import Layout, dequantize_sum, quantize
 

@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from orchestrator.aggregation.maths import RobustAggregation, ServerOptimizerConfig
+
 from android_sim.intervals import metric_intervals
 from android_sim.simulation.clients import LocalClients, SimulationClients, WorkKind, client_works
 from android_sim.simulation.protocol import PROTOCOL_SEED, UserSplit, split_users
@@ -37,7 +39,6 @@ from contracts.manifest import Manifest
 from contracts.params import Params
 from contracts.task_config import LocalState, TaskConfig
 from model_runtime.tflite_model import EvaluationSums, TFLiteModel
-from orchestrator.aggregation import RobustAggregation, ServerOptimizerConfig
 
 HELD_OUT = "held-out devices, ReconEval (reconstruct on support, measure on query)"
 SEEN = "training devices' newest 10% of examples, StandardEval (their kept locals)"

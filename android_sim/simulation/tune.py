@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from orchestrator.aggregation.maths import ServerOptimizerConfig
 
 from android_sim.simulation.protocol import UserSplit
 from android_sim.simulation.ranking import keep_future, score
@@ -34,7 +35,6 @@ from android_sim.simulation.simulate import SimulationOptions, simulate
 from android_sim.workload import Workload, newest_first
 from contracts.task_config import TaskConfig
 from device_runtime.examples_table import DeviceExamples
-from orchestrator.aggregation import ServerOptimizerConfig
 
 SETTINGS_FILE = "tuned_settings.json"  # --algorithm-settings of simulate and run
 POPULATION_FILE = "tuned_population.json"  # orchestrator create-population --settings @FILE

@@ -178,11 +178,11 @@ def _task_config_table() -> str:
 
 def settings_table(name: str) -> str:
     if name == "population":
-        from orchestrator.population_settings import PopulationSettings
+        from orchestrator.populations.settings import PopulationSettings
 
         return _pydantic_table(PopulationSettings)
     if name == "secure":
-        from orchestrator.population_settings import SecureAggregationSettings
+        from orchestrator.populations.settings import SecureAggregationSettings
 
         return _pydantic_table(SecureAggregationSettings, "secure.")
     if name == "task_config":

@@ -20,11 +20,13 @@ from fastapi.responses import RedirectResponse, Response
 from jinja2 import Environment, FileSystemLoader, select_autoescape
 from sqlalchemy.orm import Session, sessionmaker
 
-from orchestrator import pausing, rounds
 from orchestrator.api.deps import is_admin, run_db
 from orchestrator.api.rate_limits import TokenBuckets
 from orchestrator.console.render import duration, when
 from orchestrator.dashboard import charts, overview, sessions, trends
+from orchestrator.populations.locks import lock_population
+from orchestrator.rounds import pausing
+from orchestrator.rounds.lifecycle import advance
 
 log = logging.getLogger("orchestrator")
 router = APIRouter(include_in_schema=False)
@@ -236,7 +238,7 @@ async def population(name: str, request: Request) -> Response:
 def _pause_or_resume(factory: sessionmaker[Session], name: str, pause: bool, now: float) -> str | None:
     """Pause or resume `name`; an error to show, or None when done."""
     with factory.begin() as session:
-        found = rounds.lock_population(session, name)
+        found = lock_population(session, name)
         if found is None:
             return f"no population {name!r}"
         if pause:
@@ -246,7 +248,7 @@ def _pause_or_resume(factory: sessionmaker[Session], name: str, pause: bool, now
             pausing.resume(session, found, now)
         except pausing.ArchivedError as e:
             return str(e)
-        rounds.advance(session, found, now)
+        advance(session, found, now)
         return None
 
 

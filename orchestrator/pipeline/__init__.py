@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from contracts.params import Params, SparseTensor
-from orchestrator.norm_reference import NormReference
+from orchestrator.aggregation.norm_reference import NormReference
 
 
 @dataclass(frozen=True)

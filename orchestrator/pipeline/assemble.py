@@ -9,18 +9,17 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from contracts.params import Params, SparseTensor, decode_sparse_delta
-from orchestrator.aggregation import PartialSum, RobustAggregation
-from orchestrator.central_training import CentralUpdate
-from orchestrator.differential_privacy import DPConfig, secure_rng
-from orchestrator.norm_reference import NormReference
-from orchestrator.pipeline import Aggregate, Stage
-from orchestrator.pipeline.central_merge import CentralMerge
-from orchestrator.pipeline.coordinate_wise import CoordinateWiseStage
-from orchestrator.pipeline.private import GaussianNoise
-from orchestrator.pipeline.robust import ClipAndCap
-from orchestrator.pipeline.secure_sum import SecureSum
-from orchestrator.pipeline.weighted_mean import WeightedMeanStage
-from orchestrator.population_settings import PopulationSettings
+from orchestrator.aggregation.central_merge import CentralMerge, CentralUpdate
+from orchestrator.aggregation.coordinate_wise import CoordinateWiseStage
+from orchestrator.aggregation.differential_privacy import DPConfig, secure_rng
+from orchestrator.aggregation.maths import PartialSum, RobustAggregation
+from orchestrator.aggregation.norm_reference import NormReference
+from orchestrator.aggregation.pipeline import Aggregate, Stage
+from orchestrator.aggregation.private import GaussianNoise
+from orchestrator.aggregation.robust import ClipAndCap
+from orchestrator.aggregation.secure_sum import SecureSum
+from orchestrator.aggregation.weighted_mean import WeightedMeanStage
+from orchestrator.populations.settings import PopulationSettings
 
 
 @dataclass(frozen=True)

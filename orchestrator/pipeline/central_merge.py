@@ -6,8 +6,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from contracts.params import SparseTensor
-from orchestrator.central_training import CentralUpdate, merge
-from orchestrator.pipeline import Aggregate, Stage, with_measurements
+from orchestrator.aggregation.central_merge import CentralUpdate, merge
+from orchestrator.aggregation.pipeline import Aggregate, Stage, with_measurements
 
 
 class CentralMerge:

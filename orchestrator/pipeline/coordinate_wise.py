@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from contracts.params import SparseTensor
-from orchestrator.aggregation import robust_mean
-from orchestrator.pipeline import Aggregate
+from orchestrator.aggregation.maths import robust_mean
+from orchestrator.aggregation.pipeline import Aggregate
 
 
 class CoordinateWiseStage:

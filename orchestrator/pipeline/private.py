@@ -9,8 +9,8 @@ from collections.abc import Mapping
 import numpy as np
 
 from contracts.params import SparseTensor
-from orchestrator.differential_privacy import DPConfig, adapt_clip_norm, noised_mean
-from orchestrator.pipeline import Aggregate, Stage
+from orchestrator.aggregation.differential_privacy import DPConfig, adapt_clip_norm, noised_mean
+from orchestrator.aggregation.pipeline import Aggregate, Stage
 
 # DP round metrics. A training round under adaptive clipping is opened with its clip norm in
 # its metrics; devices send WITHIN_CLIP (0 or 1) and may send no other "dp_" metric.

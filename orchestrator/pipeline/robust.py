@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from contracts.params import SparseTensor
-from orchestrator.aggregation import (
+from orchestrator.aggregation.maths import (
     RobustAggregation,
     cap_weights,
     clip_by_norm,
@@ -18,8 +18,8 @@ from orchestrator.aggregation import (
     plan_round,
     tensor_norms,
 )
-from orchestrator.norm_reference import NormReference
-from orchestrator.pipeline import Aggregate, Stage
+from orchestrator.aggregation.norm_reference import NormReference
+from orchestrator.aggregation.pipeline import Aggregate, Stage
 
 
 class ClipAndCap:

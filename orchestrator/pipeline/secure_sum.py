@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from contracts.params import Params, SparseTensor
-from orchestrator.pipeline import Aggregate
+from orchestrator.aggregation.pipeline import Aggregate
 
 
 class SecureSum:

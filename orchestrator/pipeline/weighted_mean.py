@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from contracts.params import SparseTensor
-from orchestrator.aggregation import PartialSum, WeightedMean
-from orchestrator.pipeline import Aggregate
+from orchestrator.aggregation.maths import PartialSum, WeightedMean
+from orchestrator.aggregation.pipeline import Aggregate
 
 
 class WeightedMeanStage:

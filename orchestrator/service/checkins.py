@@ -14,9 +14,15 @@ from starlette.applications import Starlette
 
 from contracts.mixing import MixingConfig
 from contracts.protocol import Assignment, TaskKind
-from orchestrator import mixing, rounds, secure_rounds
 from orchestrator.devices import UNAUTHENTICATED, authenticate_all
-from orchestrator.population_settings import PopulationSettings
+from orchestrator.populations import mixing
+from orchestrator.populations.config import population_settings
+from orchestrator.populations.locks import find_population
+from orchestrator.populations.settings import PopulationSettings
+from orchestrator.rounds import checkins
+from orchestrator.rounds.lifecycle import TRAINING
+from orchestrator.rounds.refusals import Refused
+from orchestrator.rounds.secure import messages
 from orchestrator.service.database import DATABASE_UNAVAILABLE, run_db
 from orchestrator.service.group_commit import GroupCommit
 
@@ -34,13 +40,13 @@ class CheckInCall:
 # devices first, which needs a concurrent duplicate.
 CHECKIN_ATTEMPTS, UNLOCKED_ATTEMPTS = 5, 2
 
-CheckInGroups = GroupCommit[str, CheckInCall, Assignment | rounds.Refused]
+CheckInGroups = GroupCommit[str, CheckInCall, Assignment | Refused]
 
 
 def checkin_groups(app: Starlette, window_seconds: float) -> CheckInGroups:
     """The group commit of check-ins, keyed by population."""
 
-    async def transaction(population: str, calls: Sequence[CheckInCall]) -> list[Assignment | rounds.Refused]:
+    async def transaction(population: str, calls: Sequence[CheckInCall]) -> list[Assignment | Refused]:
         return await run_db(
             app, checkin_transaction, app.state.sessionmaker, population, calls, app.state.clock()
         )
@@ -50,11 +56,11 @@ def checkin_groups(app: Starlette, window_seconds: float) -> CheckInGroups:
 
 def checkin_transaction(
     factory: sessionmaker[Session], population: str, calls: Sequence[CheckInCall], now: float
-) -> list[Assignment | rounds.Refused]:
+) -> list[Assignment | Refused]:
     """One transaction for check-ins that arrived together; each call gets its own answer.
 
     Run again when another server process closed the round or gave one of these devices its
-    assignment at the same time (rounds.checkin): first still without the population's lock (the
+    assignment at the same time (checkins.checkin): first still without the population's lock (the
     round that closed has usually committed with its successor open, and the device's assignment
     is then found), then with it. The lock keeps rounds from closing but not another process's
     unlocked check-in from admitting the same device between this transaction's read and its
@@ -63,7 +69,7 @@ def checkin_transaction(
     for attempt in range(CHECKIN_ATTEMPTS):
         try:
             return _checkin_once(factory, population, calls, now, lock=attempt >= UNLOCKED_ATTEMPTS)
-        except (rounds.RoundClosed, IntegrityError):
+        except (checkins.RoundClosed, IntegrityError):
             if attempt == CHECKIN_ATTEMPTS - 1:
                 raise
     raise AssertionError("unreachable")
@@ -71,36 +77,36 @@ def checkin_transaction(
 
 def _checkin_once(
     factory: sessionmaker[Session], population: str, calls: Sequence[CheckInCall], now: float, lock: bool
-) -> list[Assignment | rounds.Refused]:
+) -> list[Assignment | Refused]:
     with factory.begin() as session:
         device_ids = authenticate_all(session, [call.token for call in calls])
         known = [
-            rounds.CheckIn(device_id, call.example_count, call.kind, call.held)
+            checkins.CheckIn(device_id, call.example_count, call.kind, call.held)
             for call, device_id in zip(calls, device_ids, strict=True)
             if device_id is not None
         ]
-        found = rounds.find_population(session, population)
+        found = find_population(session, population)
         mixed = mixing.mixing_of(session, found) if found is not None else MixingConfig()
         answers = (
-            rounds.checkin(session, found, known, now, lock)
+            checkins.checkin(session, found, known, now, lock)
             if found is not None
-            else [rounds.Refused(404, f"no population {population!r}")] * len(known)
+            else [Refused(404, f"no population {population!r}")] * len(known)
         )
         # What the answers need, read in the transaction; they are built after its commit, so that
         # the round's row is not held meanwhile.
         of = None
         if found is not None:
-            of = _Of(found.name, found.artifact_sha256, rounds.population_settings(found))
+            of = _Of(found.name, found.artifact_sha256, population_settings(found))
         secure = {
-            answer.round_id: secure_rounds.parameters(session, answer.round_id)
+            answer.round_id: messages.parameters(session, answer.round_id)
             for answer in answers
-            if isinstance(answer, rounds.Accepted) and of is not None and _secure(of, answer)
+            if isinstance(answer, checkins.Accepted) and of is not None and _secure(of, answer)
         }
     out = iter(answers)
     return [
         _assignment_out(of, next(out), now, mixed, secure.get)
         if device_id is not None
-        else rounds.Refused(401, UNAUTHENTICATED)
+        else Refused(401, UNAUTHENTICATED)
         for device_id in device_ids
     ]
 
@@ -114,24 +120,24 @@ class _Of:
     settings: PopulationSettings
 
 
-def _secure(of: _Of, answer: rounds.Accepted) -> bool:
-    return answer.kind == rounds.TRAINING and of.settings.secure_training
+def _secure(of: _Of, answer: checkins.Accepted) -> bool:
+    return answer.kind == TRAINING and of.settings.secure_training
 
 
 def _assignment_out(
     of: _Of | None,
-    answer: rounds.Accepted | rounds.Refused,
+    answer: checkins.Accepted | Refused,
     now: float,
     mixed: MixingConfig,
     secure_parameters: Callable[[int], dict[str, Any] | None],
-) -> Assignment | rounds.Refused:
-    if isinstance(answer, rounds.Refused):
+) -> Assignment | Refused:
+    if isinstance(answer, Refused):
         return answer
     assert of is not None  # only a population hands out assignments
     sha, name, settings = of.artifact_sha256, of.name, of.settings
     secure = _secure(of, answer)
     version, assignment = answer.model_version, answer.assignment_id
-    training = answer.kind == rounds.TRAINING
+    training = answer.kind == TRAINING
     gradient = training and mixed.strategy == "gradient_transfer"
     return Assignment(
         assignment_id=assignment,

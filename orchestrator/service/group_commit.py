@@ -25,7 +25,7 @@ import asyncio
 from collections.abc import Awaitable, Callable, Hashable, Sequence
 from typing import Generic, TypeVar
 
-from orchestrator import metrics
+from orchestrator.observability import metrics
 
 Key = TypeVar("Key", bound=Hashable)
 Request = TypeVar("Request")

@@ -10,8 +10,9 @@ from sqlalchemy.orm import Session, sessionmaker
 from starlette.applications import Starlette
 
 from contracts.protocol import ReportAccepted
-from orchestrator import round_reports, rounds
 from orchestrator.devices import UNAUTHENTICATED, authenticate_all
+from orchestrator.rounds import reports as round_reports
+from orchestrator.rounds.refusals import Refused
 from orchestrator.service.database import DATABASE_UNAVAILABLE, run_db
 from orchestrator.service.group_commit import GroupCommit
 
@@ -28,7 +29,7 @@ class ReportCall:
     abort: bool = False
 
 
-ReportGroups = GroupCommit[None, ReportCall, ReportAccepted | rounds.Refused]
+ReportGroups = GroupCommit[None, ReportCall, ReportAccepted | Refused]
 
 
 def report_groups(app: Starlette, window_seconds: float) -> ReportGroups:
@@ -37,7 +38,7 @@ def report_groups(app: Starlette, window_seconds: float) -> ReportGroups:
     few worker threads (`worker_threads`), and check-ins then waited for a thread: at 500 visits/s
     on PostgreSQL that wait was most of the check-ins' p99."""
 
-    async def transaction(_: None, calls: Sequence[ReportCall]) -> list[ReportAccepted | rounds.Refused]:
+    async def transaction(_: None, calls: Sequence[ReportCall]) -> list[ReportAccepted | Refused]:
         return await run_db(app, report_transaction, app.state.sessionmaker, calls, app.state.clock())
 
     return GroupCommit(transaction, window_seconds, fail_together=DATABASE_UNAVAILABLE, name="report")
@@ -45,7 +46,7 @@ def report_groups(app: Starlette, window_seconds: float) -> ReportGroups:
 
 def report_transaction(
     factory: sessionmaker[Session], calls: Sequence[ReportCall], now: float
-) -> list[ReportAccepted | rounds.Refused]:
+) -> list[ReportAccepted | Refused]:
     """Each report or abort in turn, in one transaction; an answer is built as soon as its call is
     in, since a later report in the same transaction may commit the round.
 
@@ -65,7 +66,7 @@ def _reports_once(
     now: float,
     lock: bool,
     parsed: dict[int, round_reports.Parsed],
-) -> list[ReportAccepted | rounds.Refused]:
+) -> list[ReportAccepted | Refused]:
     with factory.begin() as session:
         device_ids = authenticate_all(session, [call.token for call in calls])
         events = [
@@ -75,13 +76,13 @@ def _reports_once(
         ]
         answers = iter(round_reports.receive(session, events, now, lock, parsed))
         return [
-            _accepted(next(answers)) if device_id is not None else rounds.Refused(401, UNAUTHENTICATED)
+            _accepted(next(answers)) if device_id is not None else Refused(401, UNAUTHENTICATED)
             for device_id in device_ids
         ]
 
 
-def _accepted(answer: round_reports.Counted | rounds.Refused) -> ReportAccepted | rounds.Refused:
-    if isinstance(answer, rounds.Refused):
+def _accepted(answer: round_reports.Counted | Refused) -> ReportAccepted | Refused:
+    if isinstance(answer, Refused):
         return answer
     round_ = answer.round
     return ReportAccepted(

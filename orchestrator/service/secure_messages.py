@@ -23,14 +23,16 @@ from typing import Any
 from sqlalchemy.orm import Session, sessionmaker
 from starlette.applications import Starlette
 
-from orchestrator import rounds
 from orchestrator.db import Population, Round
+from orchestrator.rounds import checkins
+from orchestrator.rounds.lifecycle import advance_secure
+from orchestrator.rounds.refusals import Refused
 from orchestrator.service.database import DATABASE_UNAVAILABLE, run_db
 from orchestrator.service.group_commit import GroupCommit
 from orchestrator.service.secure_states import in_their_rounds, state_of
 
 # A phase's handler (`secure_rounds.advertise`, `share_keys`, ...): its answer, or why it is refused.
-Handler = Callable[[Session, Round, str, Any, float], dict[str, Any] | rounds.Refused]
+Handler = Callable[[Session, Round, str, Any, float], dict[str, Any] | Refused]
 
 
 @dataclass(frozen=True)
@@ -42,20 +44,20 @@ class MessageCall:
     until: str | None  # a phase: the answer carries the state once the round has reached it
 
 
-MessageGroups = GroupCommit[None, MessageCall, dict[str, Any] | rounds.Refused]
+MessageGroups = GroupCommit[None, MessageCall, dict[str, Any] | Refused]
 
 
 def message_groups(app: Starlette, window_seconds: float) -> MessageGroups:
     """The group commit of phase messages (one group for all populations, which are locked in id
     order, as reports are)."""
 
-    async def transaction(_key: None, calls: Sequence[MessageCall]) -> list[dict[str, Any] | rounds.Refused]:
+    async def transaction(_key: None, calls: Sequence[MessageCall]) -> list[dict[str, Any] | Refused]:
         return await run_db(app, handle_messages, app.state.sessionmaker, calls, app.state.clock())
 
     return GroupCommit(transaction, window_seconds, fail_together=DATABASE_UNAVAILABLE, name="secure_message")
 
 
-async def send_message(app: Starlette, call: MessageCall) -> dict[str, Any] | rounds.Refused:
+async def send_message(app: Starlette, call: MessageCall) -> dict[str, Any] | Refused:
     """One device's message, handled with whichever messages arrive at the same moment."""
     groups: MessageGroups = app.state.secure_messages
     return await groups.submit(None, call)
@@ -63,7 +65,7 @@ async def send_message(app: Starlette, call: MessageCall) -> dict[str, Any] | ro
 
 def handle_messages(
     factory: sessionmaker[Session], calls: Sequence[MessageCall], now: float
-) -> list[dict[str, Any] | rounds.Refused]:
+) -> list[dict[str, Any] | Refused]:
     """Each call's answer, or the refusal it gets (401, 403, 404, 409, 422), in one transaction."""
     with factory.begin() as session:
         # A round whose phase ran out before its message is advanced first: the message is then
@@ -78,15 +80,15 @@ def handle_messages(
 
 def _message(
     session: Session, call: MessageCall, population: Population, status: str, round_: Round, now: float
-) -> dict[str, Any] | rounds.Refused:
+) -> dict[str, Any] | Refused:
     if status != "assigned" or round_.status != "open":
-        return rounds.Refused(409, f"this assignment is {status} and its round {round_.status}")
+        return Refused(409, f"this assignment is {status} and its round {round_.status}")
     answer = call.handler(session, round_, call.assignment_id, call.body, now)
-    if isinstance(answer, rounds.Refused):
+    if isinstance(answer, Refused):
         return answer
     # The message may complete its phase: close it now rather than at the next tick.
-    rounds.advance_secure(session, population, round_, now)
+    advance_secure(session, population, round_, now)
     if call.until is None:
         return answer
-    status = rounds.assignment_status(session, call.assignment_id)
+    status = checkins.assignment_status(session, call.assignment_id)
     return {**answer, "state": state_of(session, status, round_, call.assignment_id, now, call.until)}

@@ -22,10 +22,13 @@ from typing import Any, Protocol, TypeVar
 from sqlalchemy.orm import Session, sessionmaker
 from starlette.applications import Starlette
 
-from orchestrator import rounds, secure_rounds
 from orchestrator.db import Population, Round
 from orchestrator.devices import UNAUTHENTICATED, authenticate_all
-from orchestrator.population_locks import populations_of_assignments
+from orchestrator.populations.locks import populations_of_assignments
+from orchestrator.rounds import checkins
+from orchestrator.rounds.lifecycle import advance_secure
+from orchestrator.rounds.refusals import Refused
+from orchestrator.rounds.secure import messages as secure_rounds
 from orchestrator.service.database import DATABASE_UNAVAILABLE, run_db
 from orchestrator.service.group_commit import GroupCommit
 
@@ -37,20 +40,20 @@ class StateCall:
     until: str | None  # a phase: the state says what that phase hands out only once it is reached
 
 
-StateReads = GroupCommit[None, StateCall, dict[str, Any] | rounds.Refused]
+StateReads = GroupCommit[None, StateCall, dict[str, Any] | Refused]
 
 
 def state_reads(app: Starlette, window_seconds: float) -> StateReads:
     """The group commit of state reads (one group for all populations: they only read, and lock
     their populations in id order)."""
 
-    async def transaction(_key: None, calls: Sequence[StateCall]) -> list[dict[str, Any] | rounds.Refused]:
+    async def transaction(_key: None, calls: Sequence[StateCall]) -> list[dict[str, Any] | Refused]:
         return await run_db(app, read_states, app.state.sessionmaker, calls, app.state.clock())
 
     return GroupCommit(transaction, window_seconds, fail_together=DATABASE_UNAVAILABLE, name="secure_state")
 
 
-async def read_state(app: Starlette, call: StateCall) -> dict[str, Any] | rounds.Refused:
+async def read_state(app: Starlette, call: StateCall) -> dict[str, Any] | Refused:
     """One device's state, read with whichever devices ask at the same moment."""
     groups: StateReads = app.state.secure_state_reads
     return await groups.submit(None, call)
@@ -69,7 +72,7 @@ def _open_phases(factory: sessionmaker[Session]) -> frozenset[tuple[int, str]]:
 
 def read_states(
     factory: sessionmaker[Session], calls: Sequence[StateCall], now: float
-) -> list[dict[str, Any] | rounds.Refused]:
+) -> list[dict[str, Any] | Refused]:
     """Each call's state, or the refusal it gets (401, 403, 404, 409), in one transaction."""
     with factory.begin() as session:
         return in_their_rounds(
@@ -97,26 +100,26 @@ def in_their_rounds(
     session: Session,
     calls: Sequence[C],
     now: float,
-    answer: Callable[[C, Population, str, Round], dict[str, Any] | rounds.Refused],
-) -> list[dict[str, Any] | rounds.Refused]:
+    answer: Callable[[C, Population, str, Round], dict[str, Any] | Refused],
+) -> list[dict[str, Any] | Refused]:
     """Each call's `answer(call, population, assignment status, round)` once its caller is checked
     (refused with 401/403/404/409 otherwise), in the session's transaction: the tokens and the
     populations one query each. A round whose phase deadline has passed is advanced first (every
     other change of phase comes after a message, which advances the round, or with the ticker)."""
     device_ids = authenticate_all(session, [call.token for call in calls])
     populations = populations_of_assignments(session, [call.assignment_id for call in calls])
-    answers: list[dict[str, Any] | rounds.Refused] = []
+    answers: list[dict[str, Any] | Refused] = []
     for call, device_id in zip(calls, device_ids, strict=True):
         found = _checked(
             session, call.assignment_id, device_id, populations.get(call.assignment_id), now, False
         )
-        if isinstance(found, rounds.Refused):
+        if isinstance(found, Refused):
             answers.append(found)
             continue
         population, status, round_ = found
         if round_.status == "open" and secure_rounds.deadline_passed(session, round_, now):
-            rounds.advance_secure(session, population, round_, now)
-            status = rounds.assignment_status(session, call.assignment_id)
+            advance_secure(session, population, round_, now)
+            status = checkins.assignment_status(session, call.assignment_id)
         answers.append(answer(call, population, status, round_))
     return answers
 
@@ -128,15 +131,15 @@ def _checked(
     population: Population | None,
     now: float,
     advance_rounds: bool,
-) -> tuple[Population, str, Round] | rounds.Refused:
+) -> tuple[Population, str, Round] | Refused:
     """The caller's (locked) `population`, assignment status and secure round, from its
     authenticated `device_id`; refused with 401/403/404/409 otherwise."""
     if device_id is None:
-        return rounds.Refused(401, UNAUTHENTICATED)
+        return Refused(401, UNAUTHENTICATED)
     if population is None:
-        return rounds.Refused(404, f"no assignment {assignment_id!r}")
-    found = rounds.secure_round_of(session, population, assignment_id, device_id, now, advance_rounds)
-    if isinstance(found, rounds.Refused):
+        return Refused(404, f"no assignment {assignment_id!r}")
+    found = checkins.secure_round_of(session, population, assignment_id, device_id, now, advance_rounds)
+    if isinstance(found, Refused):
         return found
     return (population, *found)
 

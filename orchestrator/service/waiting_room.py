@@ -27,8 +27,9 @@ from typing import TypeGuard
 from starlette.applications import Starlette
 
 from contracts.protocol import Assignment
-from orchestrator import rounds
-from orchestrator.phase_changes import PHASE_CHANGES
+from orchestrator.rounds import checkins
+from orchestrator.rounds.refusals import Refused
+from orchestrator.rounds.secure.phase_changes import PHASE_CHANGES
 from orchestrator.service.secure_states import open_phases
 
 # However long a device says it can wait: the next round opens within seconds of a closed roster.
@@ -36,7 +37,7 @@ MAX_HOLD_SECONDS = 60.0
 # Phase changes made by another server process are read this often while check-ins are held.
 RECHECK_SECONDS = 1.0
 
-Answer = Assignment | rounds.Refused
+Answer = Assignment | Refused
 
 
 class WaitingRoom:
@@ -78,10 +79,10 @@ class WaitingRoom:
         return await open_phases(self._app)
 
 
-def _waits(answer: Answer) -> TypeGuard[rounds.Refused]:
+def _waits(answer: Answer) -> TypeGuard[Refused]:
     return (
-        isinstance(answer, rounds.Refused)
-        and answer.reason == rounds.ROSTER_CLOSED
+        isinstance(answer, Refused)
+        and answer.reason == checkins.ROSTER_CLOSED
         and answer.waiting_places > 0
         and (answer.retry_after or 0.0) > 0
     )

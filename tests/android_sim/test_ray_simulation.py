@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from orchestrator.aggregation.maths import PartialSum, RobustAggregation
 
 from android_sim.__main__ import main
 from android_sim.simulation.rounds import Rounds, Server
@@ -17,7 +18,6 @@ from android_sim.simulation.simulate import SimulationOptions, SimulationResult,
 from benchmarks.model_cache import ModelCache
 from benchmarks.quality_methods import load_dataset, protocol_model
 from contracts.task_config import LocalState, TaskConfig
-from orchestrator.aggregation import PartialSum, RobustAggregation
 from tests.benchmarks.test_quality import _write_ratings
 
 

@@ -7,6 +7,7 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
+from orchestrator.populations.mixing import assignment_examples
 
 from android_sim.expressions import SyntheticConfig
 from android_sim.simulation.rounds import Rounds, per_item_names
@@ -24,7 +25,6 @@ from benchmarks.mixing_study import (
 from benchmarks.model_cache import ModelCache
 from contracts.mixing import CentralDataset, MixingConfig, encode_examples
 from model_runtime.tflite_model import TFLiteModel
-from orchestrator.mixing import assignment_examples
 
 TINY = SyntheticConfig(num_expressions=120, num_users=200)
 

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from orchestrator.aggregation.differential_privacy import DPConfig
+from orchestrator.aggregation.maths import ServerOptimizerConfig
 
 from android_sim.simulation.protocol import pack_support_query, split_users, time_split
 from android_sim.simulation.rounds import Devices, Rounds, Server, recon_eval_work
@@ -28,8 +30,6 @@ from contracts.params import SparseTensor
 from contracts.task_config import SplitPolicy, TaskConfig
 from model_runtime.task_batches import TaskBatches
 from model_runtime.tflite_model import EvaluationSums, TFLiteModel
-from orchestrator.aggregation import ServerOptimizerConfig
-from orchestrator.differential_privacy import DPConfig
 from secure_aggregation.quantization import Layout
 from tests.conftest import ROOT
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from orchestrator.populations.central_training import pseudo_user_batches
 
 from contracts.features import Examples
 from contracts.task_config import SplitPolicy, TaskConfig
@@ -19,7 +20,6 @@ from device_runtime.recommender import Recommender
 from model_export.config import ModelConfig
 from model_runtime.support_query import add_negatives, logq_correction, negative_weights
 from model_runtime.tflite_model import TFLiteModel
-from orchestrator.central_training import pseudo_user_batches
 from tests.conftest import BIASED, IMPLICIT
 
 SHARED = [3, 10, 11, 40]

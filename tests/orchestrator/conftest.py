@@ -10,6 +10,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from orchestrator.service.population_creation import ExportedModel, create_population
 from sqlalchemy import create_engine, text
 from sqlalchemy.orm import Session, sessionmaker
 from sqlalchemy.pool import NullPool
@@ -18,7 +19,6 @@ from model_export.config import ModelConfig
 from orchestrator.db import make_engine, sessions_that_keep_what_they_load
 from orchestrator.local import LocalOrchestrator
 from orchestrator.migrate import migrate
-from orchestrator.populations import ExportedModel, create_population
 from tests.conftest import BIASED
 
 # A fresh secret per test session, as every server needs one (orchestrator/settings.py).

@@ -11,9 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 from numpy.typing import ArrayLike
-
-from contracts.params import Params, SparseTensor, decode_sparse_delta, encode_sparse_delta
-from orchestrator.aggregation import (
+from orchestrator.aggregation.maths import (
     RobustAggregation,
     ServerOptimizerConfig,
     WeightedMean,
@@ -25,6 +23,8 @@ from orchestrator.aggregation import (
     plan_round,
     robust_mean,
 )
+
+from contracts.params import Params, SparseTensor, decode_sparse_delta, encode_sparse_delta
 
 
 def f32(*values: float) -> np.ndarray:

@@ -469,7 +469,7 @@ def test_a_check_in_after_the_privacy_budget_is_spent_is_a_200_rejection_for_a_d
     server: Server, export: Callable[[ModelConfig], Path]
 ) -> None:
     # Prepare: a budget of exactly one round, spent by one device's report.
-    from orchestrator.differential_privacy import epsilon
+    from orchestrator.aggregation.differential_privacy import epsilon
 
     model_dir = export(BIASED)
     dp = {"clip_norm": 1.0, "noise_multiplier": 1.0, "population_size": 100}

@@ -8,8 +8,7 @@ import numpy as np
 import pytest
 from dp_accounting import dp_event
 from dp_accounting.rdp import RdpAccountant
-
-from orchestrator.differential_privacy import (
+from orchestrator.aggregation.differential_privacy import (
     DPConfig,
     adapt_clip_norm,
     epsilon,

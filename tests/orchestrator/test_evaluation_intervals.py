@@ -1,12 +1,11 @@
-"""An evaluation round's 95% intervals from groups of devices (`orchestrator.evaluation_intervals`)."""
+"""An evaluation round's 95% intervals from groups of devices (`orchestrator.rounds.evaluation_intervals`)."""
 
 from __future__ import annotations
 
 import math
 
 import numpy as np
-
-from orchestrator.evaluation_intervals import (
+from orchestrator.rounds.evaluation_intervals import (
     grouped,
     intervals,
     is_group_sum,
@@ -14,7 +13,7 @@ from orchestrator.evaluation_intervals import (
     settled,
     t975,
 )
-from orchestrator.round_state import add_metric_sums
+from orchestrator.rounds.state import add_metric_sums
 
 
 def round_sums(

@@ -1,6 +1,6 @@
 """What an evaluation round, and a DP population, release to a curious operator: attacks on the
 operator's own views (the status, the admin routes, the console, the dashboard, /metrics) and on
-what the server keeps (`orchestrator/round_release.py`)."""
+what the server keeps (`orchestrator/rounds/release.py`)."""
 
 from __future__ import annotations
 
@@ -17,17 +17,19 @@ from typing import Any
 import httpx
 import pytest
 from fastapi import HTTPException
+from orchestrator.aggregation.differential_privacy import epsilon
+from orchestrator.populations.locks import lock_population
+from orchestrator.populations.settings_changes import SettingsChangeError, change_settings
+from orchestrator.rounds.lifecycle import EVALUATION, advance, open_round
+from orchestrator.rounds.refusals import Refused
+from orchestrator.service.population_creation import ExportedModel
 from sqlalchemy import create_engine, select, text
 from sqlalchemy.orm import Session, sessionmaker
 
 from model_export.config import ModelConfig
-from orchestrator import rounds
 from orchestrator.api.routes import admin
 from orchestrator.api.routes.admin import population_out
 from orchestrator.db import Population, Report, Round
-from orchestrator.differential_privacy import epsilon
-from orchestrator.populations import ExportedModel
-from orchestrator.settings_changes import SettingsChangeError, change_settings
 from tests.conftest import BIASED
 from tests.orchestrator.conftest import ADMIN_TOKEN, Server, admin_create_population, make_population
 from tests.orchestrator.test_dashboard import signed_in
@@ -137,8 +139,8 @@ def stored_evaluation_sums(server: Server) -> str:
         with engine.connect() as conn:
             kept = conn.execute(
                 text(
-                    "SELECT rounds.metrics, reports.metrics FROM rounds LEFT JOIN reports "
-                    "ON reports.round_id = rounds.id WHERE rounds.kind = 'evaluation'"
+                    "SELECT metrics, reports.metrics FROM rounds LEFT JOIN reports "
+                    "ON reports.round_id = checkins.id WHERE checkins.kind = 'evaluation'"
                 )
             ).all()
     finally:
@@ -193,20 +195,20 @@ def test_the_floor_changes_live_from_the_next_evaluation_round_and_stays_within_
 ) -> None:
     make_population(db, biased_model, evaluation_target_reports=10)
     with db.begin() as session:
-        population = rounds.lock_population(session, "p")
+        population = lock_population(session, "p")
         assert population is not None
-        before = rounds.open_round(session, population, rounds.EVALUATION, 1.0)
+        before = open_round(session, population, EVALUATION, 1.0)
         change_settings(session, population, {"min_evaluation_reports": 8}, "ops", 2.0)
         with pytest.raises(
             SettingsChangeError, match=r"min_evaluation_reports \(11\) must be <= evaluation_target"
         ):
             change_settings(session, population, {"min_evaluation_reports": 11}, "ops", 2.0)
     with db.begin() as session:
-        population = rounds.lock_population(session, "p")
+        population = lock_population(session, "p")
         assert population is not None
         before.status = "abandoned"
         session.merge(before)
-        after = rounds.open_round(session, population, rounds.EVALUATION, 3.0)
+        after = open_round(session, population, EVALUATION, 3.0)
 
     assert (before.min_reports, after.min_reports) == (5, 8)
 
@@ -234,13 +236,13 @@ def test_after_the_dp_budget_is_spent_no_round_of_any_kind_releases_unnoised_fig
         differential_privacy=dp,
     )
     with db.begin() as session:
-        population = rounds.lock_population(session, "p")
+        population = lock_population(session, "p")
         assert population is not None
-        evaluation = rounds.open_round(session, population, rounds.EVALUATION, 0.5)
+        evaluation = open_round(session, population, EVALUATION, 0.5)
     evaluator = device(db)
     assigned = checkin(db, evaluator, kind="evaluation")
     sent = report(db, evaluator, assigned.assignment_id, evaluation_report(1), ctype="application/json")
-    assert not isinstance(sent, rounds.Refused), sent
+    assert not isinstance(sent, Refused), sent
 
     # Execute: the training round that spends the budget commits; then the operator asks for an
     # evaluation, a device asks for one, and the round's deadline passes
@@ -250,15 +252,15 @@ def test_after_the_dp_budget_is_spent_no_round_of_any_kind_releases_unnoised_fig
         admin.schedule_evaluation("p", None, db, lambda: 3.0)  # type: ignore[arg-type]
     refused = checkin(db, device(db), kind="evaluation", now=4.0)
     with db.begin() as session:
-        population = rounds.lock_population(session, "p")
+        population = lock_population(session, "p")
         assert population is not None
-        rounds.advance(session, population, 100.0)
+        advance(session, population, 100.0)
 
     # Assert: the open evaluation round was abandoned with why and its sums erased; none opened
     # since, from the schedule or the admin API (409), and no training round either
     assert committed.status == "committed" and committed.result_version == 1
     assert scheduled.value.status_code == 409 and "privacy budget is spent" in scheduled.value.detail
-    assert isinstance(refused, rounds.Refused)
+    assert isinstance(refused, Refused)
     with db() as session:
         closed = session.get(Round, evaluation.id)
         assert closed is not None
@@ -292,15 +294,15 @@ def test_an_open_dp_round_never_shows_one_devices_within_clip_bit(
     sent = report(
         db, dev, answer.assignment_id, delta_body(biased_model, 0.1, metrics={"dp_within_clip": 0.0})
     )
-    assert not isinstance(sent, rounds.Refused), sent
+    assert not isinstance(sent, Refused), sent
 
     # Execute: the operator reads the open round, and the round after its deadline
     with db() as session:
         during = population_out(session, session.scalars(select(Population)).one())
     with db.begin() as session:
-        population = rounds.lock_population(session, "p")
+        population = lock_population(session, "p")
         assert population is not None
-        rounds.advance(session, population, 11.0)
+        advance(session, population, 11.0)
     with db() as session:
         after = population_out(session, session.scalars(select(Population)).one())
         abandoned = session.get(Round, answer.round_id)

@@ -21,6 +21,7 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
+from orchestrator.aggregation.differential_privacy import epsilon
 
 from contracts.manifest import INITIAL_GLOBAL_FILE, MANIFEST_FILE, MODEL_FILE, load_manifest
 from contracts.mixing import encode_examples
@@ -30,7 +31,6 @@ from device_runtime.client_task import Outcome, run_training_task
 from device_runtime.example_store import Event, ExampleStore
 from model_export.config import ModelConfig
 from model_runtime.tflite_model import TFLiteModel
-from orchestrator.differential_privacy import epsilon
 from tests.conftest import BIASED, ROOT
 from tests.orchestrator.conftest import ADMIN_TOKEN, OCTETS, Server, admin_create_population
 from tests.orchestrator.test_mixing import central_examples

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import itertools
 
+from orchestrator.rounds.idle_backoff import IDLE_BACKOFF_CAP_SECONDS
+from orchestrator.service.population_creation import ExportedModel
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
-from orchestrator import rounds
 from orchestrator.api.routes.admin import population_out
 from orchestrator.app import tick
 from orchestrator.db import Population, Round
-from orchestrator.idle_backoff import IDLE_BACKOFF_CAP_SECONDS
-from orchestrator.populations import ExportedModel
+from orchestrator.rounds import checkins
 from tests.orchestrator.conftest import make_population
 from tests.orchestrator.test_rounds import checkin, device
 
@@ -65,7 +65,7 @@ def test_a_device_checking_in_ends_the_back_off_and_is_admitted_at_once(
 
     answer = checkin(db, device(db), now=80.0)
 
-    assert isinstance(answer, rounds.Accepted)
+    assert isinstance(answer, checkins.Accepted)
     woke = population(db)
     assert (woke.idle_rounds, woke.next_round_at) == (0, None)
     with db() as session:
@@ -94,6 +94,6 @@ def test_a_check_in_that_finds_the_last_round_just_closed_idle_is_admitted_to_a_
 
     answer = checkin(db, device(db), now=12.0)  # no tick closed the idle round before it
 
-    assert isinstance(answer, rounds.Accepted)
+    assert isinstance(answer, checkins.Accepted)
     assert [r.status for r in training_rounds(db)] == ["abandoned", "open"]
     assert (population(db).idle_rounds, population(db).next_round_at) == (0, None)

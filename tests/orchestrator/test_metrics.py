@@ -7,13 +7,15 @@ import asyncio
 from collections.abc import Sequence
 
 import pytest
+from orchestrator.observability import metrics, round_counter
+from orchestrator.populations.locks import lock_population
+from orchestrator.service.population_creation import ExportedModel
 from prometheus_client import REGISTRY
 from sqlalchemy import text
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session, sessionmaker
 
-from orchestrator import metrics, round_metrics, rounds
-from orchestrator.populations import ExportedModel
+from orchestrator.rounds import checkins
 from orchestrator.service.group_commit import GroupCommit
 from tests.orchestrator.conftest import make_population
 from tests.orchestrator.test_rounds import checkin, delta_body, device, report
@@ -37,9 +39,9 @@ def test_counters_move_when_the_transaction_commits_and_never_for_a_rolled_back_
     before = value("orchestrator_checkins_total", **accepted)
 
     with pytest.raises(RuntimeError), db.begin() as session:
-        population = rounds.lock_population(session, "p")
+        population = lock_population(session, "p")
         assert population is not None
-        rounds.checkin(session, population, [rounds.CheckIn(devices[0], 50, "training")], 1.0)
+        checkins.checkin(session, population, [checkins.CheckIn(devices[0], 50, "training")], 1.0)
         raise RuntimeError("rolled back")
     after_rollback = value("orchestrator_checkins_total", **accepted)
     answer = checkin(db, devices[0])
@@ -55,7 +57,7 @@ def test_counters_move_when_the_transaction_commits_and_never_for_a_rolled_back_
         value("orchestrator_reports_total", population="p", kind="training", outcome="accepted", reason="")
         >= 1
     )
-    assert round_metrics.round_counts(db)[("p", "training", "committed")] >= 1
+    assert round_counter.round_counts(db)[("p", "training", "committed")] >= 1
     assert value("orchestrator_aggregation_duration_seconds_count", population="p") >= 1
 
 

@@ -7,14 +7,15 @@ import json
 from alembic import command
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
+from orchestrator.populations.locks import lock_population
+from orchestrator.populations.settings import PopulationSettings
+from orchestrator.rounds.lifecycle import EVALUATION, TRAINING, open_round
+from orchestrator.service.population_creation import ExportedModel
 from sqlalchemy import create_engine, inspect, select, text
 from sqlalchemy.orm import Session, sessionmaker
 
-from orchestrator import rounds
 from orchestrator.db import Base, Population, Report, Round
 from orchestrator.migrate import alembic_config
-from orchestrator.population_settings import PopulationSettings
-from orchestrator.populations import ExportedModel
 from tests.orchestrator.conftest import make_population
 
 
@@ -43,11 +44,11 @@ def test_the_evaluation_floor_migration_keeps_settings_valid_and_erases_per_devi
     # sums, an abandoned training round with its raw within-clip count
     make_population(db, biased_model, evaluation_target_reports=2, min_evaluation_reports=2)
     with db.begin() as session:
-        population = rounds.lock_population(session, "p")
+        population = lock_population(session, "p")
         assert population is not None
-        committed = rounds.open_round(session, population, rounds.EVALUATION, 1.0)
-        abandoned = rounds.open_round(session, population, rounds.EVALUATION, 1.0)
-        training = rounds.open_round(session, population, rounds.TRAINING, 1.0)
+        committed = open_round(session, population, EVALUATION, 1.0)
+        abandoned = open_round(session, population, EVALUATION, 1.0)
+        training = open_round(session, population, TRAINING, 1.0)
         sums = {"loss_sum": 7.5, "weight_sum": 10.0}
         committed.status, committed.metrics = "committed", sums
         abandoned.status, abandoned.metrics = "abandoned", sums

@@ -12,6 +12,9 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
+from orchestrator.populations.config import population_manifest, population_settings
+from orchestrator.populations.locks import find_population, lock_population
+from orchestrator.service.population_creation import ExportedModel
 from safetensors.numpy import save
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -32,11 +35,10 @@ from contracts.task_config import TaskConfig
 from model_export.config import ModelConfig
 from model_runtime.task_batches import TaskBatches
 from model_runtime.tflite_model import TFLiteModel
-from orchestrator import central_training, rounds
-from orchestrator import mixing as mixing_data
 from orchestrator.__main__ import main as orchestrator_cli
 from orchestrator.db import make_engine
-from orchestrator.populations import ExportedModel
+from orchestrator.populations import central_training
+from orchestrator.populations import mixing as mixing_data
 from tests.conftest import BIASED, IMPLICIT
 from tests.orchestrator.conftest import ADMIN_TOKEN, Server, admin_create_population, make_population
 from tests.orchestrator.test_rounds import checkin, delta_body, device, report, round_by_id, version_params
@@ -156,9 +158,9 @@ def test_attaching_bad_mixing_is_a_4xx_that_says_why_and_changes_nothing(
 
 def _attach_in(factory: sessionmaker[Session], mixing: dict[str, Any], examples: Examples) -> None:
     with factory.begin() as session:
-        population = rounds.lock_population(session, "p")
+        population = lock_population(session, "p")
         assert population is not None
-        manifest = rounds.population_manifest(population)
+        manifest = population_manifest(population)
         mixing_data.attach(
             session, population, manifest, mixing, encode_examples(examples, manifest.features), 0.0
         )
@@ -297,7 +299,7 @@ def test_the_cli_attaches_mixing_and_refuses_bad_input_without_changing_it(
     assert "group ids '@group' include -2" in ids_error
     engine = make_engine(url)
     with Session(engine) as session:
-        population = rounds.find_population(session, "p")
+        population = find_population(session, "p")
         assert population is not None
         shown = mixing_data.describe(session, population)
     engine.dispose()
@@ -432,16 +434,16 @@ def test_the_next_versions_central_gradient_is_taken_at_the_committed_globals(
     # Execute: what an assignment of the next round is served.
     committed = version_params(db, model, 1)
     with db() as session:
-        population = rounds.find_population(session, "p")
+        population = find_population(session, "p")
         assert population is not None and population.current_version == 1
-        manifest = rounds.population_manifest(population)
+        manifest = population_manifest(population)
         job = mixing_data.central_job(
             session,
             population,
             manifest,
             1,
             committed,
-            rounds.population_settings(population).task(),
+            population_settings(population).task(),
             "gradient_transfer",
         )
     assert job is not None
@@ -604,14 +606,14 @@ def test_group_ids_are_kept_with_the_dataset_and_reach_the_central_job(
     examples = central_examples(manifest, 12, seed=11)
     accounts = np.array([5, 5, 0, 0, 0, 9, 9, 9, 9, 0, 5, 2], np.int32)
     with db.begin() as session:
-        population = rounds.lock_population(session, "p")
+        population = lock_population(session, "p")
         assert population is not None
         blob = encode_examples(examples, manifest.features, accounts)
         mixing_data.attach(session, population, manifest, {"strategy": "gradient_transfer"}, blob, 0.0)
 
     # Execute: a later transaction, as a commit or an assignment would read it.
     with db.begin() as session:
-        population = rounds.lock_population(session, "p")
+        population = lock_population(session, "p")
         assert population is not None
         params = TFLiteModel(model_dir).get_global()
         task = TaskConfig.from_manifest(manifest)

@@ -7,11 +7,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from orchestrator.service.population_creation import ExportedModel, PopulationError
 from sqlalchemy.orm import Session, sessionmaker
 
 from model_export.config import ModelConfig
 from orchestrator.db import Population
-from orchestrator.populations import ExportedModel, PopulationError
 from tests.conftest import IMPLICIT
 from tests.orchestrator.conftest import make_population
 

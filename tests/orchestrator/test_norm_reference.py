@@ -5,10 +5,10 @@ hostile-only rounds shorter than half the history does not raise it at all."""
 from __future__ import annotations
 
 import numpy as np
+from orchestrator.aggregation.maths import RobustAggregation, aggregate
+from orchestrator.aggregation.norm_reference import NormReference
 
 from contracts.params import SparseTensor
-from orchestrator.aggregation import RobustAggregation, aggregate
-from orchestrator.norm_reference import NormReference
 
 RULE = RobustAggregation()  # the server's defaults
 SHAPES = {"bias": (1,)}

@@ -6,10 +6,13 @@ from __future__ import annotations
 import math
 
 import pytest
+from orchestrator.populations.locks import lock_population
+from orchestrator.rounds.lifecycle import advance
+from orchestrator.rounds.refusals import Refused
+from orchestrator.service.population_creation import ExportedModel
 from sqlalchemy.orm import Session, sessionmaker
 
-from orchestrator import pace_steering, rounds
-from orchestrator.populations import ExportedModel
+from orchestrator.rounds import pace_steering
 from tests.orchestrator.conftest import make_population
 from tests.orchestrator.test_rounds import checkin, current_round, device
 
@@ -64,7 +67,7 @@ def test_devices_turned_away_from_a_full_round_come_back_spread_over_its_window(
 
     # Assert: two admitted; the rest told to come back at different times within the first window
     # (the round's 100 s), not all at its deadline.
-    refused = [a for a in answers if isinstance(a, rounds.Refused)]
+    refused = [a for a in answers if isinstance(a, Refused)]
     assert first.checkin_window == 100.0 and len(refused) == 28
     waits = [a.retry_after for a in refused if a.retry_after is not None]
     assert all(1.0 <= w <= 100.0 for w in waits)
@@ -72,9 +75,9 @@ def test_devices_turned_away_from_a_full_round_come_back_spread_over_its_window(
 
     # Act: the round ends at its deadline; the next one opens.
     with db.begin() as session:
-        population = rounds.lock_population(session, "p")
+        population = lock_population(session, "p")
         assert population is not None
-        rounds.advance(session, population, 200.0)
+        advance(session, population, 200.0)
     second = current_round(db)
 
     # Assert: 30 check-ins where 4 x 2 were wanted widen the window by sqrt(30 / 8).
@@ -109,7 +112,7 @@ def test_devices_with_too_few_examples_do_not_all_come_back_at_the_next_round_s_
 
     # Assert: all refused, told to come back after the round's deadline (99 s away), spread over
     # its 100 s window rather than all at the next round's opening.
-    waits = [a.retry_after for a in answers if isinstance(a, rounds.Refused) and a.retry_after is not None]
+    waits = [a.retry_after for a in answers if isinstance(a, Refused) and a.retry_after is not None]
     assert len(waits) == 30
     assert all(99.0 <= w <= 199.0 for w in waits)
     assert len({round(w, 3) for w in waits}) > 20 and max(waits) - min(waits) > 50.0

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import pytest
+from orchestrator.populations.locks import lock_population
+from orchestrator.rounds.lifecycle import advance
+from orchestrator.rounds.refusals import Refused
+from orchestrator.service.population_creation import ExportedModel
 from sqlalchemy.orm import Session, sessionmaker
 
-from orchestrator import pausing, rounds
 from orchestrator.app import tick
-from orchestrator.populations import ExportedModel
+from orchestrator.rounds import pausing
 from tests.orchestrator.conftest import make_population
 from tests.orchestrator.test_idle_backoff import population, training_rounds
 from tests.orchestrator.test_rounds import checkin, delta_body, device, report
@@ -15,13 +18,13 @@ from tests.orchestrator.test_rounds import checkin, delta_body, device, report
 
 def set_paused(factory: sessionmaker[Session], paused: bool, now: float) -> None:
     with factory.begin() as session:
-        found = rounds.lock_population(session, "p")
+        found = lock_population(session, "p")
         assert found is not None
         if paused:
             pausing.pause(session, found, now)
         else:
             pausing.resume(session, found, now)
-            rounds.advance(session, found, now)
+            advance(session, found, now)
 
 
 def test_a_paused_population_finishes_its_open_round_and_opens_none_until_resumed(
@@ -40,7 +43,7 @@ def test_a_paused_population_finishes_its_open_round_and_opens_none_until_resume
 
     assert [r.status for r in paused_rounds] == ["committed"]  # none opened while paused
     assert population(db).current_version == 1
-    assert isinstance(refused, rounds.Refused) and "the population is paused" in refused.message
+    assert isinstance(refused, Refused) and "the population is paused" in refused.message
     assert population(db).paused_at is None
     assert [r.status for r in training_rounds(db)] == ["committed", "open"]
     assert training_rounds(db)[-1].opened_at == 102.0
@@ -64,7 +67,7 @@ def test_an_archived_population_opens_no_round_and_cannot_be_resumed(
 ) -> None:
     make_population(db, biased_model, target_reports=2, min_reports=2, round_duration_seconds=10)
     with db.begin() as session:
-        found = rounds.lock_population(session, "p")
+        found = lock_population(session, "p")
         assert found is not None
         pausing.archive(session, found, 2.0)
 
@@ -72,9 +75,9 @@ def test_an_archived_population_opens_no_round_and_cannot_be_resumed(
     refused = checkin(db, device(db), now=12.0)
 
     assert [r.status for r in training_rounds(db)] == ["abandoned"]
-    assert isinstance(refused, rounds.Refused) and "the population is archived" in refused.message
+    assert isinstance(refused, Refused) and "the population is archived" in refused.message
     with pytest.raises(pausing.ArchivedError, match="cannot be resumed"), db.begin() as session:
-        found = rounds.lock_population(session, "p")
+        found = lock_population(session, "p")
         assert found is not None
         pausing.resume(session, found, 13.0)
     assert (population(db).archived_at, population(db).paused_at) == (2.0, 2.0)

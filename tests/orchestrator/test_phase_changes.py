@@ -6,7 +6,7 @@ import asyncio
 import threading
 import time
 
-from orchestrator.phase_changes import PhaseChanges
+from orchestrator.rounds.secure.phase_changes import PhaseChanges
 
 
 def test_a_change_announced_from_another_thread_wakes_the_waiters_at_once() -> None:

@@ -11,20 +11,19 @@ from typing import Any
 import numpy as np
 import pytest
 from numpy.typing import ArrayLike
+from orchestrator.aggregation.assemble import CentralPart, Pipeline, RoundInputs
+from orchestrator.aggregation.central_merge import CentralMerge, CentralUpdate
+from orchestrator.aggregation.coordinate_wise import CoordinateWiseStage
+from orchestrator.aggregation.differential_privacy import DPConfig
+from orchestrator.aggregation.maths import PartialSum, RobustAggregation, WeightedMean
+from orchestrator.aggregation.pipeline import Aggregate, apply_measurements
+from orchestrator.aggregation.private import CLIP_NORM, NEXT_CLIP_NORM, WITHIN_CLIP, GaussianNoise
+from orchestrator.aggregation.robust import ClipAndCap
+from orchestrator.aggregation.secure_sum import SecureSum
+from orchestrator.aggregation.weighted_mean import WeightedMeanStage
+from orchestrator.populations.settings import PopulationSettings
 
 from contracts.params import SparseTensor
-from orchestrator.aggregation import PartialSum, RobustAggregation, WeightedMean
-from orchestrator.central_training import CentralUpdate
-from orchestrator.differential_privacy import DPConfig
-from orchestrator.pipeline import Aggregate, apply_measurements
-from orchestrator.pipeline.assemble import CentralPart, Pipeline, RoundInputs
-from orchestrator.pipeline.central_merge import CentralMerge
-from orchestrator.pipeline.coordinate_wise import CoordinateWiseStage
-from orchestrator.pipeline.private import CLIP_NORM, NEXT_CLIP_NORM, WITHIN_CLIP, GaussianNoise
-from orchestrator.pipeline.robust import ClipAndCap
-from orchestrator.pipeline.secure_sum import SecureSum
-from orchestrator.pipeline.weighted_mean import WeightedMeanStage
-from orchestrator.population_settings import PopulationSettings
 
 G = {"g": (2,)}
 

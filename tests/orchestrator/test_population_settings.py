@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from orchestrator.populations.settings import PopulationSettings
 from pydantic import ValidationError
-
-from orchestrator.population_settings import PopulationSettings
 
 DP = {"clip_norm": 2.0, "noise_multiplier": 1.0, "population_size": 1000}
 

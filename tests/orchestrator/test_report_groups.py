@@ -3,13 +3,13 @@ share one transaction, and each gets its own answer."""
 
 from __future__ import annotations
 
+from orchestrator.rounds.refusals import Refused
+from orchestrator.service.population_creation import ExportedModel
 from sqlalchemy import event
 from sqlalchemy.orm import Session, sessionmaker
 
 from contracts.protocol import ReportAccepted
-from orchestrator import rounds
 from orchestrator.devices import enroll
-from orchestrator.populations import ExportedModel
 from orchestrator.service.reports import ReportCall as _ReportCall
 from orchestrator.service.reports import report_transaction as _report
 from tests.orchestrator.conftest import make_population
@@ -59,7 +59,7 @@ def test_reports_and_aborts_that_arrive_together_share_one_transaction_and_get_t
     assert isinstance(aborted, ReportAccepted) and (aborted.reported, aborted.round_status) == (1, "open")
     assert isinstance(committed, ReportAccepted) and committed.round_status == "committed"
     refusals = answers[3:]
-    assert all(isinstance(r, rounds.Refused) for r in refusals)
-    assert [r.status for r in refusals if isinstance(r, rounds.Refused)] == [409, 404, 401]
+    assert all(isinstance(r, Refused) for r in refusals)
+    assert [r.status for r in refusals if isinstance(r, Refused)] == [409, 404, 401]
     round_ = round_by_id(db, first_a.round_id)
     assert (round_.status, round_.reported, round_.aborted, round_.late) == ("committed", 2, 1, 0)

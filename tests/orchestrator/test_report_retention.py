@@ -6,13 +6,15 @@ when TEST_POSTGRES_URL is set (the `db` fixture)."""
 from __future__ import annotations
 
 from alembic import command
+from orchestrator.populations.locks import lock_population
+from orchestrator.rounds.lifecycle import advance
+from orchestrator.rounds.refusals import Refused
+from orchestrator.service.population_creation import ExportedModel
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
-from orchestrator import rounds
 from orchestrator.db import Report, Round
 from orchestrator.migrate import alembic_config
-from orchestrator.populations import ExportedModel
 from tests.orchestrator.conftest import make_population
 from tests.orchestrator.test_rounds import checkin, delta_body, device, report
 
@@ -34,16 +36,14 @@ def run_rounds(factory: sessionmaker[Session], model: ExportedModel) -> None:
     for _ in range(2):
         dev = device(factory)
         answer = checkin(factory, dev)
-        assert not isinstance(
-            report(factory, dev, answer.assignment_id, delta_body(model, 0.1)), rounds.Refused
-        )
+        assert not isinstance(report(factory, dev, answer.assignment_id, delta_body(model, 0.1)), Refused)
     dev = device(factory)
     answer = checkin(factory, dev, now=3.0)
     report(factory, dev, answer.assignment_id, delta_body(model, 0.1), now=3.5)
     with factory.begin() as session:
-        population = rounds.lock_population(session, "p")
+        population = lock_population(session, "p")
         assert population is not None
-        rounds.advance(session, population, 1000.0)  # past its deadline: abandoned
+        advance(session, population, 1000.0)  # past its deadline: abandoned
     dev = device(factory)
     answer = checkin(factory, dev, now=1001.0)
     report(factory, dev, answer.assignment_id, delta_body(model, 0.1), now=1001.5)

@@ -1,16 +1,17 @@
-"""A round's counts applied by one statement on its row (orchestrator/round_counts.py): what
+"""A round's counts applied by one statement on its row (orchestrator/rounds/counts.py): what
 another transaction counted meanwhile is kept, and a closed round takes no count but a late one."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from orchestrator.service.population_creation import ExportedModel
 from sqlalchemy import event
 from sqlalchemy.orm import Session, sessionmaker
 
-from orchestrator import round_counts, round_state
 from orchestrator.db import Round
-from orchestrator.populations import ExportedModel
+from orchestrator.rounds import counts as round_counts
+from orchestrator.rounds import state
 from tests.orchestrator.conftest import make_population
 from tests.orchestrator.test_rounds import checkin, device, round_by_id
 
@@ -28,16 +29,14 @@ def test_a_count_adds_to_the_row_as_it_is_not_to_a_stale_copy(
         with db.begin() as other:  # another transaction counts meanwhile
             first = other.get(Round, round_id)
             assert first is not None
-            assert round_counts.count(other, first, round_state.report_count(2.0, {"loss_sum": 1.0}))
+            assert round_counts.count(other, first, state.report_count(2.0, {"loss_sum": 1.0}))
         with stale.begin():
-            counted = round_counts.count(
-                stale, copy, round_state.report_count(3.0, {"loss_sum": 0.5, "n": 1.0})
-            )
+            counted = round_counts.count(stale, copy, state.report_count(3.0, {"loss_sum": 0.5, "n": 1.0}))
 
             assert counted
             assert (copy.reported, copy.total_weight, copy.status) == (2, 5.0, "open")
             assert copy.metrics == {"loss_sum": 1.5, "n": 1.0}
-            assert round_state.target_reached(copy) is None
+            assert state.target_reached(copy) is None
 
     stored = round_by_id(db, round_id)
     assert (stored.reported, stored.total_weight, stored.metrics) == (2, 5.0, {"loss_sum": 1.5, "n": 1.0})
@@ -60,7 +59,7 @@ def test_a_report_counted_into_the_round_as_read_adds_its_metric_sums_in_the_sam
         event.listen(engine, "before_cursor_execute", executed)
         try:
             for weight, loss in ((2.0, 1.0), (1.0, 0.5)):
-                report = round_state.report_count(weight, {"loss_sum": loss})
+                report = state.report_count(weight, {"loss_sum": loss})
                 assert round_counts.count(session, round_, report)
         finally:
             event.remove(engine, "before_cursor_execute", executed)
@@ -78,13 +77,13 @@ def test_a_closed_round_takes_no_count_but_a_late_one(
     with db.begin() as session:
         round_ = session.get(Round, round_id)
         assert round_ is not None
-        round_state.close(round_, round_state.Closing(round_state.ABANDONED, "test"), 3.0)
+        state.close(round_, state.Closing(state.ABANDONED, "test"), 3.0)
 
     with db.begin() as session:
         round_ = session.get(Round, round_id)
         assert round_ is not None
-        refused = [round_counts.count(session, round_, c) for c in (round_state.ABORT, round_state.INVALID)]
-        late = round_counts.count(session, round_, round_state.LATE)
+        refused = [round_counts.count(session, round_, c) for c in (state.ABORT, state.INVALID)]
+        late = round_counts.count(session, round_, state.LATE)
 
     assert refused == [False, False] and late
     stored = round_by_id(db, round_id)

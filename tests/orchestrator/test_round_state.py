@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from orchestrator import round_state
-from orchestrator.round_state import (
+from orchestrator.rounds.state import (
     ABANDONED,
     COMMITTED,
     DEADLINE,
@@ -15,6 +14,8 @@ from orchestrator.round_state import (
     REPORTING,
     Closing,
 )
+
+from orchestrator.rounds import state as round_state
 
 
 @dataclass

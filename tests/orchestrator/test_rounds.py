@@ -11,6 +11,15 @@ from typing import Any
 
 import numpy as np
 import pytest
+from orchestrator.aggregation.differential_privacy import epsilon
+from orchestrator.aggregation.maths import aggregate, known_bounds
+from orchestrator.aggregation.norm_reference import NormReference
+from orchestrator.populations.config import population_settings
+from orchestrator.populations.locks import find_population, lock_population, population_of_assignment
+from orchestrator.populations.model_versions import _latest
+from orchestrator.rounds.lifecycle import EVALUATION, TRAINING, open_round, open_rounds, summarize_metrics
+from orchestrator.rounds.refusals import Refused
+from orchestrator.service.population_creation import ExportedModel, PopulationError, create_population
 from safetensors.numpy import load, save
 from sqlalchemy import event, select
 from sqlalchemy.orm import Session, sessionmaker
@@ -19,15 +28,11 @@ from contracts.manifest import Manifest
 from contracts.params import decode_params, decode_sparse_delta, encode_params, encode_sparse_delta
 from contracts.protocol import Assignment as AssignmentAnswer
 from model_export.config import ModelConfig
-from orchestrator import rounds
-from orchestrator.aggregation import aggregate, known_bounds
 from orchestrator.api.routes.admin import population_out
 from orchestrator.db import Assignment, ModelVersion, Population, Report, Round, make_engine
 from orchestrator.devices import authenticate, enroll
-from orchestrator.differential_privacy import epsilon
 from orchestrator.migrate import migrate
-from orchestrator.norm_reference import NormReference
-from orchestrator.populations import ExportedModel, PopulationError, create_population
+from orchestrator.rounds import checkins
 from orchestrator.service.checkins import CheckInCall, checkin_transaction
 from tests.conftest import IMPLICIT
 from tests.orchestrator.conftest import make_population
@@ -46,9 +51,9 @@ def checkin(
     factory: sessionmaker[Session], dev: str, count: int = 50, now: float = 1.0, kind: str = "training"
 ):  # type: ignore[no-untyped-def]
     with factory.begin() as session:
-        population = rounds.lock_population(session, "p")
+        population = lock_population(session, "p")
         assert population is not None
-        (answer,) = rounds.checkin(session, population, [rounds.CheckIn(dev, count, kind)], now)
+        (answer,) = checkins.checkin(session, population, [checkins.CheckIn(dev, count, kind)], now)
         return answer
 
 
@@ -61,15 +66,15 @@ def report(
     ctype: str = "application/octet-stream",
 ):  # type: ignore[no-untyped-def]
     with factory.begin() as session:
-        population = rounds.population_of_assignment(session, assignment_id)
+        population = population_of_assignment(session, assignment_id)
         assert population is not None
-        return rounds.report(session, population, assignment_id, dev, body, ctype, now)
+        return checkins.report(session, population, assignment_id, dev, body, ctype, now)
 
 
 def current_round(factory: sessionmaker[Session], kind: str = "training") -> Round:
     with factory() as session:
         population = session.scalars(select(Population)).one()
-        return rounds.open_rounds(session, population)[kind]
+        return open_rounds(session, population)[kind]
 
 
 def round_by_id(factory: sessionmaker[Session], round_id: int) -> Round:
@@ -143,7 +148,7 @@ def test_oversampling_capacity_and_min_examples(
 
     assert [type(a).__name__ for a in answers] == ["Accepted", "Accepted", "Accepted", "Refused"]
     assert "full" in answers[3].message and answers[3].retry_after > 0
-    assert isinstance(too_few, rounds.Refused) and "at least 5" in too_few.message
+    assert isinstance(too_few, Refused) and "at least 5" in too_few.message
     r = current_round(db)
     assert (r.capacity, r.checked_in, r.accepted, r.rejected_capacity, r.rejected_min_examples) == (
         3,
@@ -172,13 +177,13 @@ def test_a_group_beyond_capacity_admits_up_to_it_in_order(
     make_population(db, biased_model, target_reports=2, oversampling=2.0, min_examples=5)
     first, *devices = [device(db) for _ in range(7)]
     checkin(db, first)
-    group = [rounds.CheckIn(d, 4 if d == devices[1] else 50, rounds.TRAINING) for d in devices[:5]]
-    group.append(rounds.CheckIn(devices[0], 50, rounds.TRAINING))  # the same device again
+    group = [checkins.CheckIn(d, 4 if d == devices[1] else 50, TRAINING) for d in devices[:5]]
+    group.append(checkins.CheckIn(devices[0], 50, TRAINING))  # the same device again
 
     with db.begin() as session:
-        population = rounds.find_population(session, "p")
+        population = find_population(session, "p")
         assert population is not None
-        answers = rounds.checkin(session, population, group, 1.0)
+        answers = checkins.checkin(session, population, group, 1.0)
 
     assert [type(a).__name__ for a in answers] == [
         "Accepted",
@@ -188,7 +193,7 @@ def test_a_group_beyond_capacity_admits_up_to_it_in_order(
         "Refused",  # the round is full (capacity 4)
         "Accepted",
     ]
-    assert isinstance(answers[4], rounds.Refused) and "full" in answers[4].message
+    assert isinstance(answers[4], Refused) and "full" in answers[4].message
     assert answers[5] == answers[0]  # the repeat gets the first's assignment
     r = current_round(db)
     assert (r.capacity, r.checked_in, r.accepted, r.rejected_capacity, r.rejected_min_examples) == (
@@ -199,7 +204,7 @@ def test_a_group_beyond_capacity_admits_up_to_it_in_order(
         1,
     )
     full = checkin(db, devices[5])
-    assert isinstance(full, rounds.Refused) and "full" in full.message
+    assert isinstance(full, Refused) and "full" in full.message
     r = current_round(db)
     assert (r.checked_in, r.accepted, r.rejected_capacity) == (7, 4, 2)
 
@@ -225,8 +230,8 @@ def test_concurrent_checkins_never_exceed_capacity_nor_give_a_device_two_assignm
     ]
     start = threading.Barrier(len(groups))
 
-    def check_in(group: list[str]) -> list[tuple[str, AssignmentAnswer | rounds.Refused]]:
-        calls = [CheckInCall(tokens[d], 50, rounds.TRAINING) for d in group]
+    def check_in(group: list[str]) -> list[tuple[str, AssignmentAnswer | Refused]]:
+        calls = [CheckInCall(tokens[d], 50, TRAINING) for d in group]
         start.wait()
         return list(zip(group, checkin_transaction(db, "p", calls, 1.0), strict=True))
 
@@ -262,9 +267,9 @@ def test_a_checkin_retries_while_other_processes_keep_admitting_its_devices_firs
         with db.begin() as session:
             tokens.append(enroll(session, 0.0)[1])
     opener, first, second = tokens
-    checkin_transaction(db, "p", [CheckInCall(opener, 50, rounds.TRAINING)], 1.0)  # opens the round
+    checkin_transaction(db, "p", [CheckInCall(opener, 50, TRAINING)], 1.0)  # opens the round
     rivals = [first, second]  # each admitted by "another process" just before this admission
-    rival_answers: list[AssignmentAnswer | rounds.Refused] = []
+    rival_answers: list[AssignmentAnswer | Refused] = []
     in_rival = threading.local()
 
     def rival_first(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
@@ -275,12 +280,12 @@ def test_a_checkin_retries_while_other_processes_keep_admitting_its_devices_firs
         ):
             in_rival.on = True
             try:
-                rival = CheckInCall(rivals.pop(0), 50, rounds.TRAINING)
+                rival = CheckInCall(rivals.pop(0), 50, TRAINING)
                 rival_answers.extend(checkin_transaction(db, "p", [rival], 1.0))
             finally:
                 in_rival.on = False
 
-    calls = [CheckInCall(t, 50, rounds.TRAINING) for t in (first, second)]
+    calls = [CheckInCall(t, 50, TRAINING) for t in (first, second)]
     event.listen(db.kw["bind"], "before_cursor_execute", rival_first)
     try:
         answers = checkin_transaction(db, "p", calls, 1.0)
@@ -344,7 +349,7 @@ def test_deadline_commits_with_enough_reports_and_drops_the_rest(
 
     late = report(db, b, second.assignment_id, delta_body(biased_model, 1.0), now=11.0)
 
-    assert isinstance(late, rounds.Refused) and late.status == 409 and "late" in late.message
+    assert isinstance(late, Refused) and late.status == 409 and "late" in late.message
     closed = round_by_id(db, first.round_id)
     assert (closed.status, closed.reported, closed.dropped, closed.late) == ("committed", 1, 1, 1)
     assert current_round(db).base_version == 1
@@ -383,7 +388,7 @@ def test_min_examples_counts_a_devices_examples_not_its_query_set(
     assert isinstance(reported, Round) and reported.reported == 1, reported
     with db() as session:
         population = session.scalars(select(Population)).one()
-        assert rounds.population_settings(population).task().min_examples == 25  # what devices apply
+        assert population_settings(population).task().min_examples == 25  # what devices apply
 
 
 def test_task_config_cannot_set_a_second_min_examples(
@@ -403,7 +408,7 @@ def test_a_population_can_keep_local_parameters_only_with_a_local_learning_rate(
 
     with db() as session:
         population = session.scalars(select(Population)).one()
-        task = rounds.population_settings(population).task()
+        task = population_settings(population).task()
         assert (task.local_state.value, task.local_learning_rate) == ("keep", 0.1)  # what devices get
 
 
@@ -413,9 +418,9 @@ def test_evaluation_report_bound_follows_negatives_per_positive(
     implicit = ExportedModel.from_dir(export(IMPLICIT))
     make_population(db, implicit, task_config={"negatives_per_positive": 8})
     with db.begin() as session:
-        population = rounds.lock_population(session, "p")
+        population = lock_population(session, "p")
         assert population is not None
-        rounds.open_round(session, population, rounds.EVALUATION, 0.5)
+        open_round(session, population, EVALUATION, 0.5)
     honest, greedy = device(db), device(db)
     answers = [checkin(db, d, count=10, kind="evaluation") for d in (honest, greedy)]
 
@@ -428,7 +433,7 @@ def test_evaluation_report_bound_follows_negatives_per_positive(
     refused = report(db, greedy, answers[1].assignment_id, body(91), ctype="application/json")
 
     assert isinstance(accepted, Round) and accepted.reported == 1, accepted
-    assert isinstance(refused, rounds.Refused) and "[1, 90]" in refused.message
+    assert isinstance(refused, Refused) and "[1, 90]" in refused.message
 
 
 @pytest.mark.parametrize(
@@ -459,7 +464,7 @@ def test_invalid_reports_are_refused_and_never_change_the_model(
 
     refused = report(db, dev, answer.assignment_id, make_body(biased_model))
 
-    assert isinstance(refused, rounds.Refused) and refused.status == 422
+    assert isinstance(refused, Refused) and refused.status == 422
     assert refused.message and __import__("re").search(message, refused.message), refused.message
     r = round_by_id(db, answer.round_id)
     assert (r.status, r.invalid, r.reported) == ("open", 1, 0)
@@ -477,7 +482,7 @@ def test_report_metadata_must_carry_num_examples(
 
     refused = report(db, dev, answer.assignment_id, encode_sparse_delta(delta))
 
-    assert isinstance(refused, rounds.Refused) and "num_examples" in refused.message
+    assert isinstance(refused, Refused) and "num_examples" in refused.message
 
 
 def test_a_late_abort_is_refused_but_not_counted_as_a_late_report(
@@ -488,12 +493,12 @@ def test_a_late_abort_is_refused_but_not_counted_as_a_late_report(
     answer = checkin(db, dev, now=1.0)
 
     with db.begin() as session:
-        population = rounds.lock_population(session, "p")
+        population = lock_population(session, "p")
         assert population is not None
-        refused = rounds.abort(session, population, answer.assignment_id, dev, 12.0)
+        refused = checkins.abort(session, population, answer.assignment_id, dev, 12.0)
 
     # The round's `late` counts late reports only, as the reports metric does.
-    assert isinstance(refused, rounds.Refused) and refused.status == 409
+    assert isinstance(refused, Refused) and refused.status == 409
     assert round_by_id(db, answer.round_id).late == 0
 
 
@@ -510,21 +515,21 @@ def test_ownership_unknown_repeated_and_aborted(
     report(db, owner, answer.assignment_id, delta_body(biased_model, 1.0))
     repeated = report(db, owner, answer.assignment_id, delta_body(biased_model, 1.0))
     with db.begin() as session:
-        population = rounds.lock_population(session, "p")
+        population = lock_population(session, "p")
         assert population is not None
-        rounds.abort(session, population, aborted.assignment_id, aborter, 3.0)
+        checkins.abort(session, population, aborted.assignment_id, aborter, 3.0)
     after_abort = report(db, aborter, aborted.assignment_id, delta_body(biased_model, 1.0))
     with db.begin() as session:
-        population = rounds.lock_population(session, "p")
+        population = lock_population(session, "p")
         assert population is not None
-        unknown = rounds.report(session, population, "nope", owner, b"", "", 3.0)
+        unknown = checkins.report(session, population, "nope", owner, b"", "", 3.0)
         # The aborter's answer was lost and it aborts again; another device tries it too.
-        again = rounds.abort(session, population, aborted.assignment_id, aborter, 4.0)
-        not_its = rounds.abort(session, population, aborted.assignment_id, other, 4.0)
+        again = checkins.abort(session, population, aborted.assignment_id, aborter, 4.0)
+        not_its = checkins.abort(session, population, aborted.assignment_id, other, 4.0)
 
     assert (stolen.status, repeated.status, after_abort.status, unknown.status) == (403, 409, 409, 404)
-    assert not isinstance(again, rounds.Refused) and again.id == aborted.round_id
-    assert isinstance(not_its, rounds.Refused) and not_its.status == 403
+    assert not isinstance(again, Refused) and again.id == aborted.round_id
+    assert isinstance(not_its, Refused) and not_its.status == 403
     r = round_by_id(db, answer.round_id)
     assert (r.reported, r.aborted) == (1, 1)
 
@@ -534,9 +539,9 @@ def test_evaluation_round_aggregates_metrics_only(
 ) -> None:
     make_population(db, biased_model, evaluation_target_reports=2, min_evaluation_reports=2)
     with db.begin() as session:
-        population = rounds.lock_population(session, "p")
+        population = lock_population(session, "p")
         assert population is not None
-        rounds.open_round(session, population, rounds.EVALUATION, 0.5)
+        open_round(session, population, EVALUATION, 0.5)
     a, b, c = device(db), device(db), device(db)
     answers = [checkin(db, d, kind="evaluation") for d in (a, b, c)]
     good = {"loss_sum": 8.0, "squared_error_sum": 8.0, "correct_sum": 3.0, "weight_sum": 10.0}
@@ -565,9 +570,9 @@ def test_evaluation_round_aggregates_metrics_only(
         ctype="application/json",
     )
 
-    assert isinstance(bad, rounds.Refused) and "correct_sum" in bad.message
+    assert isinstance(bad, Refused) and "correct_sum" in bad.message
     assert done.status == "committed" and done.result_version is None
-    summary = rounds.summarize_metrics(done)
+    summary = summarize_metrics(done)
     assert summary["rmse"] == pytest.approx((32.0 / 40.0) ** 0.5)
     assert summary["accuracy"] == pytest.approx(6.0 / 40.0)
     with db() as session:
@@ -590,7 +595,7 @@ def test_evaluation_rounds_open_every_k_commits(
 def _open_kinds(factory: sessionmaker[Session]) -> set[str]:
     with factory() as session:
         population = session.scalars(select(Population)).one()
-        return set(rounds.open_rounds(session, population))
+        return set(open_rounds(session, population))
 
 
 def test_population_creation_refuses_bad_models(
@@ -701,7 +706,7 @@ def test_ten_hostile_devices_cannot_move_the_global_mean_under_the_defaults(
     ]
 
     # Assert: the round took their reports and committed, yet the mean barely moved.
-    assert all(not isinstance(r, rounds.Refused) for r in results), results
+    assert all(not isinstance(r, Refused) for r in results), results
     assert results[-1].status == "committed" and results[-1].result_version == 3
     moved = float(version_params(db, biased_model, 3)["global_mean"][0] - before[0])
     assert 0 < moved < 0.05, moved  # the honest deltas of the mean were ~0.01; the push was 999
@@ -731,7 +736,7 @@ def test_a_round_clipped_to_the_last_rounds_norms_commits_what_aggregate_compute
     # Execute: the same aggregation in memory, over the second round's stored reports.
     with db() as session:
         population = session.scalars(select(Population)).one()
-        rule = rounds.population_settings(population).robust()
+        rule = population_settings(population).robust()
         first, second = session.scalars(select(Round).where(Round.status == "committed").order_by(Round.id))
         stored = session.execute(
             select(Report.weight, Report.delta)
@@ -805,7 +810,7 @@ def test_a_dp_round_noises_every_row_and_records_epsilon(
     assert committed.metrics["dp_noise_stddev"] == 5.0
     with db() as session:
         population = session.scalars(select(Population)).one()
-        expected = rounds.population_settings(population).privacy_spent(1).epsilon
+        expected = population_settings(population).privacy_spent(1).epsilon
     assert committed.metrics["dp_epsilon"] == pytest.approx(expected)
 
 
@@ -819,7 +824,7 @@ def test_a_report_above_the_dp_clip_norm_is_refused_with_the_bound(
 
     refused = report(db, dev, answer.assignment_id, delta_body(biased_model, 0.2))  # norm 0.2 * sqrt(33)
 
-    assert isinstance(refused, rounds.Refused) and refused.status == 422
+    assert isinstance(refused, Refused) and refused.status == 422
     assert "1.14891 exceeds this round's DP clip norm 1" in refused.message
     assert round_by_id(db, answer.round_id).invalid == 1
 
@@ -835,11 +840,11 @@ def test_the_privacy_budget_stops_training_rounds_and_says_so(
     refused = checkin(db, device(db))
 
     assert (first.status, second.status) == ("committed", "committed")
-    assert isinstance(refused, rounds.Refused) and refused.status == 409
+    assert isinstance(refused, Refused) and refused.status == 409
     assert "privacy budget spent" in refused.message and "after 2 training rounds" in refused.message
     with db() as session:
         population = session.scalars(select(Population)).one()
-        assert rounds.TRAINING not in rounds.open_rounds(session, population)
+        assert TRAINING not in open_rounds(session, population)
         status = population_out(session, population)
     assert status.privacy is not None and status.privacy.budget_spent
     assert status.privacy.epsilon == pytest.approx(budget) and status.training_rounds_committed == 2
@@ -890,7 +895,7 @@ def test_adaptive_clipping_refuses_a_missing_or_forged_count(
 
     refused = report(db, dev, answer.assignment_id, delta_body(biased_model, 0.1, metrics=metrics))
 
-    assert isinstance(refused, rounds.Refused) and refused.status == 422
+    assert isinstance(refused, Refused) and refused.status == 422
     assert __import__("re").search(message, refused.message), refused.message
     assert current_round(db).metrics == {"dp_clip_norm": 10.0}
 
@@ -911,7 +916,7 @@ def test_a_commit_starts_from_the_version_this_process_committed_as_if_it_read_i
         make_population(factory, biased_model, target_reports=1, server_optimizer={"name": "adam"})
         for value in (1.0, 0.5):
             if read_back:
-                rounds._latest.clear()  # as another process, or this one restarted, would
+                _latest.clear()  # as another process, or this one restarted, would
             dev = device(factory)
             answer = checkin(factory, dev)
             reads.clear()

@@ -9,13 +9,16 @@ from typing import Any
 
 import numpy as np
 from alembic import command
+from orchestrator.populations.locks import population_of_assignment
+from orchestrator.rounds.refusals import Refused
+from orchestrator.rounds.secure import state as secure_round_state
+from orchestrator.service.population_creation import ExportedModel
 from sqlalchemy import and_, case, func, not_, select
 from sqlalchemy.orm import Session, sessionmaker
 
-from orchestrator import rounds, secure_round_state
 from orchestrator.db import Assignment, Round, SecureParticipant, SecureRound
 from orchestrator.migrate import alembic_config
-from orchestrator.populations import ExportedModel
+from orchestrator.rounds import checkins
 from secure_aggregation.config import RoundParameters
 from secure_aggregation.device import DeviceSession
 from secure_aggregation.messages import AdvertisedKeys, ciphertexts_from_json, encode_vector, shares_to_json
@@ -68,10 +71,10 @@ def check(db: sessionmaker[Session], round_id: int) -> tuple[str, secure_round_s
 
 def abort(db: sessionmaker[Session], dev: str, assignment_id: str, now: float) -> None:
     with db.begin() as session:
-        population = rounds.population_of_assignment(session, assignment_id)
+        population = population_of_assignment(session, assignment_id)
         assert population is not None
-        answer = rounds.abort(session, population, assignment_id, dev, now)
-        assert not isinstance(answer, rounds.Refused), answer
+        answer = checkins.abort(session, population, assignment_id, dev, now)
+        assert not isinstance(answer, Refused), answer
 
 
 def test_the_counters_on_the_round_follow_every_message_abort_drop_and_deadline(

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from orchestrator.rounds.refusals import Refused
+from orchestrator.rounds.secure import messages as secure_rounds
+from orchestrator.service.population_creation import ExportedModel
 from sqlalchemy import event
 from sqlalchemy.orm import Session, sessionmaker
 
-from orchestrator import rounds, secure_rounds
 from orchestrator.devices import enroll
-from orchestrator.populations import ExportedModel
 from orchestrator.service.secure_messages import MessageCall, handle_messages
 from secure_aggregation.config import RoundParameters
 from secure_aggregation.device import DeviceSession
@@ -47,7 +48,7 @@ def _handled(db: sessionmaker[Session], calls: list[MessageCall], now: float) ->
 
 
 def _status(answer: Any) -> Any:
-    return answer.status if isinstance(answer, rounds.Refused) else answer
+    return answer.status if isinstance(answer, Refused) else answer
 
 
 def test_keys_sent_together_close_the_roster_in_one_transaction_and_refusals_change_nothing(

@@ -6,10 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import pytest
-
-from orchestrator import secure_round_state
-from orchestrator.round_state import ABANDONED, DEADLINE, DROPOUTS, REFUSALS
-from orchestrator.secure_round_state import (
+from orchestrator.rounds.secure import state as secure_round_state
+from orchestrator.rounds.secure.state import (
     ADVERTISE,
     CONSISTENCY,
     DONE,
@@ -19,6 +17,7 @@ from orchestrator.secure_round_state import (
     Rules,
     Verdict,
 )
+from orchestrator.rounds.state import ABANDONED, DEADLINE, DROPOUTS, REFUSALS
 
 
 @dataclass

@@ -7,13 +7,17 @@ from typing import Any
 
 import numpy as np
 import pytest
+from orchestrator.populations.locks import population_of_assignment
+from orchestrator.populations.settings import PopulationSettings
+from orchestrator.rounds.lifecycle import advance_secure
+from orchestrator.rounds.refusals import Refused
+from orchestrator.rounds.secure import messages as secure_rounds
+from orchestrator.service.population_creation import ExportedModel
 from prometheus_client import REGISTRY
 from pydantic import ValidationError
 from sqlalchemy.orm import Session, sessionmaker
 
-from orchestrator import rounds, secure_rounds
-from orchestrator.population_settings import PopulationSettings
-from orchestrator.populations import ExportedModel
+from orchestrator.rounds import checkins
 from secure_aggregation.config import RoundParameters
 from secure_aggregation.device import DeviceSession
 from secure_aggregation.messages import AdvertisedKeys, ciphertexts_from_json, encode_vector, shares_to_json
@@ -35,13 +39,13 @@ def message(
 ) -> Any:
     """A device's phase message as the route sends it: checks, the handler, then the phase logic."""
     with factory.begin() as session:
-        population = rounds.population_of_assignment(session, assignment_id)
+        population = population_of_assignment(session, assignment_id)
         assert population is not None
-        found = rounds.secure_round_of(session, population, assignment_id, dev, now)
-        assert not isinstance(found, rounds.Refused), found
+        found = checkins.secure_round_of(session, population, assignment_id, dev, now)
+        assert not isinstance(found, Refused), found
         _, round_ = found
         answer = getattr(secure_rounds, phase)(session, round_, assignment_id, body, now)
-        rounds.advance_secure(session, population, round_, now)
+        advance_secure(session, population, round_, now)
         return answer
 
 
@@ -70,10 +74,10 @@ def confirm(
 
 def state(factory: sessionmaker[Session], dev: str, assignment_id: str, now: float) -> dict[str, Any]:
     with factory.begin() as session:
-        population = rounds.population_of_assignment(session, assignment_id)
+        population = population_of_assignment(session, assignment_id)
         assert population is not None
-        found = rounds.secure_round_of(session, population, assignment_id, dev, now)
-        assert not isinstance(found, rounds.Refused), found
+        found = checkins.secure_round_of(session, population, assignment_id, dev, now)
+        assert not isinstance(found, Refused), found
         return secure_rounds.state(session, found[1], assignment_id, now)
 
 
@@ -132,7 +136,7 @@ def test_too_few_sharers_abandon_the_round_at_the_phase_deadline_and_the_next_on
     after = state(db, devices[0], answers[0].assignment_id, 8.0)
 
     # Assert: check-ins closed with the roster; the round is abandoned, nothing to unmask; a new one opens
-    assert isinstance(late, rounds.Refused) and "closed its check-ins" in late.message
+    assert isinstance(late, Refused) and "closed its check-ins" in late.message
     assert after["phase"] == "done" and after["round_status"] == "abandoned"
     assert "only 2 devices shared keys" in after["outcome"]
     closed = round_by_id(db, first.id)
@@ -170,7 +174,7 @@ def test_the_roster_waits_for_capacity_and_for_a_device_that_never_advertises_as
     # for the sixth as long again as the round took to fill (1 s); then it went out to the five
     assert at_target["phase"] == "advertise" and waiting["phase"] == "advertise"
     assert closed["phase"] == "share_keys" and len(closed["roster"]) == 5
-    assert isinstance(late, rounds.Refused) and "closed its check-ins" in late.message
+    assert isinstance(late, Refused) and "closed its check-ins" in late.message
     assert late.retry_after == 10.0  # the population's retry window, not the round's far deadline
     assert current_round(db).metrics["secure_advertise_seconds"] == 2.0
 
@@ -215,7 +219,7 @@ def test_once_enough_inputs_are_in_a_straggler_is_waited_for_as_long_again_and_c
     # fourth, whose masks the others' shares removed: the round committed with three inputs
     assert waiting["phase"] == "masked_input"
     assert moved_on["phase"] == "consistency" and moved_on["survivors"] == sorted(indices[:3])
-    assert isinstance(late, rounds.Refused) and late.status == 409
+    assert isinstance(late, Refused) and late.status == 409
     closed = round_by_id(db, first.id)
     assert closed.status == "committed" and closed.metrics["secure_survivors"] == 3
     phases = {p: closed.metrics[f"secure_{p}_seconds"] for p in secure_rounds.PHASES}
@@ -272,11 +276,11 @@ def test_a_device_refused_by_a_closed_roster_is_told_to_come_back_during_the_nex
     # length after that: not all at the next round's opening
     assert first.status == "committed" and second.id != first.id
     took = sum(first.metrics[f"secure_{p}_seconds"] for p in secure_rounds.PHASES)
-    assert all(isinstance(r, rounds.Refused) and "closed its check-ins" in r.message for r in soon)
-    times = sorted(r.retry_after for r in soon if isinstance(r, rounds.Refused) and r.retry_after is not None)
+    assert all(isinstance(r, Refused) and "closed its check-ins" in r.message for r in soon)
+    times = sorted(r.retry_after for r in soon if isinstance(r, Refused) and r.retry_after is not None)
     assert len(times) == 20 and times[0] >= 0.5 + 1.0 + 4.0 and times[-1] < 0.5 + 1.0 + 4.0 + took
     assert times[-1] - times[0] > took / 2 and len(set(times)) == 20
-    assert isinstance(later, rounds.Refused) and later.retry_after is not None
+    assert isinstance(later, Refused) and later.retry_after is not None
     assert 1.0 + 4.0 <= later.retry_after < 1.0 + 4.0 + took
     # the operator's metrics count these refusals apart
     assert REGISTRY.get_sample_value("orchestrator_checkins_total", counted) == before + 21
@@ -305,7 +309,7 @@ def test_a_roster_short_of_min_reports_waits_its_patience_and_then_is_abandoned_
     # Assert: past its deadline with too few the roster stayed open for check-ins, and closed
     # when it filled; no abandoned round sent the first two away
     assert at_deadline["phase"] == "advertise"
-    assert all(isinstance(a, rounds.Accepted) for a in more)
+    assert all(isinstance(a, checkins.Accepted) for a in more)
     assert closed["phase"] == "share_keys" and len(closed["roster"]) == 4
     assert current_round(db).id == first.id
 
@@ -398,12 +402,12 @@ def test_partner_statements_are_checked_and_come_before_the_masked_input(
     # Execute / Assert: no masked input before a statement; a statement naming a stranger, or
     # masking with fewer neighbours than the threshold, is refused; the first good one is kept
     early = message(db, devices[0], answers[0].assignment_id, "masked_input", body, 3.0)
-    assert isinstance(early, rounds.Refused) and early.status == 409 and "partner statement" in early.message
+    assert isinstance(early, Refused) and early.status == 409 and "partner statement" in early.message
     stranger = send(PartnerStatement(bytes(32), (me + 100,), None))
-    assert isinstance(stranger, rounds.Refused) and "not this device's neighbours" in stranger.message
+    assert isinstance(stranger, Refused) and "not this device's neighbours" in stranger.message
     alone = send(PartnerStatement(bytes(32), tuple(others), None))
-    assert isinstance(alone, rounds.Refused) and "masked with 0 neighbours" in alone.message
+    assert isinstance(alone, Refused) and "masked with 0 neighbours" in alone.message
     assert send(PartnerStatement(bytes(32), (), None)) == {"accepted": True}
     again = send(PartnerStatement(bytes(32), (), None))
-    assert isinstance(again, rounds.Refused) and "already sent its partner statement" in again.message
+    assert isinstance(again, Refused) and "already sent its partner statement" in again.message
     assert "received_bytes" in message(db, devices[0], answers[0].assignment_id, "masked_input", body, 3.0)

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from orchestrator.rounds.refusals import Refused
+from orchestrator.service.population_creation import ExportedModel
 from sqlalchemy import event
 from sqlalchemy.orm import Session, sessionmaker
 
-from orchestrator import rounds
 from orchestrator.devices import enroll
-from orchestrator.populations import ExportedModel
 from orchestrator.service.secure_states import StateCall, read_states
 from secure_aggregation.config import RoundParameters
 from secure_aggregation.device import DeviceSession
@@ -71,7 +71,7 @@ def test_the_devices_of_a_round_read_its_state_together_and_each_gets_its_own_an
     assert all(isinstance(s, dict) and s["phase"] == "share_keys" and len(s["roster"]) == 4 for s in states)
     assert [s["index"] for s in states] == indices
     assert alone == states[0]
-    assert [(r.status if isinstance(r, rounds.Refused) else r) for r in refusals] == [403, 404]
+    assert [(r.status if isinstance(r, Refused) else r) for r in refusals] == [403, 404]
     assert statements_together <= statements_alone + 2 * (len(together) - 1), (
         statements_together,
         statements_alone,

@@ -12,10 +12,10 @@ from typing import Any
 
 import httpx
 import pytest
+from orchestrator.populations.settings import numeric_setting_ranges
 from pydantic import ValidationError
 
 from model_export.config import ModelConfig
-from orchestrator.population_settings import numeric_setting_ranges
 from orchestrator.setting_ranges import Range, field_ranges
 from orchestrator.settings import Settings
 from tests.conftest import BIASED

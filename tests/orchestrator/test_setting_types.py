@@ -14,13 +14,13 @@ from typing import Any
 
 import httpx
 import pytest
+from orchestrator.aggregation.differential_privacy import DPConfig
+from orchestrator.aggregation.maths import ServerOptimizerConfig
+from orchestrator.populations.settings import PopulationSettings
+from orchestrator.populations.settings_changes import SAFE_TO_CHANGE
 
 from contracts.task_config import TaskConfig
 from model_export.config import ModelConfig
-from orchestrator.aggregation import ServerOptimizerConfig
-from orchestrator.differential_privacy import DPConfig
-from orchestrator.population_settings import PopulationSettings
-from orchestrator.settings_changes import SAFE_TO_CHANGE
 from tests.conftest import BIASED
 from tests.orchestrator.conftest import ADMIN_TOKEN, Server, admin_create_population
 

@@ -4,15 +4,15 @@ from the next round on, in every process's view of the population."""
 from __future__ import annotations
 
 import pytest
+from orchestrator.populations.config import population_settings
+from orchestrator.populations.locks import find_population, lock_population
+from orchestrator.populations.settings_changes import SettingsChangeError, change_settings
+from orchestrator.service.population_creation import ExportedModel
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
-from orchestrator import rounds
 from orchestrator.app import tick
 from orchestrator.db import SettingsChange
-from orchestrator.population_config import population_settings
-from orchestrator.populations import ExportedModel
-from orchestrator.settings_changes import SettingsChangeError, change_settings
 from tests.orchestrator.conftest import make_population
 from tests.orchestrator.test_idle_backoff import training_rounds
 from tests.orchestrator.test_rounds import checkin, device
@@ -20,7 +20,7 @@ from tests.orchestrator.test_rounds import checkin, device
 
 def change(factory: sessionmaker[Session], changes: object, now: float = 5.0) -> None:
     with factory.begin() as session:
-        found = rounds.lock_population(session, "p")
+        found = lock_population(session, "p")
         assert found is not None
         change_settings(session, found, changes, "alice (127.0.0.1)", now)
 
@@ -31,7 +31,7 @@ def test_a_change_applies_from_the_next_round_and_is_kept_with_who_and_when(
     make_population(db, biased_model, target_reports=2, min_reports=1, round_duration_seconds=10)
     checkin(db, device(db), now=1.0)  # the round is not idle
     with db() as session:  # this process has parsed the settings of version 0
-        parsed = rounds.find_population(session, "p")
+        parsed = find_population(session, "p")
         assert parsed is not None and population_settings(parsed).target_reports == 2
 
     change(db, {"target_reports": 5, "min_examples": 3})
@@ -40,7 +40,7 @@ def test_a_change_applies_from_the_next_round_and_is_kept_with_who_and_when(
     first, second = training_rounds(db)
     assert (first.target, second.target) == (2, 5)
     with db() as session:
-        population = rounds.find_population(session, "p")
+        population = find_population(session, "p")
         assert population is not None and population.settings_version == 1
         settings = population_settings(population)
         assert (settings.target_reports, settings.min_examples, settings.task_config["min_examples"]) == (
@@ -73,7 +73,7 @@ def test_an_unsafe_or_invalid_change_is_refused_and_changes_nothing(
         change(db, changes)
 
     with db() as session:
-        population = rounds.find_population(session, "p")
+        population = find_population(session, "p")
         assert population is not None and population.settings_version == 0
         assert population.settings["target_reports"] == 2
         assert session.scalars(select(SettingsChange)).all() == []

@@ -17,15 +17,20 @@ from contracts.protocol import (
     RoundView,
     TaskKind,
 )
-from orchestrator import devices, idle_backoff, model_versions, pausing, round_release, rounds
-from orchestrator import mixing as mixing_data
+from orchestrator import devices
 from orchestrator.api import schemas
 from orchestrator.api.deps import AdminDep, ClockDep, SessionFactoryDep, run_db
 from orchestrator.db import Population, Round, SettingsChange
 from orchestrator.limits import MAX_COUNT, MAX_MANIFEST_BYTES, json_document
-from orchestrator.population_settings import MAX_SECONDS
-from orchestrator.populations import ExportedModel, PopulationError, create_population
-from orchestrator.settings_changes import SettingsChangeError, change_settings
+from orchestrator.populations import mixing as mixing_data
+from orchestrator.populations import model_versions
+from orchestrator.populations.config import population_manifest, population_settings
+from orchestrator.populations.locks import lock_population
+from orchestrator.populations.settings import MAX_SECONDS
+from orchestrator.populations.settings_changes import SettingsChangeError, change_settings
+from orchestrator.rounds import idle_backoff, pausing, release
+from orchestrator.rounds.lifecycle import EVALUATION, advance, open_round, open_rounds, summarize_metrics
+from orchestrator.service.population_creation import ExportedModel, PopulationError, create_population
 
 router = APIRouter(prefix="/v1/admin", tags=["admin"])
 
@@ -57,7 +62,7 @@ def round_out(r: Round) -> RoundView:
         closed_at=r.closed_at,
         counters={c: getattr(r, c) for c in COUNTERS},
         total_weight=r.total_weight,
-        metrics=rounds.summarize_metrics(r),
+        metrics=summarize_metrics(r),
         close_reason=r.close_reason,
         stopped_phase=r.stopped_phase,
         devices_had=r.devices_had,
@@ -68,7 +73,7 @@ def round_out(r: Round) -> RoundView:
 
 
 def privacy_out(p: Population) -> PrivacyView | None:
-    settings = rounds.population_settings(p)
+    settings = population_settings(p)
     if settings.dp() is None:
         return None
     spent = settings.privacy_spent(p.training_rounds_committed)
@@ -92,7 +97,7 @@ def population_out(session: Any, p: Population, now: float | None = None) -> Pop
         training_rounds_committed=p.training_rounds_committed,
         artifact_sha256=p.artifact_sha256,
         settings=p.settings,
-        open_rounds=[round_out(r) for r in rounds.open_rounds(session, p).values()],
+        open_rounds=[round_out(r) for r in open_rounds(session, p).values()],
         privacy=privacy_out(p),
         recent_rounds=[round_out(r) for r in session.scalars(_recent_rounds(p.id))],
         idle_rounds=p.idle_rounds,
@@ -227,7 +232,7 @@ async def list_rounds(
 
 def _locked(session: Session, name: str) -> Population:
     """The population `name`, its row locked for the transaction (a 404 when there is none)."""
-    population = rounds.lock_population(session, name)
+    population = lock_population(session, name)
     if population is None:
         raise HTTPException(404, f"no population {name!r}")
     return population
@@ -266,12 +271,12 @@ def schedule_evaluation(
         population = _locked(session, name)
         if pausing.paused(population):
             raise HTTPException(409, "the population is paused: resume it first")
-        refusal = round_release.may_open_evaluation(population)
+        refusal = release.may_open_evaluation(population)
         if refusal is not None:
             raise HTTPException(409, refusal)
-        if rounds.EVALUATION in rounds.open_rounds(session, population):
+        if EVALUATION in open_rounds(session, population):
             raise HTTPException(409, "an evaluation round is already open")
-        return round_out(rounds.open_round(session, population, rounds.EVALUATION, clock(), duration_seconds))
+        return round_out(open_round(session, population, EVALUATION, clock(), duration_seconds))
 
 
 @router.post(
@@ -302,7 +307,7 @@ def resume(name: str, _: AdminDep, factory: SessionFactoryDep, clock: ClockDep) 
             pausing.resume(session, population, now)
         except pausing.ArchivedError as e:
             raise HTTPException(409, str(e)) from None
-        rounds.advance(session, population, now)
+        advance(session, population, now)
         return population_out(session, population, now)
 
 
@@ -460,9 +465,7 @@ async def attach_mixing(
     with factory.begin() as session:
         population = _locked(session, name)
         try:
-            mixing_data.attach(
-                session, population, rounds.population_manifest(population), config, blob, clock()
-            )
+            mixing_data.attach(session, population, population_manifest(population), config, blob, clock())
         except MixingError as e:
             raise HTTPException(422, str(e)) from None
         return mixing_data.describe(session, population)

@@ -7,7 +7,6 @@ from starlette.concurrency import run_in_threadpool
 from contracts.mixing import encode_examples
 from contracts.params import decode_params, encode_sparse_delta
 from contracts.protocol import ReportAccepted
-from orchestrator import central_training, mixing, rounds
 from orchestrator.api import schemas
 from orchestrator.api.binary_bodies import CENTRAL_EXAMPLES, SPARSE_DELTA, safetensors
 from orchestrator.api.deps import (
@@ -16,15 +15,20 @@ from orchestrator.api.deps import (
     require_device,
     run_db,
 )
-from orchestrator.central_training import CentralJob
 from orchestrator.db import Assignment, ModelVersion, Population, Round
+from orchestrator.populations import central_training, mixing
+from orchestrator.populations.central_training import CentralJob
+from orchestrator.populations.config import population_manifest, population_settings
+from orchestrator.populations.locks import population_of_assignment
+from orchestrator.rounds.lifecycle import TRAINING
+from orchestrator.rounds.refusals import Refused
 from orchestrator.service.reports import ReportCall, ReportGroups
 
 router = APIRouter(prefix="/v1/assignments", tags=["devices"])
 
 
-def _answer(result: ReportAccepted | rounds.Refused) -> ReportAccepted:
-    if isinstance(result, rounds.Refused):
+def _answer(result: ReportAccepted | Refused) -> ReportAccepted:
+    if isinstance(result, Refused):
         headers = {"WWW-Authenticate": "Bearer"} if result.status == 401 else None
         raise HTTPException(result.status, result.message, headers=headers)
     return result
@@ -91,7 +95,7 @@ async def abort(assignment_id: str, request: Request, token: TokenDep) -> Report
 def _open_assignment(session: Session, token: str, assignment_id: str) -> tuple[Population, Assignment]:
     """The device's own open assignment and its population; 404/409 otherwise."""
     device_id = require_device(session, token)
-    population = rounds.population_of_assignment(session, assignment_id)
+    population = population_of_assignment(session, assignment_id)
     assignment = session.get(Assignment, assignment_id)
     if population is None or assignment is None or assignment.device_id != device_id:
         raise HTTPException(404, f"no assignment {assignment_id!r} of this device")
@@ -108,7 +112,7 @@ def _central_examples(factory: sessionmaker[Session], token: str, assignment_id:
             raise HTTPException(
                 404, f"assignment {assignment_id!r}'s population does not mix by example transfer"
             )
-        manifest = rounds.population_manifest(population)
+        manifest = population_manifest(population)
         # The examples only: a device never receives the dataset's group ids.
         examples = mixing.central_examples(session, population, manifest).examples
         return encode_examples(mixing.assignment_examples(examples, config, assignment_id), manifest.features)
@@ -143,14 +147,14 @@ def _gradient_job(factory: sessionmaker[Session], token: str, assignment_id: str
         population, assignment = _open_assignment(session, token, assignment_id)
         round_ = session.get(Round, assignment.round_id)
         assert round_ is not None  # an assignment's round is never deleted
-        if round_.kind != rounds.TRAINING:
+        if round_.kind != TRAINING:
             raise HTTPException(404, f"assignment {assignment_id!r} is an evaluation; it trains nothing")
         version = session.get(ModelVersion, (population.id, round_.base_version))
         if version is None:
             raise HTTPException(409, f"model version {round_.base_version} of the assignment was pruned")
-        manifest = rounds.population_manifest(population)
+        manifest = population_manifest(population)
         params = decode_params(version.params, manifest.global_params, "model version")
-        task = rounds.population_settings(population).task()
+        task = population_settings(population).task()
         job = mixing.central_job(
             session, population, manifest, round_.base_version, params, task, "gradient_transfer"
         )

@@ -12,7 +12,6 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker, undefer
 
 from contracts.protocol import MAX_WAIT_SECONDS, Assignment, Rejection
-from orchestrator import rounds
 from orchestrator.api.binary_bodies import CACHE_CONTROL, DENSE_GLOBALS, IMMUTABLE, safetensors
 from orchestrator.api.deps import (
     SessionFactoryDep,
@@ -34,6 +33,7 @@ from orchestrator.api.schemas import (
 )
 from orchestrator.db import ModelVersion, Population
 from orchestrator.limits import MAX_COUNT, MAX_JSON_DEPTH
+from orchestrator.rounds.refusals import Refused
 from orchestrator.service.checkins import CheckInCall, CheckInGroups
 from orchestrator.service.waiting_room import WaitingRoom
 
@@ -105,7 +105,7 @@ async def checkin(
     groups: CheckInGroups = request.app.state.checkin_groups
     room: WaitingRoom = request.app.state.waiting_room
 
-    def check_in(held: bool) -> Awaitable[Assignment | rounds.Refused]:
+    def check_in(held: bool) -> Awaitable[Assignment | Refused]:
         return groups.submit(population, CheckInCall(token, body.example_count, body.task, held))
 
     # Refused by a secure round's closed roster: held for the next round first, if it may wait.

@@ -23,10 +23,11 @@ from fastapi import APIRouter, HTTPException, Query, Request
 from sqlalchemy.orm import Session, sessionmaker
 
 from contracts.protocol import MAX_WAIT_SECONDS
-from orchestrator import rounds, secure_rounds
 from orchestrator.api import schemas
 from orchestrator.api.deps import SessionFactoryDep, SettingsDep, TokenDep
-from orchestrator.phase_changes import PHASE_CHANGES
+from orchestrator.rounds.refusals import Refused
+from orchestrator.rounds.secure import messages
+from orchestrator.rounds.secure.phase_changes import PHASE_CHANGES
 from orchestrator.service.secure_messages import Handler, MessageCall, send_message
 from orchestrator.service.secure_states import StateCall, open_phases, read_state
 
@@ -43,7 +44,7 @@ LONG_POLL_SECONDS = 20.0
 # Phase changes made by another server process are not announced here: one watcher per process
 # reads the open rounds' phases this often while devices wait (phase_changes).
 RECHECK_SECONDS = 1.0
-ORDER = (*secure_rounds.PHASES, secure_rounds.DONE)
+ORDER = (*messages.PHASES, messages.DONE)
 
 SECURE_REFUSALS = {
     403: "the assignment belongs to another device",
@@ -56,15 +57,15 @@ SECURE_REFUSALS = {
 }
 
 
-def _refusal(refused: rounds.Refused) -> HTTPException:
+def _refusal(refused: Refused) -> HTTPException:
     headers = {"WWW-Authenticate": "Bearer"} if refused.status == 401 else None
     if refused.retry_after is not None:
         headers = {"Retry-After": str(int(refused.retry_after + 0.999))}
     return HTTPException(refused.status, refused.message, headers=headers)
 
 
-def _answered(answer: dict[str, Any] | rounds.Refused) -> dict[str, Any]:
-    if isinstance(answer, rounds.Refused):
+def _answered(answer: dict[str, Any] | Refused) -> dict[str, Any]:
+    if isinstance(answer, Refused):
         raise _refusal(answer)
     return answer
 
@@ -88,8 +89,8 @@ async def _post_json(
     until: str | None,
     wait: float | None,
 ) -> Any:
-    parsed = secure_rounds.json_body(await _body(request, limit))
-    if isinstance(parsed, rounds.Refused):
+    parsed = messages.json_body(await _body(request, limit))
+    if isinstance(parsed, Refused):
         raise _refusal(parsed)
     return await _answer(request, handler, assignment_id, token, parsed, until, wait)
 
@@ -210,7 +211,7 @@ async def keys(
     until: UntilQuery = None,
     wait: WaitQuery = None,
 ) -> Any:
-    advertise = functools.partial(secure_rounds.advertise, authority_key=settings.authority_key())
+    advertise = functools.partial(messages.advertise, authority_key=settings.authority_key())
     return await _post_json(request, advertise, assignment_id, token, 4096, until, wait)
 
 
@@ -232,7 +233,7 @@ async def shares(
     wait: WaitQuery = None,
 ) -> Any:
     return await _post_json(
-        request, secure_rounds.share_keys, assignment_id, token, settings.max_report_bytes, until, wait
+        request, messages.share_keys, assignment_id, token, settings.max_report_bytes, until, wait
     )
 
 
@@ -256,7 +257,7 @@ async def partners(
     wait: WaitQuery = None,
 ) -> Any:
     return await _post_json(
-        request, secure_rounds.partners, assignment_id, token, settings.max_report_bytes, until, wait
+        request, messages.partners, assignment_id, token, settings.max_report_bytes, until, wait
     )
 
 
@@ -280,7 +281,7 @@ async def masked_input(
     wait: WaitQuery = None,
 ) -> Any:
     body = await _body(request, settings.max_report_bytes)
-    return await _answer(request, secure_rounds.masked_input, assignment_id, token, body, until, wait)
+    return await _answer(request, messages.masked_input, assignment_id, token, body, until, wait)
 
 
 @router.post(
@@ -297,7 +298,7 @@ async def masked_input(
 async def consistency(
     assignment_id: str, request: Request, token: TokenDep, until: UntilQuery = None, wait: WaitQuery = None
 ) -> Any:
-    return await _post_json(request, secure_rounds.consistency, assignment_id, token, 4096, until, wait)
+    return await _post_json(request, messages.consistency, assignment_id, token, 4096, until, wait)
 
 
 @router.post(
@@ -320,5 +321,5 @@ async def unmasking(
     wait: WaitQuery = None,
 ) -> Any:
     return await _post_json(
-        request, secure_rounds.unmasking, assignment_id, token, settings.max_report_bytes, until, wait
+        request, messages.unmasking, assignment_id, token, settings.max_report_bytes, until, wait
     )
