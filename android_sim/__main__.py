@@ -9,11 +9,11 @@ import time
 from pathlib import Path
 from typing import Any, cast
 
-from android_sim import simulate_command
 from android_sim.builtin_next_word import TARGET_REPORTS as NEXT_WORD_TARGET_REPORTS
 from android_sim.movielens import DataFormatError, require_file
-from android_sim.options import algorithm, algorithm_arguments, model_arguments, parse_model_args
+from android_sim.options import algorithm_arguments, model_arguments, shared_run_config
 from android_sim.run_config import DEFAULT_RATINGS, RunConfig, RunError
+from android_sim.simulation import command as simulate_command
 from contracts.command_line import CommandParser, quiet_on_closed_pipe
 from contracts.mixing import STRATEGIES
 
@@ -257,23 +257,11 @@ def main(argv: list[str] | None = None) -> int:
         from android_sim.profiles import DEFAULT_MIX, load_mix
         from android_sim.run import run
 
-        task, server = algorithm(args)
         if args.shards > 1:
             simulate_command.require_ray("--shards")
-        if args.data and (args.model_dir or args.model):
-            raise ValueError(
-                f"--data {args.data} is a built-in data set with its own model; not with --model-dir/--model"
-            )
-        config = RunConfig(
-            work_dir=args.work_dir or Path("runs") / time.strftime("run-%Y%m%d-%H%M%S"),
-            model_dir=args.model_dir,
-            model=args.model,
-            model_args=parse_model_args(args.model_arg),
-            examples=args.examples,
-            data=args.data or RunConfig.data,
-            ratings=args.ratings,
-            devices=args.devices,
-            expressions=args.expressions,
+        config = shared_run_config(
+            args,
+            args.work_dir or Path("runs") / time.strftime("run-%Y%m%d-%H%M%S"),
             held_out_fraction=args.held_out_fraction,
             held_out=args.held_out,
             rounds=args.rounds,
@@ -293,9 +281,6 @@ def main(argv: list[str] | None = None) -> int:
             workers=args.workers,
             shards=args.shards,
             ray_address=args.address,
-            seed=args.seed,
-            task=task,
-            server_optimizer=server,
             clip_norm=args.clip_norm,
             noise_multiplier=args.noise_multiplier,
             population_size=args.population_size,

@@ -3,7 +3,7 @@
 The device runtime speaks httpx; a phone runs one device, but the fleet runs thousands on one event
 loop, where httpx's client cost ~1.4x the CPU a request over httpcore's pure-Python HTTP/1.1 (h11
 over anyio) that it costs over this transport (aiohttp's C parser, asyncio streams;
-`benchmarks/bench_phone_connections.py`). The device code is unchanged: only what carries its
+`benchmarks/phone_connections.py`). The device code is unchanged: only what carries its
 bytes differs, as with `SimulatedLink`.
 
 It keeps httpx's contract: the request's `timeout` extension (connect, read), errors raised as

@@ -15,11 +15,11 @@ from typing import Any
 
 import numpy as np
 
-from android_sim.algorithm import algorithm_task, optimizer_over, round_settings
+from android_sim.algorithm import algorithm_task, optimizer_over
 from android_sim.central_data import centralized_examples
 from android_sim.device_data import DeviceData, FleetData, expression_fleet, movielens_fleet
 from android_sim.expressions import SyntheticConfig
-from android_sim.run_config import RunConfig
+from android_sim.run_config import RunConfig, round_settings
 from android_sim.workload import Workload
 from contracts.features import Examples
 from contracts.manifest import ManifestError, load_manifest
@@ -90,7 +90,7 @@ def task_defaults(data: FleetData) -> dict[str, Any]:
     # rose about 3 points (docs/benchmarks.md, "Quality: the main job's held-out devices").
     # ReconEval still splits alternate batches. The reconstruction (in rounds and when serving)
     # fits the device's vector against 4 of them: +1.2 to +1.5 points paired over seeds 0-2, each
-    # interval above zero; 2 and 6 within a point of 4 (benchmarks/bench_main_quality.py).
+    # interval above zero; 2 and 6 within a point of 4 (benchmarks/main_quality.py).
     # Serving ranks by 8 reconstructions, the one from every share and 7 on bootstrap resamples of
     # the shares, their catalog probabilities averaged: +0.5 / -0.1 / +0.5 points on seeds 0-2
     # (+0.4 / -0.0 on 3-4), mostly on devices with 2-4 shares.

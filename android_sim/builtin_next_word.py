@@ -357,7 +357,7 @@ class NextWordReport:
                 f"{_percent(held_out['accuracy_without_oov'], without)} without OOV, "
                 f"{_percent(held_out['accuracy_with_oov'], within)} with OOV "
                 f"(95% bootstrap intervals over the devices; the same network trained centrally: "
-                f"`python -m android_sim.bench nextword`)"
+                f"`python -m benchmarks.nextword`)"
             )
         sizes = nwp["bytes_per_round_per_device"]
         console.print(

@@ -110,10 +110,6 @@ class SyntheticExpressions:
     item_vectors: np.ndarray  # float64 (num_expressions, taste_dim), unit rows
 
     @property
-    def num_shares(self) -> int:
-        return sum(len(u) for u in self.users)
-
-    @property
     def item_topics(self) -> np.ndarray:
         """Each expression's topic as an index into TOPICS (public catalog metadata)."""
         return np.array([TOPICS.index(e.topic) for e in self.catalog.expressions], np.int64)

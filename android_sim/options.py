@@ -1,4 +1,5 @@
-"""Command-line options that `run` and `simulate` share: your model and data, and the algorithm."""
+"""Command-line options that `run` and `simulate` share: your model and data, and the algorithm,
+and the `RunConfig` both build from them (`shared_run_config`)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import argparse
 import json
 from pathlib import Path
 from typing import Any
+
+from android_sim.run_config import RunConfig
 
 
 def model_arguments(parser: argparse.ArgumentParser) -> None:
@@ -111,3 +114,28 @@ def algorithm(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]
     if args.server_learning_rate is not None:
         server["learning_rate"] = args.server_learning_rate
     return task, server
+
+
+def shared_run_config(args: argparse.Namespace, work_dir: Path, **only_run: Any) -> RunConfig:
+    """The run's config from the options `run` and `simulate` share (model and data, the data's
+    seed, the algorithm); `only_run` sets what only `run` has (rounds, fleet, server, DP, ...)."""
+    if args.data and (args.model_dir or args.model):
+        raise ValueError(
+            f"--data {args.data} is a built-in data set with its own model; not with --model-dir/--model"
+        )
+    task, server = algorithm(args)
+    return RunConfig(
+        work_dir=work_dir,
+        model_dir=args.model_dir,
+        model=args.model,
+        model_args=parse_model_args(args.model_arg),
+        examples=args.examples,
+        data=args.data or RunConfig.data,
+        ratings=args.ratings,
+        devices=args.devices,
+        expressions=args.expressions,
+        seed=args.seed,
+        task=task,
+        server_optimizer=server,
+        **only_run,
+    )

@@ -25,7 +25,7 @@ import numpy as np
 from rich.console import Console
 
 from android_sim.admin import AdminClient
-from android_sim.algorithm import algorithm_task, optimizer_over, round_settings, settings_problem
+from android_sim.algorithm import algorithm_task, optimizer_over, settings_problem
 from android_sim.builtin_data import builtin_workload, export, load_data, model_config
 from android_sim.builtin_next_word import next_word_workload
 from android_sim.central_data import central_only_rows
@@ -38,6 +38,7 @@ from android_sim.run_config import (
     RunError,
     RunResult,
     check_fleet_size,
+    round_settings,
     training_count,
 )
 from android_sim.run_report import write_report
@@ -98,7 +99,7 @@ def user_workload(config: RunConfig, console: Console) -> Workload:
     devices = [oldest_first(d) for d in table.devices.values()]
     held_out = None
     if config.held_out is not None:
-        from android_sim.simulate_ranking import read_held_out  # it imports this module
+        from android_sim.simulation.ranking import read_held_out  # it imports this module
 
         try:
             held_out = frozenset(read_held_out(config.held_out, [d.device_id for d in devices]))

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from android_sim.algorithm import algorithm_task, round_settings, settings_problem
+from android_sim.algorithm import algorithm_task, settings_problem
 from android_sim.datasets import default_file
 from android_sim.profiles import DEFAULT_MIX, DeviceClass
 from android_sim.recommendations import HitRates
@@ -288,3 +288,60 @@ def training_count(config: RunConfig, devices: int) -> int:
     """The devices that train: all of them in a stateful population, else all but the held-out ones."""
     fraction = 0.0 if config.stateful else config.held_out_fraction
     return devices - round(fraction * devices)
+
+
+def differential_privacy(config: RunConfig, training_devices: int) -> dict[str, Any] | None:
+    """The population's DP settings from the run's flags; None without --clip-norm."""
+    if config.clip_norm is None:
+        return None
+    settings: dict[str, Any] = {
+        "clip_norm": config.clip_norm,
+        "noise_multiplier": config.noise_multiplier,
+        "population_size": config.population_size or training_devices,
+    }
+    if config.epsilon_budget is not None:
+        settings["epsilon_budget"] = config.epsilon_budget
+    if config.target_delta is not None:
+        settings["target_delta"] = config.target_delta
+    if config.target_unclipped_quantile is not None:
+        settings["target_unclipped_quantile"] = config.target_unclipped_quantile
+        # Andrew et al.'s suggestion: the count's noise at a twentieth of the reports per round.
+        settings["clipped_count_stddev"] = config.target_reports / 20
+    return settings
+
+
+def round_settings(
+    config: RunConfig, task: TaskConfig, optimizer: dict[str, Any], training_devices: int
+) -> dict[str, Any]:
+    """A population's settings from the run's round options, whatever the model: `task` is what
+    the devices do, `optimizer` the server optimizer."""
+    return {
+        "target_reports": config.target_reports,
+        "oversampling": config.oversampling,
+        "min_reports": max(1, config.target_reports // 2),
+        "round_duration_seconds": config.round_seconds,
+        "min_examples": config.min_examples,
+        "retry_after_seconds": 2.0,
+        # The server stops at --rounds: a fleet that stops its devices at the count would still
+        # see the round open then commit from the reports already in flight.
+        "max_training_rounds": config.rounds,
+        "server_optimizer": optimizer,
+        "task_config": task.to_json(),
+        "evaluation_every": config.evaluation_every,
+        "evaluation_target_reports": config.target_reports,
+        # The server's floor (5) unless the run's rounds are smaller: half a round, as min_reports.
+        "min_evaluation_reports": min(5, max(1, config.target_reports // 2)),
+        "evaluation_round_duration_seconds": config.round_seconds,
+        "aggregation": config.aggregation,
+        "secure": {
+            "clip_norm": config.secure_clip_norm,
+            "advertise_seconds": config.round_seconds / 2,
+            # A roster still short of min_reports then waits as long again: a round's check-in
+            # time, like a plaintext round's, before it is abandoned.
+            "advertise_patience_seconds": config.round_seconds,
+            "share_keys_seconds": config.secure_phase_seconds,
+            "masked_input_seconds": config.round_seconds,
+            "unmasking_seconds": config.secure_phase_seconds,
+        },
+        "differential_privacy": differential_privacy(config, training_devices),
+    }

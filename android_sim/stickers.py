@@ -29,7 +29,6 @@ from pathlib import Path
 
 import numpy as np
 
-CHAT_TYPES = ("direct", "group")
 START = 1_763_600_000  # 2025-11-20, a fixed start: the table is the same on every machine
 
 
@@ -70,7 +69,7 @@ class Shares:
     timestamp: np.ndarray
     sticker: np.ndarray
     hour: np.ndarray
-    chat_type: np.ndarray  # index into CHAT_TYPES
+    chat_type: np.ndarray  # 0: a direct chat, 1: a group
     previous: np.ndarray
 
 

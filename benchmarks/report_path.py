@@ -1,6 +1,6 @@
 """How far one report travels: the path from the report route to the new model version.
 
-    python benchmarks/report_path.py [--model-dir DIR] [--show]
+    python -m benchmarks.report_path [--model-dir DIR] [--show]
 
 Sets up a real SQLite population whose rounds commit at one report, commits one round, then
 traces (sys.setprofile) the transaction the report route hands the next report to
@@ -20,10 +20,9 @@ pruning old versions, and the answer to the device are not on the path to it). P
   floor is 1 + the highest floor among the project modules it imports (contracts' leaves are 0):
   each climb is control going back up the layers to be sent down again;
 - hops: the stops entered by a call from another module (the traced block counts as one), with
-  the aggregation pipeline (orchestrator/aggregation's pipeline, its stages and the maths they
-  run; not the reference norm or DP's accountant) as one part, since the commit hands it a round
-  in one call; a module's own helpers and the stages' calls among themselves are inside the hop
-  that entered them. And the climbs
+  the aggregation pipeline (orchestrator/pipeline and orchestrator/aggregation, the maths its
+  stages run) as one part, since the commit hands it a round in one call; a module's own helpers
+  and the stages' calls among themselves are inside the hop that entered them. And the climbs
   among the hops, counted as for stops;
 - calls back up: the distinct calls on the path from a project function into one on a higher
   floor than its own (a callback, or a generator of a higher module that a lower one pulls from;
@@ -53,21 +52,19 @@ from typing import Any
 
 import numpy as np
 
+from contracts.manifest import Manifest
+from contracts.params import encode_sparse_delta
+from model_export.config import ModelConfig
+from model_export.in_subprocess import export_in_subprocess
+from orchestrator.db import make_engine
+from orchestrator.devices import enroll
+from orchestrator.migrate import migrate
 from orchestrator.populations.locks import lock_population
 from orchestrator.rounds import checkins
 from orchestrator.rounds.refusals import Refused
+from orchestrator.service.population_creation import ExportedModel, PopulationError, create_population
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from contracts.manifest import Manifest  # noqa: E402
-from contracts.params import encode_sparse_delta  # noqa: E402
-from model_export.config import ModelConfig  # noqa: E402
-from model_export.in_subprocess import export_in_subprocess  # noqa: E402
-from orchestrator.db import make_engine  # noqa: E402
-from orchestrator.devices import enroll  # noqa: E402
-from orchestrator.migrate import migrate  # noqa: E402
-from orchestrator.service.population_creation import ExportedModel, PopulationError, create_population  # noqa: E402
 
 PACKAGES = ("orchestrator", "contracts", "secure_aggregation", "model_runtime")
 MODEL = ModelConfig(num_items=200, embedding_dim=4, batch_size=5, max_batches=4)
@@ -134,27 +131,16 @@ GENERATED = "<generated>"  # code with no source file (a dataclass's __init__)
 
 # The aggregation pipeline as one part: its package and the maths its stages run. The round's
 # commit hands it the round's contributions in one call (`Pipeline.aggregate`) and gets the mean
-# delta back, so what its stages call among themselves is inside that one hop. The modules that
-# were `pipeline/` and `aggregation.py` before the package move, so that the figure still compares.
-PIPELINE = tuple(
-    f"orchestrator.aggregation.{name}"
-    for name in (
-        "pipeline",
-        "assemble",
-        "weighted_mean",
-        "robust",
-        "coordinate_wise",
-        "private",
-        "secure_sum",
-        "central_merge",
-        "maths",
-    )
-)
+# delta back, so what its stages call among themselves is inside that one hop.
+PIPELINE = ("orchestrator.aggregation.pipeline", "orchestrator.aggregation.maths")
 
 
 def part_of(module: str) -> str:
     """The part a module belongs to for hops: the pipeline's modules are one, any other its own."""
-    return PIPELINE[0] if module in PIPELINE else module
+    for prefix in PIPELINE:
+        if module == prefix or module.startswith(prefix + "."):
+            return PIPELINE[0]
+    return module
 
 
 @dataclass
@@ -357,7 +343,9 @@ def one_report(model_dir: Path, database: Path) -> Measured:
 
 def main() -> None:
     parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m benchmarks.report_path",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--model-dir", type=Path, help="an exported model (default: export a small one)")
     parser.add_argument("--show", action="store_true", help="print every stop with its floor")

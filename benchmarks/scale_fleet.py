@@ -1,4 +1,4 @@
-"""bench_scale's HTTP fleet: its client tasks/s in one process and over Ray shards against the
+"""benchmarks.scale's HTTP fleet: its client tasks/s in one process and over Ray shards against the
 device's own task rate, where the time goes, idle devices' memory, and a large population."""
 
 from __future__ import annotations
@@ -16,11 +16,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from scale_cores import CpuMeter, process_cpu
 
 from android_sim.fleet import TRAINING, DeviceSpec, Fleet, FleetOptions
 from android_sim.network import Connector
 from android_sim.profiles import DEFAULT_MIX, SimClock, draw_profiles
+from benchmarks.scale_cores import CpuMeter, process_cpu
 from device_runtime.task_runner import TaskRunner
 from model_runtime.tflite_model import TFLiteModel
 
@@ -84,11 +84,10 @@ def fleet_rates(
     where the time goes (the orchestrator's CPU per report, the fleet's CPU per task, the server's
     and the devices' view of a check-in, the fleet's event loop lag), and the device's own task
     rate on one core on the same model and stores."""
-    from bench_fleet import bench_config, tasks_per_second
-
     from android_sim.builtin_data import export, model_config
     from android_sim.device_data import expression_fleet
     from android_sim.expressions import SyntheticConfig
+    from benchmarks.fleet import bench_config, tasks_per_second
 
     largest = max(round(target * (devices_per_report or per)) for _, target, per in runs_of)
     data = expression_fleet(SyntheticConfig(num_expressions=1000, num_users=largest, seed=0))
@@ -167,9 +166,8 @@ def population_run(
     round included), and how long check-ins took. `round_seconds`: the rounds' deadline, which
     must fit `target` reports at the fleet's rate (5-15 tasks/s on this machine: a round of 1,000
     with 60 s got 237 reports by its deadline and was abandoned)."""
-    from bench_fleet import bench_config, tasks_per_second
-
     from android_sim.run_config import RunConfig
+    from benchmarks.fleet import bench_config, tasks_per_second
 
     config = bench_config(
         work,

@@ -1,11 +1,11 @@
-"""bench_scale's projection: 10 million devices on a Ray cluster, from the measured rates."""
+"""benchmarks.scale's projection: 10 million devices on a Ray cluster, from the measured rates."""
 
 from __future__ import annotations
 
 import math
 from typing import Any
 
-from scale_simulation import CLIENTS
+from benchmarks.scale_simulation import CLIENTS
 
 TEN_MILLION = 10_000_000
 

@@ -1,4 +1,4 @@
-"""bench_scale's fast simulation: the threads and Ray backends on MovieLens 100K, alternating,
+"""benchmarks.scale's fast simulation: the threads and Ray backends on MovieLens 100K, alternating,
 with the cores each run got; the Ray round trip and the server's commit, for the projection."""
 
 from __future__ import annotations
@@ -12,12 +12,12 @@ from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
-from scale_cores import CpuMeter
 
-from android_sim.bench.federated import Rounds, Server, summed
-from android_sim.bench.protocol import split_users
-from android_sim.bench.quality_methods import FAITHFUL, Dataset
-from android_sim.simulation import SimulationOptions, simulate, simulation_clients
+from android_sim.simulation.protocol import split_users
+from android_sim.simulation.rounds import Rounds, Server, summed
+from android_sim.simulation.simulate import SimulationOptions, simulate, simulation_clients
+from benchmarks.quality_methods import FAITHFUL, Dataset
+from benchmarks.scale_cores import CpuMeter
 from model_runtime.tflite_model import TFLiteModel
 
 CLIENTS = 100

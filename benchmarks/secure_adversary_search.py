@@ -1,6 +1,6 @@
 """The server adversary that searches (tests/privacy/adversary.py), at a longer budget than CI's.
 
-    python benchmarks/secure_adversary_search.py [--devices 4,6,8] [--random 1000] [--guided 500]
+    python -m benchmarks.secure_adversary_search [--devices 4,6,8] [--random 1000] [--guided 500]
 
 For each cohort size: every split of the survivor view around each device (exhaustive), then
 `--random` strategies drawn at random, then `--guided` mutations of those that got the most secrets
@@ -14,17 +14,15 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from tests.privacy.adversary import search  # noqa: E402
+from tests.privacy.adversary import search
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m benchmarks.secure_adversary_search",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--devices", default="4,6,8", help="cohort sizes, comma-separated (each >= 4)")
     parser.add_argument("--random", type=int, default=1000, help="random strategies per size")

@@ -1,7 +1,7 @@
 """Where a secure fleet run's time went: per-phase durations and abandoned rounds by phase and reason.
 
     python -m android_sim run --aggregation secure --work-dir runs/secure
-    python benchmarks/secure_fleet_phases.py runs/secure
+    python -m benchmarks.secure_fleet_phases runs/secure
 
 Reads the run's `report.json` (wall time, the rounds with their `secure_<phase>_seconds` metrics)
 and the orchestrator's SQLite file in the same directory (why each secure round was abandoned).
@@ -77,7 +77,9 @@ def summarize(work_dir: Path) -> dict[str, Any]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m benchmarks.secure_fleet_phases",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("work_dir", type=Path)
     args = parser.parse_args()

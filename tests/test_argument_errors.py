@@ -16,7 +16,9 @@ from tests.conftest import ROOT
 PAGE = ROOT / "docs" / "reference" / "cli.md"
 MARKER = re.compile(r"^<!-- cli: (?P<command>[^>]+?) -->$", re.MULTILINE)
 # Every command line with subcommands (each must be on the page, and each of its subcommands).
-COMMANDS = ("android_sim", "android_sim.datasets", "orchestrator", "device_runtime", "android_sim.bench")
+COMMANDS = ("android_sim", "android_sim.datasets", "orchestrator", "device_runtime")
+# The benchmarks whose options the page shows (one command each, no subcommands).
+BENCHMARKS = ("benchmarks.quality", "benchmarks.nextword", "benchmarks.mixing")
 # The page's generator, run in its own process (it sets the environment the pages are made in).
 _HELPS = """
 import json, sys
@@ -73,6 +75,7 @@ def test_the_page_has_every_command_and_shows_each_default_once() -> None:
 
     assert wanted <= set(on_page), f"docs/reference/cli.md lacks {sorted(wanted - set(on_page))}"
     assert "python -m model_export" in on_page
+    assert {f"python -m {b}" for b in BENCHMARKS} <= set(on_page)
     for command, text in shown.items():
         assert "(default: None)" not in text, command
         # One option's help (its lines up to the next option) says its default once at most.

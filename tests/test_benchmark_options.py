@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parent.parent
 @pytest.mark.parametrize("workers", ["1,two", "", "0", "1,,2", "65"])
 def test_the_load_benchmark_refuses_process_counts_it_cannot_start(workers: str) -> None:
     done = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "bench_load.py"), "--workers", workers],
+        [sys.executable, "-m", "benchmarks.load", "--workers", workers],
         capture_output=True,
         text=True,
         cwd=ROOT,
@@ -30,7 +30,8 @@ def test_the_main_quality_benchmark_refuses_a_bad_serving_bagging_before_trainin
     done = subprocess.run(
         [
             sys.executable,
-            str(ROOT / "benchmarks" / "bench_main_quality.py"),
+            "-m",
+            "benchmarks.main_quality",
             "{}",
             '{"serve_bagging": {"members": 0}}',
         ],
@@ -42,14 +43,14 @@ def test_the_main_quality_benchmark_refuses_a_bad_serving_bagging_before_trainin
 
     assert done.returncode == 1
     assert done.stderr.strip().splitlines()[-1] == (
-        "bench_main_quality: invalid serving bagging: members must be in [1, 64], got 0"
+        "main_quality: invalid serving bagging: members must be in [1, 64], got 0"
     )
     assert "Traceback" not in done.stderr
 
 
 def test_the_report_path_tool_refuses_a_folder_that_is_not_an_exported_model(tmp_path: Path) -> None:
     done = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "report_path.py"), "--model-dir", str(tmp_path)],
+        [sys.executable, "-m", "benchmarks.report_path", "--model-dir", str(tmp_path)],
         capture_output=True,
         text=True,
         cwd=ROOT,
@@ -58,7 +59,8 @@ def test_the_report_path_tool_refuses_a_folder_that_is_not_an_exported_model(tmp
 
     assert done.returncode == 2
     assert done.stderr.strip().splitlines()[-1] == (
-        f"report_path.py: error: --model-dir: {tmp_path} is not an exported model directory: "
+        f"python -m benchmarks.report_path: error: --model-dir: {tmp_path} is not an exported model "
+        "directory: "
         f"{tmp_path / 'model.tflite'} is missing (expected the output of `python -m model_export`)"
     )
     assert "Traceback" not in done.stderr

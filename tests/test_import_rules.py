@@ -2,7 +2,8 @@
 ones and `importlib.import_module("...")` included. The server never imports device code or the
 exporter, device code never imports the exporter, the server or TensorFlow, the model runtime
 (which both run) imports neither side nor TensorFlow, the contracts need
-only the standard library, numpy and safetensors, and secure aggregation stands on its own."""
+only the standard library, numpy and safetensors, secure aggregation stands on its own, nothing
+but the tests imports the benchmarks, and no package's modules import each other in a circle."""
 
 from __future__ import annotations
 
@@ -24,6 +25,8 @@ FORBIDDEN = {
     "enrollment_authority": ("orchestrator", "device_runtime", "android_sim", "model_export", *TENSORFLOW),
 }
 CONTRACTS_MAY_IMPORT = frozenset({"contracts", "numpy", "safetensors", *sys.stdlib_module_names})
+# Every package whose modules must not import each other in a circle.
+PACKAGES = (*FORBIDDEN, "contracts", "model_export", "android_sim", "benchmarks")
 
 
 def imports(source: str, package: str) -> list[tuple[int, str]]:
@@ -167,3 +170,115 @@ def test_every_orchestrator_module_is_in_a_layer() -> None:
         if path.name == "__init__.py":
             continue
         layer_of("orchestrator." + path.name)
+
+
+def test_nothing_but_the_tests_imports_the_benchmarks() -> None:
+    found = [
+        (path.relative_to(ROOT).as_posix(), line, module)
+        for path in sorted(ROOT.glob("*/**/*.py"))
+        if path.relative_to(ROOT).parts[0] not in ("benchmarks", "tests", ".venv", "build")
+        for line, module in imports(path.read_text(), path.relative_to(ROOT).parts[0])
+        if module.split(".")[0] == "benchmarks"
+    ]
+
+    assert (ROOT / "benchmarks" / "__init__.py").exists()  # the rule reads a package that is there
+    assert not found, f"forbidden imports:\n{shown(found, 'only benchmarks/ and tests/ import benchmarks')}"
+
+
+def module_level_imports(tree: ast.Module) -> list[ast.Import | ast.ImportFrom]:
+    """The imports a module runs when it loads, or its type checker reads (under `if`, `try`,
+    `with`; `if TYPE_CHECKING:` too); not those inside functions, which run later."""
+    found: list[ast.Import | ast.ImportFrom] = []
+    blocks: list[ast.stmt] = list(tree.body)
+    while blocks:
+        node = blocks.pop()
+        if isinstance(node, ast.Import | ast.ImportFrom):
+            found.append(node)
+        elif isinstance(node, ast.If | ast.With):
+            blocks += [*node.body, *getattr(node, "orelse", [])]
+        elif isinstance(node, ast.Try):
+            blocks += [*node.body, *node.orelse, *node.finalbody]
+            blocks += [s for handler in node.handlers for s in handler.body]
+    return found
+
+
+def import_graph(sources: dict[str, tuple[str, bool]]) -> dict[str, set[str]]:
+    """Module -> the modules among `sources` it imports at module level. `sources`: each module's
+    dotted name -> (its source, whether it is a package's `__init__`)."""
+    graph: dict[str, set[str]] = {}
+    for name, (source, is_package) in sources.items():
+        targets: set[str] = set()
+        for node in module_level_imports(ast.parse(source)):
+            if isinstance(node, ast.Import):
+                targets |= {alias.name for alias in node.names}
+                continue
+            base = node.module or ""
+            if node.level:  # relative: from the module's package, up `level - 1` more
+                package = name.split(".") if is_package else name.split(".")[:-1]
+                package = package[: len(package) - node.level + 1]
+                base = ".".join([*package, *([node.module] if node.module else [])])
+            targets |= {base, *(f"{base}.{alias.name}" for alias in node.names)}
+        graph[name] = {target for target in targets if target in sources and target != name}
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The graph's strongly connected components of more than one module (Tarjan's algorithm)."""
+    order: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(module: str) -> None:
+        order[module] = low[module] = len(order)
+        stack.append(module)
+        for target in sorted(graph[module]):
+            if target not in order:
+                visit(target)
+                low[module] = min(low[module], low[target])
+            elif target in stack:
+                low[module] = min(low[module], order[target])
+        if low[module] == order[module]:
+            component = stack[stack.index(module) :]
+            del stack[stack.index(module) :]
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for module in sorted(graph):
+        if module not in order:
+            visit(module)
+    return found
+
+
+def package_sources(package: str) -> dict[str, tuple[str, bool]]:
+    found = {}
+    for path in sorted((ROOT / package).rglob("*.py")):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        is_package = parts[-1] == "__init__"
+        found[".".join(parts[:-1] if is_package else parts)] = (path.read_text(), is_package)
+    return found
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_no_modules_of_a_package_import_each_other_in_a_circle(package: str) -> None:
+    found = circles(import_graph(package_sources(package)))
+
+    assert not found, f"{package}: import circles (module-level imports): {found}"
+
+
+def test_the_circle_rule_sees_a_circle_through_a_type_checking_import_and_relative_imports() -> None:
+    sources = {
+        "pkg": ("", True),
+        "pkg.config": ("from pkg.algorithm import task\n", False),
+        "pkg.algorithm": (
+            "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from . import config\n",
+            False,
+        ),
+        "pkg.late": ("def f():\n    from pkg import config\n", False),
+        "pkg.sub": ("from .. import late\n", True),
+    }
+
+    graph = import_graph(sources)
+
+    assert graph["pkg.algorithm"] == {"pkg", "pkg.config"} and graph["pkg.sub"] == {"pkg", "pkg.late"}
+    assert circles(graph) == [["pkg.algorithm", "pkg.config"]]  # not late's function-local import

@@ -13,7 +13,7 @@ round's reference is the smallest of:
 
 The per-round limit alone (the rule before this module: 1.25 a round) compounds: rounds made
 only of hostile devices raised it 1.25^k over k rounds, and the model moved with it
-(benchmarks/bench_norm_bound.py measures both rules). `NormReference(history_rounds=1,
+(benchmarks/norm_bound.py measures both rules). `NormReference(history_rounds=1,
 window_rounds=0)` is that earlier rule.
 
 Stored as JSON with each committed training round (`Round.norm_reference`); a round stored

@@ -18,7 +18,7 @@ from rich.console import Console
 from android_sim.__main__ import build_parser, main
 from android_sim.run import run
 from android_sim.run_config import RunConfig
-from android_sim.simulate_command import main as simulate_main
+from android_sim.simulation.command import main as simulate_main
 from contracts.manifest import load_manifest
 from tests.android_sim.test_run import ALWAYS_ON
 

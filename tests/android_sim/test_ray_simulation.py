@@ -12,13 +12,13 @@ import numpy as np
 import pytest
 
 from android_sim.__main__ import main
-from android_sim.bench.federated import Rounds, Server
-from android_sim.bench.models import ModelCache
-from android_sim.bench.quality_methods import load_dataset, protocol_model
-from android_sim.simulation import SimulationOptions, SimulationResult, simulate
+from android_sim.simulation.rounds import Rounds, Server
+from android_sim.simulation.simulate import SimulationOptions, SimulationResult, simulate
+from benchmarks.model_cache import ModelCache
+from benchmarks.quality_methods import load_dataset, protocol_model
 from contracts.task_config import LocalState, TaskConfig
 from orchestrator.aggregation.maths import PartialSum, RobustAggregation
-from tests.android_sim.test_quality_bench import _write_ratings
+from tests.benchmarks.test_quality import _write_ratings
 
 
 @pytest.fixture(scope="module")

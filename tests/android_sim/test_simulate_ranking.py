@@ -15,7 +15,7 @@ from rich.console import Console
 
 from android_sim.__main__ import build_parser
 from android_sim.__main__ import main as cli
-from android_sim.simulate_command import main as simulate_main
+from android_sim.simulation.command import main as simulate_main
 from android_sim.stickers import StickerConfig, write
 from contracts.manifest import load_manifest
 from contracts.params import decode_params

@@ -87,7 +87,8 @@ def test_training_converts_to_builtins_lowers_the_loss_on_both_interpreters_and_
     result = subprocess.run(
         [
             sys.executable,
-            "benchmarks/bench_next_word_tflite.py",
+            "-m",
+            "benchmarks.nextword_tflite",
             *small.split(),
             "--json",
             str(tmp_path / "f.json"),

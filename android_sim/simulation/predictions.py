@@ -1,0 +1,118 @@
+"""`simulate` for a classification or regression model with locals: its held-out figures beside
+the same model without locals, paired.
+
+The baseline is the trained globals with the initial (exported) locals, i.e. ReconEval with no
+reconstruction step: what a device with no data of its own gets. Both are measured on the same
+held-out devices' query examples, and their difference in each metric (accuracy, RMSE, the loss)
+gets a paired 95% interval from one set of bootstrap resamples over the devices.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+from rich import box
+from rich.table import Table
+
+from android_sim.intervals import INTERVAL, resample_rows
+from android_sim.simulation.protocol import UserSplit
+from android_sim.simulation.simulate import SimulationOptions, simulation_clients
+from contracts.features import Examples
+from contracts.params import Params
+from model_runtime.tflite_model import EvaluationSums
+
+# A metric's sum in the evaluation -> its name as printed, and whether it is a root (RMSE).
+SHOWN = {"loss": ("loss", False), "correct": ("accuracy", False), "squared_error": ("rmse", True)}
+
+
+def without_locals(
+    model_dir: Path,
+    devices: Sequence[Examples],
+    options: SimulationOptions,
+    params: Params,
+    test: Sequence[int],
+) -> list[EvaluationSums]:
+    """Each held-out device's evaluation sums with the globals `params` and no reconstruction."""
+    task = replace(options.task, reconstruction_max_steps=0)
+    pool = simulation_clients(model_dir, devices, replace(options, task=task))
+    try:
+        pool.set_global(params)
+        return list(pool.map("evaluation", test))
+    finally:
+        pool.close()
+
+
+def with_locals(
+    model_dir: Path,
+    devices: Sequence[Examples],
+    options: SimulationOptions,
+    params: Params,
+    test: Sequence[int],
+) -> list[EvaluationSums]:
+    """Each held-out device's evaluation sums as the simulation measured them (ReconEval)."""
+    pool = simulation_clients(model_dir, devices, options)
+    try:
+        pool.set_global(params)
+        return list(pool.map("evaluation", test))
+    finally:
+        pool.close()
+
+
+def compare(
+    mine: Sequence[EvaluationSums], baseline: Sequence[EvaluationSums], seed: int = 0
+) -> dict[str, dict[str, float]]:
+    """Per metric: the model's figure, the baseline's, and the paired difference with its interval."""
+    rows = resample_rows(len(mine), np.random.default_rng(seed))
+    out: dict[str, dict[str, float]] = {}
+    for key, (name, root) in SHOWN.items():
+        if f"{key}_sum" not in mine[0].sums:
+            continue
+
+        def ratio(
+            sums: Sequence[EvaluationSums], picked: np.ndarray | slice, key: str = key, root: bool = root
+        ) -> np.ndarray:
+            top = np.array([s.sums.get(f"{key}_sum", 0.0) for s in sums])[picked]
+            weight = np.array([s.weight_sum for s in sums])[picked]
+            value = np.asarray(top.sum(axis=-1) / np.maximum(weight.sum(axis=-1), 1e-12))
+            return np.asarray(np.sqrt(value)) if root else value
+
+        difference = ratio(mine, rows) - ratio(baseline, rows)
+        low, high = np.percentile(difference, [2.5, 97.5])
+        out[name] = {
+            "model": float(ratio(mine, slice(None))),
+            "without_locals": float(ratio(baseline, slice(None))),
+            "difference": float(ratio(mine, slice(None)) - ratio(baseline, slice(None))),
+            "difference_low": float(low),
+            "difference_high": float(high),
+        }
+    return out
+
+
+def prediction_table(found: dict[str, dict[str, float]], devices: int) -> Table:
+    table = Table(
+        title=f"held-out devices ({devices}), ReconEval against the model without locals [{INTERVAL}]",
+        title_justify="left",
+        box=box.SIMPLE_HEAD,
+        pad_edge=False,
+    )
+    for column in ("metric", "FedRecon", "global (no locals)", "FedRecon minus"):
+        table.add_column(column, justify="left" if column == "metric" else "right", no_wrap=True)
+    for name, f in found.items():
+        table.add_row(
+            name,
+            f"{f['model']:.4f}",
+            f"{f['without_locals']:.4f}",
+            f"{f['difference']:+.4f} [{f['difference_low']:+.4f}, {f['difference_high']:+.4f}]",
+        )
+    return table
+
+
+def judge(
+    model_dir: Path, devices: Sequence[Examples], options: SimulationOptions, params: Params, split: UserSplit
+) -> dict[str, dict[str, float]]:
+    """The model's held-out figures against the same model without locals, paired."""
+    mine = with_locals(model_dir, devices, options, params, split.test)
+    return compare(mine, without_locals(model_dir, devices, options, params, split.test))
