@@ -99,6 +99,25 @@ def _start(
     return data, support, query
 
 
+def _trained_batches(
+    model: TFLiteModel,
+    data: SupportQuery,
+    query: TaskBatches,
+    central: Examples | None,
+    global_params: Params,
+    config: TaskConfig,
+    seed: int,
+) -> TaskBatches:
+    """The batches the update trains on: the query's, with example transfer's centralized examples
+    mixed in when the server sent some (`with_central`)."""
+    if central is None or not central.num_examples:
+        return query
+    weights = negative_weights(model.manifest, config, global_params)
+    return TaskBatches.pack(
+        with_central(data.query, central, model.manifest, config, seed, weights), model.manifest
+    )
+
+
 def _completed(
     model: TFLiteModel,
     trained: TrainedGlobals,
@@ -144,8 +163,7 @@ def run_training_task(
         mismatch = incompatible_store(store, model.manifest)
         if mismatch is not None:
             return mismatch
-        mixing = central is not None and central.num_examples > 0
-        if mixing and config.local_state is LocalState.KEEP:
+        if central is not None and central.num_examples and config.local_state is LocalState.KEEP:
             return TaskResult(
                 Outcome.ERROR, message="example transfer mixes into FedRecon's update; local_state is 'keep'"
             )
@@ -159,15 +177,10 @@ def run_training_task(
         data, support, query = started
         if not should_continue():
             return _interrupted("reconstruction")
-        trained = query
-        if central is not None and mixing:
-            weights = negative_weights(model.manifest, config, global_params)
-            mixed = with_central(data.query, central, model.manifest, config, seed, weights)
-            trained = TaskBatches.pack(mixed, model.manifest)
         step = fedrecon_step(
             model,
             support,
-            trained,
+            _trained_batches(model, data, query, central, global_params, config, seed),
             config,
             measured=query,
             central_gradient=central_gradient,
