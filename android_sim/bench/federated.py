@@ -19,7 +19,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
@@ -28,8 +28,7 @@ import numpy as np
 from contracts.manifest import Manifest
 from contracts.params import Params, SparseTensor, row_shape
 from contracts.task_config import TaskConfig
-from device_runtime.fedrecon_step import Halt, diverged, fedrecon_step, recon_eval_step, train_globals
-from model_runtime.support_query import num_steps
+from device_runtime.fedrecon_step import Halt, fedrecon_step, recon_eval_step, train_globals
 from model_runtime.task_batches import TaskBatches
 from model_runtime.tflite_model import EvaluationSums, RowUpdate, TFLiteModel
 from orchestrator.aggregation import (
@@ -397,22 +396,17 @@ def recon_eval_work(clients: ByUser[SupportQuery], config: TaskConfig) -> Evalua
 def fedavg_work(examples: Sequence[TaskBatches], config: TaskConfig, per_item: frozenset[str]) -> ClientWork:
     """FedAvg with the user parameters global too: every client starts from the shared user
     vector, trains it jointly with the item parameters on all its examples, and reports both."""
+    # The shared user vector trains at the globals' rate, without L2, and the report is unclipped.
+    joint = replace(config, local_learning_rate=config.update_learning_rate, l2_local=0.0, clip_norm=None)
 
     def work(model: TFLiteModel, params: Params, user: int) -> Report:
         batches = examples[user]
         names = [s.name for s in model.manifest.local_params]
         model.set_local({k: params[k] for k in names})
-        steps = num_steps(batches.num_batches, config.update_max_epochs, config.update_max_steps)
-        update = model.update_rows(
-            batches,
-            steps,
-            config.update_learning_rate,
-            local_learning_rate=config.update_learning_rate,
-            l2_global=config.l2_global,
-        )
-        if diverged(update):
+        update = train_globals(model, batches, joint)
+        if isinstance(update, Halt):
             return None
-        delta = sparse_delta(update, shapes(params), per_item)
+        delta = sparse_delta(update.update, shapes(params), per_item)
         trained = model.get_local()
         for k in names:
             delta[k] = whole(trained[k] - params[k])
