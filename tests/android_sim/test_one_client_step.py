@@ -31,7 +31,8 @@ def _device(
     items = rng.choice(config.num_items, 60, replace=False)
     labels = np.ones(60) if implicit else rng.integers(1, 6, 60)
     store.add(
-        Event({"item": int(i), "label": float(r)}, float(t)) for t, (i, r) in enumerate(zip(items, labels))
+        Event({"item": int(i), "label": float(r)}, float(t))
+        for t, (i, r) in enumerate(zip(items, labels, strict=True))
     )
     return model, store
 
