@@ -31,18 +31,11 @@ from contracts.task_config import TaskConfig
 from device_runtime.fedrecon_step import Halt, fedrecon_step, recon_eval_step, train_globals
 from model_runtime.task_batches import TaskBatches
 from model_runtime.tflite_model import EvaluationSums, RowUpdate, TFLiteModel
-from orchestrator.aggregation import (
-    PartialSum,
-    RobustAggregation,
-    ServerOptimizerConfig,
-    WeightedMean,
-    apply_update,
-    init_state,
-)
-from orchestrator.differential_privacy import DPConfig
-from orchestrator.norm_reference import NormReference
-from orchestrator.pipeline import Aggregate
-from orchestrator.pipeline.assemble import Pipeline, RoundInputs
+from orchestrator.aggregation.maths import PartialSum, RobustAggregation, ServerOptimizerConfig, WeightedMean, apply_update, init_state
+from orchestrator.aggregation.differential_privacy import DPConfig
+from orchestrator.aggregation.norm_reference import NormReference
+from orchestrator.aggregation.pipeline import Aggregate
+from orchestrator.aggregation.assemble import Pipeline, RoundInputs
 from secure_aggregation.config import RoundParameters
 from secure_aggregation.quantization import Layout, dequantize_sum, quantize
 

@@ -15,11 +15,11 @@ Strategies, one function call each (`run_strategy`), the system's own functions 
 - `none`: federated training on the skewed devices only;
 - `all_data`: the upper bound, devices keep their shares of the new items;
 - `parallel_training` (Algorithm 2): each round the server trains a copy of the globals on the
-  centralized data for J steps (`orchestrator.central_training.train_on_central`, through the
+  centralized data for J steps (`orchestrator.populations.central_training.train_on_central`, through the
   exported model) and merges `(1 - alpha) * federated + alpha * central` (`merge`) before the
   server optimizer; nothing is added to an assignment;
 - `example_transfer` (Algorithm 3): each assignment carries a sample of the centralized examples
-  (`orchestrator.mixing.assignment_examples`, seeded by the assignment) that the device mixes into
+  (`orchestrator.populations.mixing.assignment_examples`, seeded by the assignment) that the device mixes into
   its update batches (`device_runtime.client_task.with_central`), not counted in its weight; the
   bytes it adds are the route's encoding (`encode_examples`);
 - `gradient_transfer` (Algorithm 4): each round the server computes the gradient of the
@@ -67,9 +67,10 @@ from model_export.config import ITEM, LABEL
 from model_runtime.support_query import negative_weights, split_support_query
 from model_runtime.task_batches import TaskBatches
 from model_runtime.tflite_model import SparseGradient, TFLiteModel
-from orchestrator.aggregation import ServerOptimizerConfig
-from orchestrator.central_training import CentralTrainingError, gradient_on_central, merge, train_on_central
-from orchestrator.mixing import assignment_examples
+from orchestrator.aggregation.maths import ServerOptimizerConfig
+from orchestrator.populations.central_training import CentralTrainingError, gradient_on_central, train_on_central
+from orchestrator.aggregation.central_merge import merge
+from orchestrator.populations.mixing import assignment_examples
 
 STRATEGIES = ("none", "all_data", "parallel_training", "example_transfer", "gradient_transfer")
 WEIGHTED = MIXING_STRATEGIES

@@ -54,8 +54,8 @@ from model_export.config import ModelConfig
 from model_runtime.support_query import num_steps
 from model_runtime.task_batches import TaskBatches
 from model_runtime.tflite_model import EvaluationSums, TFLiteModel
-from orchestrator.aggregation import RobustAggregation, ServerOptimizerConfig
-from orchestrator.differential_privacy import DPConfig
+from orchestrator.aggregation.maths import RobustAggregation, ServerOptimizerConfig
+from orchestrator.aggregation.differential_privacy import DPConfig
 from secure_aggregation.config import RoundParameters
 from secure_aggregation.quantization import Layout
 

@@ -19,7 +19,7 @@ from device_runtime.task_examples import prepare
 from model_export.config import ModelConfig
 from model_runtime.support_query import add_negatives, logq_correction, negative_weights
 from model_runtime.tflite_model import TFLiteModel
-from orchestrator.central_training import pseudo_user_batches
+from orchestrator.populations.central_training import pseudo_user_batches
 from tests.conftest import BIASED, IMPLICIT
 
 SHARED = [3, 10, 11, 40]
