@@ -23,9 +23,9 @@ from android_sim.run_config import RunConfig, round_settings
 from android_sim.workload import Workload
 from contracts.features import Examples
 from contracts.manifest import ManifestError, load_manifest
-from contracts.task_config import SplitPolicy
+from contracts.task_config import SplitPolicy, TrainingDefaults
 from device_runtime.examples_table import DeviceExamples
-from model_export.config import ITEM, LABEL, Feedback, ModelConfig, TrainingDefaults
+from model_export.config import ITEM, LABEL, Feedback, ModelConfig
 from model_export.in_subprocess import export_in_subprocess
 
 

@@ -47,9 +47,10 @@ from contracts.features import Examples
 from contracts.manifest import Manifest, load_manifest
 from contracts.params import decode_params
 from contracts.task_config import TaskConfig
-from device_runtime.client_task import Outcome, prepare, run_evaluation_task
+from device_runtime.client_task import Outcome, run_evaluation_task
 from device_runtime.example_store import ExampleStore
 from device_runtime.examples_table import DeviceExamples
+from device_runtime.task_examples import prepare
 from model_runtime.support_query import reconstruct_locals
 from model_runtime.task_batches import TaskBatches
 from model_runtime.tflite_model import TFLiteModel

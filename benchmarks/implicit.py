@@ -47,9 +47,9 @@ from contracts.features import Examples
 from contracts.manifest import Manifest
 from contracts.params import Params
 from contracts.task_config import TaskConfig
-from device_runtime.client_task import shuffled
 from device_runtime.example_store import ExampleStore
 from device_runtime.recommender import Recommender
+from device_runtime.task_examples import shuffled
 from model_export.config import ITEM, LABEL, Feedback
 from model_runtime.support_query import add_negatives, negative_weights, not_negatives, split_support_query
 from model_runtime.task_batches import TaskBatches

@@ -59,11 +59,12 @@ from contracts.manifest import Manifest, load_manifest
 from contracts.mixing import CentralDataset, MixingConfig, encode_examples
 from contracts.params import Params, encode_sparse_delta
 from contracts.task_config import TaskConfig
-from device_runtime.client_task import diverged, with_central
 from device_runtime.example_store import ExampleStore
+from device_runtime.fedrecon_step import Halt, fedrecon_step
 from device_runtime.recommender import Recommender
+from device_runtime.task_examples import with_central
 from model_export.config import ITEM, LABEL
-from model_runtime.support_query import negative_weights, num_steps, reconstruct_locals, split_support_query
+from model_runtime.support_query import negative_weights, split_support_query
 from model_runtime.task_batches import TaskBatches
 from model_runtime.tflite_model import SparseGradient, TFLiteModel
 from orchestrator.aggregation.central_merge import merge
@@ -385,7 +386,6 @@ def _client_work(
         manifest = model.manifest
         weights = negative_weights(manifest, config, params)
         support, query = harness.client_batches(manifest, histories[user], user, round_, weights)
-        reconstruct_locals(model, TaskBatches.pack(support, manifest), config)
         own = TaskBatches.pack(query, manifest)
         trained = own
         if user in central:
@@ -393,20 +393,18 @@ def _client_work(
             trained = TaskBatches.pack(
                 with_central(query, central[user], manifest, config, seed, weights), manifest
             )
-        update = model.update_rows(
+        step = fedrecon_step(
+            model,
+            TaskBatches.pack(support, manifest),
             trained,
-            num_steps(trained.num_batches, config.update_max_epochs, config.update_max_steps),
-            config.update_learning_rate,
-            local_learning_rate=config.local_learning_rate,
-            l2_global=config.l2_global,
-            l2_local=config.l2_local,
+            config,
             central_gradient=gradient,
-            central_gradient_weight=gradient_weight if gradient is not None else 0.0,
+            weight=gradient_weight if gradient is not None else 0.0,
         )
-        if diverged(update):
+        if isinstance(step, Halt):
             return None
         shapes = {k: tuple(v.shape) for k, v in params.items()}
-        return sparse_delta(update, shapes, per_item), float(own.num_examples)
+        return sparse_delta(step.trained.update, shapes, per_item), float(own.num_examples)
 
     return work
 

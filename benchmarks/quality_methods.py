@@ -50,7 +50,7 @@ from contracts.features import Examples
 from contracts.manifest import Manifest
 from contracts.params import Params
 from contracts.task_config import LocalState, SplitPolicy, TaskConfig
-from device_runtime.client_task import diverged
+from device_runtime.fedrecon_step import diverged
 from model_export.config import ModelConfig
 from model_runtime.support_query import num_steps
 from model_runtime.task_batches import TaskBatches

@@ -63,6 +63,25 @@ _ENUM_FIELDS = ("SplitPolicy", "LocalState")
 
 
 @dataclass(frozen=True)
+class TrainingDefaults:
+    """The hyperparameters an export records in its manifest (`training_defaults`, signature inputs a
+    server may tune without a new export), with the FedRecon MovieLens protocol's values: the one
+    table `model_export`'s defaults and `TaskConfig`'s fields both read."""
+
+    reconstruction_learning_rate: float = 0.1
+    reconstruction_max_epochs: int = 5
+    reconstruction_max_steps: int = 50
+    update_learning_rate: float = 0.5
+    update_max_epochs: int = 1
+    update_max_steps: int = 50
+    l2_global: float = 0.0
+    l2_local: float = 0.0
+
+
+_TRAINING = TrainingDefaults()
+
+
+@dataclass(frozen=True)
 class TaskConfig:
     """What the server asks a device to do; defaults follow the FedRecon MovieLens protocol.
 
@@ -74,14 +93,14 @@ class TaskConfig:
     min_examples: int = 1
     max_examples: int = 300
     shuffle_seed: int | None = 42  # None keeps the store's order (newest first)
-    reconstruction_learning_rate: float = 0.1
-    reconstruction_max_epochs: int = 5
-    reconstruction_max_steps: int = 50
-    update_learning_rate: float = 0.5
-    update_max_epochs: int = 1
-    update_max_steps: int = 50
-    l2_global: float = 0.0
-    l2_local: float = 0.0
+    reconstruction_learning_rate: float = _TRAINING.reconstruction_learning_rate
+    reconstruction_max_epochs: int = _TRAINING.reconstruction_max_epochs
+    reconstruction_max_steps: int = _TRAINING.reconstruction_max_steps
+    update_learning_rate: float = _TRAINING.update_learning_rate
+    update_max_epochs: int = _TRAINING.update_max_epochs
+    update_max_steps: int = _TRAINING.update_max_steps
+    l2_global: float = _TRAINING.l2_global
+    l2_local: float = _TRAINING.l2_local
     negatives_per_positive: int = 4  # implicit feedback: sampled non-shared items per share
     # Implicit feedback: the negatives per share that reconstruction (the support set, and serving)
     # fits the locals against; None: negatives_per_positive, as the update.

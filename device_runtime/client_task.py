@@ -2,39 +2,40 @@
 
 Mirrors Algorithm 1 of Federated Reconstruction: local parameters start fresh, are fitted
 on the support set with the globals frozen, then the globals are trained on the query set
-with the locals frozen. The delta and `|query|` go back to the server; the local
-parameters are discarded. Every run returns a `TaskResult` with an explicit `Outcome`
-(as the federated compute client's plan outcomes do) instead of raising through the caller.
+with the locals frozen (`fedrecon_step`, the maths the simulation runs too). The delta and
+`|query|` go back to the server; the local parameters are discarded. Every run returns a
+`TaskResult` with an explicit `Outcome` (as the federated compute client's plan outcomes do)
+instead of raising through the caller.
 """
 
 from __future__ import annotations
 
 import enum
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from contracts.features import Examples, per_example
+from contracts.features import Examples
 from contracts.manifest import Manifest
 from contracts.params import Params, ParamsError
 from contracts.task_config import LocalState, SplitPolicy, TaskConfig
-from device_runtime.example_store import ExampleStore, Selection
+from device_runtime.example_store import ExampleStore
+from device_runtime.fedrecon_step import Halt, TrainedGlobals, fedrecon_step, recon_eval_step, train_globals
 from device_runtime.kept_locals_guard import guard
 from device_runtime.local_state import LocalStateStore
-from model_runtime.support_query import (
-    add_negatives,
-    negative_weights,
-    not_negatives,
-    num_steps,
-    reconstruct_locals,
-    shares,
-    split_support_query,
-    with_support_negatives,
+from device_runtime.task_examples import (
+    SupportQuery,
+    hold_out_newest,
+    newest_examples,
+    one_call,
+    prepare,
+    shuffled,
+    with_central,
 )
-from model_runtime.task_batches import TaskBatches, split_batches
-from model_runtime.tflite_model import EvaluationSums, RowUpdate, SparseGradient, TFLiteModel, Update
+from model_runtime.support_query import negative_weights, shares
+from model_runtime.task_batches import TaskBatches
+from model_runtime.tflite_model import EvaluationSums, SparseGradient, TFLiteModel
 
 
 class Outcome(enum.StrEnum):
@@ -56,177 +57,85 @@ class TaskResult:
     message: str = ""
 
 
-@dataclass(frozen=True)
-class SupportQuery:
-    support: list[Examples]
-    query: list[Examples]
-    num_examples: int
-    outside_catalog: int
-
-
-def within_model(examples: Examples, manifest: Manifest) -> np.ndarray:
-    """Which examples the model can take: every indexing feature within its tables' rows.
-
-    A store may hold values the model does not know yet (e.g. expressions newer than the model).
-    """
-    keep = np.ones(examples.num_examples, bool)
-    for feature in manifest.features:
-        if feature.tables and feature.value_range is not None:
-            values = per_example(examples[feature.name])
-            low, high = feature.value_range
-            keep &= np.all((values >= low) & (values <= high), axis=1)
-    return keep
-
-
 def incompatible_store(store: ExampleStore, manifest: Manifest) -> TaskResult | None:
     """The result of a task whose store does not fit the model (named, before anything starts)."""
     mismatch = store.mismatch(manifest.features)
     return None if mismatch is None else TaskResult(Outcome.INCOMPATIBLE_STORE, message=mismatch)
 
 
-def newest_examples(store: ExampleStore, manifest: Manifest, config: TaskConfig) -> tuple[Examples, int]:
-    """The newest `max_examples` examples, newest first, without those outside the model's tables
-    (left out and counted, rather than failing the task)."""
-    examples = store.examples(Selection(limit=config.max_examples))
-    known = within_model(examples, manifest)
-    return examples.select(known), int(examples.num_examples - known.sum())
+def _too_few(num_examples: int, outside: int, config: TaskConfig) -> TaskResult | None:
+    """The INSUFFICIENT_DATA result of a device with fewer usable examples than the task needs."""
+    if num_examples >= config.min_examples:
+        return None
+    return TaskResult(
+        Outcome.INSUFFICIENT_DATA,
+        metrics={"num_examples": num_examples, "outside_catalog": outside},
+        message=f"{num_examples} usable examples, the task needs at least {config.min_examples}",
+    )
 
 
-def select_examples(store: ExampleStore, manifest: Manifest, config: TaskConfig) -> tuple[Examples, int]:
-    """The task's examples (newest `max_examples`, optionally shuffled); drops unknown values."""
-    examples, outside = newest_examples(store, manifest, config)
-    if config.shuffle_seed is not None:
-        examples = shuffled(examples, config.shuffle_seed)
-    return examples, outside
+def _interrupted(before: str) -> TaskResult:
+    return TaskResult(Outcome.INTERRUPTED, message=f"conditions changed before {before}")
 
 
-# A stateful device's StandardEval examples: the newest tenth of what its task selects.
-HOLDOUT_FRACTION = 0.1
-
-
-def hold_out_newest(newest_first: Examples) -> tuple[Examples, Examples]:
-    """(training, held out): the newest `HOLDOUT_FRACTION` held out, at least one example when there
-    are two or more, so a stateful device is measured on examples its kept locals never trained on."""
-    n = newest_first.num_examples
-    held = max(1, round(n * HOLDOUT_FRACTION)) if n >= 2 else 0
-    return newest_first.select(slice(held, None)), newest_first.select(slice(None, held))
-
-
-def shuffled(examples: Examples, seed: int) -> Examples:
-    """The examples in an order fixed by `seed` (the protocol's per-user shuffle)."""
-    return examples.select(np.random.default_rng(seed).permutation(examples.num_examples))
-
-
-def with_central(
-    query: list[Examples],
-    central: Examples,
-    manifest: Manifest,
-    config: TaskConfig,
-    seed: int,
-    weights: np.ndarray | None = None,
-) -> list[Examples]:
-    """Example transfer (Algorithm 3 of Augenstein et al.): the query batches with the centralized
-    examples mixed in, shuffled, as many as fit one update call next to the device's own, and at
-    least half of the call (the device's own examples beyond the rest sit out this update). Only
-    the update sees them: they are not in the store, not in the support set, and not in the
-    reported weight. Under FedRecon they train the globals with this
-    device's reconstructed locals, as its own examples do. Implicit labels: they get sampled
-    negatives as the device's shares do (drawn by `weights`, `negative_weights`), never among the
-    device's own shares."""
-    own = Examples.concat(query, manifest.features)
-    rng = np.random.default_rng(seed + 1)
-    negatives = config.negatives_per_positive if manifest.task.negative_sampling else 0
-    # The room left by the device's own examples, and at least half of the call: a device whose
-    # own examples fill the call (a third of MovieLens' devices) would otherwise mix in none.
-    free = max(0, manifest.max_examples - own.num_examples)
-    room = max(free, manifest.max_examples // 2) // (1 + negatives)
-    taken = central.select(rng.permutation(central.num_examples)[:room])
-    if negatives:
-        taken = add_negatives(taken, manifest, negatives, rng, shares(own, manifest), weights)
-    # The device's own examples (shuffled) beyond what the call takes next to them: dropped, as
-    # split_support_query drops those beyond one call.
-    own = own.select(slice(None, manifest.max_examples - taken.num_examples))
-    mixed = Examples.concat([own, taken.validated(manifest.features)], manifest.features)
-    return split_batches(mixed.select(rng.permutation(mixed.num_examples)), manifest.batch_size)
-
-
-def prepare(
-    store: ExampleStore, manifest: Manifest, config: TaskConfig, seed: int, weights: np.ndarray | None = None
-) -> SupportQuery:
-    """The task's examples split into support and query; implicit labels add sampled negatives,
-    drawn by `weights` (`negative_weights`; None: uniformly)."""
-    examples, outside = select_examples(store, manifest, config)
-    num_examples = examples.num_examples
-    rng = np.random.default_rng(seed)
-    own = shares(examples, manifest) if manifest.task.negative_sampling else None
-    if manifest.task.negative_sampling and config.negatives_per_positive:
-        examples = add_negatives(
-            examples, manifest, config.negatives_per_positive, rng, not_negatives(config), weights
-        )
-    support, query = split_support_query(examples, manifest, config)
-    support = with_support_negatives(support, manifest, config, rng, not_negatives(config, own), weights)
-    return SupportQuery(support, query, num_examples, outside)
-
-
-# tflite_runtime saturates an overflow at float32's maximum where LiteRT gives inf/NaN;
-# anything this large is an overflow either way.
-_SATURATED = 1e30
-
-
-def diverged(update: Update | RowUpdate) -> bool:
-    return not (math.isfinite(update.loss) and update.max_abs_change < _SATURATED)
-
-
-def delta_norm(delta: Params) -> float:
-    """L2 norm of a whole delta, every tensor together (float64 sums)."""
-    return math.sqrt(sum(float(np.vdot(v, v)) for v in (np.asarray(t, np.float64) for t in delta.values())))
-
-
-# Clipping aims this much below the bound, so that the float32 result's norm, as the server
-# computes it (float64 sums in another order), is within the bound too.
-_CLIP_MARGIN = 1 - 2**-20
-
-
-def clip_delta(delta: Params, clip_norm: float) -> tuple[Params, bool]:
-    """The delta scaled so that its whole L2 norm (all tensors together) is <= `clip_norm`,
-    and whether it already was (then it is returned unchanged). The direction is kept:
-    DP-FedAvg's per-device clipping."""
-    norm = delta_norm(delta)
-    if norm <= clip_norm * _CLIP_MARGIN:
-        return delta, True
-    scale = clip_norm * _CLIP_MARGIN / norm
-    return {name: (np.asarray(t, np.float64) * scale).astype(np.float32) for name, t in delta.items()}, False
+def _halted(halt: Halt) -> TaskResult:
+    return TaskResult(Outcome.INTERRUPTED if halt is Halt.INTERRUPTED else Outcome.ERROR, message=halt.value)
 
 
 def _start(
     model: TFLiteModel, store: ExampleStore, global_params: Params, config: TaskConfig, seed: int
 ) -> tuple[SupportQuery, TaskBatches, TaskBatches] | TaskResult:
-    """What every task does first: select and split the examples, pack them, install the globals;
-    or the INSUFFICIENT_DATA result when the device has too few."""
+    """What every FedRecon task does first: select and split the examples, pack them, install the
+    globals; or the INSUFFICIENT_DATA result when the device has too few."""
     data = prepare(
         store, model.manifest, config, seed, negative_weights(model.manifest, config, global_params)
     )
-    if data.num_examples < config.min_examples:
-        return TaskResult(
-            Outcome.INSUFFICIENT_DATA,
-            metrics={"num_examples": data.num_examples, "outside_catalog": data.outside_catalog},
-            message=f"{data.num_examples} usable examples, the task needs at least {config.min_examples}",
-        )
+    too_few = _too_few(data.num_examples, data.outside_catalog, config)
+    if too_few is not None:
+        return too_few
     support = TaskBatches.pack(data.support, model.manifest)
     query = TaskBatches.pack(data.query, model.manifest)
     model.set_global(global_params)
     return data, support, query
 
 
-def _clipped(delta: Params, config: TaskConfig) -> tuple[Params, dict[str, float]]:
-    """DP-FedAvg: the whole delta clipped to the task's clip norm (unchanged without one), and the
-    metrics the server asked for about it."""
-    if config.clip_norm is None:
-        return delta, {}
-    clipped, within = clip_delta(delta, config.clip_norm)
-    # Adaptive clipping (Andrew et al. 2021) needs the count of unclipped devices; the server adds
-    # noise to the round's sum of it before using it. Only when asked: it is a bit about the update.
-    return clipped, ({"dp_within_clip": float(within)} if config.report_within_clip else {})
+def _trained_batches(
+    model: TFLiteModel,
+    data: SupportQuery,
+    query: TaskBatches,
+    central: Examples | None,
+    global_params: Params,
+    config: TaskConfig,
+    seed: int,
+) -> TaskBatches:
+    """The batches the update trains on: the query's, with example transfer's centralized examples
+    mixed in when the server sent some (`with_central`)."""
+    if central is None or not central.num_examples:
+        return query
+    weights = negative_weights(model.manifest, config, global_params)
+    return TaskBatches.pack(
+        with_central(data.query, central, model.manifest, config, seed, weights), model.manifest
+    )
+
+
+def _completed(
+    model: TFLiteModel,
+    trained: TrainedGlobals,
+    before: EvaluationSums | None,
+    config: TaskConfig,
+    weight: int,
+    counts: dict[str, float],
+    message: str = "",
+) -> TaskResult:
+    """A finished task's report: the dense delta, `weight` (|query|), and its metrics."""
+    metrics = {
+        **counts,
+        "update_loss": trained.update.loss,
+        **({} if before is None else {f"query_{k}": v for k, v in before.as_dict().items()}),
+        **trained.clip_metrics(config),
+    }
+    delta = model.dense_delta(trained.update)
+    return TaskResult(Outcome.COMPLETED, num_examples=weight, delta=delta, metrics=metrics, message=message)
 
 
 def run_training_task(
@@ -267,53 +176,29 @@ def run_training_task(
             return started
         data, support, query = started
         if not should_continue():
-            return TaskResult(Outcome.INTERRUPTED, message="conditions changed before reconstruction")
-        reconstruction_loss = reconstruct_locals(model, support, config)
-        before = model.evaluate(query)
-        if not should_continue():
-            return TaskResult(Outcome.INTERRUPTED, message="conditions changed before the update")
-        trained = query
-        if central is not None and central.num_examples:
-            trained = TaskBatches.pack(
-                with_central(
-                    data.query,
-                    central,
-                    model.manifest,
-                    config,
-                    seed,
-                    negative_weights(model.manifest, config, global_params),
-                ),
-                model.manifest,
-            )
-        steps = num_steps(trained.num_batches, config.update_max_epochs, config.update_max_steps)
-        update = model.update(
-            trained,
-            steps,
-            config.update_learning_rate,
-            local_learning_rate=config.local_learning_rate,  # 0: the locals stay frozen (Algorithm 1)
-            l2_global=config.l2_global,
-            l2_local=config.l2_local,
+            return _interrupted("reconstruction")
+        step = fedrecon_step(
+            model,
+            support,
+            _trained_batches(model, data, query, central, global_params, config, seed),
+            config,
+            measured=query,
             central_gradient=central_gradient,
-            central_gradient_weight=weight,
+            weight=weight,
+            should_continue=should_continue,
         )
-        if diverged(update):
-            return TaskResult(
-                Outcome.ERROR, message="the update diverged (non-finite delta); learning rate too high?"
-            )
+        if isinstance(step, Halt):
+            return _halted(step)
         if not should_continue():
-            return TaskResult(Outcome.INTERRUPTED, message="conditions changed before reporting")
-        delta, clip_metrics = _clipped(update.delta, config)
-        metrics = {
+            return _interrupted("reporting")
+        counts = {
             "num_examples": float(data.num_examples),
             "num_support": float(support.num_examples),
             "num_query": float(query.num_examples),
             "outside_catalog": float(data.outside_catalog),
-            **({} if reconstruction_loss is None else {"reconstruction_loss": reconstruction_loss}),
-            "update_loss": update.loss,
-            **{f"query_{k}": v for k, v in before.as_dict().items()},
-            **clip_metrics,
+            **({} if step.reconstruction_loss is None else {"reconstruction_loss": step.reconstruction_loss}),
         }
-        return TaskResult(Outcome.COMPLETED, num_examples=query.num_examples, delta=delta, metrics=metrics)
+        return _completed(model, step.trained, step.before, config, query.num_examples, counts)
     except (ParamsError, ValueError, RuntimeError) as e:
         return TaskResult(Outcome.ERROR, message=str(e))
     finally:
@@ -351,8 +236,7 @@ def run_evaluation_task(
         if isinstance(started, TaskResult):
             return started
         _, support, query = started
-        reconstruct_locals(model, support, config)
-        sums: EvaluationSums = model.evaluate(query)
+        sums = recon_eval_step(model, support, query, config)
         return TaskResult(Outcome.COMPLETED, num_examples=query.num_examples, metrics=sums.as_dict())
     except (ParamsError, ValueError, RuntimeError) as e:
         return TaskResult(Outcome.ERROR, message=str(e))
@@ -370,39 +254,20 @@ def _stateful_start(
     if kept is None:
         return TaskResult(Outcome.ERROR, message="local_state 'keep' needs the device's local state storage")
     newest_first, outside = newest_examples(store, model.manifest, config)
-    if newest_first.num_examples < config.min_examples:
-        return TaskResult(
-            Outcome.INSUFFICIENT_DATA,
-            metrics={"num_examples": newest_first.num_examples, "outside_catalog": outside},
-            message=(
-                f"{newest_first.num_examples} usable examples, the task needs at least {config.min_examples}"
-            ),
-        )
+    too_few = _too_few(newest_first.num_examples, outside, config)
+    if too_few is not None:
+        return too_few
     train, held_out = hold_out_newest(newest_first)
     return train, held_out, outside, kept
 
 
-def _pack(
-    examples: Examples,
-    model: TFLiteModel,
-    config: TaskConfig,
-    seed: int,
-    global_params: Params,
-    shared: np.ndarray | None = None,
-) -> TaskBatches:
-    """One call's batches; implicit labels add sampled negatives (drawn as `negative_weights`
-    says for these globals), never among `shared`."""
-    manifest = model.manifest
-    if manifest.task.negative_sampling and config.negatives_per_positive:
-        examples = add_negatives(
-            examples,
-            manifest,
-            config.negatives_per_positive,
-            np.random.default_rng(seed),
-            not_negatives(config, shared),
-            negative_weights(manifest, config, global_params),
-        )
-    return TaskBatches.pack(split_batches(examples, manifest.batch_size)[: manifest.max_batches], manifest)
+def _validation_split(train: Examples, storage: LocalStateStore, seed: int) -> tuple[Examples, Examples]:
+    """(validation, training): the validation split, another each task (by its seed), judges the
+    new locals; the task does not train on it."""
+    validating = np.zeros(train.num_examples, bool)
+    count = storage.bounds.validation_count(train.num_examples)
+    validating[np.random.default_rng(seed).permutation(train.num_examples)[:count]] = True
+    return train.select(validating), train.select(~validating)
 
 
 def _stateful_training(
@@ -423,72 +288,38 @@ def _stateful_training(
     if isinstance(started, TaskResult):
         return started
     train, held_out, outside, storage = started
-    # The validation split, another each task (by its seed), judges the new locals; the task does
-    # not train on it.
-    validating = np.zeros(train.num_examples, bool)
-    validating[
-        np.random.default_rng(seed).permutation(train.num_examples)[
-            : storage.bounds.validation_count(train.num_examples)
-        ]
-    ] = True
-    validation, train = train.select(validating), train.select(~validating)
+    validation, train = _validation_split(train, storage, seed)
     if config.shuffle_seed is not None:
         train = shuffled(train, config.shuffle_seed)
     # The held-out shares stand for the future: training does not know them, not even to avoid
     # sampling them as negatives.
-    batches = _pack(train, model, config, seed, global_params)
+    batches = one_call(train, model.manifest, config, seed, global_params)
     model.set_global(global_params)
     if not should_continue():
-        return TaskResult(Outcome.INTERRUPTED, message="conditions changed before the update")
+        return _interrupted("the update")
     locals_ = storage.load(model)
     model.set_local(locals_.params)
     before = model.evaluate(batches)
-    steps = num_steps(batches.num_batches, config.update_max_epochs, config.update_max_steps)
-    update = model.update(
-        batches,
-        steps,
-        config.update_learning_rate,
-        local_learning_rate=config.local_learning_rate,
-        l2_global=config.l2_global,
-        l2_local=config.l2_local,
-        central_gradient=central_gradient,
-        central_gradient_weight=weight,
-    )
-    if diverged(update):
-        return TaskResult(
-            Outcome.ERROR, message="the update diverged (non-finite delta); learning rate too high?"
-        )
+    trained = train_globals(model, batches, config, central_gradient, weight)
+    if isinstance(trained, Halt):
+        return _halted(trained)
     if not should_continue():
-        return TaskResult(Outcome.INTERRUPTED, message="conditions changed before reporting")
+        return _interrupted("reporting")
     # Kept only once the task finished: an interrupted task leaves the previous locals.
-    trained = model.get_local()
+    new_locals = model.get_local()
     model.set_global(global_params)
     shared = shares(train, model.manifest) if model.manifest.task.negative_sampling else None
-    checked = guard(
-        model,
-        locals_.params,
-        trained,
-        _pack(validation, model, config, seed, global_params, shared),
-        storage.bounds,
-    )
+    validating = one_call(validation, model.manifest, config, seed, global_params, shared)
+    checked = guard(model, locals_.params, new_locals, validating, storage.bounds)
     storage.save(model, checked.params, locals_.tasks + 1)
-    delta, clip_metrics = _clipped(update.delta, config)
-    metrics = {
+    counts = {
         "num_examples": float(train.num_examples + validation.num_examples + held_out.num_examples),
         "num_query": float(batches.num_examples),
         "num_held_out": float(held_out.num_examples),
         "outside_catalog": float(outside),
-        "update_loss": update.loss,
-        **{f"query_{k}": v for k, v in before.as_dict().items()},
-        **clip_metrics,
     }
-    return TaskResult(
-        Outcome.COMPLETED,
-        num_examples=batches.num_examples,
-        delta=delta,
-        metrics=metrics,
-        message="; ".join(m for m in (locals_.note, checked.note) if m),
-    )
+    message = "; ".join(m for m in (locals_.note, checked.note) if m)
+    return _completed(model, trained, before, config, batches.num_examples, counts, message)
 
 
 def _stateful_evaluation(
@@ -515,7 +346,7 @@ def _stateful_evaluation(
             message=f"StandardEval measures kept local parameters and this device has none ({locals_.note})",
         )
     shared = shares(train, model.manifest) if model.manifest.task.negative_sampling else None
-    batches = _pack(held_out, model, config, seed, global_params, shared)
+    batches = one_call(held_out, model.manifest, config, seed, global_params, shared)
     model.set_global(global_params)
     model.set_local(locals_.params)
     sums = model.evaluate(batches)

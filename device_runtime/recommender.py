@@ -24,9 +24,9 @@ from safetensors import SafetensorError
 from contracts.features import Examples
 from contracts.params import Params, ParamsError, decode_params, encode_params
 from contracts.task_config import TaskConfig
-from device_runtime.client_task import select_examples
 from device_runtime.example_store import ExampleStore, ExampleStoreError
 from device_runtime.local_state import LocalStateStore
+from device_runtime.task_examples import select_examples
 from model_runtime.support_query import (
     add_negatives,
     logq_correction,

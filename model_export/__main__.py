@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from contracts.command_line import CommandParser, quiet_on_closed_pipe
-from model_export.config import Feedback, ModelConfig, TrainingDefaults
+from contracts.task_config import TrainingDefaults
+from model_export.config import Feedback, ModelConfig
 
 if TYPE_CHECKING:
     from model_export.export import ExportResult

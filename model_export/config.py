@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import enum
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from contracts.features import FeatureSpec
+from contracts.task_config import TrainingDefaults
 
 # The matrix-factorization model's features: the catalog item of an example and its label.
 ITEM, LABEL = "item", "label"
@@ -23,20 +24,6 @@ class Feedback(enum.StrEnum):
 
     EXPLICIT = "explicit"  # a rating; squared error
     IMPLICIT = "implicit"  # shared (1) or a sampled negative (0); logistic loss
-
-
-@dataclass(frozen=True)
-class TrainingDefaults:
-    """Hyperparameter defaults recorded in the manifest (the signatures take them as inputs)."""
-
-    reconstruction_learning_rate: float = 0.1
-    reconstruction_max_epochs: int = 5
-    reconstruction_max_steps: int = 50
-    update_learning_rate: float = 0.5
-    update_max_epochs: int = 1
-    update_max_steps: int = 50
-    l2_global: float = 0.0
-    l2_local: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -90,7 +77,7 @@ class ModelConfig:
     history_start_groups: bool = False
     history_start_contrast: bool = False
     seed: int = 0
-    training: TrainingDefaults = TrainingDefaults()
+    training: TrainingDefaults = field(default_factory=TrainingDefaults)
 
     def __post_init__(self) -> None:
         problems = []

@@ -470,15 +470,19 @@ class TFLiteModel:
             central_gradient=central_gradient,
             central_gradient_weight=central_gradient_weight,
         )
+        return Update(self.dense_delta(rows), rows.loss, rows.max_abs_change)
+
+    def dense_delta(self, update: RowUpdate) -> Params:
+        """`update`'s change as one dense tensor per global (zeros outside the task's rows)."""
         delta: Params = {}
         for spec in self.manifest.global_params:
-            if spec.name in rows.rows:
+            if spec.name in update.rows:
                 dense = lazy_zeros(spec.shape)
-                dense[rows.rows[spec.name]] = rows.delta[spec.name]
+                dense[update.rows[spec.name]] = update.delta[spec.name]
                 delta[spec.name] = dense
             else:
-                delta[spec.name] = rows.delta[spec.name]
-        return Update(delta, rows.loss, rows.max_abs_change)
+                delta[spec.name] = update.delta[spec.name]
+        return delta
 
     def evaluate(self, batches: TaskBatches) -> EvaluationSums:
         out = self._call("evaluate", **self._batch_inputs(batches))

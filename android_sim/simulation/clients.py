@@ -29,7 +29,7 @@ from contracts.features import Examples
 from contracts.manifest import Manifest
 from contracts.params import Params
 from contracts.task_config import LocalState, SplitPolicy, TaskConfig
-from device_runtime.client_task import shuffled
+from device_runtime.task_examples import shuffled
 from model_runtime.support_query import (
     add_negatives,
     negative_weights,

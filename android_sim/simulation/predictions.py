@@ -28,37 +28,26 @@ from model_runtime.tflite_model import EvaluationSums
 SHOWN = {"loss": ("loss", False), "correct": ("accuracy", False), "squared_error": ("rmse", True)}
 
 
-def without_locals(
+def held_out_sums(
     model_dir: Path,
     devices: Sequence[Examples],
     options: SimulationOptions,
     params: Params,
     test: Sequence[int],
 ) -> list[EvaluationSums]:
-    """Each held-out device's evaluation sums with the globals `params` and no reconstruction."""
-    task = replace(options.task, reconstruction_max_steps=0)
-    pool = simulation_clients(model_dir, devices, replace(options, task=task))
-    try:
-        pool.set_global(params)
-        return list(pool.map("evaluation", test))
-    finally:
-        pool.close()
-
-
-def with_locals(
-    model_dir: Path,
-    devices: Sequence[Examples],
-    options: SimulationOptions,
-    params: Params,
-    test: Sequence[int],
-) -> list[EvaluationSums]:
-    """Each held-out device's evaluation sums as the simulation measured them (ReconEval)."""
+    """Each held-out device's evaluation sums with the globals `params`, as `options` measure
+    them (the simulation's: ReconEval)."""
     pool = simulation_clients(model_dir, devices, options)
     try:
         pool.set_global(params)
         return list(pool.map("evaluation", test))
     finally:
         pool.close()
+
+
+def without_locals(options: SimulationOptions) -> SimulationOptions:
+    """The baseline's options: no reconstruction step, so the initial locals are measured."""
+    return replace(options, task=replace(options.task, reconstruction_max_steps=0))
 
 
 def compare(
@@ -114,5 +103,5 @@ def judge(
     model_dir: Path, devices: Sequence[Examples], options: SimulationOptions, params: Params, split: UserSplit
 ) -> dict[str, dict[str, float]]:
     """The model's held-out figures against the same model without locals, paired."""
-    mine = with_locals(model_dir, devices, options, params, split.test)
-    return compare(mine, without_locals(model_dir, devices, options, params, split.test))
+    mine = held_out_sums(model_dir, devices, options, params, split.test)
+    return compare(mine, held_out_sums(model_dir, devices, without_locals(options), params, split.test))

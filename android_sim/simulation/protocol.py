@@ -4,7 +4,7 @@
   same way as TensorFlow Federated's MovieLens tutorial (`np.random.seed(42)` and a shuffle
   of the user list, then `int(n * 0.8)` and `int(n * 0.9)` cut points).
 - Each user's examples are what a device would select: the newest 300, shuffled with seed
-  42 (`device_runtime.client_task.shuffled`); then batches of the model's batch size, and
+  42 (`device_runtime.task_examples.shuffled`); then batches of the model's batch size, and
   support/query = alternating batches (`split_support_query`).
 - For methods evaluated on seen users (StandardEval, FURL): each user's ratings ordered by
   time, the oldest 80% for training, the next 10% for validation, the newest 10% for test.
@@ -22,7 +22,7 @@ from android_sim.simulation.rounds import SupportQuery, TimeSplit
 from contracts.features import Examples
 from contracts.manifest import Manifest
 from contracts.task_config import TaskConfig
-from device_runtime.client_task import shuffled
+from device_runtime.task_examples import shuffled
 from model_export.config import ITEM, LABEL
 from model_runtime.support_query import split_support_query
 from model_runtime.task_batches import TaskBatches, split_batches

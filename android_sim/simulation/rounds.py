@@ -28,8 +28,7 @@ import numpy as np
 from contracts.manifest import Manifest
 from contracts.params import Params, SparseTensor, row_shape
 from contracts.task_config import TaskConfig
-from device_runtime.client_task import clip_delta, diverged
-from model_runtime.support_query import num_steps, reconstruct_locals
+from device_runtime.fedrecon_step import Halt, fedrecon_step, recon_eval_step, train_globals
 from model_runtime.task_batches import TaskBatches
 from model_runtime.tflite_model import EvaluationSums, RowUpdate, TFLiteModel
 from orchestrator.aggregation.assemble import Pipeline, RoundInputs
@@ -366,22 +365,12 @@ def fedrecon_task(
     config: TaskConfig,
     per_item: frozenset[str],
 ) -> Report:
-    """FedRecon's client task (Algorithm 1): fresh locals fitted on support, globals trained on query."""
-    reconstruct_locals(model, support, config)
-    steps = num_steps(query.num_batches, config.update_max_epochs, config.update_max_steps)
-    update = model.update_rows(
-        query,
-        steps,
-        config.update_learning_rate,
-        local_learning_rate=config.local_learning_rate,  # 0: the locals stay frozen (Algorithm 1)
-        l2_global=config.l2_global,
-        l2_local=config.l2_local,
-    )
-    if diverged(update):
+    """FedRecon's client task (Algorithm 1): the device's own step (`fedrecon_step`: fresh locals
+    fitted on support, globals trained on query, clipped under DP) on batches packed once."""
+    step = fedrecon_step(model, support, query, config)
+    if isinstance(step, Halt):
         return None
-    if config.clip_norm is not None:  # DP-FedAvg: the device clips its whole delta
-        update = replace(update, delta=clip_delta(update.delta, config.clip_norm)[0])
-    return sparse_delta(update, shapes(params), per_item), float(query.num_examples)
+    return sparse_delta(step.trained.update, shapes(params), per_item), float(query.num_examples)
 
 
 def fedrecon_work(clients: ByUser[SupportQuery], config: TaskConfig, per_item: frozenset[str]) -> ClientWork:
@@ -399,8 +388,7 @@ def recon_eval_work(clients: ByUser[SupportQuery], config: TaskConfig) -> Evalua
 
     def work(model: TFLiteModel, params: Params, user: int) -> EvaluationSums:
         client = clients[user]
-        reconstruct_locals(model, client.support, config)
-        return model.evaluate(client.query)
+        return recon_eval_step(model, client.support, client.query, config)
 
     return work
 
@@ -408,22 +396,17 @@ def recon_eval_work(clients: ByUser[SupportQuery], config: TaskConfig) -> Evalua
 def fedavg_work(examples: Sequence[TaskBatches], config: TaskConfig, per_item: frozenset[str]) -> ClientWork:
     """FedAvg with the user parameters global too: every client starts from the shared user
     vector, trains it jointly with the item parameters on all its examples, and reports both."""
+    # The shared user vector trains at the globals' rate, without L2, and the report is unclipped.
+    joint = replace(config, local_learning_rate=config.update_learning_rate, l2_local=0.0, clip_norm=None)
 
     def work(model: TFLiteModel, params: Params, user: int) -> Report:
         batches = examples[user]
         names = [s.name for s in model.manifest.local_params]
         model.set_local({k: params[k] for k in names})
-        steps = num_steps(batches.num_batches, config.update_max_epochs, config.update_max_steps)
-        update = model.update_rows(
-            batches,
-            steps,
-            config.update_learning_rate,
-            local_learning_rate=config.update_learning_rate,
-            l2_global=config.l2_global,
-        )
-        if diverged(update):
+        update = train_globals(model, batches, joint)
+        if isinstance(update, Halt):
             return None
-        delta = sparse_delta(update, shapes(params), per_item)
+        delta = sparse_delta(update.update, shapes(params), per_item)
         trained = model.get_local()
         for k in names:
             delta[k] = whole(trained[k] - params[k])
@@ -468,24 +451,16 @@ def furl_work(
     users: ByUser[TimeSplit], locals_: PrivateLocals, config: TaskConfig, per_item: frozenset[str]
 ) -> ClientWork:
     """FURL (a population with `local_state: keep`): the device's own locals, trained jointly with
-    the globals at `local_learning_rate` and kept on the device across rounds."""
+    the globals at `local_learning_rate` (the device's `train_globals`) and kept across rounds."""
 
     def work(model: TFLiteModel, params: Params, user: int) -> Report:
         batches = users[user].train
         model.set_local(locals_.get(user))
-        steps = num_steps(batches.num_batches, config.update_max_epochs, config.update_max_steps)
-        update = model.update_rows(
-            batches,
-            steps,
-            config.update_learning_rate,
-            local_learning_rate=config.local_learning_rate,
-            l2_global=config.l2_global,
-            l2_local=config.l2_local,
-        )
-        if diverged(update):
+        trained = train_globals(model, batches, config)
+        if isinstance(trained, Halt):
             return None
         locals_.put(user, model.get_local())
-        return sparse_delta(update, shapes(params), per_item), float(batches.num_examples)
+        return sparse_delta(trained.update, shapes(params), per_item), float(batches.num_examples)
 
     return work
 
@@ -505,9 +480,8 @@ def seen_recon_eval_work(users: Sequence[TimeSplit], config: TaskConfig, part: s
     """FedRecon on a seen user: reconstruct on its training examples, measure on its `part`."""
 
     def work(model: TFLiteModel, params: Params, user: int) -> EvaluationSums:
-        reconstruct_locals(model, users[user].train, config)
         batches: TaskBatches = getattr(users[user], part)
-        return model.evaluate(batches)
+        return recon_eval_step(model, users[user].train, batches, config)
 
     return work
 

@@ -12,8 +12,8 @@ import pytest
 
 from contracts.features import Examples
 from contracts.task_config import MAX_CENTRAL_ONLY_ITEMS, SplitPolicy, TaskConfig
-from device_runtime.client_task import prepare, with_central
 from device_runtime.example_store import Event, ExampleStore
+from device_runtime.task_examples import prepare, with_central
 from model_export.config import ModelConfig
 from model_runtime.support_query import not_negatives
 from model_runtime.tflite_model import TFLiteModel

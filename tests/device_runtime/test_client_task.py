@@ -11,15 +11,10 @@ import pytest
 
 from contracts.params import SparseTensor
 from contracts.task_config import SplitPolicy, TaskConfig
-from device_runtime.client_task import (
-    Outcome,
-    clip_delta,
-    delta_norm,
-    prepare,
-    run_evaluation_task,
-    run_training_task,
-)
+from device_runtime.client_task import Outcome, run_evaluation_task, run_training_task
 from device_runtime.example_store import Event, ExampleStore
+from device_runtime.fedrecon_step import clip_delta, delta_norm
+from device_runtime.task_examples import prepare
 from model_export.config import ModelConfig
 from model_export.reference import ReferenceModel
 from model_runtime.support_query import reconstruct_locals

@@ -11,13 +11,9 @@ import pytest
 
 from contracts.features import Examples
 from contracts.task_config import LocalState, TaskConfig
-from device_runtime.client_task import (
-    Outcome,
-    delta_norm,
-    run_evaluation_task,
-    run_training_task,
-)
+from device_runtime.client_task import Outcome, run_evaluation_task, run_training_task
 from device_runtime.example_store import Event, ExampleStore
+from device_runtime.fedrecon_step import delta_norm
 from device_runtime.local_state import LocalStateStore
 from device_runtime.recommender import Recommender
 from model_export.config import ModelConfig

@@ -12,8 +12,8 @@ import pytest
 
 from contracts.features import Examples
 from contracts.task_config import SplitPolicy, TaskConfig
-from device_runtime.client_task import prepare
 from device_runtime.example_store import Event, ExampleStore
+from device_runtime.task_examples import prepare
 from model_export.config import ModelConfig
 from model_runtime.tflite_model import TFLiteModel
 from tests.conftest import IMPLICIT

@@ -17,11 +17,11 @@ from contracts.params import decode_params, decode_sparse_delta, encode_params
 from contracts.protocol import Assignment
 from contracts.task_config import TaskConfig
 from device_runtime.agent import DeviceAgent, Participation
-from device_runtime.client_task import prepare
 from device_runtime.device_identity import DeviceIdentity
 from device_runtime.example_store import Event, ExampleStore
 from device_runtime.orchestrator_client import OrchestratorClient
 from device_runtime.protocol_errors import ProtocolError
+from device_runtime.task_examples import prepare
 from enrollment_authority.authority import EnrollmentAuthority
 from model_export.config import ModelConfig
 from model_runtime.tflite_model import TFLiteModel

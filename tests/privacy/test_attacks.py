@@ -18,8 +18,9 @@ import pytest
 
 from contracts.params import decode_params, decode_sparse_delta, encode_sparse_delta
 from contracts.task_config import TaskConfig
-from device_runtime.client_task import prepare, run_training_task
+from device_runtime.client_task import run_training_task
 from device_runtime.example_store import Event, ExampleStore
+from device_runtime.task_examples import prepare
 from model_export.config import ModelConfig
 from model_runtime.support_query import reconstruct_locals
 from model_runtime.task_batches import TaskBatches
