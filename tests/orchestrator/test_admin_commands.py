@@ -15,13 +15,14 @@ from orchestrator.api import schemas
 from orchestrator.api.routes import admin
 from orchestrator.console import cli
 from orchestrator.console.commands import COMMANDS, POPULATION, PREFIX, ROUTES, AdminRoute
+from tests.conftest import ROOT
 
 
 def served() -> dict[tuple[str, str], APIRoute]:
     found = {}
     for route in admin.router.routes:
         assert isinstance(route, APIRoute)
-        for method in route.methods:
+        for method in route.methods or ():
             found[(method, route.path)] = route
     return found
 
@@ -74,3 +75,15 @@ def test_the_console_commands_are_the_declared_ones_with_their_arguments() -> No
 
 def test_a_route_path_quotes_the_population_name_whole() -> None:
     assert POPULATION.url(name="a/b c") == "/v1/admin/populations/a%2Fb%20c"
+
+
+def test_the_contributors_page_shows_a_declaration_as_the_code_has_it() -> None:
+    page = (ROOT / "docs" / "contributing.md").read_text()
+    section = page.split("## Adding an admin command", 1)[1].split("\n## ", 1)[0]
+    shown = section.split("```python\n", 1)[1].split("```", 1)[0]
+    code = {
+        line.strip() for line in (ROOT / "orchestrator" / "console" / "commands.py").read_text().splitlines()
+    }
+
+    missing = [line for line in shown.splitlines() if line.strip() and line.strip() not in code]
+    assert not missing, f"docs/contributing.md shows lines orchestrator/console/commands.py lacks: {missing}"

@@ -30,9 +30,8 @@ def sessions_opened(source: str) -> list[int]:
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Call):
             func = node.func
-            if isinstance(func, ast.Attribute) and func.attr in ("begin", "begin_nested"):
-                found.append(node.lineno)
-            elif isinstance(func, ast.Name) and func.id in OPENERS:
+            transaction = isinstance(func, ast.Attribute) and func.attr in ("begin", "begin_nested")
+            if transaction or (isinstance(func, ast.Name) and func.id in OPENERS):
                 found.append(node.lineno)
         elif isinstance(node, ast.With | ast.AsyncWith):
             bound = [i.optional_vars for i in node.items if isinstance(i.optional_vars, ast.Name)]
