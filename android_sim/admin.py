@@ -1,4 +1,5 @@
-"""The operator's side of the orchestrator's admin API: create or reuse a population, watch rounds."""
+"""The operator's side of the orchestrator's admin API: create or reuse a population, watch rounds.
+It calls the routes as `orchestrator.console.commands` declares them, as the console does."""
 
 from __future__ import annotations
 
@@ -10,6 +11,16 @@ from typing import Any
 import httpx
 
 from contracts.manifest import INITIAL_GLOBAL_FILE, MANIFEST_FILE, MODEL_FILE
+from orchestrator.console.routes import (
+    ATTACH_MIXING,
+    CHANGE_SETTINGS,
+    CREATE,
+    EVALUATE,
+    POPULATION,
+    POPULATIONS,
+    ROUNDS,
+    AdminRoute,
+)
 
 
 class AdminError(RuntimeError):
@@ -27,7 +38,9 @@ class AdminClient:
     async def aclose(self) -> None:
         await self._http.aclose()
 
-    async def _request(self, method: str, path: str, **kwargs: Any) -> Any:
+    async def _request(self, route: AdminRoute, name: str | None = None, **kwargs: Any) -> Any:
+        """The JSON answer of `route` (of population `name` if its path has one)."""
+        method, path = route.method, route.url() if name is None else route.url(name=name)
         try:
             response = await self._http.request(
                 method, f"{self.base_url}{path}", headers=self._headers, **kwargs
@@ -46,12 +59,12 @@ class AdminClient:
 
     async def ping(self) -> None:
         """Raises AdminError unless an orchestrator answers and accepts the admin token."""
-        await self._request("GET", "/v1/admin/populations")
+        await self._request(POPULATIONS)
 
     async def ensure_population(self, name: str, model_dir: Path, settings: dict[str, Any]) -> dict[str, Any]:
         """The population `name`: created from `model_dir` if new; reused if it serves the same model."""
         sha = hashlib.sha256((model_dir / MODEL_FILE).read_bytes()).hexdigest()
-        existing = {p["name"]: p for p in await self._request("GET", "/v1/admin/populations")}
+        existing = {p["name"]: p for p in await self._request(POPULATIONS)}
         if name in existing:
             found: dict[str, Any] = existing[name]
             if found["artifact_sha256"] != sha:
@@ -66,15 +79,14 @@ class AdminClient:
             "global_params": (INITIAL_GLOBAL_FILE, (model_dir / INITIAL_GLOBAL_FILE).read_bytes()),
         }
         created: dict[str, Any] = await self._request(
-            "POST",
-            "/v1/admin/populations",
+            CREATE,
             data={"name": name, "settings": json.dumps(settings)},
             files=files,
         )
         return created
 
     async def status(self, name: str) -> dict[str, Any]:
-        result: dict[str, Any] = await self._request("GET", f"/v1/admin/populations/{name}")
+        result: dict[str, Any] = await self._request(POPULATION, name)
         return result
 
     async def rounds(
@@ -87,9 +99,7 @@ class AdminClient:
             params: dict[str, Any] = {"limit": page, "offset": len(found)}
             if kind:
                 params["kind"] = kind
-            batch: list[dict[str, Any]] = await self._request(
-                "GET", f"/v1/admin/populations/{name}/rounds", params=params
-            )
+            batch: list[dict[str, Any]] = await self._request(ROUNDS, name, params=params)
             found.extend(batch)
             if len(batch) < page or (limit is not None and len(found) >= limit):
                 break
@@ -98,18 +108,14 @@ class AdminClient:
     async def change_settings(self, name: str, settings: dict[str, Any], operator: str) -> dict[str, Any]:
         """Change settings that are safe to change while rounds run (from the next round on)."""
         result: dict[str, Any] = await self._request(
-            "PATCH",
-            f"/v1/admin/populations/{name}/settings",
-            json={"settings": settings, "operator": operator},
+            CHANGE_SETTINGS, name, json={"settings": settings, "operator": operator}
         )
         return result
 
     async def schedule_evaluation(self, name: str, duration_seconds: float | None = None) -> dict[str, Any]:
         """Open an evaluation round, taking reports for `duration_seconds` (default: the population's)."""
         params = {} if duration_seconds is None else {"duration_seconds": duration_seconds}
-        result: dict[str, Any] = await self._request(
-            "POST", f"/v1/admin/populations/{name}/evaluations", params=params
-        )
+        result: dict[str, Any] = await self._request(EVALUATE, name, params=params)
         return result
 
     async def attach_mixing(
@@ -118,6 +124,6 @@ class AdminClient:
         """Attach a mixing strategy (contracts.mixing) and centralized examples (safetensors)."""
         files = {"examples": ("examples.safetensors", examples)} if examples is not None else None
         result: dict[str, Any] = await self._request(
-            "PUT", f"/v1/admin/populations/{name}/mixing", data={"mixing": json.dumps(mixing)}, files=files
+            ATTACH_MIXING, name, data={"mixing": json.dumps(mixing)}, files=files
         )
         return result

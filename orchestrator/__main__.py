@@ -15,7 +15,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from contracts.command_line import CommandParser, quiet_on_closed_pipe
-from orchestrator.console import commands as console
+from orchestrator.console import cli as console
 from orchestrator.settings import Settings, server_settings_problem
 
 
@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     status.add_argument("name")
     console.add_commands(sub)
     args = parser.parse_args(argv)
-    if args.command in console.COMMANDS:
+    if args.command in console.BY_NAME:
         return console.run(args)
 
     overrides = {k: v for k, v in (("database_url", args.database_url),) if v}
@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "mix":
         return _mix(engine, args.name, args.mixing, args.examples)
-    from orchestrator.api.routes.admin import population_out
+    from orchestrator.service.population_views import population_out
 
     with Session(engine) as session:
         found = session.scalars(select(Population).where(Population.name == args.name)).first()

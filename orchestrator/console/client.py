@@ -1,4 +1,5 @@
-"""The admin API as the console calls it: one method per request, errors as one line."""
+"""The admin API as the console calls it: a route declared in `console.commands`, its answer as
+JSON, a refusal or an unreachable server as one line."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ from typing import Any
 from urllib.parse import quote
 
 import httpx
+
+from orchestrator.console.routes import POPULATION, AdminRoute
 
 
 class ConsoleError(Exception):
@@ -46,57 +49,17 @@ class AdminClient:
             f"{method} {path}: {response.status_code} {detail}", bad_input=400 <= response.status_code < 500
         )
 
-    @staticmethod
-    def _population_path(name: str) -> str:
-        return f"/v1/admin/populations/{quote(name, safe='')}"
-
-    def populations(self) -> list[dict[str, Any]]:
-        found: list[dict[str, Any]] = self._request("GET", "/v1/admin/populations").json()
-        return found
-
-    def population(self, name: str) -> dict[str, Any]:
-        found: dict[str, Any] = self._request("GET", self._population_path(name)).json()
-        return found
-
-    def rounds(self, name: str, limit: int) -> list[dict[str, Any]]:
-        path = f"{self._population_path(name)}/rounds"
-        found: list[dict[str, Any]] = self._request("GET", path, params={"limit": limit}).json()
-        return found
-
-    def open_evaluation(self, name: str) -> dict[str, Any]:
-        opened: dict[str, Any] = self._request("POST", f"{self._population_path(name)}/evaluations").json()
-        return opened
-
-    def pause(self, name: str) -> dict[str, Any]:
-        paused: dict[str, Any] = self._request("POST", f"{self._population_path(name)}/pause").json()
-        return paused
-
-    def resume(self, name: str) -> dict[str, Any]:
-        resumed: dict[str, Any] = self._request("POST", f"{self._population_path(name)}/resume").json()
-        return resumed
-
-    def archive(self, name: str) -> dict[str, Any]:
-        archived: dict[str, Any] = self._request("POST", f"{self._population_path(name)}/archive").json()
-        return archived
-
-    def change_settings(self, name: str, settings: dict[str, Any], operator: str) -> dict[str, Any]:
-        body = {"settings": settings, "operator": operator}
-        changed: dict[str, Any] = self._request(
-            "PATCH", f"{self._population_path(name)}/settings", json=body
-        ).json()
-        return changed
-
-    def settings_changes(self, name: str) -> list[dict[str, Any]]:
-        found: list[dict[str, Any]] = self._request(
-            "GET", f"{self._population_path(name)}/settings/changes"
-        ).json()
-        return found
+    def call(self, route: AdminRoute, *, params: dict[str, Any] | None = None, **request: Any) -> Any:
+        """The JSON answer of an admin route (console.commands), its `{name}` from `request`;
+        the rest of `request` (json=, data=, files=) goes to httpx as it is."""
+        path = {k: request.pop(k) for k in list(request) if "{" + k + "}" in route.path}
+        return self._request(route.method, route.url(**path), params=params, **request).json()
 
     def download(self, name: str, version: int | None, folder: Path) -> dict[str, Any]:
         """The population's model (`model.tflite`, checked against its sha256), manifest and global
         parameters at `version` (default: the current one) into `folder`, as `model_export` writes
         them; returns what was written."""
-        population = self.population(name)
+        population = self.call(POPULATION, name=name)
         version = population["current_version"] if version is None else version
         sha256 = population["artifact_sha256"]
         model = self._request("GET", f"/v1/artifacts/{sha256}").content

@@ -1,85 +1,78 @@
-"""The console's commands in `python -m orchestrator`: parsing, the call, the output."""
+"""The admin commands, each declared once: the route it calls (`console.routes`: method, path, the
+contract view it answers with, its query and body), its command-line arguments and how its answer
+reads. The
+console's parser, its client calls and its output come from these declarations (`console.cli`),
+`android_sim.admin` calls the same routes, and tests/orchestrator/test_admin_commands.py checks
+them against the server's routes (orchestrator/api/routes/admin.py), both ways.
+
+Only the standard library and the contracts here: the console runs without the server's parts."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import os
-import sys
-import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from orchestrator.console import render
-from orchestrator.console.client import AdminClient, ConsoleError
-
-DEFAULT_URL = "http://127.0.0.1:8700"
-COMMANDS = (
-    "populations",
-    "show",
-    "evaluate",
-    "pause",
-    "resume",
-    "archive",
-    "change-settings",
-    "settings-history",
-    "download",
+from orchestrator.console.routes import (
+    ARCHIVE,
+    CHANGE_SETTINGS,
+    EVALUATE,
+    PAUSE,
+    POPULATION,
+    POPULATIONS,
+    RESUME,
+    ROUNDS,
+    SETTINGS_CHANGES,
+    AdminRoute,
 )
 
+if TYPE_CHECKING:
+    from orchestrator.console.client import AdminClient
 
-def add_commands(sub: Any) -> None:
-    """The console's subcommands, on `python -m orchestrator`'s subparsers."""
-    server = argparse.ArgumentParser(add_help=False)
-    server.add_argument(
-        "--url",
-        help="the orchestrator's base URL (default: $ORCHESTRATOR_URL, else http://127.0.0.1:"
-        f"$ORCHESTRATOR_PORT, else {DEFAULT_URL})",
-    )
-    server.add_argument(
-        "--admin-token-file",
-        type=Path,
-        help="a file holding the admin token (default: $ORCHESTRATOR_ADMIN_TOKEN; never on the command line)",
-    )
-    server.add_argument("--json", action="store_true", help="print the server's answer as JSON, for scripts")
-    listing = sub.add_parser("populations", parents=[server], help="list the populations (admin API)")
-    listing.add_argument("--all", action="store_true", help="archived populations too")
-    show = sub.add_parser(
-        "show",
-        parents=[server],
-        help="a population: model, privacy, settings, and its recent rounds with why each closed (admin API)",
-    )
-    show.add_argument("name")
-    show.add_argument("--rounds", type=_positive, default=10, help="how many recent rounds (default 10)")
-    evaluate = sub.add_parser("evaluate", parents=[server], help="open an evaluation round (admin API)")
-    evaluate.add_argument("name")
-    pause = sub.add_parser(
-        "pause", parents=[server], help="pause a population: no new rounds, the open ones finish (admin API)"
-    )
-    pause.add_argument("name")
-    resume = sub.add_parser("resume", parents=[server], help="resume a paused population (admin API)")
-    resume.add_argument("name")
-    archive = sub.add_parser(
-        "archive", parents=[server], help="archive a population: paused for good, kept readable (admin API)"
-    )
-    archive.add_argument("name")
-    change = sub.add_parser(
-        "change-settings",
-        parents=[server],
-        help="change settings that are safe mid-flight, from the next round on (admin API)",
-    )
-    change.add_argument("name")
-    change.add_argument("assignments", nargs="+", metavar="KEY=VALUE", type=_assignment)
-    change.add_argument("--operator", help="who makes the change (default: $USER)")
-    history = sub.add_parser("settings-history", parents=[server], help="a population's settings changes")
-    history.add_argument("name")
-    download = sub.add_parser(
-        "download",
-        parents=[server],
-        help="download a population's model, manifest and global parameters with the admin token",
-    )
-    download.add_argument("name")
-    download.add_argument("--out", type=Path, required=True, help="the folder to write them to")
-    download.add_argument("--version", type=_non_negative, help="a model version (default: the current one)")
+
+@dataclass(frozen=True)
+class Argument:
+    """One `add_argument` of a command, as argparse takes it."""
+
+    flags: tuple[str, ...]
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+
+def arg(*flags: str, **options: Any) -> Argument:
+    return Argument(flags, options)
+
+
+Call = Callable[["AdminClient", argparse.Namespace], Any]
+Render = Callable[[Any, argparse.Namespace, float], str]
+
+
+@dataclass(frozen=True)
+class Command:
+    """A console command: `python -m orchestrator NAME ARGUMENTS...` calls `route` (by default with
+    the population in the `name` argument; `call` when it asks more) and prints `render`'s text of
+    the answer, or the answer as JSON with --json."""
+
+    name: str
+    help: str
+    arguments: tuple[Argument, ...]
+    route: AdminRoute | None
+    render: Render
+    call: Call | None = None
+
+    def answer(self, client: AdminClient, args: argparse.Namespace) -> Any:
+        if self.call is not None:
+            return self.call(client, args)
+        assert self.route is not None  # a command without a route says how it calls
+        return (
+            client.call(self.route, name=args.name)
+            if "{name}" in self.route.path
+            else client.call(self.route)
+        )
 
 
 def _positive(text: str) -> int:
@@ -111,73 +104,97 @@ def _assignment(text: str) -> tuple[str, Any]:
         ) from None
 
 
-def server_url(given: str | None) -> str:
-    """--url, else $ORCHESTRATOR_URL, else this host at $ORCHESTRATOR_PORT (the port `serve`
-    listens on), else DEFAULT_URL."""
-    if given or os.environ.get("ORCHESTRATOR_URL"):
-        return str(given or os.environ["ORCHESTRATOR_URL"])
-    port = os.environ.get("ORCHESTRATOR_PORT", "").strip()
-    if not port:
-        return DEFAULT_URL
-    if not port.isdigit() or not 0 < int(port) < 65536:
-        raise ConsoleError(f"ORCHESTRATOR_PORT must be a port number (1-65535), got {port!r}", bad_input=True)
-    return f"http://127.0.0.1:{int(port)}"
+def _listed(client: AdminClient, args: argparse.Namespace) -> list[dict[str, Any]]:
+    return [p for p in client.call(POPULATIONS) if args.all or p.get("archived_at") is None]
 
 
-def _token(args: argparse.Namespace) -> str:
-    path: Path | None = args.admin_token_file
-    token: str
-    if path is not None:
-        try:
-            token = path.read_text().strip()
-        except OSError as e:
-            raise ConsoleError(f"cannot read the admin token file: {e}", bad_input=True) from None
-    else:
-        token = os.environ.get("ORCHESTRATOR_ADMIN_TOKEN", "")
-    token = token.strip()
-    if not token:
-        raise ConsoleError(
-            "no admin token: set ORCHESTRATOR_ADMIN_TOKEN or pass --admin-token-file", bad_input=True
-        )
-    return token
+def _shown(client: AdminClient, args: argparse.Namespace) -> dict[str, Any]:
+    population: dict[str, Any] = client.call(POPULATION, name=args.name)
+    return {**population, "rounds": client.call(ROUNDS, name=args.name, params={"limit": args.rounds})}
 
 
-def run(args: argparse.Namespace) -> int:
-    """Run a console command; 0 done, 2 bad input or refused, 1 the server could not be reached."""
-    try:
-        client = AdminClient(server_url(args.url), _token(args))
-        try:
-            answer, text = _call(client, args, time.time())
-        finally:
-            client.close()
-    except ConsoleError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2 if e.bad_input else 1
-    print(json.dumps(answer, indent=2) if args.json else text)
-    return 0
+def _changed(client: AdminClient, args: argparse.Namespace) -> dict[str, Any]:
+    operator = args.operator or os.environ.get("USER") or "unknown"
+    body = {"settings": dict(args.assignments), "operator": operator}
+    changed: dict[str, Any] = client.call(CHANGE_SETTINGS, name=args.name, json=body)
+    return changed
 
 
-def _call(client: AdminClient, args: argparse.Namespace, now: float) -> tuple[Any, str]:
-    if args.command == "populations":
-        found = [p for p in client.populations() if args.all or p.get("archived_at") is None]
-        return found, render.populations(found, now)
-    if args.command == "show":
-        population = client.population(args.name)
-        rounds = client.rounds(args.name, args.rounds)
-        return {**population, "rounds": rounds}, render.population(population, rounds, now)
-    if args.command == "evaluate":
-        opened = client.open_evaluation(args.name)
-        return opened, render.evaluation(opened, args.name)
-    if args.command in ("pause", "resume", "archive"):
-        call = {"pause": client.pause, "resume": client.resume, "archive": client.archive}[args.command]
-        changed = call(args.name)
-        return changed, render.pause_state(changed, now)
-    if args.command == "change-settings":
-        operator = args.operator or os.environ.get("USER") or "unknown"
-        changed = client.change_settings(args.name, dict(args.assignments), operator)
-        return changed, render.settings_changed(changed, dict(args.assignments))
-    if args.command == "settings-history":
-        changes = client.settings_changes(args.name)
-        return changes, render.settings_history(changes)
-    written = client.download(args.name, args.version, args.out)
-    return written, render.download(written)
+NAME = arg("name")
+COMMANDS = (
+    Command(
+        "populations",
+        "list the populations (admin API)",
+        (arg("--all", action="store_true", help="archived populations too"),),
+        POPULATIONS,
+        lambda found, args, now: render.populations(found, now),
+        call=_listed,
+    ),
+    Command(
+        "show",
+        "a population: model, privacy, settings, and its recent rounds with why each closed (admin API)",
+        (NAME, arg("--rounds", type=_positive, default=10, help="how many recent rounds (default 10)")),
+        POPULATION,
+        lambda shown, args, now: render.population(shown, shown["rounds"], now),
+        call=_shown,
+    ),
+    Command(
+        "evaluate",
+        "open an evaluation round (admin API)",
+        (NAME,),
+        EVALUATE,
+        lambda opened, args, now: render.evaluation(opened, args.name),
+    ),
+    Command(
+        "pause",
+        "pause a population: no new rounds, the open ones finish (admin API)",
+        (NAME,),
+        PAUSE,
+        lambda changed, args, now: render.pause_state(changed, now),
+    ),
+    Command(
+        "resume",
+        "resume a paused population (admin API)",
+        (NAME,),
+        RESUME,
+        lambda changed, args, now: render.pause_state(changed, now),
+    ),
+    Command(
+        "archive",
+        "archive a population: paused for good, kept readable (admin API)",
+        (NAME,),
+        ARCHIVE,
+        lambda changed, args, now: render.pause_state(changed, now),
+    ),
+    Command(
+        "change-settings",
+        "change settings that are safe mid-flight, from the next round on (admin API)",
+        (
+            NAME,
+            arg("assignments", nargs="+", metavar="KEY=VALUE", type=_assignment),
+            arg("--operator", help="who makes the change (default: $USER)"),
+        ),
+        CHANGE_SETTINGS,
+        lambda changed, args, now: render.settings_changed(changed, dict(args.assignments)),
+        call=_changed,
+    ),
+    Command(
+        "settings-history",
+        "a population's settings changes",
+        (NAME,),
+        SETTINGS_CHANGES,
+        lambda changes, args, now: render.settings_history(changes),
+    ),
+    Command(
+        "download",
+        "download a population's model, manifest and global parameters with the admin token",
+        (
+            NAME,
+            arg("--out", type=Path, required=True, help="the folder to write them to"),
+            arg("--version", type=_non_negative, help="a model version (default: the current one)"),
+        ),
+        None,  # the device's routes, which take the admin token too (AdminClient.download)
+        lambda written, args, now: render.download(written),
+        call=lambda client, args: client.download(args.name, args.version, args.out),
+    ),
+)

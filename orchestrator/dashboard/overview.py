@@ -9,8 +9,8 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
 from contracts.protocol import PopulationView, RoundView
-from orchestrator.api.routes.admin import population_out, round_out
 from orchestrator.db import Population, Round
+from orchestrator.service.population_views import population_out, round_out
 
 ROUNDS_SHOWN = 60  # the rounds over time chart and table: the newest this many
 MAX_METRIC_CHARTS = 6

@@ -23,13 +23,13 @@ from sqlalchemy.orm import Session, sessionmaker
 from model_export.config import ModelConfig
 from orchestrator.aggregation.differential_privacy import epsilon
 from orchestrator.api.routes import admin
-from orchestrator.api.routes.admin import population_out
 from orchestrator.db import Population, Report, Round
 from orchestrator.populations.locks import lock_population
 from orchestrator.populations.settings_changes import SettingsChangeError, change_settings
 from orchestrator.rounds.lifecycle import EVALUATION, advance, open_round
 from orchestrator.rounds.refusals import Refused
 from orchestrator.service.population_creation import ExportedModel
+from orchestrator.service.population_views import population_out
 from tests.conftest import BIASED
 from tests.orchestrator.conftest import ADMIN_TOKEN, Server, admin_create_population, make_population
 from tests.orchestrator.test_dashboard import signed_in

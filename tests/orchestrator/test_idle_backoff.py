@@ -7,12 +7,12 @@ import itertools
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
-from orchestrator.api.routes.admin import population_out
 from orchestrator.app import tick
 from orchestrator.db import Population, Round
 from orchestrator.rounds import checkins
 from orchestrator.rounds.idle_backoff import IDLE_BACKOFF_CAP_SECONDS
 from orchestrator.service.population_creation import ExportedModel
+from orchestrator.service.population_views import population_out
 from tests.orchestrator.conftest import make_population
 from tests.orchestrator.test_rounds import checkin, device
 

@@ -22,7 +22,6 @@ from model_export.config import ModelConfig
 from orchestrator.aggregation.differential_privacy import epsilon
 from orchestrator.aggregation.maths import aggregate, known_bounds
 from orchestrator.aggregation.norm_reference import NormReference
-from orchestrator.api.routes.admin import population_out
 from orchestrator.db import Assignment, ModelVersion, Population, Report, Round, make_engine
 from orchestrator.devices import authenticate, enroll
 from orchestrator.migrate import migrate
@@ -34,6 +33,7 @@ from orchestrator.rounds.lifecycle import EVALUATION, TRAINING, open_round, open
 from orchestrator.rounds.refusals import Refused
 from orchestrator.service.checkins import CheckInCall, checkin_transaction
 from orchestrator.service.population_creation import ExportedModel, PopulationError, create_population
+from orchestrator.service.population_views import population_out
 from tests.conftest import IMPLICIT
 from tests.orchestrator.conftest import make_population
 
