@@ -60,7 +60,8 @@ from model_runtime.support_query import (
 )
 from model_runtime.task_batches import TaskBatches
 from model_runtime.tflite_model import EvaluationSums, TFLiteModel
-from orchestrator.aggregation.maths import RobustAggregation, ServerOptimizerConfig
+from orchestrator.aggregation.registry import RobustAggregation
+from orchestrator.aggregation.server_optimizer import ServerOptimizerConfig
 
 HELD_OUT = "held-out devices, ReconEval (reconstruct on support, measure on query)"
 SEEN = "training devices' newest 10% of examples, StandardEval (their kept locals)"

@@ -65,7 +65,7 @@ from contracts.task_config import TaskConfig  # noqa: E402
 from device_runtime.examples_table import store_path  # noqa: E402
 from device_runtime.recommender import Bagging, Recommendation, Recommender  # noqa: E402
 from model_runtime.tflite_model import TFLiteModel  # noqa: E402
-from orchestrator.aggregation.maths import ServerOptimizerConfig  # noqa: E402
+from orchestrator.aggregation.server_optimizer import ServerOptimizerConfig  # noqa: E402
 from secure_aggregation.quantization import Layout  # noqa: E402
 
 # The keys that change only how the held-out devices serve: configurations that differ in these

@@ -35,7 +35,7 @@ from android_sim.bench.protocol import split_users  # noqa: E402
 from android_sim.bench.quality_methods import BETTER, FAITHFUL, load_dataset, run_fedrecon  # noqa: E402
 from android_sim.bench.quality_report import CEILINGS, MethodResult, shown  # noqa: E402
 from android_sim.run_config import DEFAULT_RATINGS  # noqa: E402
-from orchestrator.aggregation.maths import RobustAggregation  # noqa: E402
+from orchestrator.aggregation.registry import RobustAggregation  # noqa: E402
 
 AGGREGATIONS: dict[str, RobustAggregation | None] = {
     "weighted mean": None,

@@ -131,10 +131,25 @@ class Stop:
 GENERATED = "<generated>"  # code with no source file (a dataclass's __init__)
 
 
-# The aggregation pipeline as one part: its package and the maths its stages run. The round's
-# commit hands it the round's contributions in one call (`Pipeline.aggregate`) and gets the mean
-# delta back, so what its stages call among themselves is inside that one hop.
-PIPELINE = ("orchestrator.aggregation.pipeline", "orchestrator.aggregation.maths")
+# The aggregation pipeline as one part: its stages and the maths they run, and the server step. The
+# round's commit hands it the round's contributions in one call (`Pipeline.aggregate`) and gets the
+# mean delta back, so what its stages call among themselves is inside that one hop.
+PIPELINE = tuple(
+    f"orchestrator.aggregation.{name}"
+    for name in (
+        "pipeline",
+        "assemble",
+        "registry",
+        "robust",
+        "weighted_mean",
+        "coordinate_wise",
+        "private",
+        "secure_sum",
+        "central_merge",
+        "tensor_shapes",
+        "server_optimizer",
+    )
+)
 
 
 def part_of(module: str) -> str:

@@ -302,7 +302,7 @@ def _nextword(args: argparse.Namespace) -> int:
     from android_sim.bench.federated import Rounds
     from android_sim.bench.nextword import ModelShape, rows_json, run, table, task_config
     from android_sim.next_word import MAX_BATCHES
-    from orchestrator.aggregation.maths import ServerOptimizerConfig
+    from orchestrator.aggregation.server_optimizer import ServerOptimizerConfig
 
     vocab_sizes = [int(v) for v in args.vocab_sizes.split(",") if v.strip()]
     rounds = Rounds(

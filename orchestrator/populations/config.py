@@ -13,7 +13,7 @@ from contracts.manifest import Manifest
 from contracts.task_config import TaskConfig
 from orchestrator.aggregation.assemble import Pipeline
 from orchestrator.aggregation.differential_privacy import DPConfig
-from orchestrator.aggregation.maths import ServerOptimizerConfig
+from orchestrator.aggregation.server_optimizer import ServerOptimizerConfig
 from orchestrator.db import Population
 from orchestrator.populations.settings import PopulationSettings
 

@@ -17,7 +17,8 @@ from android_sim.bench.models import ModelCache
 from android_sim.bench.quality_methods import load_dataset, protocol_model
 from android_sim.simulation import SimulationOptions, SimulationResult, simulate
 from contracts.task_config import LocalState, TaskConfig
-from orchestrator.aggregation.maths import PartialSum, RobustAggregation
+from orchestrator.aggregation.registry import RobustAggregation
+from orchestrator.aggregation.weighted_mean import PartialSum
 from tests.android_sim.test_quality_bench import _write_ratings
 
 
