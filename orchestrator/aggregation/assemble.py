@@ -106,7 +106,7 @@ class Pipeline:
             stage = WeightedMeanStage(self._shapes)
         else:
             rule = self._rule
-            inner = ROBUST_RULES[rule.method](self._shapes, rule)
+            inner = ROBUST_RULES[rule.method].stage(self._shapes, rule)
             stage = ClipAndCap(inner, rule, self._shapes, inputs.weights, inputs.reference)
         return self._merged(stage, inputs)
 

@@ -25,6 +25,31 @@ from orchestrator.aggregation.weighted_mean import WeightedMeanStage
 
 
 @dataclass(frozen=True)
+class RobustRule:
+    """A registry entry: how the rule's stage is made from the model's tensor shapes and the
+    population's rule (where the rule's parameters are), and what it does, in a few words (the
+    population settings' description of `robust_aggregation`, and so the settings page, says it)."""
+
+    stage: Callable[[Mapping[str, tuple[int, ...]], RobustAggregation], Stage]
+    what: str
+
+
+ROBUST_RULES: dict[str, RobustRule] = {
+    "none": RobustRule(
+        lambda shapes, rule: WeightedMeanStage(shapes), "the weighted mean of the clipped deltas (FedAvg)"
+    ),
+    "trimmed_mean": RobustRule(
+        lambda shapes, rule: CoordinateWiseStage(shapes, "trimmed_mean", rule.trim_fraction),
+        "per coordinate, the mean of the reports that changed it, trim_fraction of them cut at each end",
+    ),
+    "median": RobustRule(
+        lambda shapes, rule: CoordinateWiseStage(shapes, "median", rule.trim_fraction),
+        "per coordinate, the median of the reports that changed it",
+    ),
+}
+
+
+@dataclass(frozen=True)
 class RobustAggregation:
     """How a round's reports are combined so that hostile devices cannot move the model far.
 
@@ -76,13 +101,3 @@ class RobustAggregation:
             window_growth=self.reference_window_growth,
             round_growth=self.reference_growth,
         )
-
-
-# A rule's stage, from the model's tensor shapes and the population's rule (its parameters).
-AveragingStage = Callable[[Mapping[str, tuple[int, ...]], RobustAggregation], Stage]
-
-ROBUST_RULES: dict[str, AveragingStage] = {
-    "none": lambda shapes, rule: WeightedMeanStage(shapes),
-    "trimmed_mean": lambda shapes, rule: CoordinateWiseStage(shapes, "trimmed_mean", rule.trim_fraction),
-    "median": lambda shapes, rule: CoordinateWiseStage(shapes, "median", rule.trim_fraction),
-}

@@ -152,8 +152,7 @@ class PopulationSettings(BaseModel):
     )
     robust_aggregation: RobustRuleName = Field(
         "none",
-        description="none: the weighted mean of the clipped deltas; trimmed_mean or median: per "
-        "coordinate, over the reports that changed it (aggregation.registry.ROBUST_RULES)",
+        description="; ".join(f"{name}: {rule.what}" for name, rule in ROBUST_RULES.items()),
     )
     trim_fraction: float = Field(0.1, ge=0, lt=0.5, description="trimmed_mean: dropped at each end")
     norm_clip_multiple: float = Field(
