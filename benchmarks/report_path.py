@@ -23,8 +23,7 @@ pruning old versions, and the answer to the device are not on the path to it). P
   the aggregation pipeline (the stages of orchestrator/aggregation, the maths they run and the
   server optimizer: `PIPELINE`) as one part, since the commit hands it a round in one call; a
   module's own helpers and the stages' calls among themselves are inside the hop that entered
-  them. And the climbs
-  among the hops, counted as for stops;
+  them. And the climbs among the hops, counted as for stops;
 - calls back up: the distinct calls on the path from a project function into one on a higher
   floor than its own (a callback, or a generator of a higher module that a lower one pulls from;
   comprehensions and lambdas count here, as the code they run in): the only way control can
