@@ -17,7 +17,7 @@ from android_sim.shakespeare import Vocabulary
 from contracts.manifest import Manifest, ManifestError, load_manifest
 from contracts.task_config import TaskConfig
 from model_export.in_subprocess import export_spec_in_subprocess
-from orchestrator.aggregation.maths import ServerOptimizerConfig
+from orchestrator.aggregation.server_optimizer import ServerOptimizerConfig
 
 BUILDER = "model_export.models.next_word:build"
 SEQ_LEN, BATCH_SIZE, MAX_BATCHES = 20, 8, 8

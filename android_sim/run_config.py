@@ -15,7 +15,7 @@ from android_sim.recommendations import HitRates
 from android_sim.shakespeare import DEFAULT_FOLDER as DEFAULT_SHAKESPEARE
 from contracts.mixing import MixingConfig, MixingError
 from contracts.task_config import LocalState, TaskConfig
-from orchestrator.aggregation.maths import ServerOptimizerConfig
+from orchestrator.aggregation.server_optimizer import ServerOptimizerConfig
 from orchestrator.settings import admin_token_problem
 
 DEFAULT_RATINGS = default_file("movielens-100k")

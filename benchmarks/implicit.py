@@ -54,7 +54,7 @@ from model_export.config import ITEM, LABEL, Feedback
 from model_runtime.support_query import add_negatives, negative_weights, not_negatives, split_support_query
 from model_runtime.task_batches import TaskBatches
 from model_runtime.tflite_model import TFLiteModel
-from orchestrator.aggregation.maths import ServerOptimizerConfig
+from orchestrator.aggregation.server_optimizer import ServerOptimizerConfig
 
 K = 10
 SHARE_RATING = 4.0

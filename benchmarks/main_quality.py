@@ -62,7 +62,7 @@ from contracts.task_config import TaskConfig
 from device_runtime.examples_table import store_path
 from device_runtime.recommender import Bagging, Recommendation, Recommender
 from model_runtime.tflite_model import TFLiteModel
-from orchestrator.aggregation.maths import ServerOptimizerConfig
+from orchestrator.aggregation.server_optimizer import ServerOptimizerConfig
 from secure_aggregation.quantization import Layout
 
 # The keys that change only how the held-out devices serve: configurations that differ in these

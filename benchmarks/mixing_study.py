@@ -68,7 +68,7 @@ from model_runtime.support_query import negative_weights, split_support_query
 from model_runtime.task_batches import TaskBatches
 from model_runtime.tflite_model import SparseGradient, TFLiteModel
 from orchestrator.aggregation.central_merge import merge
-from orchestrator.aggregation.maths import ServerOptimizerConfig
+from orchestrator.aggregation.server_optimizer import ServerOptimizerConfig
 from orchestrator.populations.central_training import (
     CentralTrainingError,
     gradient_on_central,

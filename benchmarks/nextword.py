@@ -73,7 +73,7 @@ def _nextword(args: argparse.Namespace) -> int:
     from android_sim.next_word import MAX_BATCHES
     from android_sim.simulation.rounds import Rounds
     from benchmarks.nextword_study import ModelShape, rows_json, run, table, task_config
-    from orchestrator.aggregation.maths import ServerOptimizerConfig
+    from orchestrator.aggregation.server_optimizer import ServerOptimizerConfig
 
     vocab_sizes = [int(v) for v in args.vocab_sizes.split(",") if v.strip()]
     rounds = Rounds(

@@ -62,7 +62,7 @@ from contracts.task_config import TaskConfig
 from model_runtime.support_query import num_steps, reconstruct_locals
 from model_runtime.task_batches import TaskBatches, split_batches
 from model_runtime.tflite_model import EvaluationSums, TFLiteModel
-from orchestrator.aggregation.maths import ServerOptimizerConfig
+from orchestrator.aggregation.server_optimizer import ServerOptimizerConfig
 
 
 @dataclass(frozen=True)

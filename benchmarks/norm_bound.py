@@ -3,10 +3,10 @@ before issue 26 (at most 1.25x a round) and the current one (orchestrator/aggreg
 
     python -m benchmarks.norm_bound [--honest-rounds 200] [--reports 20] [--seed 0]
 
-The server's own aggregation (orchestrator.aggregation.maths.aggregate: per-tensor clipping to
-norm_clip_multiple x the reference, weights capped, the weighted mean; the commit computes the
-same, tests/orchestrator/test_rounds.py) on a MovieLens-shaped model's global tensors
-(global_mean (1,), item_bias (200,), item_embeddings (200, 16)) with the server optimizer SGD
+The server's own aggregation (orchestrator.aggregation.assemble.Pipeline, as the commit runs it:
+per-tensor clipping to norm_clip_multiple x the reference, weights capped, the weighted mean) on a
+MovieLens-shaped model's global tensors (global_mean (1,), item_bias (200,), item_embeddings
+(200, 16)) with the server optimizer SGD
 at learning rate 1. First `--honest-rounds` rounds of honest-looking reports: each device
 changes 10 item rows and the global mean by N(0, s) with s shrinking as training converges
 (0.02 -> 0.005). Then k = 1, 10, 100 rounds in a row where every report is hostile (+1000 on
@@ -26,8 +26,10 @@ import sys
 import numpy as np
 
 from contracts.params import Params, SparseTensor
-from orchestrator.aggregation.maths import RobustAggregation, aggregate, plan_round, tensor_norms
+from orchestrator.aggregation.assemble import Pipeline, RoundInputs
 from orchestrator.aggregation.norm_reference import NormReference
+from orchestrator.aggregation.registry import RobustAggregation
+from orchestrator.aggregation.robust import plan_round, tensor_norms
 
 ITEMS, DIM, ROWS = 200, 16, 10
 SHAPES = {"global_mean": (1,), "item_bias": (ITEMS,), "item_embeddings": (ITEMS, DIM)}
@@ -60,6 +62,7 @@ def play(
     """(params before the hostile rounds, after them, the global mean's reference before and
     after them, the share of honest reports clipped)."""
     rng = np.random.default_rng(seed)
+    pipeline = Pipeline(SHAPES, rule)
     params: Params = {name: np.zeros(shape, np.float64) for name, shape in SHAPES.items()}
     state: NormReference | None = None
     clipped = total = 0
@@ -77,9 +80,12 @@ def play(
             bounds = plan_round(weights, [tensor_norms(d) for d in deltas], state, rule).bounds
             clipped += sum(any(norm > bounds[name] for name, norm in tensor_norms(d).items()) for d in deltas)
             total += reports
-        mean, state = aggregate(deltas, weights, SHAPES, rule, state)
+        result = pipeline.aggregate(
+            RoundInputs(0, weights=weights, reference=state), zip(deltas, weights, strict=True)
+        )
+        state = result.norm_reference
         for name in params:
-            params[name] += mean[name]
+            params[name] += result.mean_delta[name]
     assert state is not None
     return before, params, reference_before, state.reference["global_mean"], clipped / max(total, 1)
 

@@ -56,7 +56,8 @@ from model_runtime.support_query import num_steps
 from model_runtime.task_batches import TaskBatches
 from model_runtime.tflite_model import EvaluationSums, TFLiteModel
 from orchestrator.aggregation.differential_privacy import DPConfig
-from orchestrator.aggregation.maths import RobustAggregation, ServerOptimizerConfig
+from orchestrator.aggregation.registry import RobustAggregation
+from orchestrator.aggregation.server_optimizer import ServerOptimizerConfig
 from secure_aggregation.config import RoundParameters
 from secure_aggregation.quantization import Layout
 

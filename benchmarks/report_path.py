@@ -20,10 +20,10 @@ pruning old versions, and the answer to the device are not on the path to it). P
   floor is 1 + the highest floor among the project modules it imports (contracts' leaves are 0):
   each climb is control going back up the layers to be sent down again;
 - hops: the stops entered by a call from another module (the traced block counts as one), with
-  the aggregation pipeline (orchestrator/pipeline and orchestrator/aggregation, the maths its
-  stages run) as one part, since the commit hands it a round in one call; a module's own helpers
-  and the stages' calls among themselves are inside the hop that entered them. And the climbs
-  among the hops, counted as for stops;
+  the aggregation pipeline (the stages of orchestrator/aggregation, the maths they run and the
+  server optimizer: `PIPELINE`) as one part, since the commit hands it a round in one call; a
+  module's own helpers and the stages' calls among themselves are inside the hop that entered
+  them. And the climbs among the hops, counted as for stops;
 - calls back up: the distinct calls on the path from a project function into one on a higher
   floor than its own (a callback, or a generator of a higher module that a lower one pulls from;
   comprehensions and lambdas count here, as the code they run in): the only way control can
@@ -129,10 +129,25 @@ class Stop:
 GENERATED = "<generated>"  # code with no source file (a dataclass's __init__)
 
 
-# The aggregation pipeline as one part: its package and the maths its stages run. The round's
-# commit hands it the round's contributions in one call (`Pipeline.aggregate`) and gets the mean
-# delta back, so what its stages call among themselves is inside that one hop.
-PIPELINE = ("orchestrator.aggregation.pipeline", "orchestrator.aggregation.maths")
+# The aggregation pipeline as one part: its stages and the maths they run, and the server step. The
+# round's commit hands it the round's contributions in one call (`Pipeline.aggregate`) and gets the
+# mean delta back, so what its stages call among themselves is inside that one hop.
+PIPELINE = tuple(
+    f"orchestrator.aggregation.{name}"
+    for name in (
+        "pipeline",
+        "assemble",
+        "registry",
+        "robust",
+        "weighted_mean",
+        "coordinate_wise",
+        "private",
+        "secure_sum",
+        "central_merge",
+        "tensor_shapes",
+        "server_optimizer",
+    )
+)
 
 
 def part_of(module: str) -> str:

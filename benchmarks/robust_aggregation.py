@@ -6,7 +6,7 @@ The quality benchmark's in-process FedRecon (the exported TFLite model doing the
 android_sim/simulation), trained once per aggregation with the same clients each round:
 - "weighted mean": the paper's plain FedAvg mean (what the quality benchmark reports);
 - "defaults": the orchestrator's defaults (per-tensor clipping at 3x the reference norm, weights
-  capped at 5x the round's median; aggregation.RobustAggregation);
+  capped at 5x the round's median; aggregation.registry.RobustAggregation);
 - "trimmed_mean" (10% at each end) and "median": the robust options, with the same clipping.
 Prints test RMSE and accuracy on the held-out users per run, each with its 95% interval over
 the test users, and each run minus the weighted mean with the same settings (paired: the same
@@ -32,7 +32,7 @@ from benchmarks.figures import paired_interval
 from benchmarks.model_cache import ModelCache
 from benchmarks.quality_methods import BETTER, FAITHFUL, load_dataset, run_fedrecon
 from benchmarks.quality_report import CEILINGS, MethodResult, shown
-from orchestrator.aggregation.maths import RobustAggregation
+from orchestrator.aggregation.registry import RobustAggregation
 
 AGGREGATIONS: dict[str, RobustAggregation | None] = {
     "weighted mean": None,

@@ -42,7 +42,7 @@ from contracts.features import Examples
 from contracts.params import Params
 from contracts.task_config import TaskConfig
 from model_runtime.tflite_model import TFLiteModel
-from orchestrator.aggregation.maths import ServerOptimizerConfig
+from orchestrator.aggregation.server_optimizer import ServerOptimizerConfig
 
 
 @dataclass(frozen=True)

@@ -143,7 +143,7 @@ def _stated_ranges(table: str) -> list[tuple[str, str]]:
 
 def test_the_hand_written_ranges_of_the_settings_page_are_the_validators() -> None:
     from orchestrator.aggregation.differential_privacy import DPConfig
-    from orchestrator.aggregation.maths import ServerOptimizerConfig
+    from orchestrator.aggregation.server_optimizer import ServerOptimizerConfig
 
     checked: dict[str, tuple[Callable[[dict[str, Any]], object], dict[str, Any]]] = {
         "server_optimizer": (ServerOptimizerConfig.from_json, {"name": "adam"}),

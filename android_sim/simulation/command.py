@@ -44,7 +44,7 @@ from android_sim.workload import Workload, newest_first
 from contracts.params import encode_params
 from contracts.task_config import SplitPolicy, TaskConfig
 from device_runtime.examples_table import DeviceExamples
-from orchestrator.aggregation.maths import ServerOptimizerConfig
+from orchestrator.aggregation.server_optimizer import ServerOptimizerConfig
 
 MIN_DEVICES = 10  # 80/10/10: at least one device to validate on and one to hold out
 

@@ -35,7 +35,7 @@ from contracts.manifest import Manifest, load_manifest
 from contracts.params import Params
 from contracts.task_config import TaskConfig
 from model_runtime.tflite_model import EvaluationSums
-from orchestrator.aggregation.maths import PartialSum
+from orchestrator.aggregation.weighted_mean import PartialSum
 
 # How long the workers may take to start (a cluster may have to free or add CPUs first).
 START_SECONDS = 300.0

@@ -33,16 +33,11 @@ from model_runtime.task_batches import TaskBatches
 from model_runtime.tflite_model import EvaluationSums, RowUpdate, TFLiteModel
 from orchestrator.aggregation.assemble import Pipeline, RoundInputs
 from orchestrator.aggregation.differential_privacy import DPConfig
-from orchestrator.aggregation.maths import (
-    PartialSum,
-    RobustAggregation,
-    ServerOptimizerConfig,
-    WeightedMean,
-    apply_update,
-    init_state,
-)
 from orchestrator.aggregation.norm_reference import NormReference
 from orchestrator.aggregation.pipeline import Aggregate
+from orchestrator.aggregation.registry import RobustAggregation
+from orchestrator.aggregation.server_optimizer import ServerOptimizerConfig, apply_update, init_state
+from orchestrator.aggregation.weighted_mean import PartialSum, WeightedMean
 from secure_aggregation.config import RoundParameters
 from secure_aggregation.quantization import Layout, dequantize_sum, quantize
 

@@ -37,7 +37,8 @@ from contracts.manifest import Manifest
 from contracts.params import Params
 from contracts.task_config import LocalState, TaskConfig
 from model_runtime.tflite_model import EvaluationSums, TFLiteModel
-from orchestrator.aggregation.maths import RobustAggregation, ServerOptimizerConfig
+from orchestrator.aggregation.registry import RobustAggregation
+from orchestrator.aggregation.server_optimizer import ServerOptimizerConfig
 
 HELD_OUT = "held-out devices, ReconEval (reconstruct on support, measure on query)"
 SEEN = "training devices' newest 10% of examples, StandardEval (their kept locals)"

@@ -34,7 +34,7 @@ from android_sim.simulation.simulate import SimulationOptions, simulate
 from android_sim.workload import Workload, newest_first
 from contracts.task_config import TaskConfig
 from device_runtime.examples_table import DeviceExamples
-from orchestrator.aggregation.maths import ServerOptimizerConfig
+from orchestrator.aggregation.server_optimizer import ServerOptimizerConfig
 
 SETTINGS_FILE = "tuned_settings.json"  # --algorithm-settings of simulate and run
 POPULATION_FILE = "tuned_population.json"  # orchestrator create-population --settings @FILE

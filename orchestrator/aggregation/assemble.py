@@ -10,15 +10,14 @@ import numpy as np
 
 from contracts.params import Params, SparseTensor, decode_sparse_delta
 from orchestrator.aggregation.central_merge import CentralMerge, CentralUpdate
-from orchestrator.aggregation.coordinate_wise import CoordinateWiseStage
 from orchestrator.aggregation.differential_privacy import DPConfig, secure_rng
-from orchestrator.aggregation.maths import PartialSum, RobustAggregation
 from orchestrator.aggregation.norm_reference import NormReference
 from orchestrator.aggregation.pipeline import Aggregate, Stage
 from orchestrator.aggregation.private import GaussianNoise
+from orchestrator.aggregation.registry import ROBUST_RULES, RobustAggregation
 from orchestrator.aggregation.robust import ClipAndCap
 from orchestrator.aggregation.secure_sum import SecureSum
-from orchestrator.aggregation.weighted_mean import WeightedMeanStage
+from orchestrator.aggregation.weighted_mean import PartialSum, WeightedMeanStage
 
 
 @dataclass(frozen=True)
@@ -98,7 +97,8 @@ class Pipeline:
 
     def plaintext_round(self, inputs: RoundInputs) -> Stage:
         """A round whose reports are accepted one by one: under DP equally weighted and noised;
-        otherwise clipped, capped and averaged by the population's robust rule."""
+        otherwise clipped, capped and combined by the stage the population's robust rule names
+        (`registry.ROBUST_RULES`)."""
         stage: Stage
         if self._dp is not None:
             stage = self._noised(WeightedMeanStage(self._shapes, equal_weights=True), inputs)
@@ -106,11 +106,7 @@ class Pipeline:
             stage = WeightedMeanStage(self._shapes)
         else:
             rule = self._rule
-            inner: Stage = (
-                WeightedMeanStage(self._shapes)
-                if rule.method == "none"
-                else CoordinateWiseStage(self._shapes, rule.method, rule.trim_fraction)
-            )
+            inner = ROBUST_RULES[rule.method].stage(self._shapes, rule)
             stage = ClipAndCap(inner, rule, self._shapes, inputs.weights, inputs.reference)
         return self._merged(stage, inputs)
 

@@ -7,15 +7,17 @@ into an `Aggregate`, the mean delta and the stage's measurements. A stage that w
 (as TFF's aggregation factories do) transforms what it accepts on the way in and what its inner
 stage finishes with on the way out:
 
-    plaintext        ClipAndCap -> WeightedMean | CoordinateWise (trimmed mean, median)
+    plaintext        ClipAndCap -> the robust rule's stage (registry.ROBUST_RULES: WeightedMean,
+                                   CoordinateWise's trimmed mean or median)
     plaintext + DP   GaussianNoise -> WeightedMean (equal weights, the sum kept)
     secure (+ DP)    [GaussianNoise ->] SecureSum (the unmasked sum of the survivors)
     + mixing         CentralMerge -> any of the above
 
-No stage touches the database, HTTP or the clock: the round's commit (`round_lifecycle`) reads
+No stage touches the database, HTTP or the clock: the round's commit (`rounds.lifecycle`) reads
 the inputs the stages need (weights, reference norms, the round's clip norm) and hands them with
 the round's reports to one call (`Pipeline.aggregate`), which builds the stack, feeds it and
-finishes it; the commit stores what comes back. A new way of aggregating is one new stage module.
+finishes it; the commit stores what comes back. A new robust rule is one stage module and one
+entry in `registry.ROBUST_RULES` (docs/contributing.md, "Adding an aggregation stage").
 """
 
 from __future__ import annotations

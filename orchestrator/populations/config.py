@@ -13,7 +13,7 @@ from contracts.manifest import Manifest
 from contracts.task_config import TaskConfig
 from orchestrator.aggregation.assemble import Pipeline
 from orchestrator.aggregation.differential_privacy import DPConfig
-from orchestrator.aggregation.maths import ServerOptimizerConfig
+from orchestrator.aggregation.server_optimizer import ServerOptimizerConfig
 from orchestrator.db import Population
 from orchestrator.populations.settings import PopulationSettings
 
@@ -88,11 +88,6 @@ def population_settings(population: Population) -> PopulationSettings:
 
 def population_manifest(population: Population) -> Manifest:
     return config_of(population).manifest
-
-
-def population_pipeline(population: Population) -> Pipeline:
-    """The population's aggregation pipeline, assembled once from its settings."""
-    return config_of(population).pipeline
 
 
 def _rounds_within_budget(population: Population) -> int | None:

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from contracts.task_config import FLOAT32_MAX, INT32_MAX, TASK_CONFIG_MAXIMA, TaskConfig
 from orchestrator.aggregation.differential_privacy import DPConfig, PrivacySpent, privacy_spent
-from orchestrator.aggregation.maths import RobustAggregation, ServerOptimizerConfig
+from orchestrator.aggregation.registry import ROBUST_RULES, RobustAggregation
+from orchestrator.aggregation.server_optimizer import ServerOptimizerConfig
 from orchestrator.limits import MAX_COUNT
 from orchestrator.setting_ranges import Range, field_ranges
 
@@ -23,6 +24,13 @@ MAX_TASK_NUMBER = 1e12
 # A delta's L2 norm bound: far beyond any model's update, and small enough that the quantization
 # scale and the noise computed from it stay finite.
 MAX_CLIP_NORM = 1e6
+
+if TYPE_CHECKING:
+    RobustRuleName = str
+else:
+    # The registry's names as a Literal, so that a rule added there is accepted here, pydantic says
+    # which names it accepts, and the settings page lists them (a type checker sees a str).
+    RobustRuleName = Literal[tuple(ROBUST_RULES)]
 
 
 def settings_problems(error: ValidationError) -> str:
@@ -142,10 +150,9 @@ class PopulationSettings(BaseModel):
     update_norm_bound: float = Field(
         1000.0, gt=0, le=1e12, description="a report whose delta has a larger L2 norm is refused"
     )
-    robust_aggregation: Literal["none", "trimmed_mean", "median"] = Field(
+    robust_aggregation: RobustRuleName = Field(
         "none",
-        description="none: the weighted mean of the clipped deltas; trimmed_mean or median: per "
-        "coordinate, over the reports that changed it (aggregation.RobustAggregation)",
+        description="; ".join(f"{name}: {rule.what}" for name, rule in ROBUST_RULES.items()),
     )
     trim_fraction: float = Field(0.1, ge=0, lt=0.5, description="trimmed_mean: dropped at each end")
     norm_clip_multiple: float = Field(

@@ -26,10 +26,10 @@ from sqlalchemy.orm import Session
 
 from contracts.params import Params, check_params
 from orchestrator.aggregation.assemble import CentralPart, RoundInputs
-from orchestrator.aggregation.maths import apply_update
 from orchestrator.aggregation.norm_reference import NormReference
 from orchestrator.aggregation.pipeline import apply_measurements
 from orchestrator.aggregation.private import CLIP_NORM, NEXT_CLIP_NORM
+from orchestrator.aggregation.server_optimizer import apply_update
 from orchestrator.db import Assignment, Population, Report, Round, RoundAdmission
 from orchestrator.observability import metrics
 from orchestrator.observability.logs import log_on_commit

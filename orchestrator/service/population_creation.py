@@ -15,7 +15,7 @@ from sqlalchemy.orm import Session
 from contracts.manifest import INITIAL_GLOBAL_FILE, MANIFEST_FILE, MODEL_FILE, Manifest, ManifestError
 from contracts.params import ParamsError, decode_params, encode_params
 from contracts.task_config import TaskConfig
-from orchestrator.aggregation.maths import init_state
+from orchestrator.aggregation.server_optimizer import init_state
 from orchestrator.db import Artifact, ModelVersion, Population
 from orchestrator.populations.model_check import ModelUnusable, check_model
 from orchestrator.populations.settings import PopulationSettings, settings_problems

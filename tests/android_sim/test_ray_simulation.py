@@ -17,7 +17,8 @@ from android_sim.simulation.simulate import SimulationOptions, SimulationResult,
 from benchmarks.model_cache import ModelCache
 from benchmarks.quality_methods import load_dataset, protocol_model
 from contracts.task_config import LocalState, TaskConfig
-from orchestrator.aggregation.maths import PartialSum, RobustAggregation
+from orchestrator.aggregation.registry import RobustAggregation
+from orchestrator.aggregation.weighted_mean import PartialSum
 from tests.benchmarks.test_quality import _write_ratings
 
 

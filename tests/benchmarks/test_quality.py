@@ -29,7 +29,7 @@ from contracts.task_config import SplitPolicy, TaskConfig
 from model_runtime.task_batches import TaskBatches
 from model_runtime.tflite_model import EvaluationSums, TFLiteModel
 from orchestrator.aggregation.differential_privacy import DPConfig
-from orchestrator.aggregation.maths import ServerOptimizerConfig
+from orchestrator.aggregation.server_optimizer import ServerOptimizerConfig
 from secure_aggregation.quantization import Layout
 from tests.conftest import ROOT
 

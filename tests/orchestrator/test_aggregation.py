@@ -13,18 +13,12 @@ import pytest
 from numpy.typing import ArrayLike
 
 from contracts.params import Params, SparseTensor, decode_sparse_delta, encode_sparse_delta
-from orchestrator.aggregation.maths import (
-    RobustAggregation,
-    ServerOptimizerConfig,
-    WeightedMean,
-    aggregate,
-    apply_update,
-    cap_weights,
-    clip_by_norm,
-    init_state,
-    plan_round,
-    robust_mean,
-)
+from orchestrator.aggregation.assemble import Pipeline, RoundInputs
+from orchestrator.aggregation.coordinate_wise import robust_mean
+from orchestrator.aggregation.registry import RobustAggregation
+from orchestrator.aggregation.robust import cap_weights, clip_by_norm, plan_round
+from orchestrator.aggregation.server_optimizer import ServerOptimizerConfig, apply_update, init_state
+from orchestrator.aggregation.weighted_mean import WeightedMean
 
 
 def f32(*values: float) -> np.ndarray:
@@ -254,17 +248,20 @@ def test_trimmed_mean_drops_the_extremes_of_each_coordinate() -> None:
     assert_close(median["m"], [3.0])
 
 
-def test_aggregate_clips_caps_and_averages() -> None:
+def test_the_pipeline_clips_caps_and_averages() -> None:
     # Three honest deltas of norm 1 and weight 10; one of norm 100 and weight 1000.
     deltas = [{"g": sparse((1,), [0], [v])} for v in (1.0, 1.0, 1.0, 100.0)]
+    weights = [10.0, 10.0, 10.0, 1000.0]
     rule = RobustAggregation(norm_clip_multiple=2.0, max_weight_multiple=3.0)
 
-    mean, reference = aggregate(deltas, [10, 10, 10, 1000], {"g": (1,)}, rule, None)
+    result = Pipeline({"g": (1,)}, rule).aggregate(
+        RoundInputs(0, weights=weights), zip(deltas, weights, strict=True)
+    )
 
     # bound 2 x median(1, 1, 1, 100) = 2; weight cap 3 x median(10, 10, 10, 1000) = 30:
     # (10 + 10 + 10 + 30 x 2) / (10 + 10 + 10 + 30) = 90 / 60
-    assert_close(mean["g"], [1.5])
-    assert reference.reference == {"g": 1.0}
+    assert_close(result.mean_delta["g"], [1.5])
+    assert result.norm_reference is not None and result.norm_reference.reference == {"g": 1.0}
 
 
 @pytest.mark.parametrize(

@@ -7,8 +7,9 @@ from __future__ import annotations
 import numpy as np
 
 from contracts.params import SparseTensor
-from orchestrator.aggregation.maths import RobustAggregation, aggregate
+from orchestrator.aggregation.assemble import Pipeline, RoundInputs
 from orchestrator.aggregation.norm_reference import NormReference
+from orchestrator.aggregation.registry import RobustAggregation
 
 RULE = RobustAggregation()  # the server's defaults
 SHAPES = {"bias": (1,)}
@@ -20,12 +21,19 @@ def bias_delta(value: float) -> dict[str, SparseTensor]:
 
 def run(rounds: list[list[float]], rule: RobustAggregation = RULE) -> tuple[list[float], float]:
     """The reference in force at each round, and how far the rounds moved the bias."""
+    pipeline = Pipeline(SHAPES, rule)  # the server's plaintext rounds: clipped, capped, averaged
     state: NormReference | None = None
     references, moved = [], 0.0
     for values in rounds:
-        mean, state = aggregate([bias_delta(v) for v in values], [10.0] * len(values), SHAPES, rule, state)
+        weights = [10.0] * len(values)
+        result = pipeline.aggregate(
+            RoundInputs(0, weights=weights, reference=state),
+            zip(map(bias_delta, values), weights, strict=True),
+        )
+        state = result.norm_reference
+        assert state is not None
         references.append(state.reference["bias"])
-        moved += float(mean["bias"][0])
+        moved += float(result.mean_delta["bias"][0])
     return references, moved
 
 

@@ -17,12 +17,12 @@ from orchestrator.aggregation.assemble import CentralPart, Pipeline, RoundInputs
 from orchestrator.aggregation.central_merge import CentralMerge, CentralUpdate
 from orchestrator.aggregation.coordinate_wise import CoordinateWiseStage
 from orchestrator.aggregation.differential_privacy import DPConfig
-from orchestrator.aggregation.maths import PartialSum, RobustAggregation, WeightedMean
 from orchestrator.aggregation.pipeline import Aggregate, apply_measurements
 from orchestrator.aggregation.private import CLIP_NORM, NEXT_CLIP_NORM, WITHIN_CLIP, GaussianNoise
+from orchestrator.aggregation.registry import RobustAggregation
 from orchestrator.aggregation.robust import ClipAndCap
 from orchestrator.aggregation.secure_sum import SecureSum
-from orchestrator.aggregation.weighted_mean import WeightedMeanStage
+from orchestrator.aggregation.weighted_mean import PartialSum, WeightedMean, WeightedMeanStage
 from orchestrator.populations.config import pipeline_of
 from orchestrator.populations.settings import PopulationSettings
 

@@ -19,9 +19,10 @@ from contracts.manifest import Manifest
 from contracts.params import decode_params, decode_sparse_delta, encode_params, encode_sparse_delta
 from contracts.protocol import Assignment as AssignmentAnswer
 from model_export.config import ModelConfig
+from orchestrator.aggregation.assemble import Pipeline, RoundInputs
 from orchestrator.aggregation.differential_privacy import epsilon
-from orchestrator.aggregation.maths import aggregate, known_bounds
 from orchestrator.aggregation.norm_reference import NormReference
+from orchestrator.aggregation.robust import known_bounds
 from orchestrator.db import Assignment, ModelVersion, Population, Report, Round, make_engine
 from orchestrator.devices import authenticate, enroll
 from orchestrator.migrate import migrate
@@ -713,7 +714,7 @@ def test_ten_hostile_devices_cannot_move_the_global_mean_under_the_defaults(
 
 
 @pytest.mark.parametrize("method", ["none", "median"])
-def test_a_round_clipped_to_the_last_rounds_norms_commits_what_aggregate_computes(
+def test_a_round_clipped_to_the_last_rounds_norms_commits_what_the_pipeline_computes(
     db: sessionmaker[Session], biased_model: ExportedModel, method: str
 ) -> None:
     # Prepare: a first round leaves reference norms; the second has an outsized report to clip.
@@ -733,7 +734,7 @@ def test_a_round_clipped_to_the_last_rounds_norms_commits_what_aggregate_compute
             answer = checkin(db, dev)
             assert report(db, dev, answer.assignment_id, body).status
 
-    # Execute: the same aggregation in memory, over the second round's stored reports.
+    # Execute: the rule's pipeline in memory, over the second round's stored reports.
     with db() as session:
         population = session.scalars(select(Population)).one()
         rule = population_settings(population).robust()
@@ -745,8 +746,11 @@ def test_a_round_clipped_to_the_last_rounds_norms_commits_what_aggregate_compute
         ).all()
     shapes = {s.name: s.shape for s in manifest_of(biased_model).global_params}
     assert known_bounds(first.norm_reference, shapes, rule) is not None  # one pass over the reports
-    deltas = [decode_sparse_delta(blob) for _, blob in stored]
-    expected, reference = aggregate(deltas, [w for w, _ in stored], shapes, rule, first.norm_reference)
+    weights = [w for w, _ in stored]
+    inputs = RoundInputs(0, weights=weights, reference=NormReference.from_json(first.norm_reference))
+    result = Pipeline(shapes, rule).aggregate(inputs, ((decode_sparse_delta(b), w) for w, b in stored))
+    expected, reference = result.mean_delta, result.norm_reference
+    assert reference is not None
 
     # Assert: the server committed that mean and that next reference.
     before, after = version_params(db, biased_model, 1), version_params(db, biased_model, 2)

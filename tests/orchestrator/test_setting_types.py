@@ -18,7 +18,7 @@ import pytest
 from contracts.task_config import TaskConfig
 from model_export.config import ModelConfig
 from orchestrator.aggregation.differential_privacy import DPConfig
-from orchestrator.aggregation.maths import ServerOptimizerConfig
+from orchestrator.aggregation.server_optimizer import ServerOptimizerConfig
 from orchestrator.populations.settings import PopulationSettings
 from orchestrator.populations.settings_changes import SAFE_TO_CHANGE
 from tests.conftest import BIASED
