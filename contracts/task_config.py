@@ -43,7 +43,6 @@ TASK_CONFIG_MAXIMA: dict[str, int | float] = {
     "negatives_per_positive": 100,
     "reconstruction_negatives": 100,
     "serving_resamples": 63,  # 64 reconstructions to rank by: about 64 times one's cost
-    "serving_shrinkage": 1_000_000.0,
     # exp(10 x bias): a bias spread of 2 already makes the likeliest item e^20 times likelier.
     "negative_popularity": 10.0,
 }
@@ -91,9 +90,6 @@ class TaskConfig:
     # examples (drawn with replacement, as many) added to the one from every example; it ranks by
     # their softmax probabilities over the catalog, averaged. 0: the one reconstruction.
     serving_resamples: int = 0
-    # When a device serves: each reconstruction of its locals pulled toward the model's initial
-    # ones by this / (its examples + this) (`device_runtime.serving_shrinkage`). 0: none.
-    serving_shrinkage: float = 0.0
     # Implicit feedback: negatives drawn in proportion to exp(this x the model's popularity global,
     # e.g. item biases), and ranking adds this x popularity back (logQ correction); 0: uniform.
     negative_popularity: float = 0.0

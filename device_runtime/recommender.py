@@ -27,7 +27,6 @@ from contracts.task_config import TaskConfig
 from device_runtime.client_task import select_examples
 from device_runtime.example_store import ExampleStore, ExampleStoreError
 from device_runtime.local_state import LocalStateStore
-from device_runtime.serving_shrinkage import shrunk_locals
 from model_runtime.support_query import (
     add_negatives,
     logq_correction,
@@ -211,7 +210,6 @@ class PersonalModel:
         support negatives drawn by `rng` (never one of `also_shared`); leaves the interpreter
         holding them."""
         manifest = self.model.manifest
-        shared = examples.num_examples  # the device's own, before any sampled negative
         negatives = support_negatives(self.config)
         if manifest.task.negative_sampling and negatives:
             # Reconstruct as training does: from shares alone every item looks liked, and the user
@@ -220,16 +218,11 @@ class PersonalModel:
         batches = split_batches(examples, manifest.batch_size)[: manifest.max_batches]
         support = TaskBatches.pack(batches, manifest)
         self.model.reset_local()
-        initial = self.model.get_local() if self.config.serving_shrinkage > 0 else {}
         steps = num_steps(
             support.num_batches, self.config.reconstruction_max_epochs, self.config.reconstruction_max_steps
         )
         self.model.reconstruct(support, steps, self.config.reconstruction_learning_rate, self.config.l2_local)
-        if not initial:
-            return self.model.get_local()
-        local = shrunk_locals(self.model.get_local(), initial, shared, self.config.serving_shrinkage)
-        self.model.set_local(local)
-        return local
+        return self.model.get_local()
 
     def _serves_kept(self) -> bool:
         return self.kept is not None and self.kept.load(self.model).trained
