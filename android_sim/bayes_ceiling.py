@@ -41,6 +41,9 @@ DRAWS = 2_000  # a narrow posterior's draws per adaptation step
 FINAL_BATCHES = 4  # at the full likelihood, at most this many batches of draws pooled
 STEP_ESS = 0.1  # each step tempers as far as keeps this fraction of its draws effective
 CHUNK = 5_000  # draws whose (draws, items) probabilities are held at once
+DEVICE_BLOCK = 250  # devices whose (pool, devices) log-likelihoods are held at once
+# A fleet's held-out devices beyond this get no Bayes row (a minute or so of one core at this size).
+MAX_DEVICES = 2_000
 T_DEGREES = 5.0  # the proposal's tails: heavier than a Gaussian's, so the weights stay bounded
 MAX_STEPS = 30
 
@@ -108,25 +111,44 @@ def bayes_ceiling(
     rng = np.random.default_rng(seed)
     prior = TastePrior.of(data)
     model = _Likelihood(data)
-    counts = np.zeros((len(histories), model.items))
+    x0 = prior.sample(pool, rng)
+    found = [
+        _block(prior, model, histories[i : i + DEVICE_BLOCK], x0, min_ess, rng)
+        for i in range(0, len(histories), DEVICE_BLOCK)
+    ]
+    predictive = np.concatenate([f[0] for f in found])
+    ess, draws = np.concatenate([f[1] for f in found]), np.concatenate([f[2] for f in found])
+    return BayesCeiling(top_k(predictive), predictive, ess, draws)
+
+
+def _block(
+    prior: TastePrior,
+    model: _Likelihood,
+    histories: Sequence[np.ndarray],
+    x0: np.ndarray,
+    min_ess: int,
+    rng: np.random.Generator,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A block of devices' posterior predictives, ESS and draws (the pool's weights held for it alone)."""
+    counts = np.zeros((len(histories), model.items), np.float32)
     for row, history in enumerate(histories):
         np.add.at(counts[row], np.asarray(history, np.int64), 1.0)
-    x0 = prior.sample(pool, rng)
-    chunks = range(0, pool, CHUNK)
-    ll0 = np.concatenate(
-        [model.log_probabilities(x0[i : i + CHUNK]).astype(np.float64) @ counts.T for i in chunks]
+    chunks = range(0, len(x0), CHUNK)
+    # float32 sums: a 400-share history's log-likelihood (about -3,000) is off by 1e-3 at most.
+    ll0 = np.concatenate([model.log_probabilities(x0[i : i + CHUNK]) @ counts.T for i in chunks]).astype(
+        np.float64
     )
     ess = _ess(ll0)
-    predictive = np.zeros_like(counts)
+    predictive = np.zeros(counts.shape)
     done = ess >= min_ess
-    weights = _normalised(ll0[:, done])
+    weights = _normalised(ll0[:, done]).astype(np.float32)
     for i in chunks:  # the pool's devices: a chunk's probabilities at a time
         predictive[done] += weights[i : i + CHUNK].T @ np.exp(model.log_probabilities(x0[i : i + CHUNK]))
-    draws = np.where(done, pool, 0)
+    draws = np.where(done, len(x0), 0)
     for row in np.flatnonzero(~done):
         shares = _Shares(np.flatnonzero(counts[row]), counts[row][counts[row] > 0])
         predictive[row], ess[row], draws[row] = _tempered(prior, model, shares, x0, ll0[:, row], min_ess, rng)
-    return BayesCeiling(top_k(predictive), predictive, ess, draws)
+    return predictive, ess, draws
 
 
 class _Likelihood:
@@ -181,7 +203,7 @@ def _tempered(
             full = np.concatenate(log_bases) + np.concatenate(lls)
             ess = float(_ess(full))
             if power >= 1.0 and ess >= min_ess:
-                weights = _normalised(full)
+                weights = _normalised(full).astype(np.float32)
                 return weights @ np.exp(np.concatenate(log_ps)), ess, len(full)
         x, log_base, ll = np.concatenate(xs), np.concatenate(log_bases), np.concatenate(lls)
         # Never back down: a proposal short of the target at the same power improves by a refit.
@@ -196,7 +218,7 @@ def _power(log_base: np.ndarray, ll: np.ndarray, target: float) -> float:
     if _ess(log_base + ll) >= target:
         return 1.0
     low, high = 0.0, 1.0
-    for _ in range(40):
+    for _ in range(20):  # to within 1e-6
         middle = (low + high) / 2
         low, high = (middle, high) if _ess(log_base + middle * ll) >= target else (low, middle)
     return max(low, 1e-9)

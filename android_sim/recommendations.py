@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from rich.table import Table
 
-from android_sim.bayes_ceiling import BayesCeiling, bayes_ceiling
+from android_sim.bayes_ceiling import MAX_DEVICES, BayesCeiling, bayes_ceiling
 from android_sim.ceilings import ceiling_tops, table_ceiling_tops
 from android_sim.hit_rates import Evaluation, ScoredDevice, evaluate
 from android_sim.intervals import Interval
@@ -239,13 +239,14 @@ def score_held_out(
     bayes: BayesCeiling | None = None
     if truth is not None and probabilities is not None and ceilings:
         # A device with an empty store is not scored; it gets the prior's top-10 here all the same.
-        bayes = bayes_ceiling(truth.data, [d["history"] for d in devices])
+        if len(devices) <= MAX_DEVICES:
+            bayes = bayes_ceiling(truth.data, [d["history"] for d in devices])
         found = ceiling_tops(
             [d["history"] for d in devices],
             probabilities,
             truth.item_topics,
             [training_shares(workload, i) for i in training],
-            bayes=bayes.tops,
+            bayes=None if bayes is None else bayes.tops,
         )
     elif devices and ceilings:
         found = table_ceiling_tops(

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from rich.console import Console
 
+from android_sim import bayes_ceiling as bayes_ceiling_module
 from android_sim.bayes_ceiling import BayesCeiling, TastePrior, _ess, _Likelihood, bayes_ceiling
 from android_sim.ceilings import oracle_tops, top_k
 from android_sim.expressions import SyntheticConfig, SyntheticExpressions, generate_expressions
@@ -129,3 +130,11 @@ def test_the_tables_show_the_bayes_row_and_its_effective_samples_and_the_report_
     assert found["bayes_ceiling"]["min_ess"] == pytest.approx(ceiling.ess.min())
     assert "bayes" in found["methods"] and "bayes" in found["differences"]
     assert found["differences"]["bayes"]["expected"]["value"] == pytest.approx(0.0, abs=1e-12)  # same items
+
+
+def test_devices_in_blocks_get_the_same_estimates(fleet: Fleet, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The blocks bound the memory of a large fleet's (pool, devices) weights; they change nothing.
+    monkeypatch.setattr(bayes_ceiling_module, "DEVICE_BLOCK", 7)
+    blocked = bayes_ceiling(fleet.data, fleet.histories, min_ess=300, pool=8_000)
+    np.testing.assert_array_equal(blocked.tops, fleet.ceiling.tops)
+    np.testing.assert_allclose(blocked.ess, fleet.ceiling.ess)
