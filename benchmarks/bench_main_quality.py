@@ -46,6 +46,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from orchestrator.aggregation.maths import ServerOptimizerConfig  # noqa: E402
+
 from android_sim import recommendations  # noqa: E402
 from android_sim.algorithm import optimizer_over  # noqa: E402
 from android_sim.bench.federated import Rounds, Server  # noqa: E402
@@ -67,7 +69,6 @@ from contracts.task_config import TaskConfig  # noqa: E402
 from device_runtime.examples_table import store_path  # noqa: E402
 from device_runtime.recommender import Bagging, Recommendation, Recommender  # noqa: E402
 from model_runtime.tflite_model import TFLiteModel  # noqa: E402
-from orchestrator.aggregation import ServerOptimizerConfig  # noqa: E402
 from secure_aggregation.quantization import Layout  # noqa: E402
 
 # The keys that change only how the held-out devices serve: configurations that differ in these

@@ -14,6 +14,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from orchestrator.aggregation.differential_privacy import DPConfig, epsilon, target_delta_for
 from rich.console import Console
 
 from android_sim.__main__ import build_parser, main
@@ -30,7 +31,6 @@ from device_runtime.example_store import ExampleStore
 from device_runtime.local_state import LocalStateStore
 from model_export.config import ModelConfig
 from model_runtime.tflite_model import TFLiteModel
-from orchestrator.differential_privacy import DPConfig, epsilon, target_delta_for
 from orchestrator.local import LocalOrchestrator
 
 # Always charging on wifi, never picked up: every device is eligible, so small tests run fast.
