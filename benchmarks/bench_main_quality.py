@@ -46,7 +46,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from orchestrator.aggregation.maths import ServerOptimizerConfig  # noqa: E402
+from orchestrator.aggregation.server_optimizer import ServerOptimizerConfig
 
 from android_sim import recommendations  # noqa: E402
 from android_sim.algorithm import optimizer_over  # noqa: E402
