@@ -1,6 +1,9 @@
 """What the held-out devices' top-10 could be, scored beside the federated model's on the same split.
 
-- **oracle**: the generator's own probabilities (synthetic data only): the best any model can do.
+- **oracle**: the generator's own probabilities (synthetic data only): the best any model could
+  do knowing each user's true taste.
+- **Bayes**: the generator's prior and items, the user's taste inferred from the history alone
+  (`android_sim.bayes_ceiling`): the best any model can do from the device's data.
 - **topic rule**: no training; the popularity counted over the training devices, weighted by how
   often the device's own history touches each expression's topic (public catalog metadata), with
   a bonus for what the device already shared (expressions are re-shared).
@@ -182,10 +185,12 @@ def ceiling_tops(
     item_topics: np.ndarray,
     training: Sequence[np.ndarray],
     mf_devices: int = MF_TRAINING_DEVICES,
+    bayes: np.ndarray | None = None,
 ) -> dict[str, np.ndarray]:
     """Each ceiling's (devices, k) top-k for the devices holding `histories`, their true share
     probabilities (devices, items) and the training devices' shares `training` (the centralized
-    MF's on at most `mf_devices` of them; the topic rule's popularity on all)."""
+    MF's on at most `mf_devices` of them; the topic rule's popularity on all); `bayes`, the Bayes
+    ceiling's top-k (`android_sim.bayes_ceiling`), goes beside the oracle."""
     num_items = probabilities.shape[1]
     popularity = np.bincount(np.concatenate([*training, np.zeros(0, np.int64)]), minlength=num_items)
     mf = SoftmaxMF()
@@ -193,6 +198,7 @@ def ceiling_tops(
     return {
         "topic_rule": TopicRule().tops(histories, popularity.astype(np.float64), item_topics),
         "central_mf": mf.tops(items, bias, histories),
+        **({} if bayes is None else {"bayes": bayes}),
         "oracle": oracle_tops(probabilities),
     }
 

@@ -31,6 +31,13 @@ MOODS = (
 )  # fmt: skip
 
 
+# A user's taste (the prior `android_sim.bayes_ceiling` integrates over): 1 to MAX_LIKED_TOPICS
+# distinct topics, uniform in number then in which, their centroids summed plus Gaussian noise of
+# this scale in every dimension, made a unit vector.
+MAX_LIKED_TOPICS = 3
+TASTE_NOISE = 0.3
+
+
 class ExpressionKind(enum.StrEnum):
     GIF = "gif"
     STICKER = "sticker"
@@ -108,6 +115,7 @@ class SyntheticExpressions:
     users: tuple[UserShares, ...]
     config: SyntheticConfig
     item_vectors: np.ndarray  # float64 (num_expressions, taste_dim), unit rows
+    topic_centroids: np.ndarray  # float64 (num_topics, taste_dim), unit rows: the tastes' prior
 
     @property
     def item_topics(self) -> np.ndarray:
@@ -166,8 +174,8 @@ def generate_expressions(config: SyntheticConfig = SyntheticConfig()) -> Synthet
     log_popularity = np.log(catalog.popularity)
     users = []
     for user_id in range(config.num_users):
-        liked = rng.choice(config.num_topics, size=int(rng.integers(1, 4)), replace=False)
-        taste = _unit(centroids[liked].sum(axis=0) + 0.3 * rng.normal(size=config.taste_dim))
+        liked = rng.choice(config.num_topics, size=int(rng.integers(1, MAX_LIKED_TOPICS + 1)), replace=False)
+        taste = _unit(centroids[liked].sum(axis=0) + TASTE_NOISE * rng.normal(size=config.taste_dim))
         p = _share_probabilities(log_popularity, item_vectors, taste, config)
         count = min(
             config.max_shares,
@@ -175,12 +183,21 @@ def generate_expressions(config: SyntheticConfig = SyntheticConfig()) -> Synthet
         )
         items = rng.choice(config.num_expressions, size=count, p=p).astype(np.int64)
         users.append(UserShares(user_id, items, _timestamps(count, config, rng), taste))
-    return SyntheticExpressions(catalog, tuple(users), config, item_vectors)
+    return SyntheticExpressions(catalog, tuple(users), config, item_vectors, centroids)
+
+
+def share_logits(
+    log_popularity: np.ndarray, item_vectors: np.ndarray, tastes: np.ndarray, config: SyntheticConfig
+) -> np.ndarray:
+    """The unnormalised log share probabilities of one taste (taste_dim,) or of each row (n, taste_dim)."""
+    # One taste as the generator has always computed it (its draws depend on these very bits).
+    affinity = item_vectors @ tastes if tastes.ndim == 1 else tastes @ item_vectors.T
+    return np.asarray(log_popularity + config.taste_strength * affinity)
 
 
 def _share_probabilities(
     log_popularity: np.ndarray, item_vectors: np.ndarray, taste: np.ndarray, config: SyntheticConfig
 ) -> np.ndarray:
-    logits = log_popularity + config.taste_strength * (item_vectors @ taste)
+    logits = share_logits(log_popularity, item_vectors, taste, config)
     p = np.exp(logits - logits.max())
     return np.asarray(p / p.sum())

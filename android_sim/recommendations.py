@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from rich.table import Table
 
+from android_sim.bayes_ceiling import MAX_DEVICES, BayesCeiling, bayes_ceiling
 from android_sim.ceilings import ceiling_tops, table_ceiling_tops
 from android_sim.hit_rates import Evaluation, ScoredDevice, evaluate
 from android_sim.intervals import Interval
@@ -48,6 +49,7 @@ METHODS = {
     "group_rule": "group rule *",
     "cooccurrence": "co-occurrence *",
     "central_mf": "central MF *",
+    "bayes": "Bayes *",
     "oracle": "oracle *",
 }
 DESCRIBED = {
@@ -58,6 +60,7 @@ DESCRIBED = {
     "group_rule": "ceiling: popularity x the device history's groups (the catalog's), re-share bonus",
     "cooccurrence": "ceiling: items shared by the same training devices as the history's, re-share bonus",
     "central_mf": "ceiling: softmax MF trained on every training device's shares pooled",
+    "bayes": "ceiling: the posterior predictive given the history, under the generator's prior and items",
     "oracle": "ceiling: the generator's own share probabilities",
 }
 
@@ -70,6 +73,7 @@ class HitRates:
     scored: list[ScoredDevice]
     # What "personalized" was, as the tables name it: FedRecon, FURL, or a model without locals.
     model_label: str = "FedRecon"
+    bayes: BayesCeiling | None = None  # how the Bayes ceiling's row was estimated (synthetic data)
 
     @property
     def devices(self) -> int:
@@ -94,6 +98,7 @@ class HitRates:
             "model_label": self.model_label,
             "future_fraction": "newest fifth of each held-out device's shares, at least one, never all",
             "scored_devices": [d.to_json() for d in self.scored],
+            "bayes_ceiling": None if self.bayes is None else self.bayes.to_json(),
         }
 
 
@@ -231,12 +236,17 @@ def score_held_out(
     if truth is not None and devices:
         probabilities = np.stack([truth.probabilities(d["index"]) for d in devices])
     found: dict[str, np.ndarray] = {}
+    bayes: BayesCeiling | None = None
     if truth is not None and probabilities is not None and ceilings:
+        # A device with an empty store is not scored; it gets the prior's top-10 here all the same.
+        if len(devices) <= MAX_DEVICES:
+            bayes = bayes_ceiling(truth.data, [d["history"] for d in devices])
         found = ceiling_tops(
             [d["history"] for d in devices],
             probabilities,
             truth.item_topics,
             [training_shares(workload, i) for i in training],
+            bayes=None if bayes is None else bayes.tops,
         )
     elif devices and ceilings:
         found = table_ceiling_tops(
@@ -260,7 +270,7 @@ def score_held_out(
     ]
     if not scored or (probabilities is None and not any(len(d.future) for d in scored)):
         return None, examples
-    return HitRates(evaluate(scored), scored, model_label(model.manifest, task)), examples
+    return HitRates(evaluate(scored), scored, model_label(model.manifest, task), bayes), examples
 
 
 def model_label(manifest: Manifest, task: TaskConfig) -> str:

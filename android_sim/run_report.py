@@ -6,7 +6,6 @@ ranking model's report adds its held-out hit rates and a few devices' top-k tabl
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, cast
@@ -264,7 +263,7 @@ def hit_rate_table(hit_rates: HitRates) -> Table:
         title_justify="left",
         box=box.SIMPLE_HEAD,
         pad_edge=False,
-        caption=_ceilings_caption(e.methods, truth),  # the footnote only under rows it explains
+        caption=_ceilings_caption(hit_rates, truth),  # the footnote only under rows it explains
         caption_justify="left",
     )
     table.add_column("top-10", no_wrap=True)
@@ -283,11 +282,22 @@ def _method_name(method: str, model_label: str) -> str:
     return model_label if method == "personalized" else METHODS[method]
 
 
-def _ceilings_caption(methods: Mapping[str, Any], truth: bool) -> str | None:
-    """The footnote of the starred rows, when there are any (the oracle's part only with a truth)."""
+def _ceilings_caption(hit_rates: HitRates, truth: bool) -> str | None:
+    """The footnote of the starred rows, when there are any (the oracle's part only with a truth;
+    the Bayes ceiling's, with how well it was estimated, when it was)."""
+    methods = hit_rates.evaluation.methods
     if not any(METHODS[m].endswith("*") for m in methods):
         return None
-    return CEILINGS if truth else "* ceilings: the rules and the centralized MF see every share"
+    if not truth:
+        return "* ceilings: the rules and the centralized MF see every share"
+    bayes = hit_rates.bayes
+    if bayes is None or "bayes" not in methods:
+        return CEILINGS
+    return (
+        f"{CEILINGS};\n  Bayes, the best top-10 from the history alone: the posterior predictive under the "
+        f"generator's prior and items, by importance sampling (effective sample size min "
+        f"{bayes.ess.min():,.0f}, median {np.median(bayes.ess):,.0f} over {len(bayes.ess)} devices)"
+    )
 
 
 def history_table(hit_rates: HitRates) -> Table:

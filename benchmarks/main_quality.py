@@ -12,7 +12,9 @@ which a device serves with), `"serve_model"` (model config fields of the export 
 devices reconstruct and rank with, over the trained one's: the same parameters, e.g. another
 `history_start`; a serving-only trial of a model change), `"serve_bagging"` (the held-out devices
 rank by a bagged reconstruction: `device_runtime.recommender.Bagging`'s fields, e.g.
-`{"members": 8}`), `"uniform"` (every report weighs the
+`{"members": 8}`), `"validation"` (true: score as many validation devices, drawn from the training ones and
+kept out of training, in place of the held-out ones, which then train nothing either: a
+choice made on them never saw the held-out devices), `"uniform"` (every report weighs the
 same, as under secure aggregation or DP) and `"secure"` (secure aggregation's arithmetic:
 deltas clipped to this L2 norm, quantized to 32 bits, summed and dequantized, uniform weights;
 the main job's `--aggregation secure` clips to 10). Prints one line per configuration:
@@ -110,6 +112,14 @@ def train(spec: dict[str, Any], work: Path) -> SimpleNamespace:
     # The main job's split (`run.prepare_devices`): the same held-out devices and kept-aside shares.
     count = len(workload.devices)
     held = sorted(np.random.default_rng(seed).permutation(count)[: round(config.held_out_fraction * count)])
+    if spec.get("validation"):
+        # As many validation devices, drawn from the rest, are scored instead; the held-out ones
+        # still train nothing, so a choice made on the validation devices never saw them.
+        rest = sorted(set(range(count)) - set(held))
+        excluded = set(held)
+        held = sorted(np.random.default_rng((seed, 1)).choice(rest, len(held), replace=False).tolist())
+    else:
+        excluded = set()
     stored, future = {}, {}
     for i in held:
         device = workload.devices[i]
@@ -118,7 +128,7 @@ def train(spec: dict[str, Any], work: Path) -> SimpleNamespace:
         if kept_aside:
             stored[i], future[i] = split_newest(device, kept_aside)
     devices = [newest_first(stored.get(i, d)) for i, d in enumerate(workload.devices)]
-    training = [i for i in range(count) if i not in stored]
+    training = [i for i in range(count) if i not in stored and i not in excluded]
     eligible = [i for i in training if devices[i].num_examples >= config.min_examples]
     task = simulation_task(workload, config.task, config.min_examples)
     server = ServerOptimizerConfig.from_json(
@@ -204,20 +214,23 @@ def line(spec: dict[str, Any], found: HitRates) -> str:
     )
     ceilings = ", ".join(
         f"{m} {methods[m].expected.value:.1%}"  # type: ignore[union-attr]
-        for m in ("most_shared", "topic_rule", "central_mf", "oracle")
+        for m in ("most_shared", "topic_rule", "central_mf", "bayes", "oracle")
     )
     per_device = 1000 * TimedRecommender.seconds / max(TimedRecommender.calls, 1)
+    to_bayes = paired_text(
+        per_device_expected(found, "bayes"), per_device_expected(found), history_buckets(found)
+    )
     return (
         f"{json.dumps(spec)}: FedRecon expected {mine.expected}, newest {mine.newest}; "
-        f"by history {by_size}; {ceilings}; serving {TimedRecommender.seconds:.2f} s "
-        f"({per_device:.1f} ms a device)"
+        f"by history {by_size}; {ceilings}; FedRecon minus Bayes {to_bayes}; "
+        f"serving {TimedRecommender.seconds:.2f} s ({per_device:.1f} ms a device)"
     )
 
 
-def per_device_expected(found: HitRates) -> dict[int, float]:
-    """Each scored device's expected hit rate@10 of FedRecon's top-10, by the device's index."""
+def per_device_expected(found: HitRates, method: str = "personalized") -> dict[int, float]:
+    """Each scored device's expected hit rate@10 of `method`'s top-10 (FedRecon's), by the device's index."""
     return {
-        d.index: expected_hit_rate(np.asarray(d.tops["personalized"]), d.probabilities)
+        d.index: expected_hit_rate(np.asarray(d.tops[method]), d.probabilities)
         for d in found.scored
         if d.probabilities is not None
     }
@@ -252,13 +265,14 @@ def main() -> None:
             Bagging.from_json(spec.get("serve_bagging", {}))
         except ValueError as e:
             sys.exit(f"main_quality: {e}")
-    baseline: dict[int, dict[int, float]] = {}  # the first configuration of each seed
+    # The first configuration of each seed (and scored set: held-out or validation devices).
+    baseline: dict[tuple[int, bool], dict[int, float]] = {}
     trained: dict[str, SimpleNamespace] = {}
     with tempfile.TemporaryDirectory() as work:
         for spec in specs:
             found = run(spec, Path(work), trained)
             text = line(spec, found)
-            seed, mine = int(spec.get("seed", 0)), per_device_expected(found)
+            seed, mine = (int(spec.get("seed", 0)), bool(spec.get("validation"))), per_device_expected(found)
             if seed in baseline:
                 text += "; paired minus this seed's first configuration " + paired_text(
                     baseline[seed], mine, history_buckets(found)

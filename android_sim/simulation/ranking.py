@@ -167,7 +167,7 @@ def ranking_table(hit_rates: HitRates, manifest: Manifest, task: TaskConfig) -> 
         title_justify="left",
         box=box.SIMPLE_HEAD,
         pad_edge=False,
-        caption="* ceilings: they see every training device's shares on one server",
+        caption=_caption(hit_rates),
         caption_justify="left",
     )
     table.add_column("top-10", no_wrap=True)
@@ -187,6 +187,18 @@ def ranking_table(hit_rates: HitRates, manifest: Manifest, task: TaskConfig) -> 
             cell(diff.get("ndcg"), "+"),
         )
     return table
+
+
+def _caption(hit_rates: HitRates) -> str:
+    """The starred rows' footnote: the generator's rows (built-in synthetic data) are said apart."""
+    caption = "* ceilings: they see every training device's shares on one server"
+    truth = [METHODS[m].rstrip(" *") for m in ("bayes", "oracle") if m in hit_rates.evaluation.methods]
+    if truth:
+        caption += f"; {' and '.join(truth)}: the data generator's truth"
+    if hit_rates.bayes is not None and "bayes" in hit_rates.evaluation.methods:
+        ess = hit_rates.bayes.ess
+        caption += f" (Bayes's effective sample size min {ess.min():,.0f}, median {np.median(ess):,.0f})"
+    return caption
 
 
 def cell(figure: Interval | None, sign: str = "") -> str:
@@ -215,4 +227,5 @@ def summary(hit_rates: HitRates, manifest: Manifest, task: TaskConfig) -> dict[s
             m: {"hit_rate_at_10": figures(d.get("newest")), "ndcg_at_10": figures(d.get("ndcg"))}
             for m, d in e.differences.items()
         },
+        "bayes_ceiling": None if hit_rates.bayes is None else hit_rates.bayes.to_json(),
     }

@@ -141,7 +141,7 @@ def test_a_fleet_trains_evaluates_and_writes_its_report(work: Path) -> None:
     # the synthetic data's ground truth gives every method an expected hit rate and the ceilings.
     held_out = report["hit_rates"]["scored_devices"]
     assert len(held_out) == result.hit_rates.devices
-    methods = {"personalized", "global", "most_shared", "topic_rule", "central_mf", "oracle"}
+    methods = {"personalized", "global", "most_shared", "topic_rule", "central_mf", "bayes", "oracle"}
     assert all(set(d["top10"]) == methods and len(d["top10"]["oracle"]) == 10 for d in held_out)
     figures = report["hit_rates"]["methods"]
     assert all(figures[m]["expected"]["low"] <= figures[m]["expected"]["value"] for m in methods)
