@@ -90,11 +90,6 @@ def population_manifest(population: Population) -> Manifest:
     return config_of(population).manifest
 
 
-def population_pipeline(population: Population) -> Pipeline:
-    """The population's aggregation pipeline, assembled once from its settings."""
-    return config_of(population).pipeline
-
-
 def _rounds_within_budget(population: Population) -> int | None:
     """How many training rounds the population's privacy budget allows; None without a budget."""
 
