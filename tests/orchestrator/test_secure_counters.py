@@ -16,8 +16,6 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from orchestrator.db import Assignment, Round, SecureParticipant, SecureRound
 from orchestrator.migrate import alembic_config
-from orchestrator.populations.locks import population_of_assignment
-from orchestrator.rounds import checkins
 from orchestrator.rounds import counts as round_counts
 from orchestrator.rounds.refusals import Refused
 from orchestrator.rounds.secure import state as secure_round_state
@@ -27,6 +25,7 @@ from secure_aggregation.config import RoundParameters
 from secure_aggregation.device import DeviceSession
 from secure_aggregation.messages import AdvertisedKeys, ciphertexts_from_json, encode_vector, shares_to_json
 from tests.orchestrator.conftest import make_population
+from tests.orchestrator.test_rounds import abort as abort_one
 from tests.orchestrator.test_rounds import checkin, current_round, device, round_by_id
 from tests.orchestrator.test_secure_rounds import SECURE, confirm, message, send_masked_input, state
 
@@ -74,11 +73,8 @@ def check(db: sessionmaker[Session], round_id: int) -> tuple[str, secure_round_s
 
 
 def abort(db: sessionmaker[Session], dev: str, assignment_id: str, now: float) -> None:
-    with db.begin() as session:
-        population = population_of_assignment(session, assignment_id)
-        assert population is not None
-        answer = checkins.abort(session, population, assignment_id, dev, now)
-        assert not isinstance(answer, Refused), answer
+    answer = abort_one(db, dev, assignment_id, now)
+    assert not isinstance(answer, Refused), answer
 
 
 def test_the_counters_on_the_round_follow_every_message_abort_drop_and_deadline(
