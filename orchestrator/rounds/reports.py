@@ -2,7 +2,7 @@
 
 One pass, each check once. First, with no lock, the group's assignments are read with their rounds
 and populations (one statement) and each report that may count is checked and parsed
-(`report_checks`: most of its time), its delta decoded once; what is known then decides whether
+(`report_checks`: most of its time), kept for the rest of the pass; what is known then decides whether
 the group may close a round: one of its rounds is past its deadline, belongs to a secure
 population, or may reach its target with the group's reports. Such a group takes its populations'
 locks there and then, before it writes anything (the populations, then every round it may write
