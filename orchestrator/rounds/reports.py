@@ -269,8 +269,9 @@ def _may_close(
             continue
         if event.abort or found.status != "assigned":
             continue
-        content = contents.setdefault(index, _content(config, found, event))
-        if not isinstance(content, Unread | Refused):
+        if index not in contents:  # checked by an earlier run of the group (after `Raced`)
+            contents[index] = _content(config, found, event)
+        if not isinstance(contents[index], Unread | Refused):
             coming[round_.id] += 1
             may_close = may_close or round_.reported + coming[round_.id] >= round_.target
     return may_close
