@@ -95,14 +95,6 @@ def table_format(path: Path) -> str:
     return found
 
 
-def expected_columns(
-    manifest: Manifest, device_column: str = DEVICE_COLUMN, time_column: str = TIME_COLUMN
-) -> list[str]:
-    """The columns a table for this model has (an implicit-feedback ranking model's label may be left
-    out: every row is then a share, label 1)."""
-    return [device_column, time_column, *(f.name for f in manifest.features)]
-
-
 def _implicit_label(manifest: Manifest) -> str | None:
     """The label that defaults to 1 (a share) when its column is absent: implicit feedback only."""
     if manifest.task.kind == "ranking" and manifest.task.negative_sampling:

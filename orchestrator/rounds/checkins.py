@@ -1,11 +1,10 @@
-"""The device events of a round: check-in, report, abort (and finding a secure round's assignment).
+"""A round's check-ins (and finding a secure round's assignment); its reports and aborts are
+`round_reports`'.
 
 Every function here runs inside the caller's transaction and takes `now` explicitly, so a
 restarted server continues from the last committed state and tests control time. Protocol
 refusals are returned as `Refused` values, not raised, so that the counters they bump are
-committed with the answer. What a report must hold is `report_checks`'; opening, closing and
-committing rounds is `round_lifecycle`'s, whose names (and the population look-ups) are
-re-exported here for the routes.
+committed with the answer. Opening, closing and committing rounds is `round_lifecycle`'s.
 """
 
 from __future__ import annotations
@@ -38,7 +37,7 @@ from orchestrator.rounds.lifecycle import (
     up_to_date,
 )
 from orchestrator.rounds.refusals import Refused
-from orchestrator.rounds.reports import Event, Found, find_assignment, receive
+from orchestrator.rounds.reports import Found, find_assignment
 from orchestrator.rounds.secure import messages
 
 # The refusal of a check-in into a secure round whose roster has closed (its `reason`).
@@ -366,29 +365,3 @@ def assignment_status(session: Session, assignment_id: str) -> str:
     found = session.connection().execute(_ASSIGNMENT, {"assignment_id": assignment_id}).first()
     assert found is not None
     return str(found[1])
-
-
-def report(
-    session: Session,
-    population: Population,
-    assignment_id: str,
-    device_id: str,
-    body: bytes,
-    content_type: str,
-    now: float,
-) -> Round | Refused:
-    """Validate and store one report under its (locked) population's lock; commit the round when it
-    reaches its target. (The service counts groups of them: `round_reports.receive`.)"""
-    return _one(session, population, Event(assignment_id, device_id, body, content_type), now)
-
-
-def abort(
-    session: Session, population: Population, assignment_id: str, device_id: str, now: float
-) -> Round | Refused:
-    """One abort under its (locked) population's lock."""
-    return _one(session, population, Event(assignment_id, device_id, abort=True), now)
-
-
-def _one(session: Session, population: Population, event: Event, now: float) -> Round | Refused:
-    (answer,) = receive(session, [event], now, lock=True)
-    return answer if isinstance(answer, Refused) else answer.round

@@ -21,7 +21,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import replace
 from typing import Any, cast
 
-from sqlalchemy import CursorResult, bindparam, func, select, update
+from sqlalchemy import CursorResult, bindparam, select, update
 from sqlalchemy.orm import Session
 
 from contracts.params import Params, check_params
@@ -445,9 +445,3 @@ def summarize_metrics(round_: Round) -> dict[str, float]:
             if k in sums:
                 out[k] = sums[k] / round_.reported
     return out
-
-
-def reports_in_round(session: Session, round_id: int) -> int:
-    return int(
-        session.scalar(select(func.count()).select_from(Report).where(Report.round_id == round_id)) or 0
-    )

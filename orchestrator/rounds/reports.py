@@ -1,18 +1,21 @@
 """Reports and aborts: a group of them read, checked and counted into their rounds in one transaction.
 
-Each goes through two steps. First, with no lock, its assignment and round are read and a report is
-checked and parsed (`report_checks`), which is most of its time. Then, in round id order, it is
-counted into its round in one statement (`round_counts`: the only lock it takes is its round's
-row, held until the transaction ends), its assignment is marked and the report stored. A round that reaches
-its target commits in the same transaction (`round_lifecycle.commit`).
+One pass, each check once. First, with no lock, the group's assignments are read with their rounds
+and populations (one statement) and each report that may count is checked and parsed
+(`report_checks`: most of its time), kept for the rest of the pass; what is known then decides whether
+the group may close a round: one of its rounds is past its deadline, belongs to a secure
+population, or may reach its target with the group's reports. Such a group takes its populations'
+locks there and then, before it writes anything (the populations, then every round it may write
+to: `population_locks.lock_rounds`, the rounds past their deadline closed first), reads its
+assignments again under them and counts its events one by one (a report may commit its round, and
+the next one is then late: `round_lifecycle.commit`). Any other group counts each round's events
+together, in round id order, in one statement (`round_counts`: the only lock it takes is its
+round's row, held until the transaction ends), marks their assignments and stores the reports.
 
-A group that would have to do more (commit a round, close one past its deadline, take part in a
-secure round's population) takes its populations' locks in the same pass, after the reads and the
-parsing and before anything is written: the populations, then every round the group may write to
-(`population_locks.lock_rounds`), the rounds past their deadline closed first, its assignments
-read again under them. Only a race with another server process (it finished one of the group's
-assignments meanwhile, or its reports took a round to its target after this group's count) raises
-`LockNeeded`: the caller rolls back and runs the group again with `lock=True`.
+Only a race with another server process, which nothing read before the count can foresee (it
+finished one of the group's assignments meanwhile, or its reports took a round to its target after
+this group's read), makes a group that took no locks need them: `Raced`, raised where it counts,
+and the caller rolls back and runs the group again with `locked=True`, reusing what it checked.
 """
 
 from __future__ import annotations
@@ -73,9 +76,23 @@ _CONTENT_TYPES = {TRAINING: "application/octet-stream", EVALUATION: "application
 Parsed = tuple[float, bytes | None, dict[str, float]] | Refused
 
 
-class LockNeeded(Exception):
-    """The group needs its populations' locks (see the module's docstring): roll back, run it again
-    with `lock=True`."""
+@dataclass(frozen=True)
+class Unread:
+    """A report refused before its body is read (its round takes reports another way, or its
+    Content-Type is not its round's): the assignment stays open, so that the device may send it
+    again right, and its round counts nothing. `counted`: in the reports metric."""
+
+    refused: Refused
+    counted: bool
+
+
+# What a report's content is, checked once per report (`_content`), by the events' positions.
+Content = Parsed | Unread
+
+
+class Raced(Exception):
+    """Another server process changed the group's round or assignment between its read and its
+    count (see the module's docstring): roll back, run the group again with `locked=True`."""
 
 
 @dataclass(frozen=True)
@@ -155,22 +172,27 @@ class _Step:
 
 
 def receive(
-    session: Session, events: Sequence[Event], now: float, lock: bool, parsed: dict[int, Parsed] | None = None
+    session: Session,
+    events: Sequence[Event],
+    now: float,
+    locked: bool = False,
+    contents: dict[int, Content] | None = None,
 ) -> list[Counted | Refused]:
     """Answer each event, in order, in the caller's transaction (see the module's docstring).
-    The group's assignments, rounds and populations are read in one statement and its reports
-    parsed, with no lock. A group that needs its populations' locks (it may commit or close a
-    round, or meets a secure population's) takes them there and then, before it writes anything,
-    and reads its assignments again under them: one pass, no rollback. `parsed` keeps the reports
-    parsed by a run that raised LockNeeded (a race with another process) for the run under the
-    locks (by the events' positions)."""
-    parsed = {} if parsed is None else parsed
+    `locked`: take the populations' locks before anything is read (the run after `Raced`).
+    `contents`: the reports' contents as checked by an earlier run of the same events (by their
+    positions), kept for the run after `Raced`; filled here."""
+    contents = {} if contents is None else contents
     ids = [e.assignment_id for e in events]
-    read = {} if lock else _read(session, ids)
-    if lock or _parse_ahead(events, read, now, parsed):
-        lock = True
-        _lock(session, ids, read, now)
-        read = _read(session, ids)  # again under the locks: another process may have changed them
+    if locked:
+        _lock(session, ids, {}, now)
+        read = _read(session, ids)
+    else:
+        read = _read(session, ids)
+        if _may_close(events, read, now, contents):
+            locked = True
+            _lock(session, ids, read, now)
+            read = _read(session, ids)  # again under the locks: another process may have changed them
     answers: list[Counted | Refused | None] = [None] * len(events)
     # A group may hold one assignment twice (a replay): each later copy waits for the earlier's count.
     waves: list[list[int]] = []
@@ -191,15 +213,15 @@ def receive(
             if found is None:
                 answers[index] = Refused(404, f"no assignment {event.assignment_id!r}")
                 continue
-            step = _check(session, found, event, index, now, lock, coming, parsed)
+            step = _check(session, found, event, index, coming, contents)
             if isinstance(step, _Step):
                 steps.append(step)
             else:
                 answers[index] = step
         steps.sort(key=lambda s: (s.found.round.id, s.index))  # round id order: no deadlock
-        if lock:  # one by one: a report may commit its round, and the next is then late
+        if locked:  # one by one: a report may commit its round, and the next is then late
             for step in steps:
-                answers[step.index] = _count(session, step, events[step.index], now, lock)
+                answers[step.index] = _count(session, step, events[step.index], now)
             continue
         for _, of_round in itertools.groupby(steps, key=lambda s: s.found.round.id):
             for index, answer in _count_together(session, list(of_round), now).items():
@@ -223,42 +245,64 @@ def _lock(session: Session, assignment_ids: Sequence[str], read: dict[str, Found
         advance(session, population, now, {r.kind: r for r in mine})
 
 
-def _parse_ahead(
-    events: Sequence[Event], read: dict[str, Found], now: float, parsed: dict[int, Parsed]
+def _may_close(
+    events: Sequence[Event], read: dict[str, Found], now: float, contents: dict[int, Content]
 ) -> bool:
-    """Without any lock, parse each report that may count (kept in `parsed`); True if the group
-    needs its populations' locks: a round it reports into is past its deadline, belongs to a
-    secure population, or may reach its target with the group's reports (it can only have more by
-    now than were read, never fewer)."""
+    """Whether the group may close a round, from its read: a round it reports into is past its
+    deadline, belongs to a secure population, or may reach its target with the group's reports (it
+    can only have more by now than were read, never fewer). Checks the content of each report that
+    may count on the way (kept in `contents`), with no lock."""
     coming: Counter[int] = Counter()
     first: set[str] = set()
-    needs_lock = False
+    may_close = False
     for index, event in enumerate(events):
-        assignment = read.get(event.assignment_id)
-        if assignment is None or event.assignment_id in first:
+        found = read.get(event.assignment_id)
+        if found is None or event.assignment_id in first:
             continue  # unknown, or a later copy (read in its own wave)
         first.add(event.assignment_id)
-        if assignment.device_id != event.device_id or assignment.round.status != state.OPEN:
+        round_ = found.round
+        if found.device_id != event.device_id or round_.status != state.OPEN:
             continue
-        round_, config = assignment.round, config_of(assignment.population)
+        config = config_of(found.population)
         if now >= round_.deadline or config.secure_training:
-            needs_lock = True
+            may_close = True  # its round must be advanced first
             continue
-        sent = event.content_type.split(";")[0].strip().lower()
-        if event.abort or assignment.status != "assigned" or sent != _CONTENT_TYPES[round_.kind]:
+        if event.abort or found.status != "assigned":
             continue
-        if index not in parsed:
-            parsed[index] = _parse(config, assignment, event.body)
-        if not isinstance(parsed[index], Refused):
+        if index not in contents:  # checked by an earlier run of the group (after `Raced`)
+            contents[index] = _content(config, found, event)
+        if not isinstance(contents[index], Unread | Refused):
             coming[round_.id] += 1
-            needs_lock = needs_lock or round_.reported + coming[round_.id] >= round_.target
-    return needs_lock
+            may_close = may_close or round_.reported + coming[round_.id] >= round_.target
+    return may_close
 
 
-def _parse(config: PopulationConfig, found: Found, body: bytes) -> Parsed:
-    if found.round.kind == TRAINING:
-        return parse_training_report(config, found.round, found.example_count, body)
-    return parse_evaluation_report(config, found.example_count, body)
+def _content(config: PopulationConfig, found: Found, event: Event) -> Content:
+    """A report's content checked, in this order: its round takes reports, its Content-Type is the
+    round's kind's (checked before parsing: the assignment stays open), and it parses."""
+    round_ = found.round
+    if round_.kind == TRAINING and config.secure_training:
+        return Unread(
+            Refused(
+                409,
+                f"round {round_.id} uses secure aggregation: take part through /v1/assignments/{{id}}/secure",
+            ),
+            counted=False,
+        )
+    expected = _CONTENT_TYPES[round_.kind]
+    sent = event.content_type.split(";")[0].strip().lower()
+    if sent != expected:
+        refused = Refused(
+            415,
+            f"a {round_.kind} report is Content-Type {expected} "
+            f"({'safetensors' if round_.kind == TRAINING else '{num_examples, metrics}'}), "
+            f"got {sent or 'none'!r}; nothing was stored",
+            reason="content_type",
+        )
+        return Unread(refused, counted=True)
+    if round_.kind == TRAINING:
+        return parse_training_report(config, round_, found.example_count, event.body)
+    return parse_evaluation_report(config, found.example_count, event.body)
 
 
 def _check(
@@ -266,14 +310,11 @@ def _check(
     found: Found,
     event: Event,
     index: int,
-    now: float,
-    lock: bool,
     coming: Counter[int],
-    parsed: dict[int, Parsed],
+    contents: dict[int, Content],
 ) -> _Step | Refused | Counted:
-    """The first step: check (and parse, unless parsed already). Without the populations' locks,
-    raises LockNeeded if the round must be advanced, or if this wave's reports may reach its
-    target (`_parse_ahead` has seen to it that they do not, unless the group met a race)."""
+    """The first step: whose the assignment is and whether it can still take the event, then the
+    report's content (checked here unless `_may_close` checked it already)."""
     population = found.population
     if found.device_id != event.device_id:
         refused = Refused(403, "this assignment belongs to another device", reason="not_yours")
@@ -281,10 +322,6 @@ def _check(
             count_report(session, population, "unknown", event.assignment_id, refused)
         return refused
     round_ = found.round
-    config = config_of(population)
-    open_ = round_.status == state.OPEN
-    if not lock and open_ and (now >= round_.deadline or config.secure_training):
-        raise LockNeeded(f"round {round_.id} must be advanced")
     if event.abort and found.status == "aborted":
         # Its own device again: the first answer was lost (a dropped connection, a killed
         # process). Answered as the first was; nothing is counted twice.
@@ -299,32 +336,16 @@ def _check(
         return closed
     if event.abort:
         return _Step(index, population, found, state.ABORT)
-    if round_.kind == TRAINING and config.secure_training:
-        return Refused(
-            409, f"round {round_.id} uses secure aggregation: take part through /v1/assignments/{{id}}/secure"
-        )
-    # Checked before parsing, and the assignment stays open: the device may send its report again
-    # with the right type.
-    expected = _CONTENT_TYPES[round_.kind]
-    sent = event.content_type.split(";")[0].strip().lower()
-    if sent != expected:
-        refused = Refused(
-            415,
-            f"a {round_.kind} report is Content-Type {expected} "
-            f"({'safetensors' if round_.kind == TRAINING else '{num_examples, metrics}'}), "
-            f"got {sent or 'none'!r}; nothing was stored",
-            reason="content_type",
-        )
-        count_report(session, population, round_, event.assignment_id, refused)
-        return refused
-    if index not in parsed:
-        parsed[index] = _parse(config, found, event.body)
-    report = parsed[index]
+    if index not in contents:
+        contents[index] = _content(config_of(population), found, event)
+    report = contents[index]
+    if isinstance(report, Unread):
+        if report.counted:
+            count_report(session, population, round_, event.assignment_id, report.refused)
+        return report.refused
     if isinstance(report, Refused):
         return _Step(index, population, found, state.INVALID, refused=report)
     coming[round_.id] += 1
-    if not lock and round_.reported + coming[round_.id] >= round_.target:
-        raise LockNeeded(f"round {round_.id} may reach its target")
     weight, _, metric_sums = report
     if round_.kind == EVALUATION:
         # Its place among the round's reports as this transaction counts them (1, 2, ...).
@@ -333,8 +354,9 @@ def _check(
     return _Step(index, population, found, state.report_count(weight, metric_sums), report=report)
 
 
-def _count(session: Session, step: _Step, event: Event, now: float, lock: bool) -> Counted | Refused:
-    """The second step: count into the round, mark the assignment, store the report, commit."""
+def _count(session: Session, step: _Step, event: Event, now: float) -> Counted | Refused:
+    """The second step under the populations' locks: count into the round, mark the assignment, store
+    the report, commit the round at its target."""
     population, found, round_ = step.population, step.found, step.found.round
     if step.count is state.LATE:
         round_counts.count(session, round_, state.LATE)
@@ -351,10 +373,8 @@ def _count(session: Session, step: _Step, event: Event, now: float, lock: bool) 
     finished = session.connection().execute(
         _FINISH_ASSIGNMENT, {"assignment_id": found.id, "new_status": new_status, "now": now}
     )
-    if not finished.rowcount:
-        # Another process finished it after it was read; under the locks it is read after them.
-        assert not lock, f"assignment {found.id} changed under its round's lock"
-        raise LockNeeded(f"assignment {found.id} was finished meanwhile")
+    # Under the locks it was read after them: no other process finished it since.
+    assert finished.rowcount, f"assignment {found.id} changed under its round's lock"
     if event.abort:
         if round_.kind == TRAINING and config_of(population).secure_training:
             messages.count_leaving(session, round_.id, found.id)  # its phase's open devices
@@ -370,8 +390,6 @@ def _count(session: Session, step: _Step, event: Event, now: float, lock: bool) 
     count_report(session, population, round_, found.id, None)
     closing = state.target_reached(round_)
     if closing is not None:
-        if not lock:
-            raise LockNeeded(f"round {round_.id} reached its target")
         commit(session, population, round_, now, closing=closing)
     return Counted(round_, round_.status, round_.reported)
 
@@ -380,7 +398,8 @@ def _count_together(session: Session, steps: Sequence[_Step], now: float) -> dic
     """Without the populations' locks, one round's steps of a wave counted together: one count
     (`state.combined`), one mark per new status of the assignments, one insert of the
     reports, so that the round's row is held for a few statements whatever the group's size. None
-    of them reaches the target (`_check` saw to it), so nothing commits here."""
+    of them reaches the target (`_may_close` saw to it, unless another process's reports were
+    counted since: `Raced`), so nothing commits here."""
     population, round_ = steps[0].population, steps[0].found.round
     answers: dict[int, Counted | Refused] = {}
     if not round_counts.count(session, round_, state.combined([s.count for s in steps])):
@@ -394,7 +413,7 @@ def _count_together(session: Session, steps: Sequence[_Step], now: float) -> dic
                 count_report(session, population, round_, step.found.id, late)
         return answers
     if any(s.report is not None for s in steps) and state.target_reached(round_) is not None:
-        raise LockNeeded(f"round {round_.id} reached its target")
+        raise Raced(f"round {round_.id} reached its target")
     finishing: dict[str, list[str]] = {}
     for step in steps:
         if step.count is not state.LATE:
@@ -404,7 +423,7 @@ def _count_together(session: Session, steps: Sequence[_Step], now: float) -> dic
             _FINISH_ASSIGNMENTS, {"ids": ids, "new_status": new_status, "now": now}
         )
         if len(finished.all()) != len(ids):  # another process finished one after it was read
-            raise LockNeeded(f"an assignment of round {round_.id} was finished meanwhile")
+            raise Raced(f"an assignment of round {round_.id} was finished meanwhile")
     rows = [_report_row(step) for step in steps if step.report is not None]
     if rows:
         session.connection().execute(_INSERT_REPORT, rows)

@@ -13,8 +13,9 @@ why; `round_lifecycle` acts on that (commits through the aggregation pipeline, o
 
 Events: a check-in is admitted within the round's capacity (`admissible`; the database applies it
 in one statement, see `rounds._admit`), a report is counted as accepted, invalid or late, an abort
-is counted (each a `Count`, which the database applies in one statement on the round's row:
-`round_counts`), and a tick drops the assignments still outstanding at the deadline.
+is counted (each a `Count`: what the event moves, declared once here; the database applies it in
+one statement on the round's row, generated from it: `rounds.counts`), and a tick drops the
+assignments still outstanding at the deadline.
 """
 
 from __future__ import annotations
@@ -119,14 +120,6 @@ def combined(counts: Sequence[Count]) -> Count:
     return Count(adds, sums, any(count.while_open for count in counts))
 
 
-def apply(round_: RoundCounts, count: Count) -> None:
-    """A count applied in memory, as the database applies it."""
-    for name, amount in count.adds.items():
-        setattr(round_, name, getattr(round_, name) + amount)
-    if count.metric_sums:
-        round_.metrics = add_metric_sums(round_.metrics, count.metric_sums)
-
-
 def add_metric_sums(sums: Mapping[str, float], more: Mapping[str, float]) -> dict[str, float]:
     out = dict(sums)
     for name, value in more.items():
@@ -144,24 +137,6 @@ def target_reached(round_: RoundCounts) -> Closing | None:
             needed=round_.target,
         )
     return None
-
-
-def count_report(round_: RoundCounts, weight: float, metric_sums: Mapping[str, float]) -> Closing | None:
-    """An accepted report: counted with its weight and metric sums; the round commits at its target."""
-    apply(round_, report_count(weight, metric_sums))
-    return target_reached(round_)
-
-
-def count_invalid(round_: RoundCounts) -> None:
-    apply(round_, INVALID)
-
-
-def count_late(round_: RoundCounts) -> None:
-    apply(round_, LATE)
-
-
-def count_abort(round_: RoundCounts) -> None:
-    apply(round_, ABORT)
 
 
 def past_deadline(round_: RoundCounts, now: float) -> bool:

@@ -50,22 +50,23 @@ def report_transaction(
     """Each report or abort in turn, in one transaction; an answer is built as soon as its call is
     in, since a later report in the same transaction may commit the round.
 
-    One pass: the group takes its populations' locks itself when it needs them (it commits or
-    closes a round); run again under them only after a race with another server process
-    (`round_reports.LockNeeded`)."""
-    parsed: dict[int, round_reports.Parsed] = {}  # parsed once, outside the locks
+    One pass: the group takes its populations' locks itself when it may close a round
+    (`round_reports.receive`); run again under them only after a race with another server process
+    that nothing read before the count could foresee (`round_reports.Raced`), with the reports'
+    contents as the first run checked them."""
+    contents: dict[int, round_reports.Content] = {}  # checked once, outside the locks
     try:
-        return _reports_once(factory, calls, now, False, parsed)
-    except round_reports.LockNeeded:
-        return _reports_once(factory, calls, now, True, parsed)
+        return _reports_once(factory, calls, now, False, contents)
+    except round_reports.Raced:
+        return _reports_once(factory, calls, now, True, contents)
 
 
 def _reports_once(
     factory: sessionmaker[Session],
     calls: Sequence[ReportCall],
     now: float,
-    lock: bool,
-    parsed: dict[int, round_reports.Parsed],
+    locked: bool,
+    contents: dict[int, round_reports.Content],
 ) -> list[ReportAccepted | Refused]:
     with factory.begin() as session:
         device_ids = authenticate_all(session, [call.token for call in calls])
@@ -74,7 +75,7 @@ def _reports_once(
             for call, device_id in zip(calls, device_ids, strict=True)
             if device_id is not None
         ]
-        answers = iter(round_reports.receive(session, events, now, lock, parsed))
+        answers = iter(round_reports.receive(session, events, now, locked, contents))
         return [
             _accepted(next(answers)) if device_id is not None else Refused(401, UNAUTHENTICATED)
             for device_id in device_ids

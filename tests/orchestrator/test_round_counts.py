@@ -1,5 +1,7 @@
-"""A round's counts applied by one statement on its row (orchestrator/rounds/counts.py): what
-another transaction counted meanwhile is kept, and a closed round takes no count but a late one."""
+"""A round's counts applied by one statement on its row (orchestrator/rounds/counts.py), the only
+place an event's count (orchestrator/rounds/state.py) is applied: reports, invalid, late and aborted
+ones, alone or combined; what another transaction counted meanwhile is kept, and a closed round
+takes no count but a late one."""
 
 from __future__ import annotations
 
@@ -88,3 +90,79 @@ def test_a_closed_round_takes_no_count_but_a_late_one(
     assert refused == [False, False] and late
     stored = round_by_id(db, round_id)
     assert (stored.aborted, stored.invalid, stored.late, stored.status) == (0, 0, 1, "abandoned")
+
+
+def _round(session: Session, round_id: int) -> Round:
+    round_ = session.get(Round, round_id)
+    assert round_ is not None
+    return round_
+
+
+def test_reports_are_counted_with_their_weights_and_sums_and_the_target_commits(
+    db: sessionmaker[Session], biased_model: ExportedModel
+) -> None:
+    make_population(db, biased_model, target_reports=3)
+    round_id = checkin(db, device(db)).round_id
+
+    with db.begin() as session:
+        round_ = _round(session, round_id)
+        closings = []
+        for weight, sums in ((10.0, {"loss_sum": 1.5}), (5.0, {"loss_sum": 0.5, "n": 1.0}), (1.0, {})):
+            assert round_counts.count(session, round_, state.report_count(weight, sums))
+            closings.append(state.target_reached(round_))
+        first, second, third = closings
+
+        assert first is None and second is None
+        assert third == state.Closing(state.COMMITTED, "3 reports reached the target 3", had=3, needed=3)
+        assert (round_.reported, round_.total_weight) == (3, 16.0)
+        assert round_.metrics == {"loss_sum": 2.0, "n": 1.0}
+        assert round_.status == state.OPEN  # the machine says it closes; closing is the caller's act
+        assert third is not None
+        state.close(round_, third, 12.0)
+    stored = round_by_id(db, round_id)
+    assert (stored.status, stored.closed_at, stored.reported) == (state.COMMITTED, 12.0, 3)
+
+
+def test_invalid_late_and_aborted_reports_are_counted(
+    db: sessionmaker[Session], biased_model: ExportedModel
+) -> None:
+    make_population(db, biased_model, target_reports=3)
+    round_id = checkin(db, device(db)).round_id
+
+    with db.begin() as session:
+        round_ = _round(session, round_id)
+        for count in (state.INVALID, state.LATE, state.LATE, state.ABORT):
+            assert round_counts.count(session, round_, count)
+
+    stored = round_by_id(db, round_id)
+    assert (stored.invalid, stored.late, stored.aborted, stored.reported) == (1, 2, 1, 0)
+
+
+def test_counts_combine_into_one_as_if_applied_one_by_one(
+    db: sessionmaker[Session], biased_model: ExportedModel
+) -> None:
+    make_population(db, biased_model, target_reports=5)
+    one_by_one_id = checkin(db, device(db)).round_id
+    counts = [
+        state.report_count(10.0, {"loss_sum": 1.5}),
+        state.ABORT,
+        state.INVALID,
+        state.report_count(5.0, {"loss_sum": 0.5, "n": 1.0}),
+    ]
+    with db.begin() as session:
+        for count in counts:
+            assert round_counts.count(session, _round(session, one_by_one_id), count)
+        one_by_one = _round(session, one_by_one_id)
+        state.close(one_by_one, state.Closing(state.ABANDONED, "test"), 3.0)
+    together_id = checkin(db, device(db), now=4.0).round_id
+    assert together_id != one_by_one_id
+    combined = state.combined(counts)
+    with db.begin() as session:
+        assert round_counts.count(session, _round(session, together_id), combined)
+
+    assert combined.while_open and not state.combined([state.LATE] * 2).while_open
+    counters = ("reported", "total_weight", "aborted", "invalid", "late", "metrics")
+    first, together = round_by_id(db, one_by_one_id), round_by_id(db, together_id)
+    assert [getattr(together, c) for c in counters] == [getattr(first, c) for c in counters]
+    assert (together.reported, together.total_weight, together.aborted, together.invalid) == (2, 15.0, 1, 1)
+    assert together.metrics == {"loss_sum": 2.0, "n": 1.0}

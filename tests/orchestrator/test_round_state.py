@@ -1,4 +1,5 @@
-"""The round state machine alone: counts, deadlines and closings, without a database."""
+"""The round state machine alone: deadlines, closings and admission, without a database. (What an
+event counts is applied by the database alone: tests/orchestrator/test_round_counts.py.)"""
 
 from __future__ import annotations
 
@@ -40,22 +41,6 @@ class Counts:
     devices_had: int | None = None
     devices_needed: int | None = None
     ended_by: str | None = None
-
-
-def test_reports_are_counted_with_their_weights_and_sums_and_the_target_commits() -> None:
-    round_ = Counts()
-
-    first = round_state.count_report(round_, 10.0, {"loss_sum": 1.5})
-    second = round_state.count_report(round_, 5.0, {"loss_sum": 0.5, "n": 1.0})
-    third = round_state.count_report(round_, 1.0, {})
-
-    assert first is None and second is None
-    assert third == Closing(COMMITTED, "3 reports reached the target 3", had=3, needed=3)
-    assert (round_.reported, round_.total_weight) == (3, 16.0)
-    assert round_.metrics == {"loss_sum": 2.0, "n": 1.0}
-    assert round_.status == OPEN  # the machine says it closes; closing is the caller's act
-    round_state.close(round_, third, 12.0)
-    assert (round_.status, round_.closed_at) == (COMMITTED, 12.0)
 
 
 def test_at_the_deadline_a_round_commits_with_min_reports_and_is_abandoned_with_fewer() -> None:
@@ -101,34 +86,3 @@ def test_admission_stops_at_capacity() -> None:
     assert round_state.admissible(accepted=0, capacity=4, wanted=3) == 3
     assert round_state.admissible(accepted=2, capacity=4, wanted=3) == 2
     assert round_state.admissible(accepted=5, capacity=4, wanted=3) == 0
-
-
-def test_invalid_late_and_aborted_reports_are_counted() -> None:
-    round_ = Counts()
-
-    round_state.count_invalid(round_)
-    round_state.count_late(round_)
-    round_state.count_late(round_)
-    round_state.count_abort(round_)
-
-    assert (round_.invalid, round_.late, round_.aborted, round_.reported) == (1, 2, 1, 0)
-
-
-def test_counts_combine_into_one_as_if_applied_one_by_one() -> None:
-    one_by_one, together = Counts(), Counts()
-    counts = [
-        round_state.report_count(10.0, {"loss_sum": 1.5}),
-        round_state.ABORT,
-        round_state.INVALID,
-        round_state.report_count(5.0, {"loss_sum": 0.5, "n": 1.0}),
-    ]
-
-    for count in counts:
-        round_state.apply(one_by_one, count)
-    combined = round_state.combined(counts)
-    round_state.apply(together, combined)
-
-    assert combined.while_open and not round_state.combined([round_state.LATE] * 2).while_open
-    assert together == one_by_one
-    assert (together.reported, together.total_weight, together.aborted, together.invalid) == (2, 15.0, 1, 1)
-    assert together.metrics == {"loss_sum": 2.0, "n": 1.0}

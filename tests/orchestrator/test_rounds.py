@@ -27,9 +27,10 @@ from orchestrator.db import Assignment, ModelVersion, Population, Report, Round,
 from orchestrator.devices import authenticate, enroll
 from orchestrator.migrate import migrate
 from orchestrator.populations.config import population_settings
-from orchestrator.populations.locks import find_population, lock_population, population_of_assignment
+from orchestrator.populations.locks import find_population, lock_population
 from orchestrator.populations.model_versions import _latest
 from orchestrator.rounds import checkins
+from orchestrator.rounds import reports as round_reports
 from orchestrator.rounds.lifecycle import EVALUATION, TRAINING, open_round, open_rounds, summarize_metrics
 from orchestrator.rounds.refusals import Refused
 from orchestrator.service.checkins import CheckInCall, checkin_transaction
@@ -66,10 +67,19 @@ def report(
     now: float = 2.0,
     ctype: str = "application/octet-stream",
 ):  # type: ignore[no-untyped-def]
+    return receive_one(factory, round_reports.Event(assignment_id, dev, body, ctype), now)
+
+
+def receive_one(factory: sessionmaker[Session], event: round_reports.Event, now: float) -> Round | Refused:
+    """One report or abort through the service's path (`round_reports.receive`), in a transaction of
+    its own, under its population's lock as the service's run after a race takes it."""
     with factory.begin() as session:
-        population = population_of_assignment(session, assignment_id)
-        assert population is not None
-        return checkins.report(session, population, assignment_id, dev, body, ctype, now)
+        (answer,) = round_reports.receive(session, [event], now, locked=True)
+    return answer if isinstance(answer, Refused) else answer.round
+
+
+def abort(factory: sessionmaker[Session], dev: str, assignment_id: str, now: float) -> Round | Refused:
+    return receive_one(factory, round_reports.Event(assignment_id, dev, abort=True), now)
 
 
 def current_round(factory: sessionmaker[Session], kind: str = "training") -> Round:
@@ -493,10 +503,7 @@ def test_a_late_abort_is_refused_but_not_counted_as_a_late_report(
     dev = device(db)
     answer = checkin(db, dev, now=1.0)
 
-    with db.begin() as session:
-        population = lock_population(session, "p")
-        assert population is not None
-        refused = checkins.abort(session, population, answer.assignment_id, dev, 12.0)
+    refused = abort(db, dev, answer.assignment_id, 12.0)
 
     # The round's `late` counts late reports only, as the reports metric does.
     assert isinstance(refused, Refused) and refused.status == 409
@@ -515,18 +522,12 @@ def test_ownership_unknown_repeated_and_aborted(
     stolen = report(db, other, answer.assignment_id, delta_body(biased_model, 1.0))
     report(db, owner, answer.assignment_id, delta_body(biased_model, 1.0))
     repeated = report(db, owner, answer.assignment_id, delta_body(biased_model, 1.0))
-    with db.begin() as session:
-        population = lock_population(session, "p")
-        assert population is not None
-        checkins.abort(session, population, aborted.assignment_id, aborter, 3.0)
+    abort(db, aborter, aborted.assignment_id, 3.0)
     after_abort = report(db, aborter, aborted.assignment_id, delta_body(biased_model, 1.0))
-    with db.begin() as session:
-        population = lock_population(session, "p")
-        assert population is not None
-        unknown = checkins.report(session, population, "nope", owner, b"", "", 3.0)
-        # The aborter's answer was lost and it aborts again; another device tries it too.
-        again = checkins.abort(session, population, aborted.assignment_id, aborter, 4.0)
-        not_its = checkins.abort(session, population, aborted.assignment_id, other, 4.0)
+    unknown = report(db, owner, "nope", b"", 3.0, "")
+    # The aborter's answer was lost and it aborts again; another device tries it too.
+    again = abort(db, aborter, aborted.assignment_id, 4.0)
+    not_its = abort(db, other, aborted.assignment_id, 4.0)
 
     assert (stolen.status, repeated.status, after_abort.status, unknown.status) == (403, 409, 409, 404)
     assert not isinstance(again, Refused) and again.id == aborted.round_id

@@ -5,6 +5,8 @@ TEST_POSTGRES_URL)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -14,15 +16,16 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from orchestrator.db import Assignment, Round, SecureParticipant, SecureRound
 from orchestrator.migrate import alembic_config
-from orchestrator.populations.locks import population_of_assignment
-from orchestrator.rounds import checkins
+from orchestrator.rounds import counts as round_counts
 from orchestrator.rounds.refusals import Refused
 from orchestrator.rounds.secure import state as secure_round_state
+from orchestrator.rounds.secure.state import ADVERTISE, CONSISTENCY, MASKED_INPUT, SHARE_KEYS, UNMASKING
 from orchestrator.service.population_creation import ExportedModel
 from secure_aggregation.config import RoundParameters
 from secure_aggregation.device import DeviceSession
 from secure_aggregation.messages import AdvertisedKeys, ciphertexts_from_json, encode_vector, shares_to_json
 from tests.orchestrator.conftest import make_population
+from tests.orchestrator.test_rounds import abort as abort_one
 from tests.orchestrator.test_rounds import checkin, current_round, device, round_by_id
 from tests.orchestrator.test_secure_rounds import SECURE, confirm, message, send_masked_input, state
 
@@ -70,11 +73,8 @@ def check(db: sessionmaker[Session], round_id: int) -> tuple[str, secure_round_s
 
 
 def abort(db: sessionmaker[Session], dev: str, assignment_id: str, now: float) -> None:
-    with db.begin() as session:
-        population = population_of_assignment(session, assignment_id)
-        assert population is not None
-        answer = checkins.abort(session, population, assignment_id, dev, now)
-        assert not isinstance(answer, Refused), answer
+    answer = abort_one(db, dev, assignment_id, now)
+    assert not isinstance(answer, Refused), answer
 
 
 def test_the_counters_on_the_round_follow_every_message_abort_drop_and_deadline(
@@ -204,3 +204,74 @@ def test_a_round_under_way_keeps_its_counts_through_the_migration_that_adds_them
     assert after == before == ("advertise", secure_round_state.Counts(2, 1, 0, 2, 0, 0, 0, 0, 0))
     phase, counts = check(db, round_id)
     assert phase == "share_keys" and counts.advertised == 3 and counts.waiting == 0
+
+
+@contextmanager
+def secure_row(db: sessionmaker[Session], model: ExportedModel, **counters: int) -> Iterator[Any]:
+    """A secure round's row holding `counters`, in a transaction: the counts below move it as
+    production does (`round_counts.count_secure`)."""
+    make_population(db, model, target_reports=5)
+    round_id = checkin(db, device(db)).round_id
+    with db.begin() as session:
+        session.add(SecureRound(round_id=round_id, phase="advertise", phase_deadline=10.0, parameters={}))
+    with db.begin() as session:
+        row = session.get(SecureRound, round_id)
+        assert row is not None
+        for name, value in counters.items():
+            setattr(row, name, value)
+        session.flush()
+        yield lambda count: round_counts.count_secure(session, row, count), row
+
+
+def test_each_message_moves_its_stage_and_the_open_devices_follow(
+    db: sessionmaker[Session], biased_model: ExportedModel
+) -> None:
+    with secure_row(db, biased_model) as (apply, row):
+        for phase, times in (
+            (ADVERTISE, 5),
+            (SHARE_KEYS, 4),
+            (MASKED_INPUT, 3),
+            (CONSISTENCY, 2),
+            (UNMASKING, 1),
+        ):
+            for _ in range(times):
+                apply(secure_round_state.message(phase))
+
+        counts = secure_round_state.counts_of(row, accepted=6)
+
+        assert (row.advertised, row.sharers, row.senders, row.signers, row.responders) == (5, 4, 3, 2, 1)
+        # 6 checked in, 1 never advertised; each later stage keeps one device behind
+        open_counts = (counts.waiting, counts.open_unshared, counts.open_unsent, counts.open_unsigned)
+        assert open_counts == (1, 1, 1, 1)
+
+
+def test_a_device_leaving_is_counted_at_the_stage_it_had_reached(
+    db: sessionmaker[Session], biased_model: ExportedModel
+) -> None:
+    with secure_row(db, biased_model, advertised=4, sharers=3, senders=2, signers=1) as (apply, row):
+        sent = {SHARE_KEYS: True, MASKED_INPUT: False}
+        at = secure_round_state.stage(True, sent)
+
+        apply(secure_round_state.leaving(at))
+        apply(secure_round_state.leaving(secure_round_state.stage(False, {})))
+
+        assert at == 2
+        assert (row.left_before_input, row.left_before_keys) == (1, 1)
+        assert secure_round_state.counts_of(row, accepted=5).open_unsent == 0
+        # a device past its confirmation leaves nothing a phase's condition reads
+        assert secure_round_state.leaving(4).adds == {} and secure_round_state.leaving(5).adds == {}
+
+
+def test_a_phase_close_drops_every_open_device_below_the_stage_it_keeps(
+    db: sessionmaker[Session], biased_model: ExportedModel
+) -> None:
+    counters = {"advertised": 5, "sharers": 4, "senders": 2, "left_before_shares": 1}
+    with secure_row(db, biased_model, **counters) as (apply, row):
+        accepted = 7
+
+        apply(secure_round_state.dropped_below(row, accepted, kept=3))
+
+        assert secure_round_state.open_at(row, accepted)[:3] == [0, 0, 0]
+        assert (row.left_before_keys, row.left_before_shares, row.left_before_input) == (2, 1, 2)
+        # a second close finds nobody left to drop
+        assert secure_round_state.dropped_below(row, accepted, kept=3).adds == {}

@@ -1,5 +1,6 @@
-"""The secure phases of the round state machine alone: counters, verdicts and deadlines, without a
-database."""
+"""The secure phases of the round state machine alone: verdicts and deadlines from a round's
+counters, without a database. (The counters each event moves are applied by the database alone:
+tests/orchestrator/test_secure_counters.py.)"""
 
 from __future__ import annotations
 
@@ -55,52 +56,6 @@ def over(
 ) -> Verdict:
     counts = secure_round_state.counts_of(row, accepted)
     return secure_round_state.phase_over(phase, counts, accepted, rules, now, deadline, 0.0, _never)
-
-
-def test_each_message_moves_its_stage_and_the_open_devices_follow() -> None:
-    row = Row()
-    for phase, times in (
-        (ADVERTISE, 5),
-        (SHARE_KEYS, 4),
-        (MASKED_INPUT, 3),
-        (CONSISTENCY, 2),
-        (UNMASKING, 1),
-    ):
-        for _ in range(times):
-            secure_round_state.apply(row, secure_round_state.message(phase))
-
-    counts = secure_round_state.counts_of(row, accepted=6)
-
-    assert (row.advertised, row.sharers, row.senders, row.signers, row.responders) == (5, 4, 3, 2, 1)
-    # 6 checked in, 1 never advertised; each later stage keeps one device behind
-    assert (counts.waiting, counts.open_unshared, counts.open_unsent, counts.open_unsigned) == (1, 1, 1, 1)
-
-
-def test_a_device_leaving_is_counted_at_the_stage_it_had_reached() -> None:
-    row = Row(advertised=4, sharers=3, senders=2, signers=1)
-    sent = {SHARE_KEYS: True, MASKED_INPUT: False}
-    at = secure_round_state.stage(True, sent)
-
-    secure_round_state.apply(row, secure_round_state.leaving(at))
-    secure_round_state.apply(row, secure_round_state.leaving(secure_round_state.stage(False, {})))
-
-    assert at == 2
-    assert (row.left_before_input, row.left_before_keys) == (1, 1)
-    assert secure_round_state.counts_of(row, accepted=5).open_unsent == 0
-    # a device past its confirmation leaves nothing a phase's condition reads
-    assert secure_round_state.leaving(4).adds == {} and secure_round_state.leaving(5).adds == {}
-
-
-def test_a_phase_close_drops_every_open_device_below_the_stage_it_keeps() -> None:
-    row = Row(advertised=5, sharers=4, senders=2, left_before_shares=1)
-    accepted = 7
-
-    secure_round_state.apply(row, secure_round_state.dropped_below(row, accepted, kept=3))
-
-    assert secure_round_state.open_at(row, accepted)[:3] == [0, 0, 0]
-    assert (row.left_before_keys, row.left_before_shares, row.left_before_input) == (2, 1, 2)
-    # a second close finds nobody left to drop
-    assert secure_round_state.dropped_below(row, accepted, kept=3).adds == {}
 
 
 def test_the_roster_closes_full_with_every_device_advertised_and_not_before() -> None:

@@ -18,11 +18,11 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import and_, bindparam, func, or_, select
+from sqlalchemy import and_, func, or_, select
 from sqlalchemy.orm import InstrumentedAttribute, Session
 from sqlalchemy.sql import ColumnElement
 
-from orchestrator.db import Assignment, SecureParticipant, SecureRound, SecureRoundKey
+from orchestrator.db import SecureParticipant, SecureRound, SecureRoundKey
 from orchestrator.observability.on_commit import on_commit
 from secure_aggregation.identity import SignedAdvertisement, keys_of, parse_advertisement
 from secure_aggregation.messages import AdvertisedKeys
@@ -32,42 +32,6 @@ from secure_aggregation.view import roster_digest
 Flag = ColumnElement[bool] | InstrumentedAttribute[bool]
 # The phases in order (secure_phases' names): a phase's facts are fixed once a later one opened.
 _ORDER = ("advertise", "share_keys", "masked_input", "consistency", "unmasking", "done")
-
-
-@dataclass(frozen=True)
-class Member:
-    """One participant as the phases see it: which messages it sent, not what they hold."""
-
-    assignment_id: str
-    status: str  # its assignment's: assigned while it takes part
-    sent_shares: bool
-    sent_masked_input: bool
-    sent_unmasking: bool
-    sent_consistency: bool
-    confirmed: bool
-
-
-_MEMBERS = (
-    select(
-        SecureParticipant.device_index,
-        SecureParticipant.assignment_id,
-        Assignment.status,
-        SecureParticipant.sent_shares,
-        SecureParticipant.sent_masked_input,
-        SecureParticipant.sent_unmasking,
-        SecureParticipant.sent_consistency,
-        SecureParticipant.confirmed,
-    )
-    .join(Assignment, Assignment.id == SecureParticipant.assignment_id)
-    .where(SecureParticipant.round_id == bindparam("round_id"))
-)
-
-
-def participants_of(session: Session, round_id: int) -> dict[int, Member]:
-    """Every participant by roster index, read as plain columns: for a phase's close (once a
-    phase), never per message."""
-    rows = session.execute(_MEMBERS, {"round_id": round_id})
-    return {index: Member(*rest) for index, *rest in rows}
 
 
 def indices_where(session: Session, round_id: int, flag: Flag) -> frozenset[int]:

@@ -136,12 +136,6 @@ def leaving(at: int) -> Count:
     return Count({LEFT[at]: 1} if at < len(LEFT) else {})
 
 
-def apply(row: PhaseCounters, count: Count) -> None:
-    """A count applied in memory, as the database applies it (`round_counts.count_secure`)."""
-    for name, amount in count.adds.items():
-        setattr(row, name, getattr(row, name) + amount)
-
-
 def dropped_below(row: PhaseCounters, accepted: int, kept: int) -> Count:
     """A phase closes, dropping every open device below stage `kept` (ALL: the round ends)."""
     return Count({LEFT[s]: n for s, n in enumerate(open_at(row, accepted)[:kept]) if n})
