@@ -51,6 +51,18 @@ def _run_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
         metavar="FILE",
         help="your table's devices to hold out, one device id a line (default: --held-out-fraction drawn)",
     )
+    run.add_argument(
+        "--held-out-column",
+        metavar="NAME",
+        help="or a column of your table: 1 on a held-out device's rows, 0 on the others'",
+    )
+    run.add_argument(
+        "--initial-globals",
+        type=Path,
+        metavar="FILE",
+        help="the population starts from these global parameters (safetensors, e.g. simulate's "
+        "global_params.safetensors) instead of the export's",
+    )
     run.add_argument("--rounds", type=int, default=d.rounds, help="training rounds to commit")
     run.add_argument(
         "--target-reports",
@@ -264,6 +276,8 @@ def main(argv: list[str] | None = None) -> int:
             args.work_dir or Path("runs") / time.strftime("run-%Y%m%d-%H%M%S"),
             held_out_fraction=args.held_out_fraction,
             held_out=args.held_out,
+            held_out_column=args.held_out_column,
+            initial_globals=args.initial_globals,
             rounds=args.rounds,
             target_reports=target_reports(args),
             oversampling=args.oversampling,

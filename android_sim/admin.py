@@ -61,8 +61,11 @@ class AdminClient:
         """Raises AdminError unless an orchestrator answers and accepts the admin token."""
         await self._request(POPULATIONS)
 
-    async def ensure_population(self, name: str, model_dir: Path, settings: dict[str, Any]) -> dict[str, Any]:
-        """The population `name`: created from `model_dir` if new; reused if it serves the same model."""
+    async def ensure_population(
+        self, name: str, model_dir: Path, settings: dict[str, Any], initial_globals: bytes | None = None
+    ) -> dict[str, Any]:
+        """The population `name`: created from `model_dir` if new (starting from `initial_globals`,
+        default the export's); reused if it serves the same model."""
         sha = hashlib.sha256((model_dir / MODEL_FILE).read_bytes()).hexdigest()
         existing = {p["name"]: p for p in await self._request(POPULATIONS)}
         if name in existing:
@@ -76,7 +79,12 @@ class AdminClient:
         files = {
             "model": (MODEL_FILE, (model_dir / MODEL_FILE).read_bytes()),
             "manifest": (MANIFEST_FILE, (model_dir / MANIFEST_FILE).read_bytes()),
-            "global_params": (INITIAL_GLOBAL_FILE, (model_dir / INITIAL_GLOBAL_FILE).read_bytes()),
+            "global_params": (
+                INITIAL_GLOBAL_FILE,
+                initial_globals
+                if initial_globals is not None
+                else (model_dir / INITIAL_GLOBAL_FILE).read_bytes(),
+            ),
         }
         created: dict[str, Any] = await self._request(
             CREATE,

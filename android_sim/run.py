@@ -45,8 +45,9 @@ from android_sim.run_report import write_report
 from android_sim.session import admin_call, run_fleet
 from android_sim.workload import Workload, oldest_first, split_newest
 from contracts.features import Examples
-from contracts.manifest import ManifestError, load_manifest
+from contracts.manifest import Manifest, ManifestError, load_manifest
 from contracts.mixing import MixingConfig, encode_examples
+from contracts.params import ParamsError, decode_params
 from contracts.task_config import SplitPolicy
 from device_runtime.example_store import ExampleStore
 from device_runtime.examples_table import TableError, read_examples_table, store_path
@@ -92,12 +93,19 @@ def user_workload(config: RunConfig, console: Console) -> Workload:
     )
     assert config.examples is not None
     try:
-        table = read_examples_table(config.examples, manifest)
+        table = read_examples_table(config.examples, manifest, marker_column=config.held_out_column)
     except TableError as e:
         raise RunError(str(e)) from None
     shares = manifest.task.kind == "ranking" and manifest.task.negative_sampling
     devices = [oldest_first(d) for d in table.devices.values()]
     held_out = None
+    if config.held_out_column is not None:
+        held_out = frozenset(i for i, d in enumerate(devices) if d.device_id in table.marked)
+        if not held_out:
+            raise RunError(
+                f"--held-out-column {config.held_out_column}: no device has 1 in it; expected 1 on "
+                "the rows of the devices to hold out"
+            )
     if config.held_out is not None:
         from android_sim.simulation.ranking import read_held_out  # it imports this module
 
@@ -228,6 +236,7 @@ async def run_async(config: RunConfig, console: Console) -> RunResult:
     work.mkdir(parents=True, exist_ok=True)
     workload = await asyncio.to_thread(load_workload, config, console, lambda n: check_fleet_size(config, n))
     manifest = workload.manifest
+    initial = None if config.initial_globals is None else initial_globals(config.initial_globals, manifest)
     devices = await asyncio.to_thread(prepare_devices, config, workload, work / "devices")
     held_out = sum(1 for spec in devices.specs if spec.role == HELD_OUT)
     console.print(f"fleet: {len(devices.specs) - held_out} training devices, {held_out} held-out devices")
@@ -256,7 +265,7 @@ async def run_async(config: RunConfig, console: Console) -> RunResult:
         return await attach_mixing(config, workload, central, admin, name, console)
 
     session = await run_fleet(
-        config, name, workload.model_dir, devices.specs, settings, serve, console, attach
+        config, name, workload.model_dir, devices.specs, settings, serve, console, attach, initial
     )
     result = write_report(
         config,
@@ -273,6 +282,19 @@ async def run_async(config: RunConfig, console: Console) -> RunResult:
     if (work / FINAL_GLOBALS).is_file():
         console.print(f"trained global parameters: {work / FINAL_GLOBALS}")
     return result
+
+
+def initial_globals(path: Path, manifest: Manifest) -> bytes:
+    """`--initial-globals`' bytes, checked against the manifest's global tensors (names, shapes)."""
+    try:
+        blob = path.read_bytes()
+    except OSError as e:
+        raise RunError(f"--initial-globals {path}: cannot read it ({e.strerror or e})") from None
+    try:
+        decode_params(blob, manifest.global_params, f"--initial-globals {path}")
+    except ParamsError as e:
+        raise RunError(f"{e} (expected this export's globals, e.g. simulate's {FINAL_GLOBALS})") from None
+    return blob
 
 
 async def save_globals(fleet: Fleet, population: str, status: dict[str, Any], path: Path) -> None:

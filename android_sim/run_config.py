@@ -56,6 +56,8 @@ class RunConfig:
     expressions: int = 1000
     held_out_fraction: float = 0.15
     held_out: Path | None = None  # a user's table: the devices to hold out, one id a line (else drawn)
+    held_out_column: str | None = None  # or a column of the table, 1 on a held-out device's rows
+    initial_globals: Path | None = None  # the population starts from these globals (e.g. simulate's)
     rounds: int = 60
     target_reports: int = 40
     oversampling: float = 1.3
@@ -131,7 +133,7 @@ class RunConfig:
             problems.append(f"data must be 'expressions', 'movielens' or 'shakespeare', got {self.data!r}")
         if self.user_model:
             problems += self._user_model_problems()
-        elif self.held_out is not None:
+        elif self.held_out is not None or self.held_out_column is not None:
             problems.append(
                 "--held-out names devices of your table: with --examples and --model-dir or --model"
             )
@@ -229,7 +231,9 @@ class RunConfig:
             problems.append(
                 "--devices is for the built-in data sets: your table's devices are its device ids"
             )
-        if self.held_out is not None and self.stateful:
+        if self.held_out is not None and self.held_out_column is not None:
+            problems.append("give the held-out devices once: --held-out FILE or --held-out-column NAME")
+        if (self.held_out is not None or self.held_out_column is not None) and self.stateful:
             problems.append(
                 "--held-out is for held-out devices; a stateful fleet evaluates on its seen devices"
             )

@@ -265,17 +265,19 @@ async def run_fleet(
     serve: Callable[[Fleet, dict[str, Any]], Awaitable[T]],
     console: Console,
     attach: Callable[[AdminClient], Awaitable[dict[str, Any] | None]] | None = None,
+    initial_globals: bytes | None = None,
 ) -> FleetRun[T]:
     """Whatever the model: start (or reach) the orchestrator, create the population `name` of the
     export in `model_dir` with `settings`, run the devices of `specs` until `config.rounds` training
     rounds have committed, run the final evaluation, then `serve(fleet, status)` while the devices
     can still reach the server (e.g. held-out devices' top-10 with the final model). `attach` adds
-    to the population before the devices start (e.g. a centralized dataset to mix in)."""
+    to the population before the devices start (e.g. a centralized dataset to mix in);
+    `initial_globals` (safetensors, checked) replace the export's as a new population's version 0."""
     work = config.work_dir
     async with orchestrator(config, work, console) as (url, token, connector):
         admin = AdminClient(url, token, transport=connector.transport()[0])
         await admin_call(admin.ping())
-        population = await admin_call(admin.ensure_population(name, model_dir, settings))
+        population = await admin_call(admin.ensure_population(name, model_dir, settings, initial_globals))
         if population["settings"] != PopulationSettings(**settings).model_dump():
             console.print(f"[yellow]population {name!r} exists: reusing it with its own settings[/]")
         attached = await attach(admin) if attach is not None else None

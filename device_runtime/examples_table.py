@@ -70,6 +70,7 @@ class ExamplesTable:
     features: tuple[FeatureSpec, ...]
     devices: dict[str, DeviceExamples]  # by device id, in order of first appearance
     num_rows: int
+    marked: frozenset[str] = frozenset()  # the devices whose `marker_column` is 1 (e.g. held out)
 
 
 @dataclass(frozen=True)
@@ -108,6 +109,7 @@ def read_examples_table(
     *,
     device_column: str = DEVICE_COLUMN,
     time_column: str = TIME_COLUMN,
+    marker_column: str | None = None,
 ) -> ExamplesTable:
     """Every row of the table checked against the manifest's features, grouped by device.
 
@@ -118,6 +120,7 @@ def read_examples_table(
         implicit_label=_implicit_label(manifest),
         device_column=device_column,
         time_column=time_column,
+        marker_column=marker_column,
     )
 
 
@@ -128,21 +131,35 @@ def read_table(
     implicit_label: str | None = None,
     device_column: str = DEVICE_COLUMN,
     time_column: str = TIME_COLUMN,
+    marker_column: str | None = None,
 ) -> ExamplesTable:
     """`read_examples_table` for a list of features; `implicit_label`: a label whose column may be
-    left out, every row then a share (1)."""
+    left out, every row then a share (1); `marker_column`: a column of 0 and 1, the same on all
+    of a device's rows, that marks devices (`ExamplesTable.marked`), e.g. the ones to hold out."""
     path = Path(path)
     features = tuple(features)
     if device_column == time_column:
         raise TableError(f"the device and timestamp columns must differ, both are {device_column!r}")
+    if marker_column in (device_column, time_column, *(f.name for f in features)):
+        raise TableError(
+            f"the marker column {marker_column!r} is the device, timestamp or a feature column; "
+            "expected a column of its own"
+        )
+    marker = None if marker_column is None else FeatureSpec(marker_column, "int32", value_range=(0, 1))
     # CSV: an int32 feature's cells read as text, so that "3.0" is refused at its row rather than
     # the whole column inferred as floats.
-    table = _read_arrow(path, device_column, [f.name for f in features if f.dtype == "int32"])
+    ints = [f.name for f in (*features, *([marker] if marker else [])) if f.dtype == "int32"]
+    table = _read_arrow(path, device_column, ints)
     names = list(table.column_names)
     repeated = sorted({n for n in names if names.count(n) > 1})
     if repeated:
         raise TableError(f"{path}: the columns {repeated} appear more than once")
-    wanted = [device_column, time_column, *(f.name for f in features)]
+    wanted = [
+        device_column,
+        time_column,
+        *(f.name for f in features),
+        *([marker_column] if marker_column else []),
+    ]
     missing = [c for c in wanted if c not in names and c != implicit_label]
     unexpected = [c for c in names if c not in wanted]
     if missing or unexpected:
@@ -169,7 +186,29 @@ def read_table(
         else:
             columns[feature.name] = _feature_column(table.column(feature.name), feature, where)
     examples = Examples(columns).validated(features)  # the checks above are the same, row by row
-    return ExamplesTable(path, features, _by_device(ids, times, examples), n)
+    devices = _by_device(ids, times, examples)
+    marked: frozenset[str] = frozenset()
+    if marker is not None:
+        marks = _feature_column(table.column(marker.name), marker, where)
+        marked = _marked(devices, _by_device(ids, times, Examples({marker.name: marks})), marker.name, path)
+    return ExamplesTable(path, features, devices, n, marked)
+
+
+def _marked(
+    devices: Mapping[str, DeviceExamples], marks: Mapping[str, DeviceExamples], column: str, path: Path
+) -> frozenset[str]:
+    """The devices whose rows are all 1 in `column`; a device with both 0 and 1 is refused."""
+    found = set()
+    for name in devices:
+        values = np.unique(marks[name].examples[column])
+        if len(values) > 1:
+            raise TableError(
+                f"{path}: column {column!r} is both 0 and 1 on device {name!r}'s rows; expected one "
+                "value a device (1: marked, e.g. held out)"
+            )
+        if values[0] == 1:
+            found.add(name)
+    return frozenset(found)
 
 
 def _by_device(ids: Any, times: np.ndarray, examples: Examples) -> dict[str, DeviceExamples]:

@@ -48,6 +48,13 @@ def main(argv: list[str] | None = None) -> int:
     create.add_argument("name")
     create.add_argument("--model-dir", type=Path, required=True, help="output of `python -m model_export`")
     create.add_argument("--settings", default="{}", help="PopulationSettings as JSON (or @file.json)")
+    create.add_argument(
+        "--initial-globals",
+        type=Path,
+        metavar="FILE",
+        help="version 0's global parameters (safetensors, e.g. android_sim simulate's "
+        "global_params.safetensors) instead of the export's",
+    )
     mix = sub.add_parser(
         "mix", help="attach a mixing strategy and centralized examples to a population (contracts.mixing)"
     )
@@ -111,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
                 population = create_population(
                     session,
                     args.name,
-                    ExportedModel.from_dir(args.model_dir),
+                    ExportedModel.from_dir(args.model_dir, args.initial_globals),
                     population_settings,
                     time.time(),
                 )

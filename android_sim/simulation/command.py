@@ -99,6 +99,11 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="the devices to hold out, one device id a line (default: 10%% drawn by --split-seed)",
     )
     parser.add_argument(
+        "--held-out-column",
+        metavar="NAME",
+        help="or a column of the examples table: 1 on a held-out device's rows, 0 on the others'",
+    )
+    parser.add_argument(
         "--item-groups",
         type=Path,
         metavar="CSV",
@@ -184,7 +189,9 @@ def main(args: argparse.Namespace, console: Console | None = None) -> dict[str, 
     """Run the simulation the options describe; returns the report (also in `--out`)."""
     console = console or Console()
     out = args.out or Path("runs") / time.strftime("simulate-%Y%m%d-%H%M%S")
-    config = shared_run_config(args, out)
+    if args.held_out is not None and args.held_out_column is not None:
+        raise ValueError("give the held-out devices once: --held-out FILE or --held-out-column NAME")
+    config = shared_run_config(args, out, held_out_column=args.held_out_column)
     task_overrides, server_overrides = config.task, config.server_optimizer
     rounds = Rounds(args.rounds, args.clients_per_round, args.evaluate_every, args.sampling_seed)
     if args.workers < 1:
@@ -220,6 +227,14 @@ def main(args: argparse.Namespace, console: Console | None = None) -> dict[str, 
     taking = [d for d in workload.devices if d.examples.num_examples >= task.min_examples]
     enough(len(taking))
     held_out = None if args.held_out is None else read_held_out(args.held_out, [d.device_id for d in taking])
+    if workload.held_out is not None:  # --held-out-column: the table's own
+        marked = {workload.devices[i].device_id for i in workload.held_out}
+        held_out = {i for i, d in enumerate(taking) if d.device_id in marked}
+        if not held_out:
+            raise ValueError(
+                f"--held-out-column {args.held_out_column}: every marked device has fewer than "
+                f"{task.min_examples} examples"
+            )
     groups = None if args.item_groups is None else read_item_groups(args.item_groups, workload.manifest)
     split = ranking_split(len(taking), held_out, args.split_seed)
     # A ranking model on shares: each held-out device keeps its newest fifth aside to be scored on.
@@ -240,12 +255,12 @@ def main(args: argparse.Namespace, console: Console | None = None) -> dict[str, 
         else None
     )
     # A classification or regression model with locals: beside the same model without them.
-    predictions = (
+    predictions, baselines = (
         judge(workload.model_dir, kept, options, result.params, split)
         if workload.manifest.task.kind != "ranking"
         and workload.manifest.local_params
         and not options.stateful
-        else None
+        else (None, None)
     )
     metric = primary_metric(workload.manifest)
     body = {
@@ -269,6 +284,8 @@ def main(args: argparse.Namespace, console: Console | None = None) -> dict[str, 
         **result.to_json(),
         "ranking": None if hit_rates is None else summary(hit_rates, workload.manifest, task),
         "without_locals": predictions,
+        # each: {metric: {model, without_locals (the baseline's figure), difference, its interval}}
+        "label_baselines": baselines,
     }
     (out / "simulation.json").write_text(json.dumps(body, indent=2) + "\n")
     report.plot_learning_curve(out / "learning_curve.png", result.curve, metric, "validation devices")
@@ -284,7 +301,8 @@ def main(args: argparse.Namespace, console: Console | None = None) -> dict[str, 
     if hit_rates is not None:
         console.print(ranking_table(hit_rates, workload.manifest, task), width=max(console.width, 120))
     if predictions:
-        console.print(prediction_table(predictions, len(split.test)), width=max(console.width, 120))
+        table = prediction_table(predictions, len(split.test), baselines or {})
+        console.print(table, width=max(console.width, 120))
     console.print(f"report: {out / 'simulation.json'}; curve: {out / 'learning_curve.png'}")
     console.print(f"trained global parameters: {out / FINAL_GLOBALS}")
     return body

@@ -1,5 +1,5 @@
 """`simulate` for a classification or regression model with locals: its held-out figures beside
-the same model without locals, paired.
+the same model without locals and the label baselines (`label_baselines`), paired.
 
 The baseline is the trained globals with the initial (exported) locals, i.e. ReconEval with no
 reconstruction step: what a device with no data of its own gets. Both are measured on the same
@@ -18,9 +18,11 @@ from rich import box
 from rich.table import Table
 
 from android_sim.intervals import INTERVAL, resample_rows
+from android_sim.simulation.label_baselines import label_baselines
 from android_sim.simulation.protocol import UserSplit
 from android_sim.simulation.simulate import SimulationOptions, simulation_clients
 from contracts.features import Examples
+from contracts.manifest import load_manifest
 from contracts.params import Params
 from model_runtime.tflite_model import EvaluationSums
 
@@ -57,7 +59,7 @@ def compare(
     rows = resample_rows(len(mine), np.random.default_rng(seed))
     out: dict[str, dict[str, float]] = {}
     for key, (name, root) in SHOWN.items():
-        if f"{key}_sum" not in mine[0].sums:
+        if f"{key}_sum" not in mine[0].sums or f"{key}_sum" not in baseline[0].sums:
             continue
 
         def ratio(
@@ -80,28 +82,46 @@ def compare(
     return out
 
 
-def prediction_table(found: dict[str, dict[str, float]], devices: int) -> Table:
+def prediction_table(
+    found: dict[str, dict[str, float]], devices: int, baselines: dict[str, dict[str, dict[str, float]]]
+) -> Table:
+    """The model's held-out figures beside the model without locals and the label baselines, paired."""
     table = Table(
-        title=f"held-out devices ({devices}), ReconEval against the model without locals [{INTERVAL}]",
+        title=f"held-out devices ({devices}), ReconEval against the model without locals and the "
+        f"baselines [{INTERVAL}]",
         title_justify="left",
         box=box.SIMPLE_HEAD,
         pad_edge=False,
     )
-    for column in ("metric", "FedRecon", "global (no locals)", "FedRecon minus"):
-        table.add_column(column, justify="left" if column == "metric" else "right", no_wrap=True)
-    for name, f in found.items():
-        table.add_row(
-            name,
-            f"{f['model']:.4f}",
-            f"{f['without_locals']:.4f}",
-            f"{f['difference']:+.4f} [{f['difference_low']:+.4f}, {f['difference_high']:+.4f}]",
+    for column in ("metric", "FedRecon", "against", "its figure", "FedRecon minus"):
+        table.add_column(
+            column, justify="right" if column in ("FedRecon", "its figure") else "left", no_wrap=True
         )
+    against = {"global (no locals)": found, **baselines}
+    for name in found:
+        for label, comparison in against.items():
+            f = comparison.get(name)
+            if f is None:
+                continue
+            table.add_row(
+                name,
+                f"{f['model']:.4f}",
+                label,
+                f"{f['without_locals']:.4f}",
+                f"{f['difference']:+.4f} [{f['difference_low']:+.4f}, {f['difference_high']:+.4f}]",
+            )
     return table
 
 
 def judge(
     model_dir: Path, devices: Sequence[Examples], options: SimulationOptions, params: Params, split: UserSplit
-) -> dict[str, dict[str, float]]:
-    """The model's held-out figures against the same model without locals, paired."""
+) -> tuple[dict[str, dict[str, float]], dict[str, dict[str, dict[str, float]]]]:
+    """The model's held-out figures against the same model without locals, and against each label
+    baseline (`label_baselines`: the comparison's "without_locals" is the baseline's figure), paired."""
     mine = held_out_sums(model_dir, devices, options, params, split.test)
-    return compare(mine, held_out_sums(model_dir, devices, without_locals(options), params, split.test))
+    manifest = load_manifest(model_dir)
+    baselines = label_baselines(devices, split.train, split.test, manifest, options.task)
+    return (
+        compare(mine, held_out_sums(model_dir, devices, without_locals(options), params, split.test)),
+        {name: compare(mine, sums) for name, sums in baselines.items()},
+    )

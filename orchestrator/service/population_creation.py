@@ -33,20 +33,32 @@ class ExportedModel:
     tflite: bytes
     manifest: dict[str, Any]
     initial_global: bytes
+    initial_source: str = "initial global parameters"  # what the errors call `initial_global`
 
     @classmethod
-    def from_dir(cls, model_dir: Path) -> ExportedModel:
+    def from_dir(cls, model_dir: Path, initial_globals: Path | None = None) -> ExportedModel:
+        """The export in `model_dir`; its globals replaced by the file `initial_globals` if given
+        (e.g. a simulation's trained ones), checked against the manifest on creation."""
         model_dir = Path(model_dir)
         try:
             return cls(
                 tflite=(model_dir / MODEL_FILE).read_bytes(),
                 manifest=json.loads((model_dir / MANIFEST_FILE).read_text()),
-                initial_global=(model_dir / INITIAL_GLOBAL_FILE).read_bytes(),
+                initial_global=(model_dir / INITIAL_GLOBAL_FILE).read_bytes()
+                if initial_globals is None
+                else initial_globals.read_bytes(),
+                initial_source="initial global parameters"
+                if initial_globals is None
+                else f"--initial-globals {initial_globals}",
             )
         except FileNotFoundError as e:
+            if initial_globals is not None and e.filename == str(initial_globals):
+                raise PopulationError(f"--initial-globals {initial_globals}: no such file") from None
             raise PopulationError(
                 f"{model_dir} is not an exported model directory: {e.filename} is missing"
             ) from None
+        except IsADirectoryError as e:
+            raise PopulationError(f"{e.filename} is a directory; expected a file") from None
         except json.JSONDecodeError as e:
             raise PopulationError(f"{model_dir / MANIFEST_FILE} is not valid JSON: {e}") from None
 
@@ -68,7 +80,7 @@ def create_population(
             f"the model file's sha256 {sha256[:12]}... is not the manifest's {manifest.model_sha256[:12]}..."
         )
     try:
-        initial = decode_params(model.initial_global, manifest.global_params, "initial global parameters")
+        initial = decode_params(model.initial_global, manifest.global_params, model.initial_source)
     except ParamsError as e:
         raise PopulationError(str(e)) from None
     overrides = settings.get("task_config", {})

@@ -91,6 +91,21 @@ def test_simulate_trains_a_users_model_on_its_table(genre_rating_model: Path, tm
     assert rmse["difference_low"] <= rmse["difference"] <= rmse["difference_high"]
     assert rmse["without_locals"] > rmse["model"]  # the users' tastes are in their locals
     assert "ReconEval against the model without locals" in printed
+    # And beside the label baselines on the same query examples: the global and each user's mean.
+    baselines = written["label_baselines"]
+    assert set(baselines) == {"global mean", "per-user mean"}
+    for name, found in baselines.items():
+        assert set(found) == {"rmse"} and found["rmse"]["model"] == pytest.approx(held["rmse"], rel=1e-5)
+        assert (
+            found["rmse"]["difference_low"] <= found["rmse"]["difference"] <= found["rmse"]["difference_high"]
+        )
+        assert f"{found['rmse']['without_locals']:.4f}" in printed and name in printed
+    # The users' tastes are per genre: a user's own mean beats the global one, and the model beats both.
+    assert (
+        baselines["per-user mean"]["rmse"]["without_locals"]
+        < baselines["global mean"]["rmse"]["without_locals"]
+    )
+    assert baselines["global mean"]["rmse"]["difference_high"] < 0
 
 
 def test_simulate_with_kept_locals_evaluates_seen_devices_too(
