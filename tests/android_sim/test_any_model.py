@@ -14,12 +14,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 from rich.console import Console
+from safetensors.numpy import load
+from sqlalchemy import select
+from sqlalchemy.orm import Session
 
 from android_sim.__main__ import build_parser, main
 from android_sim.run import run
 from android_sim.run_config import RunConfig
 from android_sim.simulation.command import main as simulate_main
-from contracts.manifest import load_manifest
+from contracts.manifest import INITIAL_GLOBAL_FILE, load_manifest
+from contracts.params import encode_params
+from orchestrator.db import ModelVersion, make_engine
 from tests.android_sim.test_run import ALWAYS_ON
 
 
@@ -197,10 +202,15 @@ def test_the_fleet_trains_a_users_model_over_http_and_reports_its_metrics(
     genre_rating_model: Path, tmp_path: Path
 ) -> None:
     table = write_table(tmp_path / "ratings.csv", genre_rating_model, devices=40)
+    # The population starts from given globals (as from simulate's global_params.safetensors).
+    exported = load((genre_rating_model / INITIAL_GLOBAL_FILE).read_bytes())
+    start = {name: value + 0.125 for name, value in exported.items()}
+    (tmp_path / "start.safetensors").write_bytes(encode_params(start))
     config = RunConfig(
         work_dir=tmp_path / "run",
         model_dir=genre_rating_model,
         examples=table,
+        initial_globals=tmp_path / "start.safetensors",
         rounds=3,
         target_reports=6,
         oversampling=1.5,
@@ -229,3 +239,94 @@ def test_the_fleet_trains_a_users_model_over_http_and_reports_its_metrics(
     counted = sum(r["counters"]["reported"] for r in committed)
     assert body["fleet"]["device_side_outcomes"]["training/reported"] >= counted
     assert all(p.stat().st_size > 0 for p in result.plots)
+    with Session(make_engine(f"sqlite:///{tmp_path / 'run' / 'orchestrator.sqlite'}")) as session:
+        first = load(session.scalars(select(ModelVersion).where(ModelVersion.version == 0)).one().params)
+    assert all(np.array_equal(first[name], value) for name, value in start.items())
+
+
+def test_initial_globals_that_do_not_fit_the_export_are_one_line(
+    genre_rating_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    table = write_table(tmp_path / "ratings.csv", genre_rating_model, devices=20)
+    exported = load((genre_rating_model / INITIAL_GLOBAL_FILE).read_bytes())
+    name = sorted(exported)[0]
+    (tmp_path / "g.safetensors").write_bytes(encode_params({name: exported[name]}))
+
+    code = main(
+        [
+            "run",
+            "--model-dir",
+            str(genre_rating_model),
+            "--examples",
+            str(table),
+            "--initial-globals",
+            str(tmp_path / "g.safetensors"),
+            "--target-reports",
+            "4",
+            "--work-dir",
+            str(tmp_path / "run"),
+        ]
+    )
+
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert f"error: --initial-globals {tmp_path / 'g.safetensors'}: expected tensors" in err
+    assert "missing" in err and "simulate's global_params.safetensors" in err
+    assert not (tmp_path / "run" / "orchestrator.sqlite").exists()
+
+
+def test_simulate_holds_out_the_devices_a_column_marks(genre_rating_model: Path, tmp_path: Path) -> None:
+    table = write_table(tmp_path / "ratings.csv", genre_rating_model, devices=30)
+    lines = table.read_text().splitlines()
+    marked = {"phone-003", "phone-017", "phone-021"}
+    rows = [lines[0] + ",held_out"] + [f"{line},{int(line.split(',')[0] in marked)}" for line in lines[1:]]
+    table.write_text("\n".join(rows) + "\n")
+    args = build_parser().parse_args(
+        [
+            "simulate",
+            "--model-dir",
+            str(genre_rating_model),
+            "--examples",
+            str(table),
+            "--held-out-column",
+            "held_out",
+            "--rounds",
+            "2",
+            "--workers",
+            "1",
+            "--out",
+            str(tmp_path / "out"),
+        ]
+    )
+
+    report = simulate_main(args, Console(file=(tmp_path / "log.txt").open("w")))
+
+    assert report["devices"] == {"training": 24, "validation": 3, "held_out": 3}
+    assert report["held_out"]["devices"] == 3
+
+
+def test_a_held_out_column_that_changes_within_a_device_is_one_line(
+    genre_rating_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    table = write_table(tmp_path / "ratings.csv", genre_rating_model, devices=12)
+    lines = table.read_text().splitlines()
+    rows = [lines[0] + ",held_out"] + [f"{line},{i % 2}" for i, line in enumerate(lines[1:])]
+    table.write_text("\n".join(rows) + "\n")
+
+    code = main(
+        [
+            "simulate",
+            "--model-dir",
+            str(genre_rating_model),
+            "--examples",
+            str(table),
+            "--held-out-column",
+            "held_out",
+            "--out",
+            str(tmp_path / "out"),
+        ]
+    )
+
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "column 'held_out' is both 0 and 1 on device 'phone-000'" in err
