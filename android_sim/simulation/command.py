@@ -168,8 +168,9 @@ def tuned(
     settings, population = write_settings(best, chosen, out)
     (out / "tuning" / "trials.json").write_text(json.dumps([asdict(t) for t in trials], indent=2) + "\n")
     console.print(
-        f"best of {len(trials)} trials: #{best.number}, validation hit rate@10 {best.hit_rate:.1%} "
-        f"(the plain settings: {trials[0].hit_rate:.1%}); settings: {settings} (--algorithm-settings), "
+        f"kept of {len(trials)} trials: #{best.number}, validation hit rate@10 over two seeds "
+        f"{best.confirmed:.1%} (the plain settings: {trials[0].confirmed:.1%}); settings: {settings} "
+        "(--algorithm-settings), "
         f"{population} (orchestrator create-population --settings @FILE)"
     )
     return chosen, replace(
