@@ -107,23 +107,80 @@ def pack_probabilities(
     return np.asarray(p / p.sum())
 
 
+@dataclass(frozen=True)
+class Taste:
+    """A user's true taste, as the generator draws their shares from it."""
+
+    favourite: int  # pack
+    second: int  # pack
+    favourites: np.ndarray  # the three stickers of the favourite pack they re-share
+    group_share: float  # how often they share in a group chat
+    night_owl: float  # how often at night
+
+
+def next_sticker(
+    catalog: Catalog,
+    config: StickerConfig,
+    taste: Taste,
+    hour: int,
+    group: bool,
+    previous: int,
+    rng: np.random.Generator,
+) -> int:
+    """The sticker a user of `taste` shares at `hour` (in a group chat or not) after `previous`."""
+    if previous != config.no_previous and rng.random() < config.stay_in_pack:
+        pack = int(catalog.pack[previous])
+    else:
+        probabilities = pack_probabilities(catalog, config, taste.favourite, taste.second, hour, group)
+        pack = int(rng.choice(config.packs, p=probabilities))
+    if pack == taste.favourite and rng.random() < config.reshare:
+        return int(rng.choice(taste.favourites))
+    members = np.flatnonzero(catalog.pack == pack)
+    return int(rng.choice(members, p=catalog.within[members] / catalog.within[members].sum()))
+
+
+def draw_shares(
+    catalog: Catalog, config: StickerConfig, taste: Taste, count: int, rng: np.random.Generator
+) -> dict[str, np.ndarray]:
+    """`count` fresh shares of a user of `taste` (sticker, hour, chat_type, previous), in order:
+    what their true taste gives, for measuring a model's locals against it."""
+    columns: dict[str, list[int]] = {"sticker": [], "hour": [], "chat_type": [], "previous": []}
+    previous = config.no_previous
+    for _ in range(count):
+        night = rng.random() < taste.night_owl
+        hour = int(rng.choice([21, 22, 23, 0, 1])) if night else int(rng.integers(7, 21))
+        group = bool(rng.random() < taste.group_share)
+        sticker = next_sticker(catalog, config, taste, hour, group, previous, rng)
+        for key, value in zip(columns, (sticker, hour, int(group), previous), strict=True):
+            columns[key].append(value)
+        previous = sticker
+    return {k: np.asarray(v, np.int64) for k, v in columns.items()}
+
+
 def generate(config: StickerConfig) -> tuple[Catalog, Shares]:
+    catalog, shares, _ = generate_with_tastes(config)
+    return catalog, shares
+
+
+def generate_with_tastes(config: StickerConfig) -> tuple[Catalog, Shares, list[Taste]]:
+    """The catalog, every share, and each user's taste (by user index)."""
     rng = np.random.default_rng(config.seed)
     catalog = make_catalog(config, rng)
     popular = np.exp(catalog.pack_popularity) / np.exp(catalog.pack_popularity).sum()
     columns: dict[str, list[int]] = {
         k: [] for k in ("device", "timestamp", "sticker", "hour", "chat", "prev")
     }
+    tastes: list[Taste] = []
     for user in range(config.users):
         favourite = int(rng.choice(config.packs, p=popular))
         second = int(rng.choice(np.delete(np.arange(config.packs), favourite)))
         favourites = rng.choice(np.flatnonzero(catalog.pack == favourite), size=3, p=None)
-        group_share = rng.beta(2, 3)
-        night_owl = rng.beta(2, 4)
+        taste = Taste(favourite, second, favourites, float(rng.beta(2, 3)), float(rng.beta(2, 4)))
+        tastes.append(taste)
         n = int(
             np.clip(round(rng.lognormal(config.mean_log_shares, config.sd_log_shares)), 1, config.max_shares)
         )
-        night = rng.random(n) < night_owl
+        night = rng.random(n) < taste.night_owl
         hours = np.where(night, rng.choice([21, 22, 23, 0, 1], n), rng.integers(7, 21, n))
         # In time order, so that `previous` is the sticker shared just before.
         times = np.sort(
@@ -132,25 +189,14 @@ def generate(config: StickerConfig) -> tuple[Catalog, Shares]:
         previous = config.no_previous
         for when in times.tolist():
             hour = int((when - START) // 3_600 % 24)
-            group = bool(rng.random() < group_share)
-            if previous != config.no_previous and rng.random() < config.stay_in_pack:
-                pack = int(catalog.pack[previous])
-            else:
-                pack = int(
-                    rng.choice(
-                        config.packs, p=pack_probabilities(catalog, config, favourite, second, hour, group)
-                    )
-                )
-            if pack == favourite and rng.random() < config.reshare:
-                sticker = int(rng.choice(favourites))
-            else:
-                members = np.flatnonzero(catalog.pack == pack)
-                sticker = int(rng.choice(members, p=catalog.within[members] / catalog.within[members].sum()))
+            group = bool(rng.random() < taste.group_share)
+            sticker = next_sticker(catalog, config, taste, hour, group, previous, rng)
             for key, value in zip(columns, (user, when, sticker, hour, int(group), previous), strict=True):
                 columns[key].append(value)
             previous = sticker
     a = {k: np.asarray(v, np.int64) for k, v in columns.items()}
-    return catalog, Shares(a["device"], a["timestamp"], a["sticker"], a["hour"], a["chat"], a["prev"])
+    shares = Shares(a["device"], a["timestamp"], a["sticker"], a["hour"], a["chat"], a["prev"])
+    return catalog, shares, tastes
 
 
 def device_id(user: int) -> str:
