@@ -31,10 +31,14 @@ def test_a_trial_lucky_once_loses_to_one_that_holds_up() -> None:
     assert [t.confirmed for t in trials] == [0.4, np.mean([0.5, 0.5, 0.3, 0.3]), kept.confirmed]
 
 
-def test_the_plain_settings_stay_unless_another_trial_beats_them() -> None:
-    plain = trial(0, [0.5, 0.5])
-    worse = trial(1, [0.7, 0.3])
+def test_the_plain_settings_stay_unless_another_trial_beats_them_beyond_the_devices_luck() -> None:
+    plain = trial(0, [0.5] * 6)
+    worse = trial(1, [0.7, 0.3, 0.5, 0.5, 0.5, 0.5])
+    mixed = trial(2, [0.9, 0.1, 0.9, 0.1, 0.9, 0.2])  # better on average, by two devices' luck
+    said: list[str] = []
 
-    kept, _ = confirm([plain, worse], lambda t: np.array([0.5, 0.5] if t.number == 0 else [0.3, 0.3]), print)
+    kept, trials = confirm([plain, worse, mixed], lambda t: np.asarray(t.per_device), said.append)
 
     assert kept.number == 0
+    assert trials[2].confirmed is not None and trials[2].confirmed > trials[0].confirmed  # yet not kept
+    assert any(line.startswith("trial 2 minus the plain settings, two seeds: +1.7 [") for line in said), said
