@@ -4,9 +4,11 @@ Each trial trains on the training devices with one choice of settings and scores
 devices' newest fifth of shares, served from their own stores as a phone does (hit rate@10 of
 the personalized top-10); the held-out devices take no part in any trial, so their figures after
 tuning are not fitted to them. Optuna's TPE sampler (seeded) proposes the settings, within a time
-budget and a number of trials; the best are written as an algorithm settings file (`simulate`
-and `run` take it with `--algorithm-settings`) and as population settings
-(`orchestrator create-population --settings @FILE`).
+budget and a number of trials. The plain trial and the best others are then trained again with
+a second sampling seed (`confirm`), and another trial is kept only if it beats the plain
+settings on the same validation devices beyond their luck (a paired 95% interval above zero).
+The kept settings are written as an algorithm settings file (`simulate` and `run` take it with
+`--algorithm-settings`) and as population settings (`orchestrator create-population --settings @FILE`).
 
 What is searched, and why each (docs/how-to/tune-a-ranking-model.md): the reconstruction's and
 the update's rates and epochs (how far a user vector moves from a handful of shares, how far
