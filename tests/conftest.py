@@ -29,7 +29,7 @@ REQUIRE_DATA = "FEDRECON_REQUIRE_DATA"
 # sums of 3); tests/privacy sets its own floors and attacks them.
 DEVICE_POLICY = PrivacyPolicy.for_simulation("plaintext", "secure")
 
-BACKENDS = ("ai_edge_litert", "tflite_runtime")
+BACKENDS = ("ai_edge_litert", "tflite_runtime", "compiled_model")
 
 # Small models of different shapes, feedback and parameter sets.
 SMALL = ModelConfig(num_items=60, embedding_dim=8, batch_size=4, max_batches=6, top_k=20)
