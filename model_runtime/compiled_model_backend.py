@@ -132,3 +132,16 @@ class CompiledModelBackend:
 
     def signature(self, name: str) -> Signature:
         return _CompiledSignature(self._model, name, self._outputs.get(name, {}))
+
+
+def aliased_outputs(content: bytes) -> dict[str, list[str]]:
+    """Per signature whose outputs share a tensor, the names of those outputs."""
+    aliased = {}
+    for key, outputs in _signature_outputs(content).items():
+        names: dict[int, list[str]] = {}
+        for name, tensor in outputs.items():
+            names.setdefault(tensor, []).append(name)
+        shared = sorted(n for group in names.values() if len(group) > 1 for n in group)
+        if shared:
+            aliased[key] = shared
+    return aliased
