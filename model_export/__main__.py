@@ -266,6 +266,8 @@ def _report(result: ExportResult) -> None:
         f"({result.tflite_bytes / result.parameter_bytes:.2f}x the {result.parameter_bytes:,} "
         f"bytes of parameters); signatures: {', '.join(sorted(result.manifest.signatures))}"
     )
+    for warning in result.warnings:
+        print(f"warning: {warning}", file=sys.stderr)
 
 
 if __name__ == "__main__":
