@@ -16,7 +16,7 @@ from model_export.spec import ExportSpec, Metric
 NUM_ITEMS, DIM, BATCH_SIZE = 12, 3, 4
 
 
-class SegmentSum(keras.layers.Layer):
+class SegmentSum(keras.layers.Layer):  # type: ignore[misc]
     """Each example's value summed into the slot `item mod examples` (a dynamic TFLite tensor)."""
 
     def call(self, values: tf.Tensor, item: tf.Tensor) -> tf.Tensor:
