@@ -1,6 +1,7 @@
 """Does an exported model run alike on every installed backend? Each signature runs on each, from
-a fresh load, with the same inputs; any that fails on one backend and not another, or whose
-outputs differ beyond float tolerance, is a problem. The exporter runs this on every export.
+a fresh load with the kernels a device uses (XNNPACK where the backend has it), with the same
+inputs; any that fails on one backend and not another, or whose outputs differ beyond float
+tolerance, is a problem. The exporter runs this on every export.
 
     python -m model_runtime.backend_agreement MODEL_DIR     (one JSON object on stdout)
 
@@ -80,7 +81,7 @@ def compare_backends(model_dir: Path) -> Agreement:
     runs: dict[str, dict[tuple[int, str], dict[str, np.ndarray] | str]] = {}
     for backend in installed:
         try:
-            loaded = load_backend(content, backend, default_delegates=False)
+            loaded = load_backend(content, backend)
         except (ValueError, RuntimeError) as e:
             agreement.problems.append(f"the model does not load on {backend}: {str(e).strip()[:300]}")
             continue
