@@ -90,11 +90,11 @@ def installed_backends() -> list[str]:
     return found
 
 
-class _Loader(Protocol):
+class Loader(Protocol):
     def __call__(self, content: bytes, *, num_threads: int, default_delegates: bool) -> ModelBackend: ...
 
 
-def _loader(name: str) -> _Loader:
+def _loader(name: str) -> Loader:
     """The backend's load function; ImportError when its package is missing."""
     if name == "compiled_model":
         from model_runtime.compiled_model_backend import load_compiled_model

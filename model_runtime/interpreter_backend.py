@@ -9,10 +9,10 @@ from typing import Any
 
 import numpy as np
 
-from model_runtime.interpreter import ModelBackend, Signature, TensorShape, _Loader
+from model_runtime.interpreter import Loader, ModelBackend, Signature, TensorShape
 
 
-def interpreter_loader(package: str) -> _Loader:
+def interpreter_loader(package: str) -> Loader:
     """A loader for `package`'s Interpreter; ImportError if the package is missing."""
     module = importlib.import_module(f"{package}.interpreter")
     return functools.partial(_load, package, module)
