@@ -196,11 +196,19 @@ def main(argv: list[str] | None = None) -> int:
     # TensorFlow loads only when exporting.
     from model_export.held_output import native_stderr_held
 
+    problem = ""
     with native_stderr_held(args.verbose):  # TensorFlow's import logs too
         from model_export.export import export_spec
         from model_export.matrix_factorization import build_spec
+        from model_export.spec import ExportError
 
-        result = export_spec(build_spec(config), args.output_dir)
+        try:
+            result = export_spec(build_spec(config), args.output_dir)
+        except ExportError as e:  # e.g. a model that does not run alike on every backend
+            problem = str(e)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     _report(result)
     return 0
 
