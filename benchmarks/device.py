@@ -3,7 +3,8 @@
     ./dev bench            (or: python -m benchmarks.device [--repeats N])
 
 Exports 3,706 x 50 and 20,000 x 50 models (TensorFlow, in a subprocess), then measures
-each in a fresh process where importing TensorFlow is blocked, once per interpreter:
+each in a fresh process where importing TensorFlow is blocked, once per interpreter backend
+(`ai_edge_litert`'s and `tflite_runtime`'s Interpreter, LiteRT's CompiledModel):
 
 - one full client task for a 300-example client (set globals, reconstruct, update, delta),
   with the protocol's steps (reconstruction min(50, 5 epochs) = 50, update 1 epoch = 30)
@@ -26,10 +27,11 @@ import tempfile
 import time
 from pathlib import Path
 
+from model_runtime.interpreter import BACKENDS
+
 ROOT = Path(__file__).resolve().parent.parent
 
 SIZES = ((3706, 50), (20000, 50))
-BACKENDS = ("ai_edge_litert", "tflite_runtime")
 
 BLOCK_TENSORFLOW = """
 import importlib.abc, sys

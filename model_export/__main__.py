@@ -196,11 +196,19 @@ def main(argv: list[str] | None = None) -> int:
     # TensorFlow loads only when exporting.
     from model_export.held_output import native_stderr_held
 
+    problem = ""
     with native_stderr_held(args.verbose):  # TensorFlow's import logs too
         from model_export.export import export_spec
         from model_export.matrix_factorization import build_spec
+        from model_export.spec import ExportError
 
-        result = export_spec(build_spec(config), args.output_dir)
+        try:
+            result = export_spec(build_spec(config), args.output_dir)
+        except ExportError as e:  # e.g. a model that does not run alike on every backend
+            problem = str(e)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     _report(result)
     return 0
 
@@ -266,6 +274,8 @@ def _report(result: ExportResult) -> None:
         f"({result.tflite_bytes / result.parameter_bytes:.2f}x the {result.parameter_bytes:,} "
         f"bytes of parameters); signatures: {', '.join(sorted(result.manifest.signatures))}"
     )
+    for warning in result.warnings:
+        print(f"warning: {warning}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ exported (an `ExportError` says what to change). The signature layout is in
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import tempfile
@@ -28,8 +29,8 @@ from contracts.manifest import (
     ManifestError,
     MetricSpec,
     TensorSpec,
-    sha256_file,
 )
+from model_export.backend_check import check_backends
 from model_export.gradients import builtin_gradients
 from model_export.signatures import concrete_signatures
 from model_export.spec import ExportError, ExportSpec
@@ -51,6 +52,8 @@ class ExportResult:
     manifest: Manifest
     tflite_bytes: int
     parameter_bytes: int
+    # What a port should know, one line each (from the check on every interpreter backend).
+    warnings: tuple[str, ...] = ()
 
 
 def _nodes(trainer_signatures: dict[str, Any]) -> list[tuple[str, str]]:
@@ -166,14 +169,15 @@ def export_spec(spec: ExportSpec, model_dir: Path) -> ExportResult:
         manifest.check_consistency()
     except ManifestError as e:
         raise ExportError(f"the exported signatures disagree with the spec: {e}") from None
+    manifest = replace(manifest, model_sha256=hashlib.sha256(blob).hexdigest())
+    warnings = check_backends(blob, manifest)
     model_dir.mkdir(parents=True, exist_ok=True)
     model_path = model_dir / MODEL_FILE
     model_path.write_bytes(blob)
     save_file({k: v.numpy() for k, v in trainer.global_vars.items()}, str(model_dir / INITIAL_GLOBAL_FILE))
-    manifest = replace(manifest, model_sha256=sha256_file(model_path))
     (model_dir / MANIFEST_FILE).write_text(json.dumps(manifest.to_json(), indent=2) + "\n")
     parameter_bytes = sum(
         int(np.prod(v.shape)) * v.dtype.size
         for v in (*trainer.global_vars.values(), *trainer.local_vars.values())
     )
-    return ExportResult(model_dir, manifest, len(blob), parameter_bytes)
+    return ExportResult(model_dir, manifest, len(blob), parameter_bytes, warnings)

@@ -366,7 +366,7 @@ class Trainer(tf.Module):  # type: ignore[misc]
             loss = tf.math.divide_no_nan(tf.reduce_sum(weights * losses), total)
         out = {"loss": loss, "weight_sum": total}
         for n, v, g in zip(names, given, tape.gradient(loss, given), strict=True):
-            out[f"{n}_gradient"] = tf.zeros_like(v) if g is None else tf.convert_to_tensor(g)
+            out[f"{n}_gradient"] = tf.zeros_like(v) if g is None else _static(tf.convert_to_tensor(g))
         return out
 
     def _infer_scores(self, inputs: dict[str, tf.Tensor], model: Any) -> tf.Tensor:
@@ -424,3 +424,10 @@ class Trainer(tf.Module):  # type: ignore[misc]
         for k, v in self.local_vars.items():
             v.assign(tf.constant(self._initial_local[k]))
         return {"ok": tf.constant(1)}
+
+
+def _static(value: tf.Tensor) -> tf.Tensor:
+    """`value` through an op that allocates its output: a gathered row's gradient is an
+    UNSORTED_SEGMENT_SUM, whose output TFLite makes a dynamic tensor, and LiteRT's CompiledModel
+    cannot bind a signature's output buffer to one (the signature fails to run)."""
+    return tf.where(tf.math.is_nan(value), value, value)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import hashlib
 import math
 import mmap
-import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +24,7 @@ from contracts.manifest import (
     task_rows_input,
 )
 from contracts.params import Params, ParamsError, SparseTensor, check_params, row_shape
-from model_runtime.interpreter import interpreter_class
+from model_runtime.interpreter import InterpreterUnavailable, Signature, load_backend
 from model_runtime.task_batches import TaskBatches
 
 
@@ -187,19 +186,16 @@ class TFLiteModel:
                 f"{model_path} has sha256 {actual[:12]}..., its manifest expects "
                 f"{self.manifest.model_sha256[:12]}...: the file is corrupt or from another export"
             )
-        self.backend, interpreter_cls = interpreter_class(backend)
         try:
-            resolver = sys.modules[interpreter_cls.__module__].OpResolverType
-            self._interpreter = interpreter_cls(
-                model_content=self._content,
-                num_threads=num_threads,
-                experimental_op_resolver_type=(
-                    resolver.AUTO if default_delegates else resolver.BUILTIN_WITHOUT_DEFAULT_DELEGATES
-                ),
+            self._model = load_backend(
+                self._content, backend, num_threads=num_threads, default_delegates=default_delegates
             )
+        except InterpreterUnavailable:
+            raise
         except (ValueError, RuntimeError) as e:
             raise ModelLoadError(f"{model_path} is not a loadable TFLite model: {e}") from None
-        self._runners: dict[str, Any] = {}
+        self.backend = self._model.name
+        self._runners: dict[str, Signature] = {}
         self._check_signatures()
         # Row-sparse global -> the feature whose task rows it is given in.
         self._row_sparse = {s.name: s.row_sparse for s in self.manifest.global_params if s.row_sparse}
@@ -209,21 +205,15 @@ class TFLiteModel:
 
     def _check_signatures(self) -> None:
         """Every signature the manifest declares must exist with the same inputs and outputs."""
-        available = self._interpreter.get_signature_list()
+        available = self._model.signature_names()
         for name, declared in self.manifest.signatures.items():
             if name not in available:
                 raise ManifestError(
                     f"the manifest declares signature {name!r}; the model has {sorted(available)}"
                 )
-            runner = self._interpreter.get_signature_runner(name)
-            for side, details in (
-                ("inputs", runner.get_input_details()),
-                ("outputs", runner.get_output_details()),
-            ):
-                actual = {
-                    k: (tuple(int(x) for x in d["shape"]), np.dtype(d["dtype"]).name)
-                    for k, d in details.items()
-                }
+            runner = self._model.signature(name)
+            for side, shapes in (("inputs", runner.inputs), ("outputs", runner.outputs)):
+                actual = {k: (s.shape, s.dtype) for k, s in shapes.items()}
                 expected = {k: (s.shape, s.dtype) for k, s in declared[side].items()}
                 if actual != expected:
                     raise ManifestError(

@@ -22,6 +22,7 @@ from android_sim.datasets import DATASETS, FETCH_COMMAND, DatasetError, fetch
 from device_runtime.privacy_policy import PrivacyPolicy
 from model_export.config import Feedback, ModelConfig
 from model_export.in_subprocess import export_in_subprocess, export_spec_in_subprocess
+from model_runtime.interpreter import BACKENDS as INTERPRETER_BACKENDS
 
 ROOT = Path(__file__).resolve().parent.parent
 REQUIRE_DATA = "FEDRECON_REQUIRE_DATA"
@@ -29,7 +30,8 @@ REQUIRE_DATA = "FEDRECON_REQUIRE_DATA"
 # sums of 3); tests/privacy sets its own floors and attacks them.
 DEVICE_POLICY = PrivacyPolicy.for_simulation("plaintext", "secure")
 
-BACKENDS = ("ai_edge_litert", "tflite_runtime")
+# The interpreter backends: every test that takes the `backend` fixture runs on each.
+BACKENDS = INTERPRETER_BACKENDS
 
 # Small models of different shapes, feedback and parameter sets.
 SMALL = ModelConfig(num_items=60, embedding_dim=8, batch_size=4, max_batches=6, top_k=20)

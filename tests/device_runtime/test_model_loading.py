@@ -14,6 +14,7 @@ from contracts.features import Examples
 from contracts.manifest import ManifestError, sha256_file
 from contracts.params import ParamsError, decode_params, encode_params
 from model_export.config import ModelConfig
+from model_runtime.interpreter import BACKEND_ENV, BACKENDS
 from model_runtime.task_batches import TaskBatches, split_batches
 from model_runtime.tflite_model import ModelLoadError, TFLiteModel
 from tests.conftest import BIASED
@@ -139,6 +140,15 @@ def test_unknown_interpreter_backend(model_copy: Path) -> None:
 
     with pytest.raises(InterpreterUnavailable, match="expected one of"):
         TFLiteModel(model_copy, backend="tensorflow")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_environment_variable_picks_the_backend(
+    model_copy: Path, backend: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(BACKEND_ENV, backend)
+
+    assert TFLiteModel(model_copy).backend == backend
 
 
 def test_numbers_a_signature_input_cannot_hold_are_refused_not_wrapped(model_copy: Path) -> None:
