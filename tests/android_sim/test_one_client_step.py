@@ -12,7 +12,8 @@ from android_sim.simulation.protocol import PROTOCOL_SEED, support_query
 from android_sim.simulation.rounds import fedrecon_task, per_item_names
 from contracts.task_config import TaskConfig
 from device_runtime.client_task import Outcome, TaskResult, run_training_task
-from device_runtime.example_store import Event, ExampleStore, Selection
+from device_runtime.example_store import Event, ExampleStore
+from device_runtime.task_environment import Selection
 from device_runtime.fedrecon_step import delta_norm
 from device_runtime.task_examples import prepare
 from model_export.config import ModelConfig

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from contracts.features import FeatureSpec, InvalidExamples
-from device_runtime.example_store import Event, ExampleStore, ExampleStoreError, Selection
+from device_runtime.example_store import Event, ExampleStore, ExampleStoreError
+from device_runtime.task_environment import Selection
 from device_runtime.idle_store import IdleStore
 from model_export.config import ModelConfig
 
