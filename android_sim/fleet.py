@@ -21,13 +21,14 @@ from pathlib import Path
 
 import httpx
 
+from android_sim.idle_store import IdleStore, store_slots
 from android_sim.network import Connector, SimulatedLink
 from android_sim.profiles import DeviceProfile, SimClock
+from android_sim.slower_phone import SlowerPhone
 from contracts.features import FeatureSpec
 from device_runtime.agent import DeviceAgent, Participation
 from device_runtime.device_identity import DeviceIdentity
 from device_runtime.example_store import Event, ExampleStore
-from device_runtime.idle_store import IdleStore, store_slots
 from device_runtime.orchestrator_client import OrchestratorClient
 from device_runtime.privacy_policy import PrivacyPolicy
 from device_runtime.task_runner import TaskRunner
@@ -523,7 +524,7 @@ class Fleet:
                     device.store,  # opened only if the device is accepted into a round
                     self.cache_dir,
                     self.options.population,
-                    runner=self.runner,
+                    runner=SlowerPhone(self.runner, device.profile.device_class.compute_slowdown),
                     policy=self.options.privacy_policy,
                     identity=self._identity(device),
                 )
@@ -532,7 +533,6 @@ class Fleet:
                     conditions,
                     self._should_continue(device, drops, in_task),
                     seed=self._rng.getrandbits(31),
-                    compute_slowdown=device.profile.device_class.compute_slowdown,
                     abort_when_interrupted=not vanishes,
                     phase_continues=self._phase_continues(device, in_task),
                 )

@@ -13,9 +13,9 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass, field
-from typing import Protocol
 
 from contracts.protocol import Assignment
+from device_runtime.task_environment import KeptState
 from secure_aggregation.config import RoundParameters
 
 AGGREGATIONS = ("plaintext", "secure")
@@ -168,20 +168,12 @@ class PrivacyPolicy:
 ALL_POPULATIONS = None
 
 
-class LocalState(Protocol):
-    """Where the log lives: the device's example store (`ExampleStore`, or an `IdleStore`)."""
-
-    def load_local_state(self, key: str) -> bytes | None: ...
-
-    def save_local_state(self, key: str, value: bytes) -> None: ...
-
-
 class ParticipationLog:
     """How many assignments the device took per population (or, for ALL_POPULATIONS, in all the
     populations that share its store) and UTC day, in its own example store (a key of its private
     local_state table; never uploaded)."""
 
-    def __init__(self, store: LocalState, population: str | None) -> None:
+    def __init__(self, store: KeptState, population: str | None) -> None:
         self.store = store
         self.population = population
         self._key = _COUNT_PREFIX + ("*" if population is None else population)

@@ -11,9 +11,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from android_sim.idle_store import IdleStore
 from device_runtime.agent import DeviceAgent, Participation
 from device_runtime.example_store import Event, ExampleStore
-from device_runtime.idle_store import IdleStore
 from device_runtime.orchestrator_client import OrchestratorClient
 from device_runtime.privacy_policy import ALL_POPULATIONS, ParticipationLog, PolicyRefusal, PrivacyPolicy
 from device_runtime.task_runner import TaskRunner
