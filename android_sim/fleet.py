@@ -25,6 +25,7 @@ from android_sim.idle_store import IdleStore, store_slots
 from android_sim.network import Connector, SimulatedLink
 from android_sim.profiles import DeviceProfile, SimClock
 from android_sim.slower_phone import SlowerPhone
+from android_sim.small_cohorts import simulation_policy
 from contracts.features import FeatureSpec
 from device_runtime.agent import DeviceAgent, Participation
 from device_runtime.device_identity import DeviceIdentity
@@ -260,7 +261,7 @@ class FleetOptions:
     # part in each open evaluation round (StandardEval on their newest examples) between trainings.
     seen_devices_evaluate: bool = False
     # The app's privacy policy on every simulated phone: small floors for a fleet of a few dozen.
-    privacy_policy: PrivacyPolicy = field(default_factory=PrivacyPolicy.for_simulation)
+    privacy_policy: PrivacyPolicy = field(default_factory=simulation_policy)
     # Certifies the simulated devices' signing keys (a new one per fleet when None): the fleet is
     # its client, as an app is the platform attestation service's; the orchestrator only relays.
     enrollment_authority: EnrollmentAuthority | None = None

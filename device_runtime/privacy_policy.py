@@ -5,7 +5,7 @@ many shares reconstruct a device's secrets) is announced by the server. A malici
 announce a round of 1, a threshold of 2 shares, or plaintext. The device compares each with its
 own floors first and refuses a round below them before it sends anything of that round (keys,
 shares, an update). The defaults are the production ones (docs/concepts/device-privacy-policy.md
-says why they are large); simulations and tests lower them with `for_simulation`.
+says why they are large); a harness of a few devices lowers them (`android_sim/small_cohorts.py`).
 """
 
 from __future__ import annotations
@@ -88,26 +88,6 @@ class PrivacyPolicy:
             problems.append(f"max_central_gradient_weight must be in [0, 100], got {weight}")
         if problems:
             raise ValueError("invalid privacy policy: " + "; ".join(problems))
-
-    @classmethod
-    def for_simulation(
-        cls,
-        *aggregation: str,
-        min_summands: int = 3,
-        min_threshold: float = 0.25,
-        max_participations_per_day: int = 10_000,
-        certified_roster: bool = False,
-    ) -> PrivacyPolicy:
-        """Small floors for fleets of a few dozen devices and for tests (never for a real app)."""
-        return cls(
-            frozenset(aggregation or ("secure",)),
-            plaintext_evaluation=True,
-            min_summands=min_summands,
-            min_threshold=min_threshold,
-            max_participations_per_day=max_participations_per_day,
-            max_device_participations_per_day=max_participations_per_day,
-            certified_roster=certified_roster,
-        )
 
     def check_assignment(self, assignment: Assignment) -> None:
         """Raises PolicyRefusal for an assignment in a mode the device does not accept."""
