@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -187,7 +188,7 @@ class DeviceAgent:
                 self.policy.check_parameters(RoundParameters.from_json(answer.secure_parameters))
         # A store kept closed between rounds opens for the round only; the participation is
         # recorded before anything of the round goes out, off the event loop (a commit each).
-        record = lambda: _record(log, device_log)  # noqa: E731
+        record = functools.partial(_record, log, device_log)
         opened = (
             self.store.session(record)
             if isinstance(self.store, RoundStorage)
