@@ -47,9 +47,10 @@ from contracts.features import Examples
 from contracts.manifest import Manifest, load_manifest
 from contracts.params import decode_params
 from contracts.task_config import TaskConfig
-from device_runtime.client_task import Outcome, run_evaluation_task
+from device_runtime.client_task import Outcome, Task, run_evaluation_task
 from device_runtime.example_store import ExampleStore
 from device_runtime.examples_table import DeviceExamples
+from device_runtime.task_environment import Environment
 from device_runtime.task_examples import prepare
 from model_runtime.support_query import reconstruct_locals
 from model_runtime.task_batches import TaskBatches
@@ -139,7 +140,9 @@ async def evaluate_held_out(
         shown: list[Prediction] = []
         for device in held_out:
             with ExampleStore(device.store_path) as store:
-                result = run_evaluation_task(model, store, params, config, seed=device.index)
+                result = run_evaluation_task(
+                    model, Environment.of(store), params, Task(config, seed=device.index)
+                )
                 if result.outcome is Outcome.COMPLETED:
                     each.append(dict(result.metrics))
                     for k, v in result.metrics.items():

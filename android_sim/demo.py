@@ -12,9 +12,10 @@ from android_sim.movielens import load_ratings, load_titles
 from contracts.manifest import INITIAL_GLOBAL_FILE
 from contracts.params import decode_params
 from contracts.task_config import TaskConfig
-from device_runtime.client_task import run_training_task
+from device_runtime.client_task import Task, run_training_task
 from device_runtime.example_store import Event, ExampleStore
 from device_runtime.recommender import Recommender
+from device_runtime.task_environment import Environment
 from model_export.config import ITEM, LABEL
 from model_runtime.tflite_model import TFLiteModel
 
@@ -58,7 +59,7 @@ def run_demo(ratings_path: Path, work_dir: Path | None = None, user: int = 0) ->
         )
         task = TaskConfig.from_manifest(model.manifest)
         t0 = time.perf_counter()
-        outcome = run_training_task(model, store, global_params, task)
+        outcome = run_training_task(model, Environment.of(store), global_params, Task(task))
         ms = (time.perf_counter() - t0) * 1000
         print(
             f"client task: {outcome.outcome.value} in {ms:.1f} ms; weight |query| = {outcome.num_examples}; "

@@ -21,13 +21,15 @@ from pathlib import Path
 
 import httpx
 
+from android_sim.idle_store import IdleStore, store_slots
 from android_sim.network import Connector, SimulatedLink
 from android_sim.profiles import DeviceProfile, SimClock
+from android_sim.slower_phone import SlowerPhone
+from android_sim.small_cohorts import simulation_policy
 from contracts.features import FeatureSpec
 from device_runtime.agent import DeviceAgent, Participation
 from device_runtime.device_identity import DeviceIdentity
 from device_runtime.example_store import Event, ExampleStore
-from device_runtime.idle_store import IdleStore, store_slots
 from device_runtime.orchestrator_client import OrchestratorClient
 from device_runtime.privacy_policy import PrivacyPolicy
 from device_runtime.task_runner import TaskRunner
@@ -259,7 +261,7 @@ class FleetOptions:
     # part in each open evaluation round (StandardEval on their newest examples) between trainings.
     seen_devices_evaluate: bool = False
     # The app's privacy policy on every simulated phone: small floors for a fleet of a few dozen.
-    privacy_policy: PrivacyPolicy = field(default_factory=PrivacyPolicy.for_simulation)
+    privacy_policy: PrivacyPolicy = field(default_factory=simulation_policy)
     # Certifies the simulated devices' signing keys (a new one per fleet when None): the fleet is
     # its client, as an app is the platform attestation service's; the orchestrator only relays.
     enrollment_authority: EnrollmentAuthority | None = None
@@ -523,7 +525,7 @@ class Fleet:
                     device.store,  # opened only if the device is accepted into a round
                     self.cache_dir,
                     self.options.population,
-                    runner=self.runner,
+                    runner=SlowerPhone(self.runner, device.profile.device_class.compute_slowdown),
                     policy=self.options.privacy_policy,
                     identity=self._identity(device),
                 )
@@ -532,7 +534,6 @@ class Fleet:
                     conditions,
                     self._should_continue(device, drops, in_task),
                     seed=self._rng.getrandbits(31),
-                    compute_slowdown=device.profile.device_class.compute_slowdown,
                     abort_when_interrupted=not vanishes,
                     phase_continues=self._phase_continues(device, in_task),
                 )

@@ -22,8 +22,8 @@ from android_sim.fleet import TRAINING, DeviceSpec, Fleet, FleetOptions, FleetSt
 from android_sim.network import Connector
 from android_sim.profiles import SimClock
 from android_sim.run_config import RunConfig, RunError
+from android_sim.small_cohorts import simulation_policy
 from android_sim.stall import stall_message
-from device_runtime.privacy_policy import PrivacyPolicy
 from device_runtime.task_runner import TaskRunner
 from enrollment_authority.authority import EnrollmentAuthority
 from orchestrator.local import LocalOrchestrator
@@ -308,7 +308,7 @@ async def run_fleet(
                     cooldown_hours=config.cooldown_hours,
                     seed=config.seed,
                     seen_devices_evaluate=config.stateful,
-                    privacy_policy=PrivacyPolicy.for_simulation(config.aggregation, certified_roster=True),
+                    privacy_policy=simulation_policy(config.aggregation, certified_roster=True),
                     # One authority for the run (its shards too): devices trust it, the server relays.
                     enrollment_authority=EnrollmentAuthority(),
                 ),

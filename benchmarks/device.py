@@ -52,9 +52,10 @@ def measure(model_dir: Path, backend: str, repeats: int) -> dict[str, float]:
     from contracts.manifest import INITIAL_GLOBAL_FILE
     from contracts.params import decode_params
     from contracts.task_config import TaskConfig
-    from device_runtime.client_task import run_training_task
+    from device_runtime.client_task import Task, run_training_task
     from device_runtime.example_store import Event, ExampleStore
     from device_runtime.recommender import Recommender
+    from device_runtime.task_environment import Environment
     from model_export.config import ITEM, LABEL
     from model_runtime.support_query import num_steps
     from model_runtime.tflite_model import TFLiteModel
@@ -81,7 +82,7 @@ def measure(model_dir: Path, backend: str, repeats: int) -> dict[str, float]:
             times = []
             for _ in range(repeats + 3):
                 start = time.perf_counter()
-                outcome = run_training_task(model, store, global_params, config)
+                outcome = run_training_task(model, Environment.of(store), global_params, Task(config))
                 times.append(time.perf_counter() - start)
                 assert outcome.outcome.value == "completed", outcome.message
             results[name] = statistics.median(times[3:]) * 1e3

@@ -40,15 +40,15 @@ from android_sim.profiles import DeviceClass
 from android_sim.run import run_async
 from android_sim.run_config import RunConfig
 from android_sim.session import SIMULATED_FLEET_LIMITS
+from android_sim.small_cohorts import simulation_policy
 from device_runtime.agent import DeviceAgent, Participation
 from device_runtime.example_store import ExampleStore
 from device_runtime.orchestrator_client import OrchestratorClient
-from device_runtime.privacy_policy import PrivacyPolicy
 from device_runtime.task_runner import TaskRunner
 from orchestrator.local import LocalOrchestrator
 
 # The benchmark's phones take plaintext rounds (it measures the server's throughput).
-POLICY = PrivacyPolicy.for_simulation("plaintext")
+POLICY = simulation_policy("plaintext")
 
 # Always eligible, no slowdown, no network delay, no dropouts: the system's own rate.
 BENCH_PHONE = (DeviceClass("bench", 1.0, 1.0, 1e6, 0.0, 0.0, 0.0, 24.0, 1.0, 0.0),)

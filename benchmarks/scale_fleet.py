@@ -220,8 +220,9 @@ def device_task_rate(model_dir: Path, stores: list[Path], count: int = 200) -> f
     from contracts.manifest import INITIAL_GLOBAL_FILE
     from contracts.params import decode_params
     from contracts.task_config import TaskConfig
-    from device_runtime.client_task import run_training_task
+    from device_runtime.client_task import Task, run_training_task
     from device_runtime.example_store import ExampleStore
+    from device_runtime.task_environment import Environment
 
     model = TFLiteModel(model_dir)
     params = decode_params(
@@ -233,7 +234,7 @@ def device_task_rate(model_dir: Path, stores: list[Path], count: int = 200) -> f
     for i, path in enumerate(chosen):
         with ExampleStore(path) as store:
             t0 = time.perf_counter()
-            run_training_task(model, store, params, config, seed=i)
+            run_training_task(model, Environment.of(store), params, Task(config, seed=i))
             busy += time.perf_counter() - t0
     return len(chosen) / busy
 

@@ -34,12 +34,12 @@ import httpx
 import numpy as np
 
 from android_sim.network import Connector
+from android_sim.small_cohorts import simulation_policy
 from contracts.manifest import load_manifest
 from contracts.params import encode_sparse_delta
 from contracts.protocol import Assignment
 from device_runtime.device_identity import DeviceIdentity
 from device_runtime.orchestrator_client import OrchestratorClient
-from device_runtime.privacy_policy import PrivacyPolicy
 from device_runtime.secure_round import SecureRoundDriver
 from enrollment_authority.authority import EnrollmentAuthority
 from model_export.config import ModelConfig
@@ -55,7 +55,7 @@ from tests.orchestrator.conftest import ADMIN_TOKEN, Server, admin_create_popula
 NUM_ITEMS, DIM = 3706, 50
 PHASES = ("advertise", "share_keys", "masked_input", "unmasking")
 # The benchmark's phones: secure rounds only, floors below its rounds (threshold 0.4, half the devices).
-POLICY = PrivacyPolicy.for_simulation("secure", min_threshold=0.4)
+POLICY = simulation_policy("secure", min_threshold=0.4)
 
 
 def client_delta(rng: np.random.Generator) -> dict[str, np.ndarray]:

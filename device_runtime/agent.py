@@ -9,7 +9,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+import functools
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -25,16 +26,14 @@ from contracts.mixing import (
 from contracts.params import ParamsError
 from contracts.protocol import Assignment, Rejection
 from contracts.task_config import TaskConfig
-from device_runtime.client_task import Outcome, TaskResult
+from device_runtime.client_task import Outcome, Task, TaskResult
 from device_runtime.device_identity import DeviceIdentity
-from device_runtime.example_store import ExampleStore
-from device_runtime.idle_store import IdleStore
-from device_runtime.local_state import LocalStateStore
 from device_runtime.orchestrator_client import OrchestratorClient
 from device_runtime.privacy_policy import ALL_POPULATIONS, ParticipationLog, PolicyRefusal, PrivacyPolicy
 from device_runtime.protocol_errors import InvalidAnswer, ProtocolError, RetryLater, ServerUnavailable
 from device_runtime.secure_round import SecureParticipation, SecureRoundDriver
-from device_runtime.task_runner import TaskRunner
+from device_runtime.task_environment import DeviceStore, Environment, RoundStorage, open_store
+from device_runtime.task_runner import RunsTasks, TaskRunner
 from model_runtime.tflite_model import ModelLoadError
 from secure_aggregation.config import ProtocolError as SecureProtocolError
 from secure_aggregation.config import RoundParameters
@@ -59,7 +58,7 @@ class Participation:
     retry_after_seconds: float = 0.0
     detail: str = ""
     server_answer: dict[str, Any] = field(default_factory=dict)
-    task_seconds: float = 0.0  # compute time, including a slow device's extra time
+    task_seconds: float = 0.0  # compute time, as the runner measured it
     central_bytes: int = 0  # mixing: the centralized examples or central gradient downloaded for the task
 
 
@@ -67,17 +66,18 @@ class DeviceAgent:
     def __init__(
         self,
         client: OrchestratorClient,
-        store: ExampleStore | IdleStore,
+        store: DeviceStore | RoundStorage,
         cache_dir: Path,
         population: str,
         *,
         backend: str | None = None,
-        runner: TaskRunner | None = None,
+        runner: RunsTasks | None = None,
         policy: PrivacyPolicy | None = None,
         identity: DeviceIdentity | None = None,
     ) -> None:
-        """`store` is the device's example store, open, or an `IdleStore` that the agent opens only
-        once the device is accepted into a round. `policy` is the app's (default: the production
+        """`store` is the device's example store, open, or a `RoundStorage` that the agent opens
+        only once the device is accepted into a round. `runner` runs the tasks (default: a
+        `TaskRunner` of one worker). `policy` is the app's (default: the production
         `PrivacyPolicy()`, secure rounds only); `identity` the device's certified signing key, which
         that policy requires in secure rounds."""
         self.client = client
@@ -97,13 +97,12 @@ class DeviceAgent:
         should_continue: Callable[[], bool] = lambda: True,
         seed: int = 0,
         *,
-        compute_slowdown: float = 1.0,
         abort_when_interrupted: bool = True,
         phase_continues: Callable[[str], bool] | None = None,
     ) -> Participation:
-        """One attempt. `compute_slowdown` > 1 stretches the task's time as a slower phone would;
-        `should_continue` is asked during and after the task, and a False answer aborts (or, with
-        `abort_when_interrupted=False`, the device vanishes and the server finds out at the deadline).
+        """One attempt. `should_continue` (the device's training conditions) is asked during and
+        after the task, and a False answer aborts (or, with `abort_when_interrupted=False`, the
+        device vanishes and the server finds out at the deadline).
         In a secure round `phase_continues(phase)` (default: `should_continue()`) is asked before
         each phase of the protocol.
 
@@ -119,7 +118,6 @@ class DeviceAgent:
                 conditions,
                 should_continue,
                 seed,
-                compute_slowdown=compute_slowdown,
                 abort_when_interrupted=abort_when_interrupted,
                 phase_continues=phase_continues,
             )
@@ -170,7 +168,6 @@ class DeviceAgent:
         should_continue: Callable[[], bool],
         seed: int,
         *,
-        compute_slowdown: float,
         abort_when_interrupted: bool,
         phase_continues: Callable[[str], bool] | None,
     ) -> Participation:
@@ -189,36 +186,25 @@ class DeviceAgent:
         if answer.secure_parameters is not None:
             with contextlib.suppress(SecureProtocolError):  # a malformed one: the driver says so
                 self.policy.check_parameters(RoundParameters.from_json(answer.secure_parameters))
-        # An idle device's store opens for the round only; the participation is recorded before
-        # anything of the round goes out, off the event loop (a commit each).
-        async with self._opened(lambda: _record(log, device_log)) as store:
+        # A store kept closed between rounds opens for the round only; the participation is
+        # recorded before anything of the round goes out, off the event loop (a commit each).
+        record = functools.partial(_record, log, device_log)
+        opened = (
+            self.store.session(record)
+            if isinstance(self.store, RoundStorage)
+            else open_store(self.store, record)
+        )
+        async with opened as store:
             return await self._take_part(
-                answer,
-                store,
-                should_continue,
-                seed,
-                compute_slowdown,
-                abort_when_interrupted,
-                phase_continues,
+                answer, store, should_continue, seed, abort_when_interrupted, phase_continues
             )
-
-    @contextlib.asynccontextmanager
-    async def _opened(self, then: Callable[[], None]) -> AsyncIterator[ExampleStore]:
-        """The store, open for the round, with `then` run on it first (off the event loop)."""
-        if isinstance(self.store, IdleStore):
-            async with self.store.session(then) as store:
-                yield store
-        else:
-            await asyncio.to_thread(then)
-            yield self.store
 
     async def _take_part(
         self,
         answer: Assignment,
-        store: ExampleStore,
+        store: DeviceStore,
         should_continue: Callable[[], bool],
         seed: int,
-        compute_slowdown: float,
         abort_when_interrupted: bool,
         phase_continues: Callable[[str], bool] | None,
     ) -> Participation:
@@ -240,7 +226,6 @@ class DeviceAgent:
                     store,
                     lambda: should_continue() and not driver.left,
                     seed,
-                    compute_slowdown,
                     abort_when_interrupted,
                     (driver, sharing),
                 )
@@ -249,17 +234,14 @@ class DeviceAgent:
                 # error of theirs that an earlier one cut short is not left unread.
                 sharing.cancel()
                 await asyncio.gather(sharing, return_exceptions=True)
-        return await self._train(
-            answer, store, should_continue, seed, compute_slowdown, abort_when_interrupted
-        )
+        return await self._train(answer, store, should_continue, seed, abort_when_interrupted)
 
     async def _train(
         self,
         answer: Assignment,
-        store: ExampleStore,
+        store: DeviceStore,
         should_continue: Callable[[], bool],
         seed: int,
-        compute_slowdown: float,
         abort_when_interrupted: bool,
         secure: tuple[SecureRoundDriver, asyncio.Task[SecureParticipation | None]] | None = None,
     ) -> Participation:
@@ -288,24 +270,11 @@ class DeviceAgent:
             # The server has no gradient for this version (503 after every retry, e.g. not finite):
             # a plain FedRecon update instead, so that the round can still commit.
             gradient, gradient_blob = None, None
-        timed = await self.runner.run(
-            answer.kind,
-            model_dir,
-            store,
-            blob,
-            config,
-            should_continue=should_continue,
-            seed=seed,
-            kept=LocalStateStore(store, self.population),
-            central=central,
-            central_gradient=gradient,
-            central_gradient_weight=answer.central_gradient_weight or 0.0,
-        )
+        environment = Environment.of(store, should_continue)
+        task = Task(config, self.population, seed, central, gradient, answer.central_gradient_weight or 0.0)
+        timed = await self.runner.run(answer.kind, model_dir, environment, blob, task)
         result, seconds = timed.result, timed.seconds
         self.central_bytes = len(central_blob or b"") + len(gradient_blob or b"")
-        if compute_slowdown > 1.0:
-            await asyncio.sleep((compute_slowdown - 1.0) * seconds)
-            seconds *= compute_slowdown
         if secure is not None and secure[0].left:  # the round went on without it, or it left a phase
             left = await secure[1]
             assert left is not None

@@ -11,7 +11,6 @@ instead of raising through the caller.
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -20,10 +19,10 @@ from contracts.features import Examples
 from contracts.manifest import Manifest
 from contracts.params import Params, ParamsError
 from contracts.task_config import LocalState, SplitPolicy, TaskConfig
-from device_runtime.example_store import ExampleStore
 from device_runtime.fedrecon_step import Halt, TrainedGlobals, fedrecon_step, recon_eval_step, train_globals
 from device_runtime.kept_locals_guard import guard
 from device_runtime.local_state import LocalStateStore
+from device_runtime.task_environment import ExampleSource, TaskEnvironment
 from device_runtime.task_examples import (
     SupportQuery,
     hold_out_newest,
@@ -57,7 +56,23 @@ class TaskResult:
     message: str = ""
 
 
-def incompatible_store(store: ExampleStore, manifest: Manifest) -> TaskResult | None:
+@dataclass(frozen=True)
+class Task:
+    """What the server's assignment says of one task, besides the model and its globals."""
+
+    config: TaskConfig = field(default_factory=TaskConfig)
+    population: str = ""  # whose kept locals a `local_state: keep` task trains and keeps
+    seed: int = 0  # the task's draws: shuffle, split, sampled negatives
+    central: Examples | None = None  # example transfer's centralized examples
+    central_gradient: SparseGradient | None = None  # gradient transfer's
+    central_gradient_weight: float = 0.0
+
+    def kept(self, environment: TaskEnvironment) -> LocalStateStore | None:
+        """This population's kept locals in the environment's state (None without a population)."""
+        return LocalStateStore(environment.state, self.population) if self.population else None
+
+
+def incompatible_store(store: ExampleSource, manifest: Manifest) -> TaskResult | None:
     """The result of a task whose store does not fit the model (named, before anything starts)."""
     mismatch = store.mismatch(manifest.features)
     return None if mismatch is None else TaskResult(Outcome.INCOMPATIBLE_STORE, message=mismatch)
@@ -83,7 +98,7 @@ def _halted(halt: Halt) -> TaskResult:
 
 
 def _start(
-    model: TFLiteModel, store: ExampleStore, global_params: Params, config: TaskConfig, seed: int
+    model: TFLiteModel, store: ExampleSource, global_params: Params, config: TaskConfig, seed: int
 ) -> tuple[SupportQuery, TaskBatches, TaskBatches] | TaskResult:
     """What every FedRecon task does first: select and split the examples, pack them, install the
     globals; or the INSUFFICIENT_DATA result when the device has too few."""
@@ -139,58 +154,53 @@ def _completed(
 
 
 def run_training_task(
-    model: TFLiteModel,
-    store: ExampleStore,
-    global_params: Params,
-    config: TaskConfig,
-    *,
-    should_continue: Callable[[], bool] = lambda: True,
-    seed: int = 0,
-    kept: LocalStateStore | None = None,
-    central_gradient: SparseGradient | None = None,
-    weight: float = 0.0,
-    central: Examples | None = None,
+    model: TFLiteModel, environment: TaskEnvironment, global_params: Params, task: Task
 ) -> TaskResult:
     """Reconstruct on support, update on query, and return the delta; locals are discarded.
 
-    With `local_state: keep` (FURL) the device's kept locals (`kept`) train jointly with the
-    globals instead, and are kept for its next task. Gradient transfer (Augenstein et al.,
-    Algorithm 4): every update step adds `weight` times the server's `central_gradient` (rows of
-    the globals, public data's gradient) to the gradient of the globals; the delta then covers
-    the central gradient's rows too. The reported weight stays |query|. `central`: example transfer's
-    centralized examples, mixed into the update steps only (`with_central`)."""
+    With `local_state: keep` (FURL) the device's kept locals (the task's population's, in the
+    environment's state) train jointly with the globals instead, and are kept for its next task.
+    Gradient transfer (Augenstein et al., Algorithm 4): every update step adds
+    `central_gradient_weight` times the server's `central_gradient` (rows of the globals, public
+    data's gradient) to the gradient of the globals; the delta then covers the central gradient's
+    rows too. The reported weight stays |query|. `central`: example transfer's centralized
+    examples, mixed into the update steps only (`with_central`)."""
+    config, store, should_continue = task.config, environment.examples, environment.should_continue
     try:
+        # 1. The device's examples must fit the model.
         mismatch = incompatible_store(store, model.manifest)
         if mismatch is not None:
             return mismatch
-        if central is not None and central.num_examples and config.local_state is LocalState.KEEP:
+        mixes_central = task.central is not None and task.central.num_examples > 0
+        if mixes_central and config.local_state is LocalState.KEEP:
             return TaskResult(
                 Outcome.ERROR, message="example transfer mixes into FedRecon's update; local_state is 'keep'"
             )
         if config.local_state is LocalState.KEEP:
-            return _stateful_training(
-                model, store, global_params, config, kept, should_continue, seed, central_gradient, weight
-            )
-        started = _start(model, store, global_params, config, seed)
+            return _stateful_training(model, environment, global_params, task)
+        # 2. Select and split the examples (support, query), install the globals.
+        started = _start(model, store, global_params, config, task.seed)
         if isinstance(started, TaskResult):
             return started
         data, support, query = started
         if not should_continue():
             return _interrupted("reconstruction")
+        # 3. Reconstruct the locals on the support set, then train the globals on the query set.
         step = fedrecon_step(
             model,
             support,
-            _trained_batches(model, data, query, central, global_params, config, seed),
+            _trained_batches(model, data, query, task.central, global_params, config, task.seed),
             config,
             measured=query,
-            central_gradient=central_gradient,
-            weight=weight,
+            central_gradient=task.central_gradient,
+            weight=task.central_gradient_weight,
             should_continue=should_continue,
         )
         if isinstance(step, Halt):
             return _halted(step)
         if not should_continue():
             return _interrupted("reporting")
+        # 4. The report: the globals' delta, weighted by |query|, and the task's metrics.
         counts = {
             "num_examples": float(data.num_examples),
             "num_support": float(support.num_examples),
@@ -214,25 +224,22 @@ def evaluation_split(config: TaskConfig) -> TaskConfig:
 
 
 def run_evaluation_task(
-    model: TFLiteModel,
-    store: ExampleStore,
-    global_params: Params,
-    config: TaskConfig,
-    *,
-    seed: int = 0,
-    kept: LocalStateStore | None = None,
+    model: TFLiteModel, environment: TaskEnvironment, global_params: Params, task: Task
 ) -> TaskResult:
     """ReconEval: reconstruct on the support set, measure on the query set; metrics only.
 
     With `local_state: keep`, StandardEval instead: the kept locals, measured on the held-out
     newest examples."""
+    config, store = task.config, environment.examples
     try:
         mismatch = incompatible_store(store, model.manifest)
         if mismatch is not None:
             return mismatch
         if config.local_state is LocalState.KEEP:
-            return _stateful_evaluation(model, store, global_params, config, kept, seed)
-        started = _start(model, store, global_params, evaluation_split(config), seed)
+            return _stateful_evaluation(
+                model, store, global_params, config, task.kept(environment), task.seed
+            )
+        started = _start(model, store, global_params, evaluation_split(config), task.seed)
         if isinstance(started, TaskResult):
             return started
         _, support, query = started
@@ -248,11 +255,14 @@ def run_evaluation_task(
 
 
 def _stateful_start(
-    model: TFLiteModel, store: ExampleStore, config: TaskConfig, kept: LocalStateStore | None
+    model: TFLiteModel, store: ExampleSource, config: TaskConfig, kept: LocalStateStore | None
 ) -> tuple[Examples, Examples, int, LocalStateStore] | TaskResult:
     """A stateful task's examples (training, held out, outside the catalog) or why it cannot run."""
     if kept is None:
-        return TaskResult(Outcome.ERROR, message="local_state 'keep' needs the device's local state storage")
+        return TaskResult(
+            Outcome.ERROR,
+            message="local_state 'keep' needs the device's local state storage for a population",
+        )
     newest_first, outside = newest_examples(store, model.manifest, config)
     too_few = _too_few(newest_first.num_examples, outside, config)
     if too_few is not None:
@@ -271,20 +281,13 @@ def _validation_split(train: Examples, storage: LocalStateStore, seed: int) -> t
 
 
 def _stateful_training(
-    model: TFLiteModel,
-    store: ExampleStore,
-    global_params: Params,
-    config: TaskConfig,
-    kept: LocalStateStore | None,
-    should_continue: Callable[[], bool],
-    seed: int,
-    central_gradient: SparseGradient | None = None,
-    weight: float = 0.0,
+    model: TFLiteModel, environment: TaskEnvironment, global_params: Params, task: Task
 ) -> TaskResult:
     """FURL's client task: the kept locals and the globals train jointly on the training examples
     (all but the held-out newest and a validation split); the delta of the globals goes back, the
     locals stay here, within the device's bounds (`kept_locals_guard`)."""
-    started = _stateful_start(model, store, config, kept)
+    config, seed, should_continue = task.config, task.seed, environment.should_continue
+    started = _stateful_start(model, environment.examples, config, task.kept(environment))
     if isinstance(started, TaskResult):
         return started
     train, held_out, outside, storage = started
@@ -300,7 +303,7 @@ def _stateful_training(
     locals_ = storage.load(model)
     model.set_local(locals_.params)
     before = model.evaluate(batches)
-    trained = train_globals(model, batches, config, central_gradient, weight)
+    trained = train_globals(model, batches, config, task.central_gradient, task.central_gradient_weight)
     if isinstance(trained, Halt):
         return _halted(trained)
     if not should_continue():
@@ -324,7 +327,7 @@ def _stateful_training(
 
 def _stateful_evaluation(
     model: TFLiteModel,
-    store: ExampleStore,
+    store: ExampleSource,
     global_params: Params,
     config: TaskConfig,
     kept: LocalStateStore | None,

@@ -1,8 +1,9 @@
 """The device's identity in secure rounds: its Ed25519 signing key, the enrollment authority's
 certificate for it, and the authority's public key that the app ships with.
 
-The private key never leaves the device: it is kept in the device's own example store (its private
-local_state table), and only its certificate and signatures travel. A device with an identity signs
+The private key never leaves the device: it is kept in the device's key store (`KeyStore`, apart
+from its examples: `key_store.KeyDirectory`, or the platform's), and only its certificate and
+signatures travel. A device with an identity signs
 its key advertisement for each round and accepts a roster only when every entry is certified by the
 authority it trusts (`secure_aggregation.identity.verified_roster`); with the signing keys in that
 roster it checks its neighbours' signatures on the survivor set before it unmasks anything.
@@ -16,11 +17,11 @@ from dataclasses import dataclass
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from device_runtime.example_store import ExampleStore
+from device_runtime.task_environment import KeyStore
 from secure_aggregation.config import ProtocolError
 from secure_aggregation.identity import PUBLIC_KEY_BYTES, Certificate, SigningKey
 
-_STATE_KEY = "identity/secure-aggregation"
+_KEY_NAME = "secure-aggregation-identity"
 # A certificate this close to its expiry is renewed before the device takes part again.
 RENEW_SECONDS = 86_400
 
@@ -51,14 +52,14 @@ class DeviceIdentity:
     @classmethod
     def load_or_enroll(
         cls,
-        store: ExampleStore,
+        keys: KeyStore,
         certify: Callable[[bytes], Certificate],
         authority_key: bytes,
         now: float,
     ) -> DeviceIdentity:
-        """The identity kept in `store`, or a new one (kept there) when there is none, it is for
+        """The identity kept in `keys`, or a new one (kept there) when there is none, it is for
         another authority, or its certificate expires within RENEW_SECONDS."""
-        blob = store.load_local_state(_STATE_KEY)
+        blob = keys.load_key(_KEY_NAME)
         if blob is not None:
             try:
                 data = json.loads(blob)
@@ -71,5 +72,5 @@ class DeviceIdentity:
         identity = cls.enroll(certify, authority_key)
         private_bytes = identity.signing_key.private_bytes()
         record = {"private_key": private_bytes.hex(), "certificate": identity.certificate.to_json()}
-        store.save_local_state(_STATE_KEY, json.dumps(record).encode())
+        keys.save_key(_KEY_NAME, json.dumps(record).encode())
         return identity

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from contracts.features import Examples, FeatureSpec, FeatureSpecError, InvalidExamples
+from device_runtime.task_environment import Selection
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS examples (
@@ -74,35 +75,29 @@ class Event:
     context: str | None = None
 
 
-@dataclass(frozen=True)
-class Selection:
-    """Which examples an iterator hands out: a time window, newest or oldest first, a cap."""
+EVERY_EXAMPLE = Selection()  # newest first, no window, no cap
 
-    since: float | None = None
-    until: float | None = None
-    limit: int | None = None
-    newest_first: bool = True
-    context: str | None = None
 
-    def sql(self) -> tuple[str, list[object]]:
-        where: list[str] = []
-        args: list[object] = []
-        if self.since is not None:
-            where.append("timestamp >= ?")
-            args.append(self.since)
-        if self.until is not None:
-            where.append("timestamp < ?")
-            args.append(self.until)
-        if self.context is not None:
-            where.append("context = ?")
-            args.append(self.context)
-        clause = (" WHERE " + " AND ".join(where)) if where else ""
-        order = " ORDER BY timestamp DESC, id DESC" if self.newest_first else " ORDER BY timestamp, id"
-        limit = ""
-        if self.limit is not None:
-            limit = " LIMIT ?"
-            args.append(max(int(self.limit), 0))
-        return clause + order + limit, args
+def _sql(selection: Selection) -> tuple[str, list[object]]:
+    """The WHERE, ORDER BY and LIMIT clauses of `selection`, with their arguments."""
+    where: list[str] = []
+    args: list[object] = []
+    if selection.since is not None:
+        where.append("timestamp >= ?")
+        args.append(selection.since)
+    if selection.until is not None:
+        where.append("timestamp < ?")
+        args.append(selection.until)
+    if selection.context is not None:
+        where.append("context = ?")
+        args.append(selection.context)
+    clause = (" WHERE " + " AND ".join(where)) if where else ""
+    order = " ORDER BY timestamp DESC, id DESC" if selection.newest_first else " ORDER BY timestamp, id"
+    limit = ""
+    if selection.limit is not None:
+        limit = " LIMIT ?"
+        args.append(max(int(selection.limit), 0))
+    return clause + order + limit, args
 
 
 def record_dtype(features: Sequence[FeatureSpec]) -> np.dtype:
@@ -352,14 +347,14 @@ class ExampleStore:
         row = self._connection().execute("SELECT value FROM store_meta WHERE key = 'revision'").fetchone()
         return int(row[0])
 
-    def count(self, selection: Selection = Selection()) -> int:
-        clause, args = selection.sql()
+    def count(self, selection: Selection = EVERY_EXAMPLE) -> int:
+        clause, args = _sql(selection)
         sql = f"SELECT COUNT(*) FROM (SELECT id FROM examples{clause})"
         return int(self._connection().execute(sql, args).fetchone()[0])
 
-    def iter_events(self, selection: Selection = Selection(), chunk_size: int = 512) -> Iterator[Event]:
+    def iter_events(self, selection: Selection = EVERY_EXAMPLE, chunk_size: int = 512) -> Iterator[Event]:
         """Events in `selection`, read in chunks from one consistent snapshot."""
-        clause, args = selection.sql()
+        clause, args = _sql(selection)
         # A fresh connection: its read transaction sees a snapshot while the app keeps writing.
         conn = sqlite3.connect(self.path, timeout=30.0, isolation_level=None)
         try:
@@ -373,9 +368,9 @@ class ExampleStore:
         finally:
             conn.close()
 
-    def examples(self, selection: Selection = Selection()) -> Examples:
+    def examples(self, selection: Selection = EVERY_EXAMPLE) -> Examples:
         """The selection as column-wise arrays, ready for batching."""
-        clause, args = selection.sql()
+        clause, args = _sql(selection)
         rows = self._connection().execute(f"SELECT features FROM examples{clause}", args).fetchall()
         records = np.frombuffer(b"".join(r[0] for r in rows), self._record)
         return Examples({f.name: records[f.name].astype(f.dtype) for f in self.features})

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from safetensors import SafetensorError
 
 from contracts.params import Params, ParamsError, check_params, decode_params, encode_params, read_metadata
-from device_runtime.example_store import ExampleStore
 from device_runtime.kept_locals_guard import KeptLocalsBounds
+from device_runtime.task_environment import KeptState
 from model_runtime.tflite_model import TFLiteModel
 
 _KEY_PREFIX = "kept_locals/"
@@ -44,9 +44,7 @@ class LocalStateStore:
     """The kept local parameters of one population on one device, and the bounds (the device's,
     never the server's) on what one training task may do to them (`kept_locals_guard`)."""
 
-    def __init__(
-        self, store: ExampleStore, population: str, bounds: KeptLocalsBounds = DEVICE_BOUNDS
-    ) -> None:
+    def __init__(self, store: KeptState, population: str, bounds: KeptLocalsBounds = DEVICE_BOUNDS) -> None:
         if not population:
             raise ValueError("a population name is needed to keep local parameters")
         self.store = store

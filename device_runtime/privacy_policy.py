@@ -5,7 +5,7 @@ many shares reconstruct a device's secrets) is announced by the server. A malici
 announce a round of 1, a threshold of 2 shares, or plaintext. The device compares each with its
 own floors first and refuses a round below them before it sends anything of that round (keys,
 shares, an update). The defaults are the production ones (docs/concepts/device-privacy-policy.md
-says why they are large); simulations and tests lower them with `for_simulation`.
+says why they are large); a harness of a few devices lowers them (`android_sim/small_cohorts.py`).
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass, field
-from typing import Protocol
 
 from contracts.protocol import Assignment
+from device_runtime.task_environment import KeptState
 from secure_aggregation.config import RoundParameters
 
 AGGREGATIONS = ("plaintext", "secure")
@@ -89,26 +89,6 @@ class PrivacyPolicy:
         if problems:
             raise ValueError("invalid privacy policy: " + "; ".join(problems))
 
-    @classmethod
-    def for_simulation(
-        cls,
-        *aggregation: str,
-        min_summands: int = 3,
-        min_threshold: float = 0.25,
-        max_participations_per_day: int = 10_000,
-        certified_roster: bool = False,
-    ) -> PrivacyPolicy:
-        """Small floors for fleets of a few dozen devices and for tests (never for a real app)."""
-        return cls(
-            frozenset(aggregation or ("secure",)),
-            plaintext_evaluation=True,
-            min_summands=min_summands,
-            min_threshold=min_threshold,
-            max_participations_per_day=max_participations_per_day,
-            max_device_participations_per_day=max_participations_per_day,
-            certified_roster=certified_roster,
-        )
-
     def check_assignment(self, assignment: Assignment) -> None:
         """Raises PolicyRefusal for an assignment in a mode the device does not accept."""
         if assignment.kind == "evaluation":
@@ -168,20 +148,12 @@ class PrivacyPolicy:
 ALL_POPULATIONS = None
 
 
-class LocalState(Protocol):
-    """Where the log lives: the device's example store (`ExampleStore`, or an `IdleStore`)."""
-
-    def load_local_state(self, key: str) -> bytes | None: ...
-
-    def save_local_state(self, key: str, value: bytes) -> None: ...
-
-
 class ParticipationLog:
     """How many assignments the device took per population (or, for ALL_POPULATIONS, in all the
     populations that share its store) and UTC day, in its own example store (a key of its private
     local_state table; never uploaded)."""
 
-    def __init__(self, store: LocalState, population: str | None) -> None:
+    def __init__(self, store: KeptState, population: str | None) -> None:
         self.store = store
         self.population = population
         self._key = _COUNT_PREFIX + ("*" if population is None else population)

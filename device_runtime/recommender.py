@@ -24,8 +24,9 @@ from safetensors import SafetensorError
 from contracts.features import Examples
 from contracts.params import Params, ParamsError, decode_params, encode_params
 from contracts.task_config import TaskConfig
-from device_runtime.example_store import ExampleStore, ExampleStoreError
+from device_runtime.example_store import ExampleStoreError
 from device_runtime.local_state import LocalStateStore
+from device_runtime.task_environment import DeviceStore
 from device_runtime.task_examples import select_examples
 from model_runtime.support_query import (
     add_negatives,
@@ -138,7 +139,7 @@ class PersonalModel:
     def __init__(
         self,
         model: TFLiteModel,
-        store: ExampleStore,
+        store: DeviceStore,
         global_params: Params,
         config: TaskConfig | None = None,
         *,
@@ -243,7 +244,7 @@ class Recommender(PersonalModel):
     def __init__(
         self,
         model: TFLiteModel,
-        store: ExampleStore,
+        store: DeviceStore,
         global_params: Params,
         config: TaskConfig | None = None,
         *,
@@ -392,7 +393,7 @@ class Predictor(PersonalModel):
     def __init__(
         self,
         model: TFLiteModel,
-        store: ExampleStore,
+        store: DeviceStore,
         global_params: Params,
         config: TaskConfig | None = None,
         *,

@@ -16,7 +16,7 @@ from contracts.features import Examples, per_example
 from contracts.manifest import Manifest
 from contracts.params import Params
 from contracts.task_config import TaskConfig
-from device_runtime.example_store import ExampleStore, Selection
+from device_runtime.task_environment import ExampleSource, Selection
 from model_runtime.support_query import (
     add_negatives,
     negative_weights,
@@ -50,7 +50,7 @@ def within_model(examples: Examples, manifest: Manifest) -> np.ndarray:
     return keep
 
 
-def newest_examples(store: ExampleStore, manifest: Manifest, config: TaskConfig) -> tuple[Examples, int]:
+def newest_examples(store: ExampleSource, manifest: Manifest, config: TaskConfig) -> tuple[Examples, int]:
     """The newest `max_examples` examples, newest first, without those outside the model's tables
     (left out and counted, rather than failing the task)."""
     examples = store.examples(Selection(limit=config.max_examples))
@@ -58,7 +58,7 @@ def newest_examples(store: ExampleStore, manifest: Manifest, config: TaskConfig)
     return examples.select(known), int(examples.num_examples - known.sum())
 
 
-def select_examples(store: ExampleStore, manifest: Manifest, config: TaskConfig) -> tuple[Examples, int]:
+def select_examples(store: ExampleSource, manifest: Manifest, config: TaskConfig) -> tuple[Examples, int]:
     """The task's examples (newest `max_examples`, optionally shuffled); drops unknown values."""
     examples, outside = newest_examples(store, manifest, config)
     if config.shuffle_seed is not None:
@@ -117,7 +117,7 @@ def with_central(
 
 
 def prepare(
-    store: ExampleStore, manifest: Manifest, config: TaskConfig, seed: int, weights: np.ndarray | None = None
+    store: ExampleSource, manifest: Manifest, config: TaskConfig, seed: int, weights: np.ndarray | None = None
 ) -> SupportQuery:
     """The task's examples split into support and query; implicit labels add sampled negatives,
     drawn by `weights` (`negative_weights`; None: uniformly)."""

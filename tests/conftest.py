@@ -19,7 +19,7 @@ import pytest
 from filelock import FileLock
 
 from android_sim.datasets import DATASETS, FETCH_COMMAND, DatasetError, fetch
-from device_runtime.privacy_policy import PrivacyPolicy
+from android_sim.small_cohorts import simulation_policy
 from model_export.config import Feedback, ModelConfig
 from model_export.in_subprocess import export_in_subprocess, export_spec_in_subprocess
 from model_runtime.interpreter import BACKENDS as INTERPRETER_BACKENDS
@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 REQUIRE_DATA = "FEDRECON_REQUIRE_DATA"
 # The tests' phones: both modes and the small floors of rounds of a few devices (threshold 0.4,
 # sums of 3); tests/privacy sets its own floors and attacks them.
-DEVICE_POLICY = PrivacyPolicy.for_simulation("plaintext", "secure")
+DEVICE_POLICY = simulation_policy("plaintext", "secure")
 
 # The interpreter backends: every test that takes the `backend` fixture runs on each.
 BACKENDS = INTERPRETER_BACKENDS

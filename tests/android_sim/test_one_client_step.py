@@ -11,9 +11,10 @@ import pytest
 from android_sim.simulation.protocol import PROTOCOL_SEED, support_query
 from android_sim.simulation.rounds import fedrecon_task, per_item_names
 from contracts.task_config import TaskConfig
-from device_runtime.client_task import Outcome, TaskResult, run_training_task
-from device_runtime.example_store import Event, ExampleStore, Selection
+from device_runtime.client_task import Outcome, Task, TaskResult, run_training_task
+from device_runtime.example_store import Event, ExampleStore
 from device_runtime.fedrecon_step import delta_norm
+from device_runtime.task_environment import Environment, Selection
 from device_runtime.task_examples import prepare
 from model_export.config import ModelConfig
 from model_runtime.task_batches import TaskBatches
@@ -71,13 +72,13 @@ def test_the_device_and_the_simulation_report_the_same_delta_from_the_same_examp
     params = perturbed_globals(model.get_global(), seed=1)
     task = TaskConfig.from_manifest(model.manifest, shuffle_seed=PROTOCOL_SEED)
     if clipped:
-        unclipped = run_training_task(model, store, params, task).delta
+        unclipped = run_training_task(model, Environment.of(store), params, Task(task)).delta
         assert unclipped is not None
         task = TaskConfig.from_manifest(
             model.manifest, shuffle_seed=PROTOCOL_SEED, clip_norm=delta_norm(unclipped) / 3
         )
 
-    on_device = run_training_task(model, store, params, task)
+    on_device = run_training_task(model, Environment.of(store), params, Task(task))
     # The simulation packs a user's newest-first examples by the protocol, once.
     packed = support_query(store.examples(Selection()), model.manifest, task)
     in_simulation = _sim_delta(model, params, packed.support, packed.query, task)
@@ -93,12 +94,12 @@ def test_with_sampled_negatives_the_same_batches_give_the_same_delta(
     model, store = _device(export, IMPLICIT, tmp_path)
     params = perturbed_globals(model.get_global(), seed=2)
     unclipped = run_training_task(
-        model, store, params, TaskConfig.from_manifest(model.manifest), seed=5
+        model, Environment.of(store), params, Task(TaskConfig.from_manifest(model.manifest), seed=5)
     ).delta
     assert unclipped is not None
     task = TaskConfig.from_manifest(model.manifest, clip_norm=delta_norm(unclipped) / 3)
 
-    on_device = run_training_task(model, store, params, task, seed=5)
+    on_device = run_training_task(model, Environment.of(store), params, Task(task, seed=5))
     data = prepare(store, model.manifest, task, seed=5)
     support, query = (TaskBatches.pack(part, model.manifest) for part in (data.support, data.query))
     in_simulation = _sim_delta(model, params, support, query, task)

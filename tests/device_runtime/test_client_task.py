@@ -11,9 +11,10 @@ import pytest
 
 from contracts.params import SparseTensor
 from contracts.task_config import SplitPolicy, TaskConfig
-from device_runtime.client_task import Outcome, run_evaluation_task, run_training_task
+from device_runtime.client_task import Outcome, Task, run_evaluation_task, run_training_task
 from device_runtime.example_store import Event, ExampleStore
 from device_runtime.fedrecon_step import clip_delta, delta_norm
+from device_runtime.task_environment import Environment
 from device_runtime.task_examples import prepare
 from model_export.config import ModelConfig
 from model_export.reference import ReferenceModel
@@ -52,7 +53,7 @@ def test_completed_task_returns_the_reference_delta_and_discards_locals(
     globals_ = perturbed_globals(model.get_global(), seed=1)
     config = TaskConfig.from_manifest(model.manifest)
 
-    result = run_training_task(model, store, globals_, config)
+    result = run_training_task(model, Environment.of(store), globals_, Task(config))
 
     assert result.outcome is Outcome.COMPLETED, result.message
     data = prepare(store, model.manifest, config, seed=0)
@@ -75,16 +76,18 @@ def test_a_dp_task_clips_its_whole_delta_to_the_clip_norm(
 ) -> None:
     model, store = movielens_device
     globals_ = perturbed_globals(model.get_global(), seed=1)
-    unclipped = run_training_task(model, store, globals_, TaskConfig.from_manifest(model.manifest)).delta
+    unclipped = run_training_task(
+        model, Environment.of(store), globals_, Task(TaskConfig.from_manifest(model.manifest))
+    ).delta
     assert unclipped is not None
     norm = delta_norm(unclipped)
     clip = norm / 4
 
     result = run_training_task(
         model,
-        store,
+        Environment.of(store),
         globals_,
-        TaskConfig.from_manifest(model.manifest, clip_norm=clip, report_within_clip=True),
+        Task(TaskConfig.from_manifest(model.manifest, clip_norm=clip, report_within_clip=True)),
     )
 
     assert result.outcome is Outcome.COMPLETED and result.delta is not None
@@ -104,7 +107,7 @@ def test_clipping_alone_does_not_hide_the_user_embedding_from_a_curious_server(
     model, store = movielens_device
     globals_ = perturbed_globals(model.get_global(), seed=1)
     config = TaskConfig.from_manifest(model.manifest, clip_norm=0.05)
-    result = run_training_task(model, store, globals_, config)
+    result = run_training_task(model, Environment.of(store), globals_, Task(config))
     assert result.outcome is Outcome.COMPLETED and result.delta is not None
     assert "dp_within_clip" not in result.metrics  # sent only for adaptive clipping
 
@@ -141,7 +144,7 @@ def test_repeated_rounds_on_a_device_lower_its_query_loss(
     losses = []
 
     for _ in range(8):
-        result = run_training_task(model, store, globals_, config)
+        result = run_training_task(model, Environment.of(store), globals_, Task(config))
         assert result.outcome is Outcome.COMPLETED
         losses.append(result.metrics["query_loss_sum"] / result.metrics["query_weight_sum"])
         globals_ = {k: globals_[k] + result.delta[k] for k in globals_}  # type: ignore[index]
@@ -156,12 +159,14 @@ def test_too_few_examples_is_insufficient_data(
     store = ExampleStore(tmp_path / "small.sqlite", model.manifest.features)
     fill(store, np.array([1, 2, 3]), np.array([4.0, 5.0, 3.0]))
 
-    few = run_training_task(model, store, model.get_global(), TaskConfig(min_examples=5))
+    few = run_training_task(
+        model, Environment.of(store), model.get_global(), Task(TaskConfig(min_examples=5))
+    )
     empty = run_training_task(
         model,
-        ExampleStore(tmp_path / "empty.sqlite", model.manifest.features),
+        Environment.of(ExampleStore(tmp_path / "empty.sqlite", model.manifest.features)),
         model.get_global(),
-        TaskConfig(),
+        Task(TaskConfig()),
     )
 
     assert few.outcome is Outcome.INSUFFICIENT_DATA
@@ -177,9 +182,15 @@ def test_few_examples_are_reused_for_support_and_query(
     store = ExampleStore(tmp_path / "few.sqlite", model.manifest.features)
     fill(store, np.arange(12), np.full(12, 4.0))
 
-    reused = run_training_task(model, store, model.get_global(), TaskConfig(reuse_below=20))
-    split = run_training_task(model, store, model.get_global(), TaskConfig(reuse_below=5))
-    policy = run_training_task(model, store, model.get_global(), TaskConfig(split=SplitPolicy.REUSE))
+    reused = run_training_task(
+        model, Environment.of(store), model.get_global(), Task(TaskConfig(reuse_below=20))
+    )
+    split = run_training_task(
+        model, Environment.of(store), model.get_global(), Task(TaskConfig(reuse_below=5))
+    )
+    policy = run_training_task(
+        model, Environment.of(store), model.get_global(), Task(TaskConfig(split=SplitPolicy.REUSE))
+    )
 
     assert (reused.metrics["num_support"], reused.num_examples) == (12, 12)
     assert (split.metrics["num_support"], split.num_examples) == (7, 5)  # batches of 5: [5, 2] and [5]
@@ -191,7 +202,7 @@ def test_interrupted_task_reports_nothing(movielens_device: tuple[TFLiteModel, E
     calls = iter([True, False])
 
     result = run_training_task(
-        model, store, model.get_global(), TaskConfig(), should_continue=lambda: next(calls)
+        model, Environment.of(store, lambda: next(calls)), model.get_global(), Task(TaskConfig())
     )
 
     assert result.outcome is Outcome.INTERRUPTED
@@ -206,7 +217,7 @@ def test_bad_global_parameters_are_an_error_outcome(
     globals_ = model.get_global()
     globals_["item_embeddings"][0, 0] = np.inf
 
-    result = run_training_task(model, store, globals_, TaskConfig())
+    result = run_training_task(model, Environment.of(store), globals_, Task(TaskConfig()))
 
     assert result.outcome is Outcome.ERROR
     assert "non-finite" in result.message
@@ -215,7 +226,9 @@ def test_bad_global_parameters_are_an_error_outcome(
 def test_divergence_is_an_error_outcome(movielens_device: tuple[TFLiteModel, ExampleStore]) -> None:
     model, store = movielens_device
 
-    result = run_training_task(model, store, model.get_global(), TaskConfig(update_learning_rate=1_000.0))
+    result = run_training_task(
+        model, Environment.of(store), model.get_global(), Task(TaskConfig(update_learning_rate=1_000.0))
+    )
 
     assert result.outcome is Outcome.ERROR
     assert "diverged" in result.message
@@ -230,7 +243,9 @@ def test_items_outside_the_catalog_are_left_out_and_counted(
     store = ExampleStore(tmp_path / "new-items.sqlite", (replace(item, value_range=(0, 9999)), label))
     fill(store, np.array([1, 2, 3, 5000, 6000, 4, 5, 6]), np.full(8, 4.0))
 
-    result = run_training_task(model, store, model.get_global(), TaskConfig(min_examples=1))
+    result = run_training_task(
+        model, Environment.of(store), model.get_global(), Task(TaskConfig(min_examples=1))
+    )
 
     assert result.outcome is Outcome.COMPLETED
     assert result.metrics["outside_catalog"] == 2
@@ -245,7 +260,9 @@ def test_examples_are_capped_at_max_examples(
     store = ExampleStore(tmp_path / "heavy.sqlite", model.manifest.features)
     fill(store, *heavy)
 
-    result = run_training_task(model, store, model.get_global(), TaskConfig(max_examples=300))
+    result = run_training_task(
+        model, Environment.of(store), model.get_global(), Task(TaskConfig(max_examples=300))
+    )
 
     assert len(heavy[0]) > 600
     assert result.metrics["num_examples"] == 300
@@ -261,7 +278,7 @@ def test_implicit_feedback_adds_sampled_negatives(
     config = TaskConfig(negatives_per_positive=3, reuse_below=100)
 
     data = prepare(store, model.manifest, config, seed=0)
-    result = run_training_task(model, store, model.get_global(), config)
+    result = run_training_task(model, Environment.of(store), model.get_global(), Task(config))
 
     labels = np.concatenate([b["label"] for b in data.query])
     negatives = np.concatenate([b["item"] for b in data.query])[labels == 0]
@@ -274,7 +291,7 @@ def test_implicit_feedback_adds_sampled_negatives(
 def test_evaluation_task_reports_metrics_only(movielens_device: tuple[TFLiteModel, ExampleStore]) -> None:
     model, store = movielens_device
 
-    result = run_evaluation_task(model, store, model.get_global(), TaskConfig())
+    result = run_evaluation_task(model, Environment.of(store), model.get_global(), Task(TaskConfig()))
 
     assert result.outcome is Outcome.COMPLETED
     assert result.delta is None
@@ -287,9 +304,13 @@ def test_evaluation_measures_on_the_query_even_when_training_reuses_examples(
 ) -> None:
     model, store = movielens_device
 
-    alternate = run_evaluation_task(model, store, model.get_global(), TaskConfig())
-    reuse = run_evaluation_task(model, store, model.get_global(), TaskConfig(split=SplitPolicy.REUSE))
-    below = run_evaluation_task(model, store, model.get_global(), TaskConfig(reuse_below=1000))
+    alternate = run_evaluation_task(model, Environment.of(store), model.get_global(), Task(TaskConfig()))
+    reuse = run_evaluation_task(
+        model, Environment.of(store), model.get_global(), Task(TaskConfig(split=SplitPolicy.REUSE))
+    )
+    below = run_evaluation_task(
+        model, Environment.of(store), model.get_global(), Task(TaskConfig(reuse_below=1000))
+    )
 
     # Training's split does not reach ReconEval: the same query, the same figures.
     assert reuse.metrics == alternate.metrics == below.metrics
@@ -336,8 +357,13 @@ def test_a_task_with_a_central_gradient_matches_the_reference_and_reports_its_ow
         "item_bias": SparseTensor((1682,), rows, rng.normal(0, 1, 4).astype(np.float32)),
     }
 
-    plain = run_training_task(model, store, globals_, config)
-    mixed = run_training_task(model, store, globals_, config, central_gradient=central, weight=0.4)
+    plain = run_training_task(model, Environment.of(store), globals_, Task(config))
+    mixed = run_training_task(
+        model,
+        Environment.of(store),
+        globals_,
+        Task(config, central_gradient=central, central_gradient_weight=0.4),
+    )
 
     assert mixed.outcome is Outcome.COMPLETED, mixed.message
     assert mixed.num_examples == plain.num_examples == 135  # central data is not counted in the weight

@@ -15,11 +15,12 @@ from contracts.manifest import INITIAL_GLOBAL_FILE, load_manifest
 from contracts.params import decode_params, encode_params
 from contracts.task_config import LocalState, TaskConfig
 from device_runtime.__main__ import main
-from device_runtime.client_task import Outcome, run_evaluation_task, run_training_task
+from device_runtime.client_task import Outcome, Task, run_evaluation_task, run_training_task
 from device_runtime.example_store import Event, ExampleStore
 from device_runtime.examples_table import store_path
 from device_runtime.local_state import LocalStateStore
 from device_runtime.recommender import Recommender
+from device_runtime.task_environment import Environment
 from model_export.config import ModelConfig
 from model_runtime.support_query import add_negatives
 from model_runtime.tflite_model import TFLiteModel
@@ -75,7 +76,7 @@ def test_import_train_and_recommend_for_the_hour(
         for device in ("ana", "ben"):
             with ExampleStore(store_path(stores, device)) as store:
                 result = run_training_task(
-                    model, store, globals_, config, seed=task, kept=LocalStateStore(store, "p")
+                    model, Environment.of(store), globals_, Task(config, population="p", seed=task)
                 )
             assert result.outcome is Outcome.COMPLETED, result.message
             assert result.delta is not None
@@ -252,14 +253,13 @@ def test_a_store_of_another_model_ends_the_task_with_a_named_reason(
     )
 
     for result in (
-        run_training_task(model, store, globals_, TaskConfig()),
-        run_evaluation_task(model, store, globals_, TaskConfig()),
+        run_training_task(model, Environment.of(store), globals_, Task(TaskConfig())),
+        run_evaluation_task(model, Environment.of(store), globals_, Task(TaskConfig())),
         run_training_task(
             model,
-            store,
+            Environment.of(store),
             globals_,
-            TaskConfig(local_state=LocalState.KEEP, local_learning_rate=0.5),
-            kept=LocalStateStore(store, "p"),
+            Task(TaskConfig(local_state=LocalState.KEEP, local_learning_rate=0.5), population="p"),
         ),
     ):
         assert result.outcome is Outcome.INCOMPATIBLE_STORE

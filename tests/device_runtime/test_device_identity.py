@@ -1,4 +1,5 @@
-"""The device's identity: a signing key kept in its own store, certified once, renewed near expiry."""
+"""The device's identity: a signing key kept in its key store (not with its examples), certified once,
+renewed near expiry."""
 
 from __future__ import annotations
 
@@ -7,16 +8,17 @@ from pathlib import Path
 import pytest
 
 from device_runtime.device_identity import RENEW_SECONDS, DeviceIdentity
-from device_runtime.example_store import ExampleStore
+from device_runtime.key_store import KeyDirectory
 from enrollment_authority.authority import EnrollmentAuthority
 from secure_aggregation.config import ProtocolError
 from secure_aggregation.identity import Certificate
-from tests.conftest import MOVIELENS
 
 NOW = 1_800_000_000.0
 
 
-def test_the_identity_is_kept_in_the_store_and_renewed_before_its_certificate_expires(tmp_path: Path) -> None:
+def test_the_identity_is_kept_in_the_key_store_and_renewed_before_its_certificate_expires(
+    tmp_path: Path,
+) -> None:
     authority = EnrollmentAuthority(validity_seconds=10 * 86_400)
     asked: list[bytes] = []
 
@@ -24,14 +26,22 @@ def test_the_identity_is_kept_in_the_store_and_renewed_before_its_certificate_ex
         asked.append(key)
         return authority.certify(key, NOW)
 
-    with ExampleStore(tmp_path / "device.sqlite", MOVIELENS.features()) as store:
-        first = DeviceIdentity.load_or_enroll(store, certify, authority.public_key, NOW)
-        again = DeviceIdentity.load_or_enroll(store, certify, authority.public_key, NOW + 86_400)
-        late = NOW + 10 * 86_400 - RENEW_SECONDS + 1
-        renewed = DeviceIdentity.load_or_enroll(store, certify, authority.public_key, late)
+    first = DeviceIdentity.load_or_enroll(KeyDirectory(tmp_path / "keys"), certify, authority.public_key, NOW)
+    # A restarted app: a new KeyDirectory object on the same directory.
+    keys = KeyDirectory(tmp_path / "keys")
+    again = DeviceIdentity.load_or_enroll(keys, certify, authority.public_key, NOW + 86_400)
+    late = NOW + 10 * 86_400 - RENEW_SECONDS + 1
+    renewed = DeviceIdentity.load_or_enroll(keys, certify, authority.public_key, late)
 
     assert again.signing_key.public == first.signing_key.public and len(asked) == 2
     assert renewed.signing_key.public != first.signing_key.public
+    (key_file,) = (tmp_path / "keys").iterdir()
+    assert key_file.stat().st_mode & 0o077 == 0  # the owner's only
+
+
+def test_a_key_name_outside_the_alphabet_is_refused_in_one_line(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"a key's name is 1 to 64 of a-z.*got '../x'"):
+        KeyDirectory(tmp_path).save_key("../x", b"k")
 
 
 def test_a_certificate_from_another_authority_is_refused_at_enrollment() -> None:

@@ -11,9 +11,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from android_sim.idle_store import IdleStore
 from contracts.features import FeatureSpec, InvalidExamples
-from device_runtime.example_store import Event, ExampleStore, ExampleStoreError, Selection
-from device_runtime.idle_store import IdleStore
+from device_runtime.example_store import Event, ExampleStore, ExampleStoreError
+from device_runtime.task_environment import Selection
 from model_export.config import ModelConfig
 
 RATINGS = ModelConfig(num_items=50, top_k=10).features()

@@ -10,8 +10,9 @@ import pytest
 
 from contracts.features import Examples
 from contracts.task_config import TaskConfig
-from device_runtime.client_task import Outcome, run_training_task
+from device_runtime.client_task import Outcome, Task, run_training_task
 from device_runtime.example_store import Event, ExampleStore
+from device_runtime.task_environment import Environment
 from model_export.config import ModelConfig
 from model_runtime.tflite_model import TFLiteModel
 from tests.conftest import BIASED, IMPLICIT, perturbed_globals
@@ -36,8 +37,8 @@ def test_central_examples_change_the_update_and_not_the_reported_weight(
     task = TaskConfig.from_manifest(model.manifest)
 
     # Execute
-    plain = run_training_task(model, store, globals_, task, seed=5)
-    mixed = run_training_task(model, store, globals_, task, seed=5, central=central)
+    plain = run_training_task(model, Environment.of(store), globals_, Task(task, seed=5))
+    mixed = run_training_task(model, Environment.of(store), globals_, Task(task, seed=5, central=central))
 
     # Assert
     assert plain.outcome is mixed.outcome is Outcome.COMPLETED, (plain.message, mixed.message)
@@ -70,6 +71,6 @@ def test_example_transfer_is_refused_with_kept_local_state(
     )
     central = Examples({"item": np.arange(3, dtype=np.int32), "label": np.full(3, 4.0, np.float32)})
 
-    result = run_training_task(model, store, model.get_global(), task, central=central)
+    result = run_training_task(model, Environment.of(store), model.get_global(), Task(task, central=central))
 
     assert result.outcome is Outcome.ERROR and "example transfer" in result.message

@@ -22,11 +22,12 @@ from contracts.manifest import Manifest
 from contracts.params import decode_params
 from contracts.task_config import TaskConfig
 from device_runtime.agent import DeviceAgent, Participation
-from device_runtime.client_task import Outcome, run_evaluation_task
+from device_runtime.client_task import Outcome, Task, run_evaluation_task
 from device_runtime.example_store import Event, ExampleStore
 from device_runtime.kept_locals_guard import params_norm
 from device_runtime.local_state import LocalStateStore
 from device_runtime.orchestrator_client import OrchestratorClient
+from device_runtime.task_environment import Environment
 from device_runtime.task_runner import TaskRunner
 from model_export.config import ModelConfig
 from model_runtime.tflite_model import TFLiteModel
@@ -112,7 +113,9 @@ def serving(model: TFLiteModel, server: HostileOrchestrator, store: ExampleStore
     kept = LocalStateStore(store, POPULATION)
     globals_ = decode_params(server.global_params, model.manifest.global_params, "global parameters")
     config = TaskConfig.from_manifest(model.manifest, **HONEST)
-    result = run_evaluation_task(model, store, globals_, config, kept=kept)
+    result = run_evaluation_task(
+        model, Environment.of(store), globals_, Task(config, population=kept.population)
+    )
     assert result.outcome is Outcome.COMPLETED, result.message
     return params_norm(kept.load(model).params), result.metrics["loss_sum"] / result.metrics["weight_sum"]
 

@@ -11,11 +11,12 @@ import pytest
 
 from contracts.features import Examples
 from contracts.task_config import LocalState, TaskConfig
-from device_runtime.client_task import Outcome, run_evaluation_task, run_training_task
+from device_runtime.client_task import Outcome, Task, run_evaluation_task, run_training_task
 from device_runtime.example_store import Event, ExampleStore
 from device_runtime.fedrecon_step import delta_norm
 from device_runtime.local_state import LocalStateStore
 from device_runtime.recommender import Recommender
+from device_runtime.task_environment import Environment
 from model_export.config import ModelConfig
 from model_runtime.support_query import add_negatives
 from model_runtime.task_batches import TaskBatches, split_batches
@@ -53,13 +54,13 @@ def test_locals_start_from_the_initial_values_and_persist_across_a_restart(
     globals_ = perturbed_globals(model.get_global(), seed=1)
     config = config_for(model)
 
-    first = run_training_task(model, store, globals_, config, kept=LocalStateStore(store, "movies"))
+    first = run_training_task(model, Environment.of(store), globals_, Task(config, population="movies"))
     kept_after_first = LocalStateStore(store, "movies").load(model)
     store.close()
     # An app restart: a new interpreter and a new store handle on the same file.
     model2, store2 = TFLiteModel(export(BIASED)), ExampleStore(tmp_path / "device.sqlite")
     reloaded = LocalStateStore(store2, "movies").load(model2)
-    second = run_training_task(model2, store2, globals_, config, kept=LocalStateStore(store2, "movies"))
+    second = run_training_task(model2, Environment.of(store2), globals_, Task(config, population="movies"))
 
     assert first.outcome is Outcome.COMPLETED, first.message
     assert "no kept local parameters yet" in first.message
@@ -83,9 +84,15 @@ def test_training_holds_out_the_newest_tenth_and_evaluation_measures_it_with_the
     config = config_for(model)
     kept = LocalStateStore(store, "movies")
 
-    before_training = run_evaluation_task(model, store, globals_, config, kept=kept)
-    trained = run_training_task(model, store, globals_, config, kept=kept)
-    evaluated = run_evaluation_task(model, store, globals_, config, kept=kept)
+    before_training = run_evaluation_task(
+        model, Environment.of(store), globals_, Task(config, population=kept.population)
+    )
+    trained = run_training_task(
+        model, Environment.of(store), globals_, Task(config, population=kept.population)
+    )
+    evaluated = run_evaluation_task(
+        model, Environment.of(store), globals_, Task(config, population=kept.population)
+    )
 
     assert before_training.outcome is Outcome.INSUFFICIENT_DATA
     assert "has none" in before_training.message
@@ -108,7 +115,9 @@ def test_an_interrupted_or_diverged_task_keeps_the_previous_locals(
     model, store = device
     globals_ = model.get_global()
     kept = LocalStateStore(store, "movies")
-    run_training_task(model, store, globals_, config_for(model), kept=kept)
+    run_training_task(
+        model, Environment.of(store), globals_, Task(config_for(model), population=kept.population)
+    )
     saved = kept.load(model)
     calls = 0
 
@@ -118,10 +127,15 @@ def test_an_interrupted_or_diverged_task_keeps_the_previous_locals(
         return calls < 2
 
     interrupted = run_training_task(
-        model, store, globals_, config_for(model), kept=kept, should_continue=stop_after_update
+        model,
+        Environment.of(store, stop_after_update),
+        globals_,
+        Task(config_for(model), population=kept.population),
     )
     too_fast = config_for(model, update_learning_rate=1_000.0)  # the largest accepted rate
-    diverged = run_training_task(model, store, globals_, too_fast, kept=kept)
+    diverged = run_training_task(
+        model, Environment.of(store), globals_, Task(too_fast, population=kept.population)
+    )
 
     assert interrupted.outcome is Outcome.INTERRUPTED
     assert diverged.outcome is Outcome.ERROR
@@ -134,17 +148,16 @@ def test_a_stateful_dp_task_clips_its_delta_too(device: tuple[TFLiteModel, Examp
     model, store = device
     globals_ = perturbed_globals(model.get_global(), seed=1)
     unclipped = run_training_task(
-        model, store, globals_, config_for(model), kept=LocalStateStore(store, "free")
+        model, Environment.of(store), globals_, Task(config_for(model), population="free")
     ).delta
     assert unclipped is not None
     clip = delta_norm(unclipped) / 4
 
     result = run_training_task(
         model,
-        store,
+        Environment.of(store),
         globals_,
-        config_for(model, clip_norm=clip, report_within_clip=True),
-        kept=LocalStateStore(store, "private"),
+        Task(config_for(model, clip_norm=clip, report_within_clip=True), population="private"),
     )
 
     # A DP population's server refuses a report above its clip norm: kept locals change nothing.
@@ -157,7 +170,9 @@ def test_stale_locals_are_discarded_with_the_reason(
     device: tuple[TFLiteModel, ExampleStore], export: Callable[[ModelConfig], Path]
 ) -> None:
     model, store = device
-    run_training_task(model, store, model.get_global(), config_for(model), kept=LocalStateStore(store, "p"))
+    run_training_task(
+        model, Environment.of(store), model.get_global(), Task(config_for(model), population="p")
+    )
     reshaped = TFLiteModel(export(SMALL))  # user embedding of 8, no user bias
     other_export = TFLiteModel(export(ROBUST))  # the same local shapes, another model
 
@@ -165,7 +180,7 @@ def test_stale_locals_are_discarded_with_the_reason(
     model_changed = LocalStateStore(store, "p").load(other_export)
     # A training task with the reshaped model says why it started afresh (on the catalog it knows).
     result = run_training_task(
-        reshaped, store, reshaped.get_global(), config_for(reshaped), kept=LocalStateStore(store, "p")
+        reshaped, Environment.of(store), reshaped.get_global(), Task(config_for(reshaped), population="p")
     )
     store.save_local_state("kept_locals/p", b"not safetensors")
     damaged = LocalStateStore(store, "p").load(model)
@@ -183,7 +198,9 @@ def test_the_recommender_serves_from_the_kept_locals(device: tuple[TFLiteModel, 
     globals_ = perturbed_globals(model.get_global(), seed=3)
     kept = LocalStateStore(store, "movies")
     untrained = Recommender(model, store, globals_, kept=kept).recommend(10)
-    run_training_task(model, store, globals_, config_for(model), kept=kept)
+    run_training_task(
+        model, Environment.of(store), globals_, Task(config_for(model), population=kept.population)
+    )
 
     served = Recommender(model, store, globals_, kept=kept).recommend(10)
 
@@ -202,7 +219,9 @@ def test_a_stateful_task_needs_its_storage_and_a_local_learning_rate(
 ) -> None:
     model, store = device
 
-    without_storage = run_training_task(model, store, model.get_global(), config_for(model))
+    without_storage = run_training_task(
+        model, Environment.of(store), model.get_global(), Task(config_for(model))
+    )
 
     assert without_storage.outcome is Outcome.ERROR and "local state storage" in without_storage.message
     with pytest.raises(ValueError, match="local_learning_rate > 0"):

@@ -11,8 +11,9 @@ import pytest
 
 from contracts.manifest import LOCAL_SIGNATURES, MANIFEST_FILE, Manifest, ManifestError
 from contracts.task_config import TaskConfig
-from device_runtime.client_task import Outcome, run_evaluation_task, run_training_task
+from device_runtime.client_task import Outcome, Task, run_evaluation_task, run_training_task
 from device_runtime.example_store import Event, ExampleStore
+from device_runtime.task_environment import Environment
 from model_runtime.tflite_model import TFLiteModel
 from tests.conftest import NEXT_WORD_SIZES
 
@@ -55,8 +56,10 @@ def test_a_training_task_updates_on_every_example_and_reports_no_reconstruction(
     initial = model.get_global()
 
     # Execute
-    trained = run_training_task(model, store, initial, TaskConfig(update_learning_rate=0.5), seed=1)
-    evaluated = run_evaluation_task(model, store, initial, TaskConfig())
+    trained = run_training_task(
+        model, Environment.of(store), initial, Task(TaskConfig(update_learning_rate=0.5), seed=1)
+    )
+    evaluated = run_evaluation_task(model, Environment.of(store), initial, Task(TaskConfig()))
 
     # Assert: no support set, every example in the update and in the evaluation; the OOV rows are
     # global here, so they are in the delta

@@ -23,7 +23,8 @@ class NoTensorFlow(importlib.abc.MetaPathFinder):
 sys.meta_path.insert(0, NoTensorFlow())
 
 from pathlib import Path
-from device_runtime.client_task import run_training_task
+from device_runtime.client_task import Task, run_training_task
+from device_runtime.task_environment import Environment
 from contracts.task_config import TaskConfig
 from device_runtime.example_store import Event, ExampleStore
 from model_runtime.tflite_model import TFLiteModel
@@ -33,7 +34,7 @@ import device_runtime.agent, device_runtime.__main__  # the agent and the comman
 model = TFLiteModel(Path(sys.argv[1]), backend=sys.argv[3])
 store = ExampleStore(Path(sys.argv[2]), model.manifest.features)
 store.add(Event({"item": i, "label": 4.0}, float(i)) for i in range(30))
-result = run_training_task(model, store, model.get_global(), TaskConfig())
+result = run_training_task(model, Environment.of(store), model.get_global(), Task(TaskConfig()))
 top = Recommender(model, store, model.get_global()).recommend(5)
 print(json.dumps({
     "outcome": result.outcome.value,

@@ -11,9 +11,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from android_sim.idle_store import IdleStore
+from android_sim.small_cohorts import simulation_policy
 from device_runtime.agent import DeviceAgent, Participation
 from device_runtime.example_store import Event, ExampleStore
-from device_runtime.idle_store import IdleStore
 from device_runtime.orchestrator_client import OrchestratorClient
 from device_runtime.privacy_policy import ALL_POPULATIONS, ParticipationLog, PolicyRefusal, PrivacyPolicy
 from device_runtime.task_runner import TaskRunner
@@ -143,7 +144,7 @@ def test_a_plaintext_assignment_is_declined_before_anything_is_fetched_or_sent(
 ) -> None:
     server.reset()
 
-    result = participate(server, store, PrivacyPolicy.for_simulation("secure"), tmp_path)
+    result = participate(server, store, simulation_policy("secure"), tmp_path)
 
     # The device names why, aborts, and never reports (nor fetches the model it would train)
     assert result.status == "declined", result
@@ -155,7 +156,7 @@ def test_at_the_daily_cap_the_device_does_not_even_check_in(
     server: HostileOrchestrator, store: ExampleStore, tmp_path: Path
 ) -> None:
     server.reset()
-    policy = PrivacyPolicy.for_simulation("plaintext", max_participations_per_day=1)
+    policy = simulation_policy("plaintext", max_participations_per_day=1)
 
     first = participate(server, store, policy, tmp_path)
     second = participate(server, store, policy, tmp_path)
@@ -169,7 +170,7 @@ def test_an_idle_device_keeps_its_daily_cap_with_its_store_closed(
     server: HostileOrchestrator, store: ExampleStore, tmp_path: Path
 ) -> None:
     server.reset()
-    policy = PrivacyPolicy.for_simulation("plaintext", max_participations_per_day=1)
+    policy = simulation_policy("plaintext", max_participations_per_day=1)
     idle = IdleStore(store.path, store.count())
 
     first = participate(server, idle, policy, tmp_path)
@@ -188,7 +189,7 @@ def test_an_idle_device_checks_in_with_its_example_count_and_opens_its_store_onl
     server: HostileOrchestrator, store: ExampleStore, tmp_path: Path
 ) -> None:
     server.reset()
-    policy = PrivacyPolicy.for_simulation("plaintext")
+    policy = simulation_policy("plaintext")
     idle = IdleStore(store.path, store.count())
     assert participate(server, idle, policy, tmp_path).status == "reported"
     # The file moved away: a device turned away at check-in never looks for it (an open would
@@ -209,7 +210,7 @@ def test_a_device_whose_store_the_fleet_just_wrote_checks_in_without_opening_it(
     server: HostileOrchestrator, store: ExampleStore, tmp_path: Path
 ) -> None:
     server.reset()
-    policy = PrivacyPolicy.for_simulation("plaintext")
+    policy = simulation_policy("plaintext")
     moved = tmp_path / "elsewhere.sqlite"
     # A new store holds no participation log: its first check-in reads none from the file (an
     # open would fail: a missing store is a new one, which needs the model's features)
@@ -255,7 +256,7 @@ def test_secure_parameters_below_the_floors_are_declined_before_the_keys_go_out(
         ),
     )
 
-    result = participate(server, store, PrivacyPolicy.for_simulation("secure"), tmp_path)
+    result = participate(server, store, simulation_policy("secure"), tmp_path)
 
     # Named, aborted, and no key, share or input went out (the hostile server has no secure routes:
     # a device that tried would have had its keys refused, not declined)
@@ -267,7 +268,7 @@ def test_secure_parameters_below_the_floors_are_declined_before_the_keys_go_out(
     ("policy", "mixing", "reason"),
     [
         (
-            PrivacyPolicy.for_simulation("secure"),
+            simulation_policy("secure"),
             {
                 "central_gradient_url": f"/v1/assignments/{ASSIGNMENT_ID}/central-gradient",
                 "central_gradient_weight": 5.0,
@@ -275,7 +276,7 @@ def test_secure_parameters_below_the_floors_are_declined_before_the_keys_go_out(
             "the central gradient's weight 5 is above this device's limit of 1",
         ),
         (
-            dataclasses.replace(PrivacyPolicy.for_simulation("secure"), secure_mixing=False),
+            dataclasses.replace(simulation_policy("secure"), secure_mixing=False),
             {"central_examples_url": f"/v1/assignments/{ASSIGNMENT_ID}/central-examples"},
             "this device mixes no centralized data into a secure round's update",
         ),

@@ -16,10 +16,11 @@ from contracts.manifest import INITIAL_GLOBAL_FILE
 from contracts.params import decode_params
 from contracts.task_config import LocalState, TaskConfig
 from device_runtime.__main__ import main
-from device_runtime.client_task import run_training_task
+from device_runtime.client_task import Task, run_training_task
 from device_runtime.example_store import Event, ExampleStore
 from device_runtime.local_state import LocalStateStore
 from device_runtime.recommender import Recommender
+from device_runtime.task_environment import Environment
 from model_export.config import ModelConfig
 from model_runtime.tflite_model import TFLiteModel
 from tests.conftest import BIASED, ROOT
@@ -39,7 +40,9 @@ def device(export: Callable[[ModelConfig], Path], tmp_path: Path) -> tuple[Path,
         )
         model = TFLiteModel(model_dir)
         config = TaskConfig(local_state=LocalState.KEEP, local_learning_rate=0.5)
-        result = run_training_task(model, store, model.get_global(), config, kept=LocalStateStore(store, "p"))
+        result = run_training_task(
+            model, Environment.of(store), model.get_global(), Task(config, population="p")
+        )
         assert result.outcome.value == "completed", result.message
     return model_dir, path
 

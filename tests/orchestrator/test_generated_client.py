@@ -26,8 +26,9 @@ from contracts.manifest import INITIAL_GLOBAL_FILE, MANIFEST_FILE, MODEL_FILE, l
 from contracts.mixing import encode_examples
 from contracts.params import decode_params, encode_sparse_delta
 from contracts.task_config import TaskConfig
-from device_runtime.client_task import Outcome, run_training_task
+from device_runtime.client_task import Outcome, Task, run_training_task
 from device_runtime.example_store import Event, ExampleStore
+from device_runtime.task_environment import Environment
 from model_export.config import ModelConfig
 from model_runtime.tflite_model import TFLiteModel
 from orchestrator.aggregation.differential_privacy import epsilon
@@ -158,7 +159,7 @@ def test_a_client_generated_from_the_openapi_document_runs_the_protocol(
     )
     start = decode_params(globals_.content, model.manifest.global_params, "the global parameters")
     config = TaskConfig.from_json(assignment.task_config.to_dict())
-    trained = run_training_task(model, store, start, config)
+    trained = run_training_task(model, Environment.of(store), start, Task(config))
     assert trained.outcome is Outcome.COMPLETED and trained.delta is not None, trained.message
     # The report's metadata as the document's TrainingReportMetadata schema has it.
     metadata = models.TrainingReportMetadata(

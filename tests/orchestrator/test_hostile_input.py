@@ -27,8 +27,9 @@ from safetensors.numpy import load, save
 
 from contracts.params import decode_params, encode_sparse_delta, read_metadata
 from contracts.task_config import TaskConfig
-from device_runtime.client_task import run_training_task
+from device_runtime.client_task import Task, run_training_task
 from device_runtime.example_store import Event, ExampleStore
+from device_runtime.task_environment import Environment
 from model_export.config import ModelConfig
 from model_runtime.tflite_model import TFLiteModel
 from orchestrator.app import create_app
@@ -96,7 +97,10 @@ def real_report(model_dir: Path, tmp: Path, global_params: bytes) -> bytes:
     )
     model = TFLiteModel(model_dir)
     result = run_training_task(
-        model, store, decode_params(global_params, model.manifest.global_params, "params"), TaskConfig()
+        model,
+        Environment.of(store),
+        decode_params(global_params, model.manifest.global_params, "params"),
+        Task(TaskConfig()),
     )
     assert result.delta is not None, result.message
     num_examples = min(result.num_examples, EXAMPLES)

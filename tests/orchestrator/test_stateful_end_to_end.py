@@ -69,8 +69,8 @@ def test_a_stateful_population_keeps_locals_on_devices_across_rounds_and_restart
             for store in fleet.stores:
                 store.close()
             restarted, reopened = [], []
-            for agent in fleet.agents:
-                store = ExampleStore(agent.store.path)
+            for agent, old in zip(fleet.agents, fleet.stores, strict=True):
+                store = ExampleStore(old.path)
                 reopened.append(store)
                 restarted.append(DeviceAgent(agent.client, store, fleet.cache, "furl", policy=DEVICE_POLICY))
             rounds.append(await fleet.participate(restarted))

@@ -28,10 +28,10 @@ from typing import Any
 
 import numpy as np
 
+from android_sim.small_cohorts import simulation_policy
 from contracts.protocol import Assignment
 from device_runtime.device_identity import DeviceIdentity
 from device_runtime.orchestrator_client import OrchestratorClient
-from device_runtime.privacy_policy import PrivacyPolicy
 from device_runtime.secure_round import SecureParticipation, SecureRoundDriver
 from enrollment_authority.authority import EnrollmentAuthority
 from secure_aggregation import crypto, masks, shamir
@@ -273,7 +273,7 @@ async def _play(strategy: Strategy, n: int, threshold: float, seed: int) -> Outc
     server = AdversaryServer(n, params, strategy)
     rng = np.random.default_rng(seed)
     updates = [rng.normal(0, 0.2, LENGTH) for _ in range(n)]
-    policy = PrivacyPolicy.for_simulation("secure", min_summands=3, min_threshold=0.25, certified_roster=True)
+    policy = simulation_policy("secure", min_summands=3, min_threshold=0.25, certified_roster=True)
     drivers = [
         SecureRoundDriver(
             _Link(server, d),

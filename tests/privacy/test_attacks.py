@@ -18,8 +18,9 @@ import pytest
 
 from contracts.params import decode_params, decode_sparse_delta, encode_sparse_delta
 from contracts.task_config import TaskConfig
-from device_runtime.client_task import run_training_task
+from device_runtime.client_task import Task, run_training_task
 from device_runtime.example_store import Event, ExampleStore
+from device_runtime.task_environment import Environment
 from device_runtime.task_examples import prepare
 from model_export.config import ModelConfig
 from model_runtime.support_query import reconstruct_locals
@@ -64,7 +65,7 @@ def trained(
             Event({"item": int(i), "label": float(r)}, float(t))
             for i, r, t in zip(items, ratings, times, strict=True)
         )
-        result = run_training_task(model, store, global_params, config, seed=0)
+        result = run_training_task(model, Environment.of(store), global_params, Task(config, seed=0))
         assert result.delta is not None, result.message
         # The device's secret, recomputed the way the task computed it (reconstruction is deterministic).
         data = prepare(store, manifest, config, seed=0)

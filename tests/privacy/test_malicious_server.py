@@ -21,11 +21,11 @@ import httpx
 import numpy as np
 import pytest
 
+from android_sim.small_cohorts import simulation_policy
 from contracts.manifest import load_manifest
 from device_runtime.agent import DeviceAgent, Participation
 from device_runtime.device_identity import DeviceIdentity
 from device_runtime.orchestrator_client import OrchestratorClient
-from device_runtime.privacy_policy import PrivacyPolicy
 from enrollment_authority.authority import EnrollmentAuthority
 from model_export.config import ModelConfig
 from secure_aggregation.config import RoundParameters
@@ -39,7 +39,7 @@ from tests.privacy.test_attacks import cosine, recover_embedding
 
 # The devices' floors: sums of at least 4 inputs, a threshold of at least 0.4 of the neighbours;
 # rosters of keys certified by the enrollment authority they trust (which the server is not).
-POLICY = PrivacyPolicy.for_simulation("secure", min_summands=4, min_threshold=0.4, certified_roster=True)
+POLICY = simulation_policy("secure", min_summands=4, min_threshold=0.4, certified_roster=True)
 AUTHORITY = EnrollmentAuthority()
 DEVICES = 5
 # (path, answer, each assignment's index in its secure round) -> the answer the device gets

@@ -14,7 +14,7 @@ import asyncio, os, resource, sys
 from pathlib import Path
 from android_sim.fleet import write_store
 from device_runtime.example_store import Event
-from device_runtime.idle_store import FILES_PER_OPEN_STORE, IdleStore, store_slots
+from android_sim.idle_store import FILES_PER_OPEN_STORE, IdleStore, store_slots
 from model_export.config import ModelConfig
 
 resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))

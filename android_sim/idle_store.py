@@ -25,7 +25,7 @@ from device_runtime.example_store import ExampleStore
 
 # Open files an open store holds in a fleet: a connection (the file and its WAL) for each thread
 # that touched it (the event loop's worker threads, the task runner's) and the shared -shm;
-# measured 8.5 (tests/device_runtime/test_idle_store_slots.py).
+# measured 8.5 (tests/android_sim/test_idle_store_slots.py).
 FILES_PER_OPEN_STORE = 10
 
 
