@@ -63,7 +63,8 @@ def task_configs(manifest: dict[str, Any]) -> dict[str, Any]:
     }
     return {
         "valid": [
-            {"name": n, "document": d, "resolved": TaskConfig.from_json(d).to_json()} for n, d in valid.items()
+            {"name": n, "document": d, "resolved": TaskConfig.from_json(d).to_json()}
+            for n, d in valid.items()
         ],
         "invalid": [{"name": n, "document": d, "error": "task_config"} for n, d in invalid.items()],
     }
@@ -144,9 +145,11 @@ def sparse(manifest: dict[str, Any], out: Path) -> dict[str, Any]:
         write_blob(out / f"{case}.safetensors", blob)
         entry: dict[str, Any] = {"name": case, "blob": f"{case}.safetensors", "specs": specs}
         if case == "sparse_valid":
-            entry["tensors"] = {name: {"shape": list(shape), "rows": rows.tolist(), **_tensor_json(values)}}
+            entry["tensors"] = {
+                name: {"shape": list(shape), "rows": rows.tolist(), "values": _tensor_json(values)}
+            }
         elif case == "sparse_no_rows":
-            entry["tensors"] = {name: {"shape": list(shape), "rows": [], **_tensor_json(values[:0])}}
+            entry["tensors"] = {name: {"shape": list(shape), "rows": [], "values": _tensor_json(values[:0])}}
         else:
             entry["error"] = "params"
         cases.append(entry)

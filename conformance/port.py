@@ -37,8 +37,8 @@ class SecureDevice(Protocol):
         ...
 
     def share_keys(self, index: int, roster: dict[str, Json]) -> dict[str, Json]:
-        """Encrypted shares per neighbour index (as a string), each {ciphertext, self_mask_commitment,
-        mask_key_commitment} (base64); `roster` maps index strings to advertised keys."""
+        """Encrypted shares per neighbour index (as a string), each {ciphertext, self_mask_share_commitment,
+        mask_key_share_commitment} (base64); `roster` maps index strings to advertised keys."""
         ...
 
     def masked_input(self, quantized: np.ndarray, ciphertexts: dict[str, str]) -> bytes:
@@ -46,7 +46,7 @@ class SecureDevice(Protocol):
         ...
 
     def unmask(self, survivors: list[int]) -> Json:
-        """{self_mask_seeds: {owner: share}, mask_keys: {owner: share}} (base64 shares)."""
+        """{self_mask_shares: {owner: share}, mask_key_shares: {owner: share}} (base64 shares)."""
         ...
 
 
@@ -101,9 +101,13 @@ class Port(Protocol):
 
     def roster_digest(self, context: str, roster: dict[str, Json]) -> bytes: ...
 
-    def statement_message(self, context: str, roster: bytes, inputs_sha256: bytes, missing: list[int]) -> bytes: ...
+    def statement_message(
+        self, context: str, roster: bytes, inputs_sha256: bytes, missing: list[int]
+    ) -> bytes: ...
 
-    def view_message(self, context: str, roster: bytes, survivors: list[int], inputs_sha256: bytes) -> bytes: ...
+    def view_message(
+        self, context: str, roster: bytes, survivors: list[int], inputs_sha256: bytes
+    ) -> bytes: ...
 
     def task_inputs_digest(self, inputs: Json) -> bytes: ...
 

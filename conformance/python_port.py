@@ -178,7 +178,9 @@ class PythonPort:
     def roster_digest(self, context: str, roster: dict[str, Json]) -> bytes:
         return roster_digest(context, roster_of(roster))
 
-    def statement_message(self, context: str, roster: bytes, inputs_sha256: bytes, missing: list[int]) -> bytes:
+    def statement_message(
+        self, context: str, roster: bytes, inputs_sha256: bytes, missing: list[int]
+    ) -> bytes:
         return statement_message(context, roster, inputs_sha256, missing)
 
     def view_message(self, context: str, roster: bytes, survivors: list[int], inputs_sha256: bytes) -> bytes:
@@ -186,7 +188,12 @@ class PythonPort:
 
     def task_inputs_digest(self, inputs: Json) -> bytes:
         values = dict(inputs)
-        for name in ("globals_sha256", "central_examples_sha256", "central_gradient_sha256", "manifest_sha256"):
+        for name in (
+            "globals_sha256",
+            "central_examples_sha256",
+            "central_gradient_sha256",
+            "manifest_sha256",
+        ):
             if values.get(name) is not None:
                 values[name] = bytes.fromhex(values[name])
         return TaskInputs(**values).digest()
