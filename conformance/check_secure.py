@@ -4,6 +4,7 @@ round at a time, through every phase, and the steps a device must refuse."""
 from __future__ import annotations
 
 import base64
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +13,7 @@ from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from conformance.outcome import Outcome, differs, refused, run
-from conformance.port import Port, SecureDevice
+from conformance.port import Json, Port, SecureDevice
 from conformance.vectors import read_json
 from secure_aggregation import shamir
 from secure_aggregation.config import RoundParameters
@@ -25,180 +26,105 @@ def _u64(values: Any) -> np.ndarray:
     return np.asarray(values, dtype=np.uint64)
 
 
-def _same_ints(what: str, got: Any, expected: list[int]) -> str | None:
-    return differs(what, [int(v) for v in np.asarray(got).ravel()], expected)
+def _agree(port: Port, c: Json) -> bytes:
+    return port.agree(H(c["private"]), H(c["peer_public"]), H(c["purpose"]), c["context"])
+
+
+def _decrypt(port: Port, c: Json) -> bytes:
+    return port.decrypt(H(c["key"]), H(c["ciphertext"]), H(c["associated"]))
+
+
+def _encrypted(port: Port, c: Json) -> str | None:
+    sealed = port.encrypt(H(c["key"]), H(c["plaintext"]), H(c["associated"]))
+    try:  # random nonces: the kit checks that its own decryption gives the plaintext back
+        opened = AESGCM(H(c["key"])).decrypt(sealed[:12], sealed[12:], H(c["associated"]))
+    except InvalidTag:
+        return "the ciphertext (nonce || AES-256-GCM ciphertext and tag) does not decrypt"
+    return differs("decrypted plaintext", opened.hex(), c["plaintext"])
+
+
+def _shares(port: Port, c: Json) -> str | None:
+    holders = [int(x) for x in c["shares"]]
+    got = port.shamir_shares(int(c["secret"]), [int(k) for k in c["coefficients"]], holders)
+    return differs("shares", {str(x): str(y) for x, y in got.items()}, c["shares"])
+
+
+def _reconstructed(port: Port, c: Json) -> str | None:
+    subset = {x: int(c["shares"][str(x)]) for x in c["reconstruct_from"]}
+    return differs("secret", str(port.shamir_reconstruct(subset)), c["secret"])
+
+
+def _graph(port: Port, c: Json) -> str | None:
+    got = port.neighbour_graph(c["roster"], c["k"], c["context"])
+    return differs("graph", {str(u): list(vs) for u, vs in got.items()}, c["graph"])
+
+
+# Each primitive: (what the port computes from a case, as hex or a list, and the case's field it must equal).
+ANSWERS: dict[str, tuple[Callable[[Port, Json], Any], str]] = {
+    "x25519": (lambda port, c: port.x25519_public(H(c["private"])).hex(), "public"),
+    "agree": (lambda port, c: _agree(port, c).hex(), "key"),
+    "derive_key": (
+        lambda port, c: port.derive_key(H(c["secret"]), H(c["purpose"]), c["context"]).hex(),
+        "key",
+    ),
+    "decrypt": (lambda port, c: _decrypt(port, c).hex(), "plaintext"),
+    "commitment": (lambda port, c: port.commitment([H(p) for p in c["parts"]]).hex(), "digest"),
+    "expand_mask": (lambda port, c: _ints(port.expand_mask(H(c["seed"]), c["params"])), "mask"),
+    "quantize": (
+        lambda port, c: _ints(
+            port.quantize(np.asarray(c["vector"], dtype=np.float64), c["params"], np.asarray(c["uniforms"]))
+        ),
+        "quantized",
+    ),
+    "sign": (lambda port, c: port.sign(H(c["private"]), H(c["message"])).hex(), "signature"),
+    "advertisement_message": (
+        lambda port, c: port.advertisement_message(c["context"], c["keys"]).hex(),
+        "message",
+    ),
+    "roster_digest": (lambda port, c: port.roster_digest(c["context"], c["roster"]).hex(), "digest"),
+    "statement_message": (
+        lambda port, c: port.statement_message(
+            c["context"], H(c["roster"]), H(c["inputs_sha256"]), c["missing"]
+        ).hex(),
+        "message",
+    ),
+    "view_message": (
+        lambda port, c: port.view_message(
+            c["context"], H(c["roster"]), c["survivors"], H(c["inputs_sha256"])
+        ).hex(),
+        "message",
+    ),
+    "task_inputs_digest": (lambda port, c: port.task_inputs_digest(c["inputs"]).hex(), "digest"),
+}
+REFUSALS: dict[str, Callable[[Port, Json], Any]] = {"agree": _agree, "decrypt": _decrypt}
+CHECKS: dict[str, list[Callable[[Port, Json], str | None]]] = {
+    "encrypt": [_encrypted],
+    "shamir": [_shares, _reconstructed],
+    "neighbour_graph": [_graph],
+}
+
+
+def _ints(values: Any) -> list[int]:
+    return [int(v) for v in np.asarray(values).ravel()]
+
+
+def _answer(port: Port, kind: str, c: Json) -> str | None:
+    compute, field = ANSWERS[kind]
+    return differs(field, compute(port, c), c[field])
 
 
 def primitives(port: Port, root: Path) -> list[Outcome]:
-    v = read_json(root / "secure_aggregation" / "primitives.json")
-    out = [
-        run(
-            f"x25519/{i}",
-            lambda c=c: differs("public key", port.x25519_public(H(c["private"])).hex(), c["public"]),
-        )
-        for i, c in enumerate(v["x25519"])
-    ]
-    for i, c in enumerate(v["agree"]):
-
-        def agree(c: dict[str, Any] = c) -> bytes:
-            return port.agree(H(c["private"]), H(c["peer_public"]), H(c["purpose"]), c["context"])
-
-        out.append(
-            refused(f"agree/{i}", c["error"], agree)
-            if "error" in c
-            else run(f"agree/{i}", lambda c=c, f=agree: differs("key", f(c).hex(), c["key"]))
-        )
-    out += [
-        run(
-            f"derive_key/{i}",
-            lambda c=c: differs(
-                "key", port.derive_key(H(c["secret"]), H(c["purpose"]), c["context"]).hex(), c["key"]
-            ),
-        )
-        for i, c in enumerate(v["derive_key"])
-    ]
-    for i, c in enumerate(v["decrypt"]):
-
-        def decrypt(c: dict[str, Any] = c) -> bytes:
-            return port.decrypt(H(c["key"]), H(c["ciphertext"]), H(c["associated"]))
-
-        out.append(
-            refused(f"decrypt/{i}", c["error"], decrypt)
-            if "error" in c
-            else run(f"decrypt/{i}", lambda c=c, f=decrypt: differs("plaintext", f(c).hex(), c["plaintext"]))
-        )
-    for i, c in enumerate(v["encrypt"]):
-
-        def encrypted(c: dict[str, Any] = c) -> str | None:
-            sealed = port.encrypt(H(c["key"]), H(c["plaintext"]), H(c["associated"]))
-            try:  # random nonces: the kit checks that its own decryption gives the plaintext back
-                opened = AESGCM(H(c["key"])).decrypt(sealed[:12], sealed[12:], H(c["associated"]))
-            except InvalidTag:
-                return "the ciphertext (nonce || AES-256-GCM ciphertext and tag) does not decrypt"
-            return differs("decrypted plaintext", opened.hex(), c["plaintext"])
-
-        out.append(run(f"encrypt/{i}", encrypted))
-    out += [
-        run(
-            f"commitment/{i}",
-            lambda c=c: differs("digest", port.commitment([H(p) for p in c["parts"]]).hex(), c["digest"]),
-        )
-        for i, c in enumerate(v["commitment"])
-    ]
-    for i, c in enumerate(v["shamir"]):
-        holders = [int(x) for x in c["shares"]]
-        out.append(
-            run(
-                f"shamir_shares/{i}",
-                lambda c=c, h=holders: differs(
-                    "shares",
-                    {
-                        str(x): str(y)
-                        for x, y in port.shamir_shares(
-                            int(c["secret"]), [int(k) for k in c["coefficients"]], h
-                        ).items()
-                    },
-                    c["shares"],
-                ),
-            )
-        )
-        subset = {x: int(c["shares"][str(x)]) for x in c["reconstruct_from"]}
-        out.append(
-            run(
-                f"shamir_reconstruct/{i}",
-                lambda c=c, s=subset: differs("secret", str(port.shamir_reconstruct(s)), c["secret"]),
-            )
-        )
-    out += [
-        run(
-            f"expand_mask/{i}",
-            lambda c=c: _same_ints("mask", port.expand_mask(H(c["seed"]), c["params"]), c["mask"]),
-        )
-        for i, c in enumerate(v["expand_mask"])
-    ]
-    out += [
-        run(
-            f"quantize/{c['name']}",
-            lambda c=c: _same_ints(
-                "quantized",
-                port.quantize(
-                    np.asarray(c["vector"], dtype=np.float64), c["params"], np.asarray(c["uniforms"])
-                ),
-                c["quantized"],
-            ),
-        )
-        for c in v["quantize"]
-    ]
-    out += [
-        run(
-            f"neighbour_graph/k{c['k']}",
-            lambda c=c: differs(
-                "graph",
-                {
-                    str(u): list(vs)
-                    for u, vs in port.neighbour_graph(c["roster"], c["k"], c["context"]).items()
-                },
-                c["graph"],
-            ),
-        )
-        for c in v["neighbour_graph"]
-    ]
-    out += [
-        run(
-            f"sign/{i}",
-            lambda c=c: differs(
-                "signature", port.sign(H(c["private"]), H(c["message"])).hex(), c["signature"]
-            ),
-        )
-        for i, c in enumerate(v["sign"])
-    ]
-    out += [
-        run(
-            f"advertisement_message/{i}",
-            lambda c=c: differs(
-                "message", port.advertisement_message(c["context"], c["keys"]).hex(), c["message"]
-            ),
-        )
-        for i, c in enumerate(v["advertisement_message"])
-    ]
-    out += [
-        run(
-            f"roster_digest/{i}",
-            lambda c=c: differs("digest", port.roster_digest(c["context"], c["roster"]).hex(), c["digest"]),
-        )
-        for i, c in enumerate(v["roster_digest"])
-    ]
-    out += [
-        run(
-            f"statement_message/{i}",
-            lambda c=c: differs(
-                "message",
-                port.statement_message(
-                    c["context"], H(c["roster"]), H(c["inputs_sha256"]), c["missing"]
-                ).hex(),
-                c["message"],
-            ),
-        )
-        for i, c in enumerate(v["statement_message"])
-    ]
-    out += [
-        run(
-            f"view_message/{i}",
-            lambda c=c: differs(
-                "message",
-                port.view_message(c["context"], H(c["roster"]), c["survivors"], H(c["inputs_sha256"])).hex(),
-                c["message"],
-            ),
-        )
-        for i, c in enumerate(v["view_message"])
-    ]
-    out += [
-        run(
-            f"task_inputs_digest/{i}",
-            lambda c=c: differs("digest", port.task_inputs_digest(c["inputs"]).hex(), c["digest"]),
-        )
-        for i, c in enumerate(v["task_inputs_digest"])
-    ]
+    vectors = read_json(root / "secure_aggregation" / "primitives.json")
+    out = []
+    for kind, cases in vectors.items():
+        for i, c in enumerate(cases):
+            name = f"{kind}/{c.get('name', i)}"
+            if "error" in c:
+                out.append(refused(name, c["error"], REFUSALS[kind], port, c))
+            elif kind in ANSWERS:
+                out.append(run(name, _answer, port, kind, c))
+            else:
+                out += [run(f"{name}/{check.__name__.strip('_')}", check, port, c) for check in CHECKS[kind]]
     return out
 
 
@@ -217,7 +143,7 @@ def _check_shares(u: int, sent: dict[str, Any], device: dict[str, Any], params: 
                 ciphertext[:12], ciphertext[12:], H(device["share_aad"][holder])
             )
         except InvalidTag:
-            return f"the shares for {v} do not decrypt under the key {u} and {v} agree, with their associated data"
+            return f"the shares for {v} do not decrypt under the key {u} and {v} agree (with their AAD)"
         labels = (int.from_bytes(plaintext[:4], "big"), int.from_bytes(plaintext[4:8], "big"))
         if labels != (u, v):
             return f"the shares for {v} are labelled {labels[0]} -> {labels[1]}, expected {u} -> {v}"

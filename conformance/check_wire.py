@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,13 +30,19 @@ def _same_array(what: str, got: Any, spec: dict[str, Any]) -> str | None:
     return None if np.array_equal(got, expected) else f"{what}: values differ"
 
 
+def _accepted(call: Callable[[Any], Any], document: Any) -> None:
+    call(document)
+
+
+def _resolved(port: Port, case: dict[str, Any]) -> str | None:
+    return differs("resolved config", port.parse_task_config(case["document"]), case["resolved"])
+
+
 def manifests(port: Port, root: Path) -> list[Outcome]:
     data = read_json(root / "wire" / "manifests.json")
-    out = [
-        run(f"manifest/{c['name']}", lambda c=c: port.parse_manifest(c["document"])) for c in data["valid"]
-    ]
+    out = [run(f"manifest/{c['name']}", _accepted, port.parse_manifest, c["document"]) for c in data["valid"]]
     out += [
-        refused(f"manifest/{c['name']}", c["error"], lambda c=c: port.parse_manifest(c["document"]))
+        refused(f"manifest/{c['name']}", c["error"], port.parse_manifest, c["document"])
         for c in data["invalid"]
     ]
     return out
@@ -43,18 +50,20 @@ def manifests(port: Port, root: Path) -> list[Outcome]:
 
 def task_configs(port: Port, root: Path) -> list[Outcome]:
     data = read_json(root / "wire" / "task_configs.json")
-    out = [
-        run(
-            f"task_config/{c['name']}",
-            lambda c=c: differs("resolved config", port.parse_task_config(c["document"]), c["resolved"]),
-        )
-        for c in data["valid"]
-    ]
+    out = [run(f"task_config/{c['name']}", _resolved, port, c) for c in data["valid"]]
     out += [
-        refused(f"task_config/{c['name']}", c["error"], lambda c=c: port.parse_task_config(c["document"]))
+        refused(f"task_config/{c['name']}", c["error"], port.parse_task_config, c["document"])
         for c in data["invalid"]
     ]
     return out
+
+
+def _decoded_params(port: Port, blob: bytes, case: dict[str, Any]) -> str | None:
+    got = port.decode_params(blob, case["specs"])
+    if sorted(got) != sorted(case["tensors"]):
+        return f"tensors {sorted(got)}, expected {sorted(case['tensors'])}"
+    problems = [_same_array(n, got[n], spec) for n, spec in case["tensors"].items()]
+    return next((p for p in problems if p), None)
 
 
 def params(port: Port, root: Path) -> list[Outcome]:
@@ -63,17 +72,9 @@ def params(port: Port, root: Path) -> list[Outcome]:
     for case in read_json(root / "wire" / "params.json")["cases"]:
         name, blob = f"params/{case['name']}", (folder / case["blob"]).read_bytes()
         if "error" in case:
-            out.append(refused(name, case["error"], lambda b=blob, c=case: port.decode_params(b, c["specs"])))
-            continue
-
-        def check(blob: bytes = blob, case: dict[str, Any] = case) -> str | None:
-            got = port.decode_params(blob, case["specs"])
-            if sorted(got) != sorted(case["tensors"]):
-                return f"tensors {sorted(got)}, expected {sorted(case['tensors'])}"
-            problems = [_same_array(n, got[n], spec) for n, spec in case["tensors"].items()]
-            return next((p for p in problems if p), None)
-
-        out.append(run(name, check))
+            out.append(refused(name, case["error"], port.decode_params, blob, case["specs"]))
+        else:
+            out.append(run(name, _decoded_params, port, blob, case))
     return out
 
 
@@ -121,6 +122,15 @@ def _check_encoded_sparse(blob: bytes, dense: dict[str, Any], rows: dict[str, li
     return None
 
 
+def _decoded_sparse(port: Port, blob: bytes, case: dict[str, Any]) -> str | None:
+    return _check_decoded_sparse(port.decode_sparse_delta(blob, case["specs"]), case["tensors"])
+
+
+def _encoded_sparse(port: Port, case: dict[str, Any]) -> str | None:
+    dense = {n: _array(spec) for n, spec in case["dense"].items()}
+    return _check_encoded_sparse(port.encode_sparse_delta(dense), case["dense"], case["rows"])
+
+
 def sparse_deltas(port: Port, root: Path) -> list[Outcome]:
     folder = root / "wire" / "sparse_deltas"
     data = read_json(root / "wire" / "sparse_deltas.json")
@@ -128,28 +138,10 @@ def sparse_deltas(port: Port, root: Path) -> list[Outcome]:
     for case in data["cases"]:
         name, blob = f"sparse_delta/{case['name']}", (folder / case["blob"]).read_bytes()
         if "error" in case:
-            out.append(
-                refused(name, case["error"], lambda b=blob, c=case: port.decode_sparse_delta(b, c["specs"]))
-            )
+            out.append(refused(name, case["error"], port.decode_sparse_delta, blob, case["specs"]))
         else:
-            out.append(
-                run(
-                    name,
-                    lambda b=blob, c=case: _check_decoded_sparse(
-                        port.decode_sparse_delta(b, c["specs"]), c["tensors"]
-                    ),
-                )
-            )
-    for case in data["encode"]:
-        dense = {n: _array(spec) for n, spec in case["dense"].items()}
-        out.append(
-            run(
-                f"sparse_delta/{case['name']}",
-                lambda d=dense, c=case: _check_encoded_sparse(
-                    port.encode_sparse_delta(d), c["dense"], c["rows"]
-                ),
-            )
-        )
+            out.append(run(name, _decoded_sparse, port, blob, case))
+    out += [run(f"sparse_delta/{c['name']}", _encoded_sparse, port, c) for c in data["encode"]]
     return out
 
 

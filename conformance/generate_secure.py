@@ -24,7 +24,6 @@ from secure_aggregation.device import (
     round_graph,
     self_mask_commitment,
     share_aad,
-    share_commitment,
 )
 from secure_aggregation.identity import SigningKey, advertisement_message
 from secure_aggregation.identity import public_bytes as signing_public
@@ -249,7 +248,7 @@ def view_cases(
     def confirmation(v: int, shown: list[int]) -> dict[str, Any]:
         return Confirmation.sign(keys[v], context, digest, shown, inputs).to_json()
 
-    base = {
+    base: dict[str, Any] = {
         "params": PARAMS.to_json(),
         "graph": {str(u): vs for u, vs in graph.items()},
         "roster_digest": digest.hex(),

@@ -119,8 +119,8 @@ def sparse(manifest: dict[str, Any], out: Path) -> dict[str, Any]:
     def parts(r: Any, v: Any, s: Any, **dtypes: Any) -> bytes:
         return save(
             {
-                f"{name}/rows": np.asarray(r, dtypes.get("rows", np.int32)),
-                f"{name}/values": np.asarray(v, dtypes.get("values", np.float32)),
+                f"{name}/rows": np.ascontiguousarray(r, dtypes.get("rows", np.int32)),
+                f"{name}/values": np.ascontiguousarray(v, dtypes.get("values", np.float32)),
                 f"{name}/shape": np.asarray(s, dtypes.get("shape", np.int64)),
             }
         )

@@ -19,21 +19,21 @@ class Outcome:
         return self.problem is None
 
 
-def run(name: str, check: Callable[[], str | None]) -> Outcome:
-    """The check's problem, or the port's refusal or error as one; a port that crashes fails the
+def run(name: str, check: Callable[..., str | None], *args: Any) -> Outcome:
+    """`check(*args)`'s problem, or the port's refusal or error as one; a port that crashes fails the
     check (it does not stop the run)."""
     try:
-        return Outcome(name, check())
+        return Outcome(name, check(*args))
     except Refused as refusal:
         return Outcome(name, f"the port refused ({refusal}) where the kit expects an answer")
     except Exception as error:  # a broken port must fail this check only, whatever it raises
         return Outcome(name, f"the port raised {type(error).__name__}: {error}")
 
 
-def refused(name: str, kind: str, call: Callable[[], Any]) -> Outcome:
+def refused(name: str, kind: str, call: Callable[..., Any], *args: Any) -> Outcome:
     """Passes when `call` raises Refused(kind)."""
     try:
-        call()
+        call(*args)
     except Refused as refusal:
         if refusal.kind != kind:
             return Outcome(name, f"refused as {refusal.kind!r}, expected {kind!r} ({refusal})")
