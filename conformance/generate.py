@@ -9,12 +9,13 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from conformance import generate_secure, generate_wire
+from conformance import generate_secure, generate_task, generate_wire
 from conformance.vectors import VECTORS
 
 
 def generate(root: Path) -> None:
     generate_wire.generate(root)
+    generate_task.generate(root)
     generate_secure.generate(root)
 
 

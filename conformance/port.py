@@ -8,6 +8,7 @@ a small Python shim, or reads the vectors itself (docs/how-to/conformance-kit.md
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
@@ -65,6 +66,17 @@ class Port(Protocol):
         ...
 
     def encode_sparse_delta(self, delta: dict[str, np.ndarray]) -> bytes: ...
+
+    # ---- the task: the exported model's signatures ----
+    def replay_signatures(self, model_dir: Path, calls: list[Json]) -> list[dict[str, np.ndarray]]:
+        """Load model_dir/model.tflite once and make each call ({signature, inputs}) in order on it
+        (the calls change its variables); the outputs of each call."""
+        ...
+
+    def task_delta(self, model_dir: Path, globals_blob: bytes, task: Json) -> bytes:
+        """Run one FedRecon task (reconstruct on task["support"], measure and update on task["query"],
+        task["config"]'s steps and rates) from the dense globals; the row-sparse delta it reports."""
+        ...
 
     # ---- secure aggregation primitives ----
     def x25519_public(self, private: bytes) -> bytes: ...

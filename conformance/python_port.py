@@ -4,16 +4,23 @@
 from __future__ import annotations
 
 import base64
+import sys
+from pathlib import Path
 from typing import Any, cast
 
 import numpy as np
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from conformance.port import Json, Refused, SecureDevice
-from contracts.manifest import Manifest, ManifestError, TensorSpec
+from contracts.features import Examples
+from contracts.manifest import MODEL_FILE, Manifest, ManifestError, TensorSpec
 from contracts.params import ParamsError, check_sparse_delta, decode_params, decode_sparse_delta
 from contracts.params import encode_sparse_delta as encode_delta
 from contracts.task_config import TaskConfig
+from device_runtime.fedrecon_step import Halt, fedrecon_step
+from model_runtime.interpreter import interpreter_class
+from model_runtime.task_batches import TaskBatches
+from model_runtime.tflite_model import TFLiteModel
 from secure_aggregation import crypto, masks, quantization, shamir
 from secure_aggregation.config import ProtocolError, RoundParameters
 from secure_aggregation.device import DeviceSession
@@ -40,6 +47,14 @@ from secure_aggregation.view import (
 
 def specs_of(specs: list[Json]) -> list[TensorSpec]:
     return [TensorSpec.from_json(s, "specs") for s in specs]
+
+
+def tensor_of(spec: Json) -> np.ndarray:
+    return np.asarray(spec["values"], dtype=spec["dtype"]).reshape(spec["shape"])
+
+
+def examples_of(columns: Json) -> Examples:
+    return Examples({name: tensor_of(spec) for name, spec in columns.items()})
 
 
 def roster_of(roster: dict[str, Json]) -> dict[int, AdvertisedKeys]:
@@ -126,6 +141,36 @@ class PythonPort:
 
     def encode_sparse_delta(self, delta: dict[str, np.ndarray]) -> bytes:
         return encode_delta(cast(dict[str, Any], delta))
+
+    # ---- the task ----
+    def replay_signatures(self, model_dir: Path, calls: list[Json]) -> list[dict[str, np.ndarray]]:
+        _, interpreter_cls = interpreter_class()
+        # The builtin kernels, as TFLiteModel(default_delegates=False) that wrote the vectors.
+        resolver = sys.modules[interpreter_cls.__module__].OpResolverType
+        interpreter = interpreter_cls(
+            model_content=(model_dir / MODEL_FILE).read_bytes(),
+            num_threads=1,
+            experimental_op_resolver_type=resolver.BUILTIN_WITHOUT_DEFAULT_DELEGATES,
+        )
+        outputs = []
+        for call in calls:
+            runner = interpreter.get_signature_runner(call["signature"])
+            inputs = {name: tensor_of(spec) for name, spec in call["inputs"].items()}
+            outputs.append({k: np.array(v) for k, v in runner(**inputs).items()})
+        return outputs
+
+    def task_delta(self, model_dir: Path, globals_blob: bytes, task: Json) -> bytes:
+        model = TFLiteModel(model_dir, default_delegates=False)
+        model.set_global(decode_params(globals_blob, model.manifest.global_params, "globals"))
+        config = TaskConfig.from_json(task["config"])
+        support, query = (
+            TaskBatches.pack([examples_of(b) for b in task[side]], model.manifest)
+            for side in ("support", "query")
+        )
+        step = fedrecon_step(model, support, query, config, measured=query)
+        if isinstance(step, Halt):
+            raise Refused("params", f"the task halted: {step}")
+        return encode_delta(cast(dict[str, Any], model.dense_delta(step.trained.update)))
 
     # ---- secure aggregation primitives ----
     def x25519_public(self, private: bytes) -> bytes:

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from conformance import check_secure, check_wire
+from conformance import check_secure, check_task, check_wire
 from conformance.outcome import Outcome
 from conformance.port import Port
 from conformance.vectors import VECTORS
 
 
 def run_kit(port: Port, root: Path = VECTORS) -> list[Outcome]:
-    return check_wire.checks(port, root) + check_secure.checks(port, root)
+    return check_wire.checks(port, root) + check_task.checks(port, root) + check_secure.checks(port, root)
 
 
 def failures(outcomes: list[Outcome]) -> list[Outcome]:

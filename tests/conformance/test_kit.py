@@ -31,11 +31,15 @@ def test_the_python_device_passes_every_check(capsys: pytest.CaptureFixture[str]
 def test_the_committed_vectors_are_what_the_generator_writes(tmp_path: Path) -> None:
     generate(tmp_path)
 
-    written = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*") if p.is_file())
-    committed = sorted(
-        p.relative_to(VECTORS) for p in VECTORS.rglob("*") if p.is_file() and "task" not in p.parts
-    )
-    assert written == committed
+    def files(root: Path) -> list[Path]:
+        return sorted(p.relative_to(root) for p in root.rglob("*") if p.is_file())
+
+    written = files(tmp_path)
+    exported = [Path("task", "model", p) for p in files(VECTORS / "task" / "model")]  # export_model.py's
+    assert sorted([*written, *exported]) == files(VECTORS)
+    # The task's outputs come from a TFLite interpreter: the kit compares them within its tolerance
+    # (the Python device's run of the kit), not byte for byte.
+    written = [p for p in written if p.parts[0] != "task"]
     changed = [str(p) for p in written if (tmp_path / p).read_bytes() != (VECTORS / p).read_bytes()]
     assert not changed, f"regenerate with python -m conformance.generate: {changed}"
 
