@@ -169,7 +169,7 @@ class PythonPort:
         )
         step = fedrecon_step(model, support, query, config, measured=query)
         if isinstance(step, Halt):
-            raise Refused("params", f"the task halted: {step}")
+            raise RuntimeError(f"the kit's task halted ({step}); it must train")
         return encode_delta(cast(dict[str, Any], model.dense_delta(step.trained.update)))
 
     # ---- secure aggregation primitives ----

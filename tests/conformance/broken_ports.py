@@ -3,6 +3,7 @@ must catch it."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -51,6 +52,22 @@ class UnsortedSparseRows(PythonPort):
             tensors[f"{name}/values"] = np.ascontiguousarray(value[rows], dtype=np.float32)
             tensors[f"{name}/shape"] = np.asarray(value.shape, dtype=np.int64)
         return save(tensors)
+
+
+class StaleLearningRate(PythonPort):
+    def task_delta(self, model_dir: Path, globals_blob: bytes, task: Json) -> bytes:
+        # Trains at half the rate the task config sends (a port that reads a stale config).
+        return super().task_delta(
+            model_dir,
+            globals_blob,
+            {
+                **task,
+                "config": {
+                    **task["config"],
+                    "update_learning_rate": 0.5 * task["config"]["update_learning_rate"],
+                },
+            },
+        )
 
 
 class _NoCommitmentDevice(PythonSecureDevice):

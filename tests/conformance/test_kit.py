@@ -16,6 +16,7 @@ from conformance.vectors import VECTORS
 from tests.conformance.broken_ports import (
     MissingField,
     ShareForWrongNeighbour,
+    StaleLearningRate,
     UnsortedSparseRows,
     WrongMaskSign,
 )
@@ -51,15 +52,22 @@ def test_the_committed_vectors_are_what_the_generator_writes(tmp_path: Path) -> 
         (ShareForWrongNeighbour(), {"round/1/share_keys", "round/5/share_keys"}),
         (UnsortedSparseRows(), {"sparse_delta/encode_rows"}),
         (MissingField(), {"round/1/advertise", "round/3/advertise"}),
+        (StaleLearningRate(), {"task/delta"}),
     ],
-    ids=["wrong mask sign", "share for the wrong neighbour", "unsorted sparse rows", "missing field"],
+    ids=[
+        "wrong mask sign",
+        "share for the wrong neighbour",
+        "unsorted sparse rows",
+        "missing field",
+        "stale rate",
+    ],
 )
 def test_a_broken_port_fails_the_kit_where_its_fault_is(port: Port, caught: set[str]) -> None:
     failed = {o.name: o.problem for o in failures(run_kit(port))}
 
     assert caught <= set(failed), failed
     # Only the checks its fault touches fail: the rest of the kit still passes.
-    assert all(name.startswith(("round/", "refuse/", "sparse_delta/")) for name in failed), failed
+    assert all(name.startswith(("round/", "refuse/", "sparse_delta/", "task/")) for name in failed), failed
 
 
 def test_a_port_that_cannot_be_loaded_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
