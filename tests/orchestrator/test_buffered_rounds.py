@@ -224,7 +224,7 @@ def test_a_buffer_commits_once_at_k_reports_when_reports_race(
             )
         ).scalar_one()
     engine.dispose()
-    rounds = {r["id"]: r for r in rounds_of(url)}
+    rounds: dict[Any, Any] = {r["id"]: r for r in rounds_of(url)}
     committed = [r for r in rounds.values() if r["status"] == "committed"]
     assert len(committed) >= 6
     # Each buffer committed once, at exactly K reports (its deadline is far), into the next version.
