@@ -153,18 +153,17 @@ def train_buffered(
             stats.counted_by_staleness[staleness] += 1
             delta, weight = report
             buffer.append((delta, weight * staleness_weight(buffering.staleness_weighting, staleness)))
-        start(finished.finish)
-        if len(buffer) < buffering.buffer_size:
-            continue
-        run.refused += server.commit(buffer)
-        buffer = []
-        current += 1
-        versions[current] = server.params
-        oldest = min(t.version for t in in_flight)
-        for old in [v for v in versions if v < oldest]:
-            del versions[old]  # no device in flight trains on it any more
-        if current % rounds.evaluate_every == 0 or current == rounds.rounds:
-            run.curve.append({"round": current, **validate(server.params)})
+        if len(buffer) == buffering.buffer_size:
+            run.refused += server.commit(buffer)
+            buffer = []
+            current += 1
+            versions[current] = server.params
+            oldest = min([t.version for t in in_flight], default=current)
+            for old in [v for v in versions if v < oldest]:
+                del versions[old]  # no device in flight trains on it any more
+            if current % rounds.evaluate_every == 0 or current == rounds.rounds:
+                run.curve.append({"round": current, **validate(server.params)})
+        start(finished.finish)  # its place is taken at once, on the version now current
     run.params = server.params
     run.seconds = time.perf_counter() - started
     return run, stats
