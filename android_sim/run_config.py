@@ -329,6 +329,10 @@ def differential_privacy(config: RunConfig, training_devices: int) -> dict[str, 
     return settings
 
 
+# How many synchronous rounds' time (--round-seconds) a buffered run gives a device to report.
+BUFFERED_TASK_ROUNDS = 6
+
+
 def round_settings(
     config: RunConfig, task: TaskConfig, optimizer: dict[str, Any], training_devices: int
 ) -> dict[str, Any]:
@@ -349,7 +353,10 @@ def round_settings(
         "target_reports": config.target_reports,
         "oversampling": config.oversampling,
         "min_reports": max(1, min(config.target_reports, buffer_size) // 2),
-        "round_duration_seconds": config.round_seconds,
+        # A buffered device has no round to keep up with: its report counts until it is
+        # `max_staleness` versions old or BUFFERED_TASK_ROUNDS rounds' time has passed.
+        "round_duration_seconds": config.round_seconds
+        * (BUFFERED_TASK_ROUNDS if config.rounds_mode == "buffered" else 1),
         "min_examples": config.min_examples,
         "retry_after_seconds": 2.0,
         # The server stops at --rounds: a fleet that stops its devices at the count would still
