@@ -23,6 +23,7 @@ from sqlalchemy import create_engine, text
 from contracts.manifest import load_manifest
 from contracts.params import encode_sparse_delta
 from model_export.config import ModelConfig
+from orchestrator.console import render
 from orchestrator.populations.settings import PopulationSettings, settings_problems
 from tests.conftest import BIASED
 from tests.orchestrator.conftest import ADMIN_TOKEN, OCTETS, Server, admin_create_population
@@ -101,6 +102,12 @@ def test_reports_go_into_the_open_buffer_weighted_by_staleness(
     assert buffer["metrics"]["staleness_mean"] == 1.0
     assert buffer["metrics"]["staleness_count_1"] == 1.0
     assert training_round(server.url, first["round_id"])["metrics"]["staleness_count_0"] == 2.0
+    # The console shows the open buffer's fill and each buffer's staleness.
+    view = httpx.get(f"{server.url}/v1/admin/populations/p", headers=ADMIN, timeout=30).json()
+    shown = render.population(view, rounds_of(server.url), time.time())
+    assert "buffer 1/2 reports" in shown
+    assert "buffer: staleness mean 1.00 versions; reports by staleness 1: 1" in shown
+    assert "buffer: staleness mean 0.00 versions; reports by staleness 0: 2" in shown
     # Nobody trains now: D is admitted, on the new version.
     assert d.checkin()["accepted"] is True
     assert d.assignment["model_version"] == 1
