@@ -272,19 +272,20 @@ def _may_close(
         first.add(event.assignment_id)
         round_ = found.round
         config = config_of(found.population)
-        if round_.kind == TRAINING and config.settings.buffered_training:
-            may_close = True  # counted under its population's lock (`buffering`)
+        # A buffered population's training event is counted under its population's lock
+        # (`buffering`), into the buffer open then, whatever its own round's status.
+        buffered = round_.kind == TRAINING and config.settings.buffered_training
+        may_close = may_close or buffered
+        if found.device_id != event.device_id or (round_.status != state.OPEN and not buffered):
             continue
-        if found.device_id != event.device_id or round_.status != state.OPEN:
-            continue
-        if now >= round_.deadline or config.secure_training:
+        if not buffered and (now >= round_.deadline or config.secure_training):
             may_close = True  # its round must be advanced first
             continue
         if event.abort or found.status != "assigned":
             continue
         if index not in contents:  # checked by an earlier run of the group (after `Raced`)
-            contents[index] = _content(config, found, event)
-        if not isinstance(contents[index], Unread | Refused):
+            contents[index] = _content(config, found, event)  # with no lock, even when buffered
+        if not buffered and not isinstance(contents[index], Unread | Refused):
             coming[round_.id] += 1
             may_close = may_close or round_.reported + coming[round_.id] >= round_.target
     return may_close
