@@ -197,7 +197,9 @@ def settings_table(name: str) -> str:
         table = _pydantic_table(Settings)
         # The server's settings are environment variables.
         return re.sub(r"^\| `([a-z_]+)`", lambda m: f"| `ORCHESTRATOR_{m[1].upper()}`", table, flags=re.M)
-    raise ValueError(f"unknown settings table {name!r}; expected population, buffered, secure, task_config or server")
+    raise ValueError(
+        f"unknown settings table {name!r}; expected population, buffered, secure, task_config or server"
+    )
 
 
 def on_page_markdown(markdown: str, **_: Any) -> str:
