@@ -78,6 +78,34 @@ def _run_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
         default=d.aggregation,
         help="secure: secure aggregation, the server learns only each round's sum",
     )
+    rounds = run.add_argument_group(
+        "buffered rounds", "FedBuff: no round's target, a version every --buffer-size reports"
+    )
+    rounds.add_argument(
+        "--rounds-mode",
+        choices=("synchronous", "buffered"),
+        default=d.rounds_mode,
+        help="buffered: devices check in while fewer than --concurrency train, and every --buffer-size "
+        "reports commit a version (stale ones weighted down); --rounds versions in all",
+    )
+    rounds.add_argument("--buffer-size", type=int, help="K: reports per version (default: --target-reports)")
+    rounds.add_argument(
+        "--concurrency",
+        type=int,
+        help="devices training at once (default: ceil(--target-reports x --oversampling))",
+    )
+    rounds.add_argument(
+        "--max-staleness",
+        type=int,
+        default=d.max_staleness,
+        help="versions behind past which a report is refused",
+    )
+    rounds.add_argument(
+        "--staleness-weighting",
+        choices=("inverse_sqrt", "inverse", "constant"),
+        default=d.staleness_weighting,
+        help="a report's weight factor: 1/sqrt(1+s), 1/(1+s) or 1",
+    )
     run.add_argument(
         "--secure-clip-norm", type=float, default=d.secure_clip_norm, help="L2 bound of a device's delta"
     )
@@ -284,6 +312,11 @@ def main(argv: list[str] | None = None) -> int:
             min_examples=args.min_examples,
             round_seconds=args.round_seconds,
             aggregation=args.aggregation,
+            rounds_mode=args.rounds_mode,
+            buffer_size=args.buffer_size,
+            concurrency=args.concurrency,
+            max_staleness=args.max_staleness,
+            staleness_weighting=args.staleness_weighting,
             secure_clip_norm=args.secure_clip_norm,
             evaluation_every=args.evaluation_every,
             day_seconds=args.day_seconds,

@@ -64,6 +64,14 @@ class RunConfig:
     min_examples: int = 3
     round_seconds: float = 10.0
     aggregation: str = "plaintext"  # or "secure": secure aggregation (README, "Privacy")
+    # "buffered": FedBuff rounds (docs/concepts/buffered-rounds.md): a version every `buffer_size`
+    # reports (default target_reports), `concurrency` devices training at once (default the
+    # synchronous round's capacity, ceil(target_reports x oversampling)).
+    rounds_mode: str = "synchronous"
+    buffer_size: int | None = None
+    concurrency: int | None = None
+    max_staleness: int = 10
+    staleness_weighting: str = "inverse_sqrt"
     # Deadline of the secure phases that need no training (share keys, consistency, unmasking).
     # A phase ends as soon as its devices have answered (a silent straggler is waited for at most
     # as long again as the others took), so the deadline binds only when too few answer in time:
@@ -164,6 +172,17 @@ class RunConfig:
             )
         if self.aggregation not in ("plaintext", "secure"):
             problems.append(f"aggregation must be 'plaintext' or 'secure', got {self.aggregation!r}")
+        if self.rounds_mode not in ("synchronous", "buffered"):
+            problems.append(f"rounds_mode must be 'synchronous' or 'buffered', got {self.rounds_mode!r}")
+        if self.rounds_mode == "buffered" and self.aggregation == "secure":
+            problems.append("--rounds-mode buffered does not support --aggregation secure yet")
+        if self.rounds_mode == "buffered" and self.clip_norm is not None:
+            problems.append("--rounds-mode buffered does not support differential privacy (--clip-norm) yet")
+        for name in ("buffer_size", "concurrency"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                problems.append(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_staleness < 0:
+            problems.append(f"max_staleness must be >= 0, got {self.max_staleness}")
         if self.aggregation == "secure" and self.target_reports < 6:
             problems.append("secure aggregation needs target_reports >= 6 (min_reports = target / 2 >= 3)")
         if self.devices is not None and self.devices < 2:
@@ -314,16 +333,34 @@ def differential_privacy(config: RunConfig, training_devices: int) -> dict[str, 
     return settings
 
 
+# How many synchronous rounds' time (--round-seconds) a buffered run gives a device to report.
+BUFFERED_TASK_ROUNDS = 6
+
+
 def round_settings(
     config: RunConfig, task: TaskConfig, optimizer: dict[str, Any], training_devices: int
 ) -> dict[str, Any]:
     """A population's settings from the run's round options, whatever the model: `task` is what
     the devices do, `optimizer` the server optimizer."""
+    buffer_size = config.buffer_size or config.target_reports
+    buffered = {
+        "rounds": "buffered",
+        "buffered": {
+            "buffer_size": buffer_size,
+            "concurrency": config.concurrency or math.ceil(config.target_reports * config.oversampling),
+            "max_staleness": config.max_staleness,
+            "staleness_weighting": config.staleness_weighting,
+        },
+    }
     return {
+        **(buffered if config.rounds_mode == "buffered" else {}),
         "target_reports": config.target_reports,
         "oversampling": config.oversampling,
-        "min_reports": max(1, config.target_reports // 2),
-        "round_duration_seconds": config.round_seconds,
+        "min_reports": max(1, min(config.target_reports, buffer_size) // 2),
+        # A buffered device has no round to keep up with: its report counts until it is
+        # `max_staleness` versions old or BUFFERED_TASK_ROUNDS rounds' time has passed.
+        "round_duration_seconds": config.round_seconds
+        * (BUFFERED_TASK_ROUNDS if config.rounds_mode == "buffered" else 1),
         "min_examples": config.min_examples,
         "retry_after_seconds": 2.0,
         # The server stops at --rounds: a fleet that stops its devices at the count would still

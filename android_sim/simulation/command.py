@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import math
 import os
 import time
 from dataclasses import asdict, replace
@@ -26,6 +27,7 @@ from android_sim.options import algorithm_arguments, model_arguments, shared_run
 from android_sim.run import FINAL_GLOBALS, load_workload
 from android_sim.run_config import DEFAULT_RATINGS
 from android_sim.run_report import model_summary, primary_metric, shown_metrics, with_interval
+from android_sim.simulation.buffered import Buffering
 from android_sim.simulation.predictions import judge, prediction_table
 from android_sim.simulation.protocol import PROTOCOL_SEED, UserSplit
 from android_sim.simulation.ranking import (
@@ -45,6 +47,7 @@ from contracts.params import encode_params
 from contracts.task_config import SplitPolicy, TaskConfig
 from device_runtime.examples_table import DeviceExamples
 from orchestrator.aggregation.server_optimizer import ServerOptimizerConfig
+from orchestrator.aggregation.staleness import STALENESS_WEIGHTINGS
 
 MIN_DEVICES = 10  # 80/10/10: at least one device to validate on and one to hold out
 
@@ -70,6 +73,23 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     builtin.add_argument("--expressions", type=int, default=1000, help="synthetic catalog size")
     parser.add_argument("--rounds", type=int, default=100)
     parser.add_argument("--clients-per-round", type=int, default=20)
+    parser.add_argument(
+        "--rounds-mode",
+        choices=("synchronous", "buffered"),
+        default="synchronous",
+        help="buffered (FedBuff): --concurrency devices train at once, and every --clients-per-round "
+        "reports (the buffer) commit a version, stale ones weighted down; --rounds versions in all",
+    )
+    parser.add_argument(
+        "--concurrency", type=int, help="buffered: devices training at once (default: ceil(1.3 x the buffer))"
+    )
+    parser.add_argument("--max-staleness", type=int, default=10, help="buffered: refused past this")
+    parser.add_argument(
+        "--staleness-weighting",
+        choices=tuple(STALENESS_WEIGHTINGS),
+        default="inverse_sqrt",
+        help="buffered: a report's weight factor, 1/sqrt(1+s), 1/(1+s) or 1",
+    )
     parser.add_argument("--evaluate-every", type=int, default=10, help="learning curve cadence (rounds)")
     parser.add_argument("--sampling-seed", type=int, default=d.sampling_seed, help="client sampling")
     parser.add_argument("--split-seed", type=int, default=PROTOCOL_SEED, help="which devices are held out")
@@ -206,6 +226,16 @@ def main(args: argparse.Namespace, console: Console | None = None) -> dict[str, 
         raise ValueError("--address is a Ray cluster's: give it with --backend ray")
     if args.backend == "ray":
         require_ray()
+    buffering = (
+        Buffering(
+            args.clients_per_round,
+            args.concurrency or math.ceil(1.3 * args.clients_per_round),
+            args.staleness_weighting,
+            args.max_staleness,
+        )
+        if args.rounds_mode == "buffered"
+        else None
+    )
     out.mkdir(parents=True, exist_ok=True)
 
     def enough(count: int) -> None:
@@ -223,6 +253,7 @@ def main(args: argparse.Namespace, console: Console | None = None) -> dict[str, 
         split_seed=args.split_seed,
         backend=args.backend,
         ray_address=args.address,
+        buffering=buffering,
     )
     # A device with fewer examples than the task needs sits out, as it would at check-in.
     taking = [d for d in workload.devices if d.examples.num_examples >= task.min_examples]
@@ -274,6 +305,8 @@ def main(args: argparse.Namespace, console: Console | None = None) -> dict[str, 
         "options": {
             "rounds": rounds.rounds,
             "clients_per_round": rounds.clients_per_round,
+            "rounds_mode": args.rounds_mode,
+            "buffering": None if buffering is None else asdict(buffering),
             "evaluate_every": rounds.evaluate_every,
             "sampling_seed": rounds.sampling_seed,
             "split_seed": args.split_seed,

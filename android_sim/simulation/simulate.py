@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from android_sim.intervals import metric_intervals
+from android_sim.simulation.buffered import Buffering, train_buffered
 from android_sim.simulation.clients import LocalClients, SimulationClients, WorkKind, client_works
 from android_sim.simulation.protocol import PROTOCOL_SEED, UserSplit, split_users
 from android_sim.simulation.rounds import (
@@ -56,6 +57,7 @@ class SimulationOptions:
     split_seed: int = PROTOCOL_SEED  # which devices train, validate and are held out
     backend: Literal["threads", "ray"] = "threads"  # ray: the clients sharded over Ray workers
     ray_address: str | None = None  # an existing Ray cluster (None: local worker processes)
+    buffering: Buffering | None = None  # buffered rounds (FedBuff); None: synchronous rounds
 
     @property
     def stateful(self) -> bool:
@@ -71,6 +73,7 @@ class SimulationResult:
     refused: int  # diverged updates the server left out
     params: Params = field(repr=False)
     split: UserSplit = field(repr=False)
+    buffered: dict[str, Any] | None = None  # buffered rounds: what the buffers took (BufferedStats)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -79,6 +82,7 @@ class SimulationResult:
             "learning_curve": self.curve,
             "seconds": round(self.seconds, 2),
             "refused_updates": self.refused,
+            "buffered": self.buffered,
             "devices": {
                 "training": len(self.split.train),
                 "validation": len(self.split.validation),
@@ -138,7 +142,14 @@ def simulate(
             return pool.evaluate("validation", validate_on).metrics()
 
         train: WorkKind = "train"
-        run = train_federated(pool, server, split.train, train, options.rounds, validate)
+        buffered: dict[str, Any] | None = None
+        if options.buffering is None:
+            run = train_federated(pool, server, split.train, train, options.rounds, validate)
+        else:
+            run, stats = train_buffered(
+                pool, server, split.train, train, options.rounds, options.buffering, validate
+            )
+            buffered = stats.to_json()
         pool.set_global(run.params)
         test = _with_intervals(pool.map("evaluation", split.test))
         seen: dict[str, float] | None = None
@@ -147,5 +158,12 @@ def simulate(
     finally:
         pool.close()
     return SimulationResult(
-        {**test, "devices": len(split.test)}, seen, run.curve, run.seconds, run.refused, run.params, split
+        {**test, "devices": len(split.test)},
+        seen,
+        run.curve,
+        run.seconds,
+        run.refused,
+        run.params,
+        split,
+        buffered,
     )

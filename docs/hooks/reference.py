@@ -2,7 +2,7 @@
 
 A page line `<!-- cli: python -m orchestrator serve -->` becomes that command's `--help`, produced
 by its own argparse parser in this process; `<!-- settings: NAME -->` becomes a table of the
-settings NAME (population, secure, task_config, server) with their types, ranges and defaults,
+settings NAME (population, buffered, secure, task_config, server) with their types, ranges and defaults,
 read from the pydantic models' field constraints and the task config's documented maxima.
 """
 
@@ -181,6 +181,10 @@ def settings_table(name: str) -> str:
         from orchestrator.populations.settings import PopulationSettings
 
         return _pydantic_table(PopulationSettings)
+    if name == "buffered":
+        from orchestrator.populations.settings import BufferedSettings
+
+        return _pydantic_table(BufferedSettings, "buffered.")
     if name == "secure":
         from orchestrator.populations.settings import SecureAggregationSettings
 
@@ -193,7 +197,9 @@ def settings_table(name: str) -> str:
         table = _pydantic_table(Settings)
         # The server's settings are environment variables.
         return re.sub(r"^\| `([a-z_]+)`", lambda m: f"| `ORCHESTRATOR_{m[1].upper()}`", table, flags=re.M)
-    raise ValueError(f"unknown settings table {name!r}; expected population, secure, task_config or server")
+    raise ValueError(
+        f"unknown settings table {name!r}; expected population, buffered, secure, task_config or server"
+    )
 
 
 def on_page_markdown(markdown: str, **_: Any) -> str:

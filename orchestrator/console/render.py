@@ -7,6 +7,8 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from orchestrator.rounds.buffering import STALENESS_COUNT
+
 SECURE_PHASE_METRIC = ("secure_", "_seconds")  # secure_phases.phase_seconds_metric's names
 
 
@@ -71,6 +73,19 @@ def evaluation_figures(round_: Mapping[str, Any]) -> str:
     return ", ".join(s for s in shown if s) + f" ({spread})"
 
 
+def buffer_staleness(metrics: Mapping[str, float]) -> str:
+    """A buffered round's reports by staleness (versions behind), from its metrics; "" otherwise."""
+    counts = {
+        int(name.removeprefix(STALENESS_COUNT)): int(value)
+        for name, value in metrics.items()
+        if name.startswith(STALENESS_COUNT)
+    }
+    if not counts:
+        return ""
+    by = ", ".join(f"{s}: {n}" for s, n in sorted(counts.items()))
+    return f"staleness mean {metrics.get('staleness_mean', 0.0):.2f} versions; reports by staleness {by}"
+
+
 def round_line(round_: Mapping[str, Any], now: float) -> str:
     counters = round_.get("counters", {})
     closed = round_.get("closed_at")
@@ -84,6 +99,9 @@ def round_line(round_: Mapping[str, Any], now: float) -> str:
     phases = phase_timings(round_)
     if phases:
         line += f"\n       phases: {phases}"
+    staleness = buffer_staleness(round_.get("metrics", {}))
+    if staleness:
+        line += f"\n       buffer: {staleness}"
     figures = evaluation_figures(round_)
     if figures:
         line += f"\n       figures: {figures}"
@@ -136,9 +154,13 @@ def population(p: Mapping[str, Any], rounds: Sequence[Mapping[str, Any]], now: f
         lines.append(f"paused since {when(p['paused_at'])}: no new rounds open")
     if p.get("backing_off"):
         lines.append(f"backing off: {p['backing_off']}")
+    buffered = p.get("settings", {}).get("rounds") == "buffered"
     for r in p.get("open_rounds", []):
+        fill = ""
+        if buffered and r["kind"] == "training":
+            fill = f", buffer {r.get('counters', {}).get('reported', 0)}/{r['target']} reports"
         lines.append(
-            f"open: {r['kind']} round #{r['id']} on version {r['base_version']}, deadline "
+            f"open: {r['kind']} round #{r['id']} on version {r['base_version']}{fill}, deadline "
             f"{when(r['deadline'])} (in {duration(max(r['deadline'] - now, 0.0))})"
         )
     lines.append(privacy(p.get("privacy")))

@@ -56,7 +56,7 @@ CHECKINS = Counter(
 )
 REPORTS = Counter(
     "orchestrator_reports",
-    "Reports by outcome (accepted, late, repeated, invalid, refused) and, for invalid and refused "
+    "Reports by outcome (accepted, late, stale, repeated, invalid, refused) and, for invalid and refused "
     "ones, the class of reason",
     ["population", "kind", "outcome", "reason"],
 )
@@ -71,6 +71,12 @@ AGGREGATION_SECONDS = Histogram(
     "Time to aggregate a training round's reports into a new model version",
     ["population"],
     buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0),
+)
+REPORT_STALENESS = Histogram(
+    "orchestrator_report_staleness_versions",
+    "Buffered rounds: the versions committed between a counted report's download and its arrival",
+    ["population"],
+    buckets=(0, 1, 2, 3, 5, 10, 20, 50, 100),
 )
 DATABASE_ERRORS = Counter(
     "orchestrator_database_errors",

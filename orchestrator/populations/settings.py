@@ -12,6 +12,7 @@ from contracts.task_config import FLOAT32_MAX, INT32_MAX, TASK_CONFIG_MAXIMA, Ta
 from orchestrator.aggregation.differential_privacy import DPConfig, PrivacySpent, privacy_spent
 from orchestrator.aggregation.registry import ROBUST_RULES, RobustAggregation
 from orchestrator.aggregation.server_optimizer import ServerOptimizerConfig
+from orchestrator.aggregation.staleness import STALENESS_WEIGHTINGS
 from orchestrator.limits import MAX_COUNT
 from orchestrator.setting_ranges import Range, field_ranges
 
@@ -27,10 +28,12 @@ MAX_CLIP_NORM = 1e6
 
 if TYPE_CHECKING:
     RobustRuleName = str
+    StalenessWeighting = str
 else:
     # The registry's names as a Literal, so that a rule added there is accepted here, pydantic says
     # which names it accepts, and the settings page lists them (a type checker sees a str).
     RobustRuleName = Literal[tuple(ROBUST_RULES)]
+    StalenessWeighting = Literal[tuple(STALENESS_WEIGHTINGS)]
 
 
 def settings_problems(error: ValidationError) -> str:
@@ -125,6 +128,38 @@ class SecureAggregationSettings(BaseModel):
         )
 
 
+class BufferedSettings(BaseModel):
+    """Buffered asynchronous rounds (FedBuff, Nguyen et al. 2022; used when `rounds` is "buffered")."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    buffer_size: int = Field(
+        10,
+        ge=1,
+        le=MAX_ROUND_REPORTS,
+        description="K: reports added into the buffer that commit a new version",
+    )
+    concurrency: int = Field(
+        13,
+        ge=1,
+        le=MAX_ROUND_REPORTS,
+        description="devices training at once (replaces the round's target and oversampling): a "
+        "check-in is admitted while fewer hold an assignment",
+    )
+    staleness_weighting: StalenessWeighting = Field(
+        "inverse_sqrt",
+        description="a report's weight is its examples x f(s), s the versions committed since its "
+        "download: " + "; ".join(f"{name}: {what}" for name, what in STALENESS_WEIGHTINGS.items()),
+    )
+    max_staleness: int = Field(
+        10,
+        ge=0,
+        le=MAX_ROUND_REPORTS,
+        description="a report more versions behind than this is refused (reason `stale`) and its device "
+        "checks in again for the current version",
+    )
+
+
 class PopulationSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
 
@@ -205,6 +240,13 @@ class PopulationSettings(BaseModel):
         "secure: secure aggregation, the server learns only the sum of a round's survivors",
     )
     secure: SecureAggregationSettings = SecureAggregationSettings.model_validate({})
+    rounds: Literal["synchronous", "buffered"] = Field(
+        "synchronous",
+        description="synchronous: a round opens, admits its capacity, commits at its target and refuses "
+        "later reports as late; buffered: devices check in whenever fewer than buffered.concurrency "
+        "train, and every buffered.buffer_size reports commit a version, stale ones weighted down",
+    )
+    buffered: BufferedSettings = BufferedSettings.model_validate({})
     differential_privacy: dict[str, Any] | None = Field(
         None,
         description="DP-FedAvg: {clip_norm, noise_multiplier, population_size, target_delta (default "
@@ -301,12 +343,45 @@ class PopulationSettings(BaseModel):
             self.secure = self.secure.model_copy(update={"clip_norm": dp.clip_norm})
         return self
 
+    @model_validator(mode="after")
+    def _buffered_sizes(self) -> PopulationSettings:
+        if self.rounds != "buffered":
+            return self
+        # Not built yet: refused here, at creation, rather than run with a wrong guarantee.
+        if self.aggregation == "secure":
+            raise ValueError(
+                "rounds: buffered does not support aggregation: secure yet (a buffer's reports would "
+                "need cohorts of devices training at once); use rounds: synchronous"
+            )
+        if self.differential_privacy is not None:
+            raise ValueError(
+                "rounds: buffered does not support differential_privacy yet (its accountant assumes "
+                "rounds that sample target_reports / population_size devices); use rounds: synchronous"
+            )
+        if self.min_reports > self.buffered.buffer_size:
+            raise ValueError(
+                f"min_reports ({self.min_reports}) must be <= buffered.buffer_size "
+                f"({self.buffered.buffer_size}): a buffer commits at its deadline with min_reports"
+            )
+        if self.keep_model_versions and self.keep_model_versions <= self.buffered.max_staleness:
+            raise ValueError(
+                f"keep_model_versions ({self.keep_model_versions}) must exceed buffered.max_staleness "
+                f"({self.buffered.max_staleness}): a device may still download a version that old"
+            )
+        return self
+
+    @property
+    def buffered_training(self) -> bool:
+        return self.rounds == "buffered"
+
     @property
     def secure_training(self) -> bool:
         return self.aggregation == "secure"
 
     @property
     def capacity(self) -> int:
+        if self.buffered_training:
+            return self.buffered.concurrency
         return math.ceil(self.target_reports * self.oversampling)
 
     def robust(self) -> RobustAggregation:

@@ -28,7 +28,7 @@ from orchestrator.populations.locks import (
     ADMISSION_COUNTERS,
     relock,
 )
-from orchestrator.rounds import idle_backoff, pace_steering, pausing
+from orchestrator.rounds import buffering, idle_backoff, pace_steering, pausing
 from orchestrator.rounds import state as round_state
 from orchestrator.rounds.lifecycle import (
     TRAINING,
@@ -110,9 +110,11 @@ class Accepted:
     clip_norm: float | None = None  # the round's DP clip norm, when it is not the configured one
 
 
-def _accepted(assignment_id: str, round_: Round) -> Accepted:
+def _accepted(assignment_id: str, round_: Round, deadline: float | None = None) -> Accepted:
+    """`deadline`: the assignment's own, when it is not its round's (a buffered population's)."""
     clip_norm = round_.metrics.get(CLIP_NORM)
-    return Accepted(assignment_id, round_.id, round_.kind, round_.deadline, round_.base_version, clip_norm)
+    deadline = round_.deadline if deadline is None else deadline
+    return Accepted(assignment_id, round_.id, round_.kind, deadline, round_.base_version, clip_norm)
 
 
 class RoundClosed(Exception):
@@ -193,7 +195,13 @@ def checkin(
                 )
             )
             continue
-        retry_after = max(settings.retry_after_seconds, round_.deadline - now)
+        buffered = request.kind == TRAINING and settings.buffered_training
+        # A buffer commits at K reports, long before its deadline: come back soon, not at its end.
+        retry_after = (
+            settings.retry_after_seconds
+            if buffered
+            else max(settings.retry_after_seconds, round_.deadline - now)
+        )
         existing = taken.get((round_.id, request.device_id))
         if existing is not None:
             assignment_id, status = existing
@@ -250,9 +258,20 @@ def checkin(
     new_assignments: list[dict[str, Any]] = []
     for round_id in sorted(candidates.keys() | too_few.keys()):  # in id order: no deadlock between groups
         round_, waiting = by_id[round_id], candidates.get(round_id, [])
-        admitted = _admit(session, round_, len(waiting), too_few[round_id])
+        buffered = round_.kind == TRAINING and settings.buffered_training
+        # A buffered population admits up to its concurrency, whichever round its devices train in
+        # (its lock is held: `up_to_date` is never so for it).
+        room = buffering.room(session, population, settings, now) if buffered else None
+        admitted = _admit(session, round_, len(waiting), too_few[round_id], room)
+        deadline = now + settings.round_duration_seconds if buffered else round_.deadline
         for position, index in enumerate(waiting):
             request = requests[index]
+            if position >= admitted and buffered:
+                tally[population.name, request.kind, "full"] += 1
+                concurrency = settings.buffered.concurrency
+                message = f"{concurrency} devices are training, as many as this population trains at once"
+                answers[index] = Refused(409, message, settings.retry_after_seconds * (0.5 + _draw.random()))
+                continue
             if position >= admitted:
                 tally[population.name, request.kind, "full"] += 1
                 retry_after = pace_steering.come_back_in(
@@ -270,11 +289,11 @@ def checkin(
                     "status": "assigned",
                     "example_count": request.example_count,
                     "created_at": now,
-                    "deadline": round_.deadline,
+                    "deadline": deadline,
                     "finished_at": None,
                 }
             )
-            answers[index] = _accepted(assignment_id, round_)
+            answers[index] = _accepted(assignment_id, round_, deadline)
     for index, first in repeats:  # counted once in the round's counters, as the first
         answers[index] = answers[first]
         answer = "again" if isinstance(answers[first], Accepted) else "full"
@@ -286,11 +305,15 @@ def checkin(
     return cast(list[Accepted | Refused], answers)  # every None was filled above
 
 
-def _admit(session: Session, round_: Round, wanted: int, too_few: int) -> int:
+def _admit(session: Session, round_: Round, wanted: int, too_few: int, room: int | None = None) -> int:
     """Count a group's check-ins into an open round and admit up to `wanted` of them within its
-    capacity; returns how many were admitted. Raises RoundClosed if the round is no longer open."""
+    capacity (or, with `room`, up to `room`: a buffered population's, read under its lock);
+    returns how many were admitted. Raises RoundClosed if the round is no longer open."""
     # `accepted` only grows while a round is open: a round already full stays full.
-    wanted_now = 0 if round_.accepted >= round_.capacity else wanted
+    if room is not None:
+        wanted_now = min(wanted, room)
+    else:
+        wanted_now = 0 if round_.accepted >= round_.capacity else wanted
     connection = session.connection()
     params = {
         "admitted_round": round_.id,
@@ -307,7 +330,9 @@ def _admit(session: Session, round_: Round, wanted: int, too_few: int) -> int:
         raise RoundClosed(f"round {round_.id} closed during a check-in")
     capacity, counters = round_.capacity, list(admitted)
     accepted_before = int(counters[-1]) - wanted_now
-    granted = round_state.admissible(accepted_before, int(capacity), wanted_now)
+    granted = (
+        wanted_now if room is not None else round_state.admissible(accepted_before, int(capacity), wanted_now)
+    )
     if granted < wanted_now:  # the group overfilled the round: the rest is refused as full
         given_back = (
             session.connection()

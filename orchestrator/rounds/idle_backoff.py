@@ -29,7 +29,8 @@ def backing_off(population: Population, now: float) -> bool:
 
 def training_round_closed(session: Session, population: Population, round_: Round, now: float) -> None:
     """Count a closed training round as idle (no check-in) or not, and set the back-off."""
-    if round_.checked_in:
+    # A buffer may fill with reports of devices that checked in to an earlier one: not idle.
+    if round_.checked_in or round_.reported:
         population.idle_rounds, population.next_round_at = 0, None
         return
     population.idle_rounds += 1

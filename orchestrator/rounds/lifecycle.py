@@ -44,7 +44,7 @@ from orchestrator.populations.config import (
 )
 from orchestrator.populations.locks import lock_admissions, lock_rounds
 from orchestrator.populations.model_versions import base_version, prune_model_versions, write_version
-from orchestrator.rounds import evaluation_intervals, idle_backoff, pace_steering, pausing
+from orchestrator.rounds import buffering, evaluation_intervals, idle_backoff, pace_steering, pausing
 from orchestrator.rounds import release as round_release
 from orchestrator.rounds import state as round_state
 from orchestrator.rounds.secure import messages
@@ -79,6 +79,8 @@ def open_round(
     secure = kind == TRAINING and settings.secure_training
     if kind == TRAINING:
         target, capacity, min_reports = settings.target_reports, settings.capacity, settings.min_reports
+        if settings.buffered_training:  # a buffer: it commits at K reports (capacity: concurrency)
+            target = settings.buffered.buffer_size
         duration = settings.secure.duration_seconds if secure else settings.round_duration_seconds
     else:
         target = settings.evaluation_target_reports
@@ -169,6 +171,8 @@ def up_to_date(population: Population, current: Mapping[str, Round], now: float)
         (TRAINING in current or not _may_open_training(population, now))
         and all(now < r.deadline for r in current.values())
         and not config_of(population).secure_training
+        # A buffered population's assignments outlive their rounds: each check-in drops the expired.
+        and not config_of(population).settings.buffered_training
         and not (EVALUATION in current and privacy_budget_spent(population))
     )
 
@@ -186,10 +190,16 @@ def advance(
     # a report counted into one (which take no population lock) has committed before its
     # assignments are dropped, and none is admitted or counted after.
     lock_rounds(session, [population.id], [])
-    secure = config_of(population).secure_training
+    settings = config_of(population).settings
+    secure, buffered = settings.secure_training, settings.buffered_training
+    if buffered:
+        buffering.drop_expired(session, population, now)
     for round_ in sorted(current.values(), key=lambda r: r.id):
         if round_.kind == TRAINING and secure:
             advance_secure(session, population, round_, now)
+            continue
+        if round_.kind == TRAINING and buffered:
+            _buffer_at_deadline(session, population, round_, settings.round_duration_seconds, now)
             continue
         if round_.kind == EVALUATION and privacy_budget_spent(population):
             _drop_outstanding(session, population, round_, now)
@@ -207,6 +217,21 @@ def advance(
     if TRAINING not in current and _may_open_training(population, now):
         current[TRAINING] = open_round(session, population, TRAINING, now)
     return current
+
+
+def _buffer_at_deadline(
+    session: Session, population: Population, buffer: Round, duration: float, now: float
+) -> None:
+    """A buffer past its deadline commits with at least `min_reports` reports; with fewer it stays
+    open for another `duration` (abandoning it would throw away the reports it holds). Its devices
+    still training keep their assignments: each has its own deadline."""
+    if not round_state.past_deadline(buffer, now):
+        return
+    closing = round_state.at_deadline(buffer, 0)
+    if closing.status == round_state.COMMITTED:
+        commit(session, population, buffer, now, closing=closing)
+    else:
+        buffer.deadline = now + duration
 
 
 def _drop_outstanding(session: Session, population: Population, round_: Round, now: float) -> int:
@@ -444,4 +469,6 @@ def summarize_metrics(round_: Round) -> dict[str, float]:
         for k in ("reconstruction_loss", "update_loss"):
             if k in sums:
                 out[k] = sums[k] / round_.reported
+        if buffering.STALENESS_TOTAL in sums:  # a buffer's: how many versions behind its reports were
+            out["staleness_mean"] = sums[buffering.STALENESS_TOTAL] / round_.reported
     return out

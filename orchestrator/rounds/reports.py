@@ -21,9 +21,10 @@ and the caller rolls back and runs the group again with `locked=True`, reusing w
 from __future__ import annotations
 
 import itertools
+import math
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import cast
 
 from sqlalchemy import bindparam, insert, select, update
@@ -34,9 +35,9 @@ from orchestrator.observability import metrics
 from orchestrator.observability.logs import log_on_commit
 from orchestrator.populations.config import PopulationConfig, config_of
 from orchestrator.populations.locks import lock_populations, lock_rounds, rounds_of_assignments
+from orchestrator.rounds import buffering, evaluation_intervals, state
 from orchestrator.rounds import counts as round_counts
-from orchestrator.rounds import evaluation_intervals, state
-from orchestrator.rounds.lifecycle import EVALUATION, TRAINING, advance, commit, log
+from orchestrator.rounds.lifecycle import EVALUATION, TRAINING, advance, commit, log, open_rounds
 from orchestrator.rounds.refusals import Refused
 from orchestrator.rounds.report_checks import parse_evaluation_report, parse_training_report
 from orchestrator.rounds.secure import messages
@@ -48,7 +49,13 @@ _ASSIGNMENT = select(
 # rounds and populations even if the session holds them: another process may have counted into them.
 _ASSIGNMENTS = (
     select(
-        Assignment.id, Assignment.device_id, Assignment.status, Assignment.example_count, Round, Population
+        Assignment.id,
+        Assignment.device_id,
+        Assignment.status,
+        Assignment.example_count,
+        Assignment.deadline,
+        Round,
+        Population,
     )
     .join(Round, Assignment.round_id == Round.id)
     .join(Population, Round.population_id == Population.id)
@@ -125,6 +132,7 @@ class Found:
     round: Round
     population: Population
     device_id: str = ""  # its owner
+    deadline: float = math.inf  # the assignment's own (a buffered population's differs from its round's)
 
 
 def _read(session: Session, assignment_ids: Sequence[str]) -> dict[str, Found]:
@@ -133,8 +141,8 @@ def _read(session: Session, assignment_ids: Sequence[str]) -> dict[str, Found]:
         return {}
     rows = session.execute(_ASSIGNMENTS, {"ids": sorted(set(assignment_ids))})
     return {
-        id_: Found(id_, status, example_count, round_, population, owner)
-        for id_, owner, status, example_count, round_, population in rows
+        id_: Found(id_, status, example_count, round_, population, owner, deadline)
+        for id_, owner, status, example_count, deadline, round_, population in rows
     }
 
 
@@ -169,6 +177,8 @@ class _Step:
     count: state.Count  # LATE, INVALID, ABORT or a report's
     refused: Refused | None = None  # the answer of a late or invalid report
     report: tuple[float, bytes | None, dict[str, float]] | None = None  # weight, delta, metric sums
+    # A buffered population's training event: its buffer is found when it is counted (`_count`).
+    buffered: bool = False
 
 
 def receive(
@@ -213,7 +223,7 @@ def receive(
             if found is None:
                 answers[index] = Refused(404, f"no assignment {event.assignment_id!r}")
                 continue
-            step = _check(session, found, event, index, coming, contents)
+            step = _check(session, found, event, index, coming, contents, now)
             if isinstance(step, _Step):
                 steps.append(step)
             else:
@@ -261,17 +271,21 @@ def _may_close(
             continue  # unknown, or a later copy (read in its own wave)
         first.add(event.assignment_id)
         round_ = found.round
-        if found.device_id != event.device_id or round_.status != state.OPEN:
-            continue
         config = config_of(found.population)
-        if now >= round_.deadline or config.secure_training:
+        # A buffered population's training event is counted under its population's lock
+        # (`buffering`), into the buffer open then, whatever its own round's status.
+        buffered = round_.kind == TRAINING and config.settings.buffered_training
+        may_close = may_close or buffered
+        if found.device_id != event.device_id or (round_.status != state.OPEN and not buffered):
+            continue
+        if not buffered and (now >= round_.deadline or config.secure_training):
             may_close = True  # its round must be advanced first
             continue
         if event.abort or found.status != "assigned":
             continue
         if index not in contents:  # checked by an earlier run of the group (after `Raced`)
-            contents[index] = _content(config, found, event)
-        if not isinstance(contents[index], Unread | Refused):
+            contents[index] = _content(config, found, event)  # with no lock, even when buffered
+        if not buffered and not isinstance(contents[index], Unread | Refused):
             coming[round_.id] += 1
             may_close = may_close or round_.reported + coming[round_.id] >= round_.target
     return may_close
@@ -312,6 +326,7 @@ def _check(
     index: int,
     coming: Counter[int],
     contents: dict[int, Content],
+    now: float,
 ) -> _Step | Refused | Counted:
     """The first step: whose the assignment is and whether it can still take the event, then the
     report's content (checked here unless `_may_close` checked it already)."""
@@ -326,7 +341,8 @@ def _check(
         # Its own device again: the first answer was lost (a dropped connection, a killed
         # process). Answered as the first was; nothing is counted twice.
         return Counted(round_, round_.status, round_.reported)
-    closed = _closed(found, event.abort)
+    buffered = round_.kind == TRAINING and config_of(population).settings.buffered_training
+    closed = _closed(found, event.abort, now if buffered else None)
     if closed is not None:
         if event.abort:
             return closed
@@ -335,7 +351,7 @@ def _check(
         count_report(session, population, round_, event.assignment_id, closed)
         return closed
     if event.abort:
-        return _Step(index, population, found, state.ABORT)
+        return _Step(index, population, found, state.ABORT, buffered=buffered)
     if index not in contents:
         contents[index] = _content(config_of(population), found, event)
     report = contents[index]
@@ -344,19 +360,45 @@ def _check(
             count_report(session, population, round_, event.assignment_id, report.refused)
         return report.refused
     if isinstance(report, Refused):
-        return _Step(index, population, found, state.INVALID, refused=report)
+        return _Step(index, population, found, state.INVALID, refused=report, buffered=buffered)
     coming[round_.id] += 1
     weight, _, metric_sums = report
     if round_.kind == EVALUATION:
         # Its place among the round's reports as this transaction counts them (1, 2, ...).
         arrival = round_.reported + coming[round_.id]
         metric_sums = evaluation_intervals.grouped(arrival, round_.target, round_.min_reports, metric_sums)
-    return _Step(index, population, found, state.report_count(weight, metric_sums), report=report)
+    count = state.report_count(weight, metric_sums)
+    return _Step(index, population, found, count, report=report, buffered=buffered)
+
+
+def _into_buffer(session: Session, step: _Step, now: float) -> Refused | None:
+    """A buffered population's event moved to the buffer open now (its staleness weighing a
+    report), or why it cannot go into one (counted late in the round it trained in)."""
+    found, population = step.found, step.population
+    settings = config_of(population).settings
+    buffer = open_rounds(session, population).get(TRAINING)
+    placed = buffering.place(session, settings, found.round, buffer, found.id, now)
+    if isinstance(placed, Refused):
+        round_counts.count(session, found.round, state.LATE)
+        count_report(session, population, found.round, found.id, placed)
+        return placed
+    step.found = replace(found, round=placed.buffer)
+    if step.report is not None:
+        metrics.observe(session, metrics.REPORT_STALENESS, (population.name,), placed.staleness)
+        weight, delta, metric_sums = step.report
+        step.report = (weight * placed.factor, delta, metric_sums)
+        both = state.add_metric_sums(metric_sums, placed.metric_sums())
+        step.count = state.report_count(weight * placed.factor, both)
+    return None
 
 
 def _count(session: Session, step: _Step, event: Event, now: float) -> Counted | Refused:
     """The second step under the populations' locks: count into the round, mark the assignment, store
     the report, commit the round at its target."""
+    if step.buffered:
+        refused = _into_buffer(session, step, now)
+        if refused is not None:
+            return refused
     population, found, round_ = step.population, step.found, step.found.round
     if step.count is state.LATE:
         round_counts.count(session, round_, state.LATE)
@@ -468,15 +510,25 @@ def _late(round_: Round) -> Refused:
     )
 
 
-def _closed(found: Found, abort: bool) -> Refused | None:
+def _closed(found: Found, abort: bool, buffered_at: float | None = None) -> Refused | None:
     """Why an assignment can no longer take a report or an abort, or None; a late report is
-    counted in the round's `late` (a late abort is not a report, and is not counted)."""
+    counted in the round's `late` (a late abort is not a report, and is not counted).
+    `buffered_at`: now, for a buffered population's training assignment, which outlives its round
+    until its own deadline (its report goes into the open buffer)."""
     if found.status == "reported":
         return Refused(409, "this assignment has already reported", reason="repeated")
     if found.status == "aborted":
         return Refused(409, "this assignment was aborted", reason="repeated")
     if found.status == "invalid":
         return Refused(409, "this assignment's report was refused as invalid", reason="repeated")
+    if buffered_at is not None and found.status == "assigned":
+        if buffered_at >= found.deadline:
+            return Refused(
+                409,
+                "the assignment's deadline has passed; the report is late (assignment dropped)",
+                reason="late",
+            )
+        return None
     if found.status == "dropped" or found.round.status != state.OPEN:
         return _late(found.round)
     return None
@@ -489,6 +541,7 @@ _OUTCOMES = {
     "unknown_assignment": "refused",
     "not_yours": "refused",
     "content_type": "refused",
+    buffering.STALE: "stale",
 }
 
 

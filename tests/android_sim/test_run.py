@@ -22,7 +22,7 @@ from android_sim.fleet import FleetStats
 from android_sim.options import algorithm
 from android_sim.profiles import DeviceClass
 from android_sim.run import run, run_async
-from android_sim.run_config import RunConfig, RunResult
+from android_sim.run_config import RunConfig, RunError, RunResult
 from android_sim.session import progress_line
 from contracts.manifest import load_manifest
 from contracts.mixing import max_gradient_bytes
@@ -521,3 +521,24 @@ def test_the_target_delta_follows_the_population() -> None:
     assert DPConfig.from_json(
         {"clip_norm": 1.0, "noise_multiplier": 1.0, "population_size": 100_000}
     ).target_delta == pytest.approx(100_000**-1.1)
+
+
+def test_a_fleet_trains_in_buffered_rounds(work: Path) -> None:
+    # A version every 4 reports, 6 devices training at once: reports of devices that trained on
+    # an older version go into the next buffer instead of being refused as late.
+    config = small(work, rounds_mode="buffered", buffer_size=4, concurrency=6, rounds=4)
+
+    result = run(config, Console(width=120, record=True))
+
+    report = json.loads(result.report_path.read_text())
+    training = [r for r in report["rounds"] if r["kind"] == "training" and r["status"] == "committed"]
+    assert result.rounds_committed == 4 and len(training) == 4
+    assert all(r["counters"]["reported"] == 4 and r["capacity"] == 6 for r in training)
+    assert all("staleness_mean" in r["metrics"] for r in training)
+    assert report["config"]["rounds_mode"] == "buffered"
+    reconcile(result)
+
+
+def test_buffered_rounds_with_secure_aggregation_are_refused_before_anything_starts(tmp_path: Path) -> None:
+    with pytest.raises(RunError, match="--rounds-mode buffered does not support --aggregation secure yet"):
+        small(tmp_path, rounds_mode="buffered", aggregation="secure")
