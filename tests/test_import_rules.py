@@ -23,13 +23,7 @@ FORBIDDEN = {
     "model_runtime": ("device_runtime", "orchestrator", "android_sim", "model_export", *TENSORFLOW),
     "secure_aggregation": ("orchestrator", "device_runtime", "model_export", "enrollment_authority"),
     "enrollment_authority": ("orchestrator", "device_runtime", "android_sim", "model_export", *TENSORFLOW),
-    # The kit checks a device's side alone, through pure functions (the exporter runs in a subprocess).
-    "conformance": ("orchestrator", "android_sim", "model_export", "enrollment_authority", *TENSORFLOW),
 }
-# The device runtime's classes, which change shape; the kit's Python port calls pure functions.
-CONFORMANCE_AVOIDS = frozenset(
-    f"device_runtime.{m}" for m in ("client_task", "agent", "secure_round", "example_store", "idle_store")
-)
 CONTRACTS_MAY_IMPORT = frozenset({"contracts", "numpy", "safetensors", *sys.stdlib_module_names})
 # Every package whose modules must not import each other in a circle.
 PACKAGES = (*FORBIDDEN, "contracts", "model_export", "android_sim", "benchmarks")
@@ -81,17 +75,6 @@ def test_a_package_imports_none_of_what_its_rule_forbids(package: str) -> None:
 
     rule = f"{package}/ must not import {', '.join(FORBIDDEN[package])}"
     assert not forbidden, f"forbidden imports:\n{shown(forbidden, rule)}"
-
-
-def test_the_conformance_kit_calls_no_device_runtime_class_that_is_being_reshaped() -> None:
-    found = [
-        (path.name, line, module)
-        for path in sorted((ROOT / "conformance").rglob("*.py"))
-        for line, module in imports(path.read_text(), "conformance")
-        if module in CONFORMANCE_AVOIDS
-    ]
-
-    assert not found, shown(found, "the kit's port uses pure functions")
 
 
 def test_the_contracts_need_only_the_standard_library_numpy_and_safetensors() -> None:
