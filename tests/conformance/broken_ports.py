@@ -1,0 +1,39 @@
+"""Deliberately broken devices: the Python port with one fault each, which the kit must catch."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import numpy as np
+from safetensors.numpy import load, save
+
+from conformance.port import of_bytes, to_bytes
+from conformance.python_port import OPS, Op, PythonPort
+
+
+def broken(op: str, fault: Any) -> PythonPort:
+    """The Python port whose answer to `op` goes through `fault` first."""
+    right: Op = OPS[op]
+
+    return PythonPort({**OPS, op: lambda args: fault(right(args), args)})
+
+
+def unsorted_rows(answer: dict[str, Any], args: dict[str, Any]) -> dict[str, Any]:
+    """The training report's delta with its rows in decreasing order (values kept with their rows)."""
+    tensors = load(to_bytes(answer["request"]["body"]))
+    for key in [k for k in tensors if k.endswith("/rows")]:
+        name = key.removesuffix("/rows")
+        tensors[key] = np.ascontiguousarray(tensors[key][::-1])
+        tensors[f"{name}/values"] = np.ascontiguousarray(tensors[f"{name}/values"][::-1])
+    blob = to_bytes(answer["request"]["body"])
+    header = int.from_bytes(blob[:8], "little")
+    metadata = json.loads(blob[8 : 8 + header]).get("__metadata__")
+    answer["request"]["body"] = of_bytes(save(tensors, metadata=metadata))
+    return answer
+
+
+def without_task_field(answer: dict[str, Any], args: dict[str, Any]) -> dict[str, Any]:
+    """A check-in that leaves out `task` (the server would read it as training: still a fault)."""
+    answer["request"]["json"].pop("task")
+    return answer

@@ -1,0 +1,62 @@
+"""The Python device passes the conformance kit, the kit catches broken devices, and the committed
+vectors are what the generator writes."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from conformance.__main__ import main
+from conformance.generate import generate
+from conformance.port import CommandPort
+from conformance.python_port import PythonPort
+from conformance.runner import VECTORS, run
+from tests.conformance import broken_ports
+
+
+def test_the_python_device_passes_every_case() -> None:
+    outcomes = run(PythonPort())
+    assert len(outcomes) > 40
+    assert [o for o in outcomes if o.problem] == []
+
+
+def test_the_command_line_reports_each_case(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--section", "wire"]) == 0
+    assert capsys.readouterr().out.strip().endswith("cases passed")
+
+
+def test_a_port_run_as_a_command_speaks_json_lines() -> None:
+    port = CommandPort([sys.executable, "-m", "conformance.python_port"])
+    try:
+        outcomes = run(port, ("wire",))
+    finally:
+        port.close()
+    assert outcomes and [o for o in outcomes if o.problem] == []
+
+
+@pytest.mark.parametrize(
+    ("op", "fault", "failing"),
+    [
+        ("request.report_training", broken_ports.unsorted_rows, ["report: a training delta, row-sparse"]),
+        ("request.checkin", broken_ports.without_task_field, ["check-in:"]),
+    ],
+)
+def test_a_broken_device_fails(op: str, fault: object, failing: list[str]) -> None:
+    outcomes = run(broken_ports.broken(op, fault))
+    failed = [o for o in outcomes if o.problem]
+    assert failed, "the kit passed a broken device"
+    assert all(any(o.case.startswith(f) for f in failing) for o in failed), [o.case for o in failed]
+
+
+def test_the_committed_vectors_are_what_the_generator_writes(tmp_path: Path) -> None:
+    generate(tmp_path)
+    written = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*") if p.is_file())
+    assert written
+    for relative in written:
+        assert (VECTORS / relative).read_bytes() == (tmp_path / relative).read_bytes(), relative
+    committed = {p.relative_to(VECTORS) for p in VECTORS.rglob("*") if p.is_file()}
+    generated_sections = {r.parts[0] for r in written}
+    stale = {c for c in committed if c.parts[0] in generated_sections} - set(written)
+    assert not stale, f"committed vectors the generator no longer writes: {sorted(map(str, stale))}"
