@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -10,6 +11,8 @@ from safetensors.numpy import load, save
 
 from conformance.port import of_bytes, to_bytes
 from conformance.python_port import OPS, Op, PythonPort
+from conformance.secure_ops import masked_input
+from secure_aggregation.device import pairwise_sign
 
 
 def broken(op: str, fault: Any) -> PythonPort:
@@ -36,4 +39,20 @@ def unsorted_rows(answer: dict[str, Any], args: dict[str, Any]) -> dict[str, Any
 def without_task_field(answer: dict[str, Any], args: dict[str, Any]) -> dict[str, Any]:
     """A check-in that leaves out `task` (the server would read it as training: still a fault)."""
     answer["request"]["json"].pop("task")
+    return answer
+
+
+def wrong_mask_sign() -> PythonPort:
+    """A device that adds each pair's mask with the other sign (the pair no longer cancels)."""
+    return PythonPort(
+        {**OPS, "secure.masked_input": partial(masked_input, sign=lambda u, v: -pairwise_sign(u, v))}
+    )
+
+
+def shares_for_the_wrong_neighbour(answer: dict[str, Any], args: dict[str, Any]) -> dict[str, Any]:
+    """Each holder's entry carries the shares encrypted for the next holder."""
+    if "shares" in answer:
+        holders = sorted(answer["shares"], key=int)
+        entries = [answer["shares"][h] for h in holders]
+        answer["shares"] = dict(zip(holders, entries[1:] + entries[:1], strict=True))
     return answer

@@ -44,9 +44,24 @@ def test_a_port_run_as_a_command_speaks_json_lines() -> None:
     ],
 )
 def test_a_broken_device_fails(op: str, fault: object, failing: list[str]) -> None:
-    outcomes = run(broken_ports.broken(op, fault))
-    failed = [o for o in outcomes if o.problem]
+    assert_fails(broken_ports.broken(op, fault), failing)
+
+
+def test_a_device_with_the_wrong_mask_sign_fails() -> None:
+    assert_fails(broken_ports.wrong_mask_sign(), [f"round: device {i}'s masked input" for i in (1, 2, 3)])
+
+
+def test_a_device_that_sends_shares_for_the_wrong_neighbour_fails() -> None:
+    port = broken_ports.broken("secure.share_keys", broken_ports.shares_for_the_wrong_neighbour)
+    assert_fails(port, [f"round: device {i}'s shares" for i in (1, 2, 3, 4)])
+
+
+def assert_fails(port: PythonPort, failing: list[str]) -> None:
+    """The kit fails `port` in every case named (by prefix) in `failing`, and only in such cases."""
+    failed = [o for o in run(port) if o.problem]
     assert failed, "the kit passed a broken device"
+    for prefix in failing:
+        assert any(o.case.startswith(prefix) for o in failed), f"no failing case {prefix!r}"
     assert all(any(o.case.startswith(f) for f in failing) for o in failed), [o.case for o in failed]
 
 
