@@ -8,13 +8,14 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from conformance import generate_secure, generate_wire
+from conformance import generate_secure, generate_task, generate_wire
 from conformance.runner import VECTORS
 
 
 def generate(out: Path) -> None:
     generate_wire.generate(out / "wire")
     generate_secure.generate(out / "secure")
+    generate_task.generate(out / "task")
 
 
 def main(argv: list[str] | None = None) -> int:

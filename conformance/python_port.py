@@ -15,6 +15,7 @@ import httpx
 
 from conformance.port import of_bytes, refusal, to_bytes
 from conformance.secure_ops import SECURE_OPS
+from conformance.task_ops import TASK_OPS
 from conformance.tensors import sparse_json, tensor_json, tensor_of
 from contracts.manifest import Manifest, ManifestError, TensorSpec
 from contracts.params import ParamsError, decode_params, decode_sparse_delta
@@ -145,6 +146,7 @@ OPS: dict[str, Op] = {
     "request.report_training": report_training,
     "request.report_evaluation": report_evaluation,
     **SECURE_OPS,
+    **TASK_OPS,
 }
 
 
