@@ -8,14 +8,18 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from conformance import generate_secure, generate_task, generate_wire
+from conformance import generate_http, generate_secure, generate_task, generate_wire
 from conformance.runner import VECTORS
 
 
-def generate(out: Path) -> None:
+def generate(out: Path, *, http: bool = True) -> None:
+    """`http`: also record the HTTP exchanges from a real orchestrator (their ids, tokens and
+    times differ on each recording; everything else is the same bytes each time)."""
     generate_wire.generate(out / "wire")
     generate_secure.generate(out / "secure")
     generate_task.generate(out / "task")
+    if http:
+        generate_http.generate(out / "http")
 
 
 def main(argv: list[str] | None = None) -> int:

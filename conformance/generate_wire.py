@@ -18,6 +18,7 @@ from contracts.task_config import TaskConfig
 Case = dict[str, Any]
 MODEL = Path(__file__).resolve().parent / "vectors" / "task" / "model"
 SHA = "ab" * 32
+TOKEN = "Bearer conformance-token"  # what the Python adapter's client holds
 
 
 def manifest_cases(manifest: dict[str, Any]) -> list[Case]:
@@ -196,6 +197,7 @@ def request_cases() -> list[Case]:
     }
     sent = {
         "method": "POST",
+        "authorization": TOKEN,
         "path": "/v1/populations/movies/checkin",
         "json": {"example_count": 42, "task": "training", "conditions": checkin["conditions"]},
     }
@@ -258,6 +260,7 @@ def request_cases() -> list[Case]:
             "expect": {
                 "request": {
                     "method": "POST",
+                    "authorization": TOKEN,
                     "path": "/v1/assignments/a-0001/report",
                     "content_type": "application/octet-stream",
                     "body": {
@@ -284,6 +287,7 @@ def request_cases() -> list[Case]:
             "expect": {
                 "request": {
                     "method": "POST",
+                    "authorization": TOKEN,
                     "path": "/v1/assignments/a-0001/report",
                     "json": {"num_examples": 9, "metrics": {"loss": 1.25}},
                 }

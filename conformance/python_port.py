@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import tempfile
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -71,19 +73,29 @@ class Exchange:
         kind = request.headers.get("content-type", "")
         # The query (a long-poll's `wait`) is a hint a port may leave out: not compared.
         sent: dict[str, Any] = {"method": request.method, "path": request.url.path}
+        if "authorization" in request.headers:
+            sent["authorization"] = request.headers["authorization"]
         if kind == "application/json":
             sent["json"] = json.loads(body)
         elif body:
             sent["content_type"] = kind
             sent["body"] = of_bytes(body)
         self.requests.append(sent)
+        if not self.answers:
+            return httpx.Response(599, json={"detail": "the recorded exchange has no more answers"})
         answer = self.answers.pop(0)
+        if "body" in answer:
+            return httpx.Response(
+                answer["status"],
+                content=to_bytes(answer["body"]),
+                headers={"content-type": answer["content_type"]},
+            )
         return httpx.Response(answer.get("status", 200), json=answer.get("json", {}))
 
-    def run(self, call: Callable[[OrchestratorClient], Any]) -> Any:
+    def run(self, call: Callable[[OrchestratorClient], Any], token: str | None = "conformance-token") -> Any:
         async def go() -> Any:
             http = httpx.AsyncClient(transport=httpx.MockTransport(self.handle))
-            client = OrchestratorClient(BASE_URL, "conformance-token", http=http, attempts=1)
+            client = OrchestratorClient(BASE_URL, token, http=http, attempts=1)
             try:
                 return await call(client)
             finally:
@@ -137,6 +149,40 @@ def report_evaluation(args: dict[str, Any]) -> dict[str, Any]:
     return {"request": exchange.requests[0]}
 
 
+async def _flow(client: OrchestratorClient, flow: str, inputs: dict[str, Any]) -> None:
+    """One protocol flow as the device runs it (`inputs`: what it knows beforehand)."""
+    if flow == "enrol":
+        await client.enroll()
+    elif flow == "check in":
+        await client.checkin(
+            inputs["population"], inputs["example_count"], inputs["task"], inputs["conditions"]
+        )
+    elif flow == "download":
+        with tempfile.TemporaryDirectory() as cache:
+            await client.model_dir(_assignment(inputs["assignment"]), Path(cache))
+        await client.global_params(_assignment(inputs["assignment"]))
+    elif flow == "report":
+        delta = {name: tensor_of(t) for name, t in inputs["delta"].items()}
+        await client.report_training(
+            _assignment(inputs["assignment"]), delta, inputs["num_examples"], inputs["metrics"]
+        )
+    elif flow == "abort":
+        await client.abort(_assignment(inputs["assignment"]))
+    else:
+        raise ValueError(f"no flow {flow!r}")
+
+
+def http_flow(args: dict[str, Any]) -> dict[str, Any]:
+    """The requests a device sends through one protocol flow, given the server's answers."""
+    exchange = Exchange(args["answers"])
+
+    async def call(client: OrchestratorClient) -> None:
+        await _flow(client, args["flow"], args["inputs"])
+
+    exchange.run(call, args["inputs"].get("token"))
+    return {"requests": exchange.requests}
+
+
 OPS: dict[str, Op] = {
     "manifest.parse": parse_manifest,
     "task_config.parse": parse_task_config,
@@ -147,6 +193,7 @@ OPS: dict[str, Op] = {
     "request.report_evaluation": report_evaluation,
     **SECURE_OPS,
     **TASK_OPS,
+    "http.flow": http_flow,
 }
 
 
