@@ -44,12 +44,12 @@ def _batches(columns: dict[str, list[Any]], model: TFLiteModel) -> TaskBatches:
     return TaskBatches.pack(split_batches(examples, model.manifest.batch_size), model.manifest)
 
 
-def run_task(args: dict[str, Any]) -> dict[str, Any]:
+def run_task(args: dict[str, Any], backend: str | None = None) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as folder:
         model_dir = Path(folder)
         (model_dir / MANIFEST_FILE).write_bytes(to_bytes(args["manifest"]))
         (model_dir / MODEL_FILE).write_bytes(to_bytes(args["model"]))
-        model = RecordedModel(model_dir, default_delegates=False)
+        model = RecordedModel(model_dir, backend=backend, default_delegates=False)
     model.calls = []
     model.set_global(decode_params(to_bytes(args["globals"]), model.manifest.global_params, "globals"))
     support, query = _batches(args["support"], model), _batches(args["query"], model)

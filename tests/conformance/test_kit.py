@@ -14,7 +14,8 @@ from conformance.__main__ import main
 from conformance.generate import generate
 from conformance.port import CommandPort
 from conformance.python_port import PythonPort
-from conformance.runner import VECTORS, differences, run
+from conformance.runner import VECTORS, differences, resolve, run
+from conformance.task_ops import run_task
 from tests.conformance import broken_ports
 
 
@@ -102,3 +103,9 @@ def test_a_fresh_recording_from_the_orchestrator_still_passes(tmp_path: Path) ->
         f"http: {f}" for f in ("enrol", "check in", "download", "report", "abort")
     ]
     assert [o for o in outcomes if o.problem] == []
+
+
+def test_both_interpreters_make_the_task_s_calls_exactly(backend: str) -> None:
+    [case] = json.loads((VECTORS / "task" / "cases.json").read_text())
+    answer = run_task(resolve(case["args"], VECTORS / "task"), backend=backend)
+    assert differences(case["expect"], answer, 0.0) is None
