@@ -1,14 +1,15 @@
 """Every install line in the docs installs what the commands of its page import.
 
-Each line is resolved for real: a fresh virtual environment, then pip's `install --dry-run
---report` with the line's own arguments (the constraints, the extras) against the registry, which
-gives the exact set of distributions the line would install there. The modules a command imports
-are read from the source with `ast`, from its entry module through every project module it can
-import (function-local imports and `python -m` subprocesses included; an import guarded by
-`except ImportError` is optional and not counted), and mapped to their distributions with this
-environment's metadata. A resolve is about a hundred index look-ups: 100 s for the Ray line alone
-with a warm pip cache, 220 s for the four lines at once on a loaded 2-core machine; so the tests
-that resolve are serial."""
+Each line is resolved for real: pip, run for a fresh virtual environment (`pip --python`), resolves
+the line's arguments as written with `install --dry-run --report` against the registry (and the
+line's own `-c constraints.txt`), so the distributions checked are the ones a new user would get.
+The modules a command imports are read from the source with `ast`, from its entry module through
+every project module it can import (function-local imports and `python -m` subprocesses included;
+an import guarded by `except ImportError` is optional and not counted); each top-level module is
+mapped to its distributions through this environment's installed metadata.
+
+Resolving reads ~100 index pages per line (about a minute on a loaded machine, with pip's cache
+warm), so the lines are resolved at once, in threads, and the tests run in the serial pass."""
 
 from __future__ import annotations
 
@@ -19,7 +20,9 @@ import re
 import shlex
 import subprocess
 import sys
+import tempfile
 import tomllib
+import venv
 from concurrent.futures import ThreadPoolExecutor
 from functools import cache
 from importlib.metadata import packages_distributions
@@ -38,8 +41,8 @@ SCRIPTS = {
     name: target.split(":")[0].removesuffix(".__main__") for name, target in PROJECT["scripts"].items()
 }
 PAGES = sorted([ROOT / "README.md", *(ROOT / "docs").rglob("*.md")])
-# A line as the docs write it, in a clone: `pip install [-c constraints.txt] [-e] ".[extras]"`.
-_INSTALL = re.compile(r"pip install (?P<arguments>[^`\n]*?['\"](?:-e )?\.\[(?P<extras>[a-z0-9,_-]+)\]['\"])")
+# A line that installs this project with extras: `pip install [options] [-e] ".[extras]"`.
+_INSTALL = re.compile(r"pip install (?P<arguments>[^`\n]*?['\"](?:-e )?\.\[[a-z0-9,_-]+\]['\"])")
 _BLOCK = re.compile(r"^\s*```bash\n(.*?)^\s*```", re.MULTILINE | re.DOTALL)
 _COMMAND = re.compile(r"(?:^|[;&|(]\s*|\s)(?:python -m (?P<module>[a-z_.]+)|(?P<script>[a-z-]+))\b")
 
@@ -48,32 +51,44 @@ def _name(distribution: str) -> str:
     return re.sub(r"[-_.]+", "-", distribution).lower()
 
 
-# The line issue 52 found: the driver imports the server's modules and runs the exporter.
-ISSUE_52_RAY_LINE = '-c constraints.txt -e ".[ray,tflite-runtime,sim]"'
+def _resolve_arguments(arguments: tuple[str, ...]) -> frozenset[str]:
+    """The distributions `pip install ARGUMENTS` installs into a fresh virtual environment."""
+    with tempfile.TemporaryDirectory(prefix="install-line-") as scratch:
+        environment = Path(scratch) / "venv"
+        venv.EnvBuilder(with_pip=False).create(environment)
+        report = Path(scratch) / "report.json"
+        command = [
+            sys.executable, "-m", "pip", "--python", str(environment / "bin" / "python"),
+            "install", "--dry-run", "--quiet", "--disable-pip-version-check",
+            "--report", str(report), *arguments,
+        ]  # fmt: skip
+        done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900)
+        # pip's last lines say why a resolution failed; the rest is this machine's index warnings.
+        assert done.returncode == 0, f"pip install {' '.join(arguments)}: {done.stderr[-2000:]}"
+        installs = json.loads(report.read_text())["install"]
+    return frozenset(_name(item["metadata"]["name"]) for item in installs)
 
 
-def resolve(arguments: str, venv: Path) -> frozenset[str]:
-    """The distributions `pip install ARGUMENTS`, run from the clone's root in the fresh virtual
-    environment `venv`, installs: pip's own resolution (`--dry-run --report`)."""
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
-    report = venv / "report.json"
-    pip = [sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python")]
-    quiet = ["--disable-pip-version-check", "--quiet"]
-    command = [*pip, *quiet, "install", "--dry-run", "--report", str(report), *shlex.split(arguments)]
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900)
-    errors = [line for line in done.stderr.splitlines() if "is ignored" not in line]
-    assert done.returncode == 0, f"pip install {arguments} does not resolve: " + "\n".join(errors[-5:])
-    return frozenset(_name(item["metadata"]["name"]) for item in json.loads(report.read_text())["install"])
+def _resolvable(arguments: tuple[str, ...]) -> tuple[str, ...]:
+    # `-e` changes how the project is installed, not what it pulls in: one resolution serves both.
+    return tuple(a for a in arguments if a != "-e")
 
 
-@pytest.fixture(scope="session")
-def resolutions(tmp_path_factory: pytest.TempPathFactory) -> dict[str, frozenset[str]]:
-    """Every line resolved, at once: each resolve mostly waits on the registry."""
-    workspace = tmp_path_factory.mktemp("install-lines")
-    lines = sorted({arguments for _, arguments in install_lines()} | {ISSUE_52_RAY_LINE})
-    with ThreadPoolExecutor(len(lines)) as pool:
-        found = pool.map(lambda i: resolve(lines[i], workspace / f"venv-{i}"), range(len(lines)))
-        return dict(zip(lines, found, strict=True))
+_RESOLVED: dict[tuple[str, ...], frozenset[str]] = {}
+
+
+def installed_by(arguments: tuple[str, ...]) -> frozenset[str]:
+    key = _resolvable(arguments)
+    if key not in _RESOLVED:
+        _RESOLVED[key] = _resolve_arguments(key)
+    return _RESOLVED[key]
+
+
+def resolve_all(argument_lists: list[tuple[str, ...]]) -> None:
+    """Resolves the lines side by side: the time goes to fetching index pages, not the CPU."""
+    todo = sorted({_resolvable(a) for a in argument_lists} - _RESOLVED.keys())
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        _RESOLVED.update(zip(todo, pool.map(_resolve_arguments, todo), strict=True))
 
 
 def _source(module: str) -> tuple[Path, bool] | None:
@@ -166,13 +181,14 @@ def page_commands(text: str) -> set[str]:
     return entries
 
 
-def install_lines() -> list[tuple[str, str]]:
-    """(page, the line's arguments after `pip install`), each distinct line of a page once."""
-    lines: dict[tuple[str, str], None] = {}
+def install_lines() -> list[tuple[str, tuple[str, ...]]]:
+    """(page, the line's arguments after `pip install`) for every install line of the docs."""
+    lines = []
     for page in PAGES:
         for match in _INSTALL.finditer(page.read_text()):
-            lines[(page.relative_to(ROOT).as_posix(), match["arguments"])] = None
-    return list(lines)
+            lines.append((page.relative_to(ROOT).as_posix(), tuple(shlex.split(match["arguments"]))))
+    # The Ray line first: it is the one issue 52 found broken.
+    return sorted(lines, key=lambda line: "ray" not in line[0])
 
 
 @cache
@@ -180,9 +196,9 @@ def _distributions() -> dict[str, list[str]]:
     return dict(packages_distributions())
 
 
-def missing(entries: set[str], installed: frozenset[str]) -> dict[str, list[str]]:
-    """For each entry module, the third-party modules it imports that no installed distribution
-    provides."""
+def missing(entries: set[str], arguments: tuple[str, ...]) -> dict[str, list[str]]:
+    """For each entry module, the third-party modules it imports that the line does not install."""
+    installed = installed_by(arguments)
     gaps = {}
     for entry in sorted(entries):
         absent = [
@@ -195,25 +211,37 @@ def missing(entries: set[str], installed: frozenset[str]) -> dict[str, list[str]
     return gaps
 
 
+# The Ray line as issue 52 found it: the driver imports the server's modules and runs the exporter.
+ISSUE_52_LINE = ("-c", "constraints.txt", "-e", ".[ray,tflite-runtime,sim]")
+
+
+@pytest.fixture(scope="module")
+def resolved() -> None:
+    resolve_all([arguments for _, arguments in install_lines()] + [ISSUE_52_LINE])
+
+
 def test_the_docs_have_install_lines_and_each_names_commands() -> None:
     lines = install_lines()
-    assert "docs/how-to/simulate-on-ray.md" in {page for page, _ in lines}
-    for page, _ in lines:
+    assert lines[0][0] == "docs/how-to/simulate-on-ray.md"
+    for page, arguments in lines:
+        assert "constraints.txt" in arguments, f"{page}: pip install {shlex.join(arguments)} pins nothing"
         assert page_commands((ROOT / page).read_text()), f"{page} has an install line but no command"
 
 
 @pytest.mark.serial
-@pytest.mark.parametrize(("page", "arguments"), install_lines())
+@pytest.mark.usefixtures("resolved")
+@pytest.mark.parametrize(
+    ("page", "arguments"), install_lines(), ids=lambda v: v if isinstance(v, str) else shlex.join(v)
+)
 def test_an_install_line_installs_what_its_page_commands_import(
-    page: str, arguments: str, resolutions: dict[str, frozenset[str]]
+    page: str, arguments: tuple[str, ...]
 ) -> None:
-    gaps = missing(page_commands((ROOT / page).read_text()), resolutions[arguments])
-    assert not gaps, f"{page}: pip install {arguments} leaves out {gaps}"
+    gaps = missing(page_commands((ROOT / page).read_text()), arguments)
+    assert not gaps, f"{page}: pip install {shlex.join(arguments)} leaves out {gaps}"
 
 
 @pytest.mark.serial
-def test_the_check_finds_what_the_ray_line_of_issue_52_left_out(
-    resolutions: dict[str, frozenset[str]],
-) -> None:
-    gaps = missing({"android_sim.__main__"}, resolutions[ISSUE_52_RAY_LINE])
+@pytest.mark.usefixtures("resolved")
+def test_the_check_finds_what_the_ray_line_of_issue_52_left_out() -> None:
+    gaps = missing({"android_sim.__main__"}, ISSUE_52_LINE)
     assert {"pydantic", "tensorflow"} <= set(gaps["android_sim.__main__"])
