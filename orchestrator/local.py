@@ -56,7 +56,7 @@ class LocalOrchestrator:
         self.process: subprocess.Popen[bytes] | None = None
         self._log: IO[bytes] | None = None
 
-    def start(self, timeout_seconds: float = 60.0) -> Self:
+    def start(self, timeout_seconds: float = 300.0) -> Self:
         env = {
             **os.environ,
             "ORCHESTRATOR_ADMIN_TOKEN": self.admin_token,
@@ -88,8 +88,10 @@ class LocalOrchestrator:
             if self.process.poll() is not None:
                 log = self.log_path.read_text(errors="replace")[-2000:] if self.log_path else ""
                 raise RuntimeError(f"the orchestrator exited with code {self.process.returncode}: {log}")
+            # Readiness, not the OpenAPI document: that one is built on its first request, and on a
+            # CPU-starved machine (CI at a load of 20) building it outlasts a short timeout every try.
             with contextlib.suppress(httpx.TransportError):
-                if httpx.get(f"{self.url}/openapi.json", timeout=1).status_code == 200:
+                if httpx.get(f"{self.url}/health/ready", timeout=10).status_code == 200:
                     return self
             time.sleep(0.1)
         self.stop()
