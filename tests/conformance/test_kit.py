@@ -47,8 +47,10 @@ def test_a_port_run_as_a_command_speaks_json_lines() -> None:
         (
             "http.flow",
             broken_ports.without_authorization,
-            ["http: check in", "http: download", "http: report", "http: abort"],
+            ["http: check in", "http: download", "http: report", "http: abort", "http: secure round"],
         ),
+        ("http.flow", broken_ports.masked_input_before_shares, ["http: secure round"]),
+        ("http.flow", broken_ports.unsigned_partner_statement, ["http: secure round"]),
     ],
 )
 def test_a_broken_device_fails(op: str, fault: object, failing: list[str]) -> None:
@@ -62,6 +64,10 @@ def test_a_device_with_the_wrong_mask_sign_fails() -> None:
 def test_a_device_that_sends_shares_for_the_wrong_neighbour_fails() -> None:
     port = broken_ports.broken("secure.share_keys", broken_ports.shares_for_the_wrong_neighbour)
     assert_fails(port, [f"round: device {i}'s shares" for i in (1, 2, 3, 4)])
+
+
+def test_a_device_that_signs_the_wrong_task_inputs_fails() -> None:
+    assert_fails(broken_ports.signs_the_model_not_the_globals(), ["http: secure round"])
 
 
 def assert_fails(port: PythonPort, failing: list[str]) -> None:
@@ -100,7 +106,7 @@ def test_a_fresh_recording_from_the_orchestrator_still_passes(tmp_path: Path) ->
     generate_http.generate(tmp_path / "http")
     outcomes = run(PythonPort(), ("http",), vectors=tmp_path)
     assert [o.case for o in outcomes] == [
-        f"http: {f}" for f in ("enrol", "check in", "download", "report", "abort")
+        f"http: {f}" for f in ("enrol", "check in", "download", "report", "abort", "secure round")
     ]
     assert [o for o in outcomes if o.problem] == []
 
