@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -109,6 +110,18 @@ def test_a_fresh_recording_from_the_orchestrator_still_passes(tmp_path: Path) ->
         f"http: {f}" for f in ("enrol", "check in", "download", "report", "abort", "secure round")
     ]
     assert [o for o in outcomes if o.problem] == []
+    # What the secure round's device knows beforehand (its draws, identity, update, files) is
+    # fixed from labels: only the token the server issued differs.
+    fresh, committed = (secure_round_case(folder / "http") for folder in (tmp_path, VECTORS))
+    assert {**fresh["args"]["inputs"], "token": None} == {**committed["args"]["inputs"], "token": None}
+    for blob in ("secure-round-globals.bin", "secure-round-manifest.json"):
+        assert (tmp_path / "http/blobs" / blob).read_bytes() == (VECTORS / "http/blobs" / blob).read_bytes()
+
+
+def secure_round_case(folder: Path) -> dict[str, Any]:
+    cases: list[dict[str, Any]] = json.loads((folder / "cases.json").read_text())
+    [case] = [c for c in cases if c["name"] == "http: secure round"]
+    return case
 
 
 def test_both_interpreters_make_the_task_s_calls_exactly(backend: str) -> None:
