@@ -90,7 +90,7 @@ class Recorder(httpx.AsyncBaseTransport):
         return httpx.Response(response.status_code, headers=response.headers, content=body)
 
 
-def _create_population(url: str, admin_token: str, name: str, settings: dict[str, Any]) -> None:
+def _create_population(url: str, admin_token: str, population: str, settings: dict[str, Any]) -> None:
     files = {
         part: (name, (MODEL / name).read_bytes())
         for part, name in (
@@ -101,7 +101,7 @@ def _create_population(url: str, admin_token: str, name: str, settings: dict[str
     }
     created = httpx.post(
         f"{url}/v1/admin/populations",
-        data={"name": name, "settings": json.dumps(settings)},
+        data={"name": population, "settings": json.dumps(settings)},
         files=files,
         headers={"Authorization": f"Bearer {admin_token}"},
         timeout=60,

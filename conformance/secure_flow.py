@@ -10,7 +10,6 @@ answers."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import dataclass
 from typing import Any
@@ -18,6 +17,7 @@ from typing import Any
 import numpy as np
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from conformance.generate_secure import field_element, secret
 from conformance.port import of_bytes, to_bytes
 from contracts.manifest import Manifest
 from contracts.protocol import Assignment
@@ -32,15 +32,6 @@ from secure_aggregation.identity import Certificate, SigningKey
 # A certificate of the kit's authority, issued at a fixed time, outlives any run of the kit.
 ISSUED_AT = 1_767_225_600  # 2026-01-01 UTC
 VALIDITY_SECONDS = 100 * 365 * 86_400
-
-
-def secret(label: str) -> bytes:
-    """32 fixed bytes per label (the same derivation as the secure section's)."""
-    return hashlib.sha256(f"conformance/{label}".encode()).digest()
-
-
-def field_element(label: str) -> int:
-    return int.from_bytes(hashlib.sha512(f"conformance/{label}".encode()).digest(), "big") % (2**521 - 1)
 
 
 def authority() -> EnrollmentAuthority:
