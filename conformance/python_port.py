@@ -16,6 +16,7 @@ from typing import Any
 import httpx
 
 from conformance.port import of_bytes, refusal, to_bytes
+from conformance.secure_flow import secure_round
 from conformance.secure_ops import SECURE_OPS
 from conformance.task_ops import TASK_OPS
 from conformance.tensors import sparse_json, tensor_json, tensor_of
@@ -168,6 +169,8 @@ async def _flow(client: OrchestratorClient, flow: str, inputs: dict[str, Any]) -
         )
     elif flow == "abort":
         await client.abort(_assignment(inputs["assignment"]))
+    elif flow == "secure round":
+        await secure_round(client, inputs)
     else:
         raise ValueError(f"no flow {flow!r}")
 

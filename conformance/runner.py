@@ -61,12 +61,15 @@ def differences(expected: Any, actual: Any, tolerance: float, path: str = "") ->
                 return found
         return None
     if isinstance(expected, list):
-        if not isinstance(actual, list) or len(actual) != len(expected):
+        if not isinstance(actual, list):
             return f"{where}: expected a list of {len(expected)}, got {_shown(actual)}"
-        for i, (e, a) in enumerate(zip(expected, actual, strict=True)):
+        # The first entry that differs says more than the count (a request sent out of order).
+        for i, (e, a) in enumerate(zip(expected, actual, strict=False)):
             found = differences(e, a, tolerance, f"{where}[{i}]")
             if found:
                 return found
+        if len(actual) != len(expected):
+            return f"{where}: expected a list of {len(expected)}, got {len(actual)}: {_shown(actual)}"
         return None
     if isinstance(expected, float) and isinstance(actual, int | float) and not isinstance(actual, bool):
         if math.isclose(expected, actual, rel_tol=0, abs_tol=tolerance):

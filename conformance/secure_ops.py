@@ -25,6 +25,7 @@ from secure_aggregation.device import (
     share_aad,
     share_commitment,
 )
+from secure_aggregation.draws import GivenUniforms
 from secure_aggregation.identity import SigningKey, advertisement_message
 from secure_aggregation.messages import (
     INDEX_BYTES,
@@ -102,21 +103,11 @@ def shamir_reconstruct(args: dict[str, Any]) -> dict[str, Any]:
         return refusal("shamir", str(e))
 
 
-class _Draws:
-    """Quantization's uniform draws, given (the device draws them from its own generator)."""
-
-    def __init__(self, uniforms: list[float]) -> None:
-        self.uniforms = np.asarray(uniforms, dtype=np.float64)
-
-    def random(self, shape: tuple[int, ...]) -> np.ndarray:
-        return self.uniforms.reshape(shape)
-
-
 def quantize(args: dict[str, Any]) -> dict[str, Any]:
     vector = np.asarray(args["vector"], dtype=np.float64)
     try:
         got = quantization.quantize(
-            vector, _params(args), cast(np.random.Generator, _Draws(args["uniforms"]))
+            vector, _params(args), cast(np.random.Generator, GivenUniforms(args["uniforms"]))
         )
     except ProtocolError as e:
         return refusal("protocol", str(e))

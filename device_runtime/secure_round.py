@@ -40,6 +40,7 @@ from device_runtime.protocol_errors import InvalidAnswer, ProtocolError, ServerU
 from secure_aggregation.config import ProtocolError as SecureProtocolError
 from secure_aggregation.config import RoundParameters
 from secure_aggregation.device import DeviceSession, round_graph
+from secure_aggregation.draws import SessionDraws
 from secure_aggregation.identity import SignedAdvertisement, keys_of, parse_advertisement, verified_roster
 from secure_aggregation.messages import (
     AdvertisedKeys,
@@ -100,8 +101,11 @@ class SecureRoundDriver:
         stays: Callable[[str], bool] = lambda phase: True,
         abort_when_leaving: bool = True,
         identity: DeviceIdentity | None = None,
+        draws: SessionDraws | None = None,
     ) -> None:
+        """`draws`: the round's secrets given instead of drawn (the conformance kit only)."""
         self.client = client
+        self.draws = draws
         self.identity = identity
         self.assignment = assignment
         self.policy = policy
@@ -255,7 +259,7 @@ class SecureRoundDriver:
         self.policy.check_parameters(params)
         self.policy.check_identity(self.identity is not None)
         self._enter("advertise")
-        session = self._session = DeviceSession(params)
+        session = self._session = DeviceSession(params, self.draws)
         keys = session.advertise()
         if self.identity is None:
             advertisement = keys.to_json()
@@ -311,7 +315,8 @@ class SecureRoundDriver:
             raise RuntimeError("finish() before share() had the device ready for its masked input")
         self._enter("masked_input")
         params, context = session.params, session.params.context
-        quantized = quantize(vector, params, np.random.default_rng(secrets.randbits(128)))
+        rng = np.random.default_rng(secrets.randbits(128)) if self.draws is None else self.draws.uniforms()
+        quantized = quantize(vector, params, rng)
         masked = session.masked_input(quantized, self._ciphertexts)
         digest = inputs.digest()
         # What it masked with and what it trained on, signed once: neighbours reveal its self-mask

@@ -16,6 +16,7 @@ import numpy as np
 
 from secure_aggregation import crypto, masks, shamir
 from secure_aggregation.config import ProtocolError, RoundParameters
+from secure_aggregation.draws import SessionDraws
 from secure_aggregation.messages import (
     INDEX_BYTES,
     SHARES_PLAINTEXT_BYTES,
@@ -78,11 +79,18 @@ def _graph(roster: tuple[int, ...], k: int, context: str) -> dict[int, list[int]
 class DeviceSession:
     """One device in one secure round; call the phases in order."""
 
-    def __init__(self, params: RoundParameters) -> None:
+    def __init__(self, params: RoundParameters, draws: SessionDraws | None = None) -> None:
+        """`draws`: the secrets given instead of drawn (the conformance kit's fixed ones only)."""
         self.params = params
-        self._encryption_key = crypto.new_private_key()
-        self._mask_key = crypto.new_private_key()
-        self._seed = os.urandom(crypto.KEY_BYTES)
+        self._draws = draws
+        if draws is None:
+            self._encryption_key = crypto.new_private_key()
+            self._mask_key = crypto.new_private_key()
+            self._seed = os.urandom(crypto.KEY_BYTES)
+        else:
+            self._encryption_key = crypto.private_from_bytes(draws.encryption_private)
+            self._mask_key = crypto.private_from_bytes(draws.mask_private)
+            self._seed = draws.self_mask_seed
         self._phase = "advertise"
         self.index = 0
         self._roster: dict[int, AdvertisedKeys] = {}
@@ -136,10 +144,8 @@ class DeviceSession:
         self.roster_digest = roster_digest(self.params.context, roster)
         self._neighbours = list(round_graph(self.params, sorted(roster))[index])
         t = self.params.shamir_threshold(len(self._neighbours))
-        seed_shares = shamir.split(int.from_bytes(self._seed, "big"), t, self._neighbours)
-        key_shares = shamir.split(
-            int.from_bytes(crypto.private_bytes(self._mask_key), "big"), t, self._neighbours
-        )
+        seed_shares = self._split("self_mask", int.from_bytes(self._seed, "big"), t)
+        key_shares = self._split("mask_key", int.from_bytes(crypto.private_bytes(self._mask_key), "big"), t)
         context = self.params.context
         out: dict[int, EncryptedShares] = {}
         for holder in self._neighbours:
@@ -159,6 +165,12 @@ class DeviceSession:
                 share_commitment(b"mask-key", context, index, holder, key_share),
             )
         return out
+
+    def _split(self, kind: str, secret: int, threshold: int) -> dict[int, int]:
+        if self._draws is None:
+            return shamir.split(secret, threshold, self._neighbours)
+        coefficients = self._draws.coefficients(kind, threshold - 1)
+        return shamir.shares_from_coefficients(secret, coefficients, self._neighbours)
 
     def _pairwise_mask(self, v: int) -> np.ndarray:
         seed = crypto.agree(

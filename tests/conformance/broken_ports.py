@@ -63,3 +63,41 @@ def without_authorization(answer: dict[str, Any], args: dict[str, Any]) -> dict[
     for request in answer["requests"]:
         request.pop("authorization", None)
     return answer
+
+
+def _secure_requests(answer: dict[str, Any], args: dict[str, Any]) -> list[dict[str, Any]]:
+    return answer["requests"] if args["flow"] == "secure round" else []
+
+
+def masked_input_before_shares(answer: dict[str, Any], args: dict[str, Any]) -> dict[str, Any]:
+    """A secure round's device that sends its masked input as soon as it has its roster index,
+    before it shared keys (and before it knows which neighbours shared theirs)."""
+    requests = _secure_requests(answer, args)
+    masked = [r for r in requests if r["path"].endswith("/masked-input")]
+    if masked:
+        requests.remove(masked[0])
+        keys = next(i for i, r in enumerate(requests) if r["path"].endswith("/keys"))
+        requests.insert(keys + 1, masked[0])
+    return answer
+
+
+def unsigned_partner_statement(answer: dict[str, Any], args: dict[str, Any]) -> dict[str, Any]:
+    """A partner statement without its `signature` (the field its neighbours verify)."""
+    for request in _secure_requests(answer, args):
+        if request["path"].endswith("/partners"):
+            request["json"].pop("signature")
+    return answer
+
+
+def signs_the_model_not_the_globals() -> PythonPort:
+    """A device that hashes the model it downloaded where the digest its neighbours sign wants the
+    globals: it runs the real driver, which then signs the wrong task inputs' digest."""
+    right: Op = OPS["http.flow"]
+
+    def flow(args: dict[str, Any]) -> dict[str, Any]:
+        if args["flow"] == "secure round":
+            inputs = args["inputs"]
+            args = {**args, "inputs": {**inputs, "globals": inputs["manifest"]}}
+        return right(args)
+
+    return PythonPort({**OPS, "http.flow": flow})

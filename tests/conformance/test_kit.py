@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -47,8 +48,10 @@ def test_a_port_run_as_a_command_speaks_json_lines() -> None:
         (
             "http.flow",
             broken_ports.without_authorization,
-            ["http: check in", "http: download", "http: report", "http: abort"],
+            ["http: check in", "http: download", "http: report", "http: abort", "http: secure round"],
         ),
+        ("http.flow", broken_ports.masked_input_before_shares, ["http: secure round"]),
+        ("http.flow", broken_ports.unsigned_partner_statement, ["http: secure round"]),
     ],
 )
 def test_a_broken_device_fails(op: str, fault: object, failing: list[str]) -> None:
@@ -62,6 +65,10 @@ def test_a_device_with_the_wrong_mask_sign_fails() -> None:
 def test_a_device_that_sends_shares_for_the_wrong_neighbour_fails() -> None:
     port = broken_ports.broken("secure.share_keys", broken_ports.shares_for_the_wrong_neighbour)
     assert_fails(port, [f"round: device {i}'s shares" for i in (1, 2, 3, 4)])
+
+
+def test_a_device_that_signs_the_wrong_task_inputs_fails() -> None:
+    assert_fails(broken_ports.signs_the_model_not_the_globals(), ["http: secure round"])
 
 
 def assert_fails(port: PythonPort, failing: list[str]) -> None:
@@ -100,9 +107,21 @@ def test_a_fresh_recording_from_the_orchestrator_still_passes(tmp_path: Path) ->
     generate_http.generate(tmp_path / "http")
     outcomes = run(PythonPort(), ("http",), vectors=tmp_path)
     assert [o.case for o in outcomes] == [
-        f"http: {f}" for f in ("enrol", "check in", "download", "report", "abort")
+        f"http: {f}" for f in ("enrol", "check in", "download", "report", "abort", "secure round")
     ]
     assert [o for o in outcomes if o.problem] == []
+    # What the secure round's device knows beforehand (its draws, identity, update, files) is
+    # fixed from labels: only the token the server issued differs.
+    fresh, committed = (secure_round_case(folder / "http") for folder in (tmp_path, VECTORS))
+    assert {**fresh["args"]["inputs"], "token": None} == {**committed["args"]["inputs"], "token": None}
+    for blob in ("secure-round-globals.bin", "secure-round-manifest.json"):
+        assert (tmp_path / "http/blobs" / blob).read_bytes() == (VECTORS / "http/blobs" / blob).read_bytes()
+
+
+def secure_round_case(folder: Path) -> dict[str, Any]:
+    cases: list[dict[str, Any]] = json.loads((folder / "cases.json").read_text())
+    [case] = [c for c in cases if c["name"] == "http: secure round"]
+    return case
 
 
 def test_both_interpreters_make_the_task_s_calls_exactly(backend: str) -> None:
