@@ -133,7 +133,8 @@ def test_the_fleet_against_a_server_takes_any_admin_token_from_the_environment(
 ) -> None:
     # token_urlsafe, as the pages make it, starts with "-" one time in 64 (on the command line,
     # argparse took it for an option); and a token there shows in process lists.
-    (_, _, clients, *_), _ = tutorial("postgresql.md")
+    blocks, _ = tutorial("postgresql.md")
+    clients = next(block for block in blocks if "create-population movies" in block)
     fleet = _commands(clients)[-1].removeprefix("./dev main")
     monkeypatch.setenv("ORCHESTRATOR_ADMIN_TOKEN", "-lWd")
     args = build_parser().parse_args(["run", *shlex.split(fleet)])
@@ -144,7 +145,9 @@ def test_the_fleet_against_a_server_takes_any_admin_token_from_the_environment(
 def test_the_postgresql_tutorial_runs_as_written(
     export: Callable[[ModelConfig], Path], tmp_path: Path
 ) -> None:
-    (_, server, clients, *_), shortened = tutorial("postgresql.md")
+    blocks, shortened = tutorial("postgresql.md")
+    server = next(block for block in blocks if "serve --workers" in block)
+    clients = next(block for block in blocks if "create-population movies" in block)
     *exports, serve = _commands(server)
     serve = serve.split("#")[0].strip()  # without its comment
     assert all(line.startswith("export ORCHESTRATOR_") for line in exports)
