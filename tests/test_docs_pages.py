@@ -84,3 +84,15 @@ def test_a_page_whose_commands_run_bare_python_says_to_activate_the_environment_
             silent.append(page.relative_to(ROOT).as_posix())
 
     assert silent == []
+
+
+def test_the_python_examples_run_from_the_clone_write_under_runs() -> None:
+    # Run from the clone (they read runs/...), a file they name elsewhere lands in its root.
+    files = re.compile(r"[\"']([\w./-]+\.(?:sqlite|safetensors|csv|parquet|json))[\"']")
+    outside = []
+    for page in sorted(DOCS.rglob("*.md")):
+        for code in re.findall(r"^```python\n(.*?)^```", page.read_text(), re.MULTILINE | re.DOTALL):
+            if '"runs/' in code:
+                outside += [f"{page.name}: {f}" for f in files.findall(code) if not f.startswith("runs/")]
+
+    assert outside == []

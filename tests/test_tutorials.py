@@ -108,7 +108,7 @@ def test_the_mixing_tutorial_runs_as_written(export: Callable[[ModelConfig], Pat
     assert written.returncode == 0, written.stderr
     (command,) = _commands(mix)
     (mixed,) = _run(
-        [command.replace("central.safetensors", str(tmp_path / "central.safetensors"))],
+        [command.replace("runs/central.safetensors", str(tmp_path / "runs" / "central.safetensors"))],
         shortened,
         tmp_path,
         env,
