@@ -106,13 +106,7 @@ def test_the_mixing_tutorial_runs_as_written(export: Callable[[ModelConfig], Pat
     (code,) = re.findall(r"^```python\n(.*?)^```", page, re.MULTILINE | re.DOTALL)
     written = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True)
     assert written.returncode == 0, written.stderr
-    (command,) = _commands(mix)
-    (mixed,) = _run(
-        [command.replace("runs/central.safetensors", str(tmp_path / "runs" / "central.safetensors"))],
-        shortened,
-        tmp_path,
-        env,
-    )
+    (mixed,) = _run(_commands(mix), shortened, tmp_path, env)  # runs/central.safetensors: the code's
     (central,) = _run(_commands(central_only), shortened, tmp_path, env)
 
     assert created.startswith("created population 'expressions'")
