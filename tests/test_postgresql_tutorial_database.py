@@ -36,7 +36,7 @@ def _database_block() -> str:
     section = PAGE.read_text().split("## A database")[1].split("\n## ")[0]
     plain, root = _BLOCK.findall(section)
     assert "initdb" in plain and "su postgres" in root
-    return root if AS_ROOT else plain
+    return str(root if AS_ROOT else plain)
 
 
 def _on_port(command: str, port: int) -> str:

@@ -217,14 +217,10 @@ def test_the_hit_rate_tables_show_every_figure_on_an_80_column_screen() -> None:
             int(rng.integers(1, 9)),
             [int(rng.integers(0, 20))],
             np.full(20, 0.05),
-            personalized=rng.permutation(20)[:10].tolist(),
-            most_shared=rng.permutation(20)[:10].tolist(),
-            global_=rng.permutation(20)[:10].tolist(),
+            **{m: rng.permutation(20)[:10].tolist() for m in ("personalized", "most_shared", "global")},
         )
         for i in range(40)
     ]
-    for one in scored:
-        one.tops["global"] = one.tops.pop("global_")
     hit_rates = HitRates(evaluate(scored), scored)
     manifest = load_manifest(Path(__file__).parents[2] / "conformance" / "vectors" / "task" / "model")
     assert manifest.local_params  # the table has its global row, as a FedRecon model's has
