@@ -268,9 +268,9 @@ def hit_rate_table(hit_rates: HitRates) -> Table:
     )
     table.add_column("top-10", no_wrap=True)
     if truth:
-        table.add_column("expected", justify="right", no_wrap=True)
-    table.add_column("newest shares", justify="right", no_wrap=True)
-    table.add_column(f"{label} minus", justify="right", no_wrap=True)
+        table.add_column("expected", justify="right", overflow="fold")
+    table.add_column("newest shares", justify="right", overflow="fold")
+    table.add_column(f"{label} minus", justify="right", overflow="fold")
     for method, score in e.methods.items():
         diff = _cell(e.differences.get(method, {}).get(kind), "+")
         cells = [_cell(score.expected)] if truth else []
@@ -314,7 +314,8 @@ def history_table(hit_rates: HitRates) -> Table:
     first = e.methods["personalized"].by_history
     for bucket in HISTORY_BUCKETS:
         found = first[bucket][kind]
-        table.add_column(f"{bucket} ({found.devices if found else 0} devices)", justify="right", no_wrap=True)
+        devices = found.devices if found else 0
+        table.add_column(f"{bucket} ({devices} devices)", justify="right", overflow="fold")
     for method, score in e.methods.items():
         table.add_row(
             _method_name(method, hit_rates.model_label),

@@ -115,9 +115,9 @@ def test_the_serving_example_runs_as_written(export: Callable[[ModelConfig], Pat
     page = (ROOT / "docs" / "how-to" / "serve-on-a-device.md").read_text()
     (code,) = re.findall(r"^```python\n(.*?)^```", page, re.MULTILINE | re.DOTALL)
     model_dir = export(SMALL)
-    assert 'Path("runs/quickstart/model")' in code and 'Path("my-device.sqlite")' in code
+    assert 'Path("runs/quickstart/model")' in code and 'Path("runs/my-device.sqlite")' in code
     code = code.replace('Path("runs/quickstart/model")', f"Path({str(model_dir)!r})")
-    code = code.replace('Path("my-device.sqlite")', f"Path({str(tmp_path / 'store.sqlite')!r})")
+    code = code.replace('Path("runs/my-device.sqlite")', f"Path({str(tmp_path / 'store.sqlite')!r})")
     result = subprocess.run(
         [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300
     )

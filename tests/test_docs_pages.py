@@ -71,3 +71,28 @@ def test_the_site_asks_nothing_of_the_internet_for_its_fonts() -> None:
     theme = yaml.safe_load((ROOT / "mkdocs.yml").read_text())["theme"]
 
     assert theme["name"] == "material" and theme["font"] is False  # else it loads Google Fonts
+
+
+def test_a_page_whose_commands_run_bare_python_says_to_activate_the_environment_first() -> None:
+    # A fresh shell's `python` is the system's, without this project: `No module named ...`.
+    bare = re.compile(r"^(?:[A-Z_]+=\S+ )*(?:python|openapi-python-client) ", re.MULTILINE)
+    silent = []
+    for page in [ROOT / "README.md", *sorted(DOCS.rglob("*.md"))]:
+        text = page.read_text()
+        blocks = [m for m in _BLOCK.finditer(text) if bare.search(m[1])]
+        if blocks and "source .venv/bin/activate" not in text[: blocks[0].start()]:
+            silent.append(page.relative_to(ROOT).as_posix())
+
+    assert silent == []
+
+
+def test_the_python_examples_run_from_the_clone_write_under_runs() -> None:
+    # Run from the clone (they read runs/...), a file they name elsewhere lands in its root.
+    files = re.compile(r"[\"']([\w./-]+\.(?:sqlite|safetensors|csv|parquet|json))[\"']")
+    outside = []
+    for page in sorted(DOCS.rglob("*.md")):
+        for code in re.findall(r"^```python\n(.*?)^```", page.read_text(), re.MULTILINE | re.DOTALL):
+            if '"runs/' in code:
+                outside += [f"{page.name}: {f}" for f in files.findall(code) if not f.startswith("runs/")]
+
+    assert outside == []

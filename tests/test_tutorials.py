@@ -106,13 +106,7 @@ def test_the_mixing_tutorial_runs_as_written(export: Callable[[ModelConfig], Pat
     (code,) = re.findall(r"^```python\n(.*?)^```", page, re.MULTILINE | re.DOTALL)
     written = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True)
     assert written.returncode == 0, written.stderr
-    (command,) = _commands(mix)
-    (mixed,) = _run(
-        [command.replace("central.safetensors", str(tmp_path / "central.safetensors"))],
-        shortened,
-        tmp_path,
-        env,
-    )
+    (mixed,) = _run(_commands(mix), shortened, tmp_path, env)  # runs/central.safetensors: the code's
     (central,) = _run(_commands(central_only), shortened, tmp_path, env)
 
     assert created.startswith("created population 'expressions'")
@@ -133,7 +127,8 @@ def test_the_fleet_against_a_server_takes_any_admin_token_from_the_environment(
 ) -> None:
     # token_urlsafe, as the pages make it, starts with "-" one time in 64 (on the command line,
     # argparse took it for an option); and a token there shows in process lists.
-    (_, _, clients, *_), _ = tutorial("postgresql.md")
+    blocks, _ = tutorial("postgresql.md")
+    clients = next(block for block in blocks if "create-population movies" in block)
     fleet = _commands(clients)[-1].removeprefix("./dev main")
     monkeypatch.setenv("ORCHESTRATOR_ADMIN_TOKEN", "-lWd")
     args = build_parser().parse_args(["run", *shlex.split(fleet)])
@@ -144,7 +139,9 @@ def test_the_fleet_against_a_server_takes_any_admin_token_from_the_environment(
 def test_the_postgresql_tutorial_runs_as_written(
     export: Callable[[ModelConfig], Path], tmp_path: Path
 ) -> None:
-    (_, server, clients, *_), shortened = tutorial("postgresql.md")
+    blocks, shortened = tutorial("postgresql.md")
+    server = next(block for block in blocks if "serve --workers" in block)
+    clients = next(block for block in blocks if "create-population movies" in block)
     *exports, serve = _commands(server)
     serve = serve.split("#")[0].strip()  # without its comment
     assert all(line.startswith("export ORCHESTRATOR_") for line in exports)

@@ -171,10 +171,10 @@ def ranking_table(hit_rates: HitRates, manifest: Manifest, task: TaskConfig) -> 
         caption_justify="left",
     )
     table.add_column("top-10", no_wrap=True)
-    table.add_column("hit rate@10", justify="right", no_wrap=True)
-    table.add_column(f"{model} minus", justify="right", no_wrap=True)
-    table.add_column("NDCG@10", justify="right", no_wrap=True)
-    table.add_column(f"{model} minus", justify="right", no_wrap=True)
+    table.add_column("hit rate@10", justify="right", overflow="fold")
+    table.add_column(f"{model} minus", justify="right", overflow="fold")
+    table.add_column("NDCG@10", justify="right", overflow="fold")
+    table.add_column(f"{model} minus", justify="right", overflow="fold")
     for method, found in e.methods.items():
         if method == "global" and not manifest.local_params:
             continue  # the model itself

@@ -195,3 +195,37 @@ def test_cooccurrence_ranks_what_the_same_devices_shared() -> None:
     training = [np.array([0, 1]), np.array([0, 1]), np.array([2, 3]), np.array([2, 3, 3])]
     tops = Cooccurrence().tops([np.array([0]), np.array([3])], training, num_items=12)
     assert tops[0][:2].tolist() == [0, 1] and set(tops[1][:2].tolist()) == {2, 3}
+
+
+def test_the_hit_rate_tables_show_every_figure_on_an_80_column_screen() -> None:
+    # A log file or an 80-column terminal is 80 wide: the walk's simulate table cut its intervals
+    # to "45.0 [39.5,…".
+    from pathlib import Path
+
+    from rich.console import Console
+
+    from android_sim.recommendations import HitRates
+    from android_sim.run_report import hit_rate_table
+    from android_sim.simulation.ranking import ranking_table
+    from contracts.manifest import load_manifest
+    from contracts.task_config import TaskConfig
+
+    rng = np.random.default_rng(0)
+    scored = [
+        _device(
+            i,
+            int(rng.integers(1, 9)),
+            [int(rng.integers(0, 20))],
+            np.full(20, 0.05),
+            **{m: rng.permutation(20)[:10].tolist() for m in ("personalized", "most_shared", "global")},
+        )
+        for i in range(40)
+    ]
+    hit_rates = HitRates(evaluate(scored), scored)
+    manifest = load_manifest(Path(__file__).parents[2] / "conformance" / "vectors" / "task" / "model")
+    assert manifest.local_params  # the table has its global row, as a FedRecon model's has
+    for table in (hit_rate_table(hit_rates), ranking_table(hit_rates, manifest, TaskConfig())):
+        console = Console(width=80, record=True)
+        console.print(table)
+        shown = console.export_text()
+        assert "…" not in shown and "+" in shown and "]" in shown, shown

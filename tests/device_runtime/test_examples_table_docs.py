@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from orchestrator.settings import Settings
 from tests.conftest import ROOT
 from tests.orchestrator.conftest import Server, admin_create_population
 
@@ -45,6 +46,10 @@ def test_the_import_command_and_the_python_examples_run_as_written(session: Path
     assert imported.returncode == 0, imported.stderr
     assert imported.stdout.startswith("stores: 3 examples of 3 rows in 2 example stores (2 created")
 
+    # The page's agent talks to a server at the orchestrator's default address, as `./dev serve` starts it.
+    default = f"http://127.0.0.1:{Settings.model_fields['port'].default}"
+    assert any(default in code for code in blocks("python")), default
+
     server = Server(session / "orchestrator.sqlite").start()
     try:
         settings = {"target_reports": 1, "min_reports": 1, "min_examples": 1, "round_duration_seconds": 60}
@@ -57,7 +62,7 @@ def test_the_import_command_and_the_python_examples_run_as_written(session: Path
         try:
             with contextlib.redirect_stdout(out):
                 for code in blocks("python"):
-                    exec(code.replace("http://127.0.0.1:8000", server.url), namespace)
+                    exec(code.replace(default, server.url), namespace)
         finally:
             os.chdir(cwd)
     finally:
