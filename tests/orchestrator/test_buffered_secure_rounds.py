@@ -145,7 +145,7 @@ def test_cohorts_sums_enter_the_buffer_weighted_by_staleness_and_no_update_is_he
             if p.assignment is not None and p.assignment.round_id == cohort and p.task and p.task.delta
         ]
         assert len(deltas) == 3
-        return np.sum(deltas, axis=0)
+        return np.asarray(np.sum(deltas, axis=0))
 
     base = decode_params((model_dir / "global_params.safetensors").read_bytes(), manifest.global_params, "v0")
     first_v, second_v = (
