@@ -40,6 +40,42 @@ def rounds(url: str, kind: str) -> list[dict[str, Any]]:
     )
 
 
+def after_earlier_cohorts(
+    url: str, agent: DeviceAgent, gate_opened: Callable[[], None]
+) -> Callable[[], bool]:
+    """A device's training conditions: it trains until the cohorts opened before its own have
+    closed (then `gate_opened()`), so cohorts finish in the order they opened."""
+
+    def should_continue() -> bool:  # on the training thread
+        assert agent.assignment is not None
+        mine = agent.assignment.round_id
+        give_up = time.monotonic() + 120
+        while time.monotonic() < give_up:
+            if all(r["status"] != "open" for r in rounds(url, "cohort") if r["id"] < mine):
+                break
+            time.sleep(0.1)
+        gate_opened()
+        return True
+
+    return should_continue
+
+
+async def until_admitted(
+    url: str, agent: DeviceAgent, gate_opened: Callable[[], None] = lambda: None
+) -> Participation:
+    """One participation, checking in again while its cohort is full or no cohort has room."""
+    for _ in range(600):
+        # (the gate only on the training thread: each phase goes on, on the event loop)
+        done = await agent.participate(
+            should_continue=after_earlier_cohorts(url, agent, gate_opened),
+            phase_continues=lambda _phase: True,
+        )
+        if done.status != "rejected":
+            return done
+        await asyncio.sleep(0.1)
+    raise AssertionError("never admitted")
+
+
 def test_cohorts_sums_enter_the_buffer_weighted_by_staleness_and_no_update_is_held_alone(
     server: Server, export: Callable[[ModelConfig], Path], movielens_users: UserData, tmp_path: Path
 ) -> None:
@@ -70,37 +106,18 @@ def test_cohorts_sums_enter_the_buffer_weighted_by_staleness_and_no_update_is_he
             )
             return [(int(a), int(b), int(n), bytes(t)) for a, b, n, t in rows]
 
-    def after_earlier_cohorts(agent: DeviceAgent) -> Callable[[], bool]:
-        def should_continue() -> bool:  # on the training thread: wait for the earlier cohorts
-            assert agent.assignment is not None
-            mine = agent.assignment.round_id
-            give_up = time.monotonic() + 120
-            while time.monotonic() < give_up:
-                earlier = [r for r in rounds(server.url, "cohort") if r["id"] < mine]
-                if all(r["status"] != "open" for r in earlier):
-                    break
-                time.sleep(0.1)
-            held.append(stored())
-            return True
-
-        return should_continue
-
-    async def until_admitted(agent: DeviceAgent) -> Participation:
-        for _ in range(600):  # a full cohort, or no room for the next: come back
-            # (the gate only on the training thread: each phase goes on, on the event loop)
-            done = await agent.participate(
-                should_continue=after_earlier_cohorts(agent), phase_continues=lambda _phase: True
-            )
-            if done.status != "rejected":
-                return done
-            await asyncio.sleep(0.1)
-        raise AssertionError("never admitted")
+    def snapshot() -> None:
+        held.append(stored())
 
     async def scenario() -> tuple[list[Participation], list[Participation], bytes, bytes]:
         async with httpx.AsyncClient(timeout=60) as http:
             fleet = await Fleet(server.url, tmp_path, movielens_users, list(range(12)), http).enroll()
-            first = list(await asyncio.gather(*(until_admitted(a) for a in fleet.agents[:9])))
-            second = list(await asyncio.gather(*(until_admitted(a) for a in fleet.agents[9:])))
+            first = list(
+                await asyncio.gather(*(until_admitted(server.url, a, snapshot) for a in fleet.agents[:9]))
+            )
+            second = list(
+                await asyncio.gather(*(until_admitted(server.url, a, snapshot) for a in fleet.agents[9:]))
+            )
             for _ in range(200):
                 if admin(server.url, "/v1/admin/populations/movies")["current_version"] == 2:
                     break
@@ -160,6 +177,62 @@ def test_cohorts_sums_enter_the_buffer_weighted_by_staleness_and_no_update_is_he
     (a_sum,) = {t for snapshot in held for r, _, _, t in snapshot if r == a}
     assert np.allclose(layout.flatten(load(a_sum)), summed(a), atol=6e-6)
     assert all(n == 3 for snapshot in held for _, _, n, _ in snapshot)
+    with engine.connect() as db:
+        for table in ("cohort_sums", "reports", "secure_masked_inputs"):
+            assert db.execute(text(f"SELECT count(*) FROM {table}")).scalar() == 0, table
+    engine.dispose()
+
+
+def test_a_cohort_too_stale_for_the_buffer_is_abandoned_and_its_sum_discarded(
+    server: Server, export: Callable[[ModelConfig], Path], movielens_users: UserData, tmp_path: Path
+) -> None:
+    # Prepare: two cohorts of 3 on version 0, a version every 3 devices' worth, no staleness
+    # allowed: A commits version 1, and B, which finishes after it, is one version too stale
+    model_dir = export(MOVIELENS)
+    population = settings(
+        target_reports=3,
+        oversampling=1.0,
+        min_reports=3,
+        aggregation="secure",
+        secure=PHASES,
+        rounds="buffered",
+        buffered={"buffer_size": 3, "concurrency": 6, "max_staleness": 0},
+        retry_after_seconds=0.1,
+    )
+    created = admin_create_population(server.url, model_dir, "movies", population)
+    assert created.status_code == 201, created.text
+
+    async def scenario() -> list[Participation]:
+        async with httpx.AsyncClient(timeout=60) as http:
+            fleet = await Fleet(server.url, tmp_path, movielens_users, list(range(6)), http).enroll()
+            return list(await asyncio.gather(*(until_admitted(server.url, a) for a in fleet.agents)))
+
+    # Execute
+    done = asyncio.run(scenario())
+
+    # Assert: A's three went into version 1; B was unmasked, then abandoned as stale: no version
+    # and no stored sum came of it
+    a, b = rounds(server.url, "cohort")
+    assert (a["status"], a["metrics"]["staleness"], b["status"], b["ended_by"]) == (
+        "committed",
+        0.0,
+        "abandoned",
+        "stale",
+    )
+    assert b["close_reason"] == (
+        "the cohort trained on version 0, 1 versions behind the current 1; this population adds sums "
+        "at most 0 versions stale: discarded"
+    )
+    mine: dict[int, list[str]] = {p.assignment.round_id: [] for p in done if p.assignment is not None}
+    for p in done:
+        assert p.assignment is not None
+        mine[p.assignment.round_id].append(p.status)
+    # (a device's part ends with its unmasking shares: B's devices did theirs, as in any secure
+    # round whose unmasked sum the server then refuses to use)
+    assert mine == {a["id"]: ["reported"] * 3, b["id"]: ["reported"] * 3}, [p.detail for p in done]
+    assert b["counters"]["reported"] == 3 and "buffer_id" not in b["metrics"]
+    assert admin(server.url, "/v1/admin/populations/movies")["current_version"] == 1
+    engine = create_engine(server.database_url)
     with engine.connect() as db:
         for table in ("cohort_sums", "reports", "secure_masked_inputs"):
             assert db.execute(text(f"SELECT count(*) FROM {table}")).scalar() == 0, table
