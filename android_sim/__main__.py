@@ -86,7 +86,8 @@ def _run_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
         choices=("synchronous", "buffered"),
         default=d.rounds_mode,
         help="buffered: devices check in while fewer than --concurrency train, and every --buffer-size "
-        "reports commit a version (stale ones weighted down); --rounds versions in all",
+        "reports commit a version (stale ones weighted down); --rounds versions in all; with "
+        "--aggregation secure, in cohorts of ceil(--target-reports x --oversampling) devices",
     )
     rounds.add_argument("--buffer-size", type=int, help="K: reports per version (default: --target-reports)")
     rounds.add_argument(

@@ -174,8 +174,6 @@ class RunConfig:
             problems.append(f"aggregation must be 'plaintext' or 'secure', got {self.aggregation!r}")
         if self.rounds_mode not in ("synchronous", "buffered"):
             problems.append(f"rounds_mode must be 'synchronous' or 'buffered', got {self.rounds_mode!r}")
-        if self.rounds_mode == "buffered" and self.aggregation == "secure":
-            problems.append("--rounds-mode buffered does not support --aggregation secure yet")
         if self.rounds_mode == "buffered" and self.clip_norm is not None:
             problems.append("--rounds-mode buffered does not support differential privacy (--clip-norm) yet")
         for name in ("buffer_size", "concurrency"):

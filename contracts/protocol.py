@@ -55,6 +55,8 @@ class InvalidMessage(ValueError):
 
 
 TaskKind = Literal["training", "evaluation"]
+# A round's kind: a task's, or a buffered secure population's cohort (its devices train in it).
+RoundKind = Literal["training", "evaluation", "cohort"]
 Aggregation = Literal["plaintext", "secure"]
 Id = Annotated[str, Spec(pattern=ID_PATTERN)]
 NonNegative = Annotated[int, Spec(ge=0)]
@@ -177,7 +179,7 @@ class RoundView:
     """A round as the admin API shows it."""
 
     id: NonNegative
-    kind: TaskKind
+    kind: RoundKind
     status: str
     base_version: NonNegative
     result_version: NonNegative | None

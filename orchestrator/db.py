@@ -144,7 +144,7 @@ class Round(Base):
     __tablename__ = "rounds"
     id: Mapped[int] = mapped_column(primary_key=True)
     population_id: Mapped[int] = mapped_column(ForeignKey("populations.id"))
-    kind: Mapped[str] = mapped_column(String(16))  # training | evaluation
+    kind: Mapped[str] = mapped_column(String(16))  # training | evaluation | cohort (cohorts)
     status: Mapped[str] = mapped_column(String(16))  # open | committed | abandoned
     base_version: Mapped[int]
     result_version: Mapped[int | None]
@@ -287,6 +287,20 @@ class SecureMaskedInput(Base):
     assignment_id: Mapped[str] = mapped_column(ForeignKey("assignments.id"), primary_key=True)
     round_id: Mapped[int] = mapped_column(ForeignKey("rounds.id"), index=True)
     masked_input: Mapped[bytes] = mapped_column(LargeBinary)
+
+
+class CohortSum(Base):
+    """A buffered secure population's cohort, unmasked: the sum of its survivors' clipped deltas,
+    held by the buffer it went into until that buffer closes (cohort_sums). Never one device's
+    update: a cohort's sum holds at least its min_reports (>= 3) inputs."""
+
+    __tablename__ = "cohort_sums"
+    round_id: Mapped[int] = mapped_column(ForeignKey("rounds.id"), primary_key=True)  # the cohort
+    buffer_id: Mapped[int] = mapped_column(ForeignKey("rounds.id"), index=True)
+    members: Mapped[int]  # the survivors whose inputs the sum holds
+    staleness: Mapped[int]  # versions committed between the cohort's download and its entry
+    factor: Mapped[float]  # f(staleness): the whole sum's weight is members x factor
+    total: Mapped[bytes] = mapped_column(LargeBinary)  # the sum, dense float32 safetensors
 
 
 class SecureRoundKey(Base):

@@ -163,7 +163,12 @@ class BufferedSettings(BaseModel):
 class PopulationSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
 
-    target_reports: int = Field(10, ge=1, le=MAX_ROUND_REPORTS, description="reports that commit a round")
+    target_reports: int = Field(
+        10,
+        ge=1,
+        le=MAX_ROUND_REPORTS,
+        description="reports that commit a round (rounds: buffered with aggregation: secure: a cohort's)",
+    )
     oversampling: float = Field(
         1.3, ge=1.0, le=100.0, description="accept up to ceil(target * oversampling) check-ins"
     )
@@ -325,11 +330,11 @@ class PopulationSettings(BaseModel):
             )
         # The masked sum of `capacity` inputs must fit `bits` with 8 bits of precision each
         # (secure_aggregation.RoundParameters); checked here, not when the first round opens.
-        levels = ((1 << (self.secure.bits - 1)) - 1) // self.capacity
+        levels = ((1 << (self.secure.bits - 1)) - 1) // self.secure_roster
         if self.aggregation == "secure" and levels < 2**7:
             raise ValueError(
                 f"secure.bits {self.secure.bits} leave {levels} quantization levels per device for a "
-                f"round of {self.capacity} devices (target_reports x oversampling); raise secure.bits "
+                f"round of {self.secure_roster} devices (target_reports x oversampling); raise secure.bits "
                 "(at least 8 bits of precision are needed) or lower the round's size"
             )
         dp = self.dp()
@@ -347,11 +352,12 @@ class PopulationSettings(BaseModel):
     def _buffered_sizes(self) -> PopulationSettings:
         if self.rounds != "buffered":
             return self
-        # Not built yet: refused here, at creation, rather than run with a wrong guarantee.
-        if self.aggregation == "secure":
+        # Secure: the buffer sums cohorts, each a secure round of target_reports x oversampling.
+        if self.aggregation == "secure" and self.buffered.concurrency < self.secure_roster:
             raise ValueError(
-                "rounds: buffered does not support aggregation: secure yet (a buffer's reports would "
-                "need cohorts of devices training at once); use rounds: synchronous"
+                f"buffered.concurrency ({self.buffered.concurrency}) must be at least one cohort: under "
+                f"aggregation: secure devices train in cohorts of ceil(target_reports x oversampling) = "
+                f"{self.secure_roster} devices"
             )
         if self.differential_privacy is not None:
             raise ValueError(
@@ -377,6 +383,11 @@ class PopulationSettings(BaseModel):
     @property
     def secure_training(self) -> bool:
         return self.aggregation == "secure"
+
+    @property
+    def secure_roster(self) -> int:
+        """A secure round's capacity (a buffered population's cohort's): target x oversampling."""
+        return math.ceil(self.target_reports * self.oversampling)
 
     @property
     def capacity(self) -> int:

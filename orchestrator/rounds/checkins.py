@@ -28,9 +28,11 @@ from orchestrator.populations.locks import (
     ADMISSION_COUNTERS,
     relock,
 )
-from orchestrator.rounds import buffering, idle_backoff, pace_steering, pausing
+from orchestrator.rounds import buffering, cohorts, idle_backoff, pace_steering, pausing
 from orchestrator.rounds import state as round_state
 from orchestrator.rounds.lifecycle import (
+    COHORT,
+    EVALUATION,
     TRAINING,
     advance,
     open_rounds,
@@ -114,7 +116,8 @@ def _accepted(assignment_id: str, round_: Round, deadline: float | None = None) 
     """`deadline`: the assignment's own, when it is not its round's (a buffered population's)."""
     clip_norm = round_.metrics.get(CLIP_NORM)
     deadline = round_.deadline if deadline is None else deadline
-    return Accepted(assignment_id, round_.id, round_.kind, deadline, round_.base_version, clip_norm)
+    kind = TRAINING if round_.kind == COHORT else round_.kind  # a device trains in a cohort
+    return Accepted(assignment_id, round_.id, kind, deadline, round_.base_version, clip_norm)
 
 
 class RoundClosed(Exception):
@@ -155,11 +158,18 @@ def checkin(
         if wants_training and TRAINING not in current and population.next_round_at is not None:
             idle_backoff.wake(session, population)
             current = advance(session, population, now)
+    # A buffered secure population's training check-ins join its cohorts (`cohorts`).
+    places = (
+        cohorts.places(session, population, settings, now)
+        if wants_training and TRAINING in current and settings.secure_training and settings.buffered_training
+        else None
+    )
+    in_rounds = [r.id for r in current.values()] + ([c.id for c in places.open] if places else [])
     devices = {r.device_id for r in requests}
     taken: dict[tuple[int, str], tuple[str, str]] = {
         (round_id, device_id): (assignment_id, status)
         for assignment_id, round_id, device_id, status in session.connection().execute(
-            _TAKEN, {"round_ids": [r.id for r in current.values()], "device_ids": list(devices)}
+            _TAKEN, {"round_ids": in_rounds, "device_ids": list(devices)}
         )
     }
     answers: list[Accepted | Refused | None] = []  # None: waits for its round's admission
@@ -195,6 +205,17 @@ def checkin(
                 )
             )
             continue
+        if request.kind == TRAINING and places is not None:
+            held = _held(places, taken, request.device_id)
+            if held is not None:  # a retried check-in: its assignment in its cohort, again
+                tally[population.name, request.kind, "again"] += 1
+                answers.append(held)
+                continue
+            if isinstance(places.accepting, Refused):
+                tally[population.name, request.kind, "full"] += 1
+                answers.append(places.accepting)
+                continue
+            round_ = places.accepting
         buffered = request.kind == TRAINING and settings.buffered_training
         # A buffer commits at K reports, long before its deadline: come back soon, not at its end.
         retry_after = (
@@ -254,7 +275,7 @@ def checkin(
         else:  # the same device twice in one group: the second gets the first's answer
             repeats.append((len(answers), first))
         answers.append(None)
-    by_id = {r.id: r for r in current.values()}
+    by_id = {r.id: r for r in [*current.values(), *(places.open if places else [])]}
     new_assignments: list[dict[str, Any]] = []
     for round_id in sorted(candidates.keys() | too_few.keys()):  # in id order: no deadlock between groups
         round_, waiting = by_id[round_id], candidates.get(round_id, [])
@@ -303,6 +324,17 @@ def checkin(
         session.connection().execute(_INSERT_ASSIGNMENTS, new_assignments)
     metrics.count_all(session, metrics.CHECKINS, tally)
     return cast(list[Accepted | Refused], answers)  # every None was filled above
+
+
+def _held(
+    places: cohorts.Places, taken: dict[tuple[int, str], tuple[str, str]], device_id: str
+) -> Accepted | None:
+    """The device's assignment still open in one of the open cohorts, if it has one."""
+    for cohort in places.open:
+        assignment_id, status = taken.get((cohort.id, device_id), ("", ""))
+        if status == "assigned":
+            return _accepted(assignment_id, cohort)
+    return None
 
 
 def _admit(session: Session, round_: Round, wanted: int, too_few: int, room: int | None = None) -> int:
@@ -380,7 +412,7 @@ def secure_round_of(
     assignment = _find_assignment(session, population, assignment_id, device_id, now, advance_rounds)
     if isinstance(assignment, Refused):
         return assignment
-    if assignment.round.kind != TRAINING or not population_settings(population).secure_training:
+    if assignment.round.kind == EVALUATION or not population_settings(population).secure_training:
         return Refused(409, f"round {assignment.round.id} does not use secure aggregation; report instead")
     return assignment.status, assignment.round
 

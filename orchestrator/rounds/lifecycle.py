@@ -44,19 +44,34 @@ from orchestrator.populations.config import (
 )
 from orchestrator.populations.locks import lock_admissions, lock_rounds
 from orchestrator.populations.model_versions import base_version, prune_model_versions, write_version
-from orchestrator.rounds import buffering, evaluation_intervals, idle_backoff, pace_steering, pausing
+from orchestrator.populations.settings import PopulationSettings
+from orchestrator.rounds import (
+    buffering,
+    cohort_sums,
+    evaluation_intervals,
+    idle_backoff,
+    pace_steering,
+    pausing,
+)
 from orchestrator.rounds import release as round_release
 from orchestrator.rounds import state as round_state
 from orchestrator.rounds.secure import messages
 
 TRAINING, EVALUATION = "training", "evaluation"
+# A buffered secure population's secure rounds (`cohorts`): their sums go into its buffer, the
+# training round (`cohort_sums`). Several may be open at once, so they are no kind of `open_rounds`.
+COHORT = "cohort"
 log = logging.getLogger("orchestrator.rounds")  # one logger for the rounds, whichever module
 
 # Fresh values even for rounds already in the session: a check-in reads them before it takes the
 # population's lock, and another server process may have reported into them meanwhile.
 _OPEN_ROUNDS = (
     select(Round)
-    .where(Round.population_id == bindparam("population_id"), Round.status == "open")
+    .where(
+        Round.population_id == bindparam("population_id"),
+        Round.status == "open",
+        Round.kind.in_((TRAINING, EVALUATION)),
+    )
     .execution_options(populate_existing=True)
 )
 _REPORT_WEIGHTS = (  # in the order the commit reads the reports
@@ -76,8 +91,13 @@ def open_round(
     """Open a round of `kind` now; `duration`: an evaluation round's own (an operator's), instead of
     the population's `evaluation_round_duration_seconds`."""
     settings = population_settings(population)
-    secure = kind == TRAINING and settings.secure_training
-    if kind == TRAINING:
+    # A buffered secure population's buffer takes its cohorts' sums; the cohorts are secure rounds.
+    by_cohorts = settings.secure_training and settings.buffered_training
+    secure = kind == COHORT or (kind == TRAINING and settings.secure_training and not by_cohorts)
+    if kind == COHORT:  # sized as a synchronous secure round
+        target, capacity, min_reports = settings.target_reports, settings.secure_roster, settings.min_reports
+        duration = settings.secure.duration_seconds
+    elif kind == TRAINING:
         target, capacity, min_reports = settings.target_reports, settings.capacity, settings.min_reports
         if settings.buffered_training:  # a buffer: it commits at K reports (capacity: concurrency)
             target = settings.buffered.buffer_size
@@ -195,11 +215,13 @@ def advance(
     if buffered:
         buffering.drop_expired(session, population, now)
     for round_ in sorted(current.values(), key=lambda r: r.id):
-        if round_.kind == TRAINING and secure:
-            advance_secure(session, population, round_, now)
+        if round_.kind == COHORT:  # a caller's locked rounds: cohorts are advanced below
             continue
         if round_.kind == TRAINING and buffered:
-            _buffer_at_deadline(session, population, round_, settings.round_duration_seconds, now)
+            _buffer_at_deadline(session, population, round_, settings, now)
+            continue
+        if round_.kind == TRAINING and secure:
+            advance_secure(session, population, round_, now)
             continue
         if round_.kind == EVALUATION and privacy_budget_spent(population):
             _drop_outstanding(session, population, round_, now)
@@ -213,25 +235,52 @@ def advance(
             commit(session, population, round_, now, closing=closing)
         else:
             _abandon(session, population, round_, closing, now)
+    if buffered and secure:
+        for cohort in open_cohorts(session, population):
+            advance_secure(session, population, cohort, now)
     current = open_rounds(session, population)
     if TRAINING not in current and _may_open_training(population, now):
         current[TRAINING] = open_round(session, population, TRAINING, now)
     return current
 
 
+def open_cohorts(session: Session, population: Population) -> list[Round]:
+    """A buffered secure population's open cohorts, oldest first."""
+    return list(
+        session.scalars(
+            select(Round)
+            .where(Round.population_id == population.id, Round.kind == COHORT, Round.status == "open")
+            .order_by(Round.id)
+            .execution_options(populate_existing=True)
+        )
+    )
+
+
 def _buffer_at_deadline(
-    session: Session, population: Population, buffer: Round, duration: float, now: float
+    session: Session, population: Population, buffer: Round, settings: PopulationSettings, now: float
 ) -> None:
     """A buffer past its deadline commits with at least `min_reports` reports; with fewer it stays
-    open for another `duration` (abandoning it would throw away the reports it holds). Its devices
-    still training keep their assignments: each has its own deadline."""
+    open for another `round_duration_seconds` (abandoning it would throw away the reports it
+    holds). Its devices still training keep their assignments: each has its own deadline."""
     if not round_state.past_deadline(buffer, now):
         return
     closing = round_state.at_deadline(buffer, 0)
     if closing.status == round_state.COMMITTED:
-        commit(session, population, buffer, now, closing=closing)
+        _commit_buffer(session, population, buffer, now, closing)
     else:
-        buffer.deadline = now + duration
+        buffer.deadline = now + settings.round_duration_seconds
+
+
+def _commit_buffer(
+    session: Session, population: Population, buffer: Round, now: float, closing: round_state.Closing
+) -> None:
+    """Commit a buffer: from its reports, or under secure aggregation from its cohorts' sums."""
+    config = config_of(population)
+    if not config.settings.secure_training:
+        commit(session, population, buffer, now, closing=closing)
+        return
+    mean_delta, members = cohort_sums.take(session, config.settings, buffer, config.manifest)
+    commit(session, population, buffer, now, mean_delta, members, closing)
 
 
 def _drop_outstanding(session: Session, population: Population, round_: Round, now: float) -> int:
@@ -271,11 +320,40 @@ def advance_secure(session: Session, population: Population, round_: Round, now:
             had=outcome.survivors,
             needed=round_.min_reports,
         )
-        commit(session, population, round_, now, outcome.mean_delta, outcome.survivors, closing)
+        if round_.kind == COHORT:
+            _cohort_unmasked(session, population, round_, outcome, closing, now)
+        else:
+            commit(session, population, round_, now, outcome.mean_delta, outcome.survivors, closing)
     elif isinstance(outcome, messages.Abandon):
         _abandon(session, population, round_, outcome.closing, now)
-        if _may_open_training(population, now):
+        # (a cohort: the next one opens when devices check in, `cohorts`)
+        if round_.kind == TRAINING and _may_open_training(population, now):
             open_round(session, population, TRAINING, now)
+
+
+def _cohort_unmasked(
+    session: Session,
+    population: Population,
+    cohort: Round,
+    unmasked: messages.Commit,
+    closing: round_state.Closing,
+    now: float,
+) -> None:
+    """A cohort's sum goes into the open buffer (`cohort_sums`), which commits at its target; the
+    cohort is committed (into the buffer), or abandoned with its sum discarded if it cannot go in."""
+    settings = population_settings(population)
+    buffer = open_rounds(session, population).get(TRAINING)
+    refused = cohort_sums.enter(session, settings, cohort, buffer, unmasked)
+    if refused is not None:
+        _abandon(session, population, cohort, refused, now)
+        return
+    assert buffer is not None
+    lock_admissions(session, [cohort])
+    round_state.close(cohort, closing, now)
+    _count_closed(session, population, cohort, "committed")
+    reached = round_state.target_reached(buffer)
+    if reached is not None:
+        _commit_buffer(session, population, buffer, now, reached)
 
 
 def commit(

@@ -295,7 +295,7 @@ def _content(config: PopulationConfig, found: Found, event: Event) -> Content:
     """A report's content checked, in this order: its round takes reports, its Content-Type is the
     round's kind's (checked before parsing: the assignment stays open), and it parses."""
     round_ = found.round
-    if round_.kind == TRAINING and config.secure_training:
+    if round_.kind != EVALUATION and config.secure_training:  # a training round's or a cohort's
         return Unread(
             Refused(
                 409,
@@ -418,7 +418,7 @@ def _count(session: Session, step: _Step, event: Event, now: float) -> Counted |
     # Under the locks it was read after them: no other process finished it since.
     assert finished.rowcount, f"assignment {found.id} changed under its round's lock"
     if event.abort:
-        if round_.kind == TRAINING and config_of(population).secure_training:
+        if round_.kind != EVALUATION and config_of(population).secure_training:
             messages.count_leaving(session, round_.id, found.id)  # its phase's open devices
         metrics.count(session, metrics.ABORTS, (population.name, round_.kind))
         return Counted(round_, round_.status, round_.reported)

@@ -15,8 +15,8 @@ from contracts.protocol import (
     ModelVersionView,
     PopulationView,
     PrivacyView,
+    RoundKind,
     RoundView,
-    TaskKind,
 )
 from orchestrator import devices
 from orchestrator.db import Population, Round
@@ -42,7 +42,7 @@ RECENT_ROUNDS = 5
 def round_out(r: Round) -> RoundView:
     return RoundView(
         id=r.id,
-        kind=cast(TaskKind, r.kind),  # a round is of one of the two kinds
+        kind=cast(RoundKind, r.kind),  # a round is of one of the three kinds
         status=r.status,
         base_version=r.base_version,
         result_version=r.result_version,

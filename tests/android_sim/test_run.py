@@ -22,7 +22,7 @@ from android_sim.fleet import FleetStats
 from android_sim.options import algorithm
 from android_sim.profiles import DeviceClass
 from android_sim.run import run, run_async
-from android_sim.run_config import RunConfig, RunError, RunResult
+from android_sim.run_config import RunConfig, RunResult
 from android_sim.session import progress_line
 from contracts.manifest import load_manifest
 from contracts.mixing import max_gradient_bytes
@@ -539,6 +539,23 @@ def test_a_fleet_trains_in_buffered_rounds(work: Path) -> None:
     reconcile(result)
 
 
-def test_buffered_rounds_with_secure_aggregation_are_refused_before_anything_starts(tmp_path: Path) -> None:
-    with pytest.raises(RunError, match="--rounds-mode buffered does not support --aggregation secure yet"):
-        small(tmp_path, rounds_mode="buffered", aggregation="secure")
+def test_a_fleet_trains_in_buffered_rounds_under_secure_aggregation(work: Path) -> None:
+    # Cohorts of ceil(6 x 1.5) = 9 devices, up to two training at once, a version every 6 devices'
+    # worth: each buffer holds the unmasked sums of whole cohorts, never a device's update.
+    config = small(
+        work, rounds_mode="buffered", aggregation="secure", buffer_size=6, concurrency=18, rounds=3
+    )
+
+    result = run(config, Console(width=120, record=True))
+
+    report = json.loads(result.report_path.read_text())
+    buffers = [r for r in report["rounds"] if r["kind"] == "training" and r["status"] == "committed"]
+    cohorts = [r for r in report["rounds"] if r["kind"] == "cohort" and r["status"] == "committed"]
+    assert result.rounds_committed == 3 and len(buffers) == 3
+    # Each buffer's count is its cohorts' survivors, and at least its size; no training metrics.
+    for buffer in buffers:
+        into = [c for c in cohorts if c["metrics"].get("buffer_id") == buffer["id"]]
+        assert into and buffer["counters"]["reported"] == sum(c["counters"]["reported"] for c in into)
+        assert buffer["counters"]["reported"] >= 6 and "query_loss" not in buffer["metrics"]
+    assert all(3 <= c["counters"]["reported"] <= 9 for c in cohorts)
+    assert report["fleet"]["device_side_outcomes"].get("training/reported", 0) >= 3 * 6

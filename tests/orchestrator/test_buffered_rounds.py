@@ -141,10 +141,6 @@ def test_a_report_past_the_maximum_staleness_is_refused_with_its_reason(
     ("settings", "problem"),
     [
         (
-            {"rounds": "buffered", "aggregation": "secure", "min_reports": 3},
-            "rounds: buffered does not support aggregation: secure yet",
-        ),
-        (
             {
                 "rounds": "buffered",
                 "differential_privacy": {"clip_norm": 1.0, "noise_multiplier": 1.0, "population_size": 100},

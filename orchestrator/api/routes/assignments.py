@@ -20,7 +20,7 @@ from orchestrator.populations import central_training, mixing
 from orchestrator.populations.central_training import CentralJob
 from orchestrator.populations.config import population_manifest, population_settings
 from orchestrator.populations.locks import population_of_assignment
-from orchestrator.rounds.lifecycle import TRAINING
+from orchestrator.rounds.lifecycle import EVALUATION
 from orchestrator.rounds.refusals import Refused
 from orchestrator.service.reports import ReportCall, ReportGroups
 
@@ -147,7 +147,7 @@ def _gradient_job(factory: sessionmaker[Session], token: str, assignment_id: str
         population, assignment = _open_assignment(session, token, assignment_id)
         round_ = session.get(Round, assignment.round_id)
         assert round_ is not None  # an assignment's round is never deleted
-        if round_.kind != TRAINING:
+        if round_.kind == EVALUATION:  # a training round's or a cohort's trains
             raise HTTPException(404, f"assignment {assignment_id!r} is an evaluation; it trains nothing")
         version = session.get(ModelVersion, (population.id, round_.base_version))
         if version is None:
