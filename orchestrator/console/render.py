@@ -194,8 +194,9 @@ def buffer(b: Mapping[str, Any], now: float) -> list[str]:
         stale = f"staleness ({window}): no report counted"
     finished = sum(b.get(k, 0) for k in ("counted", "refused_stale", "expired", "invalid"))
     if finished:
+        counted = f"counted {b['counted']} ({100 * b['counted'] / finished:.0f}%)"
         share = (
-            f"finished participations: {finished}, counted {b['counted']} ({100 * b['counted'] / finished:.0f}%), "
+            f"finished participations: {finished}, {counted}, "
             f"refused as too stale {b['refused_stale']}, dropped at their deadline {b['expired']}, "
             f"invalid or aborted {b['invalid']}"
         )

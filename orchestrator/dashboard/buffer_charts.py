@@ -132,12 +132,14 @@ def counted_share(view: BufferView) -> Markup:
             w = count / total * plot_w
             body.append(
                 f'<rect class="outcome {name}" data-count="{count}" x="{x:.1f}" y="8" width="{w:.1f}" '
-                f'height="22" fill="{color}" stroke="#fff" stroke-width="0.5"><title>{escape(tip)}</title></rect>'
+                f'height="22" fill="{color}" stroke="#fff" stroke-width="0.5">'
+                f"<title>{escape(tip)}</title></rect>"
             )
             x += w
         body.append(f'<rect x="{legend_x}" y="42" width="10" height="10" fill="{color}"/>')
-        body.append(_text(legend_x + 14, 51, f"{words} {count}"))
-        legend_x += 150
+        entry = f"{words} {count}"
+        body.append(_text(legend_x + 14, 51, entry, size=10))
+        legend_x += 26 + 6 * len(entry)  # about 6 px a character at 10 px
     body.append(
         _text(PAD, 66, f"{total} devices finished; {100 * view.counted / total:.0f}% counted", size=10)
     )
