@@ -128,3 +128,25 @@ def test_a_synchronous_population_has_no_buffer_figures(
     assert view["buffer"] is None
     assert "buffer:" not in render.population(view, [], time.time())
     assert not any(name.startswith("orchestrator_buffer") for name, _ in metric_samples(server.url))
+
+
+def test_versions_per_hour_count_each_commit_in_its_whole_utc_hour() -> None:
+    now = 1_800_000_000.0 + 0.5 * buffer_figures.HOUR  # half past an hour
+    this_hour = now - 0.5 * buffer_figures.HOUR
+    start, counts = buffer_figures.versions_per_hour(
+        [
+            this_hour,
+            this_hour - 1,
+            this_hour - 23 * buffer_figures.HOUR,
+            this_hour - 23 * buffer_figures.HOUR - 1,
+        ],
+        now,
+    )
+    assert start == this_hour - 23 * buffer_figures.HOUR
+    assert len(counts) == buffer_figures.HOURS and sum(counts) == 3  # the last is 24 h back: out
+    assert (counts[0], counts[-2], counts[-1]) == (1, 1, 1)
+
+
+def test_staleness_counts_fill_the_staleness_no_report_had_with_zeros() -> None:
+    assert buffer_figures.staleness_counts({}) == []
+    assert buffer_figures.staleness_counts({0: 2, 3: 1}) == [2, 0, 0, 1]
