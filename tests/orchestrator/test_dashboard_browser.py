@@ -345,7 +345,8 @@ def test_an_operator_sees_a_buffered_populations_fill_staleness_and_versions_per
             open_buffer = page.locator("#open-buffer").inner_text()
             bars = page.eval_on_selector_all(
                 "#buffer-staleness rect.staleness",
-                "rs => rs.map(r => [r.dataset.staleness, Number(r.dataset.count), r.getBoundingClientRect().height])",
+                "rs => rs.map(r => [r.dataset.staleness, Number(r.dataset.count),"
+                " r.getBoundingClientRect().height])",
             )
             hours = page.eval_on_selector_all(
                 "#buffer-versions rect.hour", "rs => rs.map(r => Number(r.dataset.count))"
