@@ -242,6 +242,34 @@ class DevicesSeenView:
 
 
 @dataclass(frozen=True)
+class BufferView:
+    """A buffered population's training (`rounds: buffered`): its open buffer, how stale the
+    reports counted lately were, how many finished participations counted, versions per hour."""
+
+    buffer_size: Annotated[NonNegative, Spec("reports a buffer commits at (buffered.buffer_size)")] = 0
+    open_round_id: Annotated[int | None, Spec("the open buffer's round; null: none open")] = None
+    open_reports: Annotated[NonNegative, Spec("reports in the open buffer")] = 0
+    open_since: Annotated[float | None, Spec("when the open buffer opened; null: none open")] = None
+    window_versions: Annotated[
+        NonNegative, Spec("committed buffers the window covers (the newest, with the open one)")
+    ] = 0
+    window_start: Annotated[float | None, Spec("the oldest buffer of the window's opening")] = None
+    staleness_counts: Annotated[
+        list[NonNegative], Spec("item s: reports counted into the window's buffers s versions stale")
+    ] = field(default_factory=list)
+    counted: Annotated[NonNegative, Spec("participations finished in the window that counted")] = 0
+    refused_stale: Annotated[
+        NonNegative, Spec("finished in the window: refused as too stale (dropped before their deadline)")
+    ] = 0
+    expired: Annotated[NonNegative, Spec("finished in the window: dropped at their own deadline")] = 0
+    invalid: Annotated[NonNegative, Spec("finished in the window: refused as invalid or aborted")] = 0
+    hours_start: Annotated[float | None, Spec("the start of versions_per_hour's first hour (UTC)")] = None
+    versions_per_hour: Annotated[
+        list[NonNegative], Spec("versions committed in each hour of the last 24, oldest first")
+    ] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
 class PopulationView:
     """A population as the admin API shows it: its model, settings, open rounds and privacy."""
 
@@ -272,6 +300,7 @@ class PopulationView:
     model_versions: Annotated[list[ModelVersionView], Spec("the model versions kept, newest first")] = field(
         default_factory=list
     )
+    buffer: Annotated[BufferView | None, Spec("only for populations with rounds: buffered")] = None
 
 
 # ---- reading a message -------------------------------------------------------------------------

@@ -163,6 +163,8 @@ def population(p: Mapping[str, Any], rounds: Sequence[Mapping[str, Any]], now: f
             f"open: {r['kind']} round #{r['id']} on version {r['base_version']}{fill}, deadline "
             f"{when(r['deadline'])} (in {duration(max(r['deadline'] - now, 0.0))})"
         )
+    if p.get("buffer") is not None:
+        lines.extend(buffer(p["buffer"], now))
     lines.append(privacy(p.get("privacy")))
     lines.append(model_versions(p))
     lines.append(devices_seen(p.get("devices_seen"), now))
@@ -170,6 +172,40 @@ def population(p: Mapping[str, Any], rounds: Sequence[Mapping[str, Any]], now: f
     lines.append(f"rounds (newest first, {len(rounds)}):" if rounds else "rounds: none yet")
     lines.extend("  " + round_line(r, now).replace("\n", "\n  ") for r in rounds)
     return "\n".join(lines)
+
+
+def buffer(b: Mapping[str, Any], now: float) -> list[str]:
+    """A buffered population's figures (BufferView): the open buffer, the staleness of the reports
+    counted in the window, what the finished participations came to, versions per hour."""
+    if b.get("open_round_id") is None:
+        fill = "buffer: none open"
+    else:
+        fill = (
+            f"buffer: #{b['open_round_id']} {b['open_reports']}/{b['buffer_size']} reports, open for "
+            f"{duration(max(now - b['open_since'], 0.0))}"
+        )
+    counts = b.get("staleness_counts") or []
+    window = f"the newest {b.get('window_versions', 0)} committed buffers and the open one"
+    if sum(counts):
+        by = ", ".join(f"{s}: {n}" for s, n in enumerate(counts) if n)
+        mean = sum(s * n for s, n in enumerate(counts)) / sum(counts)
+        stale = f"staleness ({window}): mean {mean:.2f} versions; reports by staleness {by}"
+    else:
+        stale = f"staleness ({window}): no report counted"
+    finished = sum(b.get(k, 0) for k in ("counted", "refused_stale", "expired", "invalid"))
+    if finished:
+        counted = f"counted {b['counted']} ({100 * b['counted'] / finished:.0f}%)"
+        share = (
+            f"finished participations: {finished}, {counted}, "
+            f"refused as too stale {b['refused_stale']}, dropped at their deadline {b['expired']}, "
+            f"invalid or aborted {b['invalid']}"
+        )
+    else:
+        share = "finished participations: none (idle)"
+    hourly = b.get("versions_per_hour") or []
+    last = hourly[-1] if hourly else 0
+    versions = f"versions committed: {last} this hour, {sum(hourly)} in the last {len(hourly)} h"
+    return [fill, stale, share, versions]
 
 
 SHOWN_VERSIONS = 5

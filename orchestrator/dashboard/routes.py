@@ -23,7 +23,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from orchestrator.api.deps import is_admin, run_db
 from orchestrator.api.rate_limits import TokenBuckets
 from orchestrator.console.render import duration, when
-from orchestrator.dashboard import charts, overview, sessions, trends
+from orchestrator.dashboard import buffer_charts, charts, overview, sessions, trends
 from orchestrator.populations.locks import lock_population
 from orchestrator.rounds import pausing
 from orchestrator.rounds.lifecycle import advance
@@ -40,6 +40,7 @@ TEMPLATES.globals.update(
     when=when,
     duration=duration,
     charts=charts,
+    buffer_charts=buffer_charts,
     trends=trends,
     outcome=charts.round_outcome,
     status_of=charts.status_of,

@@ -384,7 +384,6 @@ def _into_buffer(session: Session, step: _Step, now: float) -> Refused | None:
         return placed
     step.found = replace(found, round=placed.buffer)
     if step.report is not None:
-        metrics.observe(session, metrics.REPORT_STALENESS, (population.name,), placed.staleness)
         weight, delta, metric_sums = step.report
         step.report = (weight * placed.factor, delta, metric_sums)
         both = state.add_metric_sums(metric_sums, placed.metric_sums())

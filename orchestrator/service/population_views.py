@@ -20,6 +20,7 @@ from contracts.protocol import (
 )
 from orchestrator import devices
 from orchestrator.db import Population, Round
+from orchestrator.observability.buffer_figures import buffer_view
 from orchestrator.populations import model_versions
 from orchestrator.populations.config import population_settings
 from orchestrator.rounds import idle_backoff
@@ -100,6 +101,7 @@ def population_out(session: Session, p: Population, now: float | None = None) ->
         archived_at=p.archived_at,
         devices_seen=DevicesSeenView(*devices.seen(session, p.id, now)),
         model_versions=[ModelVersionView(*kept) for kept in model_versions.kept(session, p)],
+        buffer=buffer_view(session, p, now),
     )
 
 

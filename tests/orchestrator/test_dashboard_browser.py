@@ -308,3 +308,73 @@ def test_an_operator_watches_rounds_commit_and_pauses_the_population_in_a_browse
     for name in ("dashboard-sign-in.png", "dashboard-population.png", "dashboard-paused.png"):
         assert (shots / name).stat().st_size > 10_000
     shutil.rmtree(tmp_path / "devices", ignore_errors=True)
+
+
+def sign_in(page: Any, url: str) -> None:
+    page.goto(url + "/dashboard")
+    page.fill("#token", ADMIN_TOKEN)
+    page.click("#sign-in")
+    page.wait_for_selector("#populations")
+
+
+def test_an_operator_sees_a_buffered_populations_fill_staleness_and_versions_per_hour(
+    export: Callable[[ModelConfig], Path], tmp_path: Path
+) -> None:
+    from tests.orchestrator.test_buffer_figures import staleness_mix
+    from tests.orchestrator.test_buffered_rounds import buffered
+
+    sync_playwright = _browser_or_skip()
+    shots = Path(os.environ.get("FEDRECON_DASHBOARD_SCREENSHOTS") or tmp_path / "screenshots")
+    shots.mkdir(parents=True, exist_ok=True)
+    model_dir = export(BIASED)
+    with Server(tmp_path / "orchestrator.sqlite") as server:
+        # Over real HTTP: reports 0 and 1 versions stale counted, one 2 versions stale refused,
+        # the open buffer holding one report of two.
+        staleness_mix(server.url, model_dir)
+        quiet = admin_create_population(
+            server.url, model_dir, "quiet", buffered(buffer_size=4, concurrency=4)
+        )
+        assert quiet.status_code == 201, quiet.text
+        with sync_playwright() as playwright:
+            browser = playwright.chromium.launch(executable_path=str(CHROMIUM), args=["--no-sandbox"])
+            page = browser.new_context(viewport={"width": 1280, "height": 900}).new_page()
+            sign_in(page, server.url)
+            page.goto(server.url + "/dashboard/populations/p")
+            page.wait_for_selector("#buffer-staleness")
+            html = page.content()
+            open_buffer = page.locator("#open-buffer").inner_text()
+            bars = page.eval_on_selector_all(
+                "#buffer-staleness rect.staleness",
+                "rs => rs.map(r => [r.dataset.staleness, Number(r.dataset.count),"
+                " r.getBoundingClientRect().height])",
+            )
+            hours = page.eval_on_selector_all(
+                "#buffer-versions rect.hour", "rs => rs.map(r => Number(r.dataset.count))"
+            )
+            outcomes = page.eval_on_selector_all(
+                "#buffer-outcomes rect.outcome",
+                "rs => rs.map(r => [r.classList[1], Number(r.dataset.count)])",
+            )
+            page.locator("#buffer-fill").scroll_into_view_if_needed()
+            screenshot(page, shots / "dashboard-buffered.png")
+            page.goto(server.url + "/dashboard/populations/quiet")
+            quiet_html = page.content()
+            browser.close()
+
+    assert re.fullmatch(r"1/2 reports, open for \d+(\.\d)? (s|min)", open_buffer), open_buffer
+    assert "of 2 reports, open for" in html
+    assert [(s, n) for s, n, _ in bars] == [("0", 3), ("1", 2)]
+    assert bars[0][2] > bars[1][2] > 0  # drawn as tall as their counts
+    assert sum(hours) == 2 and len(hours) == 24
+    assert dict(outcomes) == {"counted": 5, "refused_stale": 1}
+    assert "6 devices finished; 83% counted" in html
+    ticks = re.findall(r'class="version"[^>]*>([^<]+)<', html)
+    assert ticks and all(t.isdigit() for t in ticks), ticks
+    for unit in ("staleness (versions behind)", "reports", "versions / hour", "hour (UTC)"):
+        assert unit in html, unit
+    assert "<script" not in html and ADMIN_TOKEN not in html
+    # A buffered population no device came to: idle, not failing.
+    assert 'id="buffer-idle"' in quiet_html and "idle: no report counted yet" in quiet_html
+    assert "idle: no version committed in the last 24 h" in quiet_html
+    assert "idle: no participation finished yet" in quiet_html
+    assert (shots / "dashboard-buffered.png").stat().st_size > 10_000

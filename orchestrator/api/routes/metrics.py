@@ -14,7 +14,7 @@ import logging
 from fastapi import APIRouter, Request, Response
 
 from orchestrator.api.deps import DATABASE_UNAVAILABLE, SettingsDep, TokenDep, require_admin, run_db
-from orchestrator.observability import metrics, round_counter
+from orchestrator.observability import buffer_metrics, metrics, round_counter
 
 router = APIRouter(tags=["admin"])
 log = logging.getLogger("orchestrator")
@@ -34,8 +34,12 @@ async def scrape(request: Request, token: TokenDep, settings: SettingsDep) -> Re
     app = request.app
     try:
         app.state.round_counts = await run_db(app, round_counter.round_counts, app.state.sessionmaker)
+        app.state.buffer_readings = await run_db(app, buffer_metrics.buffer_readings, app.state.sessionmaker)
     except DATABASE_UNAVAILABLE:  # the last reading: a counter must not go back meanwhile
         log.warning("metrics: rounds not read, the database is busy or unavailable")
     return Response(
-        body + round_counter.exposition(getattr(app.state, "round_counts", {})), media_type=content_type
+        body
+        + round_counter.exposition(getattr(app.state, "round_counts", {}))
+        + buffer_metrics.exposition(getattr(app.state, "buffer_readings", {})),
+        media_type=content_type,
     )
