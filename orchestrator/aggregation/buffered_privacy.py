@@ -50,11 +50,15 @@ def buffered_epsilon(noise_multiplier: float, participations: int, delta: float)
     from dp_accounting.rdp import rdp_privacy_accountant
 
     accountant = rdp_privacy_accountant.RdpAccountant()
-    accountant.compose(dp_event.SelfComposedDpEvent(dp_event.GaussianDpEvent(noise_multiplier), participations))
+    accountant.compose(
+        dp_event.SelfComposedDpEvent(dp_event.GaussianDpEvent(noise_multiplier), participations)
+    )
     return float(accountant.get_epsilon(delta))
 
 
-def closed_form_epsilon(noise_multiplier: float, participations: int, delta: float, orders: np.ndarray) -> float:
+def closed_form_epsilon(
+    noise_multiplier: float, participations: int, delta: float, orders: np.ndarray
+) -> float:
     """The same bound by hand: m Gaussian releases have RDP m * alpha / (2 z^2) at order alpha,
     converted with the conversion dp_accounting uses (Canonne, Kamath and Steinke 2020,
     Proposition 12), minimised over `orders`. The tests check `buffered_epsilon` equals it."""
@@ -72,12 +76,18 @@ def buffered_dp_problems(max_participations: int | None, adaptive_clipping: bool
             "differential_privacy.max_participations is required with rounds: buffered: without a cap a "
             "device may be in every buffer and no epsilon bounds it (there is no sampling to amplify)"
         )
-    elif isinstance(max_participations, bool) or not isinstance(max_participations, int) or max_participations < 1:
-        problems.append(f"differential_privacy.max_participations must be an integer >= 1, got {max_participations!r}")
+    elif (
+        isinstance(max_participations, bool)
+        or not isinstance(max_participations, int)
+        or max_participations < 1
+    ):
+        problems.append(
+            f"differential_privacy.max_participations must be an integer >= 1, got {max_participations!r}"
+        )
     if adaptive_clipping:
         problems.append(
-            "differential_privacy.target_unclipped_quantile (adaptive clipping) is not supported with rounds: "
-            "buffered: its noised unclipped count per buffer is a release this accountant does not count; "
-            "use a fixed clip_norm"
+            "differential_privacy.target_unclipped_quantile (adaptive clipping) is not supported with "
+            "rounds: buffered: its noised unclipped count per buffer is a release this accountant "
+            "does not count; use a fixed clip_norm"
         )
     return problems

@@ -20,7 +20,9 @@ from orchestrator.aggregation.differential_privacy import epsilon as poisson_eps
 ORDERS = np.asarray(rdp_privacy_accountant.DEFAULT_RDP_ORDERS, dtype=np.float64)
 
 
-@pytest.mark.parametrize(("z", "m", "delta"), [(1.0, 10, 1e-5), (0.7, 3, 1e-6), (2.5, 100, 1e-5), (5.0, 1, 1e-4)])
+@pytest.mark.parametrize(
+    ("z", "m", "delta"), [(1.0, 10, 1e-5), (0.7, 3, 1e-6), (2.5, 100, 1e-5), (5.0, 1, 1e-4)]
+)
 def test_equals_closed_form_gaussian_composition(z: float, m: int, delta: float) -> None:
     assert buffered_epsilon(z, m, delta) == pytest.approx(closed_form_epsilon(z, m, delta, ORDERS), rel=1e-9)
 
