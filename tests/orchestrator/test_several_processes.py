@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 import numpy as np
@@ -70,6 +71,9 @@ def deployment(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Deplo
         yield Deployment(server.start(), url, log_path)
 
 
+TRANSPORT_ERROR = 0  # Seen.statuses' key for a request whose connection closed before an answer
+
+
 @dataclass
 class Seen:
     """What the devices were told."""
@@ -77,6 +81,7 @@ class Seen:
     assignments: dict[tuple[str, int], set[str]] = field(default_factory=dict)  # (device, round) -> ids
     reports_accepted: dict[str, int] = field(default_factory=dict)  # assignment -> 200 answers
     statuses: dict[int, int] = field(default_factory=dict)
+    unanswered_reports: int = 0  # reports whose connection closed: the server may have counted them
 
     def status(self, code: int) -> None:
         self.statuses[code] = self.statuses.get(code, 0) + 1
@@ -87,12 +92,23 @@ async def device(url: str, body: bytes, seen: Seen, rng: random.Random, stop: as
         token = (await http.post("/v1/devices")).json()["token"]
         headers = {"Authorization": f"Bearer {token}"}
 
-        async def checkin() -> httpx.Response:
-            return await http.post("/v1/populations/p/checkin", json={"example_count": 50}, headers=headers)
+        async def post(path: str, **kwargs: Any) -> httpx.Response | None:
+            # A connection the server closed as the request went out (its keep-alive timer, on a
+            # loaded machine) is what a device meets and retries, as the device runtime's client
+            # does; whether the server processed it is left open, which the invariants allow.
+            try:
+                return await http.post(path, **kwargs)
+            except httpx.TransportError:
+                seen.status(TRANSPORT_ERROR)
+                return None
+
+        async def checkin() -> httpx.Response | None:
+            return await post("/v1/populations/p/checkin", json={"example_count": 50}, headers=headers)
 
         while not stop.is_set():
             # Sometimes the same check-in twice at once (a client retrying): one assignment at most.
-            answers = await asyncio.gather(*[checkin() for _ in range(2 if rng.random() < 0.3 else 1)])
+            sent = await asyncio.gather(*[checkin() for _ in range(2 if rng.random() < 0.3 else 1)])
+            answers = [a for a in sent if a is not None]
             for answer in answers:
                 seen.status(answer.status_code)
             accepted = [a.json() for a in answers if a.status_code == 200 and a.json().get("accepted", True)]
@@ -106,20 +122,22 @@ async def device(url: str, body: bytes, seen: Seen, rng: random.Random, stop: as
             fate = rng.random()
             await asyncio.sleep(rng.uniform(0, 0.3) if fate < 0.9 else 2.5)  # some past the deadline
             if fate < 0.1:
-                answer = await http.post(assignment["abort_url"], headers=headers)
-                seen.status(answer.status_code)
+                aborted = await post(assignment["abort_url"], headers=headers)
+                if aborted is not None:
+                    seen.status(aborted.status_code)
             elif fate < 0.15:
                 pass  # vanishes: the deadline drops it
             else:
                 # Sometimes the same report twice at once (a replay): it counts once at most.
                 copies = 2 if rng.random() < 0.3 else 1
-                answers = await asyncio.gather(
+                reported = await asyncio.gather(
                     *[
-                        http.post(assignment["report_url"], content=body, headers={**headers, **OCTETS})
+                        post(assignment["report_url"], content=body, headers={**headers, **OCTETS})
                         for _ in range(copies)
                     ]
                 )
-                for answer in answers:
+                seen.unanswered_reports += sum(a is None for a in reported)
+                for answer in [a for a in reported if a is not None]:
                     seen.status(answer.status_code)
                     if answer.status_code == 200:
                         ids = assignment["assignment_id"]
@@ -184,13 +202,17 @@ def test_invariants_hold_under_concurrent_devices(
     samples = scrape(deployment.server.url)
 
     assert not [s for s in seen.statuses if s >= 500], seen.statuses
+    # A closed connection now and then is the network's; a server that drops many is not healthy.
+    assert seen.statuses.get(TRANSPORT_ERROR, 0) * 10 < sum(seen.statuses.values()), seen.statuses
     ledger = check_ledger(deployment.database_url, load_manifest(model_dir))
 
     assert len(ledger.committed) >= 3, "the load should commit several rounds"
     # As the devices saw it: one assignment per device and round, one 200 per report at most.
     assert all(len(ids) == 1 for ids in seen.assignments.values())
     assert set(seen.reports_accepted.values()) == {1}
-    assert sum(seen.reports_accepted.values()) == sum(ledger.reports.values()) == ledger.reported_assignments
+    assert sum(ledger.reports.values()) == ledger.reported_assignments
+    answered = sum(seen.reports_accepted.values())
+    assert answered <= ledger.reported_assignments <= answered + seen.unanswered_reports
     # /metrics adds up every process's counts.
     accepted = sum(r.accepted for r in ledger.rounds)
     assert total(samples, "orchestrator_checkins_total", answer="accepted") == accepted
