@@ -165,6 +165,12 @@ def _run_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     )
     dp.add_argument("--epsilon-budget", type=float, help="stop training rounds before epsilon exceeds it")
     dp.add_argument(
+        "--max-participations",
+        type=int,
+        help="--rounds-mode buffered: the most buffers one device may report into, which bounds its "
+        "epsilon (default: --rounds)",
+    )
+    dp.add_argument(
         "--target-delta",
         type=float,
         help="the delta of the (epsilon, delta) guarantee, < 1 / population size "
@@ -333,6 +339,7 @@ def main(argv: list[str] | None = None) -> int:
             noise_multiplier=args.noise_multiplier,
             population_size=args.population_size,
             epsilon_budget=args.epsilon_budget,
+            max_participations=args.max_participations,
             target_delta=args.target_delta,
             target_unclipped_quantile=args.target_unclipped_quantile,
             mixing=mixing(args),

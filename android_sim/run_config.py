@@ -112,6 +112,8 @@ class RunConfig:
     target_delta: float | None = None
     # Adaptive clipping: --clip-norm is then the first round's; the count's noise is reports / 20.
     target_unclipped_quantile: float | None = None
+    # --rounds-mode buffered: the most buffers one device's reports may enter (default: --rounds).
+    max_participations: int | None = None
     # Mixing centralized data (contracts.mixing): MixingConfig fields; {} = none. The centralized
     # dataset: `central_examples` public shares by popularity, plus the expressions no training
     # device holds (android_sim/central_data.py).
@@ -175,7 +177,20 @@ class RunConfig:
         if self.rounds_mode not in ("synchronous", "buffered"):
             problems.append(f"rounds_mode must be 'synchronous' or 'buffered', got {self.rounds_mode!r}")
         if self.rounds_mode == "buffered" and self.clip_norm is not None:
-            problems.append("--rounds-mode buffered does not support differential privacy (--clip-norm) yet")
+            if self.aggregation == "secure":
+                problems.append(
+                    "--rounds-mode buffered with --aggregation secure does not support --clip-norm"
+                )
+            if self.epsilon_budget is not None or self.target_unclipped_quantile is not None:
+                problems.append(
+                    "--rounds-mode buffered bounds epsilon by --max-participations: leave out "
+                    "--epsilon-budget and --target-unclipped-quantile"
+                )
+        if self.max_participations is not None:
+            if self.rounds_mode != "buffered" or self.clip_norm is None:
+                problems.append("--max-participations needs --rounds-mode buffered and --clip-norm")
+            elif self.max_participations < 1:
+                problems.append(f"max_participations must be >= 1, got {self.max_participations}")
         for name in ("buffer_size", "concurrency"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 problems.append(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -324,6 +339,9 @@ def differential_privacy(config: RunConfig, training_devices: int) -> dict[str, 
         settings["epsilon_budget"] = config.epsilon_budget
     if config.target_delta is not None:
         settings["target_delta"] = config.target_delta
+    if config.rounds_mode == "buffered":
+        # A device is in one report per buffer at most, so --rounds buffers bound it already.
+        settings["max_participations"] = config.max_participations or config.rounds
     if config.target_unclipped_quantile is not None:
         settings["target_unclipped_quantile"] = config.target_unclipped_quantile
         # Andrew et al.'s suggestion: the count's noise at a twentieth of the reports per round.

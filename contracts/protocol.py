@@ -209,13 +209,16 @@ class RoundView:
 
 @dataclass(frozen=True)
 class PrivacyView:
-    """A DP population's privacy spent so far (Renyi DP accounting, Poisson-sampled Gaussian rounds)."""
+    """A DP population's privacy spent so far (Renyi DP accounting: Poisson-sampled Gaussian rounds,
+    or in buffered rounds one Gaussian release per buffer a device is in, up to max_participations)."""
 
     epsilon: Annotated[
         float | None, Spec("at delta after the committed rounds; null: no noise, no guarantee")
     ]
     delta: float
-    sampling_rate: Annotated[float, Spec("target_reports / population_size")]
+    sampling_rate: Annotated[
+        float, Spec("target_reports / population_size; 1 in buffered rounds (nothing is sampled)")
+    ]
     training_rounds: NonNegative
     epsilon_budget: float | None
     rounds_within_budget: NonNegative | None

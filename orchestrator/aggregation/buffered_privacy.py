@@ -1,8 +1,10 @@
 """The privacy accountant for buffered (FedBuff) rounds: no sampling amplification.
 
-Pure functions, `dp_accounting` only; the buffer commit path and the participation cap that
-would feed it are not built yet (PopulationSettings still refuses buffered rounds with
-differential_privacy), so this module is the analysis, tested, for that path to call.
+Pure functions, `dp_accounting` only. The settings refuse what the analysis does not cover
+(`buffered_dp_problems`); the check-in refuses a device past its cap and a report refuses a
+second one of a device in one buffer (`rounds.buffered_caps`); a buffer commits through the same
+DP stage as a synchronous round (equal weights, Gaussian noise on the sum, divided by the count of
+reports, which the schedule fixes).
 
 The analysis (docs/concepts/buffered-rounds.md, "Differential privacy"):
 
@@ -30,6 +32,8 @@ from __future__ import annotations
 import math
 
 import numpy as np
+
+from orchestrator.aggregation.differential_privacy import DPConfig, PrivacySpent
 
 
 def replace_one_noise_multiplier(noise_multiplier: float) -> float:
@@ -66,6 +70,23 @@ def closed_form_epsilon(
     rdp = participations * alpha / (2 * noise_multiplier**2)
     eps = rdp + np.log1p(-1 / alpha) - (math.log(delta) + np.log(alpha)) / (alpha - 1)
     return float(max(0.0, float(np.min(eps))))
+
+
+def buffered_privacy_spent(config: DPConfig, buffers: int) -> PrivacySpent:
+    """Where a buffered population stands after `buffers` committed buffers: a device is in at
+    most one report of each, and in at most `max_participations` of them."""
+    cap = config.max_participations
+    if cap is None:
+        raise ValueError("buffered differential privacy needs differential_privacy.max_participations")
+    return PrivacySpent(
+        rounds=buffers,
+        epsilon=buffered_epsilon(config.noise_multiplier, min(buffers, cap), config.target_delta),
+        delta=config.target_delta,
+        sampling_rate=1.0,  # nothing is sampled: no amplification
+        epsilon_budget=None,
+        rounds_within_budget=None,
+        max_participations=cap,
+    )
 
 
 def buffered_dp_problems(max_participations: int | None, adaptive_clipping: bool) -> list[str]:

@@ -63,6 +63,9 @@ class DPConfig:
     target_unclipped_quantile: float | None = None  # gamma: the share of devices left unclipped
     clip_learning_rate: float = 0.2  # eta_C of the geometric update
     clipped_count_stddev: float | None = None  # sigma_b; the paper suggests reports per round / 20
+    # rounds: buffered only: the most buffers one device's reports may enter; the bound its epsilon
+    # is computed from (aggregation.buffered_privacy), since nothing samples devices there.
+    max_participations: int | None = None
 
     # Every number's range (setting_ranges): wide enough for any deployment, and finite so that
     # the noise, the sampling rate and the accountant's epsilon stay finite.
@@ -75,6 +78,7 @@ class DPConfig:
         "target_unclipped_quantile": Range(0, 1, low_open=True, high_open=True),
         "clip_learning_rate": Range(0, 10, low_open=True),
         "clipped_count_stddev": Range(0, 1e6),
+        "max_participations": Range(1, 1e9, integer=True),
     }
 
     def __post_init__(self) -> None:
@@ -93,7 +97,8 @@ class DPConfig:
         # Types first, so that no rule below compares text or null with a number.
         for f in fields(self):
             if getattr(self, f.name) is not None or "None" not in str(f.type):
-                number(f.name, (int,) if f.name == "population_size" else (int, float))
+                integer = f.name in ("population_size", "max_participations")
+                number(f.name, (int,) if integer else (int, float))
         if problems:
             raise ValueError("invalid differential_privacy settings: " + "; ".join(problems))
         if number("clip_norm") and self.clip_norm <= 0:
@@ -309,6 +314,8 @@ class PrivacySpent:
     sampling_rate: float
     epsilon_budget: float | None
     rounds_within_budget: int | None  # the most rounds whose epsilon stays within the budget
+    # Buffered rounds: the cap on one device's buffers that bounds epsilon (sampling_rate is then 1).
+    max_participations: int | None = None
 
     @property
     def budget_spent(self) -> bool:
@@ -319,6 +326,12 @@ class PrivacySpent:
         if math.isinf(self.epsilon):
             return "noise_multiplier is 0: updates are clipped but there is no differential privacy guarantee"
         spent = f"epsilon {self.epsilon:.3g} at delta {self.delta:g} after {self.rounds} training rounds"
+        if self.max_participations is not None:
+            most = min(self.rounds, self.max_participations)
+            return (
+                f"epsilon {self.epsilon:.3g} at delta {self.delta:g} for a device in {most} of the "
+                f"{self.rounds} buffers committed (at most {self.max_participations}: max_participations)"
+            )
         if self.epsilon_budget is None:
             return spent + " (no budget set)"
         if self.budget_spent:

@@ -51,7 +51,8 @@ ROUNDS_ABANDONED = Counter(
 CHECKINS = Counter(
     "orchestrator_checkins",
     "Check-ins of authenticated devices by answer: accepted, again (the same assignment back), "
-    "full, too_few_examples, already_took_part, no_round, roster_closed (a secure round past its keys)",
+    "full, too_few_examples, already_took_part, over_cap (a buffered DP device past max_participations), "
+    "no_round, roster_closed (a secure round past its keys)",
     ["population", "kind", "answer"],
 )
 REPORTS = Counter(

@@ -9,6 +9,11 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from contracts.task_config import FLOAT32_MAX, INT32_MAX, TASK_CONFIG_MAXIMA, TaskConfig
+from orchestrator.aggregation.buffered_privacy import (
+    buffered_dp_problems,
+    buffered_epsilon,
+    buffered_privacy_spent,
+)
 from orchestrator.aggregation.differential_privacy import DPConfig, PrivacySpent, privacy_spent
 from orchestrator.aggregation.registry import ROBUST_RULES, RobustAggregation
 from orchestrator.aggregation.server_optimizer import ServerOptimizerConfig
@@ -350,7 +355,13 @@ class PopulationSettings(BaseModel):
 
     @model_validator(mode="after")
     def _buffered_sizes(self) -> PopulationSettings:
+        dp = self.dp()
         if self.rounds != "buffered":
+            if dp is not None and dp.max_participations is not None:
+                raise ValueError(
+                    "differential_privacy.max_participations applies to rounds: buffered only; a "
+                    "synchronous round's epsilon comes from its sampling rate (leave it out)"
+                )
             return self
         # Secure: the buffer sums cohorts, each a secure round of target_reports x oversampling.
         if self.aggregation == "secure" and self.buffered.concurrency < self.secure_roster:
@@ -359,11 +370,24 @@ class PopulationSettings(BaseModel):
                 f"aggregation: secure devices train in cohorts of ceil(target_reports x oversampling) = "
                 f"{self.secure_roster} devices"
             )
-        if self.differential_privacy is not None:
-            raise ValueError(
-                "rounds: buffered does not support differential_privacy yet (its accountant assumes "
-                "rounds that sample target_reports / population_size devices); use rounds: synchronous"
-            )
+        if dp is not None:
+            problems = buffered_dp_problems(dp.max_participations, dp.adaptive)
+            if self.aggregation == "secure":
+                problems.append(
+                    "differential_privacy with rounds: buffered and aggregation: secure is not built "
+                    "(a cohort's sum would need the noise); use one of the two"
+                )
+            if dp.epsilon_budget is not None:
+                bound = ""
+                if not problems and dp.max_participations is not None:
+                    eps = buffered_epsilon(dp.noise_multiplier, dp.max_participations, dp.target_delta)
+                    bound = f" (here epsilon {eps:.3g} at delta {dp.target_delta:g})"
+                problems.append(
+                    "differential_privacy.epsilon_budget is for synchronous rounds; a buffered "
+                    f"population's bound is its max_participations{bound}: leave the budget out"
+                )
+            if problems:
+                raise ValueError("; ".join(problems))
         if self.min_reports > self.buffered.buffer_size:
             raise ValueError(
                 f"min_reports ({self.min_reports}) must be <= buffered.buffer_size "
@@ -413,10 +437,13 @@ class PopulationSettings(BaseModel):
         return None if self.differential_privacy is None else DPConfig.from_json(self.differential_privacy)
 
     def privacy_spent(self, rounds: int) -> PrivacySpent:
-        """Epsilon after `rounds` committed training rounds of `target_reports` reports each."""
+        """Epsilon after `rounds` committed training rounds: of `target_reports` reports each, or
+        buffers of a buffered population (bounded by its max_participations)."""
         dp = self.dp()
         if dp is None:
             raise ValueError("this population has no differential_privacy settings")
+        if self.buffered_training:
+            return buffered_privacy_spent(dp, rounds)
         return privacy_spent(dp, self.target_reports, rounds)
 
 

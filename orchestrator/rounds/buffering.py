@@ -118,6 +118,11 @@ def place(
     return Placed(buffer, staleness, factor)
 
 
+def drop(session: Session, assignment_id: str, now: float) -> None:
+    """Drop an assignment whose report no buffer takes (its device checks in again)."""
+    session.connection().execute(_DROP, {"assignment_id": assignment_id, "now": now})
+
+
 def staleness_histogram(round_metrics: dict[str, float]) -> dict[int, int]:
     """A buffer's reports by staleness, from its metric sums."""
     return {

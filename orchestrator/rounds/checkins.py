@@ -28,7 +28,7 @@ from orchestrator.populations.locks import (
     ADMISSION_COUNTERS,
     relock,
 )
-from orchestrator.rounds import buffering, cohorts, idle_backoff, pace_steering, pausing
+from orchestrator.rounds import buffered_caps, buffering, cohorts, idle_backoff, pace_steering, pausing
 from orchestrator.rounds import state as round_state
 from orchestrator.rounds.lifecycle import (
     COHORT,
@@ -204,6 +204,13 @@ def checkin(
                     409, f"no {request.kind} round is open{why}", retry_after=settings.retry_after_seconds
                 )
             )
+            continue
+        capped = None
+        if request.kind == TRAINING:
+            capped = buffered_caps.over_cap(session, population, settings, request.device_id)
+        if capped is not None:
+            tally[population.name, request.kind, "over_cap"] += 1
+            answers.append(capped)
             continue
         if request.kind == TRAINING and places is not None:
             held = _held(places, taken, request.device_id)

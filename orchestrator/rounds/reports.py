@@ -35,7 +35,7 @@ from orchestrator.observability import metrics
 from orchestrator.observability.logs import log_on_commit
 from orchestrator.populations.config import PopulationConfig, config_of
 from orchestrator.populations.locks import lock_populations, lock_rounds, rounds_of_assignments
-from orchestrator.rounds import buffering, evaluation_intervals, state
+from orchestrator.rounds import buffered_caps, buffering, evaluation_intervals, state
 from orchestrator.rounds import counts as round_counts
 from orchestrator.rounds.lifecycle import EVALUATION, TRAINING, advance, commit, log, open_rounds
 from orchestrator.rounds.refusals import Refused
@@ -378,6 +378,11 @@ def _into_buffer(session: Session, step: _Step, now: float) -> Refused | None:
     settings = config_of(population).settings
     buffer = open_rounds(session, population).get(TRAINING)
     placed = buffering.place(session, settings, found.round, buffer, found.id, now)
+    if not isinstance(placed, Refused) and step.report is not None:
+        twice = buffered_caps.second_in_buffer(session, population, settings, placed.buffer, found.device_id)
+        if twice is not None:  # dropped, as a stale report's assignment: the device checks in again
+            buffering.drop(session, found.id, now)
+            placed = twice
     if isinstance(placed, Refused):
         round_counts.count(session, found.round, state.LATE)
         count_report(session, population, found.round, found.id, placed)
@@ -541,6 +546,8 @@ _OUTCOMES = {
     "not_yours": "refused",
     "content_type": "refused",
     buffering.STALE: "stale",
+    buffered_caps.TWICE: "refused",
+    buffered_caps.OVER_CAP: "refused",
 }
 
 

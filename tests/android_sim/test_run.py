@@ -30,6 +30,7 @@ from device_runtime.example_store import ExampleStore
 from device_runtime.local_state import LocalStateStore
 from model_export.config import ModelConfig
 from model_runtime.tflite_model import TFLiteModel
+from orchestrator.aggregation.buffered_privacy import buffered_epsilon
 from orchestrator.aggregation.differential_privacy import DPConfig, epsilon, target_delta_for
 from orchestrator.local import LocalOrchestrator
 
@@ -536,6 +537,34 @@ def test_a_fleet_trains_in_buffered_rounds(work: Path) -> None:
     assert all(r["counters"]["reported"] == 4 and r["capacity"] == 6 for r in training)
     assert all("staleness_mean" in r["metrics"] for r in training)
     assert report["config"]["rounds_mode"] == "buffered"
+    reconcile(result)
+
+
+def test_a_fleet_trains_in_buffered_rounds_under_differential_privacy(work: Path) -> None:
+    # Each buffer noised; a device in at most 2 buffers, so epsilon is 2 Gaussian releases' once
+    # 2 buffers have committed, whatever the number of buffers after.
+    config = small(
+        work,
+        rounds_mode="buffered",
+        buffer_size=4,
+        concurrency=6,
+        rounds=3,
+        clip_norm=0.5,
+        noise_multiplier=1.0,
+        max_participations=2,
+    )
+
+    result = run(config, Console(width=120))
+
+    assert result.rounds_committed == 3
+    privacy = result.summary["privacy"]
+    assert privacy["sampling_rate"] == 1.0
+    assert privacy["epsilon"] == pytest.approx(buffered_epsilon(1.0, 2, privacy["delta"]))
+    buffers = [r for r in result.summary["rounds"] if r["kind"] == "training" and r["status"] == "committed"]
+    assert len(buffers) == 3
+    assert all(
+        r["metrics"]["dp_noise_stddev"] == pytest.approx(0.5 / r["counters"]["reported"]) for r in buffers
+    )
     reconcile(result)
 
 

@@ -145,7 +145,7 @@ def test_a_report_past_the_maximum_staleness_is_refused_with_its_reason(
                 "rounds": "buffered",
                 "differential_privacy": {"clip_norm": 1.0, "noise_multiplier": 1.0, "population_size": 100},
             },
-            "rounds: buffered does not support differential_privacy yet",
+            "differential_privacy.max_participations is required with rounds: buffered",
         ),
         ({"rounds": "buffered", "buffered": {"staleness_weighting": "1/s"}}, "buffered.staleness_weighting"),
         ({"rounds": "buffered", "min_reports": 5, "buffered": {"buffer_size": 4}}, "min_reports (5) must be"),

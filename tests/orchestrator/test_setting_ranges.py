@@ -78,6 +78,8 @@ def settings_with(name: str, value: float) -> dict[str, Any]:
         settings["min_evaluation_reports"] = min(max(value, 1), 5) if isinstance(value, int) else 1
     if name == "server_optimizer.momentum":
         settings["server_optimizer"] = {"name": "momentum"}
+    if name == "differential_privacy.max_participations":  # a buffered population's cap only
+        settings["rounds"] = "buffered"
     if group:
         settings.setdefault(group, {})[field] = value
     else:
