@@ -74,7 +74,7 @@ AGGREGATION_SECONDS = Histogram(
     buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0),
 )
 # orchestrator_report_staleness_versions and the buffers' fill are read from the database at each
-# scrape too: orchestrator/observability/buffer_metrics.py.
+# scrape too: orchestrator/service/buffer_metrics.py.
 DATABASE_ERRORS = Counter(
     "orchestrator_database_errors",
     "Errors the database driver raised, by exception class (their transaction was rolled back)",

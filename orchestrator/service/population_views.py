@@ -20,11 +20,11 @@ from contracts.protocol import (
 )
 from orchestrator import devices
 from orchestrator.db import Population, Round
-from orchestrator.observability.buffer_figures import buffer_view
 from orchestrator.populations import model_versions
 from orchestrator.populations.config import population_settings
 from orchestrator.rounds import idle_backoff
 from orchestrator.rounds.lifecycle import open_rounds, summarize_metrics
+from orchestrator.service.buffer_figures import buffer_view
 
 COUNTERS = (
     "checked_in",

@@ -122,7 +122,9 @@ def test_a_fleet_trains_evaluates_and_writes_its_report(work: Path) -> None:
     else:
         assert "no interval: too few devices for two groups" in printed
     outcomes = report["fleet"]["device_side_outcomes"]
-    assert outcomes.get("training/reported", 0) >= 3 * 6
+    # Every report a committed round counted was a device's accepted report (a round may commit at
+    # its deadline with min_reports on a busy machine, so not 6 a round).
+    assert outcomes.get("training/reported", 0) >= sum(r["counters"]["reported"] for r in training) >= 3
     # Why participations ended short of a report: counted by reason, numbers out, no rejections.
     left = report["fleet"]["left_because"]
     short = sum(n for k, n in outcomes.items() if not k.endswith(("/reported", "/rejected")))

@@ -16,8 +16,8 @@ from sqlalchemy.orm import Session
 from model_export.config import ModelConfig
 from orchestrator.console import render
 from orchestrator.db import Round
-from orchestrator.observability import buffer_figures
 from orchestrator.rounds.buffering import staleness_histogram
+from orchestrator.service import buffer_figures
 from tests.conftest import BIASED
 from tests.orchestrator.conftest import ADMIN_TOKEN, Server, admin_create_population
 from tests.orchestrator.test_buffered_rounds import Phone, body_for, buffered

@@ -32,6 +32,7 @@ from device_runtime import secure_round
 from model_export.config import ModelConfig
 from secure_aggregation.config import RoundParameters
 from secure_aggregation.device import DeviceSession
+from secure_aggregation.draws import SessionDraws
 from secure_aggregation.messages import AdvertisedKeys, UnmaskingShares
 from secure_aggregation.view import PartnerStatement
 from tests.orchestrator.conftest import ADMIN_TOKEN, Server
@@ -183,8 +184,8 @@ class _Accuser(DeviceSession):
 def one_accuser(monkeypatch: pytest.MonkeyPatch) -> Iterator[type[_Accuser]]:
     made: list[DeviceSession] = []
 
-    def session(params: RoundParameters) -> DeviceSession:
-        made.append(_Accuser(params) if not made else DeviceSession(params))
+    def session(params: RoundParameters, draws: SessionDraws | None = None) -> DeviceSession:
+        made.append(_Accuser(params, draws) if not made else DeviceSession(params, draws))
         return made[-1]
 
     monkeypatch.setattr(secure_round, "DeviceSession", session)

@@ -14,7 +14,8 @@ import logging
 from fastapi import APIRouter, Request, Response
 
 from orchestrator.api.deps import DATABASE_UNAVAILABLE, SettingsDep, TokenDep, require_admin, run_db
-from orchestrator.observability import buffer_metrics, metrics, round_counter
+from orchestrator.observability import metrics, round_counter
+from orchestrator.service import buffer_metrics
 
 router = APIRouter(tags=["admin"])
 log = logging.getLogger("orchestrator")
