@@ -40,6 +40,16 @@ _IN_BUFFER = (
 )
 
 
+def _capped(cap: int, retry_after: float | None = None) -> Refused:
+    return Refused(
+        409,
+        f"this device's reports are in {cap} buffers, the population's differential_privacy."
+        "max_participations: its privacy bound allows no more",
+        retry_after=retry_after,
+        reason=OVER_CAP,
+    )
+
+
 def cap_of(settings: PopulationSettings) -> int | None:
     """The population's cap on one device's buffers, or None when it has none (no DP)."""
     dp = settings.dp() if settings.buffered_training else None
@@ -65,13 +75,7 @@ def over_cap(
         return None
     if participations(session, population, device_id, in_flight=True) < cap:
         return None
-    return Refused(
-        409,
-        f"this device's reports are in {cap} buffers, the population's differential_privacy."
-        "max_participations: its privacy bound allows no more",
-        retry_after=max(settings.retry_after_seconds, 86400.0),
-        reason=OVER_CAP,
-    )
+    return _capped(cap, retry_after=max(settings.retry_after_seconds, 86400.0))
 
 
 def second_in_buffer(
@@ -83,12 +87,7 @@ def second_in_buffer(
     if cap is None:
         return None
     if participations(session, population, device_id) >= cap:
-        return Refused(
-            409,
-            f"this device's reports are in {cap} buffers, the population's differential_privacy."
-            "max_participations: its privacy bound allows no more",
-            reason=OVER_CAP,
-        )
+        return _capped(cap)
     held = session.connection().execute(_IN_BUFFER, {"buffer_id": buffer.id, "device_id": device_id})
     if int(held.scalar_one()) == 0:
         return None
